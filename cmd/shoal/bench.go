@@ -1,0 +1,73 @@
+package main
+
+import (
+	"encoding/json"
+	"os"
+
+	"github.com/spf13/cobra"
+
+	"github.com/shoal-sandbox/shoal/internal/bench"
+)
+
+func benchCmd() *cobra.Command {
+	cmd := &cobra.Command{
+		Use:   "bench",
+		Short: "Benchmarks against a running shoal serve on this machine (JSON on stdout)",
+	}
+	var co bench.CreateOptions
+	create := &cobra.Command{
+		Use:   "create [-n N] [-c C] [--base REF]",
+		Short: "Create→first exec latency and creates/s, against plain `runc run`",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := client(cmd)
+			if err != nil {
+				return err
+			}
+			ctx, cancel := cmdContext()
+			defer cancel()
+			res, err := bench.Create(ctx, c, co)
+			if err != nil {
+				return err
+			}
+			return printResult(res)
+		},
+	}
+	create.Flags().IntVarP(&co.N, "number", "n", 100, "sandboxes to create")
+	create.Flags().IntVarP(&co.Concurrency, "concurrency", "c", 4, "creates in flight")
+	create.Flags().StringVar(&co.Base, "base", "debian:12", "base layer")
+	create.Flags().StringVar(&co.DataDir, "data", "/var/lib/shoal", "the server's data dir (for the runc baseline)")
+	create.Flags().StringVar(&co.Runtime, "runtime", "runc", "OCI runtime for the baseline")
+
+	var eo bench.ExecOptions
+	execb := &cobra.Command{
+		Use:   "exec [-n N] [--base REF]",
+		Short: "Exec round trip through the API and the agent, against `runc exec`",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := client(cmd)
+			if err != nil {
+				return err
+			}
+			ctx, cancel := cmdContext()
+			defer cancel()
+			res, err := bench.Exec(ctx, c, eo)
+			if err != nil {
+				return err
+			}
+			return printResult(res)
+		},
+	}
+	execb.Flags().IntVarP(&eo.N, "number", "n", 200, "commands to run")
+	execb.Flags().StringVar(&eo.Base, "base", "debian:12", "base layer")
+	execb.Flags().StringVar(&eo.DataDir, "data", "/var/lib/shoal", "the server's data dir")
+	execb.Flags().StringVar(&eo.Runtime, "runtime", "runc", "OCI runtime for the baseline")
+	cmd.AddCommand(create, execb)
+	return cmd
+}
+
+func printResult(v any) error {
+	enc := json.NewEncoder(os.Stdout)
+	enc.SetIndent("", "  ")
+	return enc.Encode(v)
+}

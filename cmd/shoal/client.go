@@ -1,0 +1,473 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"strconv"
+	"strings"
+	"syscall"
+	"text/tabwriter"
+	"time"
+
+	"connectrpc.com/connect"
+	"github.com/spf13/cobra"
+	"google.golang.org/protobuf/encoding/protojson"
+	"google.golang.org/protobuf/proto"
+
+	pb "github.com/shoal-sandbox/shoal/api/shoal/v1"
+	shoal "github.com/shoal-sandbox/shoal/sdk/go"
+)
+
+// client builds an API client from the global flags.
+func client(cmd *cobra.Command) (*shoal.Client, error) {
+	url, _ := cmd.Flags().GetString("url")
+	key, _ := cmd.Flags().GetString("api-key")
+	return shoal.New(shoal.Options{URL: url, APIKey: key})
+}
+
+// cmdContext is cancelled by Ctrl-C.
+func cmdContext() (context.Context, context.CancelFunc) {
+	return signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+}
+
+var pj = protojson.MarshalOptions{Multiline: true, Indent: "  ", UseProtoNames: true, EmitUnpopulated: true}
+
+func printJSON(m proto.Message) {
+	b, _ := pj.Marshal(m)
+	fmt.Println(string(b))
+}
+
+// printJSONList prints messages as one JSON array.
+func printJSONList[T proto.Message](items []T) {
+	out := make([]json.RawMessage, 0, len(items))
+	for _, it := range items {
+		b, _ := protojson.MarshalOptions{UseProtoNames: true, EmitUnpopulated: true}.Marshal(it)
+		out = append(out, b)
+	}
+	b, _ := json.MarshalIndent(out, "", "  ")
+	fmt.Println(string(b))
+}
+
+func layerCmd() *cobra.Command {
+	cmd := &cobra.Command{Use: "layer", Short: "Build and list layers"}
+	var compression string
+	var kind string
+	build := &cobra.Command{
+		Use:   "build --kind base|workspace|toolkit NAME:VERSION SRC",
+		Short: "Build an EROFS layer from a directory or tarball (prints its ref)",
+		Args:  cobra.ExactArgs(2),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := client(cmd)
+			if err != nil {
+				return err
+			}
+			k, ok := map[string]pb.LayerKind{"base": pb.LayerKind_LAYER_KIND_BASE, "workspace": pb.LayerKind_LAYER_KIND_WORKSPACE, "toolkit": pb.LayerKind_LAYER_KIND_TOOLKIT}[kind]
+			if !ok {
+				return fmt.Errorf("--kind must be base, workspace or toolkit (got %q)", kind)
+			}
+			src, err := absPath(args[1])
+			if err != nil {
+				return err
+			}
+			ctx, cancel := cmdContext()
+			defer cancel()
+			l, err := c.BuildLayer(ctx, &pb.BuildLayerRequest{Kind: k, Ref: args[0], Source: src, Compression: compression},
+				func(line string) { fmt.Fprintln(os.Stderr, line) })
+			if err != nil {
+				return err
+			}
+			fmt.Printf("%s@%s\n", l.Name, l.Digest)
+			return nil
+		},
+	}
+	build.Flags().StringVar(&kind, "kind", "", "layer kind: base, workspace or toolkit")
+	build.Flags().StringVar(&compression, "compression", "", "none (default), lz4 or lz4hc")
+	build.MarkFlagRequired("kind")
+	var asJSON bool
+	ls := &cobra.Command{
+		Use:   "ls",
+		Short: "List layers",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := client(cmd)
+			if err != nil {
+				return err
+			}
+			ctx, cancel := cmdContext()
+			defer cancel()
+			res, err := c.Layers.ListLayers(ctx, connect.NewRequest(&pb.ListLayersRequest{}))
+			if err != nil {
+				return err
+			}
+			if asJSON {
+				printJSONList(res.Msg.Layers)
+				return nil
+			}
+			tw := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
+			fmt.Fprintln(tw, "REF\tKIND\tDIGEST\tSIZE\tCREATED")
+			for _, l := range res.Msg.Layers {
+				fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\n", l.Ref, kindString(l.Kind), shortDigest(l.Digest), humanBytes(l.Size), l.CreatedAt.AsTime().Local().Format(time.DateTime))
+			}
+			return tw.Flush()
+		},
+	}
+	ls.Flags().BoolVar(&asJSON, "json", false, "print JSON")
+	cmd.AddCommand(build, ls)
+	return cmd
+}
+
+func absPath(p string) (string, error) {
+	if strings.HasPrefix(p, "/") {
+		return p, nil
+	}
+	wd, err := os.Getwd()
+	if err != nil {
+		return "", err
+	}
+	return wd + "/" + p, nil
+}
+
+func kindString(k pb.LayerKind) string {
+	return strings.ToLower(strings.TrimPrefix(k.String(), "LAYER_KIND_"))
+}
+
+func stateString(s pb.SandboxState) string {
+	return strings.ToLower(strings.TrimPrefix(s.String(), "SANDBOX_STATE_"))
+}
+
+func shortDigest(d string) string {
+	if len(d) > 19 {
+		return d[:19]
+	}
+	return d
+}
+
+func humanBytes(n int64) string {
+	switch {
+	case n >= 1<<30:
+		return fmt.Sprintf("%.1f GiB", float64(n)/(1<<30))
+	case n >= 1<<20:
+		return fmt.Sprintf("%.1f MiB", float64(n)/(1<<20))
+	case n >= 1<<10:
+		return fmt.Sprintf("%.1f KiB", float64(n)/(1<<10))
+	}
+	return fmt.Sprintf("%d B", n)
+}
+
+// parseBytes reads sizes such as 512M, 1G, 1.5G, 65536 (binary units).
+func parseBytes(s string) (int64, error) {
+	t := strings.TrimSuffix(strings.TrimSuffix(strings.ToUpper(strings.TrimSpace(s)), "B"), "I")
+	mult := int64(1)
+	if n := len(t); n > 0 {
+		switch t[n-1] {
+		case 'K':
+			mult, t = 1<<10, t[:n-1]
+		case 'M':
+			mult, t = 1<<20, t[:n-1]
+		case 'G':
+			mult, t = 1<<30, t[:n-1]
+		case 'T':
+			mult, t = 1<<40, t[:n-1]
+		}
+	}
+	v, err := strconv.ParseFloat(t, 64)
+	if err != nil || v < 0 {
+		return 0, fmt.Errorf("size %q must look like 512M or 2G", s)
+	}
+	return int64(v * float64(mult)), nil
+}
+
+func createCmd() *cobra.Command {
+	var (
+		req               pb.CreateSandboxRequest
+		memory            string
+		cpus              float64
+		timeout           time.Duration
+		metadata, envVars []string
+	)
+	cmd := &cobra.Command{
+		Use:   "create --base REF [--workspace REF]... [--toolkit REF]...",
+		Short: "Create a sandbox (prints its ID)",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := client(cmd)
+			if err != nil {
+				return err
+			}
+			if req.MemoryBytes, err = parseBytes(memory); err != nil {
+				return fmt.Errorf("--memory: %w", err)
+			}
+			if cpus < 0 {
+				return errors.New("--cpus must be positive")
+			}
+			req.Millicpu = int64(cpus * 1000)
+			req.TimeoutSeconds = int64(timeout / time.Second)
+			if timeout > 0 && req.TimeoutSeconds == 0 {
+				return errors.New("--timeout must be at least 1s")
+			}
+			if req.Metadata, err = keyValues(metadata, "--metadata"); err != nil {
+				return err
+			}
+			if req.Env, err = keyValues(envVars, "--env"); err != nil {
+				return err
+			}
+			ctx, cancel := cmdContext()
+			defer cancel()
+			sb, err := c.Create(ctx, &req)
+			if err != nil {
+				return err
+			}
+			fmt.Println(sb.Id)
+			return nil
+		},
+	}
+	f := cmd.Flags()
+	f.StringVar(&req.Backend, "backend", "container", "backend: container")
+	f.StringVar(&req.Base, "base", "", "base layer ref (NAME:VERSION or NAME@sha256:...)")
+	f.StringArrayVar(&req.Workspaces, "workspace", nil, "workspace layer ref (repeatable)")
+	f.StringArrayVar(&req.Toolkits, "toolkit", nil, "toolkit layer ref (repeatable)")
+	f.StringVar(&memory, "memory", "512M", "memory limit")
+	f.Float64Var(&cpus, "cpus", 1, "CPU limit in cores")
+	f.DurationVar(&timeout, "timeout", 30*time.Minute, "idle timeout (refreshed by activity)")
+	f.StringArrayVar(&metadata, "metadata", nil, "KEY=VALUE metadata (repeatable)")
+	f.StringArrayVar(&envVars, "env", nil, "KEY=VALUE environment for every command (repeatable)")
+	cmd.MarkFlagRequired("base")
+	return cmd
+}
+
+func keyValues(kvs []string, flag string) (map[string]string, error) {
+	if len(kvs) == 0 {
+		return nil, nil
+	}
+	out := map[string]string{}
+	for _, kv := range kvs {
+		k, v, ok := strings.Cut(kv, "=")
+		if !ok || k == "" {
+			return nil, fmt.Errorf("%s %q must be KEY=VALUE", flag, kv)
+		}
+		out[k] = v
+	}
+	return out, nil
+}
+
+func execCmd() *cobra.Command {
+	var (
+		cwd     string
+		envVars []string
+		stdin   bool
+		timeout time.Duration
+	)
+	cmd := &cobra.Command{
+		Use:   "exec [--cwd DIR] [--env K=V]... [-i] ID -- CMD [ARG...]",
+		Short: "Run a command in a sandbox, streaming its output; exits with its exit code",
+		Args:  cobra.MinimumNArgs(2),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := client(cmd)
+			if err != nil {
+				return err
+			}
+			env, err := keyValues(envVars, "--env")
+			if err != nil {
+				return err
+			}
+			argv := args[1:]
+			if argv[0] == "--" { // flags stop at the ID, so "--" arrives as an argument
+				argv = argv[1:]
+			}
+			if len(argv) == 0 {
+				return errors.New("no command given: shoal exec ID -- CMD [ARG...]")
+			}
+			o := shoal.ExecOptions{Args: argv, Env: env, Cwd: cwd, Stdout: os.Stdout, Stderr: os.Stderr, Timeout: timeout}
+			if stdin {
+				o.Stdin = os.Stdin
+			}
+			ctx, cancel := cmdContext()
+			defer cancel()
+			st, err := c.Exec(ctx, args[0], o)
+			if err != nil {
+				return err
+			}
+			if st.TimedOut {
+				fmt.Fprintf(os.Stderr, "shoal: command timed out after %s\n", timeout)
+			}
+			if st.Code != 0 {
+				return exitCode(st.Code)
+			}
+			return nil
+		},
+	}
+	f := cmd.Flags()
+	f.SetInterspersed(false)
+	f.StringVar(&cwd, "cwd", "", "working directory (default /)")
+	f.StringArrayVar(&envVars, "env", nil, "KEY=VALUE (repeatable)")
+	f.BoolVarP(&stdin, "interactive", "i", false, "pass stdin to the command")
+	f.DurationVar(&timeout, "timeout", 0, "kill the command after this long")
+	return cmd
+}
+
+// remotePath splits "ID:PATH" when the part before the colon is a sandbox ID.
+func remotePath(s string) (id, path string, ok bool) {
+	id, path, ok = strings.Cut(s, ":")
+	if !ok || len(id) != 20 || strings.Trim(id, "abcdefghijklmnopqrstuvwxyz234567") != "" {
+		return "", "", false
+	}
+	return id, path, true
+}
+
+func cpCmd() *cobra.Command {
+	var mode string
+	cmd := &cobra.Command{
+		Use:   "cp SRC DST",
+		Short: "Copy a file into or out of a sandbox (one side is ID:PATH; - is stdin/stdout)",
+		Args:  cobra.ExactArgs(2),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := client(cmd)
+			if err != nil {
+				return err
+			}
+			ctx, cancel := cmdContext()
+			defer cancel()
+			sid, spath, sremote := remotePath(args[0])
+			did, dpath, dremote := remotePath(args[1])
+			switch {
+			case sremote && dremote:
+				return errors.New("copy between two sandboxes is not supported: one side must be local")
+			case sremote:
+				var w io.Writer = os.Stdout
+				if args[1] != "-" {
+					f, err := os.Create(args[1])
+					if err != nil {
+						return err
+					}
+					defer f.Close()
+					w = f
+				}
+				_, err := c.ReadFile(ctx, sid, spath, w)
+				return err
+			case dremote:
+				var r io.Reader = os.Stdin
+				perm := os.FileMode(0o644)
+				if args[0] != "-" {
+					f, err := os.Open(args[0])
+					if err != nil {
+						return err
+					}
+					defer f.Close()
+					if fi, err := f.Stat(); err == nil {
+						if fi.IsDir() {
+							return fmt.Errorf("%s is a directory: copy files one at a time", args[0])
+						}
+						perm = fi.Mode().Perm()
+					}
+					r = f
+				}
+				if mode != "" {
+					v, err := strconv.ParseUint(mode, 8, 32)
+					if err != nil {
+						return fmt.Errorf("--mode %q must be octal", mode)
+					}
+					perm = os.FileMode(v)
+				}
+				_, err := c.WriteFile(ctx, did, dpath, perm, r)
+				return err
+			}
+			return errors.New("one side must be ID:PATH")
+		},
+	}
+	cmd.Flags().StringVar(&mode, "mode", "", "permission bits of the file written into a sandbox (default: the source's)")
+	return cmd
+}
+
+func lsCmd() *cobra.Command {
+	var asJSON bool
+	cmd := &cobra.Command{
+		Use:   "ls",
+		Short: "List sandboxes",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := client(cmd)
+			if err != nil {
+				return err
+			}
+			ctx, cancel := cmdContext()
+			defer cancel()
+			sbs, err := c.List(ctx)
+			if err != nil {
+				return err
+			}
+			if asJSON {
+				printJSONList(sbs)
+				return nil
+			}
+			tw := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
+			fmt.Fprintln(tw, "ID\tBACKEND\tSTATE\tBASE\tCREATED\tEXPIRES")
+			for _, s := range sbs {
+				base := ""
+				if n := len(s.Layers); n > 0 {
+					base = s.Layers[n-1].Ref
+				}
+				fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\n", s.Id, s.Backend, stateString(s.State), base,
+					s.CreatedAt.AsTime().Local().Format(time.DateTime), time.Until(s.ExpiresAt.AsTime()).Round(time.Second))
+			}
+			return tw.Flush()
+		},
+	}
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
+	return cmd
+}
+
+func inspectCmd() *cobra.Command {
+	return &cobra.Command{
+		Use:   "inspect ID",
+		Short: "Show a sandbox as JSON",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := client(cmd)
+			if err != nil {
+				return err
+			}
+			ctx, cancel := cmdContext()
+			defer cancel()
+			sb, err := c.Get(ctx, args[0])
+			if err != nil {
+				return err
+			}
+			printJSON(sb)
+			return nil
+		},
+	}
+}
+
+func rmCmd() *cobra.Command {
+	return &cobra.Command{
+		Use:   "rm ID...",
+		Short: "Delete sandboxes",
+		Args:  cobra.MinimumNArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := client(cmd)
+			if err != nil {
+				return err
+			}
+			ctx, cancel := cmdContext()
+			defer cancel()
+			failed := 0
+			for _, id := range args {
+				if err := c.Delete(ctx, id); err != nil {
+					fmt.Fprintf(os.Stderr, "shoal: rm %s: %s\n", id, errMessage(err))
+					failed++
+					continue
+				}
+				fmt.Println(id)
+			}
+			if failed > 0 {
+				return exitCode(1)
+			}
+			return nil
+		},
+	}
+}

@@ -1,0 +1,366 @@
+package agent
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"net"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+)
+
+// Client talks to one agent over its unix socket. Every call dials a new
+// connection (they are cheap) so calls never wait on each other; a Client is
+// safe for concurrent use and holds no connection between calls.
+//
+// ctx bounds the whole operation, including the life of the stream a call
+// returns (a Process, a ReadFile reader): when ctx is done the connection is
+// closed, which for a running Process kills its process group, like
+// exec.CommandContext.
+type Client struct {
+	path   string
+	dialer net.Dialer
+}
+
+// NewClient returns a client for the agent listening at socketPath.
+func NewClient(socketPath string) *Client {
+	return &Client{path: socketPath}
+}
+
+// Info describes the agent process.
+type Info struct {
+	Version  string
+	Pid      int   // the agent's pid in its own pid namespace (1 in a sandbox)
+	RSSBytes int64 // the agent's resident set size (VmRSS)
+}
+
+// FileInfo describes a file as seen by lstat inside the sandbox.
+type FileInfo struct {
+	Name    string
+	Size    int64
+	Mode    fs.FileMode
+	ModTime time.Time
+	IsDir   bool
+	Symlink string // link target if it is a symlink
+}
+
+func fromWire(w wireFileInfo) FileInfo {
+	m := fs.FileMode(w.Mode)
+	return FileInfo{Name: w.Name, Size: w.Size, Mode: m, ModTime: time.Unix(0, w.MTimeNs), IsDir: m.IsDir(), Symlink: w.Link}
+}
+
+// Ping checks that the agent answers and reports its version and memory.
+func (c *Client) Ping(ctx context.Context) (Info, error) {
+	var rep wirePingReply
+	if err := c.unary(ctx, OpPing, "", struct{}{}, &rep); err != nil {
+		return Info{}, err
+	}
+	return Info{Version: rep.Version, Pid: rep.Pid, RSSBytes: rep.RSS}, nil
+}
+
+// Stat returns information about path without following a final symlink.
+func (c *Client) Stat(ctx context.Context, path string) (FileInfo, error) {
+	var w wireFileInfo
+	if err := c.unary(ctx, OpStat, path, wirePathRequest{Path: path}, &w); err != nil {
+		return FileInfo{}, err
+	}
+	return fromWire(w), nil
+}
+
+// MakeDir creates path and any missing parents, like mkdir -p (mode 0 means
+// 0755; the sandbox's umask applies). It fails with an error wrapping
+// fs.ErrExist if path exists and is not a directory.
+func (c *Client) MakeDir(ctx context.Context, path string, mode fs.FileMode) error {
+	return c.unary(ctx, OpMakeDir, path, wirePathRequest{Path: path, Mode: uint32(mode)}, nil)
+}
+
+// Remove removes a file, a symlink or an empty directory; with recursive, a
+// whole tree. A missing path is an error wrapping fs.ErrNotExist (callers
+// that want rm -f semantics check for it).
+func (c *Client) Remove(ctx context.Context, path string, recursive bool) error {
+	return c.unary(ctx, OpRemove, path, wirePathRequest{Path: path, Recursive: recursive}, nil)
+}
+
+// ListDir returns the entries of a directory sorted by name (lstat info).
+func (c *Client) ListDir(ctx context.Context, path string) ([]FileInfo, error) {
+	cc, err := c.open(ctx, OpListDir, path, wirePathRequest{Path: path})
+	if err != nil {
+		return nil, err
+	}
+	defer cc.close()
+	var out []FileInfo
+	for {
+		typ, payload, err := readFrame(cc)
+		if err != nil {
+			return nil, cc.wrapErr(unexpectedEOF(err))
+		}
+		switch typ {
+		case FrameData:
+			var batch []wireFileInfo
+			if err := json.Unmarshal(payload, &batch); err != nil {
+				return nil, cc.protoErr("bad list batch: " + err.Error())
+			}
+			for _, w := range batch {
+				out = append(out, fromWire(w))
+			}
+		case FrameEOF:
+			slices.SortFunc(out, func(a, b FileInfo) int { return strings.Compare(a.Name, b.Name) })
+			return out, nil
+		case FrameError:
+			return nil, cc.agentErr(payload)
+		default:
+			return nil, cc.protoErr(fmt.Sprintf("unexpected frame %q", typ))
+		}
+	}
+}
+
+// ReadFile opens path (following symlinks) and streams its content in
+// chunks of at most 64 KiB straight from the connection into the caller's
+// buffers. Only regular files can be read. The caller must Close the reader;
+// an error from the agent in mid-stream is returned by Read.
+func (c *Client) ReadFile(ctx context.Context, path string) (io.ReadCloser, FileInfo, error) {
+	cc, err := c.open(ctx, OpReadFile, path, wirePathRequest{Path: path})
+	if err != nil {
+		return nil, FileInfo{}, err
+	}
+	var w wireFileInfo
+	if err := cc.readReply(&w); err != nil {
+		cc.close()
+		return nil, FileInfo{}, err
+	}
+	return &fileReader{cc: cc}, fromWire(w), nil
+}
+
+type fileReader struct {
+	cc        *clientConn
+	closed    atomic.Bool
+	remaining int   // bytes left in the current data frame
+	err       error // sticky; io.EOF after the end frame
+	hdr       [headerSize]byte
+}
+
+var errReaderClosed = errors.New("read after close")
+
+func (r *fileReader) Read(p []byte) (int, error) {
+	if r.closed.Load() {
+		return 0, errReaderClosed
+	}
+	if r.err != nil {
+		return 0, r.err
+	}
+	for r.remaining == 0 {
+		typ, n, err := readHeader(r.cc, &r.hdr)
+		if err != nil {
+			r.err = r.cc.wrapErr(unexpectedEOF(err))
+			return 0, r.err
+		}
+		switch typ {
+		case FrameData:
+			r.remaining = n
+		case FrameEOF:
+			r.err = io.EOF
+			r.cc.close()
+			return 0, io.EOF
+		case FrameError:
+			payload := make([]byte, n)
+			if _, err := io.ReadFull(r.cc, payload); err != nil {
+				r.err = r.cc.wrapErr(unexpectedEOF(err))
+			} else {
+				r.err = r.cc.agentErr(payload)
+			}
+			return 0, r.err
+		default:
+			r.err = r.cc.protoErr(fmt.Sprintf("unexpected frame %q", typ))
+			return 0, r.err
+		}
+	}
+	if len(p) > r.remaining {
+		p = p[:r.remaining]
+	}
+	n, err := r.cc.Read(p)
+	r.remaining -= n
+	if err != nil {
+		r.err = r.cc.wrapErr(unexpectedEOF(err))
+		return n, r.err
+	}
+	return n, nil
+}
+
+// Close closes the connection; it may be called concurrently with Read to
+// abort it.
+func (r *fileReader) Close() error {
+	r.closed.Store(true)
+	r.cc.close()
+	return nil
+}
+
+// WriteFile streams r into path atomically: the agent writes a temp file in
+// the same directory, fsyncs it and renames it over path, creating missing
+// parent directories (0755). mode 0 means 0644; it is applied exactly. If
+// reading r fails or the connection breaks, the temp file is removed and
+// path is untouched. It returns the number of bytes written.
+func (c *Client) WriteFile(ctx context.Context, path string, mode fs.FileMode, r io.Reader) (int64, error) {
+	cc, err := c.open(ctx, OpWriteFile, path, wirePathRequest{Path: path, Mode: uint32(mode)})
+	if err != nil {
+		return 0, err
+	}
+	defer cc.close() // without an F frame this aborts the write
+	if err := cc.readReply(nil); err != nil {
+		return 0, err
+	}
+	buf := make([]byte, headerSize+MaxDataChunk)
+	for {
+		n, rerr := r.Read(buf[headerSize:])
+		if n > 0 {
+			if err := writeDataFrame(cc, FrameData, buf, n); err != nil {
+				return 0, cc.failedWrite(err)
+			}
+		}
+		if rerr == io.EOF {
+			break
+		}
+		if rerr != nil {
+			if ctx.Err() != nil {
+				return 0, cc.wrapErr(ctx.Err())
+			}
+			return 0, fmt.Errorf("agent write %s: read source: %w", path, rerr)
+		}
+	}
+	if err := writeFrame(cc, FrameEOF, nil); err != nil {
+		return 0, cc.failedWrite(err)
+	}
+	var rep wireWriteReply
+	if err := cc.readReply(&rep); err != nil {
+		return 0, err
+	}
+	return rep.Size, nil
+}
+
+// clientConn is one connection carrying one request.
+type clientConn struct {
+	net.Conn
+	ctx       context.Context
+	op        Op
+	path      string
+	stop      func() bool // stops the ctx watcher
+	closeOnce sync.Once
+}
+
+// open dials the agent and sends the request frame. Dialing retries for a
+// while when the agent's accept queue is full (EAGAIN), as it can be when
+// many callers wake the same sandbox at once.
+func (c *Client) open(ctx context.Context, op Op, path string, req any) (*clientConn, error) {
+	cc := &clientConn{ctx: ctx, op: op, path: path}
+	body, err := json.Marshal(req)
+	if err != nil {
+		return nil, cc.wrapErr(err)
+	}
+	var conn net.Conn
+	for delay := time.Millisecond; ; delay *= 2 {
+		conn, err = c.dialer.DialContext(ctx, "unix", c.path)
+		if err == nil || !errors.Is(err, syscall.EAGAIN) || delay > time.Second {
+			break
+		}
+		select {
+		case <-ctx.Done():
+		case <-time.After(delay):
+		}
+	}
+	if err != nil {
+		return nil, cc.wrapErr(err)
+	}
+	cc.Conn = conn
+	cc.stop = context.AfterFunc(ctx, func() { conn.Close() })
+	payload := make([]byte, 1+len(body))
+	payload[0] = byte(op)
+	copy(payload[1:], body)
+	if err := writeFrame(conn, FrameRequest, payload); err != nil {
+		cc.close()
+		return nil, cc.wrapErr(err)
+	}
+	return cc, nil
+}
+
+func (cc *clientConn) close() {
+	cc.closeOnce.Do(func() {
+		cc.stop()
+		cc.Conn.Close()
+	})
+}
+
+func (cc *clientConn) prefix() string {
+	if cc.path == "" {
+		return "agent " + cc.op.String()
+	}
+	return "agent " + cc.op.String() + " " + cc.path
+}
+
+// wrapErr wraps a transport error; if ctx is done, its error is what the
+// caller gets (the closed connection is only the consequence).
+func (cc *clientConn) wrapErr(err error) error {
+	if cerr := cc.ctx.Err(); cerr != nil {
+		return fmt.Errorf("%s: %w", cc.prefix(), cerr)
+	}
+	return fmt.Errorf("%s: %w", cc.prefix(), err)
+}
+
+func (cc *clientConn) agentErr(payload []byte) error {
+	var w wireError
+	if err := json.Unmarshal(payload, &w); err != nil {
+		return cc.protoErr("bad error message: " + err.Error())
+	}
+	return &Error{Op: cc.op.String(), Path: cc.path, Code: w.Code, Msg: w.Msg}
+}
+
+func (cc *clientConn) protoErr(msg string) error {
+	return &Error{Op: cc.op.String(), Path: cc.path, Code: CodeProtocol, Msg: msg}
+}
+
+// readReply reads one frame: a reply (decoded into v unless v is nil) or an
+// agent error.
+func (cc *clientConn) readReply(v any) error {
+	typ, payload, err := readFrame(cc)
+	if err != nil {
+		return cc.wrapErr(unexpectedEOF(err))
+	}
+	switch typ {
+	case FrameReply:
+		if v != nil {
+			if err := json.Unmarshal(payload, v); err != nil {
+				return cc.protoErr("bad reply: " + err.Error())
+			}
+		}
+		return nil
+	case FrameError:
+		return cc.agentErr(payload)
+	}
+	return cc.protoErr(fmt.Sprintf("unexpected frame %q", typ))
+}
+
+// failedWrite explains a write that failed: the agent may have reported why
+// (no space, say) just before closing the connection.
+func (cc *clientConn) failedWrite(err error) error {
+	if cc.ctx.Err() == nil {
+		cc.SetReadDeadline(time.Now().Add(time.Second))
+		if typ, payload, rerr := readFrame(cc.Conn); rerr == nil && typ == FrameError {
+			return cc.agentErr(payload)
+		}
+	}
+	return cc.wrapErr(err)
+}
+
+func (c *Client) unary(ctx context.Context, op Op, path string, req, reply any) error {
+	cc, err := c.open(ctx, op, path, req)
+	if err != nil {
+		return err
+	}
+	defer cc.close()
+	return cc.readReply(reply)
+}

@@ -1,0 +1,281 @@
+package agent
+
+import (
+	"io"
+	"io/fs"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"syscall"
+)
+
+// File operations of the agent.
+//
+// Containment: the agent runs inside the sandbox's own root (its mount
+// namespace and root, or the VM's root file system), so every path,
+// including the targets of symlinks, resolves inside the sandbox; there is
+// nothing outside it for a path to escape to. Paths must still be absolute
+// and free of ".." elements and NUL bytes, so that what a caller sees in a
+// request is what the agent touches.
+
+const errBadPath = "path must be absolute and must not contain '..'"
+
+// cleanPath validates p and returns it cleaned (no "." elements, no
+// repeated or trailing slashes).
+func cleanPath(p string) (string, bool) {
+	if p == "" || p[0] != '/' || strings.IndexByte(p, 0) >= 0 {
+		return "", false
+	}
+	for rest := p; rest != ""; {
+		var el string
+		el, rest, _ = strings.Cut(rest, "/")
+		if el == ".." {
+			return "", false
+		}
+	}
+	return filepath.Clean(p), true
+}
+
+var emptyReply = []byte("{}")
+
+// permBits keeps the bits of mode that chmod applies.
+func permBits(mode uint32, def fs.FileMode) fs.FileMode {
+	m := fs.FileMode(mode) & (fs.ModePerm | fs.ModeSetuid | fs.ModeSetgid | fs.ModeSticky)
+	if m == 0 {
+		return def
+	}
+	return m
+}
+
+func toWire(fi fs.FileInfo, path string) wireFileInfo {
+	w := wireFileInfo{
+		Name:    fi.Name(),
+		Size:    fi.Size(),
+		Mode:    uint32(fi.Mode()),
+		MTimeNs: fi.ModTime().UnixNano(),
+	}
+	if fi.Mode()&fs.ModeSymlink != 0 {
+		w.Link, _ = os.Readlink(path)
+	}
+	return w
+}
+
+func stat(c net.Conn, path string) {
+	fi, err := os.Lstat(path)
+	if err != nil {
+		sendOSError(c, err, path)
+		return
+	}
+	writeJSONFrame(c, FrameReply, toWire(fi, path))
+}
+
+// readFile streams a regular file: R(fileinfo), D*, F; an error while
+// reading ends the stream with X instead of F.
+func readFile(c net.Conn, path string) {
+	// O_NONBLOCK: opening a FIFO must not hang; non-regular files are
+	// refused below, and the flag does nothing to a regular file.
+	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NONBLOCK, 0)
+	if err != nil {
+		sendOSError(c, err, path)
+		return
+	}
+	defer f.Close()
+	fi, err := f.Stat()
+	if err != nil {
+		sendOSError(c, err, path)
+		return
+	}
+	if fi.IsDir() {
+		sendError(c, CodeIsDir, "is a directory")
+		return
+	}
+	if !fi.Mode().IsRegular() {
+		sendError(c, CodeInvalid, "not a regular file")
+		return
+	}
+	if writeJSONFrame(c, FrameReply, toWire(fi, path)) != nil {
+		return
+	}
+	bp := bufPool.Get().(*[]byte)
+	defer bufPool.Put(bp)
+	buf := *bp
+	for {
+		n, err := f.Read(buf[headerSize:])
+		if n > 0 {
+			if writeDataFrame(c, FrameData, buf, n) != nil {
+				return
+			}
+		}
+		if err == io.EOF {
+			writeFrame(c, FrameEOF, nil)
+			return
+		}
+		if err != nil {
+			sendOSError(c, err, path)
+			return
+		}
+	}
+}
+
+// writeFile receives a file atomically: it writes a temp file in the same
+// directory, fsyncs it, renames it over path and fsyncs the directory. If
+// the stream ends any other way than with F, the temp file is removed and
+// path is untouched. The mode is applied exactly (no umask).
+func writeFile(c net.Conn, path string, mode uint32) {
+	if fi, err := os.Lstat(path); err == nil && fi.IsDir() {
+		sendError(c, CodeIsDir, "is a directory")
+		return
+	}
+	dir, base := filepath.Split(path)
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		sendOSError(c, err, path)
+		return
+	}
+	prefix := "." + base
+	if len(prefix) > 200 { // leave room under NAME_MAX for the suffix
+		prefix = prefix[:200]
+	}
+	tmp, err := os.CreateTemp(dir, prefix+".shoal-tmp-*")
+	if err != nil {
+		sendOSError(c, err, path)
+		return
+	}
+	committed := false
+	defer func() {
+		if !committed {
+			tmp.Close()
+			os.Remove(tmp.Name())
+		}
+	}()
+	if err := tmp.Chmod(permBits(mode, 0o644)); err != nil {
+		sendOSError(c, err, path)
+		return
+	}
+	if writeFrame(c, FrameReply, emptyReply) != nil {
+		return
+	}
+	bp := bufPool.Get().(*[]byte)
+	defer bufPool.Put(bp)
+	buf := *bp
+	var hdr [headerSize]byte
+	var size int64
+	for {
+		typ, n, err := readHeader(c, &hdr)
+		if err != nil {
+			return // the stream broke: discard
+		}
+		if typ == FrameEOF {
+			break
+		}
+		if typ != FrameData || n > MaxDataChunk {
+			sendError(c, CodeProtocol, "expected a data frame of at most 64 KiB")
+			return
+		}
+		if _, err := io.ReadFull(c, buf[:n]); err != nil {
+			return
+		}
+		if _, err := tmp.Write(buf[:n]); err != nil {
+			sendOSError(c, err, path)
+			return
+		}
+		size += int64(n)
+	}
+	if err := tmp.Sync(); err != nil {
+		sendOSError(c, err, path)
+		return
+	}
+	if err := tmp.Close(); err != nil {
+		sendOSError(c, err, path)
+		return
+	}
+	if err := os.Rename(tmp.Name(), path); err != nil {
+		sendOSError(c, err, path)
+		return
+	}
+	committed = true
+	if d, err := os.Open(dir); err == nil {
+		d.Sync() // make the rename durable
+		d.Close()
+	}
+	writeJSONFrame(c, FrameReply, wireWriteReply{Size: size})
+}
+
+// listDir streams entries in batches (D frames holding JSON arrays), then F,
+// so that a huge directory never becomes one huge message.
+func listDir(c net.Conn, path string) {
+	f, err := os.Open(path)
+	if err != nil {
+		sendOSError(c, err, path)
+		return
+	}
+	defer f.Close()
+	if fi, err := f.Stat(); err != nil {
+		sendOSError(c, err, path)
+		return
+	} else if !fi.IsDir() {
+		sendError(c, CodeNotDir, "not a directory")
+		return
+	}
+	for {
+		ents, rerr := f.ReadDir(256)
+		batch := make([]wireFileInfo, 0, len(ents))
+		for _, e := range ents {
+			fi, err := e.Info() // lstat
+			if err != nil {
+				continue // removed meanwhile
+			}
+			batch = append(batch, toWire(fi, filepath.Join(path, e.Name())))
+		}
+		if len(batch) > 0 {
+			if writeJSONFrame(c, FrameData, batch) != nil {
+				return
+			}
+		}
+		if rerr == io.EOF || (rerr == nil && len(ents) == 0) {
+			writeFrame(c, FrameEOF, nil)
+			return
+		}
+		if rerr != nil {
+			sendOSError(c, rerr, path)
+			return
+		}
+	}
+}
+
+// makeDir is mkdir -p (with the umask applied, like mkdir -p).
+func makeDir(c net.Conn, path string, mode uint32) {
+	if err := os.MkdirAll(path, permBits(mode, 0o755)); err != nil {
+		if fi, serr := os.Stat(path); serr == nil && !fi.IsDir() {
+			sendError(c, CodeExist, "exists and is not a directory")
+			return
+		}
+		sendOSError(c, err, path)
+		return
+	}
+	writeFrame(c, FrameReply, emptyReply)
+}
+
+// remove removes a file, a symlink (not its target) or an empty directory;
+// with recursive, a whole tree. A missing path is an error either way.
+func remove(c net.Conn, path string, recursive bool) {
+	if path == "/" {
+		sendError(c, CodeInvalid, "refusing to remove /")
+		return
+	}
+	if _, err := os.Lstat(path); err != nil {
+		sendOSError(c, err, path)
+		return
+	}
+	var err error
+	if recursive {
+		err = os.RemoveAll(path)
+	} else {
+		err = os.Remove(path)
+	}
+	if err != nil {
+		sendOSError(c, err, path)
+		return
+	}
+	writeFrame(c, FrameReply, emptyReply)
+}

@@ -1,0 +1,221 @@
+// Package agent is Shoal's guest agent: the server that runs as PID 1 of a
+// container (or init of a VM) and serves exec and file operations to the
+// host node over a unix socket, and the host-side Client that talks to it.
+//
+// # Wire protocol
+//
+// The host dials one stream connection per call. Everything on it is framed:
+//
+//	frame = type (1 byte) | length (4 bytes, big-endian) | payload (length bytes)
+//
+// The first frame from the client is a request: type FrameRequest, payload =
+// op (1 byte, see Op) followed by the op's arguments as JSON. The agent answers
+// with FrameReply (JSON) or FrameError (JSON {"code","msg"}). Bulk bytes travel
+// raw in FrameData (at most MaxDataChunk per frame) and a stream ends with
+// FrameEOF:
+//
+//	ping, stat, mkdir, remove, signal: Q → R | X
+//	list:  Q → (D json-array-of-entries)* F | X
+//	read:  Q → R(fileinfo) D* F | X (an X may also end the D stream)
+//	write: Q → R(ready) | X;  then D* F → R({"size"}) | X
+//	exec:  Q → R({"id","pid"}) | X;  then agent→client O/E (stdout/stderr
+//	       chunks) … then exactly one Z (exit status JSON) and close;
+//	       client→agent D (stdin) … F (close stdin); closing the
+//	       connection before Z kills the command's process group.
+//
+// Control messages are small JSON objects; data is never JSON-encoded. Frame
+// types are printable ASCII so that a hex dump of a capture reads easily.
+package agent
+
+import (
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+)
+
+// ProtocolVersion is bumped on any incompatible change of the wire format.
+const ProtocolVersion = 1
+
+// Version is the agent's build version (set with -ldflags -X).
+var Version = "0.1.0-dev"
+
+// Frame types.
+const (
+	// Client → agent.
+	FrameRequest byte = 'Q' // first frame: op byte + JSON arguments
+	// Both directions.
+	FrameData byte = 'D' // raw bytes: file content, stdin; JSON batches for list
+	FrameEOF  byte = 'F' // end of a data stream (file end, stdin closed)
+	// Agent → client.
+	FrameReply  byte = 'R' // JSON reply
+	FrameError  byte = 'X' // JSON wireError
+	FrameStdout byte = 'O' // raw stdout chunk of a command
+	FrameStderr byte = 'E' // raw stderr chunk of a command
+	FrameExit   byte = 'Z' // JSON wireExit; the last frame of an exec stream
+)
+
+// Op is the operation named by a request frame. Values are stable on the
+// wire; new ops are appended, retired ones are never reused.
+type Op uint8
+
+const (
+	OpPing      Op = 1
+	OpExec      Op = 2
+	OpSignal    Op = 3 // signal a running command by ID (its own connection)
+	OpStat      Op = 4
+	OpReadFile  Op = 5
+	OpWriteFile Op = 6
+	OpListDir   Op = 7
+	OpMakeDir   Op = 8
+	OpRemove    Op = 9
+	// Reserved for what comes next, so the numbering stays stable:
+	OpAttach      Op = 10 // re-attach to a command's output log from a byte offset
+	OpPortForward Op = 11 // splice the connection to a TCP port inside the sandbox
+)
+
+var opNames = [...]string{
+	OpPing: "ping", OpExec: "exec", OpSignal: "signal", OpStat: "stat",
+	OpReadFile: "read", OpWriteFile: "write", OpListDir: "list",
+	OpMakeDir: "mkdir", OpRemove: "remove", OpAttach: "attach",
+	OpPortForward: "portforward",
+}
+
+func (o Op) String() string {
+	if int(o) < len(opNames) && opNames[o] != "" {
+		return opNames[o]
+	}
+	return fmt.Sprintf("op%d", uint8(o))
+}
+
+const (
+	headerSize = 5
+	// MaxDataChunk is the largest payload either side puts in a FrameData,
+	// FrameStdout or FrameStderr frame.
+	MaxDataChunk = 64 << 10
+	// maxFrame bounds any frame a peer will accept (JSON requests carry
+	// argv and env, which the kernel bounds to a few MiB anyway).
+	maxFrame = 8 << 20
+)
+
+var errFrameTooLarge = errors.New("frame too large")
+
+// writeFrame writes one frame with a single write call.
+func writeFrame(w io.Writer, typ byte, payload []byte) error {
+	buf := make([]byte, headerSize+len(payload))
+	buf[0] = typ
+	binary.BigEndian.PutUint32(buf[1:headerSize], uint32(len(payload)))
+	copy(buf[headerSize:], payload)
+	_, err := w.Write(buf)
+	return err
+}
+
+// writeJSONFrame marshals v into one frame.
+func writeJSONFrame(w io.Writer, typ byte, v any) error {
+	b, err := json.Marshal(v)
+	if err != nil {
+		return err
+	}
+	return writeFrame(w, typ, b)
+}
+
+// writeDataFrame sends buf[headerSize:headerSize+n] as a frame of type typ;
+// buf[:headerSize] is scratch space for the header, so data read straight
+// into buf[headerSize:] goes out without a copy.
+func writeDataFrame(w io.Writer, typ byte, buf []byte, n int) error {
+	buf[0] = typ
+	binary.BigEndian.PutUint32(buf[1:headerSize], uint32(n))
+	_, err := w.Write(buf[:headerSize+n])
+	return err
+}
+
+// readHeader reads a frame header and returns its type and payload length.
+func readHeader(r io.Reader, hdr *[headerSize]byte) (byte, int, error) {
+	if _, err := io.ReadFull(r, hdr[:]); err != nil {
+		return 0, 0, err
+	}
+	n := binary.BigEndian.Uint32(hdr[1:])
+	if n > maxFrame {
+		return 0, 0, fmt.Errorf("%w: %d bytes", errFrameTooLarge, n)
+	}
+	return hdr[0], int(n), nil
+}
+
+// readFrame reads a whole frame into a new buffer.
+func readFrame(r io.Reader) (byte, []byte, error) {
+	var hdr [headerSize]byte
+	typ, n, err := readHeader(r, &hdr)
+	if err != nil {
+		return 0, nil, err
+	}
+	payload := make([]byte, n)
+	if _, err := io.ReadFull(r, payload); err != nil {
+		return 0, nil, unexpectedEOF(err)
+	}
+	return typ, payload, nil
+}
+
+func unexpectedEOF(err error) error {
+	if err == io.EOF {
+		return io.ErrUnexpectedEOF
+	}
+	return err
+}
+
+// Wire messages. Field names are short and stable; the API types in
+// client.go are built from them so that the API can change independently.
+
+type wireError struct {
+	Code ErrorCode `json:"code"`
+	Msg  string    `json:"msg"`
+}
+
+type wirePingReply struct {
+	Version  string `json:"version"`
+	Protocol int    `json:"proto"`
+	Pid      int    `json:"pid"`
+	RSS      int64  `json:"rss"`
+}
+
+type wireExecRequest struct {
+	Args      []string `json:"args"`
+	Env       []string `json:"env,omitempty"`
+	Cwd       string   `json:"cwd,omitempty"`
+	Stdin     bool     `json:"stdin,omitempty"`
+	TimeoutNs int64    `json:"timeout_ns,omitempty"`
+}
+
+type wireExecReply struct {
+	ID  string `json:"id"` // command ID: the handle of the future durable command object
+	Pid int    `json:"pid"`
+}
+
+type wireExit struct {
+	Code     int    `json:"code"`
+	Signal   string `json:"signal,omitempty"`
+	TimedOut bool   `json:"timed_out,omitempty"`
+}
+
+type wireSignalRequest struct {
+	ID     string `json:"id"`
+	Signal int    `json:"signal"`
+}
+
+type wirePathRequest struct {
+	Path      string `json:"path"`
+	Mode      uint32 `json:"mode,omitempty"` // fs.FileMode bits (write, mkdir)
+	Recursive bool   `json:"recursive,omitempty"`
+}
+
+type wireFileInfo struct {
+	Name    string `json:"name"`
+	Size    int64  `json:"size"`
+	Mode    uint32 `json:"mode"` // fs.FileMode bits, not unix st_mode
+	MTimeNs int64  `json:"mtime_ns"`
+	Link    string `json:"link,omitempty"`
+}
+
+type wireWriteReply struct {
+	Size int64 `json:"size"`
+}

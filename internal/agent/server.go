@@ -1,0 +1,289 @@
+package agent
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"runtime"
+	"runtime/debug"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+)
+
+// Config configures a Server.
+type Config struct {
+	// ReapAll makes the server reap every child of the process
+	// (wait4(-1)), not only its own commands. Set it when the agent is PID 1
+	// or a child subreaper; leave it false when the server shares its process
+	// with code that waits for children of its own (tests).
+	ReapAll bool
+	// OutputGrace is how long, after a command's process exits, the server
+	// keeps reading stdout/stderr that are still held open by processes the
+	// command left running in the background. Default 100ms.
+	OutputGrace time.Duration
+	// Env is the environment every command starts from (req.Env is merged
+	// over it). Default: the agent's own environment.
+	Env []string
+	// IdleRelease: once no connection has been open for this long, the
+	// server returns all free memory to the OS (debug.FreeOSMemory: a GC
+	// of a heap this small takes well under a millisecond). The runtime's
+	// own scavenger keeps a few MiB that an idle agent never needs. Zero
+	// disables it (a server sharing its process with other code).
+	IdleRelease time.Duration
+	// Logger receives warnings; nil discards them. A *slog.Logger fits.
+	Logger Logger
+}
+
+// Logger is what the server logs through: the Warn method of *slog.Logger.
+// The agent binary does not link log/slog (about 370 KiB of RSS in a process
+// that runs thousands of times per node); it passes a tiny stderr logger.
+type Logger interface {
+	Warn(msg string, args ...any)
+}
+
+type discardLogger struct{}
+
+func (discardLogger) Warn(string, ...any) {}
+
+// Server serves the agent protocol. One Server per process: it owns the
+// process's children (see reaper).
+type Server struct {
+	cfg    Config
+	log    Logger
+	reaper *reaper
+	env    []string
+
+	active    atomic.Int64 // open connections
+	idleTimer *time.Timer  // fires IdleRelease after active drops to 0; nil if disabled
+
+	mu   sync.Mutex
+	cmds map[string]*command // guarded by mu; running commands by ID
+	seq  uint64              // guarded by mu; command ID counter
+	boot string              // random prefix of command IDs, fixed per server
+}
+
+// requestTimeout bounds how long a new connection may take to send its
+// request frame.
+const requestTimeout = 30 * time.Second
+
+// NewServer returns a server; it starts the child reaper at once, so it must
+// be created before any child process of the agent is started.
+func NewServer(cfg Config) *Server {
+	if cfg.OutputGrace <= 0 {
+		cfg.OutputGrace = 100 * time.Millisecond
+	}
+	if cfg.Env == nil {
+		cfg.Env = os.Environ()
+	}
+	log := cfg.Logger
+	if log == nil {
+		log = discardLogger{}
+	}
+	s := &Server{
+		cfg:    cfg,
+		log:    log,
+		reaper: newReaper(cfg.ReapAll),
+		env:    cfg.Env,
+		cmds:   make(map[string]*command),
+		boot:   strconv.FormatInt(time.Now().UnixNano()%(1<<32), 36),
+	}
+	if cfg.IdleRelease > 0 {
+		s.idleTimer = time.AfterFunc(time.Hour, func() {
+			if s.active.Load() == 0 {
+				// Two collections: the first moves bufPool's buffers to its
+				// victim cache, the second frees them.
+				runtime.GC()
+				debug.FreeOSMemory()
+			}
+		})
+		s.idleTimer.Stop()
+	}
+	return s
+}
+
+// Listen returns the agent's listener: the already-listening unix socket
+// passed as the file descriptor named by $SHOAL_AGENT_FD (the host bound it
+// and runc passed it with --preserve-fds), or else a new unix socket at path
+// (a stale socket file there is replaced). SHOAL_AGENT_FD is removed from the
+// environment so that commands do not inherit it.
+func Listen(path string) (net.Listener, error) {
+	if s, ok := os.LookupEnv("SHOAL_AGENT_FD"); ok {
+		os.Unsetenv("SHOAL_AGENT_FD")
+		fd, err := strconv.Atoi(s)
+		if err != nil || fd < 3 {
+			return nil, fmt.Errorf("SHOAL_AGENT_FD=%q: want a file descriptor number >= 3", s)
+		}
+		f := os.NewFile(uintptr(fd), "shoal-agent-socket")
+		l, err := net.FileListener(f) // dups the fd with close-on-exec
+		f.Close()
+		if err != nil {
+			return nil, fmt.Errorf("listen on fd %d: %w", fd, err)
+		}
+		return l, nil
+	}
+	if path == "" {
+		return nil, errors.New("no socket: set SHOAL_AGENT_FD or pass --listen PATH")
+	}
+	if fi, err := os.Lstat(path); err == nil && fi.Mode()&os.ModeSocket != 0 {
+		os.Remove(path)
+	}
+	return net.Listen("unix", path)
+}
+
+// Serve accepts connections until l is closed, serving each on its own
+// goroutine.
+func (s *Server) Serve(l net.Listener) error {
+	var delay time.Duration
+	for {
+		c, err := l.Accept()
+		if err != nil {
+			if errors.Is(err, net.ErrClosed) {
+				return nil
+			}
+			// EMFILE and friends: back off and retry, as net/http does.
+			if delay == 0 {
+				delay = 5 * time.Millisecond
+			} else if delay < time.Second {
+				delay *= 2
+			}
+			s.log.Warn("accept", "err", err, "retry_in", delay)
+			time.Sleep(delay)
+			continue
+		}
+		delay = 0
+		go s.serveConn(c)
+	}
+}
+
+// Shutdown SIGKILLs the process group of every running command. It does not
+// wait; the caller (main, on SIGTERM) exits right after.
+func (s *Server) Shutdown() {
+	s.reaper.killAll()
+}
+
+func (s *Server) serveConn(c net.Conn) {
+	s.active.Add(1)
+	defer func() {
+		c.Close()
+		if s.active.Add(-1) == 0 && s.idleTimer != nil {
+			s.idleTimer.Reset(s.cfg.IdleRelease)
+		}
+	}()
+	c.SetReadDeadline(time.Now().Add(requestTimeout))
+	typ, payload, err := readFrame(c)
+	if err != nil {
+		if err != io.EOF {
+			s.log.Warn("read request", "err", err)
+		}
+		return
+	}
+	c.SetReadDeadline(time.Time{})
+	if typ != FrameRequest || len(payload) == 0 {
+		sendError(c, CodeProtocol, "first frame must be a request")
+		return
+	}
+	op, body := Op(payload[0]), payload[1:]
+	switch op {
+	case OpPing:
+		s.ping(c)
+	case OpExec:
+		var req wireExecRequest
+		if decode(c, body, &req) {
+			s.exec(c, &req)
+		}
+	case OpSignal:
+		var req wireSignalRequest
+		if decode(c, body, &req) {
+			s.signal(c, &req)
+		}
+	case OpStat, OpReadFile, OpWriteFile, OpListDir, OpMakeDir, OpRemove:
+		var req wirePathRequest
+		if !decode(c, body, &req) {
+			return
+		}
+		path, ok := cleanPath(req.Path)
+		if !ok {
+			sendError(c, CodeInvalid, errBadPath)
+			return
+		}
+		switch op {
+		case OpStat:
+			stat(c, path)
+		case OpReadFile:
+			readFile(c, path)
+		case OpWriteFile:
+			writeFile(c, path, req.Mode)
+		case OpListDir:
+			listDir(c, path)
+		case OpMakeDir:
+			makeDir(c, path, req.Mode)
+		case OpRemove:
+			remove(c, path, req.Recursive)
+		}
+	default:
+		sendError(c, CodeUnsupported, fmt.Sprintf("op %s not supported by agent %s", op, Version))
+	}
+}
+
+func decode(c net.Conn, body []byte, v any) bool {
+	if err := json.Unmarshal(body, v); err != nil {
+		sendError(c, CodeProtocol, "bad request: "+err.Error())
+		return false
+	}
+	return true
+}
+
+func sendError(w io.Writer, code ErrorCode, msg string) error {
+	return writeJSONFrame(w, FrameError, wireError{Code: code, Msg: msg})
+}
+
+func sendOSError(w io.Writer, err error, path string) error {
+	return writeJSONFrame(w, FrameError, wireErr(err, path))
+}
+
+func (s *Server) ping(c net.Conn) {
+	writeJSONFrame(c, FrameReply, wirePingReply{
+		Version: Version, Protocol: ProtocolVersion, Pid: os.Getpid(), RSS: selfRSS(),
+	})
+}
+
+// selfRSS reads VmRSS from /proc/self/status; -1 if unavailable.
+func selfRSS() int64 {
+	b, err := os.ReadFile("/proc/self/status")
+	if err != nil {
+		return -1
+	}
+	_, rest, ok := bytes.Cut(b, []byte("\nVmRSS:"))
+	if !ok {
+		return -1
+	}
+	line, _, _ := bytes.Cut(rest, []byte("\n"))
+	kb, err := strconv.ParseInt(string(bytes.TrimSpace(bytes.TrimSuffix(bytes.TrimSpace(line), []byte("kB")))), 10, 64)
+	if err != nil {
+		return -1
+	}
+	return kb << 10
+}
+
+// signal delivers a signal to a running command's process group.
+func (s *Server) signal(c net.Conn, req *wireSignalRequest) {
+	if req.Signal <= 0 || req.Signal > 64 {
+		sendError(c, CodeInvalid, "bad signal number "+strconv.Itoa(req.Signal))
+		return
+	}
+	s.mu.Lock()
+	cmd := s.cmds[req.ID]
+	s.mu.Unlock()
+	if cmd == nil || !s.reaper.signalGroup(cmd, syscall.Signal(req.Signal), false) {
+		sendError(c, CodeNotExist, "no running command with this ID")
+		return
+	}
+	writeFrame(c, FrameReply, emptyReply)
+}

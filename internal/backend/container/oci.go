@@ -1,0 +1,186 @@
+package container
+
+import (
+	"fmt"
+	"path"
+	"strings"
+
+	"github.com/moby/profiles/seccomp"
+	specs "github.com/opencontainers/runtime-spec/specs-go"
+	"golang.org/x/sys/unix"
+
+	"github.com/shoal-sandbox/shoal/internal/sandbox"
+)
+
+// ociVersion is what we declare in config.json: the runtime-spec version of
+// the types we use.
+var ociVersion = specs.Version
+
+// dockerCaps is docker's default capability set.
+var dockerCaps = []string{
+	"CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP_MKNOD",
+	"CAP_NET_RAW", "CAP_SETGID", "CAP_SETUID", "CAP_SETFCAP", "CAP_SETPCAP",
+	"CAP_NET_BIND_SERVICE", "CAP_SYS_CHROOT", "CAP_KILL", "CAP_AUDIT_WRITE",
+}
+
+// docker's default masked and read-only paths.
+var (
+	dockerMaskedPaths = []string{
+		"/proc/asound", "/proc/acpi", "/proc/interrupts", "/proc/kcore", "/proc/keys",
+		"/proc/latency_stats", "/proc/timer_list", "/proc/timer_stats",
+		"/proc/sched_debug", "/proc/scsi", "/sys/firmware", "/sys/devices/virtual/powercap",
+	}
+	dockerReadonlyPaths = []string{
+		"/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger",
+	}
+)
+
+const cpuPeriod = 100000 // µs
+
+// baseEnv is every sandbox process's environment before Spec.Env.
+var baseEnv = []string{
+	"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+	"HOME=/root",
+	"TERM=xterm",
+}
+
+// ociSpec returns the runtime configuration of a sandbox whose overlay root
+// is mounted at rootfs.
+func (b *Backend) ociSpec(spec sandbox.Spec, rootfs string) (*specs.Spec, error) {
+	mem := spec.Resources.MemoryBytes
+	if mem == 0 {
+		mem = DefaultMemoryBytes
+	}
+	pids := spec.Resources.Pids
+	if pids == 0 {
+		pids = DefaultPids
+	}
+	if mem < 0 || pids < 0 || spec.Resources.MilliCPU < 0 {
+		return nil, fmt.Errorf("negative resource limit %+v", spec.Resources)
+	}
+	res := &specs.LinuxResources{
+		// Deny every device; runc allows its default /dev nodes back.
+		Devices: []specs.LinuxDeviceCgroup{{Allow: false, Access: "rwm"}},
+		// Swap limit = memory limit: memory+swap may not exceed the limit.
+		Memory: &specs.LinuxMemory{Limit: &mem, Swap: &mem},
+		Pids:   &specs.LinuxPids{Limit: &pids},
+	}
+	if m := spec.Resources.MilliCPU; m > 0 {
+		quota, period := m*cpuPeriod/1000, uint64(cpuPeriod)
+		res.CPU = &specs.LinuxCPU{Quota: &quota, Period: &period}
+	}
+
+	nofile, err := nofileLimit()
+	if err != nil {
+		return nil, err
+	}
+	s := &specs.Spec{
+		Version: ociVersion,
+		Root:    &specs.Root{Path: rootfs},
+		Process: &specs.Process{
+			Args: []string{agentPath},
+			Env: mergeEnv(baseEnv, spec.Env, []string{
+				"SHOAL_AGENT_FD=3",
+				"SHOAL_SANDBOX_ID=" + spec.ID,
+			}),
+			Cwd:  "/",
+			User: specs.User{UID: 0, GID: 0},
+			Capabilities: &specs.LinuxCapabilities{
+				Bounding:  dockerCaps,
+				Effective: dockerCaps,
+				Permitted: dockerCaps,
+			},
+			Rlimits: []specs.POSIXRlimit{{Type: "RLIMIT_NOFILE", Hard: nofile, Soft: nofile}},
+		},
+		Hostname: hostname(spec.ID),
+		Mounts: []specs.Mount{
+			{Destination: "/proc", Type: "proc", Source: "proc", Options: []string{"nosuid", "noexec", "nodev"}},
+			{Destination: "/dev", Type: "tmpfs", Source: "tmpfs", Options: []string{"nosuid", "strictatime", "mode=755", "size=65536k"}},
+			{Destination: "/dev/pts", Type: "devpts", Source: "devpts", Options: []string{"nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620", "gid=5"}},
+			{Destination: "/dev/shm", Type: "tmpfs", Source: "shm", Options: []string{"nosuid", "noexec", "nodev", "mode=1777", "size=65536k"}},
+			{Destination: "/dev/mqueue", Type: "mqueue", Source: "mqueue", Options: []string{"nosuid", "noexec", "nodev"}},
+			{Destination: "/sys", Type: "sysfs", Source: "sysfs", Options: []string{"nosuid", "noexec", "nodev", "ro"}},
+			{Destination: "/sys/fs/cgroup", Type: "cgroup", Source: "cgroup", Options: []string{"nosuid", "noexec", "nodev", "relatime", "ro"}},
+			// The agent: one host binary shared (page cache and all) by every sandbox.
+			{Destination: agentPath, Type: "bind", Source: spec.AgentBinary, Options: []string{"bind", "ro", "nosuid", "nodev"}},
+		},
+		Linux: &specs.Linux{
+			CgroupsPath: b.cgroupPath(spec.ID),
+			Resources:   res,
+			Namespaces: []specs.LinuxNamespace{
+				{Type: specs.PIDNamespace},
+				{Type: specs.MountNamespace},
+				{Type: specs.IPCNamespace},
+				{Type: specs.UTSNamespace},
+				// A new network namespace: runc brings up lo, nothing else.
+				{Type: specs.NetworkNamespace},
+				{Type: specs.CgroupNamespace},
+			},
+			MaskedPaths:   dockerMaskedPaths,
+			ReadonlyPaths: dockerReadonlyPaths,
+		},
+	}
+	// The default profile depends on the capabilities: set them first.
+	sc, err := seccomp.GetDefaultProfile(s)
+	if err != nil {
+		return nil, fmt.Errorf("seccomp profile: %w", err)
+	}
+	s.Linux.Seccomp = sc
+	return s, nil
+}
+
+// cgroupPath is the sandbox's cgroup, absolute so that runc takes it from
+// the root of each hierarchy rather than from its own cgroup.
+func (b *Backend) cgroupPath(id string) string {
+	return "/" + path.Join(b.cgroupParent, id)
+}
+
+// nofileLimit is the NOFILE limit of sandbox processes: 1048576, or our own
+// hard limit if lower (without CAP_SYS_RESOURCE, asking for more fails).
+func nofileLimit() (uint64, error) {
+	var rl unix.Rlimit
+	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &rl); err != nil {
+		return 0, fmt.Errorf("get NOFILE limit: %w", err)
+	}
+	return min(uint64(1<<20), rl.Max), nil
+}
+
+// hostname derives a valid host name (RFC 1123 label) from a sandbox ID.
+func hostname(id string) string {
+	var b strings.Builder
+	for _, r := range strings.ToLower(id) {
+		switch {
+		case r >= 'a' && r <= 'z', r >= '0' && r <= '9':
+			b.WriteRune(r)
+		default:
+			b.WriteByte('-')
+		}
+	}
+	h := b.String()
+	if len(h) > 63 {
+		h = h[:63]
+	}
+	if h = strings.Trim(h, "-"); h == "" {
+		return "sandbox"
+	}
+	return h
+}
+
+// mergeEnv concatenates KEY=value lists; a later KEY replaces an earlier
+// one in place, so each KEY appears once.
+func mergeEnv(lists ...[]string) []string {
+	var out []string
+	index := map[string]int{}
+	for _, l := range lists {
+		for _, kv := range l {
+			k, _, _ := strings.Cut(kv, "=")
+			if i, ok := index[k]; ok {
+				out[i] = kv
+				continue
+			}
+			index[k] = len(out)
+			out = append(out, kv)
+		}
+	}
+	return out
+}

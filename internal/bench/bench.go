@@ -1,0 +1,220 @@
+// Package bench holds Shoal's benchmarks. Each one drives a running `shoal
+// serve` through the Go SDK, measures a baseline with the plain OCI runtime
+// on the same machine in the same run, and returns a JSON-ready result.
+// Benchmarks are programs, not timed test assertions: the machine is noisy.
+package bench
+
+import (
+	"context"
+	"fmt"
+	"math"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"sort"
+	"sync"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	pb "github.com/shoal-sandbox/shoal/api/shoal/v1"
+	shoal "github.com/shoal-sandbox/shoal/sdk/go"
+)
+
+// Dist summarizes a set of durations in milliseconds.
+type Dist struct {
+	N    int     `json:"n"`
+	P50  float64 `json:"p50_ms"`
+	P90  float64 `json:"p90_ms"`
+	P99  float64 `json:"p99_ms"`
+	Mean float64 `json:"mean_ms"`
+	Max  float64 `json:"max_ms"`
+}
+
+func dist(ds []time.Duration) Dist {
+	if len(ds) == 0 {
+		return Dist{}
+	}
+	s := append([]time.Duration(nil), ds...)
+	sort.Slice(s, func(i, j int) bool { return s[i] < s[j] })
+	ms := func(d time.Duration) float64 { return math.Round(float64(d.Microseconds())) / 1000 }
+	q := func(p float64) float64 { return ms(s[int(math.Ceil(p*float64(len(s))))-1]) }
+	var sum time.Duration
+	for _, d := range s {
+		sum += d
+	}
+	return Dist{N: len(s), P50: q(0.5), P90: q(0.9), P99: q(0.99), Mean: ms(sum / time.Duration(len(s))), Max: ms(s[len(s)-1])}
+}
+
+// CreateOptions configure the create benchmark.
+type CreateOptions struct {
+	Base        string // base layer ref
+	N           int    // sandboxes to create
+	Concurrency int    // creates in flight
+	DataDir     string // the server's data dir (for the runc baseline)
+	Runtime     string // "runc"
+}
+
+// CreateResult is the JSON printed by `shoal bench create`.
+type CreateResult struct {
+	Bench            string  `json:"bench"`
+	N                int     `json:"n"`
+	Concurrency      int     `json:"concurrency"`
+	Create           Dist    `json:"create"`
+	CreateFirstExec  Dist    `json:"create_to_first_exec"`
+	Delete           Dist    `json:"delete"`
+	CreatesPerSecond float64 `json:"creates_per_second"`
+	Errors           int     `json:"errors"`
+	FirstError       string  `json:"first_error,omitempty"`
+	// Baseline: `runc run` of /bin/true on the same base image, mounted
+	// read-only (no overlay, no seccomp, no agent), serially.
+	BaselineRuncRun Dist `json:"baseline_runc_run_true"`
+	// RatioFirstExecP50 is create→first exec p50 over the baseline p50.
+	RatioFirstExecP50 float64 `json:"ratio_first_exec_p50_vs_runc_run"`
+}
+
+// Create measures sandbox creation through the API.
+func Create(ctx context.Context, c *shoal.Client, o CreateOptions) (*CreateResult, error) {
+	if o.N <= 0 || o.Concurrency <= 0 {
+		return nil, fmt.Errorf("-n and -c must be positive")
+	}
+	res := &CreateResult{Bench: "create", N: o.N, Concurrency: o.Concurrency}
+	base, err := c.Layers.GetLayer(ctx, connectReq(&pb.GetLayerRequest{Ref: o.Base}))
+	if err != nil {
+		return nil, fmt.Errorf("base layer %s: %w", o.Base, err)
+	}
+	baseline, err := runcBaseline(ctx, o.DataDir, o.Runtime, base.Msg.Digest, 20)
+	if err != nil {
+		return nil, fmt.Errorf("runc baseline: %w", err)
+	}
+	res.BaselineRuncRun = dist(baseline)
+
+	var (
+		mu                    sync.Mutex
+		creates, firsts, dels []time.Duration
+		ids                   []string
+	)
+	fail := func(err error) {
+		mu.Lock()
+		res.Errors++
+		if res.FirstError == "" {
+			res.FirstError = err.Error()
+		}
+		mu.Unlock()
+	}
+	work := make(chan struct{})
+	var wg sync.WaitGroup
+	start := time.Now()
+	for w := 0; w < o.Concurrency; w++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for range work {
+				t0 := time.Now()
+				sb, err := c.Create(ctx, &pb.CreateSandboxRequest{Base: o.Base, TimeoutSeconds: 600})
+				if err != nil {
+					fail(err)
+					continue
+				}
+				t1 := time.Now()
+				st, err := c.Exec(ctx, sb.Id, shoal.ExecOptions{Args: []string{"true"}})
+				t2 := time.Now()
+				mu.Lock()
+				ids = append(ids, sb.Id)
+				creates = append(creates, t1.Sub(t0))
+				if err == nil && st.Code == 0 {
+					firsts = append(firsts, t2.Sub(t0))
+				}
+				mu.Unlock()
+				if err != nil {
+					fail(err)
+				} else if st.Code != 0 {
+					fail(fmt.Errorf("true exited %d", st.Code))
+				}
+			}
+		}()
+	}
+	for i := 0; i < o.N; i++ {
+		work <- struct{}{}
+	}
+	close(work)
+	wg.Wait()
+	elapsed := time.Since(start)
+	res.CreatesPerSecond = math.Round(float64(len(creates))/elapsed.Seconds()*10) / 10
+	res.Create = dist(creates)
+	res.CreateFirstExec = dist(firsts)
+
+	// Clean up with the same concurrency, measuring delete.
+	idc := make(chan string)
+	for w := 0; w < o.Concurrency; w++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for id := range idc {
+				t0 := time.Now()
+				if err := c.Delete(context.Background(), id); err != nil {
+					fail(err)
+					continue
+				}
+				mu.Lock()
+				dels = append(dels, time.Since(t0))
+				mu.Unlock()
+			}
+		}()
+	}
+	for _, id := range ids {
+		idc <- id
+	}
+	close(idc)
+	wg.Wait()
+	res.Delete = dist(dels)
+	if res.BaselineRuncRun.P50 > 0 {
+		res.RatioFirstExecP50 = math.Round(res.CreateFirstExec.P50/res.BaselineRuncRun.P50*100) / 100
+	}
+	return res, nil
+}
+
+// runcBaseline mounts the base image read-only and times `runc run` of
+// /bin/true on it n times.
+func runcBaseline(ctx context.Context, dataDir, runtime, digest string, n int) ([]time.Duration, error) {
+	if runtime == "" {
+		runtime = "runc"
+	}
+	hex := digest[len("sha256:"):]
+	image := filepath.Join(dataDir, "layers", "blobs", "sha256", hex+".erofs")
+	tmp, err := os.MkdirTemp("", "shoal-bench-")
+	if err != nil {
+		return nil, err
+	}
+	defer os.RemoveAll(tmp)
+	rootfs := filepath.Join(tmp, "rootfs")
+	if err := os.Mkdir(rootfs, 0o755); err != nil {
+		return nil, err
+	}
+	if err := unix.Mount(image, rootfs, "erofs", unix.MS_RDONLY, ""); err != nil {
+		return nil, fmt.Errorf("mount %s (is --data the server's data dir?): %w", image, err)
+	}
+	defer unix.Unmount(rootfs, unix.MNT_DETACH)
+	// `runc spec` writes the runtime's own default config: the plain case.
+	spec := exec.CommandContext(ctx, runtime, "spec", "--bundle", tmp)
+	if out, err := spec.CombinedOutput(); err != nil {
+		return nil, fmt.Errorf("runc spec: %v: %s", err, out)
+	}
+	if err := patchSpec(filepath.Join(tmp, "config.json")); err != nil {
+		return nil, err
+	}
+	state := filepath.Join(tmp, "state")
+	var out []time.Duration
+	for i := 0; i < n; i++ {
+		id := fmt.Sprintf("shoal-bench-%d-%d", os.Getpid(), i)
+		cmd := exec.CommandContext(ctx, runtime, "--root", state, "run", "--bundle", tmp, id)
+		t0 := time.Now()
+		b, err := cmd.CombinedOutput()
+		d := time.Since(t0)
+		if err != nil {
+			return nil, fmt.Errorf("runc run: %v: %s", err, b)
+		}
+		out = append(out, d)
+	}
+	return out, nil
+}

@@ -1,0 +1,82 @@
+package control
+
+import (
+	"crypto/rand"
+	"crypto/subtle"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+)
+
+// AdminKeyFile is the name of the admin API key file in the data directory.
+const AdminKeyFile = "admin.key"
+
+// Auth checks API keys. Today there is one key, the admin key, written to
+// DATA/admin.key (mode 0600) on first start.
+type Auth struct {
+	key []byte
+}
+
+// LoadOrCreateAdminKey reads DATA/admin.key, creating it with a fresh random
+// key if it does not exist.
+func LoadOrCreateAdminKey(dataDir string) (*Auth, error) {
+	path := filepath.Join(dataDir, AdminKeyFile)
+	b, err := os.ReadFile(path)
+	if errors.Is(err, os.ErrNotExist) {
+		var raw [24]byte
+		if _, err := rand.Read(raw[:]); err != nil {
+			return nil, err
+		}
+		key := "sk_shoal_" + hex.EncodeToString(raw[:])
+		f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
+		if err != nil {
+			return nil, fmt.Errorf("create admin key: %w", err)
+		}
+		if _, err := f.WriteString(key + "\n"); err != nil {
+			f.Close()
+			return nil, fmt.Errorf("write admin key: %w", err)
+		}
+		if err := f.Close(); err != nil {
+			return nil, fmt.Errorf("write admin key: %w", err)
+		}
+		return &Auth{key: []byte(key)}, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("read admin key: %w", err)
+	}
+	key := strings.TrimSpace(string(b))
+	if len(key) < 16 {
+		return nil, fmt.Errorf("admin key in %s is shorter than 16 characters", path)
+	}
+	return &Auth{key: []byte(key)}, nil
+}
+
+// Middleware lets a request through only with "Authorization: Bearer <key>"
+// (or E2B's "X-API-Key: <key>"); public paths pass without one.
+func (a *Auth) Middleware(next http.Handler, public ...string) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		for _, p := range public {
+			if r.URL.Path == p {
+				next.ServeHTTP(w, r)
+				return
+			}
+		}
+		got := r.Header.Get("X-API-Key")
+		if h := r.Header.Get("Authorization"); h != "" {
+			got, _ = strings.CutPrefix(h, "Bearer ")
+		}
+		if got == "" {
+			writeHTTPError(w, http.StatusUnauthorized, "unauthenticated", "missing API key: send \"Authorization: Bearer <key>\" (the admin key is in DATA/admin.key)")
+			return
+		}
+		if subtle.ConstantTimeCompare([]byte(got), a.key) != 1 {
+			writeHTTPError(w, http.StatusUnauthorized, "unauthenticated", "invalid API key")
+			return
+		}
+		next.ServeHTTP(w, r)
+	})
+}

@@ -1,0 +1,75 @@
+package control
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"io/fs"
+	"net/http"
+
+	"connectrpc.com/connect"
+
+	"github.com/shoal-sandbox/shoal/internal/layer"
+	"github.com/shoal-sandbox/shoal/internal/node"
+)
+
+// toConnect maps an internal error to a connect error with the right code.
+// The message is the error's own text, which says what was being done.
+func toConnect(err error) error {
+	var ce *connect.Error
+	if errors.As(err, &ce) {
+		return ce
+	}
+	code := connect.CodeInternal
+	switch {
+	case errors.Is(err, node.ErrInvalid), errors.Is(err, layer.ErrInvalidRef), errors.Is(err, fs.ErrInvalid):
+		code = connect.CodeInvalidArgument
+	case errors.Is(err, node.ErrNotFound), errors.Is(err, layer.ErrNotFound), errors.Is(err, fs.ErrNotExist):
+		code = connect.CodeNotFound
+	case errors.Is(err, fs.ErrExist):
+		code = connect.CodeAlreadyExists
+	case errors.Is(err, fs.ErrPermission):
+		code = connect.CodePermissionDenied
+	case errors.Is(err, node.ErrNotRunning), errors.Is(err, layer.ErrInUse):
+		code = connect.CodeFailedPrecondition
+	case errors.Is(err, context.Canceled):
+		code = connect.CodeCanceled
+	case errors.Is(err, context.DeadlineExceeded):
+		code = connect.CodeDeadlineExceeded
+	}
+	return connect.NewError(code, err)
+}
+
+// httpStatus is the HTTP status the Connect protocol uses for each code.
+var httpStatus = map[connect.Code]int{
+	connect.CodeCanceled:           499,
+	connect.CodeInvalidArgument:    http.StatusBadRequest,
+	connect.CodeDeadlineExceeded:   http.StatusGatewayTimeout,
+	connect.CodeNotFound:           http.StatusNotFound,
+	connect.CodeAlreadyExists:      http.StatusConflict,
+	connect.CodePermissionDenied:   http.StatusForbidden,
+	connect.CodeResourceExhausted:  http.StatusTooManyRequests,
+	connect.CodeFailedPrecondition: http.StatusPreconditionFailed,
+	connect.CodeUnauthenticated:    http.StatusUnauthorized,
+	connect.CodeUnavailable:        http.StatusServiceUnavailable,
+}
+
+// writeConnectError writes err as a Connect-style JSON error body for the
+// plain HTTP endpoints.
+func writeConnectError(w http.ResponseWriter, err error) {
+	var ce *connect.Error
+	if !errors.As(err, &ce) {
+		ce = toConnect(err).(*connect.Error)
+	}
+	status, ok := httpStatus[ce.Code()]
+	if !ok {
+		status = http.StatusInternalServerError
+	}
+	writeHTTPError(w, status, ce.Code().String(), ce.Message())
+}
+
+func writeHTTPError(w http.ResponseWriter, status int, code, msg string) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	json.NewEncoder(w).Encode(map[string]string{"code": code, "message": msg})
+}

@@ -1,0 +1,320 @@
+// Package control is Shoal's API edge: it serves the wire API defined in
+// api/shoal/v1 (connect-go: gRPC, gRPC-Web and Connect JSON over HTTP) plus
+// the streamed file endpoints, authenticates every call but /healthz, and
+// maps internal errors to status codes with messages that say what to fix.
+package control
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"path"
+	"sort"
+	"strings"
+	"syscall"
+	"time"
+
+	"connectrpc.com/connect"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	pb "github.com/shoal-sandbox/shoal/api/shoal/v1"
+	"github.com/shoal-sandbox/shoal/api/shoal/v1/shoalv1connect"
+	"github.com/shoal-sandbox/shoal/internal/agent"
+	"github.com/shoal-sandbox/shoal/internal/layer"
+	"github.com/shoal-sandbox/shoal/internal/node"
+)
+
+// Server implements the API on top of one node's manager.
+type Server struct {
+	node *node.Manager
+	auth *Auth
+	log  *slog.Logger
+}
+
+var (
+	_ shoalv1connect.SandboxServiceHandler = (*Server)(nil)
+	_ shoalv1connect.LayerServiceHandler   = (*Server)(nil)
+)
+
+// New returns the API server.
+func New(m *node.Manager, auth *Auth, log *slog.Logger) *Server {
+	return &Server{node: m, auth: auth, log: log}
+}
+
+// Handler returns the HTTP handler for the whole API.
+func (s *Server) Handler() http.Handler {
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		fmt.Fprintln(w, `{"status":"ok"}`)
+	})
+	mux.Handle(shoalv1connect.NewSandboxServiceHandler(s))
+	mux.Handle(shoalv1connect.NewLayerServiceHandler(s))
+	mux.HandleFunc("GET /v1/sandboxes/{id}/files", s.readFile)
+	mux.HandleFunc("PUT /v1/sandboxes/{id}/files", s.writeFile)
+	return s.auth.Middleware(mux, "/healthz")
+}
+
+// --- layers ---
+
+func (s *Server) BuildLayer(ctx context.Context, req *connect.Request[pb.BuildLayerRequest], stream *connect.ServerStream[pb.BuildLayerResponse]) error {
+	r := req.Msg
+	kind, err := layer.ParseKind(kindName(r.Kind))
+	if err != nil {
+		return connect.NewError(connect.CodeInvalidArgument, err)
+	}
+	name, version, ok := strings.Cut(r.Ref, ":")
+	if !ok || name == "" || version == "" {
+		return connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("layer reference %q must be NAME:VERSION", r.Ref))
+	}
+	if !path.IsAbs(r.Source) {
+		return connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("source %q must be an absolute path on the server", r.Source))
+	}
+	pw := &progressWriter{stream: stream}
+	l, err := s.node.Layers().Build(ctx, layer.BuildOptions{
+		Kind: kind, Name: name, Version: version, Source: r.Source,
+		Compression: r.Compression, Progress: pw,
+	})
+	if err != nil {
+		return toConnect(err)
+	}
+	return stream.Send(&pb.BuildLayerResponse{Event: &pb.BuildLayerResponse_Layer{Layer: layerPB(l)}})
+}
+
+// progressWriter turns the layer builder's progress lines into stream events.
+type progressWriter struct {
+	stream *connect.ServerStream[pb.BuildLayerResponse]
+}
+
+func (p *progressWriter) Write(b []byte) (int, error) {
+	for _, line := range strings.Split(strings.TrimRight(string(b), "\n"), "\n") {
+		if line == "" {
+			continue
+		}
+		if err := p.stream.Send(&pb.BuildLayerResponse{Event: &pb.BuildLayerResponse_Progress{Progress: line}}); err != nil {
+			return 0, err
+		}
+	}
+	return len(b), nil
+}
+
+func (s *Server) ListLayers(ctx context.Context, req *connect.Request[pb.ListLayersRequest]) (*connect.Response[pb.ListLayersResponse], error) {
+	ls, err := s.node.Layers().List()
+	if err != nil {
+		return nil, toConnect(err)
+	}
+	out := &pb.ListLayersResponse{}
+	for _, l := range ls {
+		out.Layers = append(out.Layers, layerPB(l))
+	}
+	return connect.NewResponse(out), nil
+}
+
+func (s *Server) GetLayer(ctx context.Context, req *connect.Request[pb.GetLayerRequest]) (*connect.Response[pb.Layer], error) {
+	l, err := s.node.Layers().Resolve(req.Msg.Ref)
+	if err != nil {
+		return nil, toConnect(err)
+	}
+	return connect.NewResponse(layerPB(l)), nil
+}
+
+func kindName(k pb.LayerKind) string {
+	switch k {
+	case pb.LayerKind_LAYER_KIND_BASE:
+		return "base"
+	case pb.LayerKind_LAYER_KIND_WORKSPACE:
+		return "workspace"
+	case pb.LayerKind_LAYER_KIND_TOOLKIT:
+		return "toolkit"
+	}
+	return ""
+}
+
+func kindPB(k string) pb.LayerKind {
+	switch k {
+	case "base":
+		return pb.LayerKind_LAYER_KIND_BASE
+	case "workspace":
+		return pb.LayerKind_LAYER_KIND_WORKSPACE
+	case "toolkit":
+		return pb.LayerKind_LAYER_KIND_TOOLKIT
+	}
+	return pb.LayerKind_LAYER_KIND_UNSPECIFIED
+}
+
+func layerPB(l layer.Layer) *pb.Layer {
+	return &pb.Layer{
+		Name: l.Name, Version: l.Version, Kind: kindPB(string(l.Kind)), Digest: l.Digest,
+		Size: l.Size, Compression: l.Compression, CreatedAt: timestamppb.New(l.Created), Ref: l.Ref(),
+	}
+}
+
+// --- sandboxes ---
+
+func (s *Server) CreateSandbox(ctx context.Context, req *connect.Request[pb.CreateSandboxRequest]) (*connect.Response[pb.Sandbox], error) {
+	r := req.Msg
+	if r.MemoryBytes < 0 || r.Millicpu < 0 || r.TimeoutSeconds < 0 {
+		return nil, connect.NewError(connect.CodeInvalidArgument, errors.New("memory_bytes, millicpu and timeout_seconds must not be negative"))
+	}
+	rec, err := s.node.Create(ctx, node.CreateRequest{
+		Backend: r.Backend, Base: r.Base, Workspaces: r.Workspaces, Toolkits: r.Toolkits,
+		Memory: r.MemoryBytes, MilliCPU: r.Millicpu, Timeout: time.Duration(r.TimeoutSeconds) * time.Second,
+		Metadata: r.Metadata, Env: r.Env,
+	})
+	if err != nil {
+		return nil, toConnect(err)
+	}
+	return connect.NewResponse(sandboxPB(rec)), nil
+}
+
+func (s *Server) GetSandbox(ctx context.Context, req *connect.Request[pb.GetSandboxRequest]) (*connect.Response[pb.Sandbox], error) {
+	rec, err := s.node.Get(req.Msg.Id)
+	if err != nil {
+		return nil, toConnect(err)
+	}
+	return connect.NewResponse(sandboxPB(rec)), nil
+}
+
+func (s *Server) ListSandboxes(ctx context.Context, req *connect.Request[pb.ListSandboxesRequest]) (*connect.Response[pb.ListSandboxesResponse], error) {
+	out := &pb.ListSandboxesResponse{}
+	for _, rec := range s.node.List() {
+		out.Sandboxes = append(out.Sandboxes, sandboxPB(rec))
+	}
+	return connect.NewResponse(out), nil
+}
+
+func (s *Server) DeleteSandbox(ctx context.Context, req *connect.Request[pb.DeleteSandboxRequest]) (*connect.Response[pb.DeleteSandboxResponse], error) {
+	if err := s.node.Delete(ctx, req.Msg.Id); err != nil {
+		return nil, toConnect(err)
+	}
+	return connect.NewResponse(&pb.DeleteSandboxResponse{}), nil
+}
+
+func (s *Server) SetTimeout(ctx context.Context, req *connect.Request[pb.SetTimeoutRequest]) (*connect.Response[pb.Sandbox], error) {
+	rec, err := s.node.SetTimeout(req.Msg.Id, time.Duration(req.Msg.TimeoutSeconds)*time.Second)
+	if err != nil {
+		return nil, toConnect(err)
+	}
+	return connect.NewResponse(sandboxPB(rec)), nil
+}
+
+func sandboxPB(r node.Record) *pb.Sandbox {
+	out := &pb.Sandbox{
+		Id: r.ID, Backend: r.Backend, MemoryBytes: r.Resources.MemoryBytes, Millicpu: r.Resources.MilliCPU,
+		PidsLimit: r.Resources.Pids, TimeoutSeconds: int64(r.Timeout / time.Second),
+		CreatedAt: timestamppb.New(r.Created), ExpiresAt: timestamppb.New(r.Expires),
+		Metadata: r.Metadata, Error: r.Error,
+	}
+	switch r.State {
+	case node.StateCreating:
+		out.State = pb.SandboxState_SANDBOX_STATE_CREATING
+	case node.StateRunning:
+		out.State = pb.SandboxState_SANDBOX_STATE_RUNNING
+	case node.StateDeleting:
+		out.State = pb.SandboxState_SANDBOX_STATE_DELETING
+	case node.StateError:
+		out.State = pb.SandboxState_SANDBOX_STATE_ERROR
+	}
+	for _, l := range r.Layers {
+		out.Layers = append(out.Layers, &pb.LayerRef{Kind: kindPB(l.Kind), Ref: l.Ref, Digest: l.Digest})
+	}
+	return out
+}
+
+// --- commands ---
+
+func (s *Server) Exec(ctx context.Context, req *connect.Request[pb.ExecRequest], stream *connect.ServerStream[pb.ExecEvent]) error {
+	r := req.Msg
+	if r.TimeoutMs < 0 {
+		return connect.NewError(connect.CodeInvalidArgument, errors.New("timeout_ms must not be negative"))
+	}
+	env := make([]string, 0, len(r.Env))
+	for k, v := range r.Env {
+		if k == "" || strings.ContainsAny(k, "=\x00") {
+			return connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("bad environment variable name %q", k))
+		}
+		env = append(env, k+"="+v)
+	}
+	sort.Strings(env)
+	cmd, err := s.node.Exec(ctx, r.SandboxId, agent.ExecRequest{
+		Args: r.Args, Env: env, Cwd: r.Cwd,
+		Stdin:   r.StdinOpen || len(r.Stdin) > 0,
+		Timeout: time.Duration(r.TimeoutMs) * time.Millisecond,
+	})
+	if err != nil {
+		return toConnect(err)
+	}
+	defer s.node.FinishCommand(cmd)
+	if err := stream.Send(&pb.ExecEvent{Event: &pb.ExecEvent_Started_{Started: &pb.ExecEvent_Started{CommandId: cmd.ID, Pid: int64(cmd.Pid())}}}); err != nil {
+		return err
+	}
+	if len(r.Stdin) > 0 || !r.StdinOpen {
+		stdin, closeStdin := r.Stdin, !r.StdinOpen
+		go func() {
+			if err := cmd.WriteStdin(stdin, closeStdin); err != nil {
+				s.log.Debug("write stdin", "sandbox_id", r.SandboxId, "err", err)
+			}
+		}()
+	}
+	for {
+		ev, err := cmd.Recv()
+		if err != nil {
+			return toConnect(fmt.Errorf("command %s: %w", cmd.ID, err))
+		}
+		var msg pb.ExecEvent
+		switch ev.Kind {
+		case agent.EventStdout:
+			msg.Event = &pb.ExecEvent_Stdout{Stdout: ev.Data}
+		case agent.EventStderr:
+			msg.Event = &pb.ExecEvent_Stderr{Stderr: ev.Data}
+		case agent.EventExit:
+			msg.Event = &pb.ExecEvent_Exit_{Exit: &pb.ExecEvent_Exit{
+				Code: int32(ev.Exit.Code), Signal: ev.Exit.Signal, TimedOut: ev.Exit.TimedOut,
+			}}
+			return stream.Send(&msg)
+		default:
+			continue
+		}
+		if err := stream.Send(&msg); err != nil {
+			return err
+		}
+	}
+}
+
+func (s *Server) SendStdin(ctx context.Context, req *connect.Request[pb.SendStdinRequest]) (*connect.Response[pb.SendStdinResponse], error) {
+	cmd, err := s.node.Command(req.Msg.SandboxId, req.Msg.CommandId)
+	if err != nil {
+		return nil, toConnect(err)
+	}
+	if err := cmd.WriteStdin(req.Msg.Data, req.Msg.Close); err != nil {
+		return nil, toConnect(fmt.Errorf("write stdin of command %s: %w", cmd.ID, err))
+	}
+	return connect.NewResponse(&pb.SendStdinResponse{}), nil
+}
+
+var signals = map[string]syscall.Signal{
+	"SIGHUP": syscall.SIGHUP, "SIGINT": syscall.SIGINT, "SIGQUIT": syscall.SIGQUIT,
+	"SIGKILL": syscall.SIGKILL, "SIGTERM": syscall.SIGTERM, "SIGUSR1": syscall.SIGUSR1,
+	"SIGUSR2": syscall.SIGUSR2, "SIGSTOP": syscall.SIGSTOP, "SIGCONT": syscall.SIGCONT,
+}
+
+func (s *Server) SignalCommand(ctx context.Context, req *connect.Request[pb.SignalCommandRequest]) (*connect.Response[pb.SignalCommandResponse], error) {
+	name := strings.ToUpper(req.Msg.Signal)
+	if !strings.HasPrefix(name, "SIG") {
+		name = "SIG" + name
+	}
+	sig, ok := signals[name]
+	if !ok {
+		return nil, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("unknown signal %q (use SIGTERM, SIGKILL, SIGINT, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2, SIGSTOP or SIGCONT)", req.Msg.Signal))
+	}
+	cmd, err := s.node.Command(req.Msg.SandboxId, req.Msg.CommandId)
+	if err != nil {
+		return nil, toConnect(err)
+	}
+	if err := cmd.Signal(sig); err != nil {
+		return nil, toConnect(err)
+	}
+	return connect.NewResponse(&pb.SignalCommandResponse{}), nil
+}

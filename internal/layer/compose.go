@@ -1,0 +1,108 @@
+package layer
+
+import (
+	"fmt"
+	"os"
+	"strings"
+
+	"golang.org/x/sys/unix"
+)
+
+// maxLowers is overlayfs's limit on stacked lower layers (OVL_MAX_STACK).
+const maxLowers = 500
+
+// Compose mounts an overlayfs at target whose lower layers are lowers (top
+// first: a file in lowers[0] hides the same path in lowers[1:]) and whose
+// writable layer is upper, with work as its scratch directory (upper and
+// work on the same file system). target, upper and work are created if
+// missing. Each lower is passed as its own "lowerdir+" parameter of the new
+// mount API (Linux >= 6.8), so there is no limit on the length of their
+// paths together. The mount is made in the caller's mount namespace; undo
+// it with Unmount.
+//
+// volatile skips every sync of the upper: for a sandbox's private upper that
+// dies with it, this saves a syncfs of the whole host file system on each
+// unmount (3-5 ms, hundreds of ms on a busy disk) and makes sync(1) in a
+// sandbox free. The price: the upper can never be mounted again after a
+// host crash (the kernel refuses a workdir used volatile).
+func Compose(target string, lowers []string, upper, work string, volatile bool) error {
+	if err := compose(target, lowers, upper, work, volatile); err != nil {
+		return fmt.Errorf("compose %s: %w", target, err)
+	}
+	return nil
+}
+
+func compose(target string, lowers []string, upper, work string, volatile bool) error {
+	if len(lowers) == 0 || len(lowers) > maxLowers {
+		return fmt.Errorf("%d lower layers: want 1 to %d", len(lowers), maxLowers)
+	}
+	for _, d := range []string{target, upper, work} {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			return err
+		}
+	}
+	fsfd, err := unix.Fsopen("overlay", unix.FSOPEN_CLOEXEC)
+	if err != nil {
+		return fmt.Errorf("fsopen overlay: %w", err)
+	}
+	defer unix.Close(fsfd)
+	set := func(key, value string) error {
+		if err := unix.FsconfigSetString(fsfd, key, value); err != nil {
+			return fmt.Errorf("overlay %s=%s: %w%s", key, value, err, fsMessages(fsfd))
+		}
+		return nil
+	}
+	for _, l := range lowers {
+		if err := set("lowerdir+", l); err != nil {
+			return err
+		}
+	}
+	if err := set("upperdir", upper); err != nil {
+		return err
+	}
+	if err := set("workdir", work); err != nil {
+		return err
+	}
+	if volatile {
+		if err := unix.FsconfigSetFlag(fsfd, "volatile"); err != nil {
+			return fmt.Errorf("overlay volatile: %w%s", err, fsMessages(fsfd))
+		}
+	}
+	if err := unix.FsconfigCreate(fsfd); err != nil {
+		return fmt.Errorf("create overlay: %w%s", err, fsMessages(fsfd))
+	}
+	mfd, err := unix.Fsmount(fsfd, unix.FSMOUNT_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("fsmount overlay: %w%s", err, fsMessages(fsfd))
+	}
+	defer unix.Close(mfd)
+	if err := unix.MoveMount(mfd, "", unix.AT_FDCWD, target, unix.MOVE_MOUNT_F_EMPTY_PATH); err != nil {
+		return fmt.Errorf("move mount: %w", err)
+	}
+	return nil
+}
+
+// fsMessages returns the kernel's messages queued on a file system context
+// (why fsconfig refused a parameter), formatted to append to an error.
+func fsMessages(fsfd int) string {
+	var msgs []string
+	buf := make([]byte, 4096)
+	for range 16 {
+		n, err := unix.Read(fsfd, buf)
+		if err != nil || n <= 0 {
+			break
+		}
+		msgs = append(msgs, strings.TrimSpace(string(buf[:n])))
+	}
+	if len(msgs) == 0 {
+		return ""
+	}
+	return " (" + strings.Join(msgs, "; ") + ")"
+}
+
+// Unmount unmounts the overlay root at target (detaching it if busy). It
+// returns nil if target is not mounted or does not exist, so it may be
+// called again after a failure.
+func Unmount(target string) error {
+	return unmountAll(target)
+}

@@ -1,0 +1,129 @@
+// Package layer builds, stores, mounts and composes Shoal's layers.
+//
+// A layer is an immutable, content-addressed EROFS image of one kind (base,
+// workspace or toolkit), built from a directory or a tarball by mkfs.erofs and
+// named by a tag "name:version" that points at its digest ("sha256:<hex>" of
+// the image file). The Store keeps the images under DATA/layers/blobs, the
+// tags and metadata in bbolt (buckets prefixed "layer."), and mounts each
+// image at most once per node, read-only and file-backed (no loop device),
+// shared by every sandbox that uses it through a refcount. Compose stacks
+// mounted layers and a private upper directory into one overlayfs root.
+//
+// On disk, under the Store's directory (DATA/layers):
+//
+//	blobs/sha256/<hex>.erofs   images, never modified once renamed in
+//	mnt/<first 16 hex>/        read-only mounts of images in use
+//	tmp/                       build scratch space, emptied by Open
+package layer
+
+import (
+	"errors"
+	"fmt"
+	"regexp"
+	"strings"
+	"time"
+)
+
+// Kind is what a layer holds; it decides its place in a stack.
+type Kind string
+
+// The kinds of layer. A stack is one base, then workspaces and toolkits.
+const (
+	KindBase      Kind = "base"      // OS and runtimes
+	KindWorkspace Kind = "workspace" // a repository and task data
+	KindToolkit   Kind = "toolkit"   // a tool chain
+)
+
+var kinds = []Kind{KindBase, KindWorkspace, KindToolkit}
+
+// ParseKind returns the Kind named s, or an error listing the valid kinds.
+func ParseKind(s string) (Kind, error) {
+	for _, k := range kinds {
+		if string(k) == s {
+			return k, nil
+		}
+	}
+	return "", fmt.Errorf("unknown layer kind %q: valid kinds are base, workspace, toolkit", s)
+}
+
+// Errors returned by the Store; check them with errors.Is.
+var (
+	// ErrNotFound: no layer has this tag or digest.
+	ErrNotFound = errors.New("layer not found")
+	// ErrInvalidRef: a reference, name, version or digest is malformed.
+	ErrInvalidRef = errors.New("invalid layer reference")
+	// ErrInUse: the layer is mounted and cannot be removed. Reserved for
+	// garbage collection of blobs; no method of this package returns it yet.
+	ErrInUse = errors.New("layer in use")
+)
+
+// Layer describes one built image and the tag it was built under.
+type Layer struct {
+	Name        string    `json:"name"`
+	Version     string    `json:"version"`
+	Kind        Kind      `json:"kind"`
+	Digest      string    `json:"digest"` // "sha256:<hex>" of the image file
+	Size        int64     `json:"size"`   // bytes of the image file
+	Compression string    `json:"compression"`
+	Created     time.Time `json:"created"`
+}
+
+// Ref returns the layer's tag, "name:version".
+func (l Layer) Ref() string { return l.Name + ":" + l.Version }
+
+var (
+	nameRE    = regexp.MustCompile(`^[a-z0-9][a-z0-9._-]{0,127}$`)
+	versionRE = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$`)
+	digestRE  = regexp.MustCompile(`^sha256:[0-9a-f]{64}$`)
+)
+
+func validateName(name string) error {
+	if !nameRE.MatchString(name) {
+		return fmt.Errorf("%w: layer name %q: use 1-128 of a-z 0-9 . _ - starting with a letter or digit", ErrInvalidRef, name)
+	}
+	return nil
+}
+
+func validateVersion(version string) error {
+	if !versionRE.MatchString(version) {
+		return fmt.Errorf("%w: layer version %q: use 1-128 of A-Z a-z 0-9 . _ - starting with a letter or digit", ErrInvalidRef, version)
+	}
+	return nil
+}
+
+func validateDigest(digest string) error {
+	if !digestRE.MatchString(digest) {
+		return fmt.Errorf("%w: digest %q: want sha256:<64 lowercase hex>", ErrInvalidRef, digest)
+	}
+	return nil
+}
+
+// parsedRef is a reference split into its parts; exactly one of version and
+// digest is set (a bare digest has no name).
+type parsedRef struct {
+	name, version, digest string
+}
+
+// parseRef accepts "name:version", "name@sha256:<hex>" and "sha256:<hex>".
+func parseRef(ref string) (parsedRef, error) {
+	if strings.HasPrefix(ref, "sha256:") {
+		return parsedRef{digest: ref}, validateDigest(ref)
+	}
+	if name, digest, ok := strings.Cut(ref, "@"); ok {
+		if err := validateName(name); err != nil {
+			return parsedRef{}, err
+		}
+		return parsedRef{name: name, digest: digest}, validateDigest(digest)
+	}
+	name, version, ok := strings.Cut(ref, ":")
+	if !ok {
+		return parsedRef{}, fmt.Errorf("%w %q: no version, give name:version (e.g. %s:1), name@sha256:<hex> or sha256:<hex>", ErrInvalidRef, ref, ref)
+	}
+	if err := validateName(name); err != nil {
+		return parsedRef{}, err
+	}
+	if err := validateVersion(version); err != nil {
+		return parsedRef{}, err
+	}
+	return parsedRef{name: name, version: version}, nil
+}

@@ -1,0 +1,221 @@
+package layer
+
+import (
+	"encoding/json"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+
+	"go.etcd.io/bbolt"
+)
+
+// bbolt buckets. Both hold JSON-encoded Layer values.
+var (
+	// "name:version" -> the Layer the tag points at.
+	tagsBucket = []byte("layer.tags")
+	// "sha256:<hex>" -> the Layer as last built with this content, kept after
+	// its tag moves on so that the digest stays resolvable.
+	blobsBucket = []byte("layer.blobs")
+)
+
+// Store keeps the layers of one node: images on disk, tags in bbolt, and the
+// read-only mounts of the images in use.
+//
+// A Store is safe for concurrent use. Builds run in parallel (each in its own
+// scratch directory; tags are moved in single bbolt transactions). mu guards
+// mounts and serializes every mount and unmount the Store makes, so an
+// image is never mounted twice.
+type Store struct {
+	dir   string // DATA/layers, absolute with symlinks resolved
+	blobs string // dir/blobs/sha256
+	mnt   string // dir/mnt
+	tmp   string // dir/tmp
+	db    *bbolt.DB
+	log   *slog.Logger
+
+	mu     sync.Mutex
+	mounts map[string]*mount // by digest; guarded by mu; only entries with refs > 0
+}
+
+// mount is one mounted image.
+type mount struct {
+	path string
+	refs int
+}
+
+// Open opens the layer store rooted at dir (DATA/layers), creating its
+// directories and bbolt buckets as needed and emptying dir/tmp (scratch left
+// by an interrupted build). It holds no mount: a node that restarts calls
+// Acquire for every layer its live sandboxes use (existing mounts are
+// adopted), then Sweep. log may be nil.
+func Open(dir string, db *bbolt.DB, log *slog.Logger) (*Store, error) {
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return nil, fmt.Errorf("open layer store: %w", err)
+	}
+	// Mount points are compared with /proc/self/mountinfo, which shows
+	// absolute paths with symlinks resolved.
+	abs, err := filepath.Abs(dir)
+	if err == nil {
+		abs, err = filepath.EvalSymlinks(abs)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("open layer store: %w", err)
+	}
+	s := &Store{
+		dir:    abs,
+		blobs:  filepath.Join(abs, "blobs", "sha256"),
+		mnt:    filepath.Join(abs, "mnt"),
+		tmp:    filepath.Join(abs, "tmp"),
+		db:     db,
+		log:    log,
+		mounts: make(map[string]*mount),
+	}
+	if err := os.RemoveAll(s.tmp); err != nil {
+		return nil, fmt.Errorf("open layer store: clean %s: %w", s.tmp, err)
+	}
+	for _, d := range []string{s.blobs, s.mnt, s.tmp} {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			return nil, fmt.Errorf("open layer store: %w", err)
+		}
+	}
+	err = db.Update(func(tx *bbolt.Tx) error {
+		for _, b := range [][]byte{tagsBucket, blobsBucket} {
+			if _, err := tx.CreateBucketIfNotExists(b); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("open layer store: create buckets: %w", err)
+	}
+	return s, nil
+}
+
+// ImagePath returns the path of the image with the given digest
+// (DATA/layers/blobs/sha256/<hex>.erofs), or "" if digest is not of the form
+// "sha256:<64 lowercase hex>". It does not check that the image exists.
+func (s *Store) ImagePath(digest string) string {
+	if validateDigest(digest) != nil {
+		return ""
+	}
+	return filepath.Join(s.blobs, strings.TrimPrefix(digest, "sha256:")+".erofs")
+}
+
+// Resolve finds the layer a reference names: "name:version" (a tag),
+// "name@sha256:<hex>" (a layer of that name with that content, tagged or
+// not) or "sha256:<hex>". Malformed references wrap ErrInvalidRef, unknown
+// ones ErrNotFound.
+func (s *Store) Resolve(ref string) (Layer, error) {
+	p, err := parseRef(ref)
+	if err != nil {
+		return Layer{}, fmt.Errorf("resolve layer: %w", err)
+	}
+	var l Layer
+	found := false
+	err = s.db.View(func(tx *bbolt.Tx) error {
+		if p.version != "" {
+			found, err = get(tx.Bucket(tagsBucket), ref, &l)
+			return err
+		}
+		if found, err = get(tx.Bucket(blobsBucket), p.digest, &l); err != nil || !found || p.name == "" || l.Name == p.name {
+			return err
+		}
+		// The blob was last built under another name: look for a tag of
+		// this name that points at it.
+		found = false
+		return tx.Bucket(tagsBucket).ForEach(func(k, v []byte) error {
+			var t Layer
+			if err := json.Unmarshal(v, &t); err != nil {
+				return fmt.Errorf("decode tag %s: %w", k, err)
+			}
+			if !found && t.Name == p.name && t.Digest == p.digest {
+				l, found = t, true
+			}
+			return nil
+		})
+	})
+	if err != nil {
+		return Layer{}, fmt.Errorf("resolve layer %s: %w", ref, err)
+	}
+	if !found {
+		return Layer{}, fmt.Errorf("resolve layer %s: %w", ref, ErrNotFound)
+	}
+	return l, nil
+}
+
+// List returns every tagged layer, sorted by name then version. Blobs whose
+// tag has moved on are not listed (Resolve still finds them by digest).
+func (s *Store) List() ([]Layer, error) {
+	var ls []Layer
+	err := s.db.View(func(tx *bbolt.Tx) error {
+		return tx.Bucket(tagsBucket).ForEach(func(k, v []byte) error {
+			var l Layer
+			if err := json.Unmarshal(v, &l); err != nil {
+				return fmt.Errorf("decode tag %s: %w", k, err)
+			}
+			ls = append(ls, l)
+			return nil
+		})
+	})
+	if err != nil {
+		return nil, fmt.Errorf("list layers: %w", err)
+	}
+	slices.SortFunc(ls, func(a, b Layer) int {
+		if c := strings.Compare(a.Name, b.Name); c != 0 {
+			return c
+		}
+		return strings.Compare(a.Version, b.Version)
+	})
+	return ls, nil
+}
+
+// tag points l.Ref() at l and records l as the latest build of its digest,
+// in one transaction, and returns the layer the tag now points at and the
+// digest it pointed at before ("" if none). Rebuilding a tag with the same
+// content and kind changes nothing and returns the existing layer.
+func (s *Store) tag(l Layer) (tagged Layer, old string, err error) {
+	v, err := json.Marshal(l)
+	if err != nil {
+		return Layer{}, "", err
+	}
+	err = s.db.Update(func(tx *bbolt.Tx) error {
+		var prev Layer
+		found, err := get(tx.Bucket(tagsBucket), l.Ref(), &prev)
+		if err != nil {
+			return err
+		}
+		if found {
+			old = prev.Digest
+			if prev.Digest == l.Digest && prev.Kind == l.Kind {
+				tagged = prev
+				return nil
+			}
+		}
+		if err := tx.Bucket(tagsBucket).Put([]byte(l.Ref()), v); err != nil {
+			return err
+		}
+		tagged = l
+		return tx.Bucket(blobsBucket).Put([]byte(l.Digest), v)
+	})
+	return tagged, old, err
+}
+
+// get decodes the JSON value at key into v; found is false if there is none.
+func get(b *bbolt.Bucket, key string, v any) (found bool, err error) {
+	raw := b.Get([]byte(key))
+	if raw == nil {
+		return false, nil
+	}
+	if err := json.Unmarshal(raw, v); err != nil {
+		return false, fmt.Errorf("decode %s: %w", key, err)
+	}
+	return true, nil
+}

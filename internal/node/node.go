@@ -1,0 +1,634 @@
+// Package node is the node agent's sandbox manager: it creates sandboxes on a
+// backend from resolved layers, persists every sandbox in the embedded store,
+// recovers them after a restart of the process, deletes idle ones when their
+// timeout expires, and hands the session layer a client for each sandbox's
+// guest agent.
+package node
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"runtime"
+	"sort"
+	"sync"
+	"time"
+
+	"go.etcd.io/bbolt"
+
+	"github.com/shoal-sandbox/shoal/internal/agent"
+	"github.com/shoal-sandbox/shoal/internal/layer"
+	"github.com/shoal-sandbox/shoal/internal/sandbox"
+)
+
+// Errors returned by the manager; the API edge maps them to status codes.
+var (
+	ErrInvalid    = errors.New("invalid request")
+	ErrNotFound   = errors.New("not found")
+	ErrNotRunning = errors.New("sandbox is not running")
+)
+
+// Config configures a Manager.
+type Config struct {
+	DataDir         string        // sandboxes live in DataDir/sandboxes
+	AgentBinary     string        // host path of the static shoal-agent
+	DefaultBackend  string        // "container"
+	DefaultTimeout  time.Duration // idle timeout when a create gives none
+	MaxTimeout      time.Duration
+	DefaultMemory   int64
+	DefaultMilliCPU int64
+	PidsLimit       int64
+}
+
+// Validate fills defaults and checks the configuration.
+func (c *Config) Validate() error {
+	if c.DataDir == "" {
+		return errors.New("node config: data dir is required")
+	}
+	// The agent socket lives at DataDir/sandboxes/<id>/agent.sock and unix
+	// socket paths are limited to 107 bytes.
+	if n := len(filepath.Join(c.DataDir, "sandboxes", newID(), "agent.sock")); n > 107 {
+		return fmt.Errorf("node config: data dir %q is too long for unix socket paths (%d > 107 bytes): choose a shorter one", c.DataDir, n)
+	}
+	if c.AgentBinary == "" {
+		return errors.New("node config: agent binary path is required")
+	}
+	if _, err := os.Stat(c.AgentBinary); err != nil {
+		return fmt.Errorf("node config: agent binary: %w", err)
+	}
+	if c.DefaultBackend == "" {
+		c.DefaultBackend = "container"
+	}
+	if c.DefaultTimeout == 0 {
+		c.DefaultTimeout = 30 * time.Minute
+	}
+	if c.MaxTimeout == 0 {
+		c.MaxTimeout = 24 * time.Hour
+	}
+	if c.DefaultMemory == 0 {
+		c.DefaultMemory = 512 << 20
+	}
+	if c.DefaultMilliCPU == 0 {
+		c.DefaultMilliCPU = 1000
+	}
+	if c.PidsLimit == 0 {
+		c.PidsLimit = 1024
+	}
+	return nil
+}
+
+// Manager owns the sandboxes of one node. It is safe for concurrent use.
+type Manager struct {
+	cfg      Config
+	log      *slog.Logger
+	db       *bbolt.DB
+	layers   *layer.Store
+	backends map[string]sandbox.Backend
+
+	mu        sync.Mutex        // guards sandboxes and every entry's fields
+	sandboxes map[string]*entry // by ID
+
+	cmds commands
+}
+
+// entry is the in-memory state of one sandbox. Its fields are guarded by
+// Manager.mu; rec.ID and rec.Handle never change after creation.
+type entry struct {
+	rec      Record
+	agent    *agent.Client
+	acquired bool          // layer mounts are held for this sandbox
+	dirty    bool          // rec.Expires changed since it was last persisted
+	running  int           // commands in flight (the sandbox is not idle)
+	deleted  chan struct{} // closed when a delete finished; nil until one starts
+}
+
+// New opens the manager over an open store. Call Recover before serving.
+func New(cfg Config, db *bbolt.DB, layers *layer.Store, backends []sandbox.Backend, log *slog.Logger) (*Manager, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if err := db.Update(func(tx *bbolt.Tx) error {
+		_, err := tx.CreateBucketIfNotExists(bucketSandboxes)
+		return err
+	}); err != nil {
+		return nil, fmt.Errorf("open sandbox store: %w", err)
+	}
+	if err := os.MkdirAll(filepath.Join(cfg.DataDir, "sandboxes"), 0o700); err != nil {
+		return nil, err
+	}
+	m := &Manager{
+		cfg:       cfg,
+		log:       log,
+		db:        db,
+		layers:    layers,
+		backends:  map[string]sandbox.Backend{},
+		sandboxes: map[string]*entry{},
+	}
+	m.cmds.init()
+	for _, b := range backends {
+		m.backends[b.Name()] = b
+	}
+	if _, ok := m.backends[cfg.DefaultBackend]; !ok {
+		return nil, fmt.Errorf("node config: default backend %q is not available", cfg.DefaultBackend)
+	}
+	return m, nil
+}
+
+// Layers is the node's layer store.
+func (m *Manager) Layers() *layer.Store { return m.layers }
+
+// CreateRequest asks for one sandbox.
+type CreateRequest struct {
+	Backend    string
+	Base       string
+	Workspaces []string
+	Toolkits   []string
+	Memory     int64
+	MilliCPU   int64
+	Timeout    time.Duration
+	Metadata   map[string]string
+	Env        map[string]string
+}
+
+func (m *Manager) validate(req *CreateRequest) error {
+	if req.Backend == "" {
+		req.Backend = m.cfg.DefaultBackend
+	}
+	if _, ok := m.backends[req.Backend]; !ok {
+		names := make([]string, 0, len(m.backends))
+		for n := range m.backends {
+			names = append(names, n)
+		}
+		sort.Strings(names)
+		return errorf(ErrInvalid, "backend %q is not available on this node (available: %v)", req.Backend, names)
+	}
+	if req.Base == "" {
+		return errorf(ErrInvalid, "a base layer is required (--base NAME:VERSION)")
+	}
+	if req.Memory == 0 {
+		req.Memory = m.cfg.DefaultMemory
+	}
+	if req.Memory < 32<<20 {
+		return errorf(ErrInvalid, "memory %d bytes is below the minimum of 32 MiB", req.Memory)
+	}
+	if req.MilliCPU == 0 {
+		req.MilliCPU = m.cfg.DefaultMilliCPU
+	}
+	if max := int64(runtime.NumCPU()) * 1000; req.MilliCPU < 10 || req.MilliCPU > max {
+		return errorf(ErrInvalid, "cpus must be between 0.01 and %d (this node's cores), got %.3f", max/1000, float64(req.MilliCPU)/1000)
+	}
+	if req.Timeout == 0 {
+		req.Timeout = m.cfg.DefaultTimeout
+	}
+	if req.Timeout < time.Second || req.Timeout > m.cfg.MaxTimeout {
+		return errorf(ErrInvalid, "timeout must be between 1s and %s, got %s", m.cfg.MaxTimeout, req.Timeout)
+	}
+	for k := range req.Env {
+		if k == "" || containsAny(k, "=\x00") {
+			return errorf(ErrInvalid, "bad environment variable name %q", k)
+		}
+	}
+	return nil
+}
+
+func containsAny(s, chars string) bool {
+	for _, c := range s {
+		for _, d := range chars {
+			if c == d {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// resolve turns the requested refs into layers ordered top to bottom
+// (toolkits, workspaces, base) and checks each one's kind.
+func (m *Manager) resolve(req *CreateRequest) ([]layer.Layer, []LayerRef, error) {
+	var out []layer.Layer
+	var refs []LayerRef
+	add := func(ref string, want layer.Kind) error {
+		l, err := m.layers.Resolve(ref)
+		if err != nil {
+			return err
+		}
+		if l.Kind != want {
+			return errorf(ErrInvalid, "layer %s is a %s layer, not a %s layer", ref, l.Kind, want)
+		}
+		out = append(out, l)
+		refs = append(refs, LayerRef{Kind: string(l.Kind), Ref: l.Ref(), Digest: l.Digest})
+		return nil
+	}
+	for _, r := range req.Toolkits {
+		if err := add(r, layer.KindToolkit); err != nil {
+			return nil, nil, err
+		}
+	}
+	for _, r := range req.Workspaces {
+		if err := add(r, layer.KindWorkspace); err != nil {
+			return nil, nil, err
+		}
+	}
+	if err := add(req.Base, layer.KindBase); err != nil {
+		return nil, nil, err
+	}
+	return out, refs, nil
+}
+
+// Create makes a sandbox and returns once its guest agent accepts
+// connections. A failed create leaves nothing behind.
+func (m *Manager) Create(ctx context.Context, req CreateRequest) (rec Record, err error) {
+	if err := m.validate(&req); err != nil {
+		return Record{}, err
+	}
+	layers, refs, err := m.resolve(&req)
+	if err != nil {
+		return Record{}, err
+	}
+	be := m.backends[req.Backend]
+	id := newID()
+	dir := filepath.Join(m.cfg.DataDir, "sandboxes", id)
+	now := time.Now().UTC()
+	rec = Record{
+		ID:      id,
+		Backend: req.Backend,
+		State:   StateCreating,
+		Layers:  refs,
+		Resources: sandbox.Resources{
+			MemoryBytes: req.Memory,
+			MilliCPU:    req.MilliCPU,
+			Pids:        m.cfg.PidsLimit,
+		},
+		Timeout:  req.Timeout,
+		Created:  now,
+		Expires:  now.Add(req.Timeout),
+		Metadata: req.Metadata,
+		Env:      req.Env,
+		// A provisional handle: enough for the backend to clean up after a
+		// crash in the middle of this create.
+		Handle: sandbox.Handle{ID: id, Backend: req.Backend, Data: map[string]string{"dir": dir}},
+	}
+	var undo []func()
+	defer func() {
+		if err != nil {
+			for i := len(undo) - 1; i >= 0; i-- {
+				undo[i]()
+			}
+		}
+	}()
+
+	// Persist first, so that a crash from here on is cleaned up by Recover.
+	if err := m.db.Batch(func(tx *bbolt.Tx) error { return putRecord(tx, &rec) }); err != nil {
+		return Record{}, fmt.Errorf("persist sandbox %s: %w", id, err)
+	}
+	undo = append(undo, func() { m.forget(id) })
+	if err := os.Mkdir(dir, 0o700); err != nil {
+		return Record{}, fmt.Errorf("create sandbox dir: %w", err)
+	}
+	undo = append(undo, func() { os.RemoveAll(dir) })
+
+	spec := sandbox.Spec{
+		ID:          id,
+		Dir:         dir,
+		Resources:   rec.Resources,
+		AgentBinary: m.cfg.AgentBinary,
+		Env:         envList(req.Env),
+	}
+	hostMounts := be.Capabilities().HostLayerMounts
+	for _, l := range layers {
+		sl := sandbox.Layer{Digest: l.Digest, Kind: string(l.Kind), ImagePath: m.layers.ImagePath(l.Digest)}
+		if hostMounts {
+			p, err := m.layers.Acquire(l.Digest)
+			if err != nil {
+				return Record{}, fmt.Errorf("mount layer %s: %w", l.Ref(), err)
+			}
+			digest := l.Digest
+			undo = append(undo, func() { m.layers.Release(digest) })
+			sl.MountPath = p
+		}
+		spec.Layers = append(spec.Layers, sl)
+	}
+
+	h, err := be.Create(ctx, spec)
+	if err != nil {
+		return Record{}, fmt.Errorf("create %s sandbox: %w", req.Backend, err)
+	}
+	undo = append(undo, func() {
+		dctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		be.Delete(dctx, h)
+	})
+	if h.Data == nil {
+		h.Data = map[string]string{}
+	}
+	h.Data["dir"] = dir
+	rec.Handle = h
+	rec.State = StateRunning
+	if err := m.db.Batch(func(tx *bbolt.Tx) error { return putRecord(tx, &rec) }); err != nil {
+		return Record{}, fmt.Errorf("persist sandbox %s: %w", id, err)
+	}
+	m.mu.Lock()
+	m.sandboxes[id] = &entry{rec: rec, agent: agent.NewClient(h.AgentSocket), acquired: hostMounts}
+	m.mu.Unlock()
+	m.log.Info("sandbox created", "sandbox_id", id, "backend", req.Backend, "base", req.Base)
+	return rec, nil
+}
+
+func envList(env map[string]string) []string {
+	out := make([]string, 0, len(env))
+	for k, v := range env {
+		out = append(out, k+"="+v)
+	}
+	sort.Strings(out)
+	return out
+}
+
+// forget removes a sandbox's record from the store.
+func (m *Manager) forget(id string) {
+	if err := m.db.Batch(func(tx *bbolt.Tx) error {
+		return tx.Bucket(bucketSandboxes).Delete([]byte(id))
+	}); err != nil {
+		m.log.Error("forget sandbox", "sandbox_id", id, "err", err)
+	}
+}
+
+func (m *Manager) lookup(id string) (*entry, error) {
+	if !validID(id) {
+		return nil, errorf(ErrNotFound, "%q is not a sandbox ID", id)
+	}
+	e, ok := m.sandboxes[id]
+	if !ok {
+		return nil, errorf(ErrNotFound, "no sandbox %s on this node", id)
+	}
+	return e, nil
+}
+
+// Get returns a sandbox's record.
+func (m *Manager) Get(id string) (Record, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	e, err := m.lookup(id)
+	if err != nil {
+		return Record{}, err
+	}
+	return e.rec, nil
+}
+
+// List returns every sandbox, oldest first.
+func (m *Manager) List() []Record {
+	m.mu.Lock()
+	out := make([]Record, 0, len(m.sandboxes))
+	for _, e := range m.sandboxes {
+		out = append(out, e.rec)
+	}
+	m.mu.Unlock()
+	sort.Slice(out, func(i, j int) bool {
+		if !out[i].Created.Equal(out[j].Created) {
+			return out[i].Created.Before(out[j].Created)
+		}
+		return out[i].ID < out[j].ID
+	})
+	return out
+}
+
+// SetTimeout sets a sandbox's idle timeout and restarts its clock.
+func (m *Manager) SetTimeout(id string, d time.Duration) (Record, error) {
+	if d < time.Second || d > m.cfg.MaxTimeout {
+		return Record{}, errorf(ErrInvalid, "timeout must be between 1s and %s, got %s", m.cfg.MaxTimeout, d)
+	}
+	m.mu.Lock()
+	e, err := m.lookup(id)
+	if err != nil {
+		m.mu.Unlock()
+		return Record{}, err
+	}
+	e.rec.Timeout = d
+	e.rec.Expires = time.Now().UTC().Add(d)
+	e.dirty = false
+	rec := e.rec
+	m.mu.Unlock()
+	err = m.db.Batch(func(tx *bbolt.Tx) error { return putRecord(tx, &rec) })
+	return rec, err
+}
+
+// Agent returns the guest agent client of a running sandbox and counts the
+// call as activity (it pushes the idle timeout back).
+func (m *Manager) Agent(id string) (*agent.Client, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	e, err := m.lookup(id)
+	if err != nil {
+		return nil, err
+	}
+	if e.rec.State != StateRunning {
+		return nil, errorf(ErrNotRunning, "sandbox %s is %s", id, e.rec.State)
+	}
+	m.touchLocked(e)
+	return e.agent, nil
+}
+
+func (m *Manager) touchLocked(e *entry) {
+	e.rec.Expires = time.Now().UTC().Add(e.rec.Timeout)
+	e.dirty = true
+}
+
+// Delete destroys a sandbox: its processes, its mounts, its writable layer
+// and its record. Deleting a sandbox that is being deleted waits for that.
+func (m *Manager) Delete(ctx context.Context, id string) error {
+	m.mu.Lock()
+	e, err := m.lookup(id)
+	if err != nil {
+		m.mu.Unlock()
+		return err
+	}
+	if e.deleted != nil {
+		done := e.deleted
+		m.mu.Unlock()
+		select {
+		case <-done:
+			return nil
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	e.deleted = make(chan struct{})
+	prev := e.rec.State
+	e.rec.State = StateDeleting
+	rec := e.rec
+	m.mu.Unlock()
+
+	err = m.destroy(ctx, &rec, e.acquired)
+	m.mu.Lock()
+	if err != nil {
+		e.rec.State = prev
+		close(e.deleted)
+		e.deleted = nil
+	} else {
+		delete(m.sandboxes, id)
+		close(e.deleted)
+	}
+	m.mu.Unlock()
+	if err == nil {
+		m.cmds.dropSandbox(id)
+		m.log.Info("sandbox deleted", "sandbox_id", id)
+	}
+	return err
+}
+
+// destroy tears a sandbox down; it is also used by Recover for sandboxes
+// left half-created or half-deleted by a crash.
+func (m *Manager) destroy(ctx context.Context, rec *Record, release bool) error {
+	rec.State = StateDeleting
+	if err := m.db.Batch(func(tx *bbolt.Tx) error { return putRecord(tx, rec) }); err != nil {
+		return fmt.Errorf("persist sandbox %s: %w", rec.ID, err)
+	}
+	if be, ok := m.backends[rec.Backend]; ok {
+		if err := be.Delete(ctx, rec.Handle); err != nil {
+			return fmt.Errorf("delete sandbox %s: %w", rec.ID, err)
+		}
+	}
+	if release {
+		for _, l := range rec.Layers {
+			if err := m.layers.Release(l.Digest); err != nil {
+				m.log.Warn("release layer", "sandbox_id", rec.ID, "layer", l.Digest, "err", err)
+			}
+		}
+	}
+	if err := os.RemoveAll(filepath.Join(m.cfg.DataDir, "sandboxes", rec.ID)); err != nil {
+		return fmt.Errorf("remove sandbox %s dir: %w", rec.ID, err)
+	}
+	m.forget(rec.ID)
+	return nil
+}
+
+// Recover loads the persisted sandboxes after a (re)start: running ones are
+// re-attached (their layer mounts adopted), half-created and half-deleted
+// ones are cleaned up, and layer mounts nobody uses are swept.
+func (m *Manager) Recover(ctx context.Context) error {
+	recs, err := loadRecords(m.db)
+	if err != nil {
+		return err
+	}
+	for _, rec := range recs {
+		log := m.log.With("sandbox_id", rec.ID)
+		be, ok := m.backends[rec.Backend]
+		switch {
+		case !ok:
+			rec.State, rec.Error = StateError, fmt.Sprintf("backend %q is not enabled on this node", rec.Backend)
+		case rec.State == StateCreating || rec.State == StateDeleting:
+			log.Info("cleaning up sandbox interrupted while " + string(rec.State))
+			if err := m.destroy(ctx, rec, false); err != nil {
+				log.Error("clean up sandbox", "err", err)
+				rec.State, rec.Error = StateError, err.Error()
+			} else {
+				continue
+			}
+		case rec.State == StateRunning:
+			st, err := be.Recover(ctx, rec.Handle)
+			switch {
+			case err != nil:
+				rec.State, rec.Error = StateError, "recover: "+err.Error()
+			case st != sandbox.StatusRunning:
+				rec.State, rec.Error = StateError, "its runtime is "+string(st)
+			}
+		}
+		e := &entry{rec: *rec, agent: agent.NewClient(rec.Handle.AgentSocket)}
+		if rec.State == StateRunning && be.Capabilities().HostLayerMounts {
+			for _, l := range rec.Layers {
+				if _, err := m.layers.Acquire(l.Digest); err != nil {
+					log.Error("re-acquire layer", "layer", l.Digest, "err", err)
+				}
+			}
+			e.acquired = true
+		}
+		if rec.State == StateError {
+			log.Warn("sandbox recovered in error state", "err", rec.Error)
+			m.db.Batch(func(tx *bbolt.Tx) error { return putRecord(tx, rec) })
+		}
+		m.mu.Lock()
+		m.sandboxes[rec.ID] = e
+		m.mu.Unlock()
+	}
+	m.log.Info("recovered sandboxes", "count", len(m.sandboxes))
+	return m.layers.Sweep()
+}
+
+// Run deletes sandboxes whose idle timeout expired and persists timeout
+// changes, until ctx is done.
+func (m *Manager) Run(ctx context.Context) {
+	tick := time.NewTicker(time.Second)
+	defer tick.Stop()
+	lastFlush := time.Now()
+	for {
+		select {
+		case <-ctx.Done():
+			m.flush()
+			return
+		case now := <-tick.C:
+			for _, id := range m.expired(now) {
+				go func(id string) {
+					dctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+					defer cancel()
+					m.log.Info("sandbox idle timeout", "sandbox_id", id)
+					if err := m.Delete(dctx, id); err != nil && !errors.Is(err, ErrNotFound) {
+						m.log.Error("delete expired sandbox", "sandbox_id", id, "err", err)
+					}
+				}(id)
+			}
+			if now.Sub(lastFlush) >= 5*time.Second {
+				m.flush()
+				lastFlush = now
+			}
+		}
+	}
+}
+
+func (m *Manager) expired(now time.Time) []string {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	var ids []string
+	for id, e := range m.sandboxes {
+		if e.running > 0 {
+			m.touchLocked(e)
+			continue
+		}
+		if e.deleted == nil && e.rec.State != StateCreating && now.After(e.rec.Expires) {
+			ids = append(ids, id)
+		}
+	}
+	return ids
+}
+
+// flush persists expiry times pushed back by activity.
+func (m *Manager) flush() {
+	m.mu.Lock()
+	var recs []Record
+	for _, e := range m.sandboxes {
+		if e.dirty && e.deleted == nil {
+			recs = append(recs, e.rec)
+			e.dirty = false
+		}
+	}
+	m.mu.Unlock()
+	if len(recs) == 0 {
+		return
+	}
+	err := m.db.Update(func(tx *bbolt.Tx) error {
+		for i := range recs {
+			// Skip sandboxes deleted since the snapshot above.
+			if tx.Bucket(bucketSandboxes).Get([]byte(recs[i].ID)) == nil {
+				continue
+			}
+			if err := putRecord(tx, &recs[i]); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		m.log.Error("persist sandbox timeouts", "err", err)
+	}
+}

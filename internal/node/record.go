@@ -1,0 +1,99 @@
+package node
+
+import (
+	"crypto/rand"
+	"encoding/base32"
+	"encoding/json"
+	"fmt"
+	"strings"
+	"time"
+
+	"go.etcd.io/bbolt"
+
+	"github.com/shoal-sandbox/shoal/internal/sandbox"
+)
+
+// State is a sandbox's lifecycle state as persisted by the node.
+type State string
+
+const (
+	StateCreating State = "creating"
+	StateRunning  State = "running"
+	StateDeleting State = "deleting"
+	// StateError: the sandbox's runtime is gone (for example its init died
+	// or the host rebooted); the only thing left to do is delete it.
+	StateError State = "error"
+)
+
+// LayerRef is one layer of a sandbox, resolved to its digest at creation so
+// that moving a tag never changes a running sandbox.
+type LayerRef struct {
+	Kind   string `json:"kind"`
+	Ref    string `json:"ref"`
+	Digest string `json:"digest"`
+}
+
+// Record is what the node persists about one sandbox.
+type Record struct {
+	ID        string            `json:"id"`
+	Backend   string            `json:"backend"`
+	State     State             `json:"state"`
+	Error     string            `json:"error,omitempty"`
+	Layers    []LayerRef        `json:"layers"` // top to bottom
+	Resources sandbox.Resources `json:"resources"`
+	Timeout   time.Duration     `json:"timeout"`
+	Created   time.Time         `json:"created"`
+	Expires   time.Time         `json:"expires"`
+	Metadata  map[string]string `json:"metadata,omitempty"`
+	Env       map[string]string `json:"env,omitempty"`
+	Handle    sandbox.Handle    `json:"handle"`
+}
+
+var bucketSandboxes = []byte("node.sandboxes")
+
+// newID returns a random sandbox ID: 20 lowercase base32 characters (100
+// bits), safe in host names, paths and runtime IDs.
+func newID() string {
+	var b [13]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		panic(err) // crypto/rand never fails on Linux
+	}
+	return strings.ToLower(base32.StdEncoding.WithPadding(base32.NoPadding).EncodeToString(b[:]))[:20]
+}
+
+// validID reports whether s has the shape of an ID made by newID, so that an
+// ID from a request can be used in a path.
+func validID(s string) bool {
+	if len(s) != 20 {
+		return false
+	}
+	for _, c := range s {
+		if !(c >= 'a' && c <= 'z' || c >= '2' && c <= '7') {
+			return false
+		}
+	}
+	return true
+}
+
+func putRecord(tx *bbolt.Tx, r *Record) error {
+	b, err := json.Marshal(r)
+	if err != nil {
+		return err
+	}
+	return tx.Bucket(bucketSandboxes).Put([]byte(r.ID), b)
+}
+
+func loadRecords(db *bbolt.DB) ([]*Record, error) {
+	var out []*Record
+	err := db.View(func(tx *bbolt.Tx) error {
+		return tx.Bucket(bucketSandboxes).ForEach(func(k, v []byte) error {
+			r := new(Record)
+			if err := json.Unmarshal(v, r); err != nil {
+				return fmt.Errorf("decode sandbox %s: %w", k, err)
+			}
+			out = append(out, r)
+			return nil
+		})
+	})
+	return out, err
+}

@@ -1,0 +1,106 @@
+// Package sandbox defines the contract between the node manager and the
+// sandbox backends (container, microvm, fullvm, fncall): what a backend is
+// asked to create, the handle it returns (persisted by the node so that a
+// restarted node can recover its sandboxes), and the errors it reports.
+//
+// Every backend runs the same guest agent (cmd/shoal-agent) and exposes it to
+// the node as a unix socket path in its Handle, so that the session layer
+// (exec, files, ports) never depends on the backend kind.
+package sandbox
+
+import (
+	"context"
+	"errors"
+	"time"
+)
+
+// Errors shared by all backends; check them with errors.Is.
+var (
+	// ErrNotFound: the sandbox (or its runtime state) does not exist.
+	ErrNotFound = errors.New("sandbox not found")
+	// ErrUnsupported: the backend cannot do what the spec asks.
+	ErrUnsupported = errors.New("not supported by this backend")
+)
+
+// Resources bounds what a sandbox may use. Zero means "backend default".
+type Resources struct {
+	MemoryBytes int64 // hard memory limit (OOM kill above it)
+	MilliCPU    int64 // CPU bandwidth in thousandths of a core (1000 = one core)
+	Pids        int64 // maximum number of tasks
+}
+
+// Layer is one read-only layer of a sandbox's root, as the backend sees it.
+type Layer struct {
+	Digest    string // "sha256:<hex>"
+	Kind      string // base, workspace or toolkit
+	ImagePath string // the EROFS image file
+	// MountPath is where the node has mounted the image read-only on the
+	// host; set only for backends whose Capabilities().HostLayerMounts is true.
+	MountPath string
+}
+
+// Spec is everything a backend needs to create one sandbox.
+type Spec struct {
+	ID string
+	// Dir is the sandbox's private state directory on the host, created by the
+	// node before Create and removed by the node after Delete. Backends keep
+	// their writable layer, runtime config and agent socket under it.
+	Dir string
+	// Layers are ordered from top (highest priority) to bottom: toolkits,
+	// then workspaces, then exactly one base last (the overlayfs lowerdir order).
+	Layers    []Layer
+	Resources Resources
+	// AgentBinary is the host path of the static shoal-agent binary.
+	AgentBinary string
+	// Network: false (the default) means a private network namespace with
+	// loopback only.
+	Network bool
+	// Env is added to every process started in the sandbox.
+	Env []string
+}
+
+// Handle is what a backend returns from Create. The node persists it (as
+// JSON) and hands it back to Recover and Delete after a restart.
+type Handle struct {
+	ID      string `json:"id"`
+	Backend string `json:"backend"`
+	// AgentSocket is the host path of the unix socket served by the guest
+	// agent of this sandbox.
+	AgentSocket string `json:"agent_socket"`
+	// Data is backend-private state (paths, runtime IDs), opaque to the node.
+	Data map[string]string `json:"data,omitempty"`
+}
+
+// Capabilities tells the node and placement what a backend can do, so that
+// they never switch on backend names.
+type Capabilities struct {
+	// HostLayerMounts: the backend wants each layer mounted on the host
+	// (Layer.MountPath set) rather than only the image file.
+	HostLayerMounts bool
+}
+
+// Status is a backend's view of a sandbox after Recover.
+type Status string
+
+const (
+	StatusRunning Status = "running"
+	StatusStopped Status = "stopped" // exists but its init is gone
+)
+
+// Backend creates and destroys sandboxes of one kind.
+//
+// Create must leave nothing behind when it fails (no mount, cgroup, process).
+// Delete must be idempotent: deleting a sandbox that is already (partly) gone
+// succeeds. A sandbox must keep running when the node process exits; Recover
+// re-attaches to it after a node restart. Implementations are safe for
+// concurrent use on different sandboxes.
+type Backend interface {
+	Name() string
+	Capabilities() Capabilities
+	Create(ctx context.Context, spec Spec) (Handle, error)
+	Recover(ctx context.Context, h Handle) (Status, error)
+	Delete(ctx context.Context, h Handle) error
+}
+
+// Timeouts used by backends when the caller's context has none.
+const DefaultStartTimeout = 30 * time.Second

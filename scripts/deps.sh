@@ -1,0 +1,30 @@
+# Sourced by scripts/up, scripts/test and .ci/run: installs what Shoal needs
+# from Debian's archive and makes sure a Go toolchain new enough for go.mod
+# is on PATH (through the Go module proxy's toolchain download if needed).
+install_deps() {
+	export DEBIAN_FRONTEND=noninteractive
+	apt-get update -qq
+	apt-get install -y -qq --no-install-recommends \
+		runc erofs-utils busybox-static debootstrap ca-certificates \
+		python3 python3-httpx python3-pytest zstd iproute2 procps curl >/dev/null
+}
+
+ensure_go() {
+	export PATH="/usr/local/go/bin:$PATH"
+	if ! command -v go >/dev/null || ! go version | grep -Eq 'go1\.(2[2-9]|[3-9][0-9])'; then
+		# Debian 12's own Go (1.19) is too old; bookworm-backports carries a
+		# newer one, which fetches the toolchain go.mod names by itself.
+		echo "deb http://deb.debian.org/debian bookworm-backports main" >/etc/apt/sources.list.d/shoal-backports.list
+		apt-get update -qq
+		apt-get install -y -qq -t bookworm-backports golang-1.23-go >/dev/null
+		export PATH="/usr/lib/go-1.23/bin:$PATH"
+	fi
+	export GOTOOLCHAIN=auto
+	go version
+}
+
+build_shoal() {
+	mkdir -p bin
+	go build -o bin/shoal ./cmd/shoal
+	CGO_ENABLED=0 go build -trimpath -ldflags "-s -w" -o bin/shoal-agent ./cmd/shoal-agent
+}

@@ -1,0 +1,342 @@
+// Package shoal is the Go client of Shoal's API. The shoal CLI is built on
+// it. Messages are the generated types of api/shoal/v1; this package adds
+// authentication, configuration from the environment, streaming exec with
+// stdin, and the streamed file transfers.
+package shoal
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"net"
+	"net/http"
+	"net/url"
+	"os"
+	"strings"
+	"time"
+
+	"connectrpc.com/connect"
+
+	pb "github.com/shoal-sandbox/shoal/api/shoal/v1"
+	"github.com/shoal-sandbox/shoal/api/shoal/v1/shoalv1connect"
+)
+
+// DefaultURL is where `shoal serve` listens by default.
+const DefaultURL = "http://127.0.0.1:7480"
+
+// DefaultKeyFile is read for the API key when none is given.
+const DefaultKeyFile = "/var/lib/shoal/admin.key"
+
+// Options configure a Client. Empty fields come from SHOAL_URL and
+// SHOAL_API_KEY, then from DefaultURL and DefaultKeyFile.
+type Options struct {
+	URL        string
+	APIKey     string
+	HTTPClient *http.Client
+}
+
+// Client talks to one Shoal API endpoint. It is safe for concurrent use.
+type Client struct {
+	url       string
+	key       string
+	hc        *http.Client
+	Sandboxes shoalv1connect.SandboxServiceClient
+	Layers    shoalv1connect.LayerServiceClient
+}
+
+// New returns a client.
+func New(o Options) (*Client, error) {
+	if o.URL == "" {
+		o.URL = os.Getenv("SHOAL_URL")
+	}
+	if o.URL == "" {
+		o.URL = DefaultURL
+	}
+	u, err := url.Parse(o.URL)
+	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+		return nil, fmt.Errorf("shoal URL %q must look like http://HOST:PORT", o.URL)
+	}
+	if o.APIKey == "" {
+		o.APIKey = os.Getenv("SHOAL_API_KEY")
+	}
+	if o.APIKey == "" {
+		if b, err := os.ReadFile(DefaultKeyFile); err == nil {
+			o.APIKey = strings.TrimSpace(string(b))
+		}
+	}
+	if o.HTTPClient == nil {
+		tr := &http.Transport{
+			Proxy:               http.ProxyFromEnvironment,
+			DialContext:         (&net.Dialer{Timeout: 10 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
+			MaxIdleConns:        1024,
+			MaxIdleConnsPerHost: 1024,
+			IdleConnTimeout:     90 * time.Second,
+		}
+		o.HTTPClient = &http.Client{Transport: tr}
+	}
+	c := &Client{url: strings.TrimRight(o.URL, "/"), key: o.APIKey}
+	c.hc = &http.Client{Transport: &authTransport{key: o.APIKey, next: transportOf(o.HTTPClient)}, Timeout: o.HTTPClient.Timeout}
+	c.Sandboxes = shoalv1connect.NewSandboxServiceClient(c.hc, c.url)
+	c.Layers = shoalv1connect.NewLayerServiceClient(c.hc, c.url)
+	return c, nil
+}
+
+func transportOf(hc *http.Client) http.RoundTripper {
+	if hc.Transport != nil {
+		return hc.Transport
+	}
+	return http.DefaultTransport
+}
+
+type authTransport struct {
+	key  string
+	next http.RoundTripper
+}
+
+func (t *authTransport) RoundTrip(r *http.Request) (*http.Response, error) {
+	if t.key != "" {
+		r = r.Clone(r.Context())
+		r.Header.Set("Authorization", "Bearer "+t.key)
+	}
+	return t.next.RoundTrip(r)
+}
+
+// Create creates a sandbox and returns once it is ready for commands.
+func (c *Client) Create(ctx context.Context, req *pb.CreateSandboxRequest) (*pb.Sandbox, error) {
+	res, err := c.Sandboxes.CreateSandbox(ctx, connect.NewRequest(req))
+	if err != nil {
+		return nil, err
+	}
+	return res.Msg, nil
+}
+
+// Get returns one sandbox.
+func (c *Client) Get(ctx context.Context, id string) (*pb.Sandbox, error) {
+	res, err := c.Sandboxes.GetSandbox(ctx, connect.NewRequest(&pb.GetSandboxRequest{Id: id}))
+	if err != nil {
+		return nil, err
+	}
+	return res.Msg, nil
+}
+
+// List returns every sandbox.
+func (c *Client) List(ctx context.Context) ([]*pb.Sandbox, error) {
+	res, err := c.Sandboxes.ListSandboxes(ctx, connect.NewRequest(&pb.ListSandboxesRequest{}))
+	if err != nil {
+		return nil, err
+	}
+	return res.Msg.Sandboxes, nil
+}
+
+// Delete destroys a sandbox.
+func (c *Client) Delete(ctx context.Context, id string) error {
+	_, err := c.Sandboxes.DeleteSandbox(ctx, connect.NewRequest(&pb.DeleteSandboxRequest{Id: id}))
+	return err
+}
+
+// SetTimeout sets a sandbox's idle timeout and restarts its clock.
+func (c *Client) SetTimeout(ctx context.Context, id string, d time.Duration) (*pb.Sandbox, error) {
+	res, err := c.Sandboxes.SetTimeout(ctx, connect.NewRequest(&pb.SetTimeoutRequest{Id: id, TimeoutSeconds: int64(d / time.Second)}))
+	if err != nil {
+		return nil, err
+	}
+	return res.Msg, nil
+}
+
+// ExecOptions describe one command.
+type ExecOptions struct {
+	Args    []string
+	Env     map[string]string
+	Cwd     string
+	Stdin   io.Reader // nil: no stdin
+	Stdout  io.Writer // nil: discarded
+	Stderr  io.Writer // nil: discarded
+	Timeout time.Duration
+	// OnStart, if set, is called with the command ID once it runs.
+	OnStart func(commandID string)
+}
+
+// ExitStatus is how a command ended.
+type ExitStatus struct {
+	Code     int    // exit code, or 128+signal number
+	Signal   string // e.g. "SIGKILL" if killed by a signal
+	TimedOut bool
+}
+
+// inlineStdin is the largest stdin sent inside the exec request itself.
+const inlineStdin = 1 << 20
+
+// Exec runs a command in a sandbox, streaming its output to o.Stdout and
+// o.Stderr, and returns its exit status.
+func (c *Client) Exec(ctx context.Context, sandboxID string, o ExecOptions) (ExitStatus, error) {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	req := &pb.ExecRequest{SandboxId: sandboxID, Args: o.Args, Env: o.Env, Cwd: o.Cwd, TimeoutMs: o.Timeout.Milliseconds()}
+	stdin := o.Stdin
+	if stdin != nil {
+		// Small inputs travel inside the request; larger ones are pumped.
+		head, err := io.ReadAll(io.LimitReader(stdin, inlineStdin+1))
+		if err != nil {
+			return ExitStatus{}, fmt.Errorf("read stdin: %w", err)
+		}
+		if len(head) <= inlineStdin {
+			req.Stdin, stdin = head, nil
+		} else {
+			req.StdinOpen = true
+			stdin = io.MultiReader(bytes.NewReader(head), stdin)
+		}
+	}
+	stream, err := c.Sandboxes.Exec(ctx, connect.NewRequest(req))
+	if err != nil {
+		return ExitStatus{}, err
+	}
+	defer stream.Close()
+	pumpErr := make(chan error, 1)
+	for stream.Receive() {
+		switch ev := stream.Msg().Event.(type) {
+		case *pb.ExecEvent_Started_:
+			if o.OnStart != nil {
+				o.OnStart(ev.Started.CommandId)
+			}
+			if stdin != nil {
+				go func(id string) { pumpErr <- c.pumpStdin(ctx, sandboxID, id, stdin) }(ev.Started.CommandId)
+			}
+		case *pb.ExecEvent_Stdout:
+			if o.Stdout != nil {
+				o.Stdout.Write(ev.Stdout)
+			}
+		case *pb.ExecEvent_Stderr:
+			if o.Stderr != nil {
+				o.Stderr.Write(ev.Stderr)
+			}
+		case *pb.ExecEvent_Exit_:
+			return ExitStatus{Code: int(ev.Exit.Code), Signal: ev.Exit.Signal, TimedOut: ev.Exit.TimedOut}, nil
+		}
+	}
+	if err := stream.Err(); err != nil {
+		return ExitStatus{}, err
+	}
+	select {
+	case err := <-pumpErr:
+		if err != nil {
+			return ExitStatus{}, err
+		}
+	default:
+	}
+	return ExitStatus{}, errors.New("exec stream ended without an exit status")
+}
+
+// pumpStdin copies r to a command's stdin in chunks, then closes it.
+func (c *Client) pumpStdin(ctx context.Context, sandboxID, commandID string, r io.Reader) error {
+	buf := make([]byte, 256<<10)
+	for {
+		n, err := r.Read(buf)
+		if n > 0 || err != nil {
+			closeIt := err != nil
+			if _, serr := c.Sandboxes.SendStdin(ctx, connect.NewRequest(&pb.SendStdinRequest{
+				SandboxId: sandboxID, CommandId: commandID, Data: buf[:n], Close: closeIt,
+			})); serr != nil {
+				return serr
+			}
+			if closeIt {
+				if errors.Is(err, io.EOF) {
+					return nil
+				}
+				return err
+			}
+		}
+	}
+}
+
+func (c *Client) fileURL(id, path string, q url.Values) string {
+	if q == nil {
+		q = url.Values{}
+	}
+	q.Set("path", path)
+	return c.url + "/v1/sandboxes/" + url.PathEscape(id) + "/files?" + q.Encode()
+}
+
+// ReadFile streams a sandbox file into w.
+func (c *Client) ReadFile(ctx context.Context, id, path string, w io.Writer) (int64, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, c.fileURL(id, path, nil), nil)
+	if err != nil {
+		return 0, err
+	}
+	res, err := c.hc.Do(req)
+	if err != nil {
+		return 0, err
+	}
+	defer res.Body.Close()
+	if res.StatusCode != http.StatusOK {
+		return 0, httpError(res)
+	}
+	return io.Copy(w, res.Body)
+}
+
+// WriteFile streams r into a sandbox file (atomically replaced) with mode.
+func (c *Client) WriteFile(ctx context.Context, id, path string, mode fs.FileMode, r io.Reader) (int64, error) {
+	q := url.Values{"mode": {fmt.Sprintf("%04o", mode.Perm())}}
+	req, err := http.NewRequestWithContext(ctx, http.MethodPut, c.fileURL(id, path, q), r)
+	if err != nil {
+		return 0, err
+	}
+	req.Header.Set("Content-Type", "application/octet-stream")
+	res, err := c.hc.Do(req)
+	if err != nil {
+		return 0, err
+	}
+	defer res.Body.Close()
+	if res.StatusCode != http.StatusOK {
+		return 0, httpError(res)
+	}
+	var out struct {
+		Bytes int64 `json:"bytes"`
+	}
+	if err := json.NewDecoder(res.Body).Decode(&out); err != nil {
+		return 0, fmt.Errorf("decode write reply: %w", err)
+	}
+	return out.Bytes, nil
+}
+
+// httpError turns a JSON error reply of the file endpoints into a
+// *connect.Error, so callers check one error type.
+func httpError(res *http.Response) error {
+	var body struct{ Code, Message string }
+	b, _ := io.ReadAll(io.LimitReader(res.Body, 64<<10))
+	if json.Unmarshal(b, &body) != nil || body.Message == "" {
+		return connect.NewError(connect.CodeUnknown, fmt.Errorf("HTTP %s: %s", res.Status, bytes.TrimSpace(b)))
+	}
+	var code connect.Code
+	if code.UnmarshalText([]byte(body.Code)) != nil {
+		code = connect.CodeUnknown
+	}
+	return connect.NewError(code, errors.New(body.Message))
+}
+
+// BuildLayer builds a layer from a path on the server; progress (may be nil)
+// receives progress lines.
+func (c *Client) BuildLayer(ctx context.Context, req *pb.BuildLayerRequest, progress func(string)) (*pb.Layer, error) {
+	stream, err := c.Layers.BuildLayer(ctx, connect.NewRequest(req))
+	if err != nil {
+		return nil, err
+	}
+	defer stream.Close()
+	for stream.Receive() {
+		switch ev := stream.Msg().Event.(type) {
+		case *pb.BuildLayerResponse_Progress:
+			if progress != nil {
+				progress(ev.Progress)
+			}
+		case *pb.BuildLayerResponse_Layer:
+			return ev.Layer, nil
+		}
+	}
+	if err := stream.Err(); err != nil {
+		return nil, err
+	}
+	return nil, errors.New("build stream ended without a layer")
+}

@@ -1,0 +1,286 @@
+// Package e2e tests Shoal end to end: real `shoal serve` and `shoal` binaries,
+// real runc, overlayfs and EROFS, driven through the CLI and the Go SDK.
+// They need root, runc, mkfs.erofs and busybox-static; without them every
+// test skips with the reason.
+package e2e
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	shoal "github.com/shoal-sandbox/shoal/sdk/go"
+)
+
+var (
+	skipReason string
+	binDir     string // shoal, shoal-agent
+	dataDir    string
+	apiURL     string
+	apiKey     string
+	serveCmd   *exec.Cmd
+	baseRef    = "busybox:1"
+)
+
+func TestMain(m *testing.M) {
+	code := func() int {
+		if err := setup(); err != nil {
+			if skipReason == "" {
+				fmt.Fprintln(os.Stderr, "e2e setup:", err)
+				return 1
+			}
+		}
+		defer teardown()
+		return m.Run()
+	}()
+	os.Exit(code)
+}
+
+func need(t *testing.T) {
+	t.Helper()
+	if skipReason != "" {
+		t.Skip(skipReason)
+	}
+}
+
+func setup() error {
+	if os.Geteuid() != 0 {
+		skipReason = "needs root (runc, mounts, cgroups)"
+		return fmt.Errorf("%s", skipReason)
+	}
+	for _, bin := range []string{"runc", "mkfs.erofs", "busybox"} {
+		if _, err := exec.LookPath(bin); err != nil {
+			skipReason = "needs " + bin + " installed"
+			return fmt.Errorf("%s", skipReason)
+		}
+	}
+	var err error
+	if binDir, err = os.MkdirTemp("", "shoal-e2e-bin"); err != nil {
+		return err
+	}
+	builds := [][]string{
+		{"go", "build", "-o", filepath.Join(binDir, "shoal"), "../../cmd/shoal"},
+		{"go", "build", "-o", filepath.Join(binDir, "shoal-agent"), "../../cmd/shoal-agent"},
+		{"go", "build", "-o", filepath.Join(binDir, "hog"), "./testdata/hog"},
+	}
+	for _, b := range builds {
+		cmd := exec.Command(b[0], b[1:]...)
+		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+		if out, err := cmd.CombinedOutput(); err != nil {
+			return fmt.Errorf("%v: %v\n%s", b, err, out)
+		}
+	}
+	// Short: unix socket paths live under it.
+	if dataDir, err = os.MkdirTemp("/tmp", "se"); err != nil {
+		return err
+	}
+	if err := startServe(); err != nil {
+		return err
+	}
+	key, err := os.ReadFile(filepath.Join(dataDir, "admin.key"))
+	if err != nil {
+		return err
+	}
+	apiKey = strings.TrimSpace(string(key))
+	rootfs, err := busyboxRootfs()
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(rootfs)
+	if out, code := run(nil, "layer", "build", "--kind", "base", baseRef, rootfs); code != 0 {
+		return fmt.Errorf("layer build: %s", out)
+	}
+	return nil
+}
+
+func startServe() error {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return err
+	}
+	addr := ln.Addr().String()
+	ln.Close()
+	apiURL = "http://" + addr
+	log, err := os.OpenFile(filepath.Join(dataDir, "serve.log"), os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o600)
+	if err != nil {
+		return err
+	}
+	serveCmd = exec.Command(filepath.Join(binDir, "shoal"), "serve", "--data", dataDir, "--listen", addr, "--debug")
+	serveCmd.Stdout, serveCmd.Stderr = log, log
+	serveCmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	if err := serveCmd.Start(); err != nil {
+		return err
+	}
+	log.Close()
+	for i := 0; i < 200; i++ {
+		if res, err := http.Get(apiURL + "/healthz"); err == nil {
+			res.Body.Close()
+			return nil
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	b, _ := os.ReadFile(filepath.Join(dataDir, "serve.log"))
+	return fmt.Errorf("shoal serve did not become healthy:\n%s", b)
+}
+
+// killServe kills shoal serve with SIGKILL, as a crash would.
+func killServe() {
+	serveCmd.Process.Signal(syscall.SIGKILL)
+	serveCmd.Wait()
+}
+
+func teardown() {
+	if serveCmd != nil && serveCmd.Process != nil {
+		if c, err := shoal.New(shoal.Options{URL: apiURL, APIKey: apiKey}); err == nil {
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			if sbs, err := c.List(ctx); err == nil {
+				for _, sb := range sbs {
+					c.Delete(ctx, sb.Id)
+				}
+			}
+			cancel()
+		}
+		serveCmd.Process.Signal(syscall.SIGTERM)
+		serveCmd.Wait()
+	}
+	if dataDir != "" {
+		if os.Getenv("SHOAL_E2E_KEEP") == "" {
+			unmountUnder(dataDir)
+			os.RemoveAll(dataDir)
+		} else {
+			fmt.Fprintln(os.Stderr, "kept", dataDir)
+		}
+	}
+	if binDir != "" {
+		os.RemoveAll(binDir)
+	}
+}
+
+// unmountUnder lazily unmounts everything mounted under dir (deepest first).
+func unmountUnder(dir string) {
+	for _, m := range mountsUnder(dir) {
+		syscall.Unmount(m, syscall.MNT_DETACH)
+	}
+}
+
+func mountsUnder(dir string) []string {
+	b, _ := os.ReadFile("/proc/self/mountinfo")
+	var out []string
+	for _, line := range strings.Split(string(b), "\n") {
+		f := strings.Fields(line)
+		if len(f) > 4 && strings.HasPrefix(f[4], dir+"/") {
+			out = append([]string{f[4]}, out...)
+		}
+	}
+	return out
+}
+
+// busyboxRootfs makes a minimal root file system: busybox with its applets,
+// the hog test program, /etc/passwd and the usual directories.
+func busyboxRootfs() (string, error) {
+	root, err := os.MkdirTemp("", "shoal-e2e-rootfs")
+	if err != nil {
+		return "", err
+	}
+	for _, d := range []string{"bin", "etc", "root", "tmp", "proc", "sys", "dev", "work"} {
+		if err := os.MkdirAll(filepath.Join(root, d), 0o755); err != nil {
+			return "", err
+		}
+	}
+	os.Chmod(filepath.Join(root, "tmp"), 0o1777)
+	bb, err := exec.LookPath("busybox")
+	if err != nil {
+		return "", err
+	}
+	if err := copyFile(bb, filepath.Join(root, "bin", "busybox"), 0o755); err != nil {
+		return "", err
+	}
+	if err := copyFile(filepath.Join(binDir, "hog"), filepath.Join(root, "bin", "hog"), 0o755); err != nil {
+		return "", err
+	}
+	out, err := exec.Command(bb, "--list").Output()
+	if err != nil {
+		return "", err
+	}
+	for _, applet := range strings.Fields(string(out)) {
+		if applet == "busybox" {
+			continue
+		}
+		os.Symlink("busybox", filepath.Join(root, "bin", applet))
+	}
+	files := map[string]string{
+		"etc/passwd":   "root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/false\n",
+		"etc/group":    "root:x:0:\nnogroup:x:65534:\n",
+		"etc/hostname": "layer-hostname\n",
+	}
+	for p, content := range files {
+		if err := os.WriteFile(filepath.Join(root, p), []byte(content), 0o644); err != nil {
+			return "", err
+		}
+	}
+	return root, nil
+}
+
+func copyFile(src, dst string, mode os.FileMode) error {
+	b, err := os.ReadFile(src)
+	if err != nil {
+		return err
+	}
+	return os.WriteFile(dst, b, mode)
+}
+
+// run runs the shoal CLI and returns its combined output and exit code.
+func run(stdin []byte, args ...string) (string, int) {
+	stdout, stderr, code := run3(stdin, args...)
+	return stdout + stderr, code
+}
+
+// run3 runs the shoal CLI and returns stdout, stderr and the exit code.
+func run3(stdin []byte, args ...string) (string, string, int) {
+	cmd := exec.Command(filepath.Join(binDir, "shoal"), args...)
+	cmd.Env = append(os.Environ(), "SHOAL_URL="+apiURL, "SHOAL_API_KEY="+apiKey)
+	if stdin != nil {
+		cmd.Stdin = bytes.NewReader(stdin)
+	}
+	var out, errb bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &errb
+	err := cmd.Run()
+	code := 0
+	if ee, ok := err.(*exec.ExitError); ok {
+		code = ee.ExitCode()
+	} else if err != nil {
+		code = -1
+		errb.WriteString(err.Error())
+	}
+	return out.String(), errb.String(), code
+}
+
+func sdk(t *testing.T) *shoal.Client {
+	t.Helper()
+	c, err := shoal.New(shoal.Options{URL: apiURL, APIKey: apiKey})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
+// create makes a sandbox through the CLI and deletes it when the test ends.
+func create(t *testing.T, extra ...string) string {
+	t.Helper()
+	stdout, stderr, code := run3(nil, append([]string{"create", "--base", baseRef}, extra...)...)
+	if code != 0 {
+		t.Fatalf("create: %s %s", stdout, stderr)
+	}
+	id := strings.TrimSpace(stdout)
+	t.Cleanup(func() { run(nil, "rm", id) })
+	return id
+}

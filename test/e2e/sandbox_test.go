@@ -1,0 +1,445 @@
+package e2e
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"crypto/sha256"
+	"errors"
+	"io"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"connectrpc.com/connect"
+
+	pb "github.com/shoal-sandbox/shoal/api/shoal/v1"
+	shoal "github.com/shoal-sandbox/shoal/sdk/go"
+)
+
+func TestExecOutputExitCodeStdin(t *testing.T) {
+	need(t)
+	id := create(t)
+	stdout, stderr, code := run3(nil, "exec", id, "--", "sh", "-c", "echo out; echo err >&2; exit 3")
+	if stdout != "out\n" || stderr != "err\n" || code != 3 {
+		t.Fatalf("got stdout %q stderr %q code %d", stdout, stderr, code)
+	}
+	stdout, _, code = run3([]byte("hello stdin\n"), "exec", "-i", id, "--", "cat")
+	if stdout != "hello stdin\n" || code != 0 {
+		t.Fatalf("stdin: got %q code %d", stdout, code)
+	}
+	stdout, _, code = run3(nil, "exec", "--cwd", "/tmp", "--env", "FOO=bar", id, "--", "sh", "-c", "echo $PWD $FOO")
+	if stdout != "/tmp bar\n" || code != 0 {
+		t.Fatalf("cwd/env: got %q code %d", stdout, code)
+	}
+	// Killed by a signal: 128+9.
+	_, _, code = run3(nil, "exec", id, "--", "sh", "-c", "kill -9 $$")
+	if code != 137 {
+		t.Fatalf("killed command: exit code %d, want 137", code)
+	}
+	// A missing program is a clear error, not a hang.
+	out, code := run(nil, "exec", id, "--", "/no/such/program")
+	if code == 0 || !strings.Contains(out, "not_found") {
+		t.Fatalf("missing program: code %d output %q", code, out)
+	}
+	// Large stdin is pumped, not inlined: 3 MiB through cat.
+	big := bytes.Repeat([]byte("0123456789abcdef"), 3<<16)
+	stdout, _, code = run3(big, "exec", "-i", id, "--", "cat")
+	if code != 0 || stdout != string(big) {
+		t.Fatalf("large stdin: code %d, got %d bytes want %d", code, len(stdout), len(big))
+	}
+	// Timeout kills the command.
+	c := sdk(t)
+	st, err := c.Exec(context.Background(), id, shoal.ExecOptions{Args: []string{"sleep", "30"}, Timeout: 300 * time.Millisecond})
+	if err != nil || !st.TimedOut {
+		t.Fatalf("timeout: %+v %v", st, err)
+	}
+}
+
+func TestFileRoundTrip100MiB(t *testing.T) {
+	need(t)
+	id := create(t)
+	c := sdk(t)
+	ctx := context.Background()
+	src := make([]byte, 100<<20)
+	rand.Read(src)
+	n, err := c.WriteFile(ctx, id, "/work/big.bin", 0o600, bytes.NewReader(src))
+	if err != nil || n != int64(len(src)) {
+		t.Fatalf("write: %d %v", n, err)
+	}
+	h := sha256.New()
+	n, err = c.ReadFile(ctx, id, "/work/big.bin", h)
+	if err != nil || n != int64(len(src)) {
+		t.Fatalf("read: %d %v", n, err)
+	}
+	want := sha256.Sum256(src)
+	if !bytes.Equal(h.Sum(nil), want[:]) {
+		t.Fatal("content differs after round trip")
+	}
+	// The command sees the same file.
+	stdout, _, _ := run3(nil, "exec", id, "--", "sh", "-c", "wc -c < /work/big.bin")
+	if strings.TrimSpace(stdout) != strconv.Itoa(len(src)) {
+		t.Fatalf("size inside: %q", stdout)
+	}
+	// CLI cp both ways.
+	local := filepath.Join(t.TempDir(), "f.txt")
+	os.WriteFile(local, []byte("via cp\n"), 0o640)
+	if out, code := run(nil, "cp", local, id+":/work/f.txt"); code != 0 {
+		t.Fatalf("cp in: %s", out)
+	}
+	if stdout, _, code := run3(nil, "cp", id+":/work/f.txt", "-"); code != 0 || stdout != "via cp\n" {
+		t.Fatalf("cp out: %q %d", stdout, code)
+	}
+	// Metadata calls.
+	fi, err := c.Sandboxes.StatFile(ctx, connect.NewRequest(&pb.StatFileRequest{SandboxId: id, Path: "/work/f.txt"}))
+	if err != nil || fi.Msg.Size != 7 || fi.Msg.Mode != 0o640 {
+		t.Fatalf("stat: %v %v", fi, err)
+	}
+	if _, err := c.Sandboxes.MakeDir(ctx, connect.NewRequest(&pb.MakeDirRequest{SandboxId: id, Path: "/work/a/b"})); err != nil {
+		t.Fatal(err)
+	}
+	ls, err := c.Sandboxes.ListDir(ctx, connect.NewRequest(&pb.ListDirRequest{SandboxId: id, Path: "/work"}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	names := []string{}
+	for _, e := range ls.Msg.Entries {
+		names = append(names, e.Name)
+	}
+	if strings.Join(names, ",") != "a,big.bin,f.txt" {
+		t.Fatalf("list: %v", names)
+	}
+	if _, err := c.Sandboxes.RemoveFile(ctx, connect.NewRequest(&pb.RemoveFileRequest{SandboxId: id, Path: "/work/a", Recursive: true})); err != nil {
+		t.Fatal(err)
+	}
+	_, err = c.Sandboxes.StatFile(ctx, connect.NewRequest(&pb.StatFileRequest{SandboxId: id, Path: "/work/a"}))
+	if connect.CodeOf(err) != connect.CodeNotFound {
+		t.Fatalf("stat removed dir: %v", err)
+	}
+}
+
+func TestPathEscapesRefused(t *testing.T) {
+	need(t)
+	id := create(t)
+	c := sdk(t)
+	ctx := context.Background()
+	// A host file that must never be reachable from the sandbox.
+	secret := filepath.Join(t.TempDir(), "host-secret")
+	os.WriteFile(secret, []byte("HOST SECRET"), 0o600)
+
+	for _, p := range []string{"/../../../../" + secret, "/work/../../etc/passwd", "relative/path", ""} {
+		_, err := c.ReadFile(ctx, id, p, io.Discard)
+		if connect.CodeOf(err) != connect.CodeInvalidArgument {
+			t.Errorf("read %q: want invalid_argument, got %v", p, err)
+		}
+		_, err = c.WriteFile(ctx, id, p, 0o644, strings.NewReader("x"))
+		if connect.CodeOf(err) != connect.CodeInvalidArgument {
+			t.Errorf("write %q: want invalid_argument, got %v", p, err)
+		}
+	}
+	// Symlinks made inside the sandbox resolve inside the sandbox's root.
+	run(nil, "exec", id, "--", "ln", "-s", "/../../../.."+secret, "/work/escape")
+	run(nil, "exec", id, "--", "ln", "-s", "/etc/hostname", "/work/host")
+	var buf bytes.Buffer
+	_, err := c.ReadFile(ctx, id, "/work/escape", &buf)
+	if connect.CodeOf(err) != connect.CodeNotFound || strings.Contains(buf.String(), "SECRET") {
+		t.Fatalf("symlink escape: got %q, %v", buf.String(), err)
+	}
+	buf.Reset()
+	if _, err := c.ReadFile(ctx, id, "/work/host", &buf); err != nil || buf.String() != "layer-hostname\n" {
+		t.Fatalf("symlink inside sandbox: got %q, %v", buf.String(), err)
+	}
+	// Writing through a symlink lands inside the sandbox, never on the host.
+	if _, err := c.WriteFile(ctx, id, "/work/escape", 0o644, strings.NewReader("overwritten")); err != nil {
+		t.Logf("write through escaping symlink: %v", err)
+	}
+	if b, _ := os.ReadFile(secret); string(b) != "HOST SECRET" {
+		t.Fatalf("host file changed: %q", b)
+	}
+}
+
+func TestMemoryLimitKillsHog(t *testing.T) {
+	need(t)
+	id := create(t, "--memory", "64M")
+	stdout, _, code := run3(nil, "exec", id, "--", "hog", "256")
+	if code != 137 {
+		t.Fatalf("hog exit code %d, want 137 (SIGKILL by the OOM killer); output tail %q", code, tail(stdout))
+	}
+	lines := strings.Fields(stdout)
+	if len(lines) == 0 {
+		t.Fatal("hog printed nothing")
+	}
+	last, _ := strconv.Atoi(lines[len(lines)-1])
+	if last > 64 {
+		t.Fatalf("hog got %d MiB with a 64 MiB limit", last)
+	}
+	// The sandbox survives its command's OOM kill.
+	if out, code := run(nil, "exec", id, "--", "true"); code != 0 {
+		t.Fatalf("sandbox unusable after OOM: %s", out)
+	}
+	// And a hog under the limit completes.
+	if out, code := run(nil, "exec", id, "--", "hog", "16"); code != 0 || !strings.Contains(out, "done") {
+		t.Fatalf("small hog: %d %s", code, tail(out))
+	}
+}
+
+func tail(s string) string {
+	if len(s) > 200 {
+		return s[len(s)-200:]
+	}
+	return s
+}
+
+func TestForkBombStoppedByPidsLimit(t *testing.T) {
+	need(t)
+	id := create(t)
+	c := sdk(t)
+	var out bytes.Buffer
+	st, err := c.Exec(context.Background(), id, shoal.ExecOptions{
+		Args:    []string{"sh", "-c", "bomb() { bomb | bomb & }; bomb; sleep 3; echo survived"},
+		Stdout:  &out,
+		Stderr:  &out,
+		Timeout: 8 * time.Second,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("fork bomb: %+v, output tail %q", st, tail(out.String()))
+	pids := cgroupValue(t, "pids", id, "pids.max")
+	if pids != "1024" {
+		t.Fatalf("pids.max = %q", pids)
+	}
+	if !strings.Contains(out.String(), "Resource temporarily unavailable") && !strings.Contains(out.String(), "can't fork") {
+		t.Errorf("expected fork failures in the output")
+	}
+	// The host is fine and the sandbox answers once the bomb is gone.
+	time.Sleep(500 * time.Millisecond)
+	if o, code := run(nil, "exec", id, "--", "echo", "alive"); code != 0 || !strings.Contains(o, "alive") {
+		t.Fatalf("sandbox after fork bomb: %d %s", code, o)
+	}
+}
+
+// cgroupValue reads a v1 cgroup file of a sandbox's container.
+func cgroupValue(t *testing.T, ctrl, id, file string) string {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join("/sys/fs/cgroup", ctrl, "shoal", id, file))
+	if err != nil {
+		t.Fatalf("read cgroup: %v", err)
+	}
+	return strings.TrimSpace(string(b))
+}
+
+func TestNoNetworkByDefault(t *testing.T) {
+	need(t)
+	id := create(t)
+	stdout, _, _ := run3(nil, "exec", id, "--", "cat", "/proc/net/dev")
+	var ifaces []string
+	for _, line := range strings.Split(stdout, "\n") {
+		if name, _, ok := strings.Cut(line, ":"); ok {
+			ifaces = append(ifaces, strings.TrimSpace(name))
+		}
+	}
+	if strings.Join(ifaces, ",") != "lo" {
+		t.Fatalf("interfaces %v, want only lo", ifaces)
+	}
+	stdout, _, _ = run3(nil, "exec", id, "--", "cat", "/proc/net/route")
+	if strings.Count(strings.TrimSpace(stdout), "\n") != 0 {
+		t.Fatalf("routes present: %q", stdout)
+	}
+	// Loopback works inside.
+	stdout, _, code := run3(nil, "exec", id, "--", "sh", "-c", "nc -l -p 8080 -e echo pong & sleep 0.3; nc 127.0.0.1 8080 </dev/null")
+	if code != 0 || !strings.Contains(stdout, "pong") {
+		t.Fatalf("loopback: %d %q", code, stdout)
+	}
+}
+
+func TestDeleteLeavesNothing(t *testing.T) {
+	need(t)
+	id := create(t)
+	if _, code := run(nil, "exec", id, "--", "sh", "-c", "sleep 1000 & echo started"); code != 0 {
+		t.Fatal("exec")
+	}
+	dir := filepath.Join(dataDir, "sandboxes", id)
+	if len(mountsUnder(dir)) == 0 {
+		t.Fatal("no rootfs mount while running")
+	}
+	if out, code := run(nil, "rm", id); code != 0 {
+		t.Fatalf("rm: %s", out)
+	}
+	if m := mountsUnder(dir); len(m) != 0 {
+		t.Errorf("mounts left: %v", m)
+	}
+	for _, ctrl := range []string{"memory", "pids", "cpu", "freezer", "devices", "blkio", "cpuset"} {
+		if _, err := os.Stat(filepath.Join("/sys/fs/cgroup", ctrl, "shoal", id)); err == nil {
+			t.Errorf("cgroup %s left", ctrl)
+		}
+	}
+	if _, err := os.Stat(dir); err == nil {
+		t.Errorf("sandbox dir left")
+	}
+	out, _ := exec.Command("runc", "--root", filepath.Join(dataDir, "runc"), "state", id).CombinedOutput()
+	if !strings.Contains(string(out), "does not exist") {
+		t.Errorf("runc still knows the container: %s", out)
+	}
+	if procs := processesWithEnv("SHOAL_SANDBOX_ID=" + id); len(procs) > 0 {
+		t.Errorf("processes left: %v", procs)
+	}
+	if out, code := run(nil, "inspect", id); code == 0 || !strings.Contains(out, "not_found") {
+		t.Errorf("inspect after rm: %d %s", code, out)
+	}
+	// No layer mount is left once no sandbox uses it (other tests may run
+	// sandboxes concurrently, so only check when none is left).
+	if sbs, _ := sdk(t).List(context.Background()); len(sbs) == 0 {
+		if m := mountsUnder(filepath.Join(dataDir, "layers", "mnt")); len(m) != 0 {
+			t.Errorf("layer mounts left: %v", m)
+		}
+	}
+}
+
+// processesWithEnv lists host PIDs whose environment contains kv.
+func processesWithEnv(kv string) []string {
+	var out []string
+	ents, _ := os.ReadDir("/proc")
+	for _, e := range ents {
+		if _, err := strconv.Atoi(e.Name()); err != nil {
+			continue
+		}
+		b, err := os.ReadFile(filepath.Join("/proc", e.Name(), "environ"))
+		if err == nil && bytes.Contains(b, []byte(kv+"\x00")) {
+			out = append(out, e.Name())
+		}
+	}
+	return out
+}
+
+func TestServeKilledAndRestartedKeepsSandboxes(t *testing.T) {
+	need(t)
+	id := create(t)
+	if out, code := run(nil, "exec", id, "--", "sh", "-c", "echo before > /work/state"); code != 0 {
+		t.Fatal(out)
+	}
+	killServe()
+	// The sandbox keeps running without shoal serve.
+	if procs := processesWithEnv("SHOAL_SANDBOX_ID=" + id); len(procs) == 0 {
+		t.Fatal("the sandbox died with shoal serve")
+	}
+	if err := startServe(); err != nil {
+		t.Fatal(err)
+	}
+	stdout, _, code := run3(nil, "exec", id, "--", "cat", "/work/state")
+	if code != 0 || stdout != "before\n" {
+		t.Fatalf("after restart: %d %q", code, stdout)
+	}
+	out, _ := run(nil, "ls")
+	if !strings.Contains(out, id) || !strings.Contains(out, "running") {
+		t.Fatalf("ls after restart: %s", out)
+	}
+	// Its layer mounts were adopted, not duplicated.
+	n := 0
+	for _, m := range mountsUnder(filepath.Join(dataDir, "layers", "mnt")) {
+		_ = m
+		n++
+	}
+	if n != 1 {
+		t.Errorf("%d layer mounts after restart, want 1", n)
+	}
+}
+
+func TestIdleTimeoutDeletes(t *testing.T) {
+	need(t)
+	id := create(t, "--timeout", "2s")
+	c := sdk(t)
+	// Activity pushes the deadline back.
+	time.Sleep(1200 * time.Millisecond)
+	run(nil, "exec", id, "--", "true")
+	time.Sleep(1200 * time.Millisecond)
+	if _, err := c.Get(context.Background(), id); err != nil {
+		t.Fatalf("deleted despite activity: %v", err)
+	}
+	// SetTimeout refreshes it.
+	if _, err := c.SetTimeout(context.Background(), id, 3*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for time.Now().Before(deadline) {
+		if _, err := c.Get(context.Background(), id); connect.CodeOf(err) == connect.CodeNotFound {
+			return
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	t.Fatal("sandbox not deleted after its idle timeout")
+}
+
+func TestBadInputClearErrors(t *testing.T) {
+	need(t)
+	cases := []struct {
+		args []string
+		want string
+	}{
+		{[]string{"create", "--base", "nosuch:1"}, "not_found"},
+		{[]string{"create", "--base", "nosuch"}, "invalid_argument"},
+		{[]string{"create", "--base", baseRef, "--memory", "1M"}, "memory"},
+		{[]string{"create", "--base", baseRef, "--cpus", "64"}, "cpus"},
+		{[]string{"create", "--base", baseRef, "--backend", "quantum"}, "backend"},
+		{[]string{"create", "--base", baseRef, "--workspace", baseRef}, "not a workspace"},
+		{[]string{"create", "--base", baseRef, "--timeout", "1000h"}, "timeout"},
+		{[]string{"exec", "aaaaaaaaaaaaaaaaaaaa", "--", "true"}, "not_found"},
+		{[]string{"inspect", "../../etc"}, "not_found"},
+		{[]string{"rm", "aaaaaaaaaaaaaaaaaaaa"}, "not_found"},
+		{[]string{"layer", "build", "--kind", "base", "x:1", "/nonexistent"}, "nonexistent"},
+		{[]string{"layer", "build", "--kind", "basement", "x:1", "/tmp"}, "--kind"},
+	}
+	for _, tc := range cases {
+		out, code := run(nil, tc.args...)
+		if code == 0 || !strings.Contains(out, tc.want) {
+			t.Errorf("%v: code %d, output %q (want it to mention %q)", tc.args, code, out, tc.want)
+		}
+	}
+	// No leftovers from the failed creates.
+	if sbs, _ := sdk(t).List(context.Background()); len(sbs) > 0 {
+		for _, sb := range sbs {
+			if sb.State != pb.SandboxState_SANDBOX_STATE_RUNNING {
+				t.Errorf("leftover sandbox %s in state %s", sb.Id, sb.State)
+			}
+		}
+	}
+	// Authentication on every call but /healthz.
+	for _, key := range []string{"", "wrong-key"} {
+		req, _ := http.NewRequest("POST", apiURL+"/shoal.v1.SandboxService/ListSandboxes", strings.NewReader("{}"))
+		req.Header.Set("Content-Type", "application/json")
+		if key != "" {
+			req.Header.Set("Authorization", "Bearer "+key)
+		}
+		res, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		res.Body.Close()
+		if res.StatusCode != http.StatusUnauthorized {
+			t.Errorf("key %q: status %d, want 401", key, res.StatusCode)
+		}
+	}
+	// Malformed JSON gets invalid_argument.
+	req, _ := http.NewRequest("POST", apiURL+"/shoal.v1.SandboxService/CreateSandbox", strings.NewReader("{not json"))
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("Authorization", "Bearer "+apiKey)
+	res, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(res.Body)
+	res.Body.Close()
+	if res.StatusCode != http.StatusBadRequest || !strings.Contains(string(body), "invalid_argument") {
+		t.Errorf("malformed JSON: %d %s", res.StatusCode, body)
+	}
+	var ce *connect.Error
+	_, err = sdk(t).Get(context.Background(), "zzzzzzzzzzzzzzzzzzzz")
+	if !errors.As(err, &ce) || ce.Code() != connect.CodeNotFound || !strings.Contains(ce.Message(), "zzzzzzzzzzzzzzzzzzzz") {
+		t.Errorf("unknown id: %v", err)
+	}
+}
