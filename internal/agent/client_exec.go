@@ -2,9 +2,11 @@ package agent
 
 import (
 	"context"
+	"encoding/binary"
 	"encoding/json"
 	"fmt"
 	"io"
+	"net"
 	"sync"
 	"syscall"
 	"time"
@@ -123,7 +125,7 @@ func (p *Process) Recv() (Event, error) {
 		}
 		p.exited = true
 		p.cc.close()
-		return Event{Kind: EventExit, Exit: ExitStatus{Code: w.Code, Signal: w.Signal, TimedOut: w.TimedOut}}, nil
+		return Event{Kind: EventExit, Exit: ExitStatus(w)}, nil
 	case FrameError:
 		return Event{}, p.cc.agentErr(payload)
 	}
@@ -135,9 +137,13 @@ func (p *Process) Recv() (Event, error) {
 func (p *Process) WriteStdin(b []byte) error {
 	p.wmu.Lock()
 	defer p.wmu.Unlock()
+	var hdr [headerSize]byte
+	hdr[0] = FrameData
 	for len(b) > 0 {
 		n := min(len(b), MaxDataChunk)
-		if err := writeFrame(p.cc, FrameData, b[:n]); err != nil {
+		binary.BigEndian.PutUint32(hdr[1:], uint32(n))
+		bufs := net.Buffers{hdr[:], b[:n]} // one writev, no copy
+		if _, err := bufs.WriteTo(p.cc.Conn); err != nil {
 			return p.cc.wrapErr(fmt.Errorf("write stdin: %w", err))
 		}
 		b = b[n:]

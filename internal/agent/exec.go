@@ -336,9 +336,12 @@ func (s *Server) startCommand(cmd *command, req *wireExecRequest) ([3]*os.File, 
 		Files: []uintptr{uintptr(child[0]), uintptr(child[1]), uintptr(child[2])},
 		Sys:   &syscall.SysProcAttr{Setpgid: true},
 	}
-	_, err = s.reaper.start(cmd, func() (int, error) {
+	pid, err := s.reaper.start(cmd, func() (int, error) {
 		return syscall.ForkExec(path, req.Args, attr)
 	})
+	if err == nil {
+		raiseOOMScore(pid)
+	}
 	for i, fd := range child {
 		syscall.Close(fd)
 		child[i] = -1
@@ -355,6 +358,20 @@ func (s *Server) startCommand(cmd *command, req *wireExecRequest) ([3]*os.File, 
 	files[1] = os.NewFile(uintptr(ours[i]), "stdout")
 	files[2] = os.NewFile(uintptr(ours[i+1]), "stderr")
 	return files, nil
+}
+
+// commandOOMScoreAdj is the oom_score_adj of every command. The agent is
+// the sandbox's init and its death ends the sandbox, so the OOM killer must
+// pick a command first. Lowering the agent's own score would need
+// CAP_SYS_RESOURCE; raising a child's needs no privilege, and the child
+// cannot lower it again.
+const commandOOMScoreAdj = "500"
+
+func raiseOOMScore(pid int) {
+	if f, err := os.OpenFile("/proc/"+strconv.Itoa(pid)+"/oom_score_adj", os.O_WRONLY, 0); err == nil {
+		f.WriteString(commandOOMScoreAdj)
+		f.Close()
+	}
 }
 
 func pipe() (r, w int, err error) {

@@ -243,3 +243,11 @@ func procStatus(t testing.TB, pid int, field string) string {
 	}
 	return ""
 }
+
+func TestMain(m *testing.M) {
+	code := m.Run()
+	if binPath != "" && os.Getenv("SHOAL_AGENT_BIN") == "" {
+		os.RemoveAll(filepath.Dir(binPath))
+	}
+	os.Exit(code)
+}

@@ -9,8 +9,8 @@ import (
 
 	"connectrpc.com/connect"
 
+	"github.com/shoal-sandbox/shoal/internal/errdefs"
 	"github.com/shoal-sandbox/shoal/internal/layer"
-	"github.com/shoal-sandbox/shoal/internal/node"
 )
 
 // toConnect maps an internal error to a connect error with the right code.
@@ -22,16 +22,20 @@ func toConnect(err error) error {
 	}
 	code := connect.CodeInternal
 	switch {
-	case errors.Is(err, node.ErrInvalid), errors.Is(err, layer.ErrInvalidRef), errors.Is(err, fs.ErrInvalid):
+	case errors.Is(err, errdefs.ErrInvalidArgument), errors.Is(err, layer.ErrInvalidRef), errors.Is(err, fs.ErrInvalid):
 		code = connect.CodeInvalidArgument
-	case errors.Is(err, node.ErrNotFound), errors.Is(err, layer.ErrNotFound), errors.Is(err, fs.ErrNotExist):
+	case errors.Is(err, errdefs.ErrNotFound), errors.Is(err, layer.ErrNotFound), errors.Is(err, fs.ErrNotExist):
 		code = connect.CodeNotFound
-	case errors.Is(err, fs.ErrExist):
+	case errors.Is(err, errdefs.ErrAlreadyExists), errors.Is(err, fs.ErrExist):
 		code = connect.CodeAlreadyExists
 	case errors.Is(err, fs.ErrPermission):
 		code = connect.CodePermissionDenied
-	case errors.Is(err, node.ErrNotRunning), errors.Is(err, layer.ErrInUse):
+	case errors.Is(err, errdefs.ErrFailedPrecondition), errors.Is(err, layer.ErrInUse):
 		code = connect.CodeFailedPrecondition
+	case errors.Is(err, errdefs.ErrResourceExhausted):
+		code = connect.CodeResourceExhausted
+	case errors.Is(err, errdefs.ErrUnavailable):
+		code = connect.CodeUnavailable
 	case errors.Is(err, context.Canceled):
 		code = connect.CodeCanceled
 	case errors.Is(err, context.DeadlineExceeded):

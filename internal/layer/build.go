@@ -7,6 +7,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"github.com/shoal-sandbox/shoal/internal/errdefs"
 	"io"
 	"io/fs"
 	"os"
@@ -62,21 +63,21 @@ func (s *Store) build(ctx context.Context, o BuildOptions) (Layer, error) {
 		}
 	}
 	if _, err := ParseKind(string(o.Kind)); err != nil {
-		return Layer{}, err
+		return Layer{}, errdefs.Mark(errdefs.ErrInvalidArgument, err)
 	}
 	if err := validateName(o.Name); err != nil {
-		return Layer{}, err
+		return Layer{}, errdefs.Mark(errdefs.ErrInvalidArgument, err)
 	}
 	if err := validateVersion(o.Version); err != nil {
-		return Layer{}, err
+		return Layer{}, errdefs.Mark(errdefs.ErrInvalidArgument, err)
 	}
 	compression, mkfsZ, err := parseCompression(o.Compression)
 	if err != nil {
-		return Layer{}, err
+		return Layer{}, errdefs.Mark(errdefs.ErrInvalidArgument, err)
 	}
 	fi, err := os.Stat(o.Source)
 	if err != nil {
-		return Layer{}, fmt.Errorf("source: %w", err)
+		return Layer{}, errdefs.Mark(errdefs.ErrInvalidArgument, fmt.Errorf("source: %w", err))
 	}
 
 	work, err := os.MkdirTemp(s.tmp, "build-")
@@ -91,16 +92,16 @@ func (s *Store) build(ctx context.Context, o BuildOptions) (Layer, error) {
 	case fi.IsDir():
 		tree = o.Source
 		if st, err = checkTree(ctx, tree); err != nil {
-			return Layer{}, fmt.Errorf("source %s: %w", o.Source, err)
+			return Layer{}, errdefs.Mark(errdefs.ErrInvalidArgument, fmt.Errorf("source %s: %w", o.Source, err))
 		}
 	case fi.Mode().IsRegular() && isTarball(o.Source):
 		progress("extracting %s", o.Source)
 		tree = filepath.Join(work, "root")
 		if st, err = extractTarball(ctx, o.Source, tree); err != nil {
-			return Layer{}, fmt.Errorf("extract %s: %w", o.Source, err)
+			return Layer{}, errdefs.Mark(errdefs.ErrInvalidArgument, fmt.Errorf("extract %s: %w", o.Source, err))
 		}
 	default:
-		return Layer{}, fmt.Errorf("source %s: want a directory or a .tar, .tar.gz or .tgz file", o.Source)
+		return Layer{}, errdefs.New(errdefs.ErrInvalidArgument, "source %s: want a directory or a .tar, .tar.gz or .tgz file", o.Source)
 	}
 
 	progress("building erofs (%d files, %.1f MiB, %s)", st.files, mib(st.bytes), compression)

@@ -7,6 +7,7 @@ import (
 	"syscall"
 
 	"github.com/shoal-sandbox/shoal/internal/agent"
+	"github.com/shoal-sandbox/shoal/internal/errdefs"
 )
 
 // Command is a process running in a sandbox, registered under an ID so that
@@ -77,7 +78,7 @@ func (c *commands) dropSandbox(id string) {
 // is still running). While a command runs, the sandbox is never idle.
 func (m *Manager) Exec(ctx context.Context, sandboxID string, req agent.ExecRequest) (*Command, error) {
 	if len(req.Args) == 0 {
-		return nil, errorf(ErrInvalid, "a command is required")
+		return nil, errdefs.New(ErrInvalid, "a command is required")
 	}
 	a, err := m.Agent(sandboxID)
 	if err != nil {
@@ -123,7 +124,7 @@ func (m *Manager) Command(sandboxID, commandID string) (*Command, error) {
 	defer m.cmds.mu.Unlock()
 	cmd, ok := m.cmds.byID[sandboxID+"/"+commandID]
 	if !ok {
-		return nil, errorf(ErrNotFound, "no running command %q in sandbox %s", commandID, sandboxID)
+		return nil, errdefs.New(ErrNotFound, "no running command %q in sandbox %s", commandID, sandboxID)
 	}
 	return cmd, nil
 }

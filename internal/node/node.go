@@ -20,15 +20,16 @@ import (
 	"go.etcd.io/bbolt"
 
 	"github.com/shoal-sandbox/shoal/internal/agent"
+	"github.com/shoal-sandbox/shoal/internal/errdefs"
 	"github.com/shoal-sandbox/shoal/internal/layer"
 	"github.com/shoal-sandbox/shoal/internal/sandbox"
 )
 
 // Errors returned by the manager; the API edge maps them to status codes.
 var (
-	ErrInvalid    = errors.New("invalid request")
-	ErrNotFound   = errors.New("not found")
-	ErrNotRunning = errors.New("sandbox is not running")
+	ErrInvalid    = errdefs.ErrInvalidArgument
+	ErrNotFound   = errdefs.ErrNotFound
+	ErrNotRunning = errdefs.ErrFailedPrecondition
 )
 
 // Config configures a Manager.
@@ -163,32 +164,32 @@ func (m *Manager) validate(req *CreateRequest) error {
 			names = append(names, n)
 		}
 		sort.Strings(names)
-		return errorf(ErrInvalid, "backend %q is not available on this node (available: %v)", req.Backend, names)
+		return errdefs.New(ErrInvalid, "backend %q is not available on this node (available: %v)", req.Backend, names)
 	}
 	if req.Base == "" {
-		return errorf(ErrInvalid, "a base layer is required (--base NAME:VERSION)")
+		return errdefs.New(ErrInvalid, "a base layer is required (--base NAME:VERSION)")
 	}
 	if req.Memory == 0 {
 		req.Memory = m.cfg.DefaultMemory
 	}
 	if req.Memory < 32<<20 {
-		return errorf(ErrInvalid, "memory %d bytes is below the minimum of 32 MiB", req.Memory)
+		return errdefs.New(ErrInvalid, "memory %d bytes is below the minimum of 32 MiB", req.Memory)
 	}
 	if req.MilliCPU == 0 {
 		req.MilliCPU = m.cfg.DefaultMilliCPU
 	}
 	if max := int64(runtime.NumCPU()) * 1000; req.MilliCPU < 10 || req.MilliCPU > max {
-		return errorf(ErrInvalid, "cpus must be between 0.01 and %d (this node's cores), got %.3f", max/1000, float64(req.MilliCPU)/1000)
+		return errdefs.New(ErrInvalid, "cpus must be between 0.01 and %d (this node's cores), got %.3f", max/1000, float64(req.MilliCPU)/1000)
 	}
 	if req.Timeout == 0 {
 		req.Timeout = m.cfg.DefaultTimeout
 	}
 	if req.Timeout < time.Second || req.Timeout > m.cfg.MaxTimeout {
-		return errorf(ErrInvalid, "timeout must be between 1s and %s, got %s", m.cfg.MaxTimeout, req.Timeout)
+		return errdefs.New(ErrInvalid, "timeout must be between 1s and %s, got %s", m.cfg.MaxTimeout, req.Timeout)
 	}
 	for k := range req.Env {
 		if k == "" || containsAny(k, "=\x00") {
-			return errorf(ErrInvalid, "bad environment variable name %q", k)
+			return errdefs.New(ErrInvalid, "bad environment variable name %q", k)
 		}
 	}
 	return nil
@@ -216,7 +217,7 @@ func (m *Manager) resolve(req *CreateRequest) ([]layer.Layer, []LayerRef, error)
 			return err
 		}
 		if l.Kind != want {
-			return errorf(ErrInvalid, "layer %s is a %s layer, not a %s layer", ref, l.Kind, want)
+			return errdefs.New(ErrInvalid, "layer %s is a %s layer, not a %s layer", ref, l.Kind, want)
 		}
 		out = append(out, l)
 		refs = append(refs, LayerRef{Kind: string(l.Kind), Ref: l.Ref(), Digest: l.Digest})
@@ -357,11 +358,11 @@ func (m *Manager) forget(id string) {
 
 func (m *Manager) lookup(id string) (*entry, error) {
 	if !validID(id) {
-		return nil, errorf(ErrNotFound, "%q is not a sandbox ID", id)
+		return nil, errdefs.New(ErrNotFound, "%q is not a sandbox ID", id)
 	}
 	e, ok := m.sandboxes[id]
 	if !ok {
-		return nil, errorf(ErrNotFound, "no sandbox %s on this node", id)
+		return nil, errdefs.New(ErrNotFound, "no sandbox %s on this node", id)
 	}
 	return e, nil
 }
@@ -397,7 +398,7 @@ func (m *Manager) List() []Record {
 // SetTimeout sets a sandbox's idle timeout and restarts its clock.
 func (m *Manager) SetTimeout(id string, d time.Duration) (Record, error) {
 	if d < time.Second || d > m.cfg.MaxTimeout {
-		return Record{}, errorf(ErrInvalid, "timeout must be between 1s and %s, got %s", m.cfg.MaxTimeout, d)
+		return Record{}, errdefs.New(ErrInvalid, "timeout must be between 1s and %s, got %s", m.cfg.MaxTimeout, d)
 	}
 	m.mu.Lock()
 	e, err := m.lookup(id)
@@ -424,7 +425,7 @@ func (m *Manager) Agent(id string) (*agent.Client, error) {
 		return nil, err
 	}
 	if e.rec.State != StateRunning {
-		return nil, errorf(ErrNotRunning, "sandbox %s is %s", id, e.rec.State)
+		return nil, errdefs.New(ErrNotRunning, "sandbox %s is %s", id, e.rec.State)
 	}
 	m.touchLocked(e)
 	return e.agent, nil

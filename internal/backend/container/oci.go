@@ -78,6 +78,7 @@ func (b *Backend) ociSpec(spec sandbox.Spec, rootfs string) (*specs.Spec, error)
 		Version: ociVersion,
 		Root:    &specs.Root{Path: rootfs},
 		Process: &specs.Process{
+
 			Args: []string{agentPath},
 			Env: mergeEnv(baseEnv, spec.Env, []string{
 				"SHOAL_AGENT_FD=3",
