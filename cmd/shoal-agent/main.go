@@ -40,7 +40,8 @@ func main() {
 	if os.Getpid() != 1 {
 		unix.Prctl(unix.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 	}
-	prewarmThreads(12)
+	// In the background: the first request must not wait for it.
+	go prewarmThreads(8)
 	l, err := agent.Listen(*listen)
 	if err != nil {
 		log.Warn("listen", "err", err)
