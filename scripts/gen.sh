@@ -6,7 +6,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$(go env GOPATH)/bin:$PATH"
+rm -f api/shoal/v1/*.pb.go api/shoal/v1/shoalv1connect/*.go
 protoc -I api -I /usr/include \
   --go_out=. --go_opt=module=github.com/shoal-sandbox/shoal \
   --connect-go_out=. --connect-go_opt=module=github.com/shoal-sandbox/shoal \
-  api/shoal/v1/shoal.proto
+  api/shoal/v1/*.proto

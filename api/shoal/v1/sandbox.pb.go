@@ -15,7 +15,7 @@
 // versions:
 // 	protoc-gen-go v1.36.12
 // 	protoc        v3.21.12
-// source: shoal/v1/shoal.proto
+// source: shoal/v1/sandbox.proto
 
 package shoalv1
 
@@ -34,58 +34,6 @@ const (
 	// Verify that runtime/protoimpl is sufficiently up-to-date.
 	_ = protoimpl.EnforceVersion(protoimpl.MaxVersion - 20)
 )
-
-type LayerKind int32
-
-const (
-	LayerKind_LAYER_KIND_UNSPECIFIED LayerKind = 0
-	LayerKind_LAYER_KIND_BASE        LayerKind = 1
-	LayerKind_LAYER_KIND_WORKSPACE   LayerKind = 2
-	LayerKind_LAYER_KIND_TOOLKIT     LayerKind = 3
-)
-
-// Enum value maps for LayerKind.
-var (
-	LayerKind_name = map[int32]string{
-		0: "LAYER_KIND_UNSPECIFIED",
-		1: "LAYER_KIND_BASE",
-		2: "LAYER_KIND_WORKSPACE",
-		3: "LAYER_KIND_TOOLKIT",
-	}
-	LayerKind_value = map[string]int32{
-		"LAYER_KIND_UNSPECIFIED": 0,
-		"LAYER_KIND_BASE":        1,
-		"LAYER_KIND_WORKSPACE":   2,
-		"LAYER_KIND_TOOLKIT":     3,
-	}
-)
-
-func (x LayerKind) Enum() *LayerKind {
-	p := new(LayerKind)
-	*p = x
-	return p
-}
-
-func (x LayerKind) String() string {
-	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
-}
-
-func (LayerKind) Descriptor() protoreflect.EnumDescriptor {
-	return file_shoal_v1_shoal_proto_enumTypes[0].Descriptor()
-}
-
-func (LayerKind) Type() protoreflect.EnumType {
-	return &file_shoal_v1_shoal_proto_enumTypes[0]
-}
-
-func (x LayerKind) Number() protoreflect.EnumNumber {
-	return protoreflect.EnumNumber(x)
-}
-
-// Deprecated: Use LayerKind.Descriptor instead.
-func (LayerKind) EnumDescriptor() ([]byte, []int) {
-	return file_shoal_v1_shoal_proto_rawDescGZIP(), []int{0}
-}
 
 type SandboxState int32
 
@@ -126,11 +74,11 @@ func (x SandboxState) String() string {
 }
 
 func (SandboxState) Descriptor() protoreflect.EnumDescriptor {
-	return file_shoal_v1_shoal_proto_enumTypes[1].Descriptor()
+	return file_shoal_v1_sandbox_proto_enumTypes[0].Descriptor()
 }
 
 func (SandboxState) Type() protoreflect.EnumType {
-	return &file_shoal_v1_shoal_proto_enumTypes[1]
+	return &file_shoal_v1_sandbox_proto_enumTypes[0]
 }
 
 func (x SandboxState) Number() protoreflect.EnumNumber {
@@ -139,381 +87,7 @@ func (x SandboxState) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use SandboxState.Descriptor instead.
 func (SandboxState) EnumDescriptor() ([]byte, []int) {
-	return file_shoal_v1_shoal_proto_rawDescGZIP(), []int{1}
-}
-
-type Layer struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Name          string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
-	Version       string                 `protobuf:"bytes,2,opt,name=version,proto3" json:"version,omitempty"`
-	Kind          LayerKind              `protobuf:"varint,3,opt,name=kind,proto3,enum=shoal.v1.LayerKind" json:"kind,omitempty"`
-	Digest        string                 `protobuf:"bytes,4,opt,name=digest,proto3" json:"digest,omitempty"` // sha256:<hex> of the EROFS image
-	Size          int64                  `protobuf:"varint,5,opt,name=size,proto3" json:"size,omitempty"`    // bytes of the EROFS image
-	Compression   string                 `protobuf:"bytes,6,opt,name=compression,proto3" json:"compression,omitempty"`
-	CreatedAt     *timestamppb.Timestamp `protobuf:"bytes,7,opt,name=created_at,json=createdAt,proto3" json:"created_at,omitempty"`
-	Ref           string                 `protobuf:"bytes,8,opt,name=ref,proto3" json:"ref,omitempty"` // name:version
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
-}
-
-func (x *Layer) Reset() {
-	*x = Layer{}
-	mi := &file_shoal_v1_shoal_proto_msgTypes[0]
-	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
-	ms.StoreMessageInfo(mi)
-}
-
-func (x *Layer) String() string {
-	return protoimpl.X.MessageStringOf(x)
-}
-
-func (*Layer) ProtoMessage() {}
-
-func (x *Layer) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_shoal_proto_msgTypes[0]
-	if x != nil {
-		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
-		if ms.LoadMessageInfo() == nil {
-			ms.StoreMessageInfo(mi)
-		}
-		return ms
-	}
-	return mi.MessageOf(x)
-}
-
-// Deprecated: Use Layer.ProtoReflect.Descriptor instead.
-func (*Layer) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_shoal_proto_rawDescGZIP(), []int{0}
-}
-
-func (x *Layer) GetName() string {
-	if x != nil {
-		return x.Name
-	}
-	return ""
-}
-
-func (x *Layer) GetVersion() string {
-	if x != nil {
-		return x.Version
-	}
-	return ""
-}
-
-func (x *Layer) GetKind() LayerKind {
-	if x != nil {
-		return x.Kind
-	}
-	return LayerKind_LAYER_KIND_UNSPECIFIED
-}
-
-func (x *Layer) GetDigest() string {
-	if x != nil {
-		return x.Digest
-	}
-	return ""
-}
-
-func (x *Layer) GetSize() int64 {
-	if x != nil {
-		return x.Size
-	}
-	return 0
-}
-
-func (x *Layer) GetCompression() string {
-	if x != nil {
-		return x.Compression
-	}
-	return ""
-}
-
-func (x *Layer) GetCreatedAt() *timestamppb.Timestamp {
-	if x != nil {
-		return x.CreatedAt
-	}
-	return nil
-}
-
-func (x *Layer) GetRef() string {
-	if x != nil {
-		return x.Ref
-	}
-	return ""
-}
-
-type BuildLayerRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Kind          LayerKind              `protobuf:"varint,1,opt,name=kind,proto3,enum=shoal.v1.LayerKind" json:"kind,omitempty"`
-	Ref           string                 `protobuf:"bytes,2,opt,name=ref,proto3" json:"ref,omitempty"`                 // name:version
-	Source        string                 `protobuf:"bytes,3,opt,name=source,proto3" json:"source,omitempty"`           // absolute path on the server: a directory, .tar, .tar.gz or .tgz
-	Compression   string                 `protobuf:"bytes,4,opt,name=compression,proto3" json:"compression,omitempty"` // "", "none", "lz4", "lz4hc"
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
-}
-
-func (x *BuildLayerRequest) Reset() {
-	*x = BuildLayerRequest{}
-	mi := &file_shoal_v1_shoal_proto_msgTypes[1]
-	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
-	ms.StoreMessageInfo(mi)
-}
-
-func (x *BuildLayerRequest) String() string {
-	return protoimpl.X.MessageStringOf(x)
-}
-
-func (*BuildLayerRequest) ProtoMessage() {}
-
-func (x *BuildLayerRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_shoal_proto_msgTypes[1]
-	if x != nil {
-		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
-		if ms.LoadMessageInfo() == nil {
-			ms.StoreMessageInfo(mi)
-		}
-		return ms
-	}
-	return mi.MessageOf(x)
-}
-
-// Deprecated: Use BuildLayerRequest.ProtoReflect.Descriptor instead.
-func (*BuildLayerRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_shoal_proto_rawDescGZIP(), []int{1}
-}
-
-func (x *BuildLayerRequest) GetKind() LayerKind {
-	if x != nil {
-		return x.Kind
-	}
-	return LayerKind_LAYER_KIND_UNSPECIFIED
-}
-
-func (x *BuildLayerRequest) GetRef() string {
-	if x != nil {
-		return x.Ref
-	}
-	return ""
-}
-
-func (x *BuildLayerRequest) GetSource() string {
-	if x != nil {
-		return x.Source
-	}
-	return ""
-}
-
-func (x *BuildLayerRequest) GetCompression() string {
-	if x != nil {
-		return x.Compression
-	}
-	return ""
-}
-
-type BuildLayerResponse struct {
-	state protoimpl.MessageState `protogen:"open.v1"`
-	// Types that are valid to be assigned to Event:
-	//
-	//	*BuildLayerResponse_Progress
-	//	*BuildLayerResponse_Layer
-	Event         isBuildLayerResponse_Event `protobuf_oneof:"event"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
-}
-
-func (x *BuildLayerResponse) Reset() {
-	*x = BuildLayerResponse{}
-	mi := &file_shoal_v1_shoal_proto_msgTypes[2]
-	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
-	ms.StoreMessageInfo(mi)
-}
-
-func (x *BuildLayerResponse) String() string {
-	return protoimpl.X.MessageStringOf(x)
-}
-
-func (*BuildLayerResponse) ProtoMessage() {}
-
-func (x *BuildLayerResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_shoal_proto_msgTypes[2]
-	if x != nil {
-		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
-		if ms.LoadMessageInfo() == nil {
-			ms.StoreMessageInfo(mi)
-		}
-		return ms
-	}
-	return mi.MessageOf(x)
-}
-
-// Deprecated: Use BuildLayerResponse.ProtoReflect.Descriptor instead.
-func (*BuildLayerResponse) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_shoal_proto_rawDescGZIP(), []int{2}
-}
-
-func (x *BuildLayerResponse) GetEvent() isBuildLayerResponse_Event {
-	if x != nil {
-		return x.Event
-	}
-	return nil
-}
-
-func (x *BuildLayerResponse) GetProgress() string {
-	if x != nil {
-		if x, ok := x.Event.(*BuildLayerResponse_Progress); ok {
-			return x.Progress
-		}
-	}
-	return ""
-}
-
-func (x *BuildLayerResponse) GetLayer() *Layer {
-	if x != nil {
-		if x, ok := x.Event.(*BuildLayerResponse_Layer); ok {
-			return x.Layer
-		}
-	}
-	return nil
-}
-
-type isBuildLayerResponse_Event interface {
-	isBuildLayerResponse_Event()
-}
-
-type BuildLayerResponse_Progress struct {
-	Progress string `protobuf:"bytes,1,opt,name=progress,proto3,oneof"`
-}
-
-type BuildLayerResponse_Layer struct {
-	Layer *Layer `protobuf:"bytes,2,opt,name=layer,proto3,oneof"`
-}
-
-func (*BuildLayerResponse_Progress) isBuildLayerResponse_Event() {}
-
-func (*BuildLayerResponse_Layer) isBuildLayerResponse_Event() {}
-
-type ListLayersRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
-}
-
-func (x *ListLayersRequest) Reset() {
-	*x = ListLayersRequest{}
-	mi := &file_shoal_v1_shoal_proto_msgTypes[3]
-	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
-	ms.StoreMessageInfo(mi)
-}
-
-func (x *ListLayersRequest) String() string {
-	return protoimpl.X.MessageStringOf(x)
-}
-
-func (*ListLayersRequest) ProtoMessage() {}
-
-func (x *ListLayersRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_shoal_proto_msgTypes[3]
-	if x != nil {
-		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
-		if ms.LoadMessageInfo() == nil {
-			ms.StoreMessageInfo(mi)
-		}
-		return ms
-	}
-	return mi.MessageOf(x)
-}
-
-// Deprecated: Use ListLayersRequest.ProtoReflect.Descriptor instead.
-func (*ListLayersRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_shoal_proto_rawDescGZIP(), []int{3}
-}
-
-type ListLayersResponse struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Layers        []*Layer               `protobuf:"bytes,1,rep,name=layers,proto3" json:"layers,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
-}
-
-func (x *ListLayersResponse) Reset() {
-	*x = ListLayersResponse{}
-	mi := &file_shoal_v1_shoal_proto_msgTypes[4]
-	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
-	ms.StoreMessageInfo(mi)
-}
-
-func (x *ListLayersResponse) String() string {
-	return protoimpl.X.MessageStringOf(x)
-}
-
-func (*ListLayersResponse) ProtoMessage() {}
-
-func (x *ListLayersResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_shoal_proto_msgTypes[4]
-	if x != nil {
-		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
-		if ms.LoadMessageInfo() == nil {
-			ms.StoreMessageInfo(mi)
-		}
-		return ms
-	}
-	return mi.MessageOf(x)
-}
-
-// Deprecated: Use ListLayersResponse.ProtoReflect.Descriptor instead.
-func (*ListLayersResponse) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_shoal_proto_rawDescGZIP(), []int{4}
-}
-
-func (x *ListLayersResponse) GetLayers() []*Layer {
-	if x != nil {
-		return x.Layers
-	}
-	return nil
-}
-
-type GetLayerRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Ref           string                 `protobuf:"bytes,1,opt,name=ref,proto3" json:"ref,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
-}
-
-func (x *GetLayerRequest) Reset() {
-	*x = GetLayerRequest{}
-	mi := &file_shoal_v1_shoal_proto_msgTypes[5]
-	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
-	ms.StoreMessageInfo(mi)
-}
-
-func (x *GetLayerRequest) String() string {
-	return protoimpl.X.MessageStringOf(x)
-}
-
-func (*GetLayerRequest) ProtoMessage() {}
-
-func (x *GetLayerRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_shoal_proto_msgTypes[5]
-	if x != nil {
-		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
-		if ms.LoadMessageInfo() == nil {
-			ms.StoreMessageInfo(mi)
-		}
-		return ms
-	}
-	return mi.MessageOf(x)
-}
-
-// Deprecated: Use GetLayerRequest.ProtoReflect.Descriptor instead.
-func (*GetLayerRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_shoal_proto_rawDescGZIP(), []int{5}
-}
-
-func (x *GetLayerRequest) GetRef() string {
-	if x != nil {
-		return x.Ref
-	}
-	return ""
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{0}
 }
 
 // LayerRef is one layer of a sandbox as resolved at creation: the digest is
@@ -529,7 +103,7 @@ type LayerRef struct {
 
 func (x *LayerRef) Reset() {
 	*x = LayerRef{}
-	mi := &file_shoal_v1_shoal_proto_msgTypes[6]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[0]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -541,7 +115,7 @@ func (x *LayerRef) String() string {
 func (*LayerRef) ProtoMessage() {}
 
 func (x *LayerRef) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_shoal_proto_msgTypes[6]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[0]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -554,7 +128,7 @@ func (x *LayerRef) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LayerRef.ProtoReflect.Descriptor instead.
 func (*LayerRef) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_shoal_proto_rawDescGZIP(), []int{6}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{0}
 }
 
 func (x *LayerRef) GetKind() LayerKind {
@@ -595,7 +169,7 @@ type CreateSandboxRequest struct {
 
 func (x *CreateSandboxRequest) Reset() {
 	*x = CreateSandboxRequest{}
-	mi := &file_shoal_v1_shoal_proto_msgTypes[7]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[1]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -607,7 +181,7 @@ func (x *CreateSandboxRequest) String() string {
 func (*CreateSandboxRequest) ProtoMessage() {}
 
 func (x *CreateSandboxRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_shoal_proto_msgTypes[7]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[1]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -620,7 +194,7 @@ func (x *CreateSandboxRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateSandboxRequest.ProtoReflect.Descriptor instead.
 func (*CreateSandboxRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_shoal_proto_rawDescGZIP(), []int{7}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{1}
 }
 
 func (x *CreateSandboxRequest) GetBackend() string {
@@ -706,7 +280,7 @@ type Sandbox struct {
 
 func (x *Sandbox) Reset() {
 	*x = Sandbox{}
-	mi := &file_shoal_v1_shoal_proto_msgTypes[8]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[2]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -718,7 +292,7 @@ func (x *Sandbox) String() string {
 func (*Sandbox) ProtoMessage() {}
 
 func (x *Sandbox) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_shoal_proto_msgTypes[8]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[2]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -731,7 +305,7 @@ func (x *Sandbox) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Sandbox.ProtoReflect.Descriptor instead.
 func (*Sandbox) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_shoal_proto_rawDescGZIP(), []int{8}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{2}
 }
 
 func (x *Sandbox) GetId() string {
@@ -827,7 +401,7 @@ type GetSandboxRequest struct {
 
 func (x *GetSandboxRequest) Reset() {
 	*x = GetSandboxRequest{}
-	mi := &file_shoal_v1_shoal_proto_msgTypes[9]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -839,7 +413,7 @@ func (x *GetSandboxRequest) String() string {
 func (*GetSandboxRequest) ProtoMessage() {}
 
 func (x *GetSandboxRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_shoal_proto_msgTypes[9]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -852,7 +426,7 @@ func (x *GetSandboxRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetSandboxRequest.ProtoReflect.Descriptor instead.
 func (*GetSandboxRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_shoal_proto_rawDescGZIP(), []int{9}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *GetSandboxRequest) GetId() string {
@@ -870,7 +444,7 @@ type ListSandboxesRequest struct {
 
 func (x *ListSandboxesRequest) Reset() {
 	*x = ListSandboxesRequest{}
-	mi := &file_shoal_v1_shoal_proto_msgTypes[10]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -882,7 +456,7 @@ func (x *ListSandboxesRequest) String() string {
 func (*ListSandboxesRequest) ProtoMessage() {}
 
 func (x *ListSandboxesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_shoal_proto_msgTypes[10]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -895,7 +469,7 @@ func (x *ListSandboxesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSandboxesRequest.ProtoReflect.Descriptor instead.
 func (*ListSandboxesRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_shoal_proto_rawDescGZIP(), []int{10}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{4}
 }
 
 type ListSandboxesResponse struct {
@@ -907,7 +481,7 @@ type ListSandboxesResponse struct {
 
 func (x *ListSandboxesResponse) Reset() {
 	*x = ListSandboxesResponse{}
-	mi := &file_shoal_v1_shoal_proto_msgTypes[11]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -919,7 +493,7 @@ func (x *ListSandboxesResponse) String() string {
 func (*ListSandboxesResponse) ProtoMessage() {}
 
 func (x *ListSandboxesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_shoal_proto_msgTypes[11]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -932,7 +506,7 @@ func (x *ListSandboxesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSandboxesResponse.ProtoReflect.Descriptor instead.
 func (*ListSandboxesResponse) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_shoal_proto_rawDescGZIP(), []int{11}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *ListSandboxesResponse) GetSandboxes() []*Sandbox {
@@ -951,7 +525,7 @@ type DeleteSandboxRequest struct {
 
 func (x *DeleteSandboxRequest) Reset() {
 	*x = DeleteSandboxRequest{}
-	mi := &file_shoal_v1_shoal_proto_msgTypes[12]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -963,7 +537,7 @@ func (x *DeleteSandboxRequest) String() string {
 func (*DeleteSandboxRequest) ProtoMessage() {}
 
 func (x *DeleteSandboxRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_shoal_proto_msgTypes[12]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -976,7 +550,7 @@ func (x *DeleteSandboxRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteSandboxRequest.ProtoReflect.Descriptor instead.
 func (*DeleteSandboxRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_shoal_proto_rawDescGZIP(), []int{12}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *DeleteSandboxRequest) GetId() string {
@@ -994,7 +568,7 @@ type DeleteSandboxResponse struct {
 
 func (x *DeleteSandboxResponse) Reset() {
 	*x = DeleteSandboxResponse{}
-	mi := &file_shoal_v1_shoal_proto_msgTypes[13]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1006,7 +580,7 @@ func (x *DeleteSandboxResponse) String() string {
 func (*DeleteSandboxResponse) ProtoMessage() {}
 
 func (x *DeleteSandboxResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_shoal_proto_msgTypes[13]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1019,7 +593,7 @@ func (x *DeleteSandboxResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteSandboxResponse.ProtoReflect.Descriptor instead.
 func (*DeleteSandboxResponse) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_shoal_proto_rawDescGZIP(), []int{13}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{7}
 }
 
 type SetTimeoutRequest struct {
@@ -1032,7 +606,7 @@ type SetTimeoutRequest struct {
 
 func (x *SetTimeoutRequest) Reset() {
 	*x = SetTimeoutRequest{}
-	mi := &file_shoal_v1_shoal_proto_msgTypes[14]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1044,7 +618,7 @@ func (x *SetTimeoutRequest) String() string {
 func (*SetTimeoutRequest) ProtoMessage() {}
 
 func (x *SetTimeoutRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_shoal_proto_msgTypes[14]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1057,7 +631,7 @@ func (x *SetTimeoutRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetTimeoutRequest.ProtoReflect.Descriptor instead.
 func (*SetTimeoutRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_shoal_proto_rawDescGZIP(), []int{14}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *SetTimeoutRequest) GetId() string {
@@ -1089,7 +663,7 @@ type ExecRequest struct {
 
 func (x *ExecRequest) Reset() {
 	*x = ExecRequest{}
-	mi := &file_shoal_v1_shoal_proto_msgTypes[15]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1101,7 +675,7 @@ func (x *ExecRequest) String() string {
 func (*ExecRequest) ProtoMessage() {}
 
 func (x *ExecRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_shoal_proto_msgTypes[15]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1114,7 +688,7 @@ func (x *ExecRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExecRequest.ProtoReflect.Descriptor instead.
 func (*ExecRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_shoal_proto_rawDescGZIP(), []int{15}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *ExecRequest) GetSandboxId() string {
@@ -1181,7 +755,7 @@ type ExecEvent struct {
 
 func (x *ExecEvent) Reset() {
 	*x = ExecEvent{}
-	mi := &file_shoal_v1_shoal_proto_msgTypes[16]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1193,7 +767,7 @@ func (x *ExecEvent) String() string {
 func (*ExecEvent) ProtoMessage() {}
 
 func (x *ExecEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_shoal_proto_msgTypes[16]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1206,7 +780,7 @@ func (x *ExecEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExecEvent.ProtoReflect.Descriptor instead.
 func (*ExecEvent) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_shoal_proto_rawDescGZIP(), []int{16}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *ExecEvent) GetEvent() isExecEvent_Event {
@@ -1292,7 +866,7 @@ type SendStdinRequest struct {
 
 func (x *SendStdinRequest) Reset() {
 	*x = SendStdinRequest{}
-	mi := &file_shoal_v1_shoal_proto_msgTypes[17]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1304,7 +878,7 @@ func (x *SendStdinRequest) String() string {
 func (*SendStdinRequest) ProtoMessage() {}
 
 func (x *SendStdinRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_shoal_proto_msgTypes[17]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1317,7 +891,7 @@ func (x *SendStdinRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SendStdinRequest.ProtoReflect.Descriptor instead.
 func (*SendStdinRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_shoal_proto_rawDescGZIP(), []int{17}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *SendStdinRequest) GetSandboxId() string {
@@ -1356,7 +930,7 @@ type SendStdinResponse struct {
 
 func (x *SendStdinResponse) Reset() {
 	*x = SendStdinResponse{}
-	mi := &file_shoal_v1_shoal_proto_msgTypes[18]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1368,7 +942,7 @@ func (x *SendStdinResponse) String() string {
 func (*SendStdinResponse) ProtoMessage() {}
 
 func (x *SendStdinResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_shoal_proto_msgTypes[18]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1381,7 +955,7 @@ func (x *SendStdinResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SendStdinResponse.ProtoReflect.Descriptor instead.
 func (*SendStdinResponse) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_shoal_proto_rawDescGZIP(), []int{18}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{12}
 }
 
 type SignalCommandRequest struct {
@@ -1395,7 +969,7 @@ type SignalCommandRequest struct {
 
 func (x *SignalCommandRequest) Reset() {
 	*x = SignalCommandRequest{}
-	mi := &file_shoal_v1_shoal_proto_msgTypes[19]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1407,7 +981,7 @@ func (x *SignalCommandRequest) String() string {
 func (*SignalCommandRequest) ProtoMessage() {}
 
 func (x *SignalCommandRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_shoal_proto_msgTypes[19]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1420,7 +994,7 @@ func (x *SignalCommandRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SignalCommandRequest.ProtoReflect.Descriptor instead.
 func (*SignalCommandRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_shoal_proto_rawDescGZIP(), []int{19}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *SignalCommandRequest) GetSandboxId() string {
@@ -1452,7 +1026,7 @@ type SignalCommandResponse struct {
 
 func (x *SignalCommandResponse) Reset() {
 	*x = SignalCommandResponse{}
-	mi := &file_shoal_v1_shoal_proto_msgTypes[20]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1464,7 +1038,7 @@ func (x *SignalCommandResponse) String() string {
 func (*SignalCommandResponse) ProtoMessage() {}
 
 func (x *SignalCommandResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_shoal_proto_msgTypes[20]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1477,7 +1051,7 @@ func (x *SignalCommandResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SignalCommandResponse.ProtoReflect.Descriptor instead.
 func (*SignalCommandResponse) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_shoal_proto_rawDescGZIP(), []int{20}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{14}
 }
 
 type FileInfo struct {
@@ -1495,7 +1069,7 @@ type FileInfo struct {
 
 func (x *FileInfo) Reset() {
 	*x = FileInfo{}
-	mi := &file_shoal_v1_shoal_proto_msgTypes[21]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1507,7 +1081,7 @@ func (x *FileInfo) String() string {
 func (*FileInfo) ProtoMessage() {}
 
 func (x *FileInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_shoal_proto_msgTypes[21]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1520,7 +1094,7 @@ func (x *FileInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FileInfo.ProtoReflect.Descriptor instead.
 func (*FileInfo) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_shoal_proto_rawDescGZIP(), []int{21}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *FileInfo) GetName() string {
@@ -1582,7 +1156,7 @@ type StatFileRequest struct {
 
 func (x *StatFileRequest) Reset() {
 	*x = StatFileRequest{}
-	mi := &file_shoal_v1_shoal_proto_msgTypes[22]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1594,7 +1168,7 @@ func (x *StatFileRequest) String() string {
 func (*StatFileRequest) ProtoMessage() {}
 
 func (x *StatFileRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_shoal_proto_msgTypes[22]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1607,7 +1181,7 @@ func (x *StatFileRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatFileRequest.ProtoReflect.Descriptor instead.
 func (*StatFileRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_shoal_proto_rawDescGZIP(), []int{22}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *StatFileRequest) GetSandboxId() string {
@@ -1634,7 +1208,7 @@ type ListDirRequest struct {
 
 func (x *ListDirRequest) Reset() {
 	*x = ListDirRequest{}
-	mi := &file_shoal_v1_shoal_proto_msgTypes[23]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1646,7 +1220,7 @@ func (x *ListDirRequest) String() string {
 func (*ListDirRequest) ProtoMessage() {}
 
 func (x *ListDirRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_shoal_proto_msgTypes[23]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1659,7 +1233,7 @@ func (x *ListDirRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListDirRequest.ProtoReflect.Descriptor instead.
 func (*ListDirRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_shoal_proto_rawDescGZIP(), []int{23}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *ListDirRequest) GetSandboxId() string {
@@ -1685,7 +1259,7 @@ type ListDirResponse struct {
 
 func (x *ListDirResponse) Reset() {
 	*x = ListDirResponse{}
-	mi := &file_shoal_v1_shoal_proto_msgTypes[24]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1697,7 +1271,7 @@ func (x *ListDirResponse) String() string {
 func (*ListDirResponse) ProtoMessage() {}
 
 func (x *ListDirResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_shoal_proto_msgTypes[24]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1710,7 +1284,7 @@ func (x *ListDirResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListDirResponse.ProtoReflect.Descriptor instead.
 func (*ListDirResponse) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_shoal_proto_rawDescGZIP(), []int{24}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *ListDirResponse) GetEntries() []*FileInfo {
@@ -1730,7 +1304,7 @@ type MakeDirRequest struct {
 
 func (x *MakeDirRequest) Reset() {
 	*x = MakeDirRequest{}
-	mi := &file_shoal_v1_shoal_proto_msgTypes[25]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1742,7 +1316,7 @@ func (x *MakeDirRequest) String() string {
 func (*MakeDirRequest) ProtoMessage() {}
 
 func (x *MakeDirRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_shoal_proto_msgTypes[25]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1755,7 +1329,7 @@ func (x *MakeDirRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MakeDirRequest.ProtoReflect.Descriptor instead.
 func (*MakeDirRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_shoal_proto_rawDescGZIP(), []int{25}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *MakeDirRequest) GetSandboxId() string {
@@ -1780,7 +1354,7 @@ type MakeDirResponse struct {
 
 func (x *MakeDirResponse) Reset() {
 	*x = MakeDirResponse{}
-	mi := &file_shoal_v1_shoal_proto_msgTypes[26]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1792,7 +1366,7 @@ func (x *MakeDirResponse) String() string {
 func (*MakeDirResponse) ProtoMessage() {}
 
 func (x *MakeDirResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_shoal_proto_msgTypes[26]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1805,7 +1379,7 @@ func (x *MakeDirResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MakeDirResponse.ProtoReflect.Descriptor instead.
 func (*MakeDirResponse) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_shoal_proto_rawDescGZIP(), []int{26}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{20}
 }
 
 type RemoveFileRequest struct {
@@ -1819,7 +1393,7 @@ type RemoveFileRequest struct {
 
 func (x *RemoveFileRequest) Reset() {
 	*x = RemoveFileRequest{}
-	mi := &file_shoal_v1_shoal_proto_msgTypes[27]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1831,7 +1405,7 @@ func (x *RemoveFileRequest) String() string {
 func (*RemoveFileRequest) ProtoMessage() {}
 
 func (x *RemoveFileRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_shoal_proto_msgTypes[27]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1844,7 +1418,7 @@ func (x *RemoveFileRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RemoveFileRequest.ProtoReflect.Descriptor instead.
 func (*RemoveFileRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_shoal_proto_rawDescGZIP(), []int{27}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *RemoveFileRequest) GetSandboxId() string {
@@ -1876,7 +1450,7 @@ type RemoveFileResponse struct {
 
 func (x *RemoveFileResponse) Reset() {
 	*x = RemoveFileResponse{}
-	mi := &file_shoal_v1_shoal_proto_msgTypes[28]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1888,7 +1462,7 @@ func (x *RemoveFileResponse) String() string {
 func (*RemoveFileResponse) ProtoMessage() {}
 
 func (x *RemoveFileResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_shoal_proto_msgTypes[28]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1901,7 +1475,7 @@ func (x *RemoveFileResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RemoveFileResponse.ProtoReflect.Descriptor instead.
 func (*RemoveFileResponse) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_shoal_proto_rawDescGZIP(), []int{28}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{22}
 }
 
 type ExecEvent_Started struct {
@@ -1914,7 +1488,7 @@ type ExecEvent_Started struct {
 
 func (x *ExecEvent_Started) Reset() {
 	*x = ExecEvent_Started{}
-	mi := &file_shoal_v1_shoal_proto_msgTypes[33]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1926,7 +1500,7 @@ func (x *ExecEvent_Started) String() string {
 func (*ExecEvent_Started) ProtoMessage() {}
 
 func (x *ExecEvent_Started) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_shoal_proto_msgTypes[33]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1939,7 +1513,7 @@ func (x *ExecEvent_Started) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExecEvent_Started.ProtoReflect.Descriptor instead.
 func (*ExecEvent_Started) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_shoal_proto_rawDescGZIP(), []int{16, 0}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{10, 0}
 }
 
 func (x *ExecEvent_Started) GetCommandId() string {
@@ -1967,7 +1541,7 @@ type ExecEvent_Exit struct {
 
 func (x *ExecEvent_Exit) Reset() {
 	*x = ExecEvent_Exit{}
-	mi := &file_shoal_v1_shoal_proto_msgTypes[34]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1979,7 +1553,7 @@ func (x *ExecEvent_Exit) String() string {
 func (*ExecEvent_Exit) ProtoMessage() {}
 
 func (x *ExecEvent_Exit) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_shoal_proto_msgTypes[34]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1992,7 +1566,7 @@ func (x *ExecEvent_Exit) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExecEvent_Exit.ProtoReflect.Descriptor instead.
 func (*ExecEvent_Exit) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_shoal_proto_rawDescGZIP(), []int{16, 1}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{10, 1}
 }
 
 func (x *ExecEvent_Exit) GetCode() int32 {
@@ -2016,35 +1590,11 @@ func (x *ExecEvent_Exit) GetTimedOut() bool {
 	return false
 }
 
-var File_shoal_v1_shoal_proto protoreflect.FileDescriptor
+var File_shoal_v1_sandbox_proto protoreflect.FileDescriptor
 
-const file_shoal_v1_shoal_proto_rawDesc = "" +
+const file_shoal_v1_sandbox_proto_rawDesc = "" +
 	"\n" +
-	"\x14shoal/v1/shoal.proto\x12\bshoal.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xf9\x01\n" +
-	"\x05Layer\x12\x12\n" +
-	"\x04name\x18\x01 \x01(\tR\x04name\x12\x18\n" +
-	"\aversion\x18\x02 \x01(\tR\aversion\x12'\n" +
-	"\x04kind\x18\x03 \x01(\x0e2\x13.shoal.v1.LayerKindR\x04kind\x12\x16\n" +
-	"\x06digest\x18\x04 \x01(\tR\x06digest\x12\x12\n" +
-	"\x04size\x18\x05 \x01(\x03R\x04size\x12 \n" +
-	"\vcompression\x18\x06 \x01(\tR\vcompression\x129\n" +
-	"\n" +
-	"created_at\x18\a \x01(\v2\x1a.google.protobuf.TimestampR\tcreatedAt\x12\x10\n" +
-	"\x03ref\x18\b \x01(\tR\x03ref\"\x88\x01\n" +
-	"\x11BuildLayerRequest\x12'\n" +
-	"\x04kind\x18\x01 \x01(\x0e2\x13.shoal.v1.LayerKindR\x04kind\x12\x10\n" +
-	"\x03ref\x18\x02 \x01(\tR\x03ref\x12\x16\n" +
-	"\x06source\x18\x03 \x01(\tR\x06source\x12 \n" +
-	"\vcompression\x18\x04 \x01(\tR\vcompression\"d\n" +
-	"\x12BuildLayerResponse\x12\x1c\n" +
-	"\bprogress\x18\x01 \x01(\tH\x00R\bprogress\x12'\n" +
-	"\x05layer\x18\x02 \x01(\v2\x0f.shoal.v1.LayerH\x00R\x05layerB\a\n" +
-	"\x05event\"\x13\n" +
-	"\x11ListLayersRequest\"=\n" +
-	"\x12ListLayersResponse\x12'\n" +
-	"\x06layers\x18\x01 \x03(\v2\x0f.shoal.v1.LayerR\x06layers\"#\n" +
-	"\x0fGetLayerRequest\x12\x10\n" +
-	"\x03ref\x18\x01 \x01(\tR\x03ref\"]\n" +
+	"\x16shoal/v1/sandbox.proto\x12\bshoal.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x14shoal/v1/layer.proto\"]\n" +
 	"\bLayerRef\x12'\n" +
 	"\x04kind\x18\x01 \x01(\x0e2\x13.shoal.v1.LayerKindR\x04kind\x12\x10\n" +
 	"\x03ref\x18\x02 \x01(\tR\x03ref\x12\x16\n" +
@@ -2170,24 +1720,13 @@ const file_shoal_v1_shoal_proto_rawDesc = "" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x12\n" +
 	"\x04path\x18\x02 \x01(\tR\x04path\x12\x1c\n" +
 	"\trecursive\x18\x03 \x01(\bR\trecursive\"\x14\n" +
-	"\x12RemoveFileResponse*n\n" +
-	"\tLayerKind\x12\x1a\n" +
-	"\x16LAYER_KIND_UNSPECIFIED\x10\x00\x12\x13\n" +
-	"\x0fLAYER_KIND_BASE\x10\x01\x12\x18\n" +
-	"\x14LAYER_KIND_WORKSPACE\x10\x02\x12\x16\n" +
-	"\x12LAYER_KIND_TOOLKIT\x10\x03*\x99\x01\n" +
+	"\x12RemoveFileResponse*\x99\x01\n" +
 	"\fSandboxState\x12\x1d\n" +
 	"\x19SANDBOX_STATE_UNSPECIFIED\x10\x00\x12\x1a\n" +
 	"\x16SANDBOX_STATE_CREATING\x10\x01\x12\x19\n" +
 	"\x15SANDBOX_STATE_RUNNING\x10\x02\x12\x1a\n" +
 	"\x16SANDBOX_STATE_DELETING\x10\x03\x12\x17\n" +
-	"\x13SANDBOX_STATE_ERROR\x10\x042\xda\x01\n" +
-	"\fLayerService\x12I\n" +
-	"\n" +
-	"BuildLayer\x12\x1b.shoal.v1.BuildLayerRequest\x1a\x1c.shoal.v1.BuildLayerResponse0\x01\x12G\n" +
-	"\n" +
-	"ListLayers\x12\x1b.shoal.v1.ListLayersRequest\x1a\x1c.shoal.v1.ListLayersResponse\x126\n" +
-	"\bGetLayer\x12\x19.shoal.v1.GetLayerRequest\x1a\x0f.shoal.v1.Layer2\xc6\x06\n" +
+	"\x13SANDBOX_STATE_ERROR\x10\x042\xc6\x06\n" +
 	"\x0eSandboxService\x12B\n" +
 	"\rCreateSandbox\x12\x1e.shoal.v1.CreateSandboxRequest\x1a\x11.shoal.v1.Sandbox\x12<\n" +
 	"\n" +
@@ -2206,126 +1745,106 @@ const file_shoal_v1_shoal_proto_rawDesc = "" +
 	"RemoveFile\x12\x1b.shoal.v1.RemoveFileRequest\x1a\x1c.shoal.v1.RemoveFileResponseB5Z3github.com/shoal-sandbox/shoal/api/shoal/v1;shoalv1b\x06proto3"
 
 var (
-	file_shoal_v1_shoal_proto_rawDescOnce sync.Once
-	file_shoal_v1_shoal_proto_rawDescData []byte
+	file_shoal_v1_sandbox_proto_rawDescOnce sync.Once
+	file_shoal_v1_sandbox_proto_rawDescData []byte
 )
 
-func file_shoal_v1_shoal_proto_rawDescGZIP() []byte {
-	file_shoal_v1_shoal_proto_rawDescOnce.Do(func() {
-		file_shoal_v1_shoal_proto_rawDescData = protoimpl.X.CompressGZIP(unsafe.Slice(unsafe.StringData(file_shoal_v1_shoal_proto_rawDesc), len(file_shoal_v1_shoal_proto_rawDesc)))
+func file_shoal_v1_sandbox_proto_rawDescGZIP() []byte {
+	file_shoal_v1_sandbox_proto_rawDescOnce.Do(func() {
+		file_shoal_v1_sandbox_proto_rawDescData = protoimpl.X.CompressGZIP(unsafe.Slice(unsafe.StringData(file_shoal_v1_sandbox_proto_rawDesc), len(file_shoal_v1_sandbox_proto_rawDesc)))
 	})
-	return file_shoal_v1_shoal_proto_rawDescData
+	return file_shoal_v1_sandbox_proto_rawDescData
 }
 
-var file_shoal_v1_shoal_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_shoal_v1_shoal_proto_msgTypes = make([]protoimpl.MessageInfo, 35)
-var file_shoal_v1_shoal_proto_goTypes = []any{
-	(LayerKind)(0),                // 0: shoal.v1.LayerKind
-	(SandboxState)(0),             // 1: shoal.v1.SandboxState
-	(*Layer)(nil),                 // 2: shoal.v1.Layer
-	(*BuildLayerRequest)(nil),     // 3: shoal.v1.BuildLayerRequest
-	(*BuildLayerResponse)(nil),    // 4: shoal.v1.BuildLayerResponse
-	(*ListLayersRequest)(nil),     // 5: shoal.v1.ListLayersRequest
-	(*ListLayersResponse)(nil),    // 6: shoal.v1.ListLayersResponse
-	(*GetLayerRequest)(nil),       // 7: shoal.v1.GetLayerRequest
-	(*LayerRef)(nil),              // 8: shoal.v1.LayerRef
-	(*CreateSandboxRequest)(nil),  // 9: shoal.v1.CreateSandboxRequest
-	(*Sandbox)(nil),               // 10: shoal.v1.Sandbox
-	(*GetSandboxRequest)(nil),     // 11: shoal.v1.GetSandboxRequest
-	(*ListSandboxesRequest)(nil),  // 12: shoal.v1.ListSandboxesRequest
-	(*ListSandboxesResponse)(nil), // 13: shoal.v1.ListSandboxesResponse
-	(*DeleteSandboxRequest)(nil),  // 14: shoal.v1.DeleteSandboxRequest
-	(*DeleteSandboxResponse)(nil), // 15: shoal.v1.DeleteSandboxResponse
-	(*SetTimeoutRequest)(nil),     // 16: shoal.v1.SetTimeoutRequest
-	(*ExecRequest)(nil),           // 17: shoal.v1.ExecRequest
-	(*ExecEvent)(nil),             // 18: shoal.v1.ExecEvent
-	(*SendStdinRequest)(nil),      // 19: shoal.v1.SendStdinRequest
-	(*SendStdinResponse)(nil),     // 20: shoal.v1.SendStdinResponse
-	(*SignalCommandRequest)(nil),  // 21: shoal.v1.SignalCommandRequest
-	(*SignalCommandResponse)(nil), // 22: shoal.v1.SignalCommandResponse
-	(*FileInfo)(nil),              // 23: shoal.v1.FileInfo
-	(*StatFileRequest)(nil),       // 24: shoal.v1.StatFileRequest
-	(*ListDirRequest)(nil),        // 25: shoal.v1.ListDirRequest
-	(*ListDirResponse)(nil),       // 26: shoal.v1.ListDirResponse
-	(*MakeDirRequest)(nil),        // 27: shoal.v1.MakeDirRequest
-	(*MakeDirResponse)(nil),       // 28: shoal.v1.MakeDirResponse
-	(*RemoveFileRequest)(nil),     // 29: shoal.v1.RemoveFileRequest
-	(*RemoveFileResponse)(nil),    // 30: shoal.v1.RemoveFileResponse
-	nil,                           // 31: shoal.v1.CreateSandboxRequest.MetadataEntry
-	nil,                           // 32: shoal.v1.CreateSandboxRequest.EnvEntry
-	nil,                           // 33: shoal.v1.Sandbox.MetadataEntry
-	nil,                           // 34: shoal.v1.ExecRequest.EnvEntry
-	(*ExecEvent_Started)(nil),     // 35: shoal.v1.ExecEvent.Started
-	(*ExecEvent_Exit)(nil),        // 36: shoal.v1.ExecEvent.Exit
-	(*timestamppb.Timestamp)(nil), // 37: google.protobuf.Timestamp
+var file_shoal_v1_sandbox_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
+var file_shoal_v1_sandbox_proto_msgTypes = make([]protoimpl.MessageInfo, 29)
+var file_shoal_v1_sandbox_proto_goTypes = []any{
+	(SandboxState)(0),             // 0: shoal.v1.SandboxState
+	(*LayerRef)(nil),              // 1: shoal.v1.LayerRef
+	(*CreateSandboxRequest)(nil),  // 2: shoal.v1.CreateSandboxRequest
+	(*Sandbox)(nil),               // 3: shoal.v1.Sandbox
+	(*GetSandboxRequest)(nil),     // 4: shoal.v1.GetSandboxRequest
+	(*ListSandboxesRequest)(nil),  // 5: shoal.v1.ListSandboxesRequest
+	(*ListSandboxesResponse)(nil), // 6: shoal.v1.ListSandboxesResponse
+	(*DeleteSandboxRequest)(nil),  // 7: shoal.v1.DeleteSandboxRequest
+	(*DeleteSandboxResponse)(nil), // 8: shoal.v1.DeleteSandboxResponse
+	(*SetTimeoutRequest)(nil),     // 9: shoal.v1.SetTimeoutRequest
+	(*ExecRequest)(nil),           // 10: shoal.v1.ExecRequest
+	(*ExecEvent)(nil),             // 11: shoal.v1.ExecEvent
+	(*SendStdinRequest)(nil),      // 12: shoal.v1.SendStdinRequest
+	(*SendStdinResponse)(nil),     // 13: shoal.v1.SendStdinResponse
+	(*SignalCommandRequest)(nil),  // 14: shoal.v1.SignalCommandRequest
+	(*SignalCommandResponse)(nil), // 15: shoal.v1.SignalCommandResponse
+	(*FileInfo)(nil),              // 16: shoal.v1.FileInfo
+	(*StatFileRequest)(nil),       // 17: shoal.v1.StatFileRequest
+	(*ListDirRequest)(nil),        // 18: shoal.v1.ListDirRequest
+	(*ListDirResponse)(nil),       // 19: shoal.v1.ListDirResponse
+	(*MakeDirRequest)(nil),        // 20: shoal.v1.MakeDirRequest
+	(*MakeDirResponse)(nil),       // 21: shoal.v1.MakeDirResponse
+	(*RemoveFileRequest)(nil),     // 22: shoal.v1.RemoveFileRequest
+	(*RemoveFileResponse)(nil),    // 23: shoal.v1.RemoveFileResponse
+	nil,                           // 24: shoal.v1.CreateSandboxRequest.MetadataEntry
+	nil,                           // 25: shoal.v1.CreateSandboxRequest.EnvEntry
+	nil,                           // 26: shoal.v1.Sandbox.MetadataEntry
+	nil,                           // 27: shoal.v1.ExecRequest.EnvEntry
+	(*ExecEvent_Started)(nil),     // 28: shoal.v1.ExecEvent.Started
+	(*ExecEvent_Exit)(nil),        // 29: shoal.v1.ExecEvent.Exit
+	(LayerKind)(0),                // 30: shoal.v1.LayerKind
+	(*timestamppb.Timestamp)(nil), // 31: google.protobuf.Timestamp
 }
-var file_shoal_v1_shoal_proto_depIdxs = []int32{
-	0,  // 0: shoal.v1.Layer.kind:type_name -> shoal.v1.LayerKind
-	37, // 1: shoal.v1.Layer.created_at:type_name -> google.protobuf.Timestamp
-	0,  // 2: shoal.v1.BuildLayerRequest.kind:type_name -> shoal.v1.LayerKind
-	2,  // 3: shoal.v1.BuildLayerResponse.layer:type_name -> shoal.v1.Layer
-	2,  // 4: shoal.v1.ListLayersResponse.layers:type_name -> shoal.v1.Layer
-	0,  // 5: shoal.v1.LayerRef.kind:type_name -> shoal.v1.LayerKind
-	31, // 6: shoal.v1.CreateSandboxRequest.metadata:type_name -> shoal.v1.CreateSandboxRequest.MetadataEntry
-	32, // 7: shoal.v1.CreateSandboxRequest.env:type_name -> shoal.v1.CreateSandboxRequest.EnvEntry
-	1,  // 8: shoal.v1.Sandbox.state:type_name -> shoal.v1.SandboxState
-	8,  // 9: shoal.v1.Sandbox.layers:type_name -> shoal.v1.LayerRef
-	37, // 10: shoal.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
-	37, // 11: shoal.v1.Sandbox.expires_at:type_name -> google.protobuf.Timestamp
-	33, // 12: shoal.v1.Sandbox.metadata:type_name -> shoal.v1.Sandbox.MetadataEntry
-	10, // 13: shoal.v1.ListSandboxesResponse.sandboxes:type_name -> shoal.v1.Sandbox
-	34, // 14: shoal.v1.ExecRequest.env:type_name -> shoal.v1.ExecRequest.EnvEntry
-	35, // 15: shoal.v1.ExecEvent.started:type_name -> shoal.v1.ExecEvent.Started
-	36, // 16: shoal.v1.ExecEvent.exit:type_name -> shoal.v1.ExecEvent.Exit
-	37, // 17: shoal.v1.FileInfo.modified_at:type_name -> google.protobuf.Timestamp
-	23, // 18: shoal.v1.ListDirResponse.entries:type_name -> shoal.v1.FileInfo
-	3,  // 19: shoal.v1.LayerService.BuildLayer:input_type -> shoal.v1.BuildLayerRequest
-	5,  // 20: shoal.v1.LayerService.ListLayers:input_type -> shoal.v1.ListLayersRequest
-	7,  // 21: shoal.v1.LayerService.GetLayer:input_type -> shoal.v1.GetLayerRequest
-	9,  // 22: shoal.v1.SandboxService.CreateSandbox:input_type -> shoal.v1.CreateSandboxRequest
-	11, // 23: shoal.v1.SandboxService.GetSandbox:input_type -> shoal.v1.GetSandboxRequest
-	12, // 24: shoal.v1.SandboxService.ListSandboxes:input_type -> shoal.v1.ListSandboxesRequest
-	14, // 25: shoal.v1.SandboxService.DeleteSandbox:input_type -> shoal.v1.DeleteSandboxRequest
-	16, // 26: shoal.v1.SandboxService.SetTimeout:input_type -> shoal.v1.SetTimeoutRequest
-	17, // 27: shoal.v1.SandboxService.Exec:input_type -> shoal.v1.ExecRequest
-	19, // 28: shoal.v1.SandboxService.SendStdin:input_type -> shoal.v1.SendStdinRequest
-	21, // 29: shoal.v1.SandboxService.SignalCommand:input_type -> shoal.v1.SignalCommandRequest
-	24, // 30: shoal.v1.SandboxService.StatFile:input_type -> shoal.v1.StatFileRequest
-	25, // 31: shoal.v1.SandboxService.ListDir:input_type -> shoal.v1.ListDirRequest
-	27, // 32: shoal.v1.SandboxService.MakeDir:input_type -> shoal.v1.MakeDirRequest
-	29, // 33: shoal.v1.SandboxService.RemoveFile:input_type -> shoal.v1.RemoveFileRequest
-	4,  // 34: shoal.v1.LayerService.BuildLayer:output_type -> shoal.v1.BuildLayerResponse
-	6,  // 35: shoal.v1.LayerService.ListLayers:output_type -> shoal.v1.ListLayersResponse
-	2,  // 36: shoal.v1.LayerService.GetLayer:output_type -> shoal.v1.Layer
-	10, // 37: shoal.v1.SandboxService.CreateSandbox:output_type -> shoal.v1.Sandbox
-	10, // 38: shoal.v1.SandboxService.GetSandbox:output_type -> shoal.v1.Sandbox
-	13, // 39: shoal.v1.SandboxService.ListSandboxes:output_type -> shoal.v1.ListSandboxesResponse
-	15, // 40: shoal.v1.SandboxService.DeleteSandbox:output_type -> shoal.v1.DeleteSandboxResponse
-	10, // 41: shoal.v1.SandboxService.SetTimeout:output_type -> shoal.v1.Sandbox
-	18, // 42: shoal.v1.SandboxService.Exec:output_type -> shoal.v1.ExecEvent
-	20, // 43: shoal.v1.SandboxService.SendStdin:output_type -> shoal.v1.SendStdinResponse
-	22, // 44: shoal.v1.SandboxService.SignalCommand:output_type -> shoal.v1.SignalCommandResponse
-	23, // 45: shoal.v1.SandboxService.StatFile:output_type -> shoal.v1.FileInfo
-	26, // 46: shoal.v1.SandboxService.ListDir:output_type -> shoal.v1.ListDirResponse
-	28, // 47: shoal.v1.SandboxService.MakeDir:output_type -> shoal.v1.MakeDirResponse
-	30, // 48: shoal.v1.SandboxService.RemoveFile:output_type -> shoal.v1.RemoveFileResponse
-	34, // [34:49] is the sub-list for method output_type
-	19, // [19:34] is the sub-list for method input_type
-	19, // [19:19] is the sub-list for extension type_name
-	19, // [19:19] is the sub-list for extension extendee
-	0,  // [0:19] is the sub-list for field type_name
+var file_shoal_v1_sandbox_proto_depIdxs = []int32{
+	30, // 0: shoal.v1.LayerRef.kind:type_name -> shoal.v1.LayerKind
+	24, // 1: shoal.v1.CreateSandboxRequest.metadata:type_name -> shoal.v1.CreateSandboxRequest.MetadataEntry
+	25, // 2: shoal.v1.CreateSandboxRequest.env:type_name -> shoal.v1.CreateSandboxRequest.EnvEntry
+	0,  // 3: shoal.v1.Sandbox.state:type_name -> shoal.v1.SandboxState
+	1,  // 4: shoal.v1.Sandbox.layers:type_name -> shoal.v1.LayerRef
+	31, // 5: shoal.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
+	31, // 6: shoal.v1.Sandbox.expires_at:type_name -> google.protobuf.Timestamp
+	26, // 7: shoal.v1.Sandbox.metadata:type_name -> shoal.v1.Sandbox.MetadataEntry
+	3,  // 8: shoal.v1.ListSandboxesResponse.sandboxes:type_name -> shoal.v1.Sandbox
+	27, // 9: shoal.v1.ExecRequest.env:type_name -> shoal.v1.ExecRequest.EnvEntry
+	28, // 10: shoal.v1.ExecEvent.started:type_name -> shoal.v1.ExecEvent.Started
+	29, // 11: shoal.v1.ExecEvent.exit:type_name -> shoal.v1.ExecEvent.Exit
+	31, // 12: shoal.v1.FileInfo.modified_at:type_name -> google.protobuf.Timestamp
+	16, // 13: shoal.v1.ListDirResponse.entries:type_name -> shoal.v1.FileInfo
+	2,  // 14: shoal.v1.SandboxService.CreateSandbox:input_type -> shoal.v1.CreateSandboxRequest
+	4,  // 15: shoal.v1.SandboxService.GetSandbox:input_type -> shoal.v1.GetSandboxRequest
+	5,  // 16: shoal.v1.SandboxService.ListSandboxes:input_type -> shoal.v1.ListSandboxesRequest
+	7,  // 17: shoal.v1.SandboxService.DeleteSandbox:input_type -> shoal.v1.DeleteSandboxRequest
+	9,  // 18: shoal.v1.SandboxService.SetTimeout:input_type -> shoal.v1.SetTimeoutRequest
+	10, // 19: shoal.v1.SandboxService.Exec:input_type -> shoal.v1.ExecRequest
+	12, // 20: shoal.v1.SandboxService.SendStdin:input_type -> shoal.v1.SendStdinRequest
+	14, // 21: shoal.v1.SandboxService.SignalCommand:input_type -> shoal.v1.SignalCommandRequest
+	17, // 22: shoal.v1.SandboxService.StatFile:input_type -> shoal.v1.StatFileRequest
+	18, // 23: shoal.v1.SandboxService.ListDir:input_type -> shoal.v1.ListDirRequest
+	20, // 24: shoal.v1.SandboxService.MakeDir:input_type -> shoal.v1.MakeDirRequest
+	22, // 25: shoal.v1.SandboxService.RemoveFile:input_type -> shoal.v1.RemoveFileRequest
+	3,  // 26: shoal.v1.SandboxService.CreateSandbox:output_type -> shoal.v1.Sandbox
+	3,  // 27: shoal.v1.SandboxService.GetSandbox:output_type -> shoal.v1.Sandbox
+	6,  // 28: shoal.v1.SandboxService.ListSandboxes:output_type -> shoal.v1.ListSandboxesResponse
+	8,  // 29: shoal.v1.SandboxService.DeleteSandbox:output_type -> shoal.v1.DeleteSandboxResponse
+	3,  // 30: shoal.v1.SandboxService.SetTimeout:output_type -> shoal.v1.Sandbox
+	11, // 31: shoal.v1.SandboxService.Exec:output_type -> shoal.v1.ExecEvent
+	13, // 32: shoal.v1.SandboxService.SendStdin:output_type -> shoal.v1.SendStdinResponse
+	15, // 33: shoal.v1.SandboxService.SignalCommand:output_type -> shoal.v1.SignalCommandResponse
+	16, // 34: shoal.v1.SandboxService.StatFile:output_type -> shoal.v1.FileInfo
+	19, // 35: shoal.v1.SandboxService.ListDir:output_type -> shoal.v1.ListDirResponse
+	21, // 36: shoal.v1.SandboxService.MakeDir:output_type -> shoal.v1.MakeDirResponse
+	23, // 37: shoal.v1.SandboxService.RemoveFile:output_type -> shoal.v1.RemoveFileResponse
+	26, // [26:38] is the sub-list for method output_type
+	14, // [14:26] is the sub-list for method input_type
+	14, // [14:14] is the sub-list for extension type_name
+	14, // [14:14] is the sub-list for extension extendee
+	0,  // [0:14] is the sub-list for field type_name
 }
 
-func init() { file_shoal_v1_shoal_proto_init() }
-func file_shoal_v1_shoal_proto_init() {
-	if File_shoal_v1_shoal_proto != nil {
+func init() { file_shoal_v1_sandbox_proto_init() }
+func file_shoal_v1_sandbox_proto_init() {
+	if File_shoal_v1_sandbox_proto != nil {
 		return
 	}
-	file_shoal_v1_shoal_proto_msgTypes[2].OneofWrappers = []any{
-		(*BuildLayerResponse_Progress)(nil),
-		(*BuildLayerResponse_Layer)(nil),
-	}
-	file_shoal_v1_shoal_proto_msgTypes[16].OneofWrappers = []any{
+	file_shoal_v1_layer_proto_init()
+	file_shoal_v1_sandbox_proto_msgTypes[10].OneofWrappers = []any{
 		(*ExecEvent_Started_)(nil),
 		(*ExecEvent_Stdout)(nil),
 		(*ExecEvent_Stderr)(nil),
@@ -2335,18 +1854,18 @@ func file_shoal_v1_shoal_proto_init() {
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
-			RawDescriptor: unsafe.Slice(unsafe.StringData(file_shoal_v1_shoal_proto_rawDesc), len(file_shoal_v1_shoal_proto_rawDesc)),
-			NumEnums:      2,
-			NumMessages:   35,
+			RawDescriptor: unsafe.Slice(unsafe.StringData(file_shoal_v1_sandbox_proto_rawDesc), len(file_shoal_v1_sandbox_proto_rawDesc)),
+			NumEnums:      1,
+			NumMessages:   29,
 			NumExtensions: 0,
-			NumServices:   2,
+			NumServices:   1,
 		},
-		GoTypes:           file_shoal_v1_shoal_proto_goTypes,
-		DependencyIndexes: file_shoal_v1_shoal_proto_depIdxs,
-		EnumInfos:         file_shoal_v1_shoal_proto_enumTypes,
-		MessageInfos:      file_shoal_v1_shoal_proto_msgTypes,
+		GoTypes:           file_shoal_v1_sandbox_proto_goTypes,
+		DependencyIndexes: file_shoal_v1_sandbox_proto_depIdxs,
+		EnumInfos:         file_shoal_v1_sandbox_proto_enumTypes,
+		MessageInfos:      file_shoal_v1_sandbox_proto_msgTypes,
 	}.Build()
-	File_shoal_v1_shoal_proto = out.File
-	file_shoal_v1_shoal_proto_goTypes = nil
-	file_shoal_v1_shoal_proto_depIdxs = nil
+	File_shoal_v1_sandbox_proto = out.File
+	file_shoal_v1_sandbox_proto_goTypes = nil
+	file_shoal_v1_sandbox_proto_depIdxs = nil
 }
