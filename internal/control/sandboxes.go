@@ -10,9 +10,6 @@ import (
 	"fmt"
 	"log/slog"
 	"net/http"
-	"sort"
-	"strings"
-	"syscall"
 	"time"
 
 	"connectrpc.com/connect"
@@ -20,12 +17,14 @@ import (
 
 	pb "github.com/shoal-sandbox/shoal/api/shoal/v1"
 	"github.com/shoal-sandbox/shoal/api/shoal/v1/shoalv1connect"
-	"github.com/shoal-sandbox/shoal/internal/agent"
 	"github.com/shoal-sandbox/shoal/internal/node"
 )
 
 // Server implements the API on top of one node's manager.
 type Server struct {
+	shoalv1connect.UnimplementedCommandServiceHandler
+	shoalv1connect.UnimplementedSandboxServiceHandler
+
 	node *node.Manager
 	auth *Auth
 	log  *slog.Logger
@@ -33,6 +32,7 @@ type Server struct {
 
 var (
 	_ shoalv1connect.SandboxServiceHandler = (*Server)(nil)
+	_ shoalv1connect.CommandServiceHandler = (*Server)(nil)
 	_ shoalv1connect.LayerServiceHandler   = (*Server)(nil)
 )
 
@@ -50,6 +50,7 @@ func (s *Server) Handler() http.Handler {
 	})
 	mux.Handle(shoalv1connect.NewSandboxServiceHandler(s))
 	mux.Handle(shoalv1connect.NewLayerServiceHandler(s))
+	mux.Handle(shoalv1connect.NewCommandServiceHandler(s))
 	mux.HandleFunc("GET /v1/sandboxes/{id}/files", s.readFile)
 	mux.HandleFunc("PUT /v1/sandboxes/{id}/files", s.writeFile)
 	return s.auth.Middleware(mux, "/healthz")
@@ -125,100 +126,4 @@ func sandboxPB(r node.Record) *pb.Sandbox {
 		out.Layers = append(out.Layers, &pb.LayerRef{Kind: kindPB(l.Kind), Ref: l.Ref, Digest: l.Digest})
 	}
 	return out
-}
-
-// --- commands ---
-
-func (s *Server) Exec(ctx context.Context, req *connect.Request[pb.ExecRequest], stream *connect.ServerStream[pb.ExecEvent]) error {
-	r := req.Msg
-	if r.TimeoutMs < 0 {
-		return connect.NewError(connect.CodeInvalidArgument, errors.New("timeout_ms must not be negative"))
-	}
-	env := make([]string, 0, len(r.Env))
-	for k, v := range r.Env {
-		if k == "" || strings.ContainsAny(k, "=\x00") {
-			return connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("bad environment variable name %q", k))
-		}
-		env = append(env, k+"="+v)
-	}
-	sort.Strings(env)
-	cmd, err := s.node.Exec(ctx, r.SandboxId, agent.ExecRequest{
-		Args: r.Args, Env: env, Cwd: r.Cwd,
-		Stdin:   r.StdinOpen || len(r.Stdin) > 0,
-		Timeout: time.Duration(r.TimeoutMs) * time.Millisecond,
-	})
-	if err != nil {
-		return toConnect(err)
-	}
-	defer s.node.FinishCommand(cmd)
-	if err := stream.Send(&pb.ExecEvent{Event: &pb.ExecEvent_Started_{Started: &pb.ExecEvent_Started{CommandId: cmd.ID, Pid: int64(cmd.Pid())}}}); err != nil {
-		return err
-	}
-	if len(r.Stdin) > 0 || !r.StdinOpen {
-		stdin, closeStdin := r.Stdin, !r.StdinOpen
-		go func() {
-			if err := cmd.WriteStdin(stdin, closeStdin); err != nil {
-				s.log.Debug("write stdin", "sandbox_id", r.SandboxId, "err", err)
-			}
-		}()
-	}
-	for {
-		ev, err := cmd.Recv()
-		if err != nil {
-			return toConnect(fmt.Errorf("command %s: %w", cmd.ID, err))
-		}
-		var msg pb.ExecEvent
-		switch ev.Kind {
-		case agent.EventStdout:
-			msg.Event = &pb.ExecEvent_Stdout{Stdout: ev.Data}
-		case agent.EventStderr:
-			msg.Event = &pb.ExecEvent_Stderr{Stderr: ev.Data}
-		case agent.EventExit:
-			msg.Event = &pb.ExecEvent_Exit_{Exit: &pb.ExecEvent_Exit{
-				Code: int32(ev.Exit.Code), Signal: ev.Exit.Signal, TimedOut: ev.Exit.TimedOut,
-			}}
-			return stream.Send(&msg)
-		default:
-			continue
-		}
-		if err := stream.Send(&msg); err != nil {
-			return err
-		}
-	}
-}
-
-func (s *Server) SendStdin(ctx context.Context, req *connect.Request[pb.SendStdinRequest]) (*connect.Response[pb.SendStdinResponse], error) {
-	cmd, err := s.node.Command(req.Msg.SandboxId, req.Msg.CommandId)
-	if err != nil {
-		return nil, toConnect(err)
-	}
-	if err := cmd.WriteStdin(req.Msg.Data, req.Msg.Close); err != nil {
-		return nil, toConnect(fmt.Errorf("write stdin of command %s: %w", cmd.ID, err))
-	}
-	return connect.NewResponse(&pb.SendStdinResponse{}), nil
-}
-
-var signals = map[string]syscall.Signal{
-	"SIGHUP": syscall.SIGHUP, "SIGINT": syscall.SIGINT, "SIGQUIT": syscall.SIGQUIT,
-	"SIGKILL": syscall.SIGKILL, "SIGTERM": syscall.SIGTERM, "SIGUSR1": syscall.SIGUSR1,
-	"SIGUSR2": syscall.SIGUSR2, "SIGSTOP": syscall.SIGSTOP, "SIGCONT": syscall.SIGCONT,
-}
-
-func (s *Server) SignalCommand(ctx context.Context, req *connect.Request[pb.SignalCommandRequest]) (*connect.Response[pb.SignalCommandResponse], error) {
-	name := strings.ToUpper(req.Msg.Signal)
-	if !strings.HasPrefix(name, "SIG") {
-		name = "SIG" + name
-	}
-	sig, ok := signals[name]
-	if !ok {
-		return nil, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("unknown signal %q (use SIGTERM, SIGKILL, SIGINT, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2, SIGSTOP or SIGCONT)", req.Msg.Signal))
-	}
-	cmd, err := s.node.Command(req.Msg.SandboxId, req.Msg.CommandId)
-	if err != nil {
-		return nil, toConnect(err)
-	}
-	if err := cmd.Signal(sig); err != nil {
-		return nil, toConnect(err)
-	}
-	return connect.NewResponse(&pb.SignalCommandResponse{}), nil
 }

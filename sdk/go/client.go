@@ -46,6 +46,7 @@ type Client struct {
 	hc        *http.Client
 	Sandboxes shoalv1connect.SandboxServiceClient
 	Layers    shoalv1connect.LayerServiceClient
+	Commands  shoalv1connect.CommandServiceClient
 }
 
 // New returns a client.
@@ -82,6 +83,7 @@ func New(o Options) (*Client, error) {
 	c.hc = &http.Client{Transport: &authTransport{key: o.APIKey, next: transportOf(o.HTTPClient)}, Timeout: o.HTTPClient.Timeout}
 	c.Sandboxes = shoalv1connect.NewSandboxServiceClient(c.hc, c.url)
 	c.Layers = shoalv1connect.NewLayerServiceClient(c.hc, c.url)
+	c.Commands = shoalv1connect.NewCommandServiceClient(c.hc, c.url)
 	return c, nil
 }
 
@@ -190,7 +192,7 @@ func (c *Client) Exec(ctx context.Context, sandboxID string, o ExecOptions) (Exi
 			stdin = io.MultiReader(bytes.NewReader(head), stdin)
 		}
 	}
-	stream, err := c.Sandboxes.Exec(ctx, connect.NewRequest(req))
+	stream, err := c.Commands.Exec(ctx, connect.NewRequest(req))
 	if err != nil {
 		return ExitStatus{}, err
 	}
@@ -198,22 +200,22 @@ func (c *Client) Exec(ctx context.Context, sandboxID string, o ExecOptions) (Exi
 	pumpErr := make(chan error, 1)
 	for stream.Receive() {
 		switch ev := stream.Msg().Event.(type) {
-		case *pb.ExecEvent_Started_:
+		case *pb.CommandEvent_Started_:
 			if o.OnStart != nil {
 				o.OnStart(ev.Started.CommandId)
 			}
 			if stdin != nil {
 				go func(id string) { pumpErr <- c.pumpStdin(ctx, sandboxID, id, stdin) }(ev.Started.CommandId)
 			}
-		case *pb.ExecEvent_Stdout:
+		case *pb.CommandEvent_Stdout:
 			if o.Stdout != nil {
 				o.Stdout.Write(ev.Stdout)
 			}
-		case *pb.ExecEvent_Stderr:
+		case *pb.CommandEvent_Stderr:
 			if o.Stderr != nil {
 				o.Stderr.Write(ev.Stderr)
 			}
-		case *pb.ExecEvent_Exit_:
+		case *pb.CommandEvent_Exit_:
 			return ExitStatus{Code: int(ev.Exit.Code), Signal: ev.Exit.Signal, TimedOut: ev.Exit.TimedOut}, nil
 		}
 	}
@@ -237,7 +239,7 @@ func (c *Client) pumpStdin(ctx context.Context, sandboxID, commandID string, r i
 		n, err := r.Read(buf)
 		if n > 0 || err != nil {
 			closeIt := err != nil
-			if _, serr := c.Sandboxes.SendStdin(ctx, connect.NewRequest(&pb.SendStdinRequest{
+			if _, serr := c.Commands.SendStdin(ctx, connect.NewRequest(&pb.SendStdinRequest{
 				SandboxId: sandboxID, CommandId: commandID, Data: buf[:n], Close: closeIt,
 			})); serr != nil {
 				return serr

@@ -90,6 +90,64 @@ func (SandboxState) EnumDescriptor() ([]byte, []int) {
 	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{0}
 }
 
+type WatchDirEvent_Op int32
+
+const (
+	WatchDirEvent_OP_UNSPECIFIED WatchDirEvent_Op = 0
+	WatchDirEvent_OP_CREATE      WatchDirEvent_Op = 1
+	WatchDirEvent_OP_WRITE       WatchDirEvent_Op = 2
+	WatchDirEvent_OP_REMOVE      WatchDirEvent_Op = 3
+	WatchDirEvent_OP_RENAME      WatchDirEvent_Op = 4
+	WatchDirEvent_OP_CHMOD       WatchDirEvent_Op = 5
+)
+
+// Enum value maps for WatchDirEvent_Op.
+var (
+	WatchDirEvent_Op_name = map[int32]string{
+		0: "OP_UNSPECIFIED",
+		1: "OP_CREATE",
+		2: "OP_WRITE",
+		3: "OP_REMOVE",
+		4: "OP_RENAME",
+		5: "OP_CHMOD",
+	}
+	WatchDirEvent_Op_value = map[string]int32{
+		"OP_UNSPECIFIED": 0,
+		"OP_CREATE":      1,
+		"OP_WRITE":       2,
+		"OP_REMOVE":      3,
+		"OP_RENAME":      4,
+		"OP_CHMOD":       5,
+	}
+)
+
+func (x WatchDirEvent_Op) Enum() *WatchDirEvent_Op {
+	p := new(WatchDirEvent_Op)
+	*p = x
+	return p
+}
+
+func (x WatchDirEvent_Op) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (WatchDirEvent_Op) Descriptor() protoreflect.EnumDescriptor {
+	return file_shoal_v1_sandbox_proto_enumTypes[1].Descriptor()
+}
+
+func (WatchDirEvent_Op) Type() protoreflect.EnumType {
+	return &file_shoal_v1_sandbox_proto_enumTypes[1]
+}
+
+func (x WatchDirEvent_Op) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use WatchDirEvent_Op.Descriptor instead.
+func (WatchDirEvent_Op) EnumDescriptor() ([]byte, []int) {
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{18, 0}
+}
+
 // LayerRef is one layer of a sandbox as resolved at creation: the digest is
 // what the sandbox runs on even if the tag moves later.
 type LayerRef struct {
@@ -648,412 +706,6 @@ func (x *SetTimeoutRequest) GetTimeoutSeconds() int64 {
 	return 0
 }
 
-type ExecRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	SandboxId     string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
-	Args          []string               `protobuf:"bytes,2,rep,name=args,proto3" json:"args,omitempty"`
-	Env           map[string]string      `protobuf:"bytes,3,rep,name=env,proto3" json:"env,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
-	Cwd           string                 `protobuf:"bytes,4,opt,name=cwd,proto3" json:"cwd,omitempty"`
-	Stdin         []byte                 `protobuf:"bytes,5,opt,name=stdin,proto3" json:"stdin,omitempty"`                           // written to stdin first
-	StdinOpen     bool                   `protobuf:"varint,6,opt,name=stdin_open,json=stdinOpen,proto3" json:"stdin_open,omitempty"` // keep stdin open for SendStdin; else closed after `stdin`
-	TimeoutMs     int64                  `protobuf:"varint,7,opt,name=timeout_ms,json=timeoutMs,proto3" json:"timeout_ms,omitempty"` // 0 = none; on expiry the process group is killed
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
-}
-
-func (x *ExecRequest) Reset() {
-	*x = ExecRequest{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[9]
-	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
-	ms.StoreMessageInfo(mi)
-}
-
-func (x *ExecRequest) String() string {
-	return protoimpl.X.MessageStringOf(x)
-}
-
-func (*ExecRequest) ProtoMessage() {}
-
-func (x *ExecRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[9]
-	if x != nil {
-		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
-		if ms.LoadMessageInfo() == nil {
-			ms.StoreMessageInfo(mi)
-		}
-		return ms
-	}
-	return mi.MessageOf(x)
-}
-
-// Deprecated: Use ExecRequest.ProtoReflect.Descriptor instead.
-func (*ExecRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{9}
-}
-
-func (x *ExecRequest) GetSandboxId() string {
-	if x != nil {
-		return x.SandboxId
-	}
-	return ""
-}
-
-func (x *ExecRequest) GetArgs() []string {
-	if x != nil {
-		return x.Args
-	}
-	return nil
-}
-
-func (x *ExecRequest) GetEnv() map[string]string {
-	if x != nil {
-		return x.Env
-	}
-	return nil
-}
-
-func (x *ExecRequest) GetCwd() string {
-	if x != nil {
-		return x.Cwd
-	}
-	return ""
-}
-
-func (x *ExecRequest) GetStdin() []byte {
-	if x != nil {
-		return x.Stdin
-	}
-	return nil
-}
-
-func (x *ExecRequest) GetStdinOpen() bool {
-	if x != nil {
-		return x.StdinOpen
-	}
-	return false
-}
-
-func (x *ExecRequest) GetTimeoutMs() int64 {
-	if x != nil {
-		return x.TimeoutMs
-	}
-	return 0
-}
-
-type ExecEvent struct {
-	state protoimpl.MessageState `protogen:"open.v1"`
-	// Types that are valid to be assigned to Event:
-	//
-	//	*ExecEvent_Started_
-	//	*ExecEvent_Stdout
-	//	*ExecEvent_Stderr
-	//	*ExecEvent_Exit_
-	Event         isExecEvent_Event `protobuf_oneof:"event"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
-}
-
-func (x *ExecEvent) Reset() {
-	*x = ExecEvent{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[10]
-	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
-	ms.StoreMessageInfo(mi)
-}
-
-func (x *ExecEvent) String() string {
-	return protoimpl.X.MessageStringOf(x)
-}
-
-func (*ExecEvent) ProtoMessage() {}
-
-func (x *ExecEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[10]
-	if x != nil {
-		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
-		if ms.LoadMessageInfo() == nil {
-			ms.StoreMessageInfo(mi)
-		}
-		return ms
-	}
-	return mi.MessageOf(x)
-}
-
-// Deprecated: Use ExecEvent.ProtoReflect.Descriptor instead.
-func (*ExecEvent) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{10}
-}
-
-func (x *ExecEvent) GetEvent() isExecEvent_Event {
-	if x != nil {
-		return x.Event
-	}
-	return nil
-}
-
-func (x *ExecEvent) GetStarted() *ExecEvent_Started {
-	if x != nil {
-		if x, ok := x.Event.(*ExecEvent_Started_); ok {
-			return x.Started
-		}
-	}
-	return nil
-}
-
-func (x *ExecEvent) GetStdout() []byte {
-	if x != nil {
-		if x, ok := x.Event.(*ExecEvent_Stdout); ok {
-			return x.Stdout
-		}
-	}
-	return nil
-}
-
-func (x *ExecEvent) GetStderr() []byte {
-	if x != nil {
-		if x, ok := x.Event.(*ExecEvent_Stderr); ok {
-			return x.Stderr
-		}
-	}
-	return nil
-}
-
-func (x *ExecEvent) GetExit() *ExecEvent_Exit {
-	if x != nil {
-		if x, ok := x.Event.(*ExecEvent_Exit_); ok {
-			return x.Exit
-		}
-	}
-	return nil
-}
-
-type isExecEvent_Event interface {
-	isExecEvent_Event()
-}
-
-type ExecEvent_Started_ struct {
-	Started *ExecEvent_Started `protobuf:"bytes,1,opt,name=started,proto3,oneof"`
-}
-
-type ExecEvent_Stdout struct {
-	Stdout []byte `protobuf:"bytes,2,opt,name=stdout,proto3,oneof"`
-}
-
-type ExecEvent_Stderr struct {
-	Stderr []byte `protobuf:"bytes,3,opt,name=stderr,proto3,oneof"`
-}
-
-type ExecEvent_Exit_ struct {
-	Exit *ExecEvent_Exit `protobuf:"bytes,4,opt,name=exit,proto3,oneof"`
-}
-
-func (*ExecEvent_Started_) isExecEvent_Event() {}
-
-func (*ExecEvent_Stdout) isExecEvent_Event() {}
-
-func (*ExecEvent_Stderr) isExecEvent_Event() {}
-
-func (*ExecEvent_Exit_) isExecEvent_Event() {}
-
-type SendStdinRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	SandboxId     string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
-	CommandId     string                 `protobuf:"bytes,2,opt,name=command_id,json=commandId,proto3" json:"command_id,omitempty"`
-	Data          []byte                 `protobuf:"bytes,3,opt,name=data,proto3" json:"data,omitempty"`
-	Close         bool                   `protobuf:"varint,4,opt,name=close,proto3" json:"close,omitempty"` // close stdin after data
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
-}
-
-func (x *SendStdinRequest) Reset() {
-	*x = SendStdinRequest{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[11]
-	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
-	ms.StoreMessageInfo(mi)
-}
-
-func (x *SendStdinRequest) String() string {
-	return protoimpl.X.MessageStringOf(x)
-}
-
-func (*SendStdinRequest) ProtoMessage() {}
-
-func (x *SendStdinRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[11]
-	if x != nil {
-		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
-		if ms.LoadMessageInfo() == nil {
-			ms.StoreMessageInfo(mi)
-		}
-		return ms
-	}
-	return mi.MessageOf(x)
-}
-
-// Deprecated: Use SendStdinRequest.ProtoReflect.Descriptor instead.
-func (*SendStdinRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{11}
-}
-
-func (x *SendStdinRequest) GetSandboxId() string {
-	if x != nil {
-		return x.SandboxId
-	}
-	return ""
-}
-
-func (x *SendStdinRequest) GetCommandId() string {
-	if x != nil {
-		return x.CommandId
-	}
-	return ""
-}
-
-func (x *SendStdinRequest) GetData() []byte {
-	if x != nil {
-		return x.Data
-	}
-	return nil
-}
-
-func (x *SendStdinRequest) GetClose() bool {
-	if x != nil {
-		return x.Close
-	}
-	return false
-}
-
-type SendStdinResponse struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
-}
-
-func (x *SendStdinResponse) Reset() {
-	*x = SendStdinResponse{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[12]
-	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
-	ms.StoreMessageInfo(mi)
-}
-
-func (x *SendStdinResponse) String() string {
-	return protoimpl.X.MessageStringOf(x)
-}
-
-func (*SendStdinResponse) ProtoMessage() {}
-
-func (x *SendStdinResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[12]
-	if x != nil {
-		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
-		if ms.LoadMessageInfo() == nil {
-			ms.StoreMessageInfo(mi)
-		}
-		return ms
-	}
-	return mi.MessageOf(x)
-}
-
-// Deprecated: Use SendStdinResponse.ProtoReflect.Descriptor instead.
-func (*SendStdinResponse) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{12}
-}
-
-type SignalCommandRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	SandboxId     string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
-	CommandId     string                 `protobuf:"bytes,2,opt,name=command_id,json=commandId,proto3" json:"command_id,omitempty"`
-	Signal        string                 `protobuf:"bytes,3,opt,name=signal,proto3" json:"signal,omitempty"` // "SIGTERM", "SIGKILL", "SIGINT", "SIGHUP" ...
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
-}
-
-func (x *SignalCommandRequest) Reset() {
-	*x = SignalCommandRequest{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[13]
-	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
-	ms.StoreMessageInfo(mi)
-}
-
-func (x *SignalCommandRequest) String() string {
-	return protoimpl.X.MessageStringOf(x)
-}
-
-func (*SignalCommandRequest) ProtoMessage() {}
-
-func (x *SignalCommandRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[13]
-	if x != nil {
-		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
-		if ms.LoadMessageInfo() == nil {
-			ms.StoreMessageInfo(mi)
-		}
-		return ms
-	}
-	return mi.MessageOf(x)
-}
-
-// Deprecated: Use SignalCommandRequest.ProtoReflect.Descriptor instead.
-func (*SignalCommandRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{13}
-}
-
-func (x *SignalCommandRequest) GetSandboxId() string {
-	if x != nil {
-		return x.SandboxId
-	}
-	return ""
-}
-
-func (x *SignalCommandRequest) GetCommandId() string {
-	if x != nil {
-		return x.CommandId
-	}
-	return ""
-}
-
-func (x *SignalCommandRequest) GetSignal() string {
-	if x != nil {
-		return x.Signal
-	}
-	return ""
-}
-
-type SignalCommandResponse struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
-}
-
-func (x *SignalCommandResponse) Reset() {
-	*x = SignalCommandResponse{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[14]
-	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
-	ms.StoreMessageInfo(mi)
-}
-
-func (x *SignalCommandResponse) String() string {
-	return protoimpl.X.MessageStringOf(x)
-}
-
-func (*SignalCommandResponse) ProtoMessage() {}
-
-func (x *SignalCommandResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[14]
-	if x != nil {
-		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
-		if ms.LoadMessageInfo() == nil {
-			ms.StoreMessageInfo(mi)
-		}
-		return ms
-	}
-	return mi.MessageOf(x)
-}
-
-// Deprecated: Use SignalCommandResponse.ProtoReflect.Descriptor instead.
-func (*SignalCommandResponse) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{14}
-}
-
 type FileInfo struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Name          string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
@@ -1069,7 +721,7 @@ type FileInfo struct {
 
 func (x *FileInfo) Reset() {
 	*x = FileInfo{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[15]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1081,7 +733,7 @@ func (x *FileInfo) String() string {
 func (*FileInfo) ProtoMessage() {}
 
 func (x *FileInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[15]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1094,7 +746,7 @@ func (x *FileInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FileInfo.ProtoReflect.Descriptor instead.
 func (*FileInfo) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{15}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *FileInfo) GetName() string {
@@ -1156,7 +808,7 @@ type StatFileRequest struct {
 
 func (x *StatFileRequest) Reset() {
 	*x = StatFileRequest{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[16]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1168,7 +820,7 @@ func (x *StatFileRequest) String() string {
 func (*StatFileRequest) ProtoMessage() {}
 
 func (x *StatFileRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[16]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1181,7 +833,7 @@ func (x *StatFileRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatFileRequest.ProtoReflect.Descriptor instead.
 func (*StatFileRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{16}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *StatFileRequest) GetSandboxId() string {
@@ -1199,16 +851,19 @@ func (x *StatFileRequest) GetPath() string {
 }
 
 type ListDirRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	SandboxId     string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
-	Path          string                 `protobuf:"bytes,2,opt,name=path,proto3" json:"path,omitempty"`
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	SandboxId string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
+	Path      string                 `protobuf:"bytes,2,opt,name=path,proto3" json:"path,omitempty"`
+	// depth 0 or 1: the directory's entries; n > 1 also lists n-1 levels of
+	// subdirectories (entries carry their full path).
+	Depth         int32 `protobuf:"varint,3,opt,name=depth,proto3" json:"depth,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *ListDirRequest) Reset() {
 	*x = ListDirRequest{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[17]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1220,7 +875,7 @@ func (x *ListDirRequest) String() string {
 func (*ListDirRequest) ProtoMessage() {}
 
 func (x *ListDirRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[17]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1233,7 +888,7 @@ func (x *ListDirRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListDirRequest.ProtoReflect.Descriptor instead.
 func (*ListDirRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{17}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *ListDirRequest) GetSandboxId() string {
@@ -1250,6 +905,13 @@ func (x *ListDirRequest) GetPath() string {
 	return ""
 }
 
+func (x *ListDirRequest) GetDepth() int32 {
+	if x != nil {
+		return x.Depth
+	}
+	return 0
+}
+
 type ListDirResponse struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Entries       []*FileInfo            `protobuf:"bytes,1,rep,name=entries,proto3" json:"entries,omitempty"`
@@ -1259,7 +921,7 @@ type ListDirResponse struct {
 
 func (x *ListDirResponse) Reset() {
 	*x = ListDirResponse{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[18]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1271,7 +933,7 @@ func (x *ListDirResponse) String() string {
 func (*ListDirResponse) ProtoMessage() {}
 
 func (x *ListDirResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[18]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1284,7 +946,7 @@ func (x *ListDirResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListDirResponse.ProtoReflect.Descriptor instead.
 func (*ListDirResponse) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{18}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *ListDirResponse) GetEntries() []*FileInfo {
@@ -1304,7 +966,7 @@ type MakeDirRequest struct {
 
 func (x *MakeDirRequest) Reset() {
 	*x = MakeDirRequest{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[19]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1316,7 +978,7 @@ func (x *MakeDirRequest) String() string {
 func (*MakeDirRequest) ProtoMessage() {}
 
 func (x *MakeDirRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[19]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1329,7 +991,7 @@ func (x *MakeDirRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MakeDirRequest.ProtoReflect.Descriptor instead.
 func (*MakeDirRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{19}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *MakeDirRequest) GetSandboxId() string {
@@ -1354,7 +1016,7 @@ type MakeDirResponse struct {
 
 func (x *MakeDirResponse) Reset() {
 	*x = MakeDirResponse{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[20]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1366,7 +1028,7 @@ func (x *MakeDirResponse) String() string {
 func (*MakeDirResponse) ProtoMessage() {}
 
 func (x *MakeDirResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[20]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1379,7 +1041,7 @@ func (x *MakeDirResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MakeDirResponse.ProtoReflect.Descriptor instead.
 func (*MakeDirResponse) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{20}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{14}
 }
 
 type RemoveFileRequest struct {
@@ -1393,7 +1055,7 @@ type RemoveFileRequest struct {
 
 func (x *RemoveFileRequest) Reset() {
 	*x = RemoveFileRequest{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[21]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1405,7 +1067,7 @@ func (x *RemoveFileRequest) String() string {
 func (*RemoveFileRequest) ProtoMessage() {}
 
 func (x *RemoveFileRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[21]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1418,7 +1080,7 @@ func (x *RemoveFileRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RemoveFileRequest.ProtoReflect.Descriptor instead.
 func (*RemoveFileRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{21}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *RemoveFileRequest) GetSandboxId() string {
@@ -1450,7 +1112,7 @@ type RemoveFileResponse struct {
 
 func (x *RemoveFileResponse) Reset() {
 	*x = RemoveFileResponse{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[22]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1462,7 +1124,7 @@ func (x *RemoveFileResponse) String() string {
 func (*RemoveFileResponse) ProtoMessage() {}
 
 func (x *RemoveFileResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[22]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1475,32 +1137,33 @@ func (x *RemoveFileResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RemoveFileResponse.ProtoReflect.Descriptor instead.
 func (*RemoveFileResponse) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{22}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{16}
 }
 
-type ExecEvent_Started struct {
+type WatchDirRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
-	CommandId     string                 `protobuf:"bytes,1,opt,name=command_id,json=commandId,proto3" json:"command_id,omitempty"`
-	Pid           int64                  `protobuf:"varint,2,opt,name=pid,proto3" json:"pid,omitempty"`
+	SandboxId     string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
+	Path          string                 `protobuf:"bytes,2,opt,name=path,proto3" json:"path,omitempty"`
+	Recursive     bool                   `protobuf:"varint,3,opt,name=recursive,proto3" json:"recursive,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
-func (x *ExecEvent_Started) Reset() {
-	*x = ExecEvent_Started{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[27]
+func (x *WatchDirRequest) Reset() {
+	*x = WatchDirRequest{}
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
 
-func (x *ExecEvent_Started) String() string {
+func (x *WatchDirRequest) String() string {
 	return protoimpl.X.MessageStringOf(x)
 }
 
-func (*ExecEvent_Started) ProtoMessage() {}
+func (*WatchDirRequest) ProtoMessage() {}
 
-func (x *ExecEvent_Started) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[27]
+func (x *WatchDirRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1511,49 +1174,56 @@ func (x *ExecEvent_Started) ProtoReflect() protoreflect.Message {
 	return mi.MessageOf(x)
 }
 
-// Deprecated: Use ExecEvent_Started.ProtoReflect.Descriptor instead.
-func (*ExecEvent_Started) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{10, 0}
+// Deprecated: Use WatchDirRequest.ProtoReflect.Descriptor instead.
+func (*WatchDirRequest) Descriptor() ([]byte, []int) {
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{17}
 }
 
-func (x *ExecEvent_Started) GetCommandId() string {
+func (x *WatchDirRequest) GetSandboxId() string {
 	if x != nil {
-		return x.CommandId
+		return x.SandboxId
 	}
 	return ""
 }
 
-func (x *ExecEvent_Started) GetPid() int64 {
+func (x *WatchDirRequest) GetPath() string {
 	if x != nil {
-		return x.Pid
+		return x.Path
 	}
-	return 0
+	return ""
 }
 
-type ExecEvent_Exit struct {
+func (x *WatchDirRequest) GetRecursive() bool {
+	if x != nil {
+		return x.Recursive
+	}
+	return false
+}
+
+type WatchDirEvent struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
-	Code          int32                  `protobuf:"varint,1,opt,name=code,proto3" json:"code,omitempty"`    // exit code, or 128+signal number
-	Signal        string                 `protobuf:"bytes,2,opt,name=signal,proto3" json:"signal,omitempty"` // e.g. "SIGKILL" when killed by a signal
-	TimedOut      bool                   `protobuf:"varint,3,opt,name=timed_out,json=timedOut,proto3" json:"timed_out,omitempty"`
+	Op            WatchDirEvent_Op       `protobuf:"varint,1,opt,name=op,proto3,enum=shoal.v1.WatchDirEvent_Op" json:"op,omitempty"`
+	Path          string                 `protobuf:"bytes,2,opt,name=path,proto3" json:"path,omitempty"`
+	IsDir         bool                   `protobuf:"varint,3,opt,name=is_dir,json=isDir,proto3" json:"is_dir,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
-func (x *ExecEvent_Exit) Reset() {
-	*x = ExecEvent_Exit{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[28]
+func (x *WatchDirEvent) Reset() {
+	*x = WatchDirEvent{}
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
 
-func (x *ExecEvent_Exit) String() string {
+func (x *WatchDirEvent) String() string {
 	return protoimpl.X.MessageStringOf(x)
 }
 
-func (*ExecEvent_Exit) ProtoMessage() {}
+func (*WatchDirEvent) ProtoMessage() {}
 
-func (x *ExecEvent_Exit) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[28]
+func (x *WatchDirEvent) ProtoReflect() protoreflect.Message {
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1564,28 +1234,28 @@ func (x *ExecEvent_Exit) ProtoReflect() protoreflect.Message {
 	return mi.MessageOf(x)
 }
 
-// Deprecated: Use ExecEvent_Exit.ProtoReflect.Descriptor instead.
-func (*ExecEvent_Exit) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{10, 1}
+// Deprecated: Use WatchDirEvent.ProtoReflect.Descriptor instead.
+func (*WatchDirEvent) Descriptor() ([]byte, []int) {
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{18}
 }
 
-func (x *ExecEvent_Exit) GetCode() int32 {
+func (x *WatchDirEvent) GetOp() WatchDirEvent_Op {
 	if x != nil {
-		return x.Code
+		return x.Op
 	}
-	return 0
+	return WatchDirEvent_OP_UNSPECIFIED
 }
 
-func (x *ExecEvent_Exit) GetSignal() string {
+func (x *WatchDirEvent) GetPath() string {
 	if x != nil {
-		return x.Signal
+		return x.Path
 	}
 	return ""
 }
 
-func (x *ExecEvent_Exit) GetTimedOut() bool {
+func (x *WatchDirEvent) GetIsDir() bool {
 	if x != nil {
-		return x.TimedOut
+		return x.IsDir
 	}
 	return false
 }
@@ -1647,50 +1317,7 @@ const file_shoal_v1_sandbox_proto_rawDesc = "" +
 	"\x15DeleteSandboxResponse\"L\n" +
 	"\x11SetTimeoutRequest\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12'\n" +
-	"\x0ftimeout_seconds\x18\x02 \x01(\x03R\x0etimeoutSeconds\"\x90\x02\n" +
-	"\vExecRequest\x12\x1d\n" +
-	"\n" +
-	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x12\n" +
-	"\x04args\x18\x02 \x03(\tR\x04args\x120\n" +
-	"\x03env\x18\x03 \x03(\v2\x1e.shoal.v1.ExecRequest.EnvEntryR\x03env\x12\x10\n" +
-	"\x03cwd\x18\x04 \x01(\tR\x03cwd\x12\x14\n" +
-	"\x05stdin\x18\x05 \x01(\fR\x05stdin\x12\x1d\n" +
-	"\n" +
-	"stdin_open\x18\x06 \x01(\bR\tstdinOpen\x12\x1d\n" +
-	"\n" +
-	"timeout_ms\x18\a \x01(\x03R\ttimeoutMs\x1a6\n" +
-	"\bEnvEntry\x12\x10\n" +
-	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xbe\x02\n" +
-	"\tExecEvent\x127\n" +
-	"\astarted\x18\x01 \x01(\v2\x1b.shoal.v1.ExecEvent.StartedH\x00R\astarted\x12\x18\n" +
-	"\x06stdout\x18\x02 \x01(\fH\x00R\x06stdout\x12\x18\n" +
-	"\x06stderr\x18\x03 \x01(\fH\x00R\x06stderr\x12.\n" +
-	"\x04exit\x18\x04 \x01(\v2\x18.shoal.v1.ExecEvent.ExitH\x00R\x04exit\x1a:\n" +
-	"\aStarted\x12\x1d\n" +
-	"\n" +
-	"command_id\x18\x01 \x01(\tR\tcommandId\x12\x10\n" +
-	"\x03pid\x18\x02 \x01(\x03R\x03pid\x1aO\n" +
-	"\x04Exit\x12\x12\n" +
-	"\x04code\x18\x01 \x01(\x05R\x04code\x12\x16\n" +
-	"\x06signal\x18\x02 \x01(\tR\x06signal\x12\x1b\n" +
-	"\ttimed_out\x18\x03 \x01(\bR\btimedOutB\a\n" +
-	"\x05event\"z\n" +
-	"\x10SendStdinRequest\x12\x1d\n" +
-	"\n" +
-	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x1d\n" +
-	"\n" +
-	"command_id\x18\x02 \x01(\tR\tcommandId\x12\x12\n" +
-	"\x04data\x18\x03 \x01(\fR\x04data\x12\x14\n" +
-	"\x05close\x18\x04 \x01(\bR\x05close\"\x13\n" +
-	"\x11SendStdinResponse\"l\n" +
-	"\x14SignalCommandRequest\x12\x1d\n" +
-	"\n" +
-	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x1d\n" +
-	"\n" +
-	"command_id\x18\x02 \x01(\tR\tcommandId\x12\x16\n" +
-	"\x06signal\x18\x03 \x01(\tR\x06signal\"\x17\n" +
-	"\x15SignalCommandResponse\"\xc8\x01\n" +
+	"\x0ftimeout_seconds\x18\x02 \x01(\x03R\x0etimeoutSeconds\"\xc8\x01\n" +
 	"\bFileInfo\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x12\n" +
 	"\x04path\x18\x02 \x01(\tR\x04path\x12\x12\n" +
@@ -1703,11 +1330,12 @@ const file_shoal_v1_sandbox_proto_rawDesc = "" +
 	"\x0fStatFileRequest\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x12\n" +
-	"\x04path\x18\x02 \x01(\tR\x04path\"C\n" +
+	"\x04path\x18\x02 \x01(\tR\x04path\"Y\n" +
 	"\x0eListDirRequest\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x12\n" +
-	"\x04path\x18\x02 \x01(\tR\x04path\"?\n" +
+	"\x04path\x18\x02 \x01(\tR\x04path\x12\x14\n" +
+	"\x05depth\x18\x03 \x01(\x05R\x05depth\"?\n" +
 	"\x0fListDirResponse\x12,\n" +
 	"\aentries\x18\x01 \x03(\v2\x12.shoal.v1.FileInfoR\aentries\"C\n" +
 	"\x0eMakeDirRequest\x12\x1d\n" +
@@ -1720,13 +1348,29 @@ const file_shoal_v1_sandbox_proto_rawDesc = "" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x12\n" +
 	"\x04path\x18\x02 \x01(\tR\x04path\x12\x1c\n" +
 	"\trecursive\x18\x03 \x01(\bR\trecursive\"\x14\n" +
-	"\x12RemoveFileResponse*\x99\x01\n" +
+	"\x12RemoveFileResponse\"b\n" +
+	"\x0fWatchDirRequest\x12\x1d\n" +
+	"\n" +
+	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x12\n" +
+	"\x04path\x18\x02 \x01(\tR\x04path\x12\x1c\n" +
+	"\trecursive\x18\x03 \x01(\bR\trecursive\"\xc9\x01\n" +
+	"\rWatchDirEvent\x12*\n" +
+	"\x02op\x18\x01 \x01(\x0e2\x1a.shoal.v1.WatchDirEvent.OpR\x02op\x12\x12\n" +
+	"\x04path\x18\x02 \x01(\tR\x04path\x12\x15\n" +
+	"\x06is_dir\x18\x03 \x01(\bR\x05isDir\"a\n" +
+	"\x02Op\x12\x12\n" +
+	"\x0eOP_UNSPECIFIED\x10\x00\x12\r\n" +
+	"\tOP_CREATE\x10\x01\x12\f\n" +
+	"\bOP_WRITE\x10\x02\x12\r\n" +
+	"\tOP_REMOVE\x10\x03\x12\r\n" +
+	"\tOP_RENAME\x10\x04\x12\f\n" +
+	"\bOP_CHMOD\x10\x05*\x99\x01\n" +
 	"\fSandboxState\x12\x1d\n" +
 	"\x19SANDBOX_STATE_UNSPECIFIED\x10\x00\x12\x1a\n" +
 	"\x16SANDBOX_STATE_CREATING\x10\x01\x12\x19\n" +
 	"\x15SANDBOX_STATE_RUNNING\x10\x02\x12\x1a\n" +
 	"\x16SANDBOX_STATE_DELETING\x10\x03\x12\x17\n" +
-	"\x13SANDBOX_STATE_ERROR\x10\x042\xc6\x06\n" +
+	"\x13SANDBOX_STATE_ERROR\x10\x042\xba\x05\n" +
 	"\x0eSandboxService\x12B\n" +
 	"\rCreateSandbox\x12\x1e.shoal.v1.CreateSandboxRequest\x1a\x11.shoal.v1.Sandbox\x12<\n" +
 	"\n" +
@@ -1734,15 +1378,13 @@ const file_shoal_v1_sandbox_proto_rawDesc = "" +
 	"\rListSandboxes\x12\x1e.shoal.v1.ListSandboxesRequest\x1a\x1f.shoal.v1.ListSandboxesResponse\x12P\n" +
 	"\rDeleteSandbox\x12\x1e.shoal.v1.DeleteSandboxRequest\x1a\x1f.shoal.v1.DeleteSandboxResponse\x12<\n" +
 	"\n" +
-	"SetTimeout\x12\x1b.shoal.v1.SetTimeoutRequest\x1a\x11.shoal.v1.Sandbox\x124\n" +
-	"\x04Exec\x12\x15.shoal.v1.ExecRequest\x1a\x13.shoal.v1.ExecEvent0\x01\x12D\n" +
-	"\tSendStdin\x12\x1a.shoal.v1.SendStdinRequest\x1a\x1b.shoal.v1.SendStdinResponse\x12P\n" +
-	"\rSignalCommand\x12\x1e.shoal.v1.SignalCommandRequest\x1a\x1f.shoal.v1.SignalCommandResponse\x129\n" +
+	"SetTimeout\x12\x1b.shoal.v1.SetTimeoutRequest\x1a\x11.shoal.v1.Sandbox\x129\n" +
 	"\bStatFile\x12\x19.shoal.v1.StatFileRequest\x1a\x12.shoal.v1.FileInfo\x12>\n" +
 	"\aListDir\x12\x18.shoal.v1.ListDirRequest\x1a\x19.shoal.v1.ListDirResponse\x12>\n" +
 	"\aMakeDir\x12\x18.shoal.v1.MakeDirRequest\x1a\x19.shoal.v1.MakeDirResponse\x12G\n" +
 	"\n" +
-	"RemoveFile\x12\x1b.shoal.v1.RemoveFileRequest\x1a\x1c.shoal.v1.RemoveFileResponseB5Z3github.com/shoal-sandbox/shoal/api/shoal/v1;shoalv1b\x06proto3"
+	"RemoveFile\x12\x1b.shoal.v1.RemoveFileRequest\x1a\x1c.shoal.v1.RemoveFileResponse\x12@\n" +
+	"\bWatchDir\x12\x19.shoal.v1.WatchDirRequest\x1a\x17.shoal.v1.WatchDirEvent0\x01B5Z3github.com/shoal-sandbox/shoal/api/shoal/v1;shoalv1b\x06proto3"
 
 var (
 	file_shoal_v1_sandbox_proto_rawDescOnce sync.Once
@@ -1756,86 +1398,74 @@ func file_shoal_v1_sandbox_proto_rawDescGZIP() []byte {
 	return file_shoal_v1_sandbox_proto_rawDescData
 }
 
-var file_shoal_v1_sandbox_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_shoal_v1_sandbox_proto_msgTypes = make([]protoimpl.MessageInfo, 29)
+var file_shoal_v1_sandbox_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
+var file_shoal_v1_sandbox_proto_msgTypes = make([]protoimpl.MessageInfo, 22)
 var file_shoal_v1_sandbox_proto_goTypes = []any{
 	(SandboxState)(0),             // 0: shoal.v1.SandboxState
-	(*LayerRef)(nil),              // 1: shoal.v1.LayerRef
-	(*CreateSandboxRequest)(nil),  // 2: shoal.v1.CreateSandboxRequest
-	(*Sandbox)(nil),               // 3: shoal.v1.Sandbox
-	(*GetSandboxRequest)(nil),     // 4: shoal.v1.GetSandboxRequest
-	(*ListSandboxesRequest)(nil),  // 5: shoal.v1.ListSandboxesRequest
-	(*ListSandboxesResponse)(nil), // 6: shoal.v1.ListSandboxesResponse
-	(*DeleteSandboxRequest)(nil),  // 7: shoal.v1.DeleteSandboxRequest
-	(*DeleteSandboxResponse)(nil), // 8: shoal.v1.DeleteSandboxResponse
-	(*SetTimeoutRequest)(nil),     // 9: shoal.v1.SetTimeoutRequest
-	(*ExecRequest)(nil),           // 10: shoal.v1.ExecRequest
-	(*ExecEvent)(nil),             // 11: shoal.v1.ExecEvent
-	(*SendStdinRequest)(nil),      // 12: shoal.v1.SendStdinRequest
-	(*SendStdinResponse)(nil),     // 13: shoal.v1.SendStdinResponse
-	(*SignalCommandRequest)(nil),  // 14: shoal.v1.SignalCommandRequest
-	(*SignalCommandResponse)(nil), // 15: shoal.v1.SignalCommandResponse
-	(*FileInfo)(nil),              // 16: shoal.v1.FileInfo
-	(*StatFileRequest)(nil),       // 17: shoal.v1.StatFileRequest
-	(*ListDirRequest)(nil),        // 18: shoal.v1.ListDirRequest
-	(*ListDirResponse)(nil),       // 19: shoal.v1.ListDirResponse
-	(*MakeDirRequest)(nil),        // 20: shoal.v1.MakeDirRequest
-	(*MakeDirResponse)(nil),       // 21: shoal.v1.MakeDirResponse
-	(*RemoveFileRequest)(nil),     // 22: shoal.v1.RemoveFileRequest
-	(*RemoveFileResponse)(nil),    // 23: shoal.v1.RemoveFileResponse
-	nil,                           // 24: shoal.v1.CreateSandboxRequest.MetadataEntry
-	nil,                           // 25: shoal.v1.CreateSandboxRequest.EnvEntry
-	nil,                           // 26: shoal.v1.Sandbox.MetadataEntry
-	nil,                           // 27: shoal.v1.ExecRequest.EnvEntry
-	(*ExecEvent_Started)(nil),     // 28: shoal.v1.ExecEvent.Started
-	(*ExecEvent_Exit)(nil),        // 29: shoal.v1.ExecEvent.Exit
-	(LayerKind)(0),                // 30: shoal.v1.LayerKind
-	(*timestamppb.Timestamp)(nil), // 31: google.protobuf.Timestamp
+	(WatchDirEvent_Op)(0),         // 1: shoal.v1.WatchDirEvent.Op
+	(*LayerRef)(nil),              // 2: shoal.v1.LayerRef
+	(*CreateSandboxRequest)(nil),  // 3: shoal.v1.CreateSandboxRequest
+	(*Sandbox)(nil),               // 4: shoal.v1.Sandbox
+	(*GetSandboxRequest)(nil),     // 5: shoal.v1.GetSandboxRequest
+	(*ListSandboxesRequest)(nil),  // 6: shoal.v1.ListSandboxesRequest
+	(*ListSandboxesResponse)(nil), // 7: shoal.v1.ListSandboxesResponse
+	(*DeleteSandboxRequest)(nil),  // 8: shoal.v1.DeleteSandboxRequest
+	(*DeleteSandboxResponse)(nil), // 9: shoal.v1.DeleteSandboxResponse
+	(*SetTimeoutRequest)(nil),     // 10: shoal.v1.SetTimeoutRequest
+	(*FileInfo)(nil),              // 11: shoal.v1.FileInfo
+	(*StatFileRequest)(nil),       // 12: shoal.v1.StatFileRequest
+	(*ListDirRequest)(nil),        // 13: shoal.v1.ListDirRequest
+	(*ListDirResponse)(nil),       // 14: shoal.v1.ListDirResponse
+	(*MakeDirRequest)(nil),        // 15: shoal.v1.MakeDirRequest
+	(*MakeDirResponse)(nil),       // 16: shoal.v1.MakeDirResponse
+	(*RemoveFileRequest)(nil),     // 17: shoal.v1.RemoveFileRequest
+	(*RemoveFileResponse)(nil),    // 18: shoal.v1.RemoveFileResponse
+	(*WatchDirRequest)(nil),       // 19: shoal.v1.WatchDirRequest
+	(*WatchDirEvent)(nil),         // 20: shoal.v1.WatchDirEvent
+	nil,                           // 21: shoal.v1.CreateSandboxRequest.MetadataEntry
+	nil,                           // 22: shoal.v1.CreateSandboxRequest.EnvEntry
+	nil,                           // 23: shoal.v1.Sandbox.MetadataEntry
+	(LayerKind)(0),                // 24: shoal.v1.LayerKind
+	(*timestamppb.Timestamp)(nil), // 25: google.protobuf.Timestamp
 }
 var file_shoal_v1_sandbox_proto_depIdxs = []int32{
-	30, // 0: shoal.v1.LayerRef.kind:type_name -> shoal.v1.LayerKind
-	24, // 1: shoal.v1.CreateSandboxRequest.metadata:type_name -> shoal.v1.CreateSandboxRequest.MetadataEntry
-	25, // 2: shoal.v1.CreateSandboxRequest.env:type_name -> shoal.v1.CreateSandboxRequest.EnvEntry
+	24, // 0: shoal.v1.LayerRef.kind:type_name -> shoal.v1.LayerKind
+	21, // 1: shoal.v1.CreateSandboxRequest.metadata:type_name -> shoal.v1.CreateSandboxRequest.MetadataEntry
+	22, // 2: shoal.v1.CreateSandboxRequest.env:type_name -> shoal.v1.CreateSandboxRequest.EnvEntry
 	0,  // 3: shoal.v1.Sandbox.state:type_name -> shoal.v1.SandboxState
-	1,  // 4: shoal.v1.Sandbox.layers:type_name -> shoal.v1.LayerRef
-	31, // 5: shoal.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
-	31, // 6: shoal.v1.Sandbox.expires_at:type_name -> google.protobuf.Timestamp
-	26, // 7: shoal.v1.Sandbox.metadata:type_name -> shoal.v1.Sandbox.MetadataEntry
-	3,  // 8: shoal.v1.ListSandboxesResponse.sandboxes:type_name -> shoal.v1.Sandbox
-	27, // 9: shoal.v1.ExecRequest.env:type_name -> shoal.v1.ExecRequest.EnvEntry
-	28, // 10: shoal.v1.ExecEvent.started:type_name -> shoal.v1.ExecEvent.Started
-	29, // 11: shoal.v1.ExecEvent.exit:type_name -> shoal.v1.ExecEvent.Exit
-	31, // 12: shoal.v1.FileInfo.modified_at:type_name -> google.protobuf.Timestamp
-	16, // 13: shoal.v1.ListDirResponse.entries:type_name -> shoal.v1.FileInfo
-	2,  // 14: shoal.v1.SandboxService.CreateSandbox:input_type -> shoal.v1.CreateSandboxRequest
-	4,  // 15: shoal.v1.SandboxService.GetSandbox:input_type -> shoal.v1.GetSandboxRequest
-	5,  // 16: shoal.v1.SandboxService.ListSandboxes:input_type -> shoal.v1.ListSandboxesRequest
-	7,  // 17: shoal.v1.SandboxService.DeleteSandbox:input_type -> shoal.v1.DeleteSandboxRequest
-	9,  // 18: shoal.v1.SandboxService.SetTimeout:input_type -> shoal.v1.SetTimeoutRequest
-	10, // 19: shoal.v1.SandboxService.Exec:input_type -> shoal.v1.ExecRequest
-	12, // 20: shoal.v1.SandboxService.SendStdin:input_type -> shoal.v1.SendStdinRequest
-	14, // 21: shoal.v1.SandboxService.SignalCommand:input_type -> shoal.v1.SignalCommandRequest
-	17, // 22: shoal.v1.SandboxService.StatFile:input_type -> shoal.v1.StatFileRequest
-	18, // 23: shoal.v1.SandboxService.ListDir:input_type -> shoal.v1.ListDirRequest
-	20, // 24: shoal.v1.SandboxService.MakeDir:input_type -> shoal.v1.MakeDirRequest
-	22, // 25: shoal.v1.SandboxService.RemoveFile:input_type -> shoal.v1.RemoveFileRequest
-	3,  // 26: shoal.v1.SandboxService.CreateSandbox:output_type -> shoal.v1.Sandbox
-	3,  // 27: shoal.v1.SandboxService.GetSandbox:output_type -> shoal.v1.Sandbox
-	6,  // 28: shoal.v1.SandboxService.ListSandboxes:output_type -> shoal.v1.ListSandboxesResponse
-	8,  // 29: shoal.v1.SandboxService.DeleteSandbox:output_type -> shoal.v1.DeleteSandboxResponse
-	3,  // 30: shoal.v1.SandboxService.SetTimeout:output_type -> shoal.v1.Sandbox
-	11, // 31: shoal.v1.SandboxService.Exec:output_type -> shoal.v1.ExecEvent
-	13, // 32: shoal.v1.SandboxService.SendStdin:output_type -> shoal.v1.SendStdinResponse
-	15, // 33: shoal.v1.SandboxService.SignalCommand:output_type -> shoal.v1.SignalCommandResponse
-	16, // 34: shoal.v1.SandboxService.StatFile:output_type -> shoal.v1.FileInfo
-	19, // 35: shoal.v1.SandboxService.ListDir:output_type -> shoal.v1.ListDirResponse
-	21, // 36: shoal.v1.SandboxService.MakeDir:output_type -> shoal.v1.MakeDirResponse
-	23, // 37: shoal.v1.SandboxService.RemoveFile:output_type -> shoal.v1.RemoveFileResponse
-	26, // [26:38] is the sub-list for method output_type
-	14, // [14:26] is the sub-list for method input_type
-	14, // [14:14] is the sub-list for extension type_name
-	14, // [14:14] is the sub-list for extension extendee
-	0,  // [0:14] is the sub-list for field type_name
+	2,  // 4: shoal.v1.Sandbox.layers:type_name -> shoal.v1.LayerRef
+	25, // 5: shoal.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
+	25, // 6: shoal.v1.Sandbox.expires_at:type_name -> google.protobuf.Timestamp
+	23, // 7: shoal.v1.Sandbox.metadata:type_name -> shoal.v1.Sandbox.MetadataEntry
+	4,  // 8: shoal.v1.ListSandboxesResponse.sandboxes:type_name -> shoal.v1.Sandbox
+	25, // 9: shoal.v1.FileInfo.modified_at:type_name -> google.protobuf.Timestamp
+	11, // 10: shoal.v1.ListDirResponse.entries:type_name -> shoal.v1.FileInfo
+	1,  // 11: shoal.v1.WatchDirEvent.op:type_name -> shoal.v1.WatchDirEvent.Op
+	3,  // 12: shoal.v1.SandboxService.CreateSandbox:input_type -> shoal.v1.CreateSandboxRequest
+	5,  // 13: shoal.v1.SandboxService.GetSandbox:input_type -> shoal.v1.GetSandboxRequest
+	6,  // 14: shoal.v1.SandboxService.ListSandboxes:input_type -> shoal.v1.ListSandboxesRequest
+	8,  // 15: shoal.v1.SandboxService.DeleteSandbox:input_type -> shoal.v1.DeleteSandboxRequest
+	10, // 16: shoal.v1.SandboxService.SetTimeout:input_type -> shoal.v1.SetTimeoutRequest
+	12, // 17: shoal.v1.SandboxService.StatFile:input_type -> shoal.v1.StatFileRequest
+	13, // 18: shoal.v1.SandboxService.ListDir:input_type -> shoal.v1.ListDirRequest
+	15, // 19: shoal.v1.SandboxService.MakeDir:input_type -> shoal.v1.MakeDirRequest
+	17, // 20: shoal.v1.SandboxService.RemoveFile:input_type -> shoal.v1.RemoveFileRequest
+	19, // 21: shoal.v1.SandboxService.WatchDir:input_type -> shoal.v1.WatchDirRequest
+	4,  // 22: shoal.v1.SandboxService.CreateSandbox:output_type -> shoal.v1.Sandbox
+	4,  // 23: shoal.v1.SandboxService.GetSandbox:output_type -> shoal.v1.Sandbox
+	7,  // 24: shoal.v1.SandboxService.ListSandboxes:output_type -> shoal.v1.ListSandboxesResponse
+	9,  // 25: shoal.v1.SandboxService.DeleteSandbox:output_type -> shoal.v1.DeleteSandboxResponse
+	4,  // 26: shoal.v1.SandboxService.SetTimeout:output_type -> shoal.v1.Sandbox
+	11, // 27: shoal.v1.SandboxService.StatFile:output_type -> shoal.v1.FileInfo
+	14, // 28: shoal.v1.SandboxService.ListDir:output_type -> shoal.v1.ListDirResponse
+	16, // 29: shoal.v1.SandboxService.MakeDir:output_type -> shoal.v1.MakeDirResponse
+	18, // 30: shoal.v1.SandboxService.RemoveFile:output_type -> shoal.v1.RemoveFileResponse
+	20, // 31: shoal.v1.SandboxService.WatchDir:output_type -> shoal.v1.WatchDirEvent
+	22, // [22:32] is the sub-list for method output_type
+	12, // [12:22] is the sub-list for method input_type
+	12, // [12:12] is the sub-list for extension type_name
+	12, // [12:12] is the sub-list for extension extendee
+	0,  // [0:12] is the sub-list for field type_name
 }
 
 func init() { file_shoal_v1_sandbox_proto_init() }
@@ -1844,19 +1474,13 @@ func file_shoal_v1_sandbox_proto_init() {
 		return
 	}
 	file_shoal_v1_layer_proto_init()
-	file_shoal_v1_sandbox_proto_msgTypes[10].OneofWrappers = []any{
-		(*ExecEvent_Started_)(nil),
-		(*ExecEvent_Stdout)(nil),
-		(*ExecEvent_Stderr)(nil),
-		(*ExecEvent_Exit_)(nil),
-	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_shoal_v1_sandbox_proto_rawDesc), len(file_shoal_v1_sandbox_proto_rawDesc)),
-			NumEnums:      1,
-			NumMessages:   29,
+			NumEnums:      2,
+			NumMessages:   22,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

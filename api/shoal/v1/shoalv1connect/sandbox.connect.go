@@ -61,14 +61,6 @@ const (
 	// SandboxServiceSetTimeoutProcedure is the fully-qualified name of the SandboxService's SetTimeout
 	// RPC.
 	SandboxServiceSetTimeoutProcedure = "/shoal.v1.SandboxService/SetTimeout"
-	// SandboxServiceExecProcedure is the fully-qualified name of the SandboxService's Exec RPC.
-	SandboxServiceExecProcedure = "/shoal.v1.SandboxService/Exec"
-	// SandboxServiceSendStdinProcedure is the fully-qualified name of the SandboxService's SendStdin
-	// RPC.
-	SandboxServiceSendStdinProcedure = "/shoal.v1.SandboxService/SendStdin"
-	// SandboxServiceSignalCommandProcedure is the fully-qualified name of the SandboxService's
-	// SignalCommand RPC.
-	SandboxServiceSignalCommandProcedure = "/shoal.v1.SandboxService/SignalCommand"
 	// SandboxServiceStatFileProcedure is the fully-qualified name of the SandboxService's StatFile RPC.
 	SandboxServiceStatFileProcedure = "/shoal.v1.SandboxService/StatFile"
 	// SandboxServiceListDirProcedure is the fully-qualified name of the SandboxService's ListDir RPC.
@@ -78,6 +70,8 @@ const (
 	// SandboxServiceRemoveFileProcedure is the fully-qualified name of the SandboxService's RemoveFile
 	// RPC.
 	SandboxServiceRemoveFileProcedure = "/shoal.v1.SandboxService/RemoveFile"
+	// SandboxServiceWatchDirProcedure is the fully-qualified name of the SandboxService's WatchDir RPC.
+	SandboxServiceWatchDirProcedure = "/shoal.v1.SandboxService/WatchDir"
 )
 
 // SandboxServiceClient is a client for the shoal.v1.SandboxService service.
@@ -88,18 +82,13 @@ type SandboxServiceClient interface {
 	DeleteSandbox(context.Context, *connect.Request[v1.DeleteSandboxRequest]) (*connect.Response[v1.DeleteSandboxResponse], error)
 	// SetTimeout sets the idle timeout and restarts its clock.
 	SetTimeout(context.Context, *connect.Request[v1.SetTimeoutRequest]) (*connect.Response[v1.Sandbox], error)
-	// Exec runs a command and streams its output: first a `started` event with
-	// the command ID, then stdout/stderr chunks, then exactly one `exit`.
-	Exec(context.Context, *connect.Request[v1.ExecRequest]) (*connect.ServerStreamForClient[v1.ExecEvent], error)
-	// SendStdin writes to (or closes) the stdin of a running command started
-	// with stdin_open.
-	SendStdin(context.Context, *connect.Request[v1.SendStdinRequest]) (*connect.Response[v1.SendStdinResponse], error)
-	// SignalCommand sends a signal to a command's whole process group.
-	SignalCommand(context.Context, *connect.Request[v1.SignalCommandRequest]) (*connect.Response[v1.SignalCommandResponse], error)
 	StatFile(context.Context, *connect.Request[v1.StatFileRequest]) (*connect.Response[v1.FileInfo], error)
 	ListDir(context.Context, *connect.Request[v1.ListDirRequest]) (*connect.Response[v1.ListDirResponse], error)
 	MakeDir(context.Context, *connect.Request[v1.MakeDirRequest]) (*connect.Response[v1.MakeDirResponse], error)
 	RemoveFile(context.Context, *connect.Request[v1.RemoveFileRequest]) (*connect.Response[v1.RemoveFileResponse], error)
+	// WatchDir streams changes under a directory (inotify in the sandbox)
+	// until the client goes away.
+	WatchDir(context.Context, *connect.Request[v1.WatchDirRequest]) (*connect.ServerStreamForClient[v1.WatchDirEvent], error)
 }
 
 // NewSandboxServiceClient constructs a client for the shoal.v1.SandboxService service. By default,
@@ -143,24 +132,6 @@ func NewSandboxServiceClient(httpClient connect.HTTPClient, baseURL string, opts
 			connect.WithSchema(sandboxServiceMethods.ByName("SetTimeout")),
 			connect.WithClientOptions(opts...),
 		),
-		exec: connect.NewClient[v1.ExecRequest, v1.ExecEvent](
-			httpClient,
-			baseURL+SandboxServiceExecProcedure,
-			connect.WithSchema(sandboxServiceMethods.ByName("Exec")),
-			connect.WithClientOptions(opts...),
-		),
-		sendStdin: connect.NewClient[v1.SendStdinRequest, v1.SendStdinResponse](
-			httpClient,
-			baseURL+SandboxServiceSendStdinProcedure,
-			connect.WithSchema(sandboxServiceMethods.ByName("SendStdin")),
-			connect.WithClientOptions(opts...),
-		),
-		signalCommand: connect.NewClient[v1.SignalCommandRequest, v1.SignalCommandResponse](
-			httpClient,
-			baseURL+SandboxServiceSignalCommandProcedure,
-			connect.WithSchema(sandboxServiceMethods.ByName("SignalCommand")),
-			connect.WithClientOptions(opts...),
-		),
 		statFile: connect.NewClient[v1.StatFileRequest, v1.FileInfo](
 			httpClient,
 			baseURL+SandboxServiceStatFileProcedure,
@@ -185,6 +156,12 @@ func NewSandboxServiceClient(httpClient connect.HTTPClient, baseURL string, opts
 			connect.WithSchema(sandboxServiceMethods.ByName("RemoveFile")),
 			connect.WithClientOptions(opts...),
 		),
+		watchDir: connect.NewClient[v1.WatchDirRequest, v1.WatchDirEvent](
+			httpClient,
+			baseURL+SandboxServiceWatchDirProcedure,
+			connect.WithSchema(sandboxServiceMethods.ByName("WatchDir")),
+			connect.WithClientOptions(opts...),
+		),
 	}
 }
 
@@ -195,13 +172,11 @@ type sandboxServiceClient struct {
 	listSandboxes *connect.Client[v1.ListSandboxesRequest, v1.ListSandboxesResponse]
 	deleteSandbox *connect.Client[v1.DeleteSandboxRequest, v1.DeleteSandboxResponse]
 	setTimeout    *connect.Client[v1.SetTimeoutRequest, v1.Sandbox]
-	exec          *connect.Client[v1.ExecRequest, v1.ExecEvent]
-	sendStdin     *connect.Client[v1.SendStdinRequest, v1.SendStdinResponse]
-	signalCommand *connect.Client[v1.SignalCommandRequest, v1.SignalCommandResponse]
 	statFile      *connect.Client[v1.StatFileRequest, v1.FileInfo]
 	listDir       *connect.Client[v1.ListDirRequest, v1.ListDirResponse]
 	makeDir       *connect.Client[v1.MakeDirRequest, v1.MakeDirResponse]
 	removeFile    *connect.Client[v1.RemoveFileRequest, v1.RemoveFileResponse]
+	watchDir      *connect.Client[v1.WatchDirRequest, v1.WatchDirEvent]
 }
 
 // CreateSandbox calls shoal.v1.SandboxService.CreateSandbox.
@@ -229,21 +204,6 @@ func (c *sandboxServiceClient) SetTimeout(ctx context.Context, req *connect.Requ
 	return c.setTimeout.CallUnary(ctx, req)
 }
 
-// Exec calls shoal.v1.SandboxService.Exec.
-func (c *sandboxServiceClient) Exec(ctx context.Context, req *connect.Request[v1.ExecRequest]) (*connect.ServerStreamForClient[v1.ExecEvent], error) {
-	return c.exec.CallServerStream(ctx, req)
-}
-
-// SendStdin calls shoal.v1.SandboxService.SendStdin.
-func (c *sandboxServiceClient) SendStdin(ctx context.Context, req *connect.Request[v1.SendStdinRequest]) (*connect.Response[v1.SendStdinResponse], error) {
-	return c.sendStdin.CallUnary(ctx, req)
-}
-
-// SignalCommand calls shoal.v1.SandboxService.SignalCommand.
-func (c *sandboxServiceClient) SignalCommand(ctx context.Context, req *connect.Request[v1.SignalCommandRequest]) (*connect.Response[v1.SignalCommandResponse], error) {
-	return c.signalCommand.CallUnary(ctx, req)
-}
-
 // StatFile calls shoal.v1.SandboxService.StatFile.
 func (c *sandboxServiceClient) StatFile(ctx context.Context, req *connect.Request[v1.StatFileRequest]) (*connect.Response[v1.FileInfo], error) {
 	return c.statFile.CallUnary(ctx, req)
@@ -264,6 +224,11 @@ func (c *sandboxServiceClient) RemoveFile(ctx context.Context, req *connect.Requ
 	return c.removeFile.CallUnary(ctx, req)
 }
 
+// WatchDir calls shoal.v1.SandboxService.WatchDir.
+func (c *sandboxServiceClient) WatchDir(ctx context.Context, req *connect.Request[v1.WatchDirRequest]) (*connect.ServerStreamForClient[v1.WatchDirEvent], error) {
+	return c.watchDir.CallServerStream(ctx, req)
+}
+
 // SandboxServiceHandler is an implementation of the shoal.v1.SandboxService service.
 type SandboxServiceHandler interface {
 	CreateSandbox(context.Context, *connect.Request[v1.CreateSandboxRequest]) (*connect.Response[v1.Sandbox], error)
@@ -272,18 +237,13 @@ type SandboxServiceHandler interface {
 	DeleteSandbox(context.Context, *connect.Request[v1.DeleteSandboxRequest]) (*connect.Response[v1.DeleteSandboxResponse], error)
 	// SetTimeout sets the idle timeout and restarts its clock.
 	SetTimeout(context.Context, *connect.Request[v1.SetTimeoutRequest]) (*connect.Response[v1.Sandbox], error)
-	// Exec runs a command and streams its output: first a `started` event with
-	// the command ID, then stdout/stderr chunks, then exactly one `exit`.
-	Exec(context.Context, *connect.Request[v1.ExecRequest], *connect.ServerStream[v1.ExecEvent]) error
-	// SendStdin writes to (or closes) the stdin of a running command started
-	// with stdin_open.
-	SendStdin(context.Context, *connect.Request[v1.SendStdinRequest]) (*connect.Response[v1.SendStdinResponse], error)
-	// SignalCommand sends a signal to a command's whole process group.
-	SignalCommand(context.Context, *connect.Request[v1.SignalCommandRequest]) (*connect.Response[v1.SignalCommandResponse], error)
 	StatFile(context.Context, *connect.Request[v1.StatFileRequest]) (*connect.Response[v1.FileInfo], error)
 	ListDir(context.Context, *connect.Request[v1.ListDirRequest]) (*connect.Response[v1.ListDirResponse], error)
 	MakeDir(context.Context, *connect.Request[v1.MakeDirRequest]) (*connect.Response[v1.MakeDirResponse], error)
 	RemoveFile(context.Context, *connect.Request[v1.RemoveFileRequest]) (*connect.Response[v1.RemoveFileResponse], error)
+	// WatchDir streams changes under a directory (inotify in the sandbox)
+	// until the client goes away.
+	WatchDir(context.Context, *connect.Request[v1.WatchDirRequest], *connect.ServerStream[v1.WatchDirEvent]) error
 }
 
 // NewSandboxServiceHandler builds an HTTP handler from the service implementation. It returns the
@@ -323,24 +283,6 @@ func NewSandboxServiceHandler(svc SandboxServiceHandler, opts ...connect.Handler
 		connect.WithSchema(sandboxServiceMethods.ByName("SetTimeout")),
 		connect.WithHandlerOptions(opts...),
 	)
-	sandboxServiceExecHandler := connect.NewServerStreamHandler(
-		SandboxServiceExecProcedure,
-		svc.Exec,
-		connect.WithSchema(sandboxServiceMethods.ByName("Exec")),
-		connect.WithHandlerOptions(opts...),
-	)
-	sandboxServiceSendStdinHandler := connect.NewUnaryHandler(
-		SandboxServiceSendStdinProcedure,
-		svc.SendStdin,
-		connect.WithSchema(sandboxServiceMethods.ByName("SendStdin")),
-		connect.WithHandlerOptions(opts...),
-	)
-	sandboxServiceSignalCommandHandler := connect.NewUnaryHandler(
-		SandboxServiceSignalCommandProcedure,
-		svc.SignalCommand,
-		connect.WithSchema(sandboxServiceMethods.ByName("SignalCommand")),
-		connect.WithHandlerOptions(opts...),
-	)
 	sandboxServiceStatFileHandler := connect.NewUnaryHandler(
 		SandboxServiceStatFileProcedure,
 		svc.StatFile,
@@ -365,6 +307,12 @@ func NewSandboxServiceHandler(svc SandboxServiceHandler, opts ...connect.Handler
 		connect.WithSchema(sandboxServiceMethods.ByName("RemoveFile")),
 		connect.WithHandlerOptions(opts...),
 	)
+	sandboxServiceWatchDirHandler := connect.NewServerStreamHandler(
+		SandboxServiceWatchDirProcedure,
+		svc.WatchDir,
+		connect.WithSchema(sandboxServiceMethods.ByName("WatchDir")),
+		connect.WithHandlerOptions(opts...),
+	)
 	return "/shoal.v1.SandboxService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case SandboxServiceCreateSandboxProcedure:
@@ -377,12 +325,6 @@ func NewSandboxServiceHandler(svc SandboxServiceHandler, opts ...connect.Handler
 			sandboxServiceDeleteSandboxHandler.ServeHTTP(w, r)
 		case SandboxServiceSetTimeoutProcedure:
 			sandboxServiceSetTimeoutHandler.ServeHTTP(w, r)
-		case SandboxServiceExecProcedure:
-			sandboxServiceExecHandler.ServeHTTP(w, r)
-		case SandboxServiceSendStdinProcedure:
-			sandboxServiceSendStdinHandler.ServeHTTP(w, r)
-		case SandboxServiceSignalCommandProcedure:
-			sandboxServiceSignalCommandHandler.ServeHTTP(w, r)
 		case SandboxServiceStatFileProcedure:
 			sandboxServiceStatFileHandler.ServeHTTP(w, r)
 		case SandboxServiceListDirProcedure:
@@ -391,6 +333,8 @@ func NewSandboxServiceHandler(svc SandboxServiceHandler, opts ...connect.Handler
 			sandboxServiceMakeDirHandler.ServeHTTP(w, r)
 		case SandboxServiceRemoveFileProcedure:
 			sandboxServiceRemoveFileHandler.ServeHTTP(w, r)
+		case SandboxServiceWatchDirProcedure:
+			sandboxServiceWatchDirHandler.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}
@@ -420,18 +364,6 @@ func (UnimplementedSandboxServiceHandler) SetTimeout(context.Context, *connect.R
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("shoal.v1.SandboxService.SetTimeout is not implemented"))
 }
 
-func (UnimplementedSandboxServiceHandler) Exec(context.Context, *connect.Request[v1.ExecRequest], *connect.ServerStream[v1.ExecEvent]) error {
-	return connect.NewError(connect.CodeUnimplemented, errors.New("shoal.v1.SandboxService.Exec is not implemented"))
-}
-
-func (UnimplementedSandboxServiceHandler) SendStdin(context.Context, *connect.Request[v1.SendStdinRequest]) (*connect.Response[v1.SendStdinResponse], error) {
-	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("shoal.v1.SandboxService.SendStdin is not implemented"))
-}
-
-func (UnimplementedSandboxServiceHandler) SignalCommand(context.Context, *connect.Request[v1.SignalCommandRequest]) (*connect.Response[v1.SignalCommandResponse], error) {
-	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("shoal.v1.SandboxService.SignalCommand is not implemented"))
-}
-
 func (UnimplementedSandboxServiceHandler) StatFile(context.Context, *connect.Request[v1.StatFileRequest]) (*connect.Response[v1.FileInfo], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("shoal.v1.SandboxService.StatFile is not implemented"))
 }
@@ -446,4 +378,8 @@ func (UnimplementedSandboxServiceHandler) MakeDir(context.Context, *connect.Requ
 
 func (UnimplementedSandboxServiceHandler) RemoveFile(context.Context, *connect.Request[v1.RemoveFileRequest]) (*connect.Response[v1.RemoveFileResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("shoal.v1.SandboxService.RemoveFile is not implemented"))
+}
+
+func (UnimplementedSandboxServiceHandler) WatchDir(context.Context, *connect.Request[v1.WatchDirRequest], *connect.ServerStream[v1.WatchDirEvent]) error {
+	return connect.NewError(connect.CodeUnimplemented, errors.New("shoal.v1.SandboxService.WatchDir is not implemented"))
 }
