@@ -122,7 +122,7 @@ func createCmd() *cobra.Command {
 		metadata, envVars []string
 	)
 	cmd := &cobra.Command{
-		Use:   "create --base REF [--workspace REF]... [--toolkit REF]...",
+		Use:   "create (--base REF | --template ENV) [--workspace REF]... [--toolkit REF]...",
 		Short: "Create a sandbox (prints its ID)",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
@@ -160,6 +160,7 @@ func createCmd() *cobra.Command {
 	f := cmd.Flags()
 	f.StringVar(&req.Backend, "backend", "container", "backend: container")
 	f.StringVar(&req.Base, "base", "", "base layer ref (NAME:VERSION or NAME@sha256:...)")
+	f.StringVar(&req.Template, "template", "", "environment (shoal env ls) to take base, workspaces and toolkits from, resolved now")
 	f.StringArrayVar(&req.Workspaces, "workspace", nil, "workspace layer ref (repeatable)")
 	f.StringArrayVar(&req.Toolkits, "toolkit", nil, "toolkit layer ref (repeatable)")
 	f.StringVar(&memory, "memory", "512M", "memory limit")
@@ -167,7 +168,9 @@ func createCmd() *cobra.Command {
 	f.DurationVar(&timeout, "timeout", 30*time.Minute, "idle timeout (refreshed by activity)")
 	f.StringArrayVar(&metadata, "metadata", nil, "KEY=VALUE metadata (repeatable)")
 	f.StringArrayVar(&envVars, "env", nil, "KEY=VALUE environment for every command (repeatable)")
-	cmd.MarkFlagRequired("base")
+	f.StringVar(&req.ClientKey, "client-key", "", "idempotency key: repeating a create with it returns the same sandbox")
+	cmd.MarkFlagsOneRequired("base", "template")
+	cmd.MarkFlagsMutuallyExclusive("base", "template")
 	return cmd
 }
 
@@ -184,61 +187,6 @@ func keyValues(kvs []string, flag string) (map[string]string, error) {
 		out[k] = v
 	}
 	return out, nil
-}
-
-func execCmd() *cobra.Command {
-	var (
-		cwd     string
-		envVars []string
-		stdin   bool
-		timeout time.Duration
-	)
-	cmd := &cobra.Command{
-		Use:   "exec [--cwd DIR] [--env K=V]... [-i] ID -- CMD [ARG...]",
-		Short: "Run a command in a sandbox, streaming its output; exits with its exit code",
-		Args:  cobra.MinimumNArgs(2),
-		RunE: func(cmd *cobra.Command, args []string) error {
-			c, err := client(cmd)
-			if err != nil {
-				return err
-			}
-			env, err := keyValues(envVars, "--env")
-			if err != nil {
-				return err
-			}
-			argv := args[1:]
-			if argv[0] == "--" { // flags stop at the ID, so "--" arrives as an argument
-				argv = argv[1:]
-			}
-			if len(argv) == 0 {
-				return errors.New("no command given: shoal exec ID -- CMD [ARG...]")
-			}
-			o := shoal.ExecOptions{Args: argv, Env: env, Cwd: cwd, Stdout: os.Stdout, Stderr: os.Stderr, Timeout: timeout}
-			if stdin {
-				o.Stdin = os.Stdin
-			}
-			ctx, cancel := cmdContext()
-			defer cancel()
-			st, err := c.Exec(ctx, args[0], o)
-			if err != nil {
-				return err
-			}
-			if st.TimedOut {
-				fmt.Fprintf(os.Stderr, "shoal: command timed out after %s\n", timeout)
-			}
-			if st.Code != 0 {
-				return exitCode(st.Code)
-			}
-			return nil
-		},
-	}
-	f := cmd.Flags()
-	f.SetInterspersed(false)
-	f.StringVar(&cwd, "cwd", "", "working directory (default /)")
-	f.StringArrayVar(&envVars, "env", nil, "KEY=VALUE (repeatable)")
-	f.BoolVarP(&stdin, "interactive", "i", false, "pass stdin to the command")
-	f.DurationVar(&timeout, "timeout", 0, "kill the command after this long")
-	return cmd
 }
 
 // remotePath splits "ID:PATH" when the part before the colon is a sandbox ID.

@@ -21,6 +21,7 @@ import (
 	"github.com/shoal-sandbox/shoal/internal/layer"
 	"github.com/shoal-sandbox/shoal/internal/node"
 	"github.com/shoal-sandbox/shoal/internal/sandbox"
+	"github.com/shoal-sandbox/shoal/internal/session"
 )
 
 // serveConfig is the configuration of the all-in-one server.
@@ -30,6 +31,7 @@ type serveConfig struct {
 	Agent   string
 	Runtime string
 	Debug   bool
+	LogCap  int64
 }
 
 // Validate fills defaults and checks the configuration.
@@ -88,6 +90,7 @@ func serveCmd() *cobra.Command {
 	cmd.Flags().StringVar(&cfg.Agent, "agent", "", "path of the shoal-agent binary (default: beside shoal)")
 	cmd.Flags().StringVar(&cfg.Runtime, "runtime", "runc", "OCI runtime for the container backend")
 	cmd.Flags().BoolVar(&cfg.Debug, "debug", false, "debug logging")
+	cmd.Flags().Int64Var(&cfg.LogCap, "command-log-cap", session.DefaultLogCap, "bytes of output kept per command (the rest is dropped and reported)")
 	return cmd
 }
 
@@ -127,8 +130,17 @@ func serve(cfg serveConfig) error {
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
+	sessions, err := session.New(session.Config{LogCap: cfg.LogCap}, db, mgr, log)
+	if err != nil {
+		return err
+	}
+	defer sessions.Close()
+	mgr.OnDelete(sessions.DropSandbox)
 	if err := mgr.Recover(ctx); err != nil {
 		return fmt.Errorf("recover sandboxes: %w", err)
+	}
+	if err := sessions.Recover(ctx); err != nil {
+		return fmt.Errorf("recover commands: %w", err)
 	}
 	go mgr.Run(ctx)
 
@@ -140,7 +152,7 @@ func serve(cfg serveConfig) error {
 	protocols.SetHTTP1(true)
 	protocols.SetUnencryptedHTTP2(true) // gRPC clients
 	srv := &http.Server{
-		Handler:           control.New(mgr, auth, log).Handler(),
+		Handler:           control.New(mgr, sessions, auth, log).Handler(),
 		Protocols:         &protocols,
 		ReadHeaderTimeout: 10 * time.Second,
 	}

@@ -47,6 +47,7 @@ type ExitStatus struct {
 	Code     int    // exit code, or 128+signo when killed by a signal
 	Signal   string // name of the killing signal ("SIGKILL"), or ""
 	TimedOut bool   // killed because ExecRequest.Timeout expired
+	Dropped  int64  // durable commands: output bytes dropped past the log cap
 }
 
 // Event is one item of a command's output stream.

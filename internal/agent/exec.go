@@ -48,6 +48,14 @@ var bufPool = sync.Pool{New: func() any {
 // the protocol in protocol.go. It returns when the exit frame has been sent
 // (or the client is gone and the command is dead).
 func (s *Server) exec(c net.Conn, req *wireExecRequest) {
+	if req.Durable {
+		s.execDurable(c, req)
+		return
+	}
+	if req.PTY != nil {
+		sendError(c, CodeInvalid, "a pty needs a durable command")
+		return
+	}
 	cmd := &command{done: make(chan struct{})}
 	files, werr := s.startCommand(cmd, req)
 	if werr != nil {
@@ -280,6 +288,9 @@ func (s *Server) startCommand(cmd *command, req *wireExecRequest) ([3]*os.File, 
 		return files, werr
 	}
 
+	if req.PTY != nil {
+		return s.startPTY(cmd, req, path, cwd, env)
+	}
 	// Our ends are non-blocking (pollable *os.File, so reads and writes can
 	// be interrupted by Close and deadlines); the child's ends stay blocking.
 	child := [3]int{-1, -1, -1}
@@ -325,10 +336,7 @@ func (s *Server) startCommand(cmd *command, req *wireExecRequest) ([3]*os.File, 
 		syscall.SetNonblock(fd, true)
 	}
 
-	s.mu.Lock()
-	s.seq++
-	cmd.id = s.boot + "-" + strconv.FormatUint(s.seq, 10)
-	s.mu.Unlock()
+	cmd.id = s.nextID()
 
 	attr := &syscall.ProcAttr{
 		Dir:   cwd,
@@ -358,6 +366,44 @@ func (s *Server) startCommand(cmd *command, req *wireExecRequest) ([3]*os.File, 
 	files[1] = os.NewFile(uintptr(ours[i]), "stdout")
 	files[2] = os.NewFile(uintptr(ours[i+1]), "stderr")
 	return files, nil
+}
+
+// startPTY forks a command whose stdin, stdout and stderr are the slave of
+// a new pseudo-terminal, in a session of its own with that terminal as its
+// controlling tty. Our end (the master) is returned as both files[0] and
+// files[1]; files[2] is nil (a terminal merges the two streams).
+func (s *Server) startPTY(cmd *command, req *wireExecRequest, path, cwd string, env []string) ([3]*os.File, *wireError) {
+	var files [3]*os.File
+	master, slave, err := openPTY(*req.PTY)
+	if err != nil {
+		return files, &wireError{Code: codeOf(err), Msg: "open pty: " + reason(err)}
+	}
+	cmd.id = s.nextID()
+	attr := &syscall.ProcAttr{
+		Dir:   cwd,
+		Env:   env,
+		Files: []uintptr{uintptr(slave), uintptr(slave), uintptr(slave)},
+		Sys:   &syscall.SysProcAttr{Setsid: true, Setctty: true, Ctty: 0},
+	}
+	pid, err := s.reaper.start(cmd, func() (int, error) {
+		return syscall.ForkExec(path, req.Args, attr)
+	})
+	syscall.Close(slave)
+	if err != nil {
+		master.Close()
+		return files, &wireError{Code: codeOf(err), Msg: "exec " + path + ": " + reason(err)}
+	}
+	raiseOOMScore(pid)
+	files[0], files[1] = master, master
+	return files, nil
+}
+
+// nextID returns a new command ID.
+func (s *Server) nextID() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.seq++
+	return s.boot + "-" + strconv.FormatUint(s.seq, 10)
 }
 
 // commandOOMScoreAdj is the oom_score_adj of every command. The agent is

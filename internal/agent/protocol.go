@@ -54,6 +54,9 @@ const (
 	FrameStdout byte = 'O' // raw stdout chunk of a command
 	FrameStderr byte = 'E' // raw stderr chunk of a command
 	FrameExit   byte = 'Z' // JSON wireExit; the last frame of an exec stream
+	// Durable commands (see durable.go).
+	FrameAck       byte = 'A' // client → agent: 8-byte big-endian log offset recorded
+	FrameTruncated byte = 'T' // agent → client: output past the log cap is dropped from here
 )
 
 // Op is the operation named by a request frame. Values are stable on the
@@ -71,15 +74,20 @@ const (
 	OpMakeDir   Op = 8
 	OpRemove    Op = 9
 	// Reserved for what comes next, so the numbering stays stable:
-	OpAttach      Op = 10 // re-attach to a command's output log from a byte offset
+	OpAttach      Op = 10 // re-attach to a durable command's output from a log offset
 	OpPortForward Op = 11 // splice the connection to a TCP port inside the sandbox
+	OpClaim       Op = 12 // reserved: hand a pre-started sandbox its root
+	OpStdin       Op = 13 // write to (or close) a durable command's stdin
+	OpCommands    Op = 14 // list the durable commands the agent holds
+	OpResize      Op = 15 // set the window size of a durable command's pty
 )
 
 var opNames = [...]string{
 	OpPing: "ping", OpExec: "exec", OpSignal: "signal", OpStat: "stat",
 	OpReadFile: "read", OpWriteFile: "write", OpListDir: "list",
 	OpMakeDir: "mkdir", OpRemove: "remove", OpAttach: "attach",
-	OpPortForward: "portforward",
+	OpPortForward: "portforward", OpClaim: "claim", OpStdin: "stdin",
+	OpCommands: "commands", OpResize: "resize",
 }
 
 func (o Op) String() string {
@@ -184,6 +192,38 @@ type wireExecRequest struct {
 	Cwd       string   `json:"cwd,omitempty"`
 	Stdin     bool     `json:"stdin,omitempty"`
 	TimeoutNs int64    `json:"timeout_ns,omitempty"`
+	// Durable: the command outlives this connection (see durable.go).
+	Durable bool         `json:"durable,omitempty"`
+	LogCap  int64        `json:"log_cap,omitempty"` // durable: output log bytes kept; 0 = no cap
+	PTY     *wireWinsize `json:"pty,omitempty"`     // durable: run under a pseudo-terminal
+}
+
+type wireWinsize struct {
+	Rows uint16 `json:"rows"`
+	Cols uint16 `json:"cols"`
+}
+
+type wireAttachRequest struct {
+	ID   string `json:"id"`
+	From int64  `json:"from"`
+}
+
+type wireStdinRequest struct {
+	ID    string `json:"id"`
+	Close bool   `json:"close,omitempty"`
+}
+
+type wireResizeRequest struct {
+	ID   string      `json:"id"`
+	Size wireWinsize `json:"size"`
+}
+
+type wireCommandInfo struct {
+	ID     string `json:"id"`
+	Pid    int    `json:"pid"`
+	Base   int64  `json:"base"` // log offset of the oldest unacknowledged byte
+	End    int64  `json:"end"`  // log offset just past the last record
+	Exited bool   `json:"exited,omitempty"`
 }
 
 type wireExecReply struct {
@@ -195,6 +235,7 @@ type wireExit struct {
 	Code     int    `json:"code"`
 	Signal   string `json:"signal,omitempty"`
 	TimedOut bool   `json:"timed_out,omitempty"`
+	Dropped  int64  `json:"dropped,omitempty"` // durable: output bytes dropped past the log cap
 }
 
 type wireSignalRequest struct {

@@ -64,10 +64,11 @@ type Server struct {
 	active    atomic.Int64 // open connections
 	idleTimer *time.Timer  // fires IdleRelease after active drops to 0; nil if disabled
 
-	mu   sync.Mutex
-	cmds map[string]*command // guarded by mu; running commands by ID
-	seq  uint64              // guarded by mu; command ID counter
-	boot string              // prefix of command IDs, from the server's start time
+	mu       sync.Mutex
+	cmds     map[string]*command // guarded by mu; running commands by ID
+	durables map[string]*durable // guarded by mu; durable commands not yet forgotten
+	seq      uint64              // guarded by mu; command ID counter
+	boot     string              // prefix of command IDs, from the server's start time
 }
 
 // requestTimeout bounds how long a new connection may take to send its
@@ -88,12 +89,13 @@ func NewServer(cfg Config) *Server {
 		log = discardLogger{}
 	}
 	s := &Server{
-		cfg:    cfg,
-		log:    log,
-		reaper: newReaper(cfg.ReapAll),
-		env:    cfg.Env,
-		cmds:   make(map[string]*command),
-		boot:   strconv.FormatInt(time.Now().UnixNano()%(1<<32), 36),
+		cfg:      cfg,
+		log:      log,
+		reaper:   newReaper(cfg.ReapAll),
+		env:      cfg.Env,
+		cmds:     make(map[string]*command),
+		durables: make(map[string]*durable),
+		boot:     strconv.FormatInt(time.Now().UnixNano()%(1<<32), 36),
 	}
 	if cfg.IdleRelease > 0 {
 		s.idleTimer = time.AfterFunc(time.Hour, func() {
@@ -210,6 +212,23 @@ func (s *Server) serveConn(c net.Conn) {
 		if decode(c, body, &req) {
 			s.signal(c, &req)
 		}
+	case OpAttach:
+		var req wireAttachRequest
+		if decode(c, body, &req) {
+			s.attach(c, &req)
+		}
+	case OpStdin:
+		var req wireStdinRequest
+		if decode(c, body, &req) {
+			s.stdinOp(c, &req)
+		}
+	case OpResize:
+		var req wireResizeRequest
+		if decode(c, body, &req) {
+			s.resize(c, &req)
+		}
+	case OpCommands:
+		s.commands(c)
 	case OpStat, OpReadFile, OpWriteFile, OpListDir, OpMakeDir, OpRemove:
 		var req wirePathRequest
 		if !decode(c, body, &req) {

@@ -18,6 +18,7 @@ import (
 	pb "github.com/shoal-sandbox/shoal/api/shoal/v1"
 	"github.com/shoal-sandbox/shoal/api/shoal/v1/shoalv1connect"
 	"github.com/shoal-sandbox/shoal/internal/node"
+	"github.com/shoal-sandbox/shoal/internal/session"
 )
 
 // Server implements the API on top of one node's manager.
@@ -25,9 +26,10 @@ type Server struct {
 	shoalv1connect.UnimplementedCommandServiceHandler
 	shoalv1connect.UnimplementedSandboxServiceHandler
 
-	node *node.Manager
-	auth *Auth
-	log  *slog.Logger
+	node     *node.Manager
+	sessions *session.Manager
+	auth     *Auth
+	log      *slog.Logger
 }
 
 var (
@@ -37,8 +39,8 @@ var (
 )
 
 // New returns the API server.
-func New(m *node.Manager, auth *Auth, log *slog.Logger) *Server {
-	return &Server{node: m, auth: auth, log: log}
+func New(m *node.Manager, sessions *session.Manager, auth *Auth, log *slog.Logger) *Server {
+	return &Server{node: m, sessions: sessions, auth: auth, log: log}
 }
 
 // Handler returns the HTTP handler for the whole API.
@@ -53,6 +55,7 @@ func (s *Server) Handler() http.Handler {
 	mux.Handle(shoalv1connect.NewCommandServiceHandler(s))
 	mux.HandleFunc("GET /v1/sandboxes/{id}/files", s.readFile)
 	mux.HandleFunc("PUT /v1/sandboxes/{id}/files", s.writeFile)
+	s.layerRoutes(mux)
 	return s.auth.Middleware(mux, "/healthz")
 }
 
@@ -64,9 +67,9 @@ func (s *Server) CreateSandbox(ctx context.Context, req *connect.Request[pb.Crea
 		return nil, connect.NewError(connect.CodeInvalidArgument, errors.New("memory_bytes, millicpu and timeout_seconds must not be negative"))
 	}
 	rec, err := s.node.Create(ctx, node.CreateRequest{
-		Backend: r.Backend, Base: r.Base, Workspaces: r.Workspaces, Toolkits: r.Toolkits,
+		Backend: r.Backend, Template: r.Template, Base: r.Base, Workspaces: r.Workspaces, Toolkits: r.Toolkits,
 		Memory: r.MemoryBytes, MilliCPU: r.Millicpu, Timeout: time.Duration(r.TimeoutSeconds) * time.Second,
-		Metadata: r.Metadata, Env: r.Env,
+		Metadata: r.Metadata, Env: r.Env, ClientKey: r.ClientKey,
 	})
 	if err != nil {
 		return nil, toConnect(err)

@@ -7,6 +7,7 @@ package node
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -92,7 +93,8 @@ type Manager struct {
 	mu        sync.Mutex        // guards sandboxes and every entry's fields
 	sandboxes map[string]*entry // by ID
 
-	cmds commands
+	keyLocks map[string]chan struct{} // guarded by mu: creates in flight per client key
+	onDelete []func(id string)        // set before serving; called after each delete
 }
 
 // entry is the in-memory state of one sandbox. Its fields are guarded by
@@ -128,7 +130,13 @@ func New(cfg Config, db *bbolt.DB, layers *layer.Store, backends []sandbox.Backe
 		backends:  map[string]sandbox.Backend{},
 		sandboxes: map[string]*entry{},
 	}
-	m.cmds.init()
+	if err := db.Update(func(tx *bbolt.Tx) error {
+		_, err := tx.CreateBucketIfNotExists(bucketClientKeys)
+		return err
+	}); err != nil {
+		return nil, fmt.Errorf("open sandbox store: %w", err)
+	}
+	m.keyLocks = map[string]chan struct{}{}
 	for _, b := range backends {
 		m.backends[b.Name()] = b
 	}
@@ -143,7 +151,10 @@ func (m *Manager) Layers() *layer.Store { return m.layers }
 
 // CreateRequest asks for one sandbox.
 type CreateRequest struct {
-	Backend    string
+	Backend string
+	// Template names an environment (layer.Env) to take the layers from,
+	// resolved now; see applyTemplate in layers.go. Exclusive with Base.
+	Template   string
 	Base       string
 	Workspaces []string
 	Toolkits   []string
@@ -152,6 +163,9 @@ type CreateRequest struct {
 	Timeout    time.Duration
 	Metadata   map[string]string
 	Env        map[string]string
+	// ClientKey makes the create idempotent: repeating a create with the
+	// same key returns the sandbox made for it (while it exists).
+	ClientKey string
 }
 
 func (m *Manager) validate(req *CreateRequest) error {
@@ -167,7 +181,7 @@ func (m *Manager) validate(req *CreateRequest) error {
 		return errdefs.New(ErrInvalid, "backend %q is not available on this node (available: %v)", req.Backend, names)
 	}
 	if req.Base == "" {
-		return errdefs.New(ErrInvalid, "a base layer is required (--base NAME:VERSION)")
+		return errdefs.New(ErrInvalid, "a base layer is required (--base NAME:VERSION, or --template NAME)")
 	}
 	if req.Memory == 0 {
 		req.Memory = m.cfg.DefaultMemory
@@ -242,8 +256,31 @@ func (m *Manager) resolve(req *CreateRequest) ([]layer.Layer, []LayerRef, error)
 // Create makes a sandbox and returns once its guest agent accepts
 // connections. A failed create leaves nothing behind.
 func (m *Manager) Create(ctx context.Context, req CreateRequest) (rec Record, err error) {
+	if err := m.applyTemplate(&req); err != nil {
+		return Record{}, err
+	}
 	if err := m.validate(&req); err != nil {
 		return Record{}, err
+	}
+	if req.ClientKey != "" {
+		if len(req.ClientKey) > 256 {
+			return Record{}, errdefs.New(errdefs.ErrInvalidArgument, "client key longer than 256 bytes")
+		}
+		unlock, err := m.lockKey(ctx, req.ClientKey)
+		if err != nil {
+			return Record{}, err
+		}
+		defer unlock()
+		var id string
+		m.db.View(func(tx *bbolt.Tx) error {
+			id = string(tx.Bucket(bucketClientKeys).Get([]byte(req.ClientKey)))
+			return nil
+		})
+		if id != "" {
+			if rec, err := m.Get(id); err == nil {
+				return rec, nil
+			}
+		}
 	}
 	layers, refs, err := m.resolve(&req)
 	if err != nil {
@@ -328,7 +365,15 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (rec Record, er
 	h.Data["dir"] = dir
 	rec.Handle = h
 	rec.State = StateRunning
-	if err := m.db.Batch(func(tx *bbolt.Tx) error { return putRecord(tx, &rec) }); err != nil {
+	rec.ClientKey = req.ClientKey
+	if err := m.db.Batch(func(tx *bbolt.Tx) error {
+		if rec.ClientKey != "" {
+			if err := tx.Bucket(bucketClientKeys).Put([]byte(rec.ClientKey), []byte(id)); err != nil {
+				return err
+			}
+		}
+		return putRecord(tx, &rec)
+	}); err != nil {
 		return Record{}, fmt.Errorf("persist sandbox %s: %w", id, err)
 	}
 	m.mu.Lock()
@@ -347,10 +392,43 @@ func envList(env map[string]string) []string {
 	return out
 }
 
-// forget removes a sandbox's record from the store.
+// lockKey serializes creates that carry the same client key.
+func (m *Manager) lockKey(ctx context.Context, key string) (unlock func(), err error) {
+	for {
+		m.mu.Lock()
+		busy, ok := m.keyLocks[key]
+		if !ok {
+			done := make(chan struct{})
+			m.keyLocks[key] = done
+			m.mu.Unlock()
+			return func() {
+				m.mu.Lock()
+				delete(m.keyLocks, key)
+				m.mu.Unlock()
+				close(done)
+			}, nil
+		}
+		m.mu.Unlock()
+		select {
+		case <-busy:
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+	}
+}
+
+// forget removes a sandbox's record (and its client key) from the store.
 func (m *Manager) forget(id string) {
 	if err := m.db.Batch(func(tx *bbolt.Tx) error {
-		return tx.Bucket(bucketSandboxes).Delete([]byte(id))
+		b := tx.Bucket(bucketSandboxes)
+		var rec Record
+		if v := b.Get([]byte(id)); v != nil && json.Unmarshal(v, &rec) == nil && rec.ClientKey != "" {
+			keys := tx.Bucket(bucketClientKeys)
+			if string(keys.Get([]byte(rec.ClientKey))) == id {
+				keys.Delete([]byte(rec.ClientKey))
+			}
+		}
+		return b.Delete([]byte(id))
 	}); err != nil {
 		m.log.Error("forget sandbox", "sandbox_id", id, "err", err)
 	}
@@ -473,10 +551,45 @@ func (m *Manager) Delete(ctx context.Context, id string) error {
 	}
 	m.mu.Unlock()
 	if err == nil {
-		m.cmds.dropSandbox(id)
+		for _, fn := range m.onDelete {
+			fn(id)
+		}
 		m.log.Info("sandbox deleted", "sandbox_id", id)
 	}
 	return err
+}
+
+// OnDelete registers fn to be called after each sandbox is deleted. Call it
+// before serving.
+func (m *Manager) OnDelete(fn func(id string)) { m.onDelete = append(m.onDelete, fn) }
+
+// SandboxDir returns a sandbox's private directory on the host.
+func (m *Manager) SandboxDir(id string) (string, error) {
+	if _, err := m.Get(id); err != nil {
+		return "", err
+	}
+	return filepath.Join(m.cfg.DataDir, "sandboxes", id), nil
+}
+
+// Hold marks a sandbox busy (a command runs in it): it is not idle, so its
+// timeout does not expire, until release is called.
+func (m *Manager) Hold(id string) (release func(), err error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	e, err := m.lookup(id)
+	if err != nil {
+		return nil, err
+	}
+	e.running++
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			m.mu.Lock()
+			e.running--
+			m.touchLocked(e)
+			m.mu.Unlock()
+		})
+	}, nil
 }
 
 // destroy tears a sandbox down; it is also used by Recover for sandboxes

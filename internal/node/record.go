@@ -47,9 +47,13 @@ type Record struct {
 	Metadata  map[string]string `json:"metadata,omitempty"`
 	Env       map[string]string `json:"env,omitempty"`
 	Handle    sandbox.Handle    `json:"handle"`
+	ClientKey string            `json:"client_key,omitempty"`
 }
 
-var bucketSandboxes = []byte("node.sandboxes")
+var (
+	bucketSandboxes  = []byte("node.sandboxes")
+	bucketClientKeys = []byte("node.client_keys") // client key → sandbox ID
+)
 
 // newID returns a random sandbox ID: 20 lowercase base32 characters (100
 // bits), safe in host names, paths and runtime IDs.

@@ -221,8 +221,16 @@ type CreateSandboxRequest struct {
 	TimeoutSeconds int64                  `protobuf:"varint,7,opt,name=timeout_seconds,json=timeoutSeconds,proto3" json:"timeout_seconds,omitempty"` // idle timeout; 0 = 30 minutes
 	Metadata       map[string]string      `protobuf:"bytes,8,rep,name=metadata,proto3" json:"metadata,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
 	Env            map[string]string      `protobuf:"bytes,9,rep,name=env,proto3" json:"env,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
-	unknownFields  protoimpl.UnknownFields
-	sizeCache      protoimpl.SizeCache
+	// An environment (see layer.proto) to take base, workspaces and toolkits
+	// from, resolved now; workspaces and toolkits given here are stacked after
+	// its own. Give either template or base.
+	Template string `protobuf:"bytes,10,opt,name=template,proto3" json:"template,omitempty"`
+	// client_key makes the create idempotent: repeating a create with the same
+	// key returns the sandbox already made for it (e.g. "rollout-17/env-3"),
+	// so a client that died between request and reply leaks nothing.
+	ClientKey     string `protobuf:"bytes,11,opt,name=client_key,json=clientKey,proto3" json:"client_key,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *CreateSandboxRequest) Reset() {
@@ -316,6 +324,20 @@ func (x *CreateSandboxRequest) GetEnv() map[string]string {
 		return x.Env
 	}
 	return nil
+}
+
+func (x *CreateSandboxRequest) GetTemplate() string {
+	if x != nil {
+		return x.Template
+	}
+	return ""
+}
+
+func (x *CreateSandboxRequest) GetClientKey() string {
+	if x != nil {
+		return x.ClientKey
+	}
+	return ""
 }
 
 type Sandbox struct {
@@ -1268,7 +1290,7 @@ const file_shoal_v1_sandbox_proto_rawDesc = "" +
 	"\bLayerRef\x12'\n" +
 	"\x04kind\x18\x01 \x01(\x0e2\x13.shoal.v1.LayerKindR\x04kind\x12\x10\n" +
 	"\x03ref\x18\x02 \x01(\tR\x03ref\x12\x16\n" +
-	"\x06digest\x18\x03 \x01(\tR\x06digest\"\xe2\x03\n" +
+	"\x06digest\x18\x03 \x01(\tR\x06digest\"\x9d\x04\n" +
 	"\x14CreateSandboxRequest\x12\x18\n" +
 	"\abackend\x18\x01 \x01(\tR\abackend\x12\x12\n" +
 	"\x04base\x18\x02 \x01(\tR\x04base\x12\x1e\n" +
@@ -1280,7 +1302,11 @@ const file_shoal_v1_sandbox_proto_rawDesc = "" +
 	"\bmillicpu\x18\x06 \x01(\x03R\bmillicpu\x12'\n" +
 	"\x0ftimeout_seconds\x18\a \x01(\x03R\x0etimeoutSeconds\x12H\n" +
 	"\bmetadata\x18\b \x03(\v2,.shoal.v1.CreateSandboxRequest.MetadataEntryR\bmetadata\x129\n" +
-	"\x03env\x18\t \x03(\v2'.shoal.v1.CreateSandboxRequest.EnvEntryR\x03env\x1a;\n" +
+	"\x03env\x18\t \x03(\v2'.shoal.v1.CreateSandboxRequest.EnvEntryR\x03env\x12\x1a\n" +
+	"\btemplate\x18\n" +
+	" \x01(\tR\btemplate\x12\x1d\n" +
+	"\n" +
+	"client_key\x18\v \x01(\tR\tclientKey\x1a;\n" +
 	"\rMetadataEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1a6\n" +

@@ -1,0 +1,923 @@
+// Package session is Shoal's session layer on a node: commands as durable
+// server-side objects with output logs addressed by byte offset, stdin and
+// signals, and trajectories that replay recorded steps instead of running
+// them again.
+//
+// A command runs in a sandbox as a durable command of the guest agent (see
+// internal/agent/durable.go). For each running command, a pump goroutine
+// attaches to the agent, appends every output record to the command's log
+// file (DATA/sandboxes/<id>/logs/<command>.log, in the agent's record
+// format, so agent offsets and file offsets are the same numbers),
+// acknowledges it, and finally records the exit status. Clients never talk
+// to the agent: they read the log from any offset and wait for more, so a
+// client can go away and come back, and `shoal serve` can restart, without
+// the command noticing or a byte being lost or repeated.
+package session
+
+import (
+	"context"
+	"crypto/rand"
+	"crypto/sha256"
+	"encoding/base32"
+	"encoding/binary"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"go.etcd.io/bbolt"
+
+	"github.com/shoal-sandbox/shoal/internal/agent"
+	"github.com/shoal-sandbox/shoal/internal/errdefs"
+)
+
+// DefaultLogCap bounds each command's output log.
+const DefaultLogCap = 64 << 20
+
+// Sandboxes is what the session layer needs of the node's sandbox manager.
+type Sandboxes interface {
+	// Agent returns a running sandbox's agent client (counts as activity).
+	Agent(id string) (*agent.Client, error)
+	// SandboxDir is the sandbox's private directory on the host.
+	SandboxDir(id string) (string, error)
+	// Hold marks the sandbox busy (never idle) until release is called.
+	Hold(id string) (release func(), err error)
+}
+
+// Config configures a Manager.
+type Config struct {
+	LogCap int64 // per command; 0 = DefaultLogCap
+}
+
+// State of a command.
+type State string
+
+const (
+	StateRunning State = "running"
+	StateExited  State = "exited"
+	StateLost    State = "lost" // its agent no longer knows it (the sandbox restarted or died)
+)
+
+// record is what is persisted about a command.
+type record struct {
+	ID         string            `json:"id"`
+	SandboxID  string            `json:"sandbox"`
+	AgentID    string            `json:"agent_id"`
+	Args       []string          `json:"args"`
+	Cwd        string            `json:"cwd,omitempty"`
+	PTY        bool              `json:"pty,omitempty"`
+	Pid        int               `json:"pid"`
+	State      State             `json:"state"`
+	Exit       *agent.ExitStatus `json:"exit,omitempty"`
+	Started    time.Time         `json:"started"`
+	Ended      time.Time         `json:"ended,omitzero"`
+	Trajectory string            `json:"trajectory,omitempty"`
+	Step       int64             `json:"step,omitempty"`
+	Digest     string            `json:"digest,omitempty"`
+	LogBytes   int64             `json:"log_bytes,omitempty"` // at exit
+	Extra      map[string]string `json:"extra,omitempty"`
+}
+
+// Command is a command in a sandbox. Its exported view is Info.
+type Command struct {
+	logPath string
+
+	mu      sync.Mutex    // guards the fields below
+	rec     record        // persisted fields
+	size    int64         // bytes in the log file
+	changed chan struct{} // closed and replaced when size or state changes
+	cancel  context.CancelFunc
+	release func()
+}
+
+// Info is a snapshot of a command.
+type Info struct {
+	ID, SandboxID string
+	Args          []string
+	Cwd           string
+	PTY           bool
+	Pid           int
+	State         State
+	Exit          *agent.ExitStatus
+	Started       time.Time
+	Ended         time.Time
+	LogBytes      int64
+	Trajectory    string
+	Step          int64
+	Digest        string
+}
+
+// Info returns a snapshot of the command.
+func (c *Command) Info() Info {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	r := c.rec
+	return Info{
+		ID: r.ID, SandboxID: r.SandboxID, Args: r.Args, Cwd: r.Cwd, PTY: r.PTY, Pid: r.Pid,
+		State: r.State, Exit: r.Exit, Started: r.Started, Ended: r.Ended, LogBytes: c.size,
+		Trajectory: r.Trajectory, Step: r.Step, Digest: r.Digest,
+	}
+}
+
+func (c *Command) notifyLocked() {
+	close(c.changed)
+	c.changed = make(chan struct{})
+}
+
+var (
+	bucketCommands     = []byte("session.commands")
+	bucketTrajectories = []byte("session.trajectories")
+)
+
+// Manager holds the commands of one node. It is safe for concurrent use.
+type Manager struct {
+	cfg Config
+	log *slog.Logger
+	db  *bbolt.DB
+	sb  Sandboxes
+
+	ctx    context.Context // ends pumps on Close
+	cancel context.CancelFunc
+
+	mu   sync.Mutex          // guards cmds
+	cmds map[string]*Command // key: sandboxID/commandID
+
+	trajLocks keyedMutex // serializes the steps of one trajectory
+}
+
+// New returns a manager; call Recover once the node has recovered its
+// sandboxes.
+func New(cfg Config, db *bbolt.DB, sb Sandboxes, log *slog.Logger) (*Manager, error) {
+	if cfg.LogCap == 0 {
+		cfg.LogCap = DefaultLogCap
+	}
+	if cfg.LogCap < 4096 {
+		return nil, fmt.Errorf("session config: log cap %d is below 4096 bytes", cfg.LogCap)
+	}
+	if err := db.Update(func(tx *bbolt.Tx) error {
+		for _, b := range [][]byte{bucketCommands, bucketTrajectories} {
+			if _, err := tx.CreateBucketIfNotExists(b); err != nil {
+				return err
+			}
+		}
+		return nil
+	}); err != nil {
+		return nil, fmt.Errorf("open session store: %w", err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	return &Manager{cfg: cfg, log: log, db: db, sb: sb, ctx: ctx, cancel: cancel, cmds: map[string]*Command{}}, nil
+}
+
+// keyedMutex is a set of mutexes by key, created on demand and dropped
+// when unused.
+type keyedMutex struct {
+	mu sync.Mutex
+	m  map[string]*keyedEntry
+}
+
+type keyedEntry struct {
+	mu sync.Mutex
+	n  int // holders and waiters
+}
+
+func (k *keyedMutex) lock(key string) (unlock func()) {
+	k.mu.Lock()
+	if k.m == nil {
+		k.m = map[string]*keyedEntry{}
+	}
+	e := k.m[key]
+	if e == nil {
+		e = &keyedEntry{}
+		k.m[key] = e
+	}
+	e.n++
+	k.mu.Unlock()
+	e.mu.Lock()
+	return func() {
+		e.mu.Unlock()
+		k.mu.Lock()
+		if e.n--; e.n == 0 {
+			delete(k.m, key)
+		}
+		k.mu.Unlock()
+	}
+}
+
+// Close stops the pumps (the commands go on; Recover re-attaches).
+func (m *Manager) Close() { m.cancel() }
+
+func key(sandboxID, id string) string { return sandboxID + "/" + id }
+
+func newCommandID() string {
+	var b [10]byte
+	rand.Read(b[:])
+	return strings.ToLower(base32.StdEncoding.WithPadding(base32.NoPadding).EncodeToString(b[:]))
+}
+
+// StartRequest asks for a command.
+type StartRequest struct {
+	Args      []string
+	Env       []string // KEY=VALUE
+	Cwd       string
+	Stdin     []byte // written first
+	StdinOpen bool   // keep stdin open for SendStdin
+	Timeout   time.Duration
+	PTY       *agent.Winsize
+	// Trajectory step (both set, or neither).
+	Trajectory string
+	Step       int64
+}
+
+// digest fingerprints what defines a trajectory step.
+func (r *StartRequest) digest() string {
+	h := sha256.New()
+	enc := json.NewEncoder(h)
+	env := append([]string(nil), r.Env...)
+	sort.Strings(env)
+	enc.Encode([]any{r.Args, env, r.Cwd, r.Stdin, r.StdinOpen, r.Timeout, r.PTY})
+	return "sha256:" + hex.EncodeToString(h.Sum(nil))
+}
+
+func trajKey(sandboxID, traj string, step int64) []byte {
+	return []byte(fmt.Sprintf("%s/%s/%020d", sandboxID, traj, step))
+}
+
+type trajStep struct {
+	Command string   `json:"command"`
+	Digest  string   `json:"digest"`
+	Args    []string `json:"args"`
+}
+
+// Start starts a command, or, for a trajectory step that is already
+// recorded with the same request, returns the recorded command with
+// replayed set (it is not run again). A recorded step with a different
+// request is refused (errdefs.ErrFailedPrecondition).
+func (m *Manager) Start(ctx context.Context, sandboxID string, req StartRequest) (c *Command, replayed bool, err error) {
+	if len(req.Args) == 0 || req.Args[0] == "" {
+		return nil, false, errdefs.New(errdefs.ErrInvalidArgument, "a command is required")
+	}
+	if (req.Trajectory == "") != (req.Step == 0) {
+		return nil, false, errdefs.New(errdefs.ErrInvalidArgument, "a trajectory step needs both trajectory_id and step (step >= 1)")
+	}
+	if req.Step < 0 {
+		return nil, false, errdefs.New(errdefs.ErrInvalidArgument, "step must be >= 1, got %d", req.Step)
+	}
+	if req.Trajectory != "" {
+		if len(req.Trajectory) > 256 || strings.ContainsAny(req.Trajectory, "/\x00") {
+			return nil, false, errdefs.New(errdefs.ErrInvalidArgument, "trajectory_id %q must be 1-256 characters without '/'", req.Trajectory)
+		}
+		unlock := m.trajLocks.lock(sandboxID + "/" + req.Trajectory)
+		defer unlock()
+		digest := req.digest()
+		var st trajStep
+		var found bool
+		m.db.View(func(tx *bbolt.Tx) error {
+			if v := tx.Bucket(bucketTrajectories).Get(trajKey(sandboxID, req.Trajectory, req.Step)); v != nil {
+				found = json.Unmarshal(v, &st) == nil
+			}
+			return nil
+		})
+		if found {
+			if st.Digest != digest {
+				return nil, false, errdefs.New(errdefs.ErrFailedPrecondition,
+					"trajectory %s step %d diverged: it was recorded as %s and is now %s; a replay must send the same request (start a new trajectory ID to branch)",
+					req.Trajectory, req.Step, quoteArgs(st.Args), quoteArgs(req.Args))
+			}
+			c, err := m.Get(sandboxID, st.Command)
+			if err != nil {
+				return nil, false, fmt.Errorf("trajectory %s step %d: %w", req.Trajectory, req.Step, err)
+			}
+			return c, true, nil
+		}
+	}
+	c, err = m.start(ctx, sandboxID, req)
+	return c, false, err
+}
+
+func quoteArgs(args []string) string {
+	b, _ := json.Marshal(args)
+	return string(b)
+}
+
+func (m *Manager) start(ctx context.Context, sandboxID string, req StartRequest) (*Command, error) {
+	ag, err := m.sb.Agent(sandboxID)
+	if err != nil {
+		return nil, err
+	}
+	dir, err := m.sb.SandboxDir(sandboxID)
+	if err != nil {
+		return nil, err
+	}
+	release, err := m.sb.Hold(sandboxID)
+	if err != nil {
+		return nil, err
+	}
+	id := newCommandID()
+	logDir := filepath.Join(dir, "logs")
+	if err := os.MkdirAll(logDir, 0o700); err != nil {
+		release()
+		return nil, fmt.Errorf("create log dir: %w", err)
+	}
+	c := &Command{logPath: filepath.Join(logDir, id+".log"), changed: make(chan struct{}), release: release}
+	f, err := os.OpenFile(c.logPath, os.O_CREATE|os.O_EXCL|os.O_WRONLY|os.O_APPEND, 0o600)
+	if err != nil {
+		release()
+		return nil, fmt.Errorf("create command log: %w", err)
+	}
+	sreq := agent.StartRequest{
+		ExecRequest: agent.ExecRequest{
+			Args: req.Args, Env: req.Env, Cwd: req.Cwd, Timeout: req.Timeout,
+			Stdin: req.StdinOpen || len(req.Stdin) > 0,
+		},
+		LogCap: m.cfg.LogCap,
+		PTY:    req.PTY,
+	}
+	att, err := ag.Start(ctx, sreq)
+	if err != nil {
+		f.Close()
+		os.Remove(c.logPath)
+		release()
+		return nil, fmt.Errorf("start %s in sandbox %s: %w", quoteArgs(req.Args), sandboxID, err)
+	}
+	c.rec = record{
+		ID: id, SandboxID: sandboxID, AgentID: att.ID(), Args: req.Args, Cwd: req.Cwd, PTY: req.PTY != nil,
+		Pid: att.Pid(), State: StateRunning, Started: time.Now().UTC(),
+		Trajectory: req.Trajectory, Step: req.Step,
+	}
+	if req.Trajectory != "" {
+		c.rec.Digest = req.digest()
+	}
+	err = m.db.Update(func(tx *bbolt.Tx) error {
+		if err := putRecord(tx, &c.rec); err != nil {
+			return err
+		}
+		if req.Trajectory == "" {
+			return nil
+		}
+		b, _ := json.Marshal(trajStep{Command: id, Digest: c.rec.Digest, Args: req.Args})
+		return tx.Bucket(bucketTrajectories).Put(trajKey(sandboxID, req.Trajectory, req.Step), b)
+	})
+	if err != nil {
+		ag.SignalCommand(context.Background(), att.ID(), int(syscall.SIGKILL))
+		att.Close()
+		f.Close()
+		os.Remove(c.logPath)
+		release()
+		return nil, fmt.Errorf("persist command: %w", err)
+	}
+	m.mu.Lock()
+	m.cmds[key(sandboxID, id)] = c
+	m.mu.Unlock()
+	pctx, cancel := context.WithCancel(m.ctx)
+	c.cancel = cancel
+	go m.pump(pctx, c, ag, att, f)
+	if len(req.Stdin) > 0 || (sreq.Stdin && !req.StdinOpen) {
+		if err := ag.SendStdin(ctx, att.ID(), req.Stdin, !req.StdinOpen); err != nil {
+			m.log.Warn("write stdin", "sandbox_id", sandboxID, "command", id, "err", err)
+		}
+	}
+	return c, nil
+}
+
+func putRecord(tx *bbolt.Tx, r *record) error {
+	b, err := json.Marshal(r)
+	if err != nil {
+		return err
+	}
+	return tx.Bucket(bucketCommands).Put([]byte(key(r.SandboxID, r.ID)), b)
+}
+
+// pump copies the agent's records of c into its log until the exit, and
+// re-attaches when the connection breaks.
+func (m *Manager) pump(ctx context.Context, c *Command, ag *agent.Client, att *agent.Attachment, f *os.File) {
+	defer f.Close()
+	log := m.log.With("sandbox_id", c.rec.SandboxID, "command", c.rec.ID)
+	buf := make([]byte, 0, agent.LogRecordHeader+agent.MaxDataChunk)
+	for attempt := 0; ; {
+		if att == nil {
+			c.mu.Lock()
+			from := c.size
+			c.mu.Unlock()
+			var err error
+			att, err = ag.Attach(ctx, c.rec.AgentID, from)
+			if err != nil {
+				if ctx.Err() != nil {
+					return
+				}
+				if errors.Is(err, fs.ErrNotExist) {
+					m.finish(c, nil, "the sandbox's agent no longer knows the command")
+					return
+				}
+				attempt++
+				if attempt > 50 {
+					m.finish(c, nil, "cannot re-attach: "+err.Error())
+					return
+				}
+				select {
+				case <-ctx.Done():
+					return
+				case <-time.After(time.Duration(min(attempt, 10)) * 100 * time.Millisecond):
+				}
+				continue
+			}
+		}
+		r, err := att.Recv()
+		if err != nil {
+			att.Close()
+			att = nil
+			if ctx.Err() != nil {
+				return
+			}
+			log.Debug("attachment lost, re-attaching", "err", err)
+			continue
+		}
+		attempt = 0
+		if r.Exit != nil {
+			m.finish(c, r.Exit, "")
+			att.Done()
+			att.Close()
+			return
+		}
+		buf = buf[:agent.LogRecordHeader]
+		buf[0] = byte(r.Kind)
+		binary.BigEndian.PutUint32(buf[1:], uint32(len(r.Data)))
+		buf = append(buf, r.Data...)
+		if _, err := f.Write(buf); err != nil {
+			log.Error("write command log", "err", err)
+			m.finish(c, nil, "writing its log failed: "+err.Error())
+			ag.SignalCommand(context.Background(), c.rec.AgentID, int(syscall.SIGKILL))
+			att.Close()
+			return
+		}
+		c.mu.Lock()
+		c.size += int64(len(buf))
+		c.notifyLocked()
+		c.mu.Unlock()
+		att.Ack(r.End)
+	}
+}
+
+// finish records how a command ended: its exit status, or lost (exit nil).
+func (m *Manager) finish(c *Command, exit *agent.ExitStatus, why string) {
+	c.mu.Lock()
+	if c.rec.State != StateRunning {
+		c.mu.Unlock()
+		return
+	}
+	if exit != nil {
+		c.rec.State = StateExited
+		c.rec.Exit = exit
+	} else {
+		c.rec.State = StateLost
+		if c.rec.Extra == nil {
+			c.rec.Extra = map[string]string{}
+		}
+		c.rec.Extra["lost"] = why
+	}
+	c.rec.Ended = time.Now().UTC()
+	c.rec.LogBytes = c.size
+	rec := c.rec
+	release := c.release
+	c.release = nil
+	c.mu.Unlock()
+	if err := m.db.Batch(func(tx *bbolt.Tx) error {
+		if tx.Bucket(bucketCommands).Get([]byte(key(rec.SandboxID, rec.ID))) == nil {
+			return nil // the sandbox was deleted meanwhile
+		}
+		return putRecord(tx, &rec)
+	}); err != nil {
+		m.log.Error("persist command exit", "sandbox_id", rec.SandboxID, "command", rec.ID, "err", err)
+	}
+	if release != nil {
+		release()
+	}
+	c.mu.Lock()
+	c.notifyLocked()
+	c.mu.Unlock()
+}
+
+// Get finds a command.
+func (m *Manager) Get(sandboxID, id string) (*Command, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	c, ok := m.cmds[key(sandboxID, id)]
+	if !ok {
+		return nil, errdefs.New(errdefs.ErrNotFound, "no command %q in sandbox %s", id, sandboxID)
+	}
+	return c, nil
+}
+
+// List returns a sandbox's commands, oldest first.
+func (m *Manager) List(sandboxID string) []Info {
+	m.mu.Lock()
+	var cs []*Command
+	for _, c := range m.cmds {
+		if c.rec.SandboxID == sandboxID {
+			cs = append(cs, c)
+		}
+	}
+	m.mu.Unlock()
+	out := make([]Info, 0, len(cs))
+	for _, c := range cs {
+		out = append(out, c.Info())
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Started.Before(out[j].Started) })
+	return out
+}
+
+// EventKind says what an Event carries.
+type EventKind int
+
+const (
+	EventStdout EventKind = iota + 1
+	EventStderr
+	EventDropped // output past the log cap was dropped from here on
+	EventExit
+	EventLost
+	EventKeepAlive
+)
+
+// Event is one item of a command's output as read from its log.
+type Event struct {
+	Kind    EventKind
+	Data    []byte
+	Offset  int64 // log offset just past this event
+	Exit    *agent.ExitStatus
+	Dropped int64
+}
+
+// Events calls fn with the command's events from log offset from: output
+// records, then the exit (or lost) event. It waits for more output while the
+// command runs; every keepAlive of silence it sends EventKeepAlive (0: none).
+// It returns fn's error, ctx's error, or nil after the last event.
+func (m *Manager) Events(ctx context.Context, c *Command, from int64, keepAlive time.Duration, fn func(Event) error) error {
+	c.mu.Lock()
+	size := c.size
+	c.mu.Unlock()
+	if from < 0 || from > size {
+		return errdefs.New(errdefs.ErrInvalidArgument, "offset %d is outside the command's log [0, %d]", from, size)
+	}
+	f, err := os.Open(c.logPath)
+	if err != nil {
+		return fmt.Errorf("open command log: %w", err)
+	}
+	defer f.Close()
+	if from > 0 && from < size {
+		if ok, err := recordBoundary(f, from); err != nil {
+			return err
+		} else if !ok {
+			return errdefs.New(errdefs.ErrInvalidArgument, "offset %d is not the end of an event of this command: re-connect with an offset the server sent", from)
+		}
+	}
+	pos := from
+	var hdr [agent.LogRecordHeader]byte
+	var ka <-chan time.Time
+	for {
+		c.mu.Lock()
+		size, state, exit, changed := c.size, c.rec.State, c.rec.Exit, c.changed
+		c.mu.Unlock()
+		for pos < size {
+			if _, err := f.ReadAt(hdr[:], pos); err != nil {
+				return fmt.Errorf("read command log: %w", err)
+			}
+			n := int64(binary.BigEndian.Uint32(hdr[1:]))
+			data := make([]byte, n)
+			if _, err := f.ReadAt(data, pos+agent.LogRecordHeader); err != nil && !(errors.Is(err, io.EOF) && n == 0) {
+				return fmt.Errorf("read command log: %w", err)
+			}
+			pos += agent.LogRecordHeader + n
+			ev := Event{Data: data, Offset: pos}
+			switch agent.RecordKind(hdr[0]) {
+			case agent.RecordStdout:
+				ev.Kind = EventStdout
+			case agent.RecordStderr:
+				ev.Kind = EventStderr
+			case agent.RecordTruncated:
+				ev.Kind, ev.Data = EventDropped, nil
+				if n == 8 {
+					ev.Dropped = int64(binary.BigEndian.Uint64(data))
+				}
+			default:
+				return fmt.Errorf("command log: bad record type %q at offset %d", hdr[0], pos-agent.LogRecordHeader-n)
+			}
+			if err := fn(ev); err != nil {
+				return err
+			}
+		}
+		switch state {
+		case StateExited:
+			return fn(Event{Kind: EventExit, Exit: exit, Offset: pos})
+		case StateLost:
+			return fn(Event{Kind: EventLost, Offset: pos})
+		}
+		if keepAlive > 0 && ka == nil {
+			ka = time.After(keepAlive)
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-changed:
+		case <-ka:
+			ka = nil
+			if err := fn(Event{Kind: EventKeepAlive, Offset: pos}); err != nil {
+				return err
+			}
+		}
+	}
+}
+
+// recordBoundary reports whether off is where a record starts in the log.
+func recordBoundary(f *os.File, off int64) (bool, error) {
+	var hdr [agent.LogRecordHeader]byte
+	for pos := int64(0); pos <= off; {
+		if pos == off {
+			return true, nil
+		}
+		if _, err := f.ReadAt(hdr[:], pos); err != nil {
+			return false, fmt.Errorf("read command log: %w", err)
+		}
+		pos += agent.LogRecordHeader + int64(binary.BigEndian.Uint32(hdr[1:]))
+	}
+	return false, nil
+}
+
+// Wait waits until the command ends (or ctx ends) and returns its info.
+func (m *Manager) Wait(ctx context.Context, c *Command) (Info, error) {
+	for {
+		c.mu.Lock()
+		state, changed := c.rec.State, c.changed
+		c.mu.Unlock()
+		if state != StateRunning {
+			return c.Info(), nil
+		}
+		select {
+		case <-ctx.Done():
+			return c.Info(), ctx.Err()
+		case <-changed:
+		}
+	}
+}
+
+func (m *Manager) running(c *Command) (*agent.Client, string, error) {
+	c.mu.Lock()
+	state, sandboxID, agentID := c.rec.State, c.rec.SandboxID, c.rec.AgentID
+	c.mu.Unlock()
+	if state != StateRunning {
+		return nil, "", errdefs.New(errdefs.ErrFailedPrecondition, "command %s has %s", c.rec.ID, state)
+	}
+	ag, err := m.sb.Agent(sandboxID)
+	return ag, agentID, err
+}
+
+// SendStdin writes to a running command's stdin, closing it if close.
+func (m *Manager) SendStdin(ctx context.Context, c *Command, data []byte, close bool) error {
+	ag, agentID, err := m.running(c)
+	if err != nil {
+		return err
+	}
+	return ag.SendStdin(ctx, agentID, data, close)
+}
+
+// Signal sends sig to a running command's process group.
+func (m *Manager) Signal(ctx context.Context, c *Command, sig syscall.Signal) error {
+	ag, agentID, err := m.running(c)
+	if err != nil {
+		return err
+	}
+	return ag.SignalCommand(ctx, agentID, int(sig))
+}
+
+// Resize sets the window size of a running command's pty.
+func (m *Manager) Resize(ctx context.Context, c *Command, size agent.Winsize) error {
+	ag, agentID, err := m.running(c)
+	if err != nil {
+		return err
+	}
+	return ag.Resize(ctx, agentID, size)
+}
+
+// DropSandbox forgets every command and trajectory of a deleted sandbox
+// (their logs went with the sandbox's directory).
+func (m *Manager) DropSandbox(sandboxID string) {
+	prefix := sandboxID + "/"
+	m.mu.Lock()
+	var cs []*Command
+	for k, c := range m.cmds {
+		if strings.HasPrefix(k, prefix) {
+			cs = append(cs, c)
+			delete(m.cmds, k)
+		}
+	}
+	m.mu.Unlock()
+	for _, c := range cs {
+		if c.cancel != nil {
+			c.cancel()
+		}
+		m.finish(c, nil, "the sandbox was deleted")
+	}
+	err := m.db.Update(func(tx *bbolt.Tx) error {
+		for _, b := range [][]byte{bucketCommands, bucketTrajectories} {
+			bk := tx.Bucket(b)
+			cur := bk.Cursor()
+			for k, _ := cur.Seek([]byte(prefix)); k != nil && strings.HasPrefix(string(k), prefix); k, _ = cur.Next() {
+				if err := cur.Delete(); err != nil {
+					return err
+				}
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		m.log.Error("forget sandbox commands", "sandbox_id", sandboxID, "err", err)
+	}
+}
+
+// Recover loads the persisted commands after a restart and re-attaches to
+// the running ones, from the end of their logs.
+func (m *Manager) Recover(ctx context.Context) error {
+	var recs []record
+	err := m.db.View(func(tx *bbolt.Tx) error {
+		return tx.Bucket(bucketCommands).ForEach(func(k, v []byte) error {
+			var r record
+			if err := json.Unmarshal(v, &r); err != nil {
+				return fmt.Errorf("decode command %s: %w", k, err)
+			}
+			recs = append(recs, r)
+			return nil
+		})
+	})
+	if err != nil {
+		return err
+	}
+	known := map[string]map[string]bool{} // sandbox → agent IDs we track
+	for _, r := range recs {
+		dir, err := m.sb.SandboxDir(r.SandboxID)
+		if err != nil {
+			// The sandbox is gone: its commands go too.
+			m.DropSandbox(r.SandboxID)
+			continue
+		}
+		c := &Command{logPath: filepath.Join(dir, "logs", r.ID+".log"), rec: r, changed: make(chan struct{})}
+		size, err := repairLog(c.logPath)
+		if err != nil {
+			m.log.Warn("command log", "sandbox_id", r.SandboxID, "command", r.ID, "err", err)
+		}
+		c.size = size
+		m.mu.Lock()
+		m.cmds[key(r.SandboxID, r.ID)] = c
+		m.mu.Unlock()
+		if r.State != StateRunning {
+			continue
+		}
+		if known[r.SandboxID] == nil {
+			known[r.SandboxID] = map[string]bool{}
+		}
+		known[r.SandboxID][r.AgentID] = true
+		ag, err := m.sb.Agent(r.SandboxID)
+		if err != nil {
+			m.finish(c, nil, "its sandbox is not running: "+err.Error())
+			continue
+		}
+		release, err := m.sb.Hold(r.SandboxID)
+		if err == nil {
+			c.release = release
+		}
+		f, err := os.OpenFile(c.logPath, os.O_WRONLY|os.O_APPEND, 0o600)
+		if err != nil {
+			m.finish(c, nil, "cannot open its log: "+err.Error())
+			continue
+		}
+		pctx, cancel := context.WithCancel(m.ctx)
+		c.cancel = cancel
+		go m.pump(pctx, c, ag, nil, f)
+	}
+	// Commands the agents hold that we never recorded (a crash between
+	// starting one and persisting it): kill them and let the agent forget.
+	for sandboxID, ids := range known {
+		ag, err := m.sb.Agent(sandboxID)
+		if err != nil {
+			continue
+		}
+		infos, err := ag.Commands(ctx)
+		if err != nil {
+			continue
+		}
+		for _, in := range infos {
+			if !ids[in.ID] {
+				m.reapOrphan(ctx, ag, in)
+			}
+		}
+	}
+	return nil
+}
+
+func (m *Manager) reapOrphan(ctx context.Context, ag *agent.Client, in agent.CommandInfo) {
+	ag.SignalCommand(ctx, in.ID, int(syscall.SIGKILL))
+	att, err := ag.Attach(ctx, in.ID, in.Base)
+	if err != nil {
+		return
+	}
+	defer att.Close()
+	for {
+		r, err := att.Recv()
+		if err != nil {
+			return
+		}
+		if r.Exit != nil {
+			att.Done()
+			return
+		}
+		att.Ack(r.End)
+	}
+}
+
+// repairLog returns the size of the complete records in a command log,
+// truncating a record that a crash left half written.
+func repairLog(path string) (int64, error) {
+	f, err := os.OpenFile(path, os.O_RDWR, 0)
+	if err != nil {
+		return 0, err
+	}
+	defer f.Close()
+	fi, err := f.Stat()
+	if err != nil {
+		return 0, err
+	}
+	var hdr [agent.LogRecordHeader]byte
+	pos := int64(0)
+	for pos < fi.Size() {
+		if _, err := f.ReadAt(hdr[:], pos); err != nil {
+			break
+		}
+		next := pos + agent.LogRecordHeader + int64(binary.BigEndian.Uint32(hdr[1:]))
+		if next > fi.Size() {
+			break
+		}
+		pos = next
+	}
+	if pos != fi.Size() {
+		return pos, f.Truncate(pos)
+	}
+	return pos, nil
+}
+
+// Trajectory is the recorded steps of one trajectory.
+type Trajectory struct {
+	ID    string
+	Steps []Step
+}
+
+// Step is one recorded step.
+type Step struct {
+	Step    int64
+	Command string
+	Digest  string
+	Args    []string
+}
+
+// Trajectories lists a sandbox's trajectories with their steps.
+func (m *Manager) Trajectories(sandboxID string) ([]Trajectory, error) {
+	prefix := []byte(sandboxID + "/")
+	byID := map[string]*Trajectory{}
+	var order []string
+	err := m.db.View(func(tx *bbolt.Tx) error {
+		cur := tx.Bucket(bucketTrajectories).Cursor()
+		for k, v := cur.Seek(prefix); k != nil && strings.HasPrefix(string(k), string(prefix)); k, v = cur.Next() {
+			rest := strings.TrimPrefix(string(k), string(prefix))
+			i := strings.LastIndexByte(rest, '/')
+			if i < 0 {
+				continue
+			}
+			tid := rest[:i]
+			var step int64
+			fmt.Sscanf(rest[i+1:], "%d", &step)
+			var st trajStep
+			if json.Unmarshal(v, &st) != nil {
+				continue
+			}
+			t := byID[tid]
+			if t == nil {
+				t = &Trajectory{ID: tid}
+				byID[tid] = t
+				order = append(order, tid)
+			}
+			t.Steps = append(t.Steps, Step{Step: step, Command: st.Command, Digest: st.Digest, Args: st.Args})
+		}
+		return nil
+	})
+	out := make([]Trajectory, 0, len(order))
+	for _, id := range order {
+		out = append(out, *byID[id])
+	}
+	return out, err
+}
