@@ -62,7 +62,30 @@ func benchCmd() *cobra.Command {
 	execb.Flags().StringVar(&eo.Base, "base", "debian:12", "base layer")
 	execb.Flags().StringVar(&eo.DataDir, "data", "/var/lib/shoal", "the server's data dir")
 	execb.Flags().StringVar(&eo.Runtime, "runtime", "runc", "OCI runtime for the baseline")
-	cmd.AddCommand(create, execb)
+	var so bench.SessionOptions
+	sess := &cobra.Command{
+		Use:   "session [--base REF]",
+		Short: "Output streaming throughput, re-attach latency, trajectory fast-forward",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := client(cmd)
+			if err != nil {
+				return err
+			}
+			ctx, cancel := cmdContext()
+			defer cancel()
+			res, err := bench.Session(ctx, c, so)
+			if err != nil {
+				return err
+			}
+			return printResult(res)
+		},
+	}
+	sess.Flags().StringVar(&so.Base, "base", "debian:12", "base layer")
+	sess.Flags().Int64Var(&so.StreamBytes, "bytes", 48<<20, "output bytes of the streaming run (keep it under the server's --command-log-cap)")
+	sess.Flags().IntVar(&so.Reattaches, "reattaches", 50, "re-attaches to time")
+	sess.Flags().IntVar(&so.Steps, "steps", 100, "trajectory steps")
+	cmd.AddCommand(create, execb, sess)
 	return cmd
 }
 

@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	_ "net/http/pprof" // on --pprof only: DefaultServeMux is not the API's mux
 	"os"
 	"os/signal"
 	"path/filepath"
@@ -32,6 +33,7 @@ type serveConfig struct {
 	Runtime string
 	Debug   bool
 	LogCap  int64
+	Pprof   string
 }
 
 // Validate fills defaults and checks the configuration.
@@ -90,6 +92,7 @@ func serveCmd() *cobra.Command {
 	cmd.Flags().StringVar(&cfg.Agent, "agent", "", "path of the shoal-agent binary (default: beside shoal)")
 	cmd.Flags().StringVar(&cfg.Runtime, "runtime", "runc", "OCI runtime for the container backend")
 	cmd.Flags().BoolVar(&cfg.Debug, "debug", false, "debug logging")
+	cmd.Flags().StringVar(&cfg.Pprof, "pprof", "", "serve Go profiles (net/http/pprof) on this HOST:PORT, unauthenticated: keep it on localhost")
 	cmd.Flags().Int64Var(&cfg.LogCap, "command-log-cap", session.DefaultLogCap, "bytes of output kept per command (the rest is dropped and reported)")
 	return cmd
 }
@@ -144,6 +147,9 @@ func serve(cfg serveConfig) error {
 	}
 	go mgr.Run(ctx)
 
+	if cfg.Pprof != "" {
+		go func() { log.Warn("pprof", "err", http.ListenAndServe(cfg.Pprof, nil)) }()
+	}
 	ln, err := net.Listen("tcp", cfg.Listen)
 	if err != nil {
 		return err

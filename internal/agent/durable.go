@@ -37,6 +37,9 @@ import (
 // maxUnacked bounds the unacknowledged output the agent holds per command.
 const maxUnacked = 1 << 20
 
+// durableChunk is the largest record a durable command's output is read in.
+const durableChunk = 256 << 10
+
 type outRec struct {
 	typ  byte
 	data []byte
@@ -169,9 +172,12 @@ func (s *Server) collect(d *durable, files [3]*os.File) {
 		wg.Add(1)
 		go func(f *os.File, typ byte) {
 			defer wg.Done()
-			bp := bufPool.Get().(*[]byte)
-			defer bufPool.Put(bp)
-			buf := (*bp)[headerSize:]
+			// Bigger pipes and reads than the non-durable exec: fewer,
+			// larger records when a command floods its output.
+			if rc, err := f.SyscallConn(); err == nil {
+				rc.Control(func(fd uintptr) { unix.FcntlInt(fd, unix.F_SETPIPE_SZ, durableChunk) })
+			}
+			buf := make([]byte, durableChunk)
 			for {
 				n, err := f.Read(buf)
 				if n > 0 {
@@ -322,7 +328,11 @@ func (s *Server) attachLoop(c net.Conn, d *durable, pos int64) {
 		end, exit := d.end, d.exit
 		d.mu.Unlock()
 		for _, r := range batch {
-			if err := writeFrame(c, r.typ, r.data); err != nil {
+			var hdr [headerSize]byte
+			hdr[0] = r.typ
+			binary.BigEndian.PutUint32(hdr[1:], uint32(len(r.data)))
+			bufs := net.Buffers{hdr[:], r.data} // one writev, no copy
+			if _, err := bufs.WriteTo(c); err != nil {
 				return
 			}
 		}

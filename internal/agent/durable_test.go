@@ -121,7 +121,7 @@ func TestDurableBackpressureLosesNothing(t *testing.T) {
 	time.Sleep(300 * time.Millisecond)
 	infos, _ := c.Commands(ctx)
 	for _, in := range infos {
-		if in.ID == id && (in.Exited || in.End > maxUnacked+MaxDataChunk+LogRecordHeader*32) {
+		if in.ID == id && (in.Exited || in.End > maxUnacked+durableChunk+LogRecordHeader*64) {
 			t.Fatalf("no backpressure: %+v", in)
 		}
 	}

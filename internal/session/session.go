@@ -36,10 +36,15 @@ import (
 	"time"
 
 	"go.etcd.io/bbolt"
+	"golang.org/x/sys/unix"
 
 	"github.com/shoal-sandbox/shoal/internal/agent"
 	"github.com/shoal-sandbox/shoal/internal/errdefs"
 )
+
+// ackEvery is how much log the pump writes between acknowledgements (the
+// agent holds up to 1 MiB unacknowledged per command).
+const ackEvery = 256 << 10
 
 // DefaultLogCap bounds each command's output log.
 const DefaultLogCap = 64 << 20
@@ -149,8 +154,9 @@ type Manager struct {
 	ctx    context.Context // ends pumps on Close
 	cancel context.CancelFunc
 
-	mu   sync.Mutex          // guards cmds
-	cmds map[string]*Command // key: sandboxID/commandID
+	mu     sync.Mutex          // guards cmds and shells
+	cmds   map[string]*Command // key: sandboxID/commandID
+	shells map[string]*Shell   // key: sandboxID/name
 
 	trajLocks keyedMutex // serializes the steps of one trajectory
 }
@@ -175,7 +181,12 @@ func New(cfg Config, db *bbolt.DB, sb Sandboxes, log *slog.Logger) (*Manager, er
 		return nil, fmt.Errorf("open session store: %w", err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
-	return &Manager{cfg: cfg, log: log, db: db, sb: sb, ctx: ctx, cancel: cancel, cmds: map[string]*Command{}}, nil
+	m := &Manager{cfg: cfg, log: log, db: db, sb: sb, ctx: ctx, cancel: cancel,
+		cmds: map[string]*Command{}, shells: map[string]*Shell{}}
+	if err := m.shellsInit(); err != nil {
+		return nil, fmt.Errorf("open session store: %w", err)
+	}
+	return m, nil
 }
 
 // keyedMutex is a set of mutexes by key, created on demand and dropped
@@ -402,7 +413,7 @@ func putRecord(tx *bbolt.Tx, r *record) error {
 func (m *Manager) pump(ctx context.Context, c *Command, ag *agent.Client, att *agent.Attachment, f *os.File) {
 	defer f.Close()
 	log := m.log.With("sandbox_id", c.rec.SandboxID, "command", c.rec.ID)
-	buf := make([]byte, 0, agent.LogRecordHeader+agent.MaxDataChunk)
+	var acked int64
 	for attempt := 0; ; {
 		if att == nil {
 			c.mu.Lock()
@@ -448,11 +459,10 @@ func (m *Manager) pump(ctx context.Context, c *Command, ag *agent.Client, att *a
 			att.Close()
 			return
 		}
-		buf = buf[:agent.LogRecordHeader]
-		buf[0] = byte(r.Kind)
-		binary.BigEndian.PutUint32(buf[1:], uint32(len(r.Data)))
-		buf = append(buf, r.Data...)
-		if _, err := f.Write(buf); err != nil {
+		var hdr [agent.LogRecordHeader]byte
+		hdr[0] = byte(r.Kind)
+		binary.BigEndian.PutUint32(hdr[1:], uint32(len(r.Data)))
+		if _, err := unix.Writev(int(f.Fd()), [][]byte{hdr[:], r.Data}); err != nil {
 			log.Error("write command log", "err", err)
 			m.finish(c, nil, "writing its log failed: "+err.Error())
 			ag.SignalCommand(context.Background(), c.rec.AgentID, int(syscall.SIGKILL))
@@ -460,10 +470,13 @@ func (m *Manager) pump(ctx context.Context, c *Command, ag *agent.Client, att *a
 			return
 		}
 		c.mu.Lock()
-		c.size += int64(len(buf))
+		c.size = r.End
 		c.notifyLocked()
 		c.mu.Unlock()
-		att.Ack(r.End)
+		if r.End-acked >= ackEvery {
+			att.Ack(r.End)
+			acked = r.End
+		}
 	}
 }
 
@@ -580,38 +593,38 @@ func (m *Manager) Events(ctx context.Context, c *Command, from int64, keepAlive 
 		}
 	}
 	pos := from
-	var hdr [agent.LogRecordHeader]byte
 	var ka <-chan time.Time
+	block := make([]byte, eventBlock)
 	for {
 		c.mu.Lock()
 		size, state, exit, changed := c.size, c.rec.State, c.rec.Exit, c.changed
 		c.mu.Unlock()
 		for pos < size {
-			if _, err := f.ReadAt(hdr[:], pos); err != nil {
+			// Read a block of whole records and merge runs of the same
+			// stream into one event: far fewer messages than records.
+			n, err := f.ReadAt(block[:min(int64(len(block)), size-pos)], pos)
+			if err != nil && !errors.Is(err, io.EOF) {
 				return fmt.Errorf("read command log: %w", err)
 			}
-			n := int64(binary.BigEndian.Uint32(hdr[1:]))
-			data := make([]byte, n)
-			if _, err := f.ReadAt(data, pos+agent.LogRecordHeader); err != nil && !(errors.Is(err, io.EOF) && n == 0) {
-				return fmt.Errorf("read command log: %w", err)
-			}
-			pos += agent.LogRecordHeader + n
-			ev := Event{Data: data, Offset: pos}
-			switch agent.RecordKind(hdr[0]) {
-			case agent.RecordStdout:
-				ev.Kind = EventStdout
-			case agent.RecordStderr:
-				ev.Kind = EventStderr
-			case agent.RecordTruncated:
-				ev.Kind, ev.Data = EventDropped, nil
-				if n == 8 {
-					ev.Dropped = int64(binary.BigEndian.Uint64(data))
-				}
-			default:
-				return fmt.Errorf("command log: bad record type %q at offset %d", hdr[0], pos-agent.LogRecordHeader-n)
-			}
-			if err := fn(ev); err != nil {
+			evs, used, err := parseRecords(block[:n], pos)
+			if err != nil {
 				return err
+			}
+			if used == 0 { // one record larger than the block: read it alone
+				hdrLen := int64(binary.BigEndian.Uint32(block[1:agent.LogRecordHeader]))
+				big := make([]byte, agent.LogRecordHeader+hdrLen)
+				if _, err := f.ReadAt(big, pos); err != nil {
+					return fmt.Errorf("read command log: %w", err)
+				}
+				if evs, used, err = parseRecords(big, pos); err != nil || used == 0 {
+					return fmt.Errorf("command log: bad record at offset %d", pos)
+				}
+			}
+			pos += used
+			for _, ev := range evs {
+				if err := fn(ev); err != nil {
+					return err
+				}
 			}
 		}
 		switch state {
@@ -634,6 +647,50 @@ func (m *Manager) Events(ctx context.Context, c *Command, from int64, keepAlive 
 			}
 		}
 	}
+}
+
+// eventBlock is how much of a log Events reads at a time (and so the
+// largest event it merges).
+const eventBlock = 1 << 20
+
+// parseRecords turns the whole records at the start of b (which starts at
+// log offset base) into events, merging consecutive records of the same
+// stream; it returns the bytes used.
+func parseRecords(b []byte, base int64) ([]Event, int64, error) {
+	var evs []Event
+	var used int64
+	for len(b[used:]) >= agent.LogRecordHeader {
+		h := b[used:]
+		n := int64(binary.BigEndian.Uint32(h[1:agent.LogRecordHeader]))
+		if int64(len(h)) < agent.LogRecordHeader+n {
+			break
+		}
+		data := h[agent.LogRecordHeader : agent.LogRecordHeader+n]
+		used += agent.LogRecordHeader + n
+		var kind EventKind
+		switch agent.RecordKind(h[0]) {
+		case agent.RecordStdout:
+			kind = EventStdout
+		case agent.RecordStderr:
+			kind = EventStderr
+		case agent.RecordTruncated:
+			ev := Event{Kind: EventDropped, Offset: base + used}
+			if n == 8 {
+				ev.Dropped = int64(binary.BigEndian.Uint64(data))
+			}
+			evs = append(evs, ev)
+			continue
+		default:
+			return nil, 0, fmt.Errorf("command log: bad record type %q at offset %d", h[0], base+used-agent.LogRecordHeader-n)
+		}
+		if k := len(evs); k > 0 && evs[k-1].Kind == kind {
+			evs[k-1].Data = append(evs[k-1].Data, data...)
+			evs[k-1].Offset = base + used
+			continue
+		}
+		evs = append(evs, Event{Kind: kind, Data: append([]byte(nil), data...), Offset: base + used})
+	}
+	return evs, used, nil
 }
 
 // recordBoundary reports whether off is where a record starts in the log.
@@ -718,6 +775,11 @@ func (m *Manager) DropSandbox(sandboxID string) {
 			delete(m.cmds, k)
 		}
 	}
+	for k := range m.shells {
+		if strings.HasPrefix(k, prefix) {
+			delete(m.shells, k)
+		}
+	}
 	m.mu.Unlock()
 	for _, c := range cs {
 		if c.cancel != nil {
@@ -726,7 +788,7 @@ func (m *Manager) DropSandbox(sandboxID string) {
 		m.finish(c, nil, "the sandbox was deleted")
 	}
 	err := m.db.Update(func(tx *bbolt.Tx) error {
-		for _, b := range [][]byte{bucketCommands, bucketTrajectories} {
+		for _, b := range [][]byte{bucketCommands, bucketTrajectories, bucketShells} {
 			bk := tx.Bucket(b)
 			cur := bk.Cursor()
 			for k, _ := cur.Seek([]byte(prefix)); k != nil && strings.HasPrefix(string(k), prefix); k, _ = cur.Next() {
@@ -800,6 +862,9 @@ func (m *Manager) Recover(ctx context.Context) error {
 		pctx, cancel := context.WithCancel(m.ctx)
 		c.cancel = cancel
 		go m.pump(pctx, c, ag, nil, f)
+	}
+	if err := m.recoverShells(); err != nil {
+		return err
 	}
 	// Commands the agents hold that we never recorded (a crash between
 	// starting one and persisting it): kill them and let the agent forget.

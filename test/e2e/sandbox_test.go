@@ -201,13 +201,18 @@ func TestForkBombStoppedByPidsLimit(t *testing.T) {
 	c := sdk(t)
 	var out bytes.Buffer
 	st, err := c.Exec(context.Background(), id, shoal.ExecOptions{
-		Args:    []string{"sh", "-c", "bomb() { bomb | bomb & }; bomb; sleep 3; echo survived"},
+		// The leader stays (a busy loop needs no fork) so that the timeout
+		// kills its whole process group, bomb included.
+		Args:    []string{"sh", "-c", "bomb() { bomb | bomb & }; bomb; while :; do :; done"},
 		Stdout:  &out,
 		Stderr:  &out,
-		Timeout: 8 * time.Second,
+		Timeout: 5 * time.Second,
 	})
 	if err != nil {
 		t.Fatal(err)
+	}
+	if !st.TimedOut {
+		t.Errorf("the bomb's command was not killed by its timeout: %+v", st)
 	}
 	t.Logf("fork bomb: %+v, output tail %q", st, tail(out.String()))
 	pids := cgroupValue(t, "pids", id, "pids.max")

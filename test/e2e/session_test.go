@@ -255,3 +255,49 @@ func TestIdempotentCreateByClientKey(t *testing.T) {
 	}
 	run(nil, "rm", strings.TrimSpace(c))
 }
+
+func TestShellSessionKeepsStateAndSurvivesTimeout(t *testing.T) {
+	need(t)
+	id := create(t)
+	if out, code := run(nil, "shell", "create", id, "main"); code != 0 {
+		t.Fatalf("shell create: %s", out)
+	}
+	steps := []struct {
+		line, want string
+		code       int
+	}{
+		{"cd /tmp && X=5 && export Y=6", "", 0},
+		{"pwd; echo $X $Y", "/tmp\n5 6\n", 0},
+		{"echo no newline at end | tr -d '\\n'", "no newline at end", 0},
+		{"ls /nonexistent", "", 1},
+		{"f() { echo in f $1; }; f 7", "in f 7\n", 0},
+		{"false", "", 1},
+	}
+	for _, s := range steps {
+		stdout, stderr, code := run3(nil, "shell", "run", id, "main", "--", s.line)
+		if code != s.code || (s.want != "" && stdout != s.want) {
+			t.Fatalf("%q: stdout %q stderr %q code %d (want %q, %d)", s.line, stdout, stderr, code, s.want, s.code)
+		}
+	}
+	// A timeout interrupts the command, not the shell.
+	_, stderr, code := run3(nil, "shell", "run", "--timeout", "500ms", id, "main", "--", "sleep 30")
+	if code == 0 || !strings.Contains(stderr, "interrupted") {
+		t.Fatalf("timeout: code %d %q", code, stderr)
+	}
+	stdout, _, code := run3(nil, "shell", "run", id, "main", "--", "pwd; echo $X")
+	if stdout != "/tmp\n5\n" || code != 0 {
+		t.Fatalf("after the timeout: %q %d", stdout, code)
+	}
+	if out, _ := run(nil, "shell", "ls", id); !strings.HasPrefix(out, "main\t") {
+		t.Fatalf("shell ls: %q", out)
+	}
+	if out, code := run(nil, "shell", "create", id, "main"); code == 0 || !strings.Contains(out, "already_exists") {
+		t.Fatalf("duplicate shell: %d %s", code, out)
+	}
+	if out, code := run(nil, "shell", "rm", id, "main"); code != 0 {
+		t.Fatal(out)
+	}
+	if out, code := run(nil, "shell", "run", id, "main", "--", "true"); code == 0 || !strings.Contains(out, "not_found") {
+		t.Fatalf("run in a deleted shell: %d %s", code, out)
+	}
+}
