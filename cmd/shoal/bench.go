@@ -85,7 +85,7 @@ func benchCmd() *cobra.Command {
 	sess.Flags().Int64Var(&so.StreamBytes, "bytes", 48<<20, "output bytes of the streaming run (keep it under the server's --command-log-cap)")
 	sess.Flags().IntVar(&so.Reattaches, "reattaches", 50, "re-attaches to time")
 	sess.Flags().IntVar(&so.Steps, "steps", 100, "trajectory steps")
-	cmd.AddCommand(create, execb, sess)
+	cmd.AddCommand(create, execb, sess, benchLayersCmd())
 	return cmd
 }
 

@@ -1,33 +1,68 @@
 package main
 
 import (
+	"errors"
 	"fmt"
+	"io"
 	"os"
+	"path/filepath"
+	"strings"
 	"text/tabwriter"
 	"time"
 
-	pb "github.com/shoal-sandbox/shoal/api/shoal/v1"
-
 	"connectrpc.com/connect"
 	"github.com/spf13/cobra"
+
+	pb "github.com/shoal-sandbox/shoal/api/shoal/v1"
 )
 
 func layerCmd() *cobra.Command {
-	cmd := &cobra.Command{Use: "layer", Short: "Build and list layers"}
-	var compression string
-	var kind string
-	build := &cobra.Command{
+	cmd := &cobra.Command{Use: "layer", Short: "Build, tag, list, commit, export, import and remove layers"}
+	cmd.AddCommand(layerBuildCmd(), layerCommitCmd(), layerLsCmd(), layerInspectCmd(), layerTagCmd(),
+		layerRmCmd(), layerGCCmd(), layerExportCmd(), layerImportCmd())
+	return cmd
+}
+
+func parseKindFlag(kind string, allowed ...string) (pb.LayerKind, error) {
+	k, ok := map[string]pb.LayerKind{"base": pb.LayerKind_LAYER_KIND_BASE, "workspace": pb.LayerKind_LAYER_KIND_WORKSPACE, "toolkit": pb.LayerKind_LAYER_KIND_TOOLKIT}[kind]
+	if !ok || (len(allowed) > 0 && !contains(allowed, kind)) {
+		if len(allowed) == 0 {
+			allowed = []string{"base", "workspace", "toolkit"}
+		}
+		return 0, fmt.Errorf("--kind must be %s (got %q)", strings.Join(allowed, " or "), kind)
+	}
+	return k, nil
+}
+
+func contains(ss []string, s string) bool {
+	for _, x := range ss {
+		if x == s {
+			return true
+		}
+	}
+	return false
+}
+
+func layerBuildCmd() *cobra.Command {
+	var compression, kind, image string
+	cmd := &cobra.Command{
 		Use:   "build --kind base|workspace|toolkit NAME:VERSION SRC",
-		Short: "Build an EROFS layer from a directory or tarball (prints its ref)",
-		Args:  cobra.ExactArgs(2),
+		Short: "Build an EROFS layer (prints NAME@sha256:...)",
+		Long: `Build an EROFS layer from SRC, a path on the server's machine:
+  a directory; a tarball of a root file system (tar, tar.gz, tar.zst);
+  an OCI image layout (directory or tar); a docker-archive (docker save).
+The format is detected from the content. Images are flattened with their
+whiteouts applied; --image picks one image of an archive that holds several.
+Progress goes to stderr (a bar on a terminal); the layer's ref to stdout.`,
+		Args: cobra.ExactArgs(2),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			c, err := client(cmd)
 			if err != nil {
 				return err
 			}
-			k, ok := map[string]pb.LayerKind{"base": pb.LayerKind_LAYER_KIND_BASE, "workspace": pb.LayerKind_LAYER_KIND_WORKSPACE, "toolkit": pb.LayerKind_LAYER_KIND_TOOLKIT}[kind]
-			if !ok {
-				return fmt.Errorf("--kind must be base, workspace or toolkit (got %q)", kind)
+			k, err := parseKindFlag(kind)
+			if err != nil {
+				return err
 			}
 			src, err := absPath(args[1])
 			if err != nil {
@@ -35,8 +70,9 @@ func layerCmd() *cobra.Command {
 			}
 			ctx, cancel := cmdContext()
 			defer cancel()
-			l, err := c.BuildLayer(ctx, &pb.BuildLayerRequest{Kind: k, Ref: args[0], Source: src, Compression: compression},
-				func(line string) { fmt.Fprintln(os.Stderr, line) })
+			bar := newProgressBar(os.Stderr)
+			l, err := c.BuildLayerProgress(ctx, &pb.BuildLayerRequest{Kind: k, Ref: args[0], Source: src, Compression: compression, Image: image}, bar.update)
+			bar.clear()
 			if err != nil {
 				return err
 			}
@@ -44,13 +80,56 @@ func layerCmd() *cobra.Command {
 			return nil
 		},
 	}
-	build.Flags().StringVar(&kind, "kind", "", "layer kind: base, workspace or toolkit")
-	build.Flags().StringVar(&compression, "compression", "", "none (default), lz4 or lz4hc")
-	build.MarkFlagRequired("kind")
-	var asJSON bool
-	ls := &cobra.Command{
-		Use:   "ls",
-		Short: "List layers",
+	cmd.Flags().StringVar(&kind, "kind", "", "layer kind: base, workspace or toolkit")
+	cmd.Flags().StringVar(&compression, "compression", "", "none (default), lz4 or lz4hc")
+	cmd.Flags().StringVar(&image, "image", "", "for an image archive with several images: which one (e.g. debian:12)")
+	cmd.MarkFlagRequired("kind")
+	return cmd
+}
+
+func layerCommitCmd() *cobra.Command {
+	var compression, kind string
+	cmd := &cobra.Command{
+		Use:   "commit ID --kind workspace|toolkit NAME:VERSION",
+		Short: "Turn a sandbox's changes (its writable layer) into a new layer (prints NAME@sha256:...)",
+		Long: `Turn what a running sandbox changed (its writable upper layer) into a new
+workspace or toolkit layer. Files it deleted become overlay whiteouts and
+directories it replaced become opaque, so a sandbox created from the same
+layers plus the new one sees what this sandbox saw. The usual way to make a
+workspace: create from a base, run the setup commands, commit.`,
+		Args: cobra.ExactArgs(2),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := client(cmd)
+			if err != nil {
+				return err
+			}
+			k, err := parseKindFlag(kind, "workspace", "toolkit")
+			if err != nil {
+				return err
+			}
+			ctx, cancel := cmdContext()
+			defer cancel()
+			bar := newProgressBar(os.Stderr)
+			l, err := c.CommitLayer(ctx, &pb.CommitLayerRequest{SandboxId: args[0], Kind: k, Ref: args[1], Compression: compression}, bar.update)
+			bar.clear()
+			if err != nil {
+				return err
+			}
+			fmt.Printf("%s@%s\n", l.Name, l.Digest)
+			return nil
+		},
+	}
+	cmd.Flags().StringVar(&kind, "kind", "", "layer kind: workspace or toolkit")
+	cmd.Flags().StringVar(&compression, "compression", "", "none (default), lz4 or lz4hc")
+	cmd.MarkFlagRequired("kind")
+	return cmd
+}
+
+func layerLsCmd() *cobra.Command {
+	var asJSON, all bool
+	cmd := &cobra.Command{
+		Use:   "ls [--all] [--json]",
+		Short: "List layers (--all: also untagged images kept for sandboxes or until gc)",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			c, err := client(cmd)
@@ -59,7 +138,7 @@ func layerCmd() *cobra.Command {
 			}
 			ctx, cancel := cmdContext()
 			defer cancel()
-			res, err := c.Layers.ListLayers(ctx, connect.NewRequest(&pb.ListLayersRequest{}))
+			res, err := c.Layers.ListLayers(ctx, connect.NewRequest(&pb.ListLayersRequest{All: all}))
 			if err != nil {
 				return err
 			}
@@ -68,14 +147,228 @@ func layerCmd() *cobra.Command {
 				return nil
 			}
 			tw := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
-			fmt.Fprintln(tw, "REF\tKIND\tDIGEST\tSIZE\tCREATED")
+			fmt.Fprintln(tw, "REF\tKIND\tDIGEST\tSIZE\tCOMPRESSION\tCREATED")
 			for _, l := range res.Msg.Layers {
-				fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\n", l.Ref, kindString(l.Kind), shortDigest(l.Digest), humanBytes(l.Size), l.CreatedAt.AsTime().Local().Format(time.DateTime))
+				ref := l.Ref
+				if ref == "" {
+					ref = "<none> (" + l.Name + ")"
+				}
+				fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\n", ref, kindString(l.Kind), shortDigest(l.Digest), humanBytes(l.Size),
+					l.Compression, l.CreatedAt.AsTime().Local().Format(time.DateTime))
 			}
 			return tw.Flush()
 		},
 	}
-	ls.Flags().BoolVar(&asJSON, "json", false, "print JSON")
-	cmd.AddCommand(build, ls)
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
+	cmd.Flags().BoolVarP(&all, "all", "a", false, "also list untagged images")
+	return cmd
+}
+
+func layerInspectCmd() *cobra.Command {
+	return &cobra.Command{
+		Use:   "inspect REF",
+		Short: "Show a layer as JSON: digest, size, source, tags, and the sandboxes and environments using it",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := client(cmd)
+			if err != nil {
+				return err
+			}
+			ctx, cancel := cmdContext()
+			defer cancel()
+			res, err := c.Layers.GetLayer(ctx, connect.NewRequest(&pb.GetLayerRequest{Ref: args[0]}))
+			if err != nil {
+				return err
+			}
+			printJSON(res.Msg)
+			return nil
+		},
+	}
+}
+
+func layerTagCmd() *cobra.Command {
+	return &cobra.Command{
+		Use:   "tag SRC NAME:VERSION",
+		Short: "Point a tag at the layer SRC names, atomically (moves the tag if it exists)",
+		Args:  cobra.ExactArgs(2),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := client(cmd)
+			if err != nil {
+				return err
+			}
+			ctx, cancel := cmdContext()
+			defer cancel()
+			res, err := c.Layers.TagLayer(ctx, connect.NewRequest(&pb.TagLayerRequest{Source: args[0], Target: args[1]}))
+			if err != nil {
+				return err
+			}
+			l := res.Msg.Layer
+			if old := res.Msg.PreviousDigest; old != "" && old != l.Digest {
+				fmt.Fprintf(os.Stderr, "moved %s from %s\n", args[1], shortDigest(old))
+			}
+			fmt.Printf("%s@%s\n", l.Name, l.Digest)
+			return nil
+		},
+	}
+}
+
+func layerRmCmd() *cobra.Command {
+	return &cobra.Command{
+		Use:   "rm REF...",
+		Short: "Remove tags (and their images when nothing else uses them), or untagged images by digest",
+		Long: `Remove layer references. NAME:VERSION removes the tag, and its image too
+unless another tag, an environment or a sandbox still uses it (the image then
+stays, reachable by digest, until it is unused and 'shoal layer gc' runs).
+NAME@sha256:... or sha256:... removes an untagged, unused image. A layer in
+use is never removed: that is a failed_precondition error.`,
+		Args: cobra.MinimumNArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := client(cmd)
+			if err != nil {
+				return err
+			}
+			ctx, cancel := cmdContext()
+			defer cancel()
+			failed := 0
+			for _, ref := range args {
+				res, err := c.Layers.DeleteLayer(ctx, connect.NewRequest(&pb.DeleteLayerRequest{Ref: ref}))
+				if err != nil {
+					fmt.Fprintf(os.Stderr, "shoal: rm %s: %s\n", ref, errMessage(err))
+					failed++
+					continue
+				}
+				for _, t := range res.Msg.Untagged {
+					fmt.Printf("untagged %s\n", t)
+				}
+				for _, l := range res.Msg.Removed {
+					fmt.Printf("deleted %s (%s)\n", l.Digest, humanBytes(l.Size))
+				}
+			}
+			if failed > 0 {
+				return exitCode(1)
+			}
+			return nil
+		},
+	}
+}
+
+func layerGCCmd() *cobra.Command {
+	var dryRun, asJSON bool
+	cmd := &cobra.Command{
+		Use:   "gc [--dry-run] [--json]",
+		Short: "Remove every image no tag, environment or sandbox uses and that is not mounted",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := client(cmd)
+			if err != nil {
+				return err
+			}
+			ctx, cancel := cmdContext()
+			defer cancel()
+			res, err := c.Layers.GarbageCollectLayers(ctx, connect.NewRequest(&pb.GarbageCollectLayersRequest{DryRun: dryRun}))
+			if err != nil {
+				return err
+			}
+			if asJSON {
+				printJSON(res.Msg)
+				return nil
+			}
+			verb := "deleted"
+			if dryRun {
+				verb = "would delete"
+			}
+			for _, l := range res.Msg.Removed {
+				what := l.Name
+				if l.Version != "" {
+					what += " (last built as " + l.Name + ":" + l.Version + ")"
+				}
+				fmt.Printf("%s %s %s %s\n", verb, l.Digest, humanBytes(l.Size), what)
+			}
+			fmt.Fprintf(os.Stderr, "%s %d images, %s; kept %d\n", verb, len(res.Msg.Removed), humanBytes(res.Msg.FreedBytes), res.Msg.Kept)
+			return nil
+		},
+	}
+	cmd.Flags().BoolVar(&dryRun, "dry-run", false, "only report what would be deleted")
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
+	return cmd
+}
+
+func layerExportCmd() *cobra.Command {
+	return &cobra.Command{
+		Use:   "export REF FILE",
+		Short: "Save a layer (EROFS image + metadata, a tar) to FILE (- for stdout)",
+		Args:  cobra.ExactArgs(2),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := client(cmd)
+			if err != nil {
+				return err
+			}
+			ctx, cancel := cmdContext()
+			defer cancel()
+			if args[1] == "-" {
+				_, err := c.ExportLayer(ctx, args[0], os.Stdout)
+				return err
+			}
+			// Written beside FILE and renamed when complete: a failed
+			// export never leaves a truncated FILE.
+			f, err := os.CreateTemp(filepath.Dir(args[1]), "."+filepath.Base(args[1])+".*")
+			if err != nil {
+				return err
+			}
+			defer os.Remove(f.Name())
+			defer f.Close()
+			n, err := c.ExportLayer(ctx, args[0], f)
+			if err != nil {
+				return err
+			}
+			if err := f.Chmod(0o644); err != nil {
+				return err
+			}
+			if err := f.Close(); err != nil {
+				return err
+			}
+			if err := os.Rename(f.Name(), args[1]); err != nil {
+				return err
+			}
+			fmt.Fprintf(os.Stderr, "exported %s to %s (%s)\n", args[0], args[1], humanBytes(n))
+			return nil
+		},
+	}
+}
+
+func layerImportCmd() *cobra.Command {
+	var tag string
+	cmd := &cobra.Command{
+		Use:   "import FILE [--tag NAME:VERSION]",
+		Short: "Load a layer saved by 'layer export' (- for stdin); its digest is verified (prints NAME@sha256:...)",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := client(cmd)
+			if err != nil {
+				return err
+			}
+			var r io.Reader = os.Stdin
+			if args[0] != "-" {
+				f, err := os.Open(args[0])
+				if err != nil {
+					return err
+				}
+				defer f.Close()
+				if fi, err := f.Stat(); err == nil && fi.IsDir() {
+					return errors.New(args[0] + " is a directory: give the file written by shoal layer export")
+				}
+				r = f
+			}
+			ctx, cancel := cmdContext()
+			defer cancel()
+			l, err := c.ImportLayer(ctx, r, tag)
+			if err != nil {
+				return err
+			}
+			fmt.Printf("%s@%s\n", l.Name, l.Digest)
+			return nil
+		},
+	}
+	cmd.Flags().StringVar(&tag, "tag", "", "tag to import it as, instead of the one recorded in the file")
 	return cmd
 }

@@ -242,13 +242,22 @@ func exitOf(ws syscall.WaitStatus, timedOut bool) wireExit {
 	return ex
 }
 
-// attach serves OpAttach: stream a durable command's records from an offset.
-func (s *Server) attach(c net.Conn, req *wireAttachRequest) {
+// durable returns the durable command id, or sends an error on c and
+// returns nil.
+func (s *Server) durable(c net.Conn, id string) *durable {
 	s.mu.Lock()
-	d := s.durables[req.ID]
+	d := s.durables[id]
 	s.mu.Unlock()
 	if d == nil {
-		sendError(c, CodeNotExist, "no command "+strconv.Quote(req.ID)+" (it ended and was recorded, or the agent restarted)")
+		sendError(c, CodeNotExist, "no command "+strconv.Quote(id)+" (it ended and was recorded, or the agent restarted)")
+	}
+	return d
+}
+
+// attach serves OpAttach: stream a durable command's records from an offset.
+func (s *Server) attach(c net.Conn, req *wireAttachRequest) {
+	d := s.durable(c, req.ID)
+	if d == nil {
 		return
 	}
 	d.mu.Lock()
@@ -349,11 +358,8 @@ func (s *Server) attachLoop(c net.Conn, d *durable, pos int64) {
 
 // stdinOp serves OpStdin: Q{id, close} → R(ready); D* F → R{}.
 func (s *Server) stdinOp(c net.Conn, req *wireStdinRequest) {
-	s.mu.Lock()
-	d := s.durables[req.ID]
-	s.mu.Unlock()
+	d := s.durable(c, req.ID)
 	if d == nil {
-		sendError(c, CodeNotExist, "no command "+strconv.Quote(req.ID))
 		return
 	}
 	if d.stdin == nil {
@@ -396,11 +402,8 @@ func (s *Server) stdinOp(c net.Conn, req *wireStdinRequest) {
 
 // resize serves OpResize.
 func (s *Server) resize(c net.Conn, req *wireResizeRequest) {
-	s.mu.Lock()
-	d := s.durables[req.ID]
-	s.mu.Unlock()
+	d := s.durable(c, req.ID)
 	if d == nil {
-		sendError(c, CodeNotExist, "no command "+strconv.Quote(req.ID))
 		return
 	}
 	if d.pty == nil {

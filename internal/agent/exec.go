@@ -146,17 +146,7 @@ func (s *Server) exec(c net.Conn, req *wireExecRequest) {
 	s.reaper.mu.Lock()
 	ws, timedOut := cmd.status, cmd.timedOut
 	s.reaper.mu.Unlock()
-	var ex wireExit
-	if ws.Signaled() {
-		ex.Code = 128 + int(ws.Signal())
-		ex.Signal = unix.SignalName(ws.Signal())
-		if ex.Signal == "" {
-			ex.Signal = "SIG" + strconv.Itoa(int(ws.Signal()))
-		}
-		ex.TimedOut = timedOut
-	} else {
-		ex.Code = ws.ExitStatus()
-	}
+	ex := exitOf(ws, timedOut)
 	wmu.Lock()
 	writeJSONFrame(c, FrameExit, ex)
 	wmu.Unlock()

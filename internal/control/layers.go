@@ -3,17 +3,30 @@ package control
 import (
 	"context"
 	"fmt"
+	"net/http"
 	"path"
-	"strings"
-
-	pb "github.com/shoal-sandbox/shoal/api/shoal/v1"
+	"strconv"
+	"sync"
 
 	"connectrpc.com/connect"
-	"github.com/shoal-sandbox/shoal/internal/layer"
+	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/types/known/timestamppb"
+
+	pb "github.com/shoal-sandbox/shoal/api/shoal/v1"
+	"github.com/shoal-sandbox/shoal/internal/layer"
 )
 
 // --- layers ---
+
+// layerRoutes registers the streamed layer transfer endpoints (layer images
+// are too big for a protobuf message):
+//
+//	GET  /v1/layers/export?ref=REF          -> the export tar
+//	POST /v1/layers/import[?tag=NAME:VER]   <- the export tar; -> Layer JSON
+func (s *Server) layerRoutes(mux *http.ServeMux) {
+	mux.HandleFunc("GET /v1/layers/export", s.exportLayer)
+	mux.HandleFunc("POST /v1/layers/import", s.importLayer)
+}
 
 func (s *Server) BuildLayer(ctx context.Context, req *connect.Request[pb.BuildLayerRequest], stream *connect.ServerStream[pb.BuildLayerResponse]) error {
 	r := req.Msg
@@ -21,47 +34,116 @@ func (s *Server) BuildLayer(ctx context.Context, req *connect.Request[pb.BuildLa
 	if err != nil {
 		return connect.NewError(connect.CodeInvalidArgument, err)
 	}
-	name, version, ok := strings.Cut(r.Ref, ":")
-	if !ok || name == "" || version == "" {
-		return connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("layer reference %q must be NAME:VERSION", r.Ref))
+	name, version, err := layer.ParseTag(r.Ref)
+	if err != nil {
+		return connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("layer reference %q must be NAME:VERSION: %w", r.Ref, err))
 	}
 	if !path.IsAbs(r.Source) {
 		return connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("source %q must be an absolute path on the server", r.Source))
 	}
-	pw := &progressWriter{stream: stream}
+	ps := newProgressSender(stream)
 	l, err := s.node.Layers().Build(ctx, layer.BuildOptions{
-		Kind: kind, Name: name, Version: version, Source: r.Source,
-		Compression: r.Compression, Progress: pw,
+		Kind: kind, Name: name, Version: version, Source: r.Source, Image: r.Image,
+		Compression: r.Compression, Progress: ps.send,
 	})
 	if err != nil {
 		return toConnect(err)
 	}
+	if err := ps.err(); err != nil {
+		return err
+	}
 	return stream.Send(&pb.BuildLayerResponse{Event: &pb.BuildLayerResponse_Layer{Layer: layerPB(l)}})
 }
 
-// progressWriter turns the layer builder's progress lines into stream events.
-type progressWriter struct {
-	stream *connect.ServerStream[pb.BuildLayerResponse]
+func (s *Server) CommitLayer(ctx context.Context, req *connect.Request[pb.CommitLayerRequest], stream *connect.ServerStream[pb.BuildLayerResponse]) error {
+	r := req.Msg
+	kind, err := layer.ParseKind(kindName(r.Kind))
+	if err != nil {
+		return connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("kind: %w (a commit is a workspace or a toolkit)", err))
+	}
+	name, version, err := layer.ParseTag(r.Ref)
+	if err != nil {
+		return connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("layer reference %q must be NAME:VERSION: %w", r.Ref, err))
+	}
+	ps := newProgressSender(stream)
+	l, err := s.node.CommitLayer(ctx, r.SandboxId, layer.CommitOptions{
+		Kind: kind, Name: name, Version: version, Compression: r.Compression, Progress: ps.send,
+	})
+	if err != nil {
+		return toConnect(err)
+	}
+	if err := ps.err(); err != nil {
+		return err
+	}
+	return stream.Send(&pb.BuildLayerResponse{Event: &pb.BuildLayerResponse_Layer{Layer: layerPB(l)}})
 }
 
-func (p *progressWriter) Write(b []byte) (int, error) {
-	for _, line := range strings.Split(strings.TrimRight(string(b), "\n"), "\n") {
-		if line == "" {
-			continue
-		}
-		if err := p.stream.Send(&pb.BuildLayerResponse{Event: &pb.BuildLayerResponse_Progress{Progress: line}}); err != nil {
-			return 0, err
-		}
+// progressSender turns the layer builder's progress into stream events: a
+// line at each stage, a status for progress bars in between.
+type progressSender struct {
+	stream  *connect.ServerStream[pb.BuildLayerResponse]
+	mu      sync.Mutex // the builder reports from one goroutine at a time; this guards sendErr
+	sendErr error
+}
+
+func newProgressSender(stream *connect.ServerStream[pb.BuildLayerResponse]) *progressSender {
+	return &progressSender{stream: stream}
+}
+
+func (p *progressSender) send(pr layer.Progress) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.sendErr != nil {
+		return
 	}
-	return len(b), nil
+	var err error
+	if pr.Message != "" {
+		err = p.stream.Send(&pb.BuildLayerResponse{Event: &pb.BuildLayerResponse_Progress{Progress: pr.Message}})
+	}
+	if err == nil && (pr.Total > 0 || pr.Message == "") {
+		err = p.stream.Send(&pb.BuildLayerResponse{Event: &pb.BuildLayerResponse_Status{Status: &pb.BuildProgress{
+			Stage: pr.Stage, Done: pr.Done, Total: pr.Total, Unit: pr.Unit,
+		}}})
+	}
+	p.sendErr = err
+}
+
+func (p *progressSender) err() error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.sendErr
 }
 
 func (s *Server) ListLayers(ctx context.Context, req *connect.Request[pb.ListLayersRequest]) (*connect.Response[pb.ListLayersResponse], error) {
+	out := &pb.ListLayersResponse{}
+	if req.Msg.All {
+		ims, err := s.node.Layers().Images()
+		if err != nil {
+			return nil, toConnect(err)
+		}
+		// One entry per tag, then one per untagged image.
+		for _, im := range ims {
+			if len(im.Tags) == 0 {
+				out.Layers = append(out.Layers, layerPB(im.Layer))
+				out.Layers[len(out.Layers)-1].Ref = ""
+				continue
+			}
+			for _, t := range im.Tags {
+				l, err := s.node.Layers().Resolve(t)
+				if err != nil {
+					continue // moved meanwhile
+				}
+				lp := layerPB(l)
+				lp.Tags = im.Tags
+				out.Layers = append(out.Layers, lp)
+			}
+		}
+		return connect.NewResponse(out), nil
+	}
 	ls, err := s.node.Layers().List()
 	if err != nil {
 		return nil, toConnect(err)
 	}
-	out := &pb.ListLayersResponse{}
 	for _, l := range ls {
 		out.Layers = append(out.Layers, layerPB(l))
 	}
@@ -69,11 +151,161 @@ func (s *Server) ListLayers(ctx context.Context, req *connect.Request[pb.ListLay
 }
 
 func (s *Server) GetLayer(ctx context.Context, req *connect.Request[pb.GetLayerRequest]) (*connect.Response[pb.Layer], error) {
-	l, err := s.node.Layers().Resolve(req.Msg.Ref)
+	store := s.node.Layers()
+	l, err := store.Resolve(req.Msg.Ref)
 	if err != nil {
 		return nil, toConnect(err)
 	}
-	return connect.NewResponse(layerPB(l)), nil
+	out := layerPB(l)
+	if out.Tags, err = store.Tags(l.Digest); err != nil {
+		return nil, toConnect(err)
+	}
+	usage, err := s.node.LayerUsage()
+	if err != nil {
+		return nil, toConnect(err)
+	}
+	out.UsedBySandboxes = usage[l.Digest]
+	envs, err := store.Envs()
+	if err != nil {
+		return nil, toConnect(err)
+	}
+	for _, e := range envs {
+		if stack, err := store.ResolveStack(e.Base, e.Workspaces, e.Toolkits); err == nil {
+			for _, sl := range stack {
+				if sl.Digest == l.Digest {
+					out.UsedByEnvironments = append(out.UsedByEnvironments, e.Name)
+					break
+				}
+			}
+		}
+	}
+	out.Mounts = int32(store.Refs(l.Digest))
+	return connect.NewResponse(out), nil
+}
+
+func (s *Server) TagLayer(ctx context.Context, req *connect.Request[pb.TagLayerRequest]) (*connect.Response[pb.TagLayerResponse], error) {
+	l, old, err := s.node.Layers().Tag(req.Msg.Source, req.Msg.Target)
+	if err != nil {
+		return nil, toConnect(err)
+	}
+	return connect.NewResponse(&pb.TagLayerResponse{Layer: layerPB(l), PreviousDigest: old}), nil
+}
+
+func (s *Server) DeleteLayer(ctx context.Context, req *connect.Request[pb.DeleteLayerRequest]) (*connect.Response[pb.DeleteLayerResponse], error) {
+	res, err := s.node.RemoveLayer(req.Msg.Ref)
+	if err != nil {
+		return nil, toConnect(err)
+	}
+	out := &pb.DeleteLayerResponse{Untagged: res.Untagged, FreedBytes: res.FreedBytes}
+	for _, l := range res.Removed {
+		out.Removed = append(out.Removed, layerPB(l))
+	}
+	return connect.NewResponse(out), nil
+}
+
+func (s *Server) GarbageCollectLayers(ctx context.Context, req *connect.Request[pb.GarbageCollectLayersRequest]) (*connect.Response[pb.GarbageCollectLayersResponse], error) {
+	res, err := s.node.GCLayers(req.Msg.DryRun)
+	if err != nil {
+		return nil, toConnect(err)
+	}
+	out := &pb.GarbageCollectLayersResponse{FreedBytes: res.FreedBytes, Kept: int32(res.Kept)}
+	for _, l := range res.Removed {
+		out.Removed = append(out.Removed, layerPB(l))
+	}
+	return connect.NewResponse(out), nil
+}
+
+// exportLayer streams a layer in the export format:
+// GET /v1/layers/export?ref=REF.
+func (s *Server) exportLayer(w http.ResponseWriter, r *http.Request) {
+	ref := r.URL.Query().Get("ref")
+	if ref == "" {
+		writeHTTPError(w, http.StatusBadRequest, "invalid_argument", "ref is required: /v1/layers/export?ref=NAME:VERSION")
+		return
+	}
+	l, img, err := s.node.Layers().OpenExport(ref)
+	if err != nil {
+		writeConnectError(w, err)
+		return
+	}
+	defer img.Close()
+	w.Header().Set("Content-Type", "application/x-tar")
+	w.Header().Set("Content-Disposition", fmt.Sprintf("attachment; filename=%q", l.Name+"-"+l.Version+".shoal-layer.tar"))
+	w.Header().Set("X-Shoal-Layer-Digest", l.Digest)
+	w.Header().Set("X-Shoal-Layer-Size", strconv.FormatInt(l.Size, 10))
+	if err := layer.WriteExport(r.Context(), w, l, img); err != nil {
+		// After the first byte, cutting the response short is the only way
+		// to say it failed; the client's tar reader sees a truncated file.
+		s.log.Warn("export layer", "layer", ref, "err", err)
+		panic(http.ErrAbortHandler)
+	}
+}
+
+// importLayer stores a layer sent in the export format:
+// POST /v1/layers/import[?tag=NAME:VERSION].
+func (s *Server) importLayer(w http.ResponseWriter, r *http.Request) {
+	l, err := s.node.Layers().Import(r.Context(), r.Body, r.URL.Query().Get("tag"))
+	if err != nil {
+		writeConnectError(w, err)
+		return
+	}
+	b, err := protojson.MarshalOptions{UseProtoNames: true}.Marshal(layerPB(l))
+	if err != nil {
+		writeConnectError(w, err)
+		return
+	}
+	w.Header().Set("Content-Type", "application/json")
+	w.Write(b)
+}
+
+// --- environments ---
+
+func (s *Server) CreateEnvironment(ctx context.Context, req *connect.Request[pb.CreateEnvironmentRequest]) (*connect.Response[pb.Environment], error) {
+	r := req.Msg
+	e, err := s.node.Layers().CreateEnv(layer.Env{Name: r.Name, Base: r.Base, Workspaces: r.Workspaces, Toolkits: r.Toolkits}, r.Replace)
+	if err != nil {
+		return nil, toConnect(err)
+	}
+	return connect.NewResponse(s.environmentPB(e)), nil
+}
+
+func (s *Server) GetEnvironment(ctx context.Context, req *connect.Request[pb.GetEnvironmentRequest]) (*connect.Response[pb.Environment], error) {
+	e, err := s.node.Layers().GetEnv(req.Msg.Name)
+	if err != nil {
+		return nil, toConnect(err)
+	}
+	return connect.NewResponse(s.environmentPB(e)), nil
+}
+
+func (s *Server) ListEnvironments(ctx context.Context, req *connect.Request[pb.ListEnvironmentsRequest]) (*connect.Response[pb.ListEnvironmentsResponse], error) {
+	envs, err := s.node.Layers().Envs()
+	if err != nil {
+		return nil, toConnect(err)
+	}
+	out := &pb.ListEnvironmentsResponse{}
+	for _, e := range envs {
+		out.Environments = append(out.Environments, s.environmentPB(e))
+	}
+	return connect.NewResponse(out), nil
+}
+
+func (s *Server) DeleteEnvironment(ctx context.Context, req *connect.Request[pb.DeleteEnvironmentRequest]) (*connect.Response[pb.DeleteEnvironmentResponse], error) {
+	if err := s.node.Layers().DeleteEnv(req.Msg.Name); err != nil {
+		return nil, toConnect(err)
+	}
+	return connect.NewResponse(&pb.DeleteEnvironmentResponse{}), nil
+}
+
+// environmentPB converts an environment, with what its references resolve
+// to now (left empty if one of them no longer resolves).
+func (s *Server) environmentPB(e layer.Env) *pb.Environment {
+	out := &pb.Environment{Name: e.Name, Base: e.Base, Workspaces: e.Workspaces, Toolkits: e.Toolkits, CreatedAt: timestamppb.New(e.Created)}
+	if stack, err := s.node.Layers().ResolveStack(e.Base, e.Workspaces, e.Toolkits); err == nil {
+		for _, l := range stack {
+			out.Resolved = append(out.Resolved, layerPB(l))
+		}
+	}
+	return out
 }
 
 func kindName(k pb.LayerKind) string {
@@ -101,8 +333,13 @@ func kindPB(k string) pb.LayerKind {
 }
 
 func layerPB(l layer.Layer) *pb.Layer {
-	return &pb.Layer{
+	out := &pb.Layer{
 		Name: l.Name, Version: l.Version, Kind: kindPB(string(l.Kind)), Digest: l.Digest,
 		Size: l.Size, Compression: l.Compression, CreatedAt: timestamppb.New(l.Created), Ref: l.Ref(),
+		Source: l.Source, Files: l.Files, ContentBytes: l.ContentBytes,
 	}
+	if l.Name == "" {
+		out.Ref = ""
+	}
+	return out
 }

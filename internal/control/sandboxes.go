@@ -55,6 +55,7 @@ func (s *Server) Handler() http.Handler {
 	mux.Handle(shoalv1connect.NewCommandServiceHandler(s))
 	mux.HandleFunc("GET /v1/sandboxes/{id}/files", s.readFile)
 	mux.HandleFunc("PUT /v1/sandboxes/{id}/files", s.writeFile)
+	s.layerRoutes(mux)
 	return s.auth.Middleware(mux, "/healthz")
 }
 
@@ -66,7 +67,7 @@ func (s *Server) CreateSandbox(ctx context.Context, req *connect.Request[pb.Crea
 		return nil, connect.NewError(connect.CodeInvalidArgument, errors.New("memory_bytes, millicpu and timeout_seconds must not be negative"))
 	}
 	rec, err := s.node.Create(ctx, node.CreateRequest{
-		Backend: r.Backend, Base: r.Base, Workspaces: r.Workspaces, Toolkits: r.Toolkits,
+		Backend: r.Backend, Template: r.Template, Base: r.Base, Workspaces: r.Workspaces, Toolkits: r.Toolkits,
 		Memory: r.MemoryBytes, MilliCPU: r.Millicpu, Timeout: time.Duration(r.TimeoutSeconds) * time.Second,
 		Metadata: r.Metadata, Env: r.Env, ClientKey: r.ClientKey,
 	})

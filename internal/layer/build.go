@@ -7,7 +7,6 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
-	"github.com/shoal-sandbox/shoal/internal/errdefs"
 	"io"
 	"io/fs"
 	"os"
@@ -15,6 +14,10 @@ import (
 	"path/filepath"
 	"strings"
 	"time"
+
+	v1 "github.com/google/go-containerregistry/pkg/v1"
+
+	"github.com/shoal-sandbox/shoal/internal/errdefs"
 )
 
 // BuildOptions says what to build and under which tag.
@@ -22,15 +25,28 @@ type BuildOptions struct {
 	Kind    Kind
 	Name    string // [a-z0-9][a-z0-9._-]{0,127}
 	Version string // [A-Za-z0-9][A-Za-z0-9._-]{0,127}
-	// Source is a directory, or a .tar, .tar.gz or .tgz file. Device nodes,
-	// fifos and sockets are refused; so are tar entries that would land
-	// outside the tree.
+	// Source is, told apart by its content (not its name):
+	//   - a directory;
+	//   - a tar file of a root file system, plain or gzip- or
+	//     zstd-compressed;
+	//   - an OCI image layout, as a directory or a tar file;
+	//   - a docker-archive tarball (`docker save`), plain or compressed.
+	// An image is flattened: its layers applied bottom first, whiteouts
+	// deleting what lower layers had. Device nodes, fifos and sockets are
+	// refused; so are tar entries that would land outside the tree or be
+	// written through a symlink.
 	Source string
+	// Image chooses among the images of an image source that holds several:
+	// a tag ("debian:12") or an OCI ref name annotation. Empty for sources
+	// with one image; refused for other sources.
+	Image string
 	// Compression is "" or "none" (uncompressed, the fastest to mount and
 	// read), "lz4" or "lz4hc" (about half the size, slower to build).
 	Compression string
-	// Progress, if not nil, receives one human-readable line per stage.
-	Progress io.Writer
+	// Progress, if not nil, receives a report at each stage (with a line
+	// to print) and updates within stages (for a progress bar). It is
+	// called from one goroutine at a time.
+	Progress func(Progress)
 }
 
 // Image building parameters fixed for reproducibility: the same tree always
@@ -44,9 +60,10 @@ const (
 // Build makes an EROFS image of o.Source, stores it under its digest and
 // points the tag o.Name:o.Version at it. Rebuilding a tag with different
 // content moves the tag atomically and keeps the old image (sandboxes may
-// still use it; it stays resolvable by digest). Rebuilding with the same
-// content and kind returns the existing layer unchanged. ctx bounds the
-// build; a cancelled or failed build leaves nothing behind.
+// still use it; it stays resolvable by digest until Remove or GC). Rebuilding
+// with the same content and kind returns the existing layer unchanged. ctx
+// bounds the build; a cancelled or failed build leaves nothing behind. Bad
+// options and bad sources are marked errdefs.ErrInvalidArgument.
 func (s *Store) Build(ctx context.Context, o BuildOptions) (Layer, error) {
 	l, err := s.build(ctx, o)
 	if err != nil {
@@ -57,101 +74,225 @@ func (s *Store) Build(ctx context.Context, o BuildOptions) (Layer, error) {
 
 func (s *Store) build(ctx context.Context, o BuildOptions) (Layer, error) {
 	start := time.Now()
-	progress := func(format string, args ...any) {
-		if o.Progress != nil {
-			fmt.Fprintf(o.Progress, format+"\n", args...)
-		}
-	}
-	if _, err := ParseKind(string(o.Kind)); err != nil {
-		return Layer{}, errdefs.Mark(errdefs.ErrInvalidArgument, err)
-	}
-	if err := validateName(o.Name); err != nil {
-		return Layer{}, errdefs.Mark(errdefs.ErrInvalidArgument, err)
-	}
-	if err := validateVersion(o.Version); err != nil {
-		return Layer{}, errdefs.Mark(errdefs.ErrInvalidArgument, err)
-	}
-	compression, mkfsZ, err := parseCompression(o.Compression)
+	rep := newReporter(o.Progress)
+	spec, err := newSpec(o.Kind, o.Name, o.Version, o.Compression)
 	if err != nil {
-		return Layer{}, errdefs.Mark(errdefs.ErrInvalidArgument, err)
+		return Layer{}, err
 	}
-	fi, err := os.Stat(o.Source)
-	if err != nil {
-		return Layer{}, errdefs.Mark(errdefs.ErrInvalidArgument, fmt.Errorf("source: %w", err))
-	}
-
 	work, err := os.MkdirTemp(s.tmp, "build-")
 	if err != nil {
 		return Layer{}, err
 	}
 	defer os.RemoveAll(work)
+	tree, source, err := unpackSource(ctx, o, work, rep)
+	if err != nil {
+		if ctx.Err() != nil {
+			return Layer{}, ctx.Err()
+		}
+		return Layer{}, errdefs.Mark(errdefs.ErrInvalidArgument, err)
+	}
+	spec.source, spec.tree, spec.start = source, tree, start
+	return s.make(ctx, work, spec, rep)
+}
 
-	var tree string
-	var st treeStats
+// unpackSource turns o.Source into a directory tree: the source itself if it
+// is a plain directory, else a tree extracted under work. It returns the
+// tree and a description of the source.
+func unpackSource(ctx context.Context, o BuildOptions, work string, rep *reporter) (tree, source string, err error) {
+	fi, err := os.Stat(o.Source)
+	if err != nil {
+		return "", "", fmt.Errorf("source: %w", err)
+	}
+	root := filepath.Join(work, "root")
+	flatten := func(kind, path string, open func(path, selector string) (v1.Image, string, error)) (string, string, error) {
+		img, name, err := open(path, o.Image)
+		if err != nil {
+			return "", "", fmt.Errorf("source %s: %w", o.Source, err)
+		}
+		desc := kind + " " + o.Source
+		if name != "" {
+			desc += " (" + name + ")"
+		}
+		rep.start(StageUnpack, "layers", 0, "unpacking %s", desc)
+		if err := flattenImage(ctx, img, root, rep); err != nil {
+			return "", "", fmt.Errorf("unpack %s: %w", desc, err)
+		}
+		return root, desc, nil
+	}
 	switch {
 	case fi.IsDir():
-		tree = o.Source
-		if st, err = checkTree(ctx, tree); err != nil {
-			return Layer{}, errdefs.Mark(errdefs.ErrInvalidArgument, fmt.Errorf("source %s: %w", o.Source, err))
+		if _, err := os.Stat(filepath.Join(o.Source, "oci-layout")); err == nil {
+			return flatten("oci-layout", o.Source, openLayout)
 		}
-	case fi.Mode().IsRegular() && isTarball(o.Source):
-		progress("extracting %s", o.Source)
-		tree = filepath.Join(work, "root")
-		if st, err = extractTarball(ctx, o.Source, tree); err != nil {
-			return Layer{}, errdefs.Mark(errdefs.ErrInvalidArgument, fmt.Errorf("extract %s: %w", o.Source, err))
+		if o.Image != "" {
+			return "", "", fmt.Errorf("--image %q: source %s is a plain directory, not an image", o.Image, o.Source)
 		}
-	default:
-		return Layer{}, errdefs.New(errdefs.ErrInvalidArgument, "source %s: want a directory or a .tar, .tar.gz or .tgz file", o.Source)
+		// The checks walk the tree without following symlinks, mkfs.erofs
+		// follows the one it is given: give both the real directory.
+		dir, err := filepath.EvalSymlinks(o.Source)
+		if err != nil {
+			return "", "", fmt.Errorf("source: %w", err)
+		}
+		return dir, "dir " + o.Source, nil
+	case fi.Mode().IsRegular():
+		layout, compression, err := tarLayout(o.Source)
+		if err != nil {
+			return "", "", fmt.Errorf("source %s: %w: want a directory, a tarball (tar, tar.gz, tar.zst), an OCI image layout or a docker-archive", o.Source, err)
+		}
+		switch layout {
+		case layoutRootfs:
+			if o.Image != "" {
+				return "", "", fmt.Errorf("--image %q: source %s is a root file system tarball, not an image", o.Image, o.Source)
+			}
+			rep.start(StageExtract, "bytes", fi.Size(), "extracting %s", o.Source)
+			if err := extractTarball(ctx, o.Source, root, rep); err != nil {
+				return "", "", fmt.Errorf("extract %s: %w", o.Source, err)
+			}
+			return root, compression + " " + o.Source, nil
+		case layoutDockerArchive:
+			archive := o.Source
+			if compression != "tar" { // the tarball reader reads the archive once per file
+				rep.start(StageExtract, "bytes", 0, "decompressing %s", o.Source)
+				archive = filepath.Join(work, "image.tar")
+				if err := decompressTar(o.Source, archive); err != nil {
+					return "", "", err
+				}
+			}
+			return flatten("docker-archive", archive, openDockerArchive)
+		case layoutOCIArchive:
+			rep.start(StageExtract, "bytes", fi.Size(), "extracting OCI image layout %s", o.Source)
+			dir := filepath.Join(work, "oci")
+			if err := extractTarball(ctx, o.Source, dir, rep); err != nil {
+				return "", "", fmt.Errorf("extract %s: %w", o.Source, err)
+			}
+			tree, desc, err := flatten("oci-archive", dir, openLayout)
+			return tree, strings.Replace(desc, dir, o.Source, 1), err
+		}
+	}
+	return "", "", fmt.Errorf("source %s: want a directory, a tarball (tar, tar.gz, tar.zst), an OCI image layout or a docker-archive", o.Source)
+}
+
+// buildSpec is what make needs: validated options and the tree to image.
+type buildSpec struct {
+	kind               Kind
+	name, version      string
+	compression, mkfsZ string
+	source             string // description recorded in the Layer
+	tree               string
+	whiteouts          bool // the tree may hold overlay whiteouts (a commit)
+	start              time.Time
+}
+
+// newSpec validates the parts of a build common to every source; its
+// errors are marked errdefs.ErrInvalidArgument.
+func newSpec(kind Kind, name, version, compression string) (buildSpec, error) {
+	if _, err := ParseKind(string(kind)); err != nil {
+		return buildSpec{}, errdefs.Mark(errdefs.ErrInvalidArgument, err)
+	}
+	if err := validateName(name); err != nil {
+		return buildSpec{}, errdefs.Mark(errdefs.ErrInvalidArgument, err)
+	}
+	if err := validateVersion(version); err != nil {
+		return buildSpec{}, errdefs.Mark(errdefs.ErrInvalidArgument, err)
+	}
+	c, z, err := parseCompression(compression)
+	if err != nil {
+		return buildSpec{}, errdefs.Mark(errdefs.ErrInvalidArgument, err)
+	}
+	return buildSpec{kind: kind, name: name, version: version, compression: c, mkfsZ: z}, nil
+}
+
+// make checks the tree, runs mkfs.erofs into work, installs the image and
+// tags it.
+func (s *Store) make(ctx context.Context, work string, b buildSpec, rep *reporter) (Layer, error) {
+	rep.start(StageScan, "files", 0, "checking the tree")
+	st, err := checkTree(ctx, b.tree, b.whiteouts, rep)
+	if err != nil {
+		if ctx.Err() != nil {
+			return Layer{}, ctx.Err()
+		}
+		return Layer{}, errdefs.Mark(errdefs.ErrInvalidArgument, fmt.Errorf("source %s: %w", b.source, err))
 	}
 
-	progress("building erofs (%d files, %.1f MiB, %s)", st.files, mib(st.bytes), compression)
+	rep.start(StageMkfs, "bytes", st.bytes, "building erofs (%d files, %.1f MiB, %s)", st.files, mib(st.bytes), b.compression)
 	img := filepath.Join(work, "image.erofs")
-	args := []string{mkfsTimestamp, mkfsUUID, "--quiet"}
-	if mkfsZ != "" {
-		args = append(args, "-z"+mkfsZ)
+	if err := runMkfs(ctx, img, b, st.bytes, rep); err != nil {
+		return Layer{}, err
 	}
-	args = append(args, img, tree)
+
+	fi, err := os.Stat(img)
+	if err != nil {
+		return Layer{}, err
+	}
+	rep.start(StageHash, "bytes", fi.Size(), "hashing the image (%.1f MiB)", mib(fi.Size()))
+	digest, size, err := seal(img, rep)
+	if err != nil {
+		return Layer{}, err
+	}
+	l := Layer{
+		Name:         b.name,
+		Version:      b.version,
+		Kind:         b.kind,
+		Digest:       digest,
+		Size:         size,
+		Compression:  b.compression,
+		Created:      time.Now().UTC().Truncate(time.Millisecond),
+		Source:       b.source,
+		Files:        int64(st.files),
+		ContentBytes: st.bytes,
+	}
+	l, err = s.installAndTag(img, l)
+	if err != nil {
+		return Layer{}, err
+	}
+	rep.start(StageDone, "", 0, "done in %.1fs: %s, %.1f MiB (%d files, %.1f MiB of content)",
+		time.Since(b.start).Seconds(), digest, mib(size), st.files, mib(st.bytes))
+	return l, nil
+}
+
+// runMkfs runs mkfs.erofs on b.tree, reporting how much of the tree's
+// content it has read.
+func runMkfs(ctx context.Context, img string, b buildSpec, total int64, rep *reporter) error {
+	args := []string{mkfsTimestamp, mkfsUUID, "--quiet"}
+	if b.mkfsZ != "" {
+		args = append(args, "-z"+b.mkfsZ)
+	}
+	args = append(args, img, b.tree)
 	cmd := exec.CommandContext(ctx, "mkfs.erofs", args...)
 	var out bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &out
 	cmd.WaitDelay = time.Second
-	if err := cmd.Run(); err != nil {
-		if ctx.Err() != nil {
-			return Layer{}, ctx.Err()
+	if err := cmd.Start(); err != nil {
+		return fmt.Errorf("mkfs.erofs: %w", err)
+	}
+	done := make(chan struct{})
+	polled := make(chan struct{})
+	go func() {
+		defer close(polled)
+		tick := time.NewTicker(progressInterval)
+		defer tick.Stop()
+		for {
+			select {
+			case <-done:
+				return
+			case <-tick.C:
+				if n, err := procReadBytes(cmd.Process.Pid); err == nil {
+					rep.update(min(n, max(total-1, 0)), total)
+				}
+			}
 		}
-		return Layer{}, fmt.Errorf("mkfs.erofs: %w: %s", err, strings.TrimSpace(lastBytes(out.String(), 1024)))
-	}
-
-	digest, size, err := seal(img)
+	}()
+	err := cmd.Wait()
+	close(done)
+	<-polled
 	if err != nil {
-		return Layer{}, err
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		return fmt.Errorf("mkfs.erofs: %w: %s", err, strings.TrimSpace(lastBytes(out.String(), 1024)))
 	}
-	if err := s.install(img, digest); err != nil {
-		return Layer{}, err
-	}
-	l := Layer{
-		Name:        o.Name,
-		Version:     o.Version,
-		Kind:        o.Kind,
-		Digest:      digest,
-		Size:        size,
-		Compression: compression,
-		Created:     time.Now().UTC().Truncate(time.Millisecond),
-	}
-	l, old, err := s.tag(l)
-	if err != nil {
-		return Layer{}, fmt.Errorf("tag: %w", err)
-	}
-	switch old {
-	case "":
-		s.log.Info("layer built", "layer", l.Ref(), "digest", digest, "size", size)
-	case digest:
-		s.log.Info("layer rebuilt unchanged", "layer", l.Ref(), "digest", digest)
-	default:
-		s.log.Info("layer tag moved", "layer", l.Ref(), "from", old, "to", digest)
-	}
-	progress("done in %.1fs: %s, %.1f MiB", time.Since(start).Seconds(), digest, mib(size))
-	return l, nil
+	rep.update(total, total)
+	return nil
 }
 
 func parseCompression(c string) (name, mkfsZ string, err error) {
@@ -165,14 +306,18 @@ func parseCompression(c string) (name, mkfsZ string, err error) {
 }
 
 // seal hashes the image, flushes it to disk and returns its digest and size.
-func seal(img string) (digest string, size int64, err error) {
+func seal(img string, rep *reporter) (digest string, size int64, err error) {
 	f, err := os.OpenFile(img, os.O_RDWR, 0)
 	if err != nil {
 		return "", 0, err
 	}
 	defer f.Close()
+	fi, err := f.Stat()
+	if err != nil {
+		return "", 0, err
+	}
 	h := sha256.New()
-	if size, err = io.Copy(h, f); err != nil {
+	if size, err = io.Copy(h, &countingReader{r: f, total: fi.Size(), rep: rep}); err != nil {
 		return "", 0, fmt.Errorf("hash image: %w", err)
 	}
 	if err := f.Sync(); err != nil {
@@ -181,9 +326,32 @@ func seal(img string) (digest string, size int64, err error) {
 	return "sha256:" + hex.EncodeToString(h.Sum(nil)), size, f.Close()
 }
 
+// installAndTag installs a sealed image and points l's tag at it, with no
+// garbage collection in between.
+func (s *Store) installAndTag(img string, l Layer) (Layer, error) {
+	s.gcMu.RLock()
+	defer s.gcMu.RUnlock()
+	if err := s.install(img, l.Digest); err != nil {
+		return Layer{}, err
+	}
+	tagged, old, err := s.tag(l)
+	if err != nil {
+		return Layer{}, fmt.Errorf("tag: %w", err)
+	}
+	switch old {
+	case "":
+		s.log.Info("layer built", "layer", tagged.Ref(), "digest", tagged.Digest, "size", tagged.Size, "source", l.Source)
+	case tagged.Digest:
+		s.log.Info("layer rebuilt unchanged", "layer", tagged.Ref(), "digest", tagged.Digest)
+	default:
+		s.log.Info("layer tag moved", "layer", tagged.Ref(), "from", old, "to", tagged.Digest)
+	}
+	return tagged, nil
+}
+
 // install moves a sealed image into blobs under its digest. An image that is
 // already there (same digest, so same bytes) is kept as it is: it may be
-// mounted.
+// mounted. The caller holds gcMu (shared) until the image is recorded.
 func (s *Store) install(img, digest string) error {
 	dst := s.ImagePath(digest)
 	if _, err := os.Stat(dst); err == nil {

@@ -33,17 +33,49 @@ func Compose(target string, lowers []string, upper, work string, volatile bool) 
 }
 
 func compose(target string, lowers []string, upper, work string, volatile bool) error {
-	if len(lowers) == 0 || len(lowers) > maxLowers {
-		return fmt.Errorf("%d lower layers: want 1 to %d", len(lowers), maxLowers)
+	mfd, err := overlayFD(lowers, upper, work, volatile)
+	if err != nil {
+		return err
 	}
-	for _, d := range []string{target, upper, work} {
+	defer unix.Close(mfd)
+	if err := os.MkdirAll(target, 0o755); err != nil {
+		return err
+	}
+	if err := unix.MoveMount(mfd, "", unix.AT_FDCWD, target, unix.MOVE_MOUNT_F_EMPTY_PATH); err != nil {
+		return fmt.Errorf("move mount: %w", err)
+	}
+	return nil
+}
+
+// ComposeFD is Compose without the target: it returns the overlay as a
+// detached mount (an fsmount file descriptor, close-on-exec) that is not
+// attached anywhere in the caller's mount namespace. Its holder can attach
+// it with move_mount(2), in another mount namespace too: the container
+// backend passes it to a pre-started sandbox, whose agent makes it its
+// root. The mount disappears when the last descriptor to it is closed and
+// it is attached nowhere, or when the mount namespace it was attached in
+// goes away. The caller closes the descriptor.
+func ComposeFD(lowers []string, upper, work string, volatile bool) (int, error) {
+	fd, err := overlayFD(lowers, upper, work, volatile)
+	if err != nil {
+		return -1, fmt.Errorf("compose overlay: %w", err)
+	}
+	return fd, nil
+}
+
+// overlayFD creates the overlay of Compose as a detached mount.
+func overlayFD(lowers []string, upper, work string, volatile bool) (int, error) {
+	if len(lowers) == 0 || len(lowers) > maxLowers {
+		return -1, fmt.Errorf("%d lower layers: want 1 to %d", len(lowers), maxLowers)
+	}
+	for _, d := range []string{upper, work} {
 		if err := os.MkdirAll(d, 0o755); err != nil {
-			return err
+			return -1, err
 		}
 	}
 	fsfd, err := unix.Fsopen("overlay", unix.FSOPEN_CLOEXEC)
 	if err != nil {
-		return fmt.Errorf("fsopen overlay: %w", err)
+		return -1, fmt.Errorf("fsopen overlay: %w", err)
 	}
 	defer unix.Close(fsfd)
 	set := func(key, value string) error {
@@ -54,32 +86,28 @@ func compose(target string, lowers []string, upper, work string, volatile bool) 
 	}
 	for _, l := range lowers {
 		if err := set("lowerdir+", l); err != nil {
-			return err
+			return -1, err
 		}
 	}
 	if err := set("upperdir", upper); err != nil {
-		return err
+		return -1, err
 	}
 	if err := set("workdir", work); err != nil {
-		return err
+		return -1, err
 	}
 	if volatile {
 		if err := unix.FsconfigSetFlag(fsfd, "volatile"); err != nil {
-			return fmt.Errorf("overlay volatile: %w%s", err, fsMessages(fsfd))
+			return -1, fmt.Errorf("overlay volatile: %w%s", err, fsMessages(fsfd))
 		}
 	}
 	if err := unix.FsconfigCreate(fsfd); err != nil {
-		return fmt.Errorf("create overlay: %w%s", err, fsMessages(fsfd))
+		return -1, fmt.Errorf("create overlay: %w%s", err, fsMessages(fsfd))
 	}
 	mfd, err := unix.Fsmount(fsfd, unix.FSMOUNT_CLOEXEC, 0)
 	if err != nil {
-		return fmt.Errorf("fsmount overlay: %w%s", err, fsMessages(fsfd))
+		return -1, fmt.Errorf("fsmount overlay: %w%s", err, fsMessages(fsfd))
 	}
-	defer unix.Close(mfd)
-	if err := unix.MoveMount(mfd, "", unix.AT_FDCWD, target, unix.MOVE_MOUNT_F_EMPTY_PATH); err != nil {
-		return fmt.Errorf("move mount: %w", err)
-	}
-	return nil
+	return mfd, nil
 }
 
 // fsMessages returns the kernel's messages queued on a file system context

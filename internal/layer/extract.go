@@ -3,6 +3,7 @@ package layer
 import (
 	"archive/tar"
 	"bufio"
+	"bytes"
 	"compress/gzip"
 	"context"
 	"errors"
@@ -13,9 +14,11 @@ import (
 	"os"
 	"path"
 	"path/filepath"
+	"regexp"
 	"slices"
 	"strings"
 
+	"github.com/klauspost/compress/zstd"
 	"golang.org/x/sys/unix"
 )
 
@@ -25,18 +28,153 @@ type treeStats struct {
 	bytes int64 // sum of regular file sizes
 }
 
-func isTarball(p string) bool {
-	for _, ext := range []string{".tar", ".tar.gz", ".tgz"} {
-		if strings.HasSuffix(p, ext) {
-			return true
+// Magic numbers of the compressions a tarball may come in.
+var (
+	gzipMagic = []byte{0x1f, 0x8b}
+	zstdMagic = []byte{0x28, 0xb5, 0x2f, 0xfd}
+)
+
+// tarFile is an open tarball, decompressed if need be.
+type tarFile struct {
+	f           *os.File
+	r           io.Reader // the uncompressed tar stream
+	compression string    // "tar", "tar.gz" or "tar.zst"
+	closeFn     func()
+}
+
+func (t *tarFile) Close() {
+	if t.closeFn != nil {
+		t.closeFn()
+	}
+	t.f.Close()
+}
+
+// openTar opens a tar file, plain or gzip- or zstd-compressed (told apart by
+// their magic numbers, not by the file name). Reads of the file are reported
+// to rep, if not nil, against the file's size. A file that is none of these
+// is refused.
+func openTar(src string, rep *reporter) (*tarFile, error) {
+	f, err := os.Open(src)
+	if err != nil {
+		return nil, err
+	}
+	var raw io.Reader = f
+	if rep != nil {
+		if fi, err := f.Stat(); err == nil {
+			raw = &countingReader{r: f, total: fi.Size(), rep: rep}
 		}
 	}
-	return false
+	br := bufio.NewReaderSize(raw, 1<<20)
+	t := &tarFile{f: f, r: br, compression: "tar"}
+	magic, _ := br.Peek(4)
+	switch {
+	case bytes.HasPrefix(magic, gzipMagic):
+		zr, err := gzip.NewReader(br)
+		if err != nil {
+			f.Close()
+			return nil, fmt.Errorf("gzip: %w", err)
+		}
+		zr.Multistream(true)
+		t.r, t.compression, t.closeFn = zr, "tar.gz", func() { zr.Close() }
+	case bytes.HasPrefix(magic, zstdMagic):
+		zr, err := zstd.NewReader(br, zstd.WithDecoderConcurrency(1))
+		if err != nil {
+			f.Close()
+			return nil, fmt.Errorf("zstd: %w", err)
+		}
+		t.r, t.compression, t.closeFn = zr, "tar.zst", zr.Close
+	}
+	// Check that it is a tar: the "ustar" magic of the first header block
+	// (POSIX, GNU and PAX archives all have it).
+	head := bufio.NewReaderSize(t.r, 4096)
+	block, err := head.Peek(512)
+	if err != nil || !bytes.Equal(block[257:262], []byte("ustar")) {
+		t.Close()
+		return nil, fmt.Errorf("%s is not a tar archive (plain, gzip or zstd compressed)", src)
+	}
+	t.r = head
+	return t, nil
+}
+
+// imageEntryRE matches the names an image archive (docker save, OCI image
+// layout as a tar) starts with, and a root file system tarball never does.
+var imageEntryRE = regexp.MustCompile(`^(\./)?(oci-layout|index\.json|manifest\.json|repositories|blobs(/.*)?|(sha256:)?[0-9a-f]{64}(\.json|\.tar(\.gz|\.zst)?|/.*)?)$`)
+
+// Layouts of a tar file.
+const (
+	layoutRootfs        = "rootfs"         // a root file system
+	layoutDockerArchive = "docker-archive" // `docker save`: manifest.json at the root
+	layoutOCIArchive    = "oci-archive"    // an OCI image layout: oci-layout at the root
+)
+
+// tarLayout says what a tar file holds, from its entries, and how it is
+// compressed ("tar", "tar.gz", "tar.zst"). Only the first entry is read of
+// a root file system tarball; an image archive is read to its end.
+func tarLayout(src string) (layout, compression string, err error) {
+	t, err := openTar(src, nil)
+	if err != nil {
+		return "", "", err
+	}
+	defer t.Close()
+	tr := tar.NewReader(t.r)
+	hdr, err := tr.Next()
+	for err == nil && path.Clean(hdr.Name) == "." { // `tar -C dir -cf x.tar .` starts with "./"
+		hdr, err = tr.Next()
+	}
+	if err == io.EOF {
+		return layoutRootfs, t.compression, nil
+	}
+	if err != nil {
+		return "", "", err
+	}
+	if !imageEntryRE.MatchString(strings.TrimSuffix(hdr.Name, "/")) {
+		return layoutRootfs, t.compression, nil
+	}
+	var manifest, ociLayout bool
+	for ; err == nil; hdr, err = tr.Next() {
+		switch path.Clean(hdr.Name) {
+		case "manifest.json":
+			manifest = true
+		case "oci-layout":
+			ociLayout = true
+		}
+	}
+	if err != io.EOF {
+		return "", "", err
+	}
+	switch {
+	case manifest:
+		return layoutDockerArchive, t.compression, nil
+	case ociLayout:
+		return layoutOCIArchive, t.compression, nil
+	}
+	return "", "", fmt.Errorf("%s looks like an image archive but has neither manifest.json (docker save) nor oci-layout (OCI image layout)", src)
+}
+
+// decompressTar writes the uncompressed tar stream of src to dst.
+func decompressTar(src, dst string) error {
+	t, err := openTar(src, nil)
+	if err != nil {
+		return err
+	}
+	defer t.Close()
+	f, err := os.OpenFile(dst, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	if _, err := io.Copy(f, t.r); err != nil {
+		return fmt.Errorf("decompress %s: %w", src, err)
+	}
+	return f.Close()
 }
 
 // checkTree walks a source directory (without following symlinks) and
-// refuses device nodes, fifos and sockets, which a layer must not carry.
-func checkTree(ctx context.Context, dir string) (treeStats, error) {
+// refuses device nodes, fifos and sockets, which a layer must not carry;
+// with whiteouts set it allows overlayfs whiteouts (character devices 0/0),
+// which a committed upper directory holds. It counts the tree's entries and
+// bytes, reporting them to rep.
+func checkTree(ctx context.Context, dir string, whiteouts bool, rep *reporter) (treeStats, error) {
 	var st treeStats
 	err := filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
 		if err != nil {
@@ -50,6 +188,9 @@ func checkTree(ctx context.Context, dir string) (treeStats, error) {
 		}
 		st.files++
 		if t := d.Type(); t&(fs.ModeDevice|fs.ModeCharDevice|fs.ModeNamedPipe|fs.ModeSocket) != 0 {
+			if whiteouts && isWhiteout(p) {
+				return nil
+			}
 			return fmt.Errorf("%s is a %s: device nodes, fifos and sockets are not allowed in a layer", p, typeName(t))
 		}
 		if d.Type().IsRegular() {
@@ -59,9 +200,20 @@ func checkTree(ctx context.Context, dir string) (treeStats, error) {
 			}
 			st.bytes += fi.Size()
 		}
+		rep.update(int64(st.files), 0)
 		return nil
 	})
 	return st, err
+}
+
+// isWhiteout reports whether p is an overlayfs whiteout: a character device
+// with device number 0/0.
+func isWhiteout(p string) bool {
+	var stx unix.Stat_t
+	if err := unix.Lstat(p, &stx); err != nil {
+		return false
+	}
+	return stx.Mode&unix.S_IFMT == unix.S_IFCHR && stx.Rdev == 0
 }
 
 func typeName(m fs.FileMode) string {
@@ -78,66 +230,84 @@ func typeName(m fs.FileMode) string {
 	return m.Type().String()
 }
 
-// extractTarball unpacks a tar or gzip-compressed tar file into dst, which
+// extractTarball unpacks a tar file (plain, gzip or zstd) into dst, which
 // must not exist. It never follows a symlink: every entry is created through
 // an os.Root (no path can leave dst), and an entry whose parent is a symlink
 // the archive created is refused. Symlinks are kept as they are, absolute or
 // not. Hard links must point at an earlier file of the archive. Device nodes
 // and fifos are refused. Mode, owner (when running as root), mtime and
-// "SCHILY.xattr." records are kept for files and directories.
-func extractTarball(ctx context.Context, src, dst string) (treeStats, error) {
-	f, err := os.Open(src)
+// "SCHILY.xattr." records are kept for files and directories. Reads of src
+// are reported to rep.
+func extractTarball(ctx context.Context, src, dst string, rep *reporter) error {
+	t, err := openTar(src, rep)
 	if err != nil {
-		return treeStats{}, err
+		return err
 	}
-	defer f.Close()
-	br := bufio.NewReaderSize(f, 1<<20)
-	var r io.Reader = br
-	if magic, _ := br.Peek(2); len(magic) == 2 && magic[0] == 0x1f && magic[1] == 0x8b {
-		zr, err := gzip.NewReader(br)
-		if err != nil {
-			return treeStats{}, err
-		}
-		defer zr.Close()
-		r = zr
-	}
-	if err := os.Mkdir(dst, 0o755); err != nil {
-		return treeStats{}, err
-	}
-	root, err := os.OpenRoot(dst)
+	defer t.Close()
+	x, err := newExtractor(dst, false)
 	if err != nil {
-		return treeStats{}, err
+		return err
 	}
-	defer root.Close()
-
-	x := &extractor{root: root, entries: map[string]*entry{".": {typ: tar.TypeDir}}}
-	tr := tar.NewReader(r)
-	for {
-		hdr, err := tr.Next()
-		if err == io.EOF {
-			break
-		}
-		if err != nil {
-			return x.st, err
-		}
-		if err := ctx.Err(); err != nil {
-			return x.st, err
-		}
-		if err := x.extract(hdr, tr); err != nil {
-			return x.st, fmt.Errorf("entry %q: %w", hdr.Name, err)
-		}
+	defer x.close()
+	if err := x.apply(ctx, t.r); err != nil {
+		return err
 	}
-	return x.st, x.finishDirs()
+	return x.finishDirs()
 }
 
 // extractor is the state of one extraction; not safe for concurrent use.
+// Several tar streams may be applied in turn to the same tree (the layers
+// of an image, bottom first); with whiteouts set, their ".wh." entries
+// delete what earlier streams made, as the OCI image spec says.
 type extractor struct {
 	root *os.Root
 	// entries holds every path created so far (cleaned, relative to the
 	// root, "." for the root) with its type, and the header of directories,
 	// whose metadata is applied once all their children exist.
 	entries map[string]*entry
-	st      treeStats
+	// whiteouts: ".wh.NAME" deletes NAME of earlier streams and
+	// ".wh..wh..opq" empties its directory of what earlier streams put
+	// there. Off for root file system tarballs, where they are plain files.
+	whiteouts bool
+	// current holds the paths the stream being applied created (whiteouts
+	// only apply to earlier streams).
+	current map[string]bool
+}
+
+// newExtractor makes dst (which must not exist) and returns an extractor
+// into it.
+func newExtractor(dst string, whiteouts bool) (*extractor, error) {
+	if err := os.Mkdir(dst, 0o755); err != nil {
+		return nil, err
+	}
+	root, err := os.OpenRoot(dst)
+	if err != nil {
+		return nil, err
+	}
+	return &extractor{root: root, entries: map[string]*entry{".": {typ: tar.TypeDir}}, whiteouts: whiteouts}, nil
+}
+
+func (x *extractor) close() { x.root.Close() }
+
+// apply extracts one tar stream into the tree.
+func (x *extractor) apply(ctx context.Context, r io.Reader) error {
+	x.current = map[string]bool{}
+	tr := tar.NewReader(r)
+	for {
+		hdr, err := tr.Next()
+		if err == io.EOF {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		if err := x.extract(hdr, tr); err != nil {
+			return fmt.Errorf("entry %q: %w", hdr.Name, err)
+		}
+	}
 }
 
 type entry struct {
@@ -162,6 +332,11 @@ func (x *extractor) extract(hdr *tar.Header, r io.Reader) error {
 	if err != nil {
 		return err
 	}
+	if x.whiteouts {
+		if base := path.Base(name); strings.HasPrefix(base, whiteoutPrefix) {
+			return x.whiteout(path.Dir(name), base)
+		}
+	}
 	if name == "." {
 		if typ != tar.TypeDir {
 			return errors.New("the root of the archive must be a directory")
@@ -172,7 +347,7 @@ func (x *extractor) extract(hdr *tar.Header, r io.Reader) error {
 	if err := x.prepare(name, typ); err != nil {
 		return err
 	}
-	x.st.files++
+	x.current[name] = true
 
 	switch typ {
 	case tar.TypeDir:
@@ -190,11 +365,9 @@ func (x *extractor) extract(hdr *tar.Header, r io.Reader) error {
 			return err
 		}
 		defer f.Close()
-		n, err := io.Copy(f, r)
-		if err != nil {
+		if _, err := io.Copy(f, r); err != nil {
 			return err
 		}
-		x.st.bytes += n
 		if err := setMeta(f, hdr); err != nil {
 			return err
 		}
@@ -250,10 +423,20 @@ func (x *extractor) prepare(name string, typ byte) error {
 		}
 		for _, p := range missing {
 			x.entries[p] = &entry{typ: tar.TypeDir}
+			x.current[p] = true
 		}
 	}
 	e := x.entries[name]
 	if e == nil || (e.typ == tar.TypeDir && typ == tar.TypeDir) {
+		return nil
+	}
+	return x.remove(name)
+}
+
+// remove deletes name (recursively) from the tree and from entries.
+func (x *extractor) remove(name string) error {
+	e := x.entries[name]
+	if e == nil {
 		return nil
 	}
 	if err := x.root.RemoveAll(name); err != nil {
@@ -264,6 +447,66 @@ func (x *extractor) prepare(name string, typ byte) error {
 		for p := range x.entries {
 			if strings.HasPrefix(p, name+"/") {
 				delete(x.entries, p)
+			}
+		}
+	}
+	return nil
+}
+
+// Whiteout names of the OCI image spec (from AUFS).
+const (
+	whiteoutPrefix = ".wh."
+	whiteoutMeta   = ".wh..wh."     // AUFS metadata, ignored
+	whiteoutOpaque = ".wh..wh..opq" // "dir is opaque"
+)
+
+// whiteout applies a whiteout entry named base in dir: ".wh..wh..opq"
+// removes everything earlier streams put in dir, ".wh.NAME" removes NAME
+// (unless this stream made it). Whiteouts of missing paths do nothing.
+func (x *extractor) whiteout(dir, base string) error {
+	if d := x.entries[dir]; d == nil || d.typ != tar.TypeDir {
+		return nil // nothing below to hide
+	}
+	switch {
+	case base == whiteoutOpaque:
+		return x.opaque(dir)
+	case strings.HasPrefix(base, whiteoutMeta):
+		return nil
+	}
+	name := path.Join(dir, strings.TrimPrefix(base, whiteoutPrefix))
+	if name == dir || !filepath.IsLocal(name) {
+		return fmt.Errorf("bad whiteout %q", base)
+	}
+	if x.current[name] {
+		return nil
+	}
+	return x.remove(name)
+}
+
+// opaque removes from dir everything that earlier streams made, keeping
+// what the current one made (and, in directories it made, only its own).
+func (x *extractor) opaque(dir string) error {
+	prefix := dir + "/"
+	if dir == "." {
+		prefix = ""
+	}
+	var children []string
+	for p := range x.entries {
+		if p != "." && strings.HasPrefix(p, prefix) && !strings.Contains(p[len(prefix):], "/") {
+			children = append(children, p)
+		}
+	}
+	slices.Sort(children)
+	for _, p := range children {
+		if !x.current[p] {
+			if err := x.remove(p); err != nil {
+				return err
+			}
+			continue
+		}
+		if x.entries[p].typ == tar.TypeDir {
+			if err := x.opaque(p); err != nil {
+				return err
 			}
 		}
 	}

@@ -1,13 +1,21 @@
 // Package layer builds, stores, mounts and composes Shoal's layers.
 //
 // A layer is an immutable, content-addressed EROFS image of one kind (base,
-// workspace or toolkit), built from a directory or a tarball by mkfs.erofs and
-// named by a tag "name:version" that points at its digest ("sha256:<hex>" of
-// the image file). The Store keeps the images under DATA/layers/blobs, the
-// tags and metadata in bbolt (buckets prefixed "layer."), and mounts each
-// image at most once per node, read-only and file-backed (no loop device),
-// shared by every sandbox that uses it through a refcount. Compose stacks
-// mounted layers and a private upper directory into one overlayfs root.
+// workspace or toolkit), built by mkfs.erofs from a directory, a tarball
+// (tar, tar.gz, tar.zst), an OCI image layout or docker-archive tarball
+// (flattened, whiteouts applied), or a sandbox's overlay upper directory
+// (Commit: its whiteouts and opaque directories kept, so the layer stacked as
+// a lower hides what the sandbox deleted). It is named by tags "name:version"
+// that point at its digest ("sha256:<hex>" of the image file); a tag moves
+// in one bbolt transaction.
+//
+// The Store keeps the images under DATA/layers/blobs, the tags, image
+// metadata and environments (named stacks) in bbolt (buckets prefixed
+// "layer."), and mounts each image at most once per node, read-only and
+// file-backed (no loop device), shared by every sandbox that uses it through
+// a refcount. Compose stacks mounted layers and a private upper directory
+// into one overlayfs root. GC and Remove delete images nothing references;
+// what sandboxes use is the caller's knowledge (the node's), passed in.
 //
 // On disk, under the Store's directory (DATA/layers):
 //
@@ -52,8 +60,8 @@ var (
 	ErrNotFound = errors.New("layer not found")
 	// ErrInvalidRef: a reference, name, version or digest is malformed.
 	ErrInvalidRef = errors.New("invalid layer reference")
-	// ErrInUse: the layer is mounted and cannot be removed. Reserved for
-	// garbage collection of blobs; no method of this package returns it yet.
+	// ErrInUse: the layer is used (by a sandbox, an environment or a
+	// mount) or still tagged, so it cannot be removed.
 	ErrInUse = errors.New("layer in use")
 )
 
@@ -66,6 +74,13 @@ type Layer struct {
 	Size        int64     `json:"size"`   // bytes of the image file
 	Compression string    `json:"compression"`
 	Created     time.Time `json:"created"`
+	// Source says what the image was built from, e.g. "dir /src",
+	// "tar.zst /x.tar.zst", "oci-layout /img (debian:12)", "commit of sandbox ID".
+	Source string `json:"source,omitempty"`
+	// Files and ContentBytes describe the tree in the image: its entries
+	// (not counting the root) and the bytes of its regular files.
+	Files        int64 `json:"files,omitempty"`
+	ContentBytes int64 `json:"content_bytes,omitempty"`
 }
 
 // Ref returns the layer's tag, "name:version".
@@ -96,6 +111,18 @@ func validateDigest(digest string) error {
 		return fmt.Errorf("%w: digest %q: want sha256:<64 lowercase hex>", ErrInvalidRef, digest)
 	}
 	return nil
+}
+
+// ParseTag splits a tag "name:version" and validates both parts.
+func ParseTag(ref string) (name, version string, err error) {
+	p, err := parseRef(ref)
+	if err != nil {
+		return "", "", err
+	}
+	if p.version == "" {
+		return "", "", fmt.Errorf("%w %q: want a tag name:version, not a digest", ErrInvalidRef, ref)
+	}
+	return p.name, p.version, nil
 }
 
 // parsedRef is a reference split into its parts; exactly one of version and

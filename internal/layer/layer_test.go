@@ -368,6 +368,18 @@ func TestBuild(t *testing.T) {
 		},
 		wantErr: "null is a character device: device nodes, fifos and sockets are not allowed",
 	}, {
+		name: "symlink to a dir with a device node refused",
+		source: func(t *testing.T) string {
+			d := writeTree(t, filepath.Join(src, "devdir2"), map[string]string{"ok": "1"})
+			if err := unix.Mknod(filepath.Join(d, "null"), unix.S_IFCHR|0o666, int(unix.Mkdev(1, 3))); err != nil {
+				t.Fatal(err)
+			}
+			link := filepath.Join(src, "devlink")
+			os.Symlink(d, link)
+			return link
+		},
+		wantErr: "null is a character device",
+	}, {
 		name: "dir with fifo refused",
 		source: func(t *testing.T) string {
 			d := writeTree(t, filepath.Join(src, "fifodir"), map[string]string{"ok": "1"})
@@ -386,7 +398,7 @@ func TestBuild(t *testing.T) {
 		source: func(t *testing.T) string {
 			return writeTree(t, filepath.Join(src, "zip"), map[string]string{"a.zip": "x"}) + "/a.zip"
 		},
-		wantErr: "want a directory or a .tar, .tar.gz or .tgz file",
+		wantErr: "is not a tar archive (plain, gzip or zstd compressed)",
 	}, {
 		name:    "bad name",
 		opts:    BuildOptions{Name: "Python"},
@@ -422,7 +434,11 @@ func TestBuild(t *testing.T) {
 				o.Source = tt.source(t)
 			}
 			var progress bytes.Buffer
-			o.Progress = &progress
+			o.Progress = func(p Progress) {
+				if p.Message != "" {
+					fmt.Fprintln(&progress, p.Message)
+				}
+			}
 			l, err := e.store.Build(context.Background(), o)
 			if tt.wantErr != "" {
 				if err == nil || !strings.Contains(err.Error(), tt.wantErr) {

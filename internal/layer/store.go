@@ -13,13 +13,15 @@ import (
 	"go.etcd.io/bbolt"
 )
 
-// bbolt buckets. Both hold JSON-encoded Layer values.
+// bbolt buckets. The first two hold JSON-encoded Layer values.
 var (
 	// "name:version" -> the Layer the tag points at.
 	tagsBucket = []byte("layer.tags")
 	// "sha256:<hex>" -> the Layer as last built with this content, kept after
 	// its tag moves on so that the digest stays resolvable.
 	blobsBucket = []byte("layer.blobs")
+	// environment name -> JSON-encoded Env.
+	envsBucket = []byte("layer.envs")
 )
 
 // Store keeps the layers of one node: images on disk, tags in bbolt, and the
@@ -28,7 +30,11 @@ var (
 // A Store is safe for concurrent use. Builds run in parallel (each in its own
 // scratch directory; tags are moved in single bbolt transactions). mu guards
 // mounts and serializes every mount and unmount the Store makes, so an
-// image is never mounted twice.
+// image is never mounted twice. gcMu keeps image deletion (GC, Remove) apart
+// from the window between installing a new image and recording it (builds,
+// commits, imports and tags hold it shared; deletions exclusively); a
+// deletion also holds mu, so an image is never deleted while it is mounted
+// nor mounted while it is deleted.
 type Store struct {
 	dir   string // DATA/layers, absolute with symlinks resolved
 	blobs string // dir/blobs/sha256
@@ -36,6 +42,8 @@ type Store struct {
 	tmp   string // dir/tmp
 	db    *bbolt.DB
 	log   *slog.Logger
+
+	gcMu sync.RWMutex
 
 	mu     sync.Mutex
 	mounts map[string]*mount // by digest; guarded by mu; only entries with refs > 0
@@ -86,7 +94,7 @@ func Open(dir string, db *bbolt.DB, log *slog.Logger) (*Store, error) {
 		}
 	}
 	err = db.Update(func(tx *bbolt.Tx) error {
-		for _, b := range [][]byte{tagsBucket, blobsBucket} {
+		for _, b := range [][]byte{tagsBucket, blobsBucket, envsBucket} {
 			if _, err := tx.CreateBucketIfNotExists(b); err != nil {
 				return err
 			}

@@ -151,7 +151,10 @@ func (m *Manager) Layers() *layer.Store { return m.layers }
 
 // CreateRequest asks for one sandbox.
 type CreateRequest struct {
-	Backend    string
+	Backend string
+	// Template names an environment (layer.Env) to take the layers from,
+	// resolved now; see applyTemplate in layers.go. Exclusive with Base.
+	Template   string
 	Base       string
 	Workspaces []string
 	Toolkits   []string
@@ -178,7 +181,7 @@ func (m *Manager) validate(req *CreateRequest) error {
 		return errdefs.New(ErrInvalid, "backend %q is not available on this node (available: %v)", req.Backend, names)
 	}
 	if req.Base == "" {
-		return errdefs.New(ErrInvalid, "a base layer is required (--base NAME:VERSION)")
+		return errdefs.New(ErrInvalid, "a base layer is required (--base NAME:VERSION, or --template NAME)")
 	}
 	if req.Memory == 0 {
 		req.Memory = m.cfg.DefaultMemory
@@ -253,6 +256,9 @@ func (m *Manager) resolve(req *CreateRequest) ([]layer.Layer, []LayerRef, error)
 // Create makes a sandbox and returns once its guest agent accepts
 // connections. A failed create leaves nothing behind.
 func (m *Manager) Create(ctx context.Context, req CreateRequest) (rec Record, err error) {
+	if err := m.applyTemplate(&req); err != nil {
+		return Record{}, err
+	}
 	if err := m.validate(&req); err != nil {
 		return Record{}, err
 	}

@@ -1,0 +1,159 @@
+package layer
+
+import (
+	"encoding/json"
+	"fmt"
+	"time"
+
+	"go.etcd.io/bbolt"
+
+	"github.com/shoal-sandbox/shoal/internal/errdefs"
+)
+
+// Env is a named environment (a template): a stack of layer references,
+// one base then workspaces and toolkits, kept as given. Tags in it are
+// resolved when a sandbox is created from it, so moving a tag upgrades the
+// environment for every later sandbox (running ones keep their digests).
+type Env struct {
+	Name       string    `json:"name"`
+	Base       string    `json:"base"`
+	Workspaces []string  `json:"workspaces,omitempty"`
+	Toolkits   []string  `json:"toolkits,omitempty"`
+	Created    time.Time `json:"created"`
+}
+
+// refs returns every reference of the environment.
+func (e Env) refs() []string {
+	out := append([]string{e.Base}, e.Workspaces...)
+	return append(out, e.Toolkits...)
+}
+
+// ResolveStack resolves a stack of references and checks their kinds; it
+// returns the layers top to bottom (toolkits in order, then workspaces in
+// order, then the base): the overlayfs lowerdir order, where the first
+// wins. A missing layer wraps ErrNotFound; a malformed reference, a layer
+// of the wrong kind or a missing base is marked
+// errdefs.ErrInvalidArgument.
+func (s *Store) ResolveStack(base string, workspaces, toolkits []string) ([]Layer, error) {
+	if base == "" {
+		return nil, errdefs.New(errdefs.ErrInvalidArgument, "a base layer is required: a stack is exactly one base, then any workspaces and toolkits")
+	}
+	var out []Layer
+	add := func(ref string, want Kind) error {
+		l, err := s.Resolve(ref)
+		if err != nil {
+			return err
+		}
+		if l.Kind != want {
+			return errdefs.New(errdefs.ErrInvalidArgument, "layer %s is a %s layer, not a %s layer", ref, l.Kind, want)
+		}
+		out = append(out, l)
+		return nil
+	}
+	for _, r := range toolkits {
+		if err := add(r, KindToolkit); err != nil {
+			return nil, err
+		}
+	}
+	for _, r := range workspaces {
+		if err := add(r, KindWorkspace); err != nil {
+			return nil, err
+		}
+	}
+	if err := add(base, KindBase); err != nil {
+		return nil, err
+	}
+	if len(out) > maxLowers {
+		return nil, errdefs.New(errdefs.ErrInvalidArgument, "%d layers in one stack: at most %d", len(out), maxLowers)
+	}
+	return out, nil
+}
+
+// CreateEnv saves an environment after checking that each of its
+// references resolves to a layer of the right kind. An environment of the
+// same name is replaced if replace is set, else the call fails with
+// errdefs.ErrAlreadyExists.
+func (s *Store) CreateEnv(e Env, replace bool) (Env, error) {
+	if err := validateName(e.Name); err != nil {
+		return Env{}, errdefs.Mark(errdefs.ErrInvalidArgument, fmt.Errorf("create environment: %w", err))
+	}
+	// Hold off Remove and GC until the environment is saved: the layers it
+	// names must not go in between.
+	s.gcMu.RLock()
+	defer s.gcMu.RUnlock()
+	if _, err := s.ResolveStack(e.Base, e.Workspaces, e.Toolkits); err != nil {
+		return Env{}, fmt.Errorf("create environment %s: %w", e.Name, err)
+	}
+	e.Created = time.Now().UTC().Truncate(time.Millisecond)
+	v, err := json.Marshal(e)
+	if err != nil {
+		return Env{}, err
+	}
+	err = s.db.Update(func(tx *bbolt.Tx) error {
+		b := tx.Bucket(envsBucket)
+		if !replace && b.Get([]byte(e.Name)) != nil {
+			return errdefs.New(errdefs.ErrAlreadyExists, "environment %s exists: remove it first or replace it", e.Name)
+		}
+		return b.Put([]byte(e.Name), v)
+	})
+	if err != nil {
+		return Env{}, fmt.Errorf("create environment %s: %w", e.Name, err)
+	}
+	s.log.Info("environment saved", "env", e.Name, "base", e.Base, "workspaces", e.Workspaces, "toolkits", e.Toolkits)
+	return e, nil
+}
+
+// GetEnv returns the environment of that name; an unknown one is marked
+// errdefs.ErrNotFound.
+func (s *Store) GetEnv(name string) (Env, error) {
+	var e Env
+	var found bool
+	err := s.db.View(func(tx *bbolt.Tx) error {
+		var err error
+		found, err = get(tx.Bucket(envsBucket), name, &e)
+		return err
+	})
+	if err != nil {
+		return Env{}, fmt.Errorf("get environment %s: %w", name, err)
+	}
+	if !found {
+		return Env{}, errdefs.New(errdefs.ErrNotFound, "no environment %q (see shoal env ls)", name)
+	}
+	return e, nil
+}
+
+// Envs returns every environment, sorted by name.
+func (s *Store) Envs() ([]Env, error) {
+	var out []Env
+	err := s.db.View(func(tx *bbolt.Tx) error {
+		return tx.Bucket(envsBucket).ForEach(func(k, v []byte) error {
+			var e Env
+			if err := json.Unmarshal(v, &e); err != nil {
+				return fmt.Errorf("decode environment %s: %w", k, err)
+			}
+			out = append(out, e)
+			return nil
+		})
+	})
+	if err != nil {
+		return nil, fmt.Errorf("list environments: %w", err)
+	}
+	return out, nil // bbolt iterates in key order
+}
+
+// DeleteEnv removes an environment; sandboxes created from it keep running
+// on their layers.
+func (s *Store) DeleteEnv(name string) error {
+	err := s.db.Update(func(tx *bbolt.Tx) error {
+		b := tx.Bucket(envsBucket)
+		if b.Get([]byte(name)) == nil {
+			return errdefs.New(errdefs.ErrNotFound, "no environment %q (see shoal env ls)", name)
+		}
+		return b.Delete([]byte(name))
+	})
+	if err != nil {
+		return fmt.Errorf("remove environment %s: %w", name, err)
+	}
+	s.log.Info("environment removed", "env", name)
+	return nil
+}
