@@ -363,7 +363,7 @@ func TestPing(t *testing.T) {
 
 func TestUnsupportedOp(t *testing.T) {
 	c := startAgent(t)
-	err := c.unary(context.Background(), OpPortForward, "", struct{}{}, nil)
+	err := c.unary(context.Background(), Op(255), "", struct{}{}, nil) // no such op
 	var ae *Error
 	if !errors.As(err, &ae) || ae.Code != CodeUnsupported {
 		t.Errorf("err = %v, want code %s", err, CodeUnsupported)

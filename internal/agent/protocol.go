@@ -22,6 +22,11 @@
 //	       chunks) … then exactly one Z (exit status JSON) and close;
 //	       client→agent D (stdin) … F (close stdin); closing the
 //	       connection before Z kills the command's process group.
+//	portforward: Q({"port"}) → R | X;  then raw bytes both ways, unframed,
+//	       until each side has closed its writing half (see portforward.go)
+//	watch: Q({"path","recursive"}) → R | X;  then D(json-array-of-events)*
+//	       until the client closes, or F when the watched path is gone
+//	       (see watch.go); list with "depth" > 1 walks subdirectories
 //
 // Control messages are small JSON objects; data is never JSON-encoded. Frame
 // types are printable ASCII so that a hex dump of a capture reads easily.
@@ -80,6 +85,7 @@ const (
 	OpStdin       Op = 13 // write to (or close) a durable command's stdin
 	OpCommands    Op = 14 // list the durable commands the agent holds
 	OpResize      Op = 15 // set the window size of a durable command's pty
+	OpWatch       Op = 16 // stream inotify events under a path (see watch.go)
 )
 
 var opNames = [...]string{
@@ -87,7 +93,7 @@ var opNames = [...]string{
 	OpReadFile: "read", OpWriteFile: "write", OpListDir: "list",
 	OpMakeDir: "mkdir", OpRemove: "remove", OpAttach: "attach",
 	OpPortForward: "portforward", OpClaim: "claim", OpStdin: "stdin",
-	OpCommands: "commands", OpResize: "resize",
+	OpCommands: "commands", OpResize: "resize", OpWatch: "watch",
 }
 
 func (o Op) String() string {

@@ -229,7 +229,22 @@ func (s *Server) serveConn(c net.Conn) {
 		}
 	case OpCommands:
 		s.commands(c)
-	case OpStat, OpReadFile, OpWriteFile, OpListDir, OpMakeDir, OpRemove:
+	case OpPortForward:
+		var req wirePortRequest
+		if decode(c, body, &req) {
+			s.portForward(c, &req)
+		}
+	case OpWatch:
+		var req wireWatchRequest
+		if decode(c, body, &req) {
+			s.watch(c, &req)
+		}
+	case OpListDir:
+		var req wireListRequest
+		if decode(c, body, &req) {
+			listOp(c, &req)
+		}
+	case OpStat, OpReadFile, OpWriteFile, OpMakeDir, OpRemove:
 		var req wirePathRequest
 		if !decode(c, body, &req) {
 			return
@@ -246,8 +261,6 @@ func (s *Server) serveConn(c net.Conn) {
 			readFile(c, path)
 		case OpWriteFile:
 			writeFile(c, path, req.Mode)
-		case OpListDir:
-			listDir(c, path)
 		case OpMakeDir:
 			makeDir(c, path, req.Mode)
 		case OpRemove:

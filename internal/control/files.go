@@ -73,19 +73,45 @@ func (s *Server) StatFile(ctx context.Context, req *connect.Request[pb.StatFileR
 }
 
 func (s *Server) ListDir(ctx context.Context, req *connect.Request[pb.ListDirRequest]) (*connect.Response[pb.ListDirResponse], error) {
+	if req.Msg.Depth < 0 {
+		return nil, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("depth %d must not be negative", req.Msg.Depth))
+	}
 	a, err := s.agentFor(req.Msg.SandboxId, req.Msg.Path)
 	if err != nil {
 		return nil, err
+	}
+	out := &pb.ListDirResponse{}
+	if req.Msg.Depth > 1 {
+		entries, err := a.ListTree(ctx, req.Msg.Path, int(req.Msg.Depth))
+		if err != nil {
+			return nil, agentLimitErr(err)
+		}
+		out.Entries = make([]*pb.FileInfo, 0, len(entries))
+		for _, e := range entries {
+			fi := fileInfoPB(path.Dir(e.Path), e.FileInfo)
+			fi.Path = e.Path
+			out.Entries = append(out.Entries, fi)
+		}
+		return connect.NewResponse(out), nil
 	}
 	entries, err := a.ListDir(ctx, req.Msg.Path)
 	if err != nil {
 		return nil, toConnect(err)
 	}
-	out := &pb.ListDirResponse{}
 	for _, fi := range entries {
 		out.Entries = append(out.Entries, fileInfoPB(path.Clean(req.Msg.Path), fi))
 	}
 	return connect.NewResponse(out), nil
+}
+
+// agentLimitErr maps the agent's bound on a recursive list or watch to
+// RESOURCE_EXHAUSTED; other errors as toConnect does.
+func agentLimitErr(err error) error {
+	var ae *agent.Error
+	if errors.As(err, &ae) && ae.Code == agent.CodeTooMany {
+		return connect.NewError(connect.CodeResourceExhausted, err)
+	}
+	return toConnect(err)
 }
 
 func (s *Server) MakeDir(ctx context.Context, req *connect.Request[pb.MakeDirRequest]) (*connect.Response[pb.MakeDirResponse], error) {

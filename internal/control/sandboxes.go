@@ -55,6 +55,7 @@ func (s *Server) Handler() http.Handler {
 	mux.Handle(shoalv1connect.NewCommandServiceHandler(s))
 	mux.HandleFunc("GET /v1/sandboxes/{id}/files", s.readFile)
 	mux.HandleFunc("PUT /v1/sandboxes/{id}/files", s.writeFile)
+	s.portRoutes(mux) // /v1/sandboxes/{id}/ports/{port}/... (ports.go)
 	s.layerRoutes(mux)
 	return s.auth.Middleware(mux, "/healthz")
 }

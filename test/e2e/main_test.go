@@ -71,6 +71,7 @@ func setup() error {
 		{"go", "build", "-o", filepath.Join(binDir, "shoal"), "../../cmd/shoal"},
 		{"go", "build", "-o", filepath.Join(binDir, "shoal-agent"), "../../cmd/shoal-agent"},
 		{"go", "build", "-o", filepath.Join(binDir, "hog"), "./testdata/hog"},
+		{"go", "build", "-o", filepath.Join(binDir, "portsrv"), "./testdata/portsrv"},
 	}
 	for _, b := range builds {
 		cmd := exec.Command(b[0], b[1:]...)
@@ -153,6 +154,16 @@ func teardown() {
 		serveCmd.Wait()
 	}
 	if dataDir != "" {
+		// The warm pool's containers, if serve left them (SIGKILL): the
+		// sandboxes are gone, so every container left is one of those.
+		state := filepath.Join(dataDir, "runc")
+		if out, err := exec.Command("runc", "--root", state, "list", "-q").Output(); err == nil {
+			for _, id := range strings.Fields(string(out)) {
+				exec.Command("runc", "--root", state, "delete", "--force", id).Run()
+			}
+		}
+	}
+	if dataDir != "" {
 		if os.Getenv("SHOAL_E2E_KEEP") == "" {
 			unmountUnder(dataDir)
 			os.RemoveAll(dataDir)
@@ -185,7 +196,7 @@ func mountsUnder(dir string) []string {
 }
 
 // busyboxRootfs makes a minimal root file system: busybox with its applets,
-// the hog test program, /etc/passwd and the usual directories.
+// the hog and portsrv test programs, /etc/passwd and the usual directories.
 func busyboxRootfs() (string, error) {
 	root, err := os.MkdirTemp("", "shoal-e2e-rootfs")
 	if err != nil {
@@ -204,8 +215,10 @@ func busyboxRootfs() (string, error) {
 	if err := copyFile(bb, filepath.Join(root, "bin", "busybox"), 0o755); err != nil {
 		return "", err
 	}
-	if err := copyFile(filepath.Join(binDir, "hog"), filepath.Join(root, "bin", "hog"), 0o755); err != nil {
-		return "", err
+	for _, prog := range []string{"hog", "portsrv"} {
+		if err := copyFile(filepath.Join(binDir, prog), filepath.Join(root, "bin", prog), 0o755); err != nil {
+			return "", err
+		}
 	}
 	out, err := exec.Command(bb, "--list").Output()
 	if err != nil {

@@ -94,11 +94,25 @@ type WatchDirEvent_Op int32
 
 const (
 	WatchDirEvent_OP_UNSPECIFIED WatchDirEvent_Op = 0
-	WatchDirEvent_OP_CREATE      WatchDirEvent_Op = 1
-	WatchDirEvent_OP_WRITE       WatchDirEvent_Op = 2
-	WatchDirEvent_OP_REMOVE      WatchDirEvent_Op = 3
-	WatchDirEvent_OP_RENAME      WatchDirEvent_Op = 4
-	WatchDirEvent_OP_CHMOD       WatchDirEvent_Op = 5
+	// path was created, or moved in from outside the watched tree. For a
+	// directory created under a recursive watch, its entries found when it
+	// is first watched are reported as created too (one of them may be
+	// reported twice).
+	WatchDirEvent_OP_CREATE WatchDirEvent_Op = 1
+	// path's content changed: the writes of one writer are coalesced (at
+	// most one event per 50 ms per file, and the last change is always
+	// reported, at the latest when the writer closes the file).
+	WatchDirEvent_OP_WRITE WatchDirEvent_Op = 2
+	// path was removed, or moved out of the watched tree.
+	WatchDirEvent_OP_REMOVE WatchDirEvent_Op = 3
+	// old_path was renamed to path, both inside the watched tree.
+	WatchDirEvent_OP_RENAME WatchDirEvent_Op = 4
+	// path's permissions, owner, timestamps or link count changed.
+	WatchDirEvent_OP_CHMOD WatchDirEvent_Op = 5
+	// Events were lost (the client read too slowly and the sandbox kernel's
+	// queue overflowed, or a new directory could not be watched): path is
+	// where to re-scan (the watched path, or the unwatched directory).
+	WatchDirEvent_OP_OVERFLOW WatchDirEvent_Op = 6
 )
 
 // Enum value maps for WatchDirEvent_Op.
@@ -110,6 +124,7 @@ var (
 		3: "OP_REMOVE",
 		4: "OP_RENAME",
 		5: "OP_CHMOD",
+		6: "OP_OVERFLOW",
 	}
 	WatchDirEvent_Op_value = map[string]int32{
 		"OP_UNSPECIFIED": 0,
@@ -118,6 +133,7 @@ var (
 		"OP_REMOVE":      3,
 		"OP_RENAME":      4,
 		"OP_CHMOD":       5,
+		"OP_OVERFLOW":    6,
 	}
 )
 
@@ -877,7 +893,11 @@ type ListDirRequest struct {
 	SandboxId string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
 	Path      string                 `protobuf:"bytes,2,opt,name=path,proto3" json:"path,omitempty"`
 	// depth 0 or 1: the directory's entries; n > 1 also lists n-1 levels of
-	// subdirectories (entries carry their full path).
+	// subdirectories (entries carry their full path; symlinks are not
+	// followed; /proc, /sys and /dev are not descended into unless they are
+	// the listed path). A recursive list returns at most 10,000 entries: past
+	// that it fails with RESOURCE_EXHAUSTED (list a narrower directory or use
+	// a smaller depth). Entries are sorted by path.
 	Depth         int32 `protobuf:"varint,3,opt,name=depth,proto3" json:"depth,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -1162,11 +1182,23 @@ func (*RemoveFileResponse) Descriptor() ([]byte, []int) {
 	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{16}
 }
 
+// WatchDir's stream sends its response headers, with the header
+// "Shoal-Watch-Armed: 1", once the watch is armed: a change made after that
+// is reported. Events arrive in the order the sandbox's kernel reported
+// them (a coalesced write may come later). The stream ends (OK) when the
+// watched path itself is removed or moved away. Starting a watch counts as
+// activity for the idle timeout; an open watch does not keep the sandbox
+// alive.
 type WatchDirRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	SandboxId     string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
-	Path          string                 `protobuf:"bytes,2,opt,name=path,proto3" json:"path,omitempty"`
-	Recursive     bool                   `protobuf:"varint,3,opt,name=recursive,proto3" json:"recursive,omitempty"`
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	SandboxId string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
+	Path      string                 `protobuf:"bytes,2,opt,name=path,proto3" json:"path,omitempty"` // a directory (or a single file, without recursive)
+	// recursive also watches every subdirectory, including ones created or
+	// moved in later (symlinks are not followed; /proc, /sys and /dev are
+	// skipped unless watched directly). At most 16,384 directories: past that
+	// the call fails with RESOURCE_EXHAUSTED, or, for directories created
+	// later, an OP_OVERFLOW event names the directory left unwatched.
+	Recursive     bool `protobuf:"varint,3,opt,name=recursive,proto3" json:"recursive,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1227,6 +1259,7 @@ type WatchDirEvent struct {
 	Op            WatchDirEvent_Op       `protobuf:"varint,1,opt,name=op,proto3,enum=shoal.v1.WatchDirEvent_Op" json:"op,omitempty"`
 	Path          string                 `protobuf:"bytes,2,opt,name=path,proto3" json:"path,omitempty"`
 	IsDir         bool                   `protobuf:"varint,3,opt,name=is_dir,json=isDir,proto3" json:"is_dir,omitempty"`
+	OldPath       string                 `protobuf:"bytes,4,opt,name=old_path,json=oldPath,proto3" json:"old_path,omitempty"` // OP_RENAME: the path before the rename
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1280,6 +1313,13 @@ func (x *WatchDirEvent) GetIsDir() bool {
 		return x.IsDir
 	}
 	return false
+}
+
+func (x *WatchDirEvent) GetOldPath() string {
+	if x != nil {
+		return x.OldPath
+	}
+	return ""
 }
 
 var File_shoal_v1_sandbox_proto protoreflect.FileDescriptor
@@ -1379,18 +1419,20 @@ const file_shoal_v1_sandbox_proto_rawDesc = "" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x12\n" +
 	"\x04path\x18\x02 \x01(\tR\x04path\x12\x1c\n" +
-	"\trecursive\x18\x03 \x01(\bR\trecursive\"\xc9\x01\n" +
+	"\trecursive\x18\x03 \x01(\bR\trecursive\"\xf5\x01\n" +
 	"\rWatchDirEvent\x12*\n" +
 	"\x02op\x18\x01 \x01(\x0e2\x1a.shoal.v1.WatchDirEvent.OpR\x02op\x12\x12\n" +
 	"\x04path\x18\x02 \x01(\tR\x04path\x12\x15\n" +
-	"\x06is_dir\x18\x03 \x01(\bR\x05isDir\"a\n" +
+	"\x06is_dir\x18\x03 \x01(\bR\x05isDir\x12\x19\n" +
+	"\bold_path\x18\x04 \x01(\tR\aoldPath\"r\n" +
 	"\x02Op\x12\x12\n" +
 	"\x0eOP_UNSPECIFIED\x10\x00\x12\r\n" +
 	"\tOP_CREATE\x10\x01\x12\f\n" +
 	"\bOP_WRITE\x10\x02\x12\r\n" +
 	"\tOP_REMOVE\x10\x03\x12\r\n" +
 	"\tOP_RENAME\x10\x04\x12\f\n" +
-	"\bOP_CHMOD\x10\x05*\x99\x01\n" +
+	"\bOP_CHMOD\x10\x05\x12\x0f\n" +
+	"\vOP_OVERFLOW\x10\x06*\x99\x01\n" +
 	"\fSandboxState\x12\x1d\n" +
 	"\x19SANDBOX_STATE_UNSPECIFIED\x10\x00\x12\x1a\n" +
 	"\x16SANDBOX_STATE_CREATING\x10\x01\x12\x19\n" +

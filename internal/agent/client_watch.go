@@ -1,0 +1,149 @@
+package agent
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"path"
+	"slices"
+)
+
+// WatchEvent is one change reported by a watch. Op is one of WatchCreate,
+// WatchWrite, WatchRemove, WatchRename (OldPath is the path before),
+// WatchChmod or WatchOverflow (events were lost; Path is where to re-scan).
+type WatchEvent struct {
+	Op      string
+	Path    string
+	OldPath string
+	IsDir   bool
+}
+
+// Watcher is a running watch; see Client.Watch.
+type Watcher struct {
+	cc    *clientConn
+	batch []wireWatchEvent
+	err   error
+}
+
+// Watch starts watching path (a directory, or a single file when not
+// recursive) with inotify in the sandbox; recursive also watches every
+// subdirectory, including ones created later. It returns once the watch is
+// in place. ctx bounds the watch's life; Close ends it.
+func (c *Client) Watch(ctx context.Context, path string, recursive bool) (*Watcher, error) {
+	cc, err := c.open(ctx, OpWatch, path, wireWatchRequest{Path: path, Recursive: recursive})
+	if err != nil {
+		return nil, err
+	}
+	if err := cc.readReply(nil); err != nil {
+		cc.close()
+		return nil, err
+	}
+	return &Watcher{cc: cc}, nil
+}
+
+// Next blocks until the next event. It returns io.EOF when the watched path
+// itself was removed or moved away, and an error if the watch failed or
+// was closed.
+func (w *Watcher) Next() (WatchEvent, error) {
+	for len(w.batch) == 0 {
+		if w.err != nil {
+			return WatchEvent{}, w.err
+		}
+		typ, payload, err := readFrame(w.cc)
+		if err != nil {
+			w.err = w.cc.wrapErr(unexpectedEOF(err))
+			continue
+		}
+		switch typ {
+		case FrameData:
+			if err := json.Unmarshal(payload, &w.batch); err != nil {
+				w.err = w.cc.protoErr("bad watch events: " + err.Error())
+			}
+		case FrameEOF:
+			w.err = io.EOF
+			w.cc.close()
+		case FrameError:
+			w.err = w.cc.agentErr(payload)
+		default:
+			w.err = w.cc.protoErr(fmt.Sprintf("unexpected frame %q", typ))
+		}
+	}
+	e := w.batch[0]
+	w.batch = w.batch[1:]
+	return WatchEvent{Op: e.Op, Path: e.Path, OldPath: e.Old, IsDir: e.Dir}, nil
+}
+
+// Close ends the watch; it may be called concurrently with Next to abort
+// it.
+func (w *Watcher) Close() error {
+	w.cc.close()
+	return nil
+}
+
+// TreeEntry is an entry of a recursive list: Path is its full path.
+type TreeEntry struct {
+	FileInfo
+	Path string
+}
+
+// ListTree lists dir and depth-1 levels of subdirectories below it (depth
+// 1 lists dir's own entries), without following symlinks, sorted by path
+// (each directory right before its entries). Past MaxListEntries entries it
+// fails with an *Error of Code CodeTooMany.
+func (c *Client) ListTree(ctx context.Context, dir string, depth int) ([]TreeEntry, error) {
+	cc, err := c.open(ctx, OpListDir, dir, wireListRequest{Path: dir, Depth: depth})
+	if err != nil {
+		return nil, err
+	}
+	defer cc.close()
+	root := path.Clean(dir)
+	var out []TreeEntry
+	for {
+		typ, payload, err := readFrame(cc)
+		if err != nil {
+			return nil, cc.wrapErr(unexpectedEOF(err))
+		}
+		switch typ {
+		case FrameData:
+			var batch []wireFileInfo
+			if err := json.Unmarshal(payload, &batch); err != nil {
+				return nil, cc.protoErr("bad list batch: " + err.Error())
+			}
+			for _, w := range batch {
+				rel := w.Name
+				w.Name = path.Base(rel)
+				out = append(out, TreeEntry{FileInfo: fromWire(w), Path: path.Join(root, rel)})
+			}
+		case FrameEOF:
+			slices.SortFunc(out, func(a, b TreeEntry) int { return comparePaths(a.Path, b.Path) })
+			return out, nil
+		case FrameError:
+			return nil, cc.agentErr(payload)
+		default:
+			return nil, cc.protoErr(fmt.Sprintf("unexpected frame %q", typ))
+		}
+	}
+}
+
+// comparePaths orders paths with '/' before every other byte, so that a
+// directory's entries follow it directly: "a", "a/b", "a-b".
+func comparePaths(a, b string) int {
+	for i := 0; i < len(a) && i < len(b); i++ {
+		x, y := a[i], b[i]
+		if x == y {
+			continue
+		}
+		if x == '/' {
+			return -1
+		}
+		if y == '/' {
+			return 1
+		}
+		if x < y {
+			return -1
+		}
+		return 1
+	}
+	return len(a) - len(b)
+}
