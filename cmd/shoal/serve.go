@@ -11,6 +11,7 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"strconv"
 	"syscall"
 	"time"
 
@@ -19,6 +20,7 @@ import (
 
 	"github.com/shoal-sandbox/shoal/internal/backend/container"
 	"github.com/shoal-sandbox/shoal/internal/control"
+	"github.com/shoal-sandbox/shoal/internal/e2b"
 	"github.com/shoal-sandbox/shoal/internal/layer"
 	"github.com/shoal-sandbox/shoal/internal/node"
 	"github.com/shoal-sandbox/shoal/internal/sandbox"
@@ -34,6 +36,16 @@ type serveConfig struct {
 	Debug   bool
 	LogCap  int64
 	Pprof   string
+	E2B     e2bConfig
+}
+
+// e2bConfig configures the E2B-compatible endpoint (internal/e2b).
+type e2bConfig struct {
+	Listen          string // "" disables it
+	ListenSet       bool   // --e2b-listen was given: failing to listen is fatal
+	Domain          string // default shoal.localhost:<port of Listen>
+	DefaultTemplate string
+	Pause           string
 }
 
 // Validate fills defaults and checks the configuration.
@@ -48,6 +60,11 @@ func (c *serveConfig) Validate() error {
 	c.DataDir = abs
 	if _, _, err := net.SplitHostPort(c.Listen); err != nil {
 		return fmt.Errorf("--listen %q must be HOST:PORT: %w", c.Listen, err)
+	}
+	if c.E2B.Listen != "" {
+		if _, _, err := net.SplitHostPort(c.E2B.Listen); err != nil {
+			return fmt.Errorf("--e2b-listen %q must be HOST:PORT (or empty to disable): %w", c.E2B.Listen, err)
+		}
 	}
 	if c.Agent == "" {
 		c.Agent = findAgent()
@@ -84,6 +101,7 @@ func serveCmd() *cobra.Command {
 			if err := cfg.Validate(); err != nil {
 				return err
 			}
+			cfg.E2B.ListenSet = cmd.Flags().Changed("e2b-listen")
 			return serve(cfg)
 		},
 	}
@@ -94,6 +112,10 @@ func serveCmd() *cobra.Command {
 	cmd.Flags().BoolVar(&cfg.Debug, "debug", false, "debug logging")
 	cmd.Flags().StringVar(&cfg.Pprof, "pprof", "", "serve Go profiles (net/http/pprof) on this HOST:PORT, unauthenticated: keep it on localhost")
 	cmd.Flags().Int64Var(&cfg.LogCap, "command-log-cap", session.DefaultLogCap, "bytes of output kept per command (the rest is dropped and reported)")
+	cmd.Flags().StringVar(&cfg.E2B.Listen, "e2b-listen", "127.0.0.1:7481", "E2B-compatible endpoint (API and sandbox traffic, HTTP and HTTPS on one port); empty disables it")
+	cmd.Flags().StringVar(&cfg.E2B.Domain, "e2b-domain", "", "sandbox domain for E2B clients: getHost(port) is PORT-ID.DOMAIN (default shoal.localhost:<e2b port>)")
+	cmd.Flags().StringVar(&cfg.E2B.DefaultTemplate, "e2b-default-template", "debian:12", "environment or base layer used for E2B's default template \"base\" when none is named base")
+	cmd.Flags().StringVar(&cfg.E2B.Pause, "e2b-pause", e2b.PauseKeepRunning, "E2B pause: keep-running (accepted, the sandbox keeps running until connect) or refuse (501)")
 	return cmd
 }
 
@@ -139,11 +161,45 @@ func serve(cfg serveConfig) error {
 	}
 	defer sessions.Close()
 	mgr.OnDelete(sessions.DropSandbox)
+	var e2bSrv *e2b.Server
+	var e2bLn net.Listener
+	if cfg.E2B.Listen != "" {
+		if e2bLn, err = net.Listen("tcp", cfg.E2B.Listen); err != nil {
+			if cfg.E2B.ListenSet {
+				return fmt.Errorf("--e2b-listen: %w", err)
+			}
+			// The default port is taken (another serve, a test): go on without.
+			log.Warn("E2B endpoint disabled: its default address is taken (pass --e2b-listen to choose one)", "listen", cfg.E2B.Listen, "err", err)
+			e2bLn = nil
+		}
+	}
+	if e2bLn != nil {
+		domain := cfg.E2B.Domain
+		if domain == "" {
+			domain = "shoal.localhost:" + strconv.Itoa(e2bLn.Addr().(*net.TCPAddr).Port)
+		}
+		if e2bLn, err = e2b.Serve(e2bLn, cfg.DataDir, domain); err != nil {
+			return err
+		}
+		defer e2bLn.Close()
+		e2bSrv, err = e2b.New(e2b.Config{DataDir: cfg.DataDir, Domain: domain, DefaultTemplate: cfg.E2B.DefaultTemplate, Pause: cfg.E2B.Pause},
+			db, mgr, sessions, func(h http.Handler) http.Handler { return auth.Middleware(h, "/health") }, log)
+		if err != nil {
+			return err
+		}
+		defer e2bSrv.Close()
+		mgr.OnDelete(e2bSrv.OnDelete)
+	}
 	if err := mgr.Recover(ctx); err != nil {
 		return fmt.Errorf("recover sandboxes: %w", err)
 	}
 	if err := sessions.Recover(ctx); err != nil {
 		return fmt.Errorf("recover commands: %w", err)
+	}
+	if e2bSrv != nil {
+		if err := e2bSrv.Recover(); err != nil {
+			return fmt.Errorf("recover e2b state: %w", err)
+		}
 	}
 	go mgr.Run(ctx)
 
@@ -164,8 +220,14 @@ func serve(cfg serveConfig) error {
 	}
 	log.Info("shoal serving", "listen", ln.Addr().String(), "data", cfg.DataDir,
 		"admin_key", filepath.Join(cfg.DataDir, control.AdminKeyFile))
-	errc := make(chan error, 1)
+	errc := make(chan error, 2)
 	go func() { errc <- srv.Serve(ln) }()
+	if e2bSrv != nil {
+		e2bHTTP := &http.Server{Handler: e2bSrv, Protocols: &protocols, ReadHeaderTimeout: 10 * time.Second}
+		defer e2bHTTP.Close()
+		log.Info("e2b endpoint serving", "listen", e2bLn.Addr().String(), "ca", filepath.Join(cfg.DataDir, e2b.CAFile))
+		go func() { errc <- e2bHTTP.Serve(e2bLn) }()
+	}
 	select {
 	case err := <-errc:
 		return err

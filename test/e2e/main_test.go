@@ -115,7 +115,7 @@ func startServe() error {
 	if err != nil {
 		return err
 	}
-	serveCmd = exec.Command(filepath.Join(binDir, "shoal"), "serve", "--data", dataDir, "--listen", addr, "--debug")
+	serveCmd = exec.Command(filepath.Join(binDir, "shoal"), "serve", "--data", dataDir, "--listen", addr, "--debug", "--e2b-listen=")
 	serveCmd.Stdout, serveCmd.Stderr = log, log
 	serveCmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
 	if err := serveCmd.Start(); err != nil {

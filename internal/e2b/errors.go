@@ -1,0 +1,100 @@
+package e2b
+
+import (
+	"context"
+	"errors"
+	"io/fs"
+	"net/http"
+
+	"connectrpc.com/connect"
+
+	"github.com/shoal-sandbox/shoal/internal/agent"
+	"github.com/shoal-sandbox/shoal/internal/errdefs"
+	"github.com/shoal-sandbox/shoal/internal/layer"
+)
+
+// codeOf maps an internal error to the Connect code envd would answer.
+func codeOf(err error) connect.Code {
+	var ce *connect.Error
+	if errors.As(err, &ce) {
+		return ce.Code()
+	}
+	var ae *agent.Error
+	if errors.As(err, &ae) {
+		switch ae.Code {
+		case agent.CodeNoSpace:
+			return connect.CodeResourceExhausted
+		case agent.CodeUnsupported:
+			return connect.CodeUnimplemented
+		}
+	}
+	switch {
+	case errors.Is(err, errdefs.ErrInvalidArgument), errors.Is(err, layer.ErrInvalidRef), errors.Is(err, fs.ErrInvalid):
+		return connect.CodeInvalidArgument
+	case errors.Is(err, errdefs.ErrNotFound), errors.Is(err, layer.ErrNotFound), errors.Is(err, fs.ErrNotExist):
+		return connect.CodeNotFound
+	case errors.Is(err, errdefs.ErrAlreadyExists), errors.Is(err, fs.ErrExist):
+		return connect.CodeAlreadyExists
+	case errors.Is(err, fs.ErrPermission):
+		return connect.CodePermissionDenied
+	case errors.Is(err, errdefs.ErrFailedPrecondition):
+		return connect.CodeFailedPrecondition
+	case errors.Is(err, errdefs.ErrResourceExhausted):
+		return connect.CodeResourceExhausted
+	case errors.Is(err, errdefs.ErrUnavailable):
+		return connect.CodeUnavailable
+	case errors.Is(err, context.Canceled):
+		return connect.CodeCanceled
+	case errors.Is(err, context.DeadlineExceeded):
+		return connect.CodeDeadlineExceeded
+	}
+	return connect.CodeInternal
+}
+
+// toConnect turns an internal error into a Connect error for the envd RPCs.
+func toConnect(err error) error {
+	var ce *connect.Error
+	if errors.As(err, &ce) {
+		return ce
+	}
+	return connect.NewError(codeOf(err), err)
+}
+
+// httpStatusOf is the HTTP status for an internal error on the REST faces
+// (the control plane and envd's /files).
+func httpStatusOf(err error) int {
+	switch codeOf(err) {
+	case connect.CodeInvalidArgument:
+		return http.StatusBadRequest
+	case connect.CodeNotFound:
+		return http.StatusNotFound
+	case connect.CodeAlreadyExists, connect.CodeFailedPrecondition:
+		return http.StatusConflict
+	case connect.CodePermissionDenied:
+		return http.StatusForbidden
+	case connect.CodeResourceExhausted:
+		var ae *agent.Error
+		if errors.As(err, &ae) && ae.Code == agent.CodeNoSpace {
+			return http.StatusInsufficientStorage // what envd answers (the SDK's NotEnoughSpaceError)
+		}
+		return http.StatusTooManyRequests
+	case connect.CodeUnavailable:
+		return http.StatusServiceUnavailable
+	case connect.CodeUnimplemented:
+		return http.StatusNotImplemented
+	case connect.CodeCanceled:
+		return 499
+	case connect.CodeDeadlineExceeded:
+		return http.StatusGatewayTimeout
+	}
+	return http.StatusInternalServerError
+}
+
+func writeErr(w http.ResponseWriter, err error) {
+	writeError(w, httpStatusOf(err), err.Error())
+}
+
+// unsupported is the answer to an E2B feature Shoal does not have yet.
+func unsupported(what string) error {
+	return connect.NewError(connect.CodeUnimplemented, errors.New(what+" is not supported by Shoal's E2B endpoint yet"))
+}

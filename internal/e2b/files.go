@@ -1,0 +1,302 @@
+package e2b
+
+// envd's HTTP endpoints (spec/envd/envd.yaml of github.com/e2b-dev/E2B):
+// GET /health, GET /envs, and file download (GET /files) and upload
+// (POST /files, multipart/form-data or application/octet-stream, optionally
+// gzip-encoded), streamed through the guest agent; plus the routing of the
+// Connect RPCs.
+
+import (
+	"bufio"
+	"compress/gzip"
+	"crypto/sha256"
+	"crypto/subtle"
+	"encoding/base64"
+	"errors"
+	"fmt"
+	"io"
+	"mime"
+	"mime/multipart"
+	"net/http"
+	"path"
+	"strconv"
+	"strings"
+	"time"
+
+	"connectrpc.com/connect"
+
+	"github.com/shoal-sandbox/shoal/api/e2b/filesystem/filesystemconnect"
+	"github.com/shoal-sandbox/shoal/api/e2b/process/processconnect"
+	"github.com/shoal-sandbox/shoal/internal/agent"
+)
+
+func (s *Server) envdRoutes() http.Handler {
+	mux := http.NewServeMux()
+	mux.Handle(processconnect.NewProcessHandler(&processService{s: s}))
+	mux.Handle(filesystemconnect.NewFilesystemHandler(&filesystemService{s: s}, connect.WithReadMaxBytes(16<<20)))
+	mux.HandleFunc("GET /health", func(w http.ResponseWriter, r *http.Request) {
+		if _, err := s.node.Agent(sandboxID(r.Context())); err != nil {
+			writeError(w, http.StatusBadGateway, err.Error())
+			return
+		}
+		w.WriteHeader(http.StatusNoContent)
+	})
+	mux.HandleFunc("GET /envs", func(w http.ResponseWriter, r *http.Request) {
+		rec, err := s.node.Get(sandboxID(r.Context()))
+		if err != nil {
+			writeErr(w, err)
+			return
+		}
+		env := rec.Env
+		if env == nil {
+			env = map[string]string{}
+		}
+		writeJSON(w, http.StatusOK, env)
+	})
+	mux.HandleFunc("GET /files", s.downloadFile)
+	mux.HandleFunc("POST /files", s.uploadFile)
+	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
+		writeError(w, http.StatusNotImplemented, fmt.Sprintf("the envd call %s %s is not supported by Shoal's E2B endpoint yet", r.Method, r.URL.Path))
+	})
+	return mux
+}
+
+// validSignature checks the signature of a pre-signed /files URL (the
+// SDK's uploadUrl and downloadUrl): "v1_" + base64(sha256(
+// "path:operation:username:token[:expiration]")).
+func (s *Server) validSignature(r *http.Request, id string) error {
+	q := r.URL.Query()
+	op := "read"
+	if r.Method == http.MethodPost {
+		op = "write"
+	}
+	raw := q.Get("path") + ":" + op + ":" + q.Get("username") + ":" + s.envdToken(id)
+	if exp := q.Get("signature_expiration"); exp != "" {
+		n, err := strconv.ParseInt(exp, 10, 64)
+		if err != nil {
+			return errors.New("bad signature_expiration")
+		}
+		if time.Now().Unix() > n {
+			return errors.New("the signature has expired")
+		}
+		raw += ":" + exp
+	}
+	sum := sha256.Sum256([]byte(raw))
+	want := "v1_" + strings.TrimRight(base64.StdEncoding.EncodeToString(sum[:]), "=")
+	if subtle.ConstantTimeCompare([]byte(q.Get("signature")), []byte(want)) != 1 {
+		return errors.New("invalid signature")
+	}
+	return nil
+}
+
+// fileTarget resolves the path query parameter of a /files request.
+func (s *Server) fileTarget(r *http.Request, p string) (string, *agent.Client, error) {
+	id := sandboxID(r.Context())
+	ag, err := s.node.Agent(id)
+	if err != nil {
+		return "", nil, err
+	}
+	_, home := s.sandboxFacts(id, ag)
+	abs, err := resolvePath(p, home)
+	return abs, ag, err
+}
+
+func (s *Server) downloadFile(w http.ResponseWriter, r *http.Request) {
+	p, ag, err := s.fileTarget(r, r.URL.Query().Get("path"))
+	if err != nil {
+		writeErr(w, err)
+		return
+	}
+	rc, fi, err := ag.ReadFile(r.Context(), p)
+	if err != nil {
+		if codeOf(err) == connect.CodeNotFound {
+			writeError(w, http.StatusNotFound, fmt.Sprintf("path '%s' does not exist", p))
+			return
+		}
+		if ae := (*agent.Error)(nil); errors.As(err, &ae) && ae.Code == agent.CodeIsDir {
+			writeError(w, http.StatusBadRequest, fmt.Sprintf("path '%s' is a directory", p))
+			return
+		}
+		writeErr(w, err)
+		return
+	}
+	defer rc.Close()
+	w.Header().Set("Content-Type", "application/octet-stream")
+	w.Header().Set("Content-Disposition", mime.FormatMediaType("inline", map[string]string{"filename": path.Base(p)}))
+	var out io.Writer = w
+	if wantsGzip(r.Header.Get("Accept-Encoding")) {
+		w.Header().Set("Content-Encoding", "gzip")
+		bw := bufio.NewWriterSize(w, 256<<10) // fewer, larger chunks
+		gz, _ := gzip.NewWriterLevel(bw, gzip.BestSpeed)
+		defer bw.Flush()
+		defer gz.Close()
+		out = gz
+	} else if fi.Size > 0 {
+		// Not for size 0: files of /proc and /sys read more than they stat.
+		w.Header().Set("Content-Length", strconv.FormatInt(fi.Size, 10))
+		out = &limitWriter{w: w, n: fi.Size}
+	}
+	buf := make([]byte, 256<<10)
+	if _, err := io.CopyBuffer(out, rc, buf); err != nil && !errors.Is(err, errLimit) {
+		// After the first byte, only cutting the response short can say so.
+		s.log.Warn("e2b: download", "sandbox_id", sandboxID(r.Context()), "path", p, "err", err)
+		panic(http.ErrAbortHandler)
+	}
+}
+
+var errLimit = errors.New("file grew while it was read")
+
+// limitWriter writes at most n bytes (the Content-Length already sent).
+type limitWriter struct {
+	w io.Writer
+	n int64
+}
+
+func (l *limitWriter) Write(p []byte) (int, error) {
+	if int64(len(p)) > l.n {
+		n, err := l.w.Write(p[:l.n])
+		l.n -= int64(n)
+		if err == nil {
+			err = errLimit
+		}
+		return n, err
+	}
+	n, err := l.w.Write(p)
+	l.n -= int64(n)
+	return n, err
+}
+
+// wantsGzip reports whether a download should be gzip-compressed: only
+// when the client asks for gzip alone, as the SDK's gzip option does.
+// HTTP clients offer "gzip, deflate" by default; for them Shoal sends the
+// bytes as they are, which identity always allows: compressing on the fly
+// costs the host more CPU than it saves on a local network.
+func wantsGzip(h string) bool {
+	enc, params, _ := strings.Cut(strings.TrimSpace(h), ";")
+	if !strings.EqualFold(strings.TrimSpace(enc), "gzip") {
+		return false
+	}
+	for _, p := range strings.Split(params, ";") {
+		if k, v, ok := strings.Cut(strings.TrimSpace(p), "="); ok && strings.TrimSpace(k) == "q" {
+			if q, err := strconv.ParseFloat(strings.TrimSpace(v), 64); err == nil && q == 0 {
+				return false
+			}
+		}
+	}
+	return true
+}
+
+// uploadEntry is envd's EntryInfo of the /files upload answer.
+type uploadEntry struct {
+	Path string `json:"path"`
+	Name string `json:"name"`
+	Type string `json:"type"`
+}
+
+func (s *Server) uploadFile(w http.ResponseWriter, r *http.Request) {
+	for k := range r.Header {
+		if strings.HasPrefix(http.CanonicalHeaderKey(k), "X-Metadata-") {
+			writeError(w, http.StatusBadRequest, "file metadata (X-Metadata-* headers, stored as xattrs by envd) is not supported by Shoal's E2B endpoint yet")
+			return
+		}
+	}
+	body := r.Body
+	switch enc := strings.ToLower(strings.TrimSpace(r.Header.Get("Content-Encoding"))); enc {
+	case "", "identity":
+	case "gzip":
+		gz, err := gzip.NewReader(r.Body)
+		if err != nil {
+			writeError(w, http.StatusBadRequest, "error decompressing request body: "+err.Error())
+			return
+		}
+		defer gz.Close()
+		body = gz
+	default:
+		writeError(w, http.StatusBadRequest, fmt.Sprintf("Content-Encoding %q: only gzip is supported", enc))
+		return
+	}
+	qpath := r.URL.Query().Get("path")
+	mediaType, params, _ := mime.ParseMediaType(r.Header.Get("Content-Type"))
+	var out []uploadEntry
+	switch {
+	case mediaType == "application/octet-stream":
+		if qpath == "" {
+			writeError(w, http.StatusBadRequest, "path query parameter is required for raw body upload")
+			return
+		}
+		e, status, err := s.writeOne(r, qpath, body)
+		if err != nil {
+			writeError(w, status, err.Error())
+			return
+		}
+		out = append(out, e)
+	case strings.HasPrefix(mediaType, "multipart/"):
+		if params["boundary"] == "" {
+			writeError(w, http.StatusBadRequest, "multipart upload without a boundary")
+			return
+		}
+		mr := multipart.NewReader(body, params["boundary"])
+		seen := map[string]bool{}
+		for {
+			part, err := mr.NextPart()
+			if err == io.EOF {
+				break
+			}
+			if err != nil {
+				writeError(w, http.StatusBadRequest, "error reading form: "+err.Error())
+				return
+			}
+			if part.FormName() != "file" {
+				part.Close()
+				continue
+			}
+			target := qpath
+			if target == "" {
+				// The part's file name, with its directories (which
+				// mime/multipart's FileName strips).
+				_, dp, _ := mime.ParseMediaType(part.Header.Get("Content-Disposition"))
+				target = dp["filename"]
+			}
+			if target == "" {
+				part.Close()
+				writeError(w, http.StatusBadRequest, "a file part has no file name and the request no path")
+				return
+			}
+			if seen[target] {
+				part.Close()
+				writeError(w, http.StatusBadRequest, fmt.Sprintf("you cannot upload multiple files to the same path '%s' in one upload request", target))
+				return
+			}
+			seen[target] = true
+			e, status, err := s.writeOne(r, target, part)
+			part.Close()
+			if err != nil {
+				writeError(w, status, err.Error())
+				return
+			}
+			out = append(out, e)
+		}
+	default:
+		writeError(w, http.StatusBadRequest, fmt.Sprintf("unsupported content type: %s, expected multipart/form-data or application/octet-stream", r.Header.Get("Content-Type")))
+		return
+	}
+	if out == nil {
+		out = []uploadEntry{}
+	}
+	writeJSON(w, http.StatusOK, out)
+}
+
+// writeOne writes one uploaded file (atomically, creating its parents).
+func (s *Server) writeOne(r *http.Request, target string, src io.Reader) (uploadEntry, int, error) {
+	p, ag, err := s.fileTarget(r, target)
+	if err != nil {
+		return uploadEntry{}, httpStatusOf(err), err
+	}
+	if fi, err := ag.Stat(r.Context(), p); err == nil && fi.IsDir {
+		return uploadEntry{}, http.StatusBadRequest, fmt.Errorf("path is a directory: %s", p)
+	}
+	if _, err := ag.WriteFile(r.Context(), p, 0o644, src); err != nil {
+		return uploadEntry{}, httpStatusOf(err), err
+	}
+	return uploadEntry{Path: p, Name: path.Base(p), Type: "file"}, http.StatusOK, nil
+}
