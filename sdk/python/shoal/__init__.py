@@ -1,0 +1,139 @@
+"""Shoal's Python SDK: sandboxes for agentic RL, sync and asyncio.
+
+    from shoal import Sandbox
+
+    with Sandbox.create(base="debian:12") as sb:
+        r = sb.commands.run("python3 -c 'print(6*7)'")
+        print(r.stdout)                      # 42
+        sb.files.write("/work/a.txt", "hello")
+
+``AsyncSandbox`` has the same surface with ``await``. Names follow E2B's SDK
+where it has the same thing. Configuration: arguments, else ``SHOAL_URL``
+and ``SHOAL_API_KEY``, else ``/var/lib/shoal/admin.key``.
+"""
+
+from . import fncall
+from ._async.commands import AsyncCommandHandle, AsyncCommands, AsyncPty
+from ._async.filesystem import AsyncFiles, AsyncWatchHandle
+from ._async.sandbox import AsyncSandbox
+from ._async.sessions import AsyncShell, AsyncShells, AsyncTrajectory
+from ._async.transport import aclose
+from ._config import VERSION as __version__
+from ._config import ConnectionConfig
+from ._sync.commands import CommandHandle, Commands, Pty
+from ._sync.filesystem import Files, WatchHandle
+from ._sync.sandbox import Sandbox
+from ._sync.sessions import Shell, Shells, Trajectory
+from ._sync.transport import close_all as close
+from .exceptions import (
+    Aborted,
+    AlreadyExists,
+    AuthenticationException,
+    AuthError,
+    Canceled,
+    CapacityExhausted,
+    CommandExitException,
+    CommandTimeout,
+    ConnectionLost,
+    FailedPrecondition,
+    InvalidArgument,
+    InvalidArgumentException,
+    NotFound,
+    NotFoundException,
+    NotSupported,
+    PermissionDenied,
+    SandboxException,
+    SandboxNotFound,
+    ServerError,
+    ShoalError,
+    Timeout,
+    TimeoutException,
+    TrajectoryDiverged,
+    Unavailable,
+)
+from .models import (
+    CommandInfo,
+    CommandResult,
+    EntryInfo,
+    FilesystemEvent,
+    FilesystemEventType,
+    FileType,
+    LayerRef,
+    ProcessInfo,
+    PtySize,
+    SandboxInfo,
+    ShellInfo,
+    ShellResult,
+    TrajectoryInfo,
+    TrajectoryStep,
+    WriteInfo,
+)
+
+Filesystem = Files  # E2B's name
+AsyncFilesystem = AsyncFiles
+
+__all__ = [
+    "fncall",
+    "Aborted",
+    "AlreadyExists",
+    "AsyncCommandHandle",
+    "AsyncCommands",
+    "AsyncFiles",
+    "AsyncFilesystem",
+    "AsyncPty",
+    "AsyncSandbox",
+    "AsyncShell",
+    "AsyncShells",
+    "AsyncTrajectory",
+    "AsyncWatchHandle",
+    "AuthError",
+    "AuthenticationException",
+    "Canceled",
+    "CapacityExhausted",
+    "CommandExitException",
+    "CommandHandle",
+    "CommandInfo",
+    "CommandResult",
+    "CommandTimeout",
+    "Commands",
+    "ConnectionConfig",
+    "ConnectionLost",
+    "EntryInfo",
+    "FailedPrecondition",
+    "FileType",
+    "Files",
+    "Filesystem",
+    "FilesystemEvent",
+    "FilesystemEventType",
+    "InvalidArgument",
+    "InvalidArgumentException",
+    "LayerRef",
+    "NotFound",
+    "NotFoundException",
+    "NotSupported",
+    "PermissionDenied",
+    "ProcessInfo",
+    "Pty",
+    "PtySize",
+    "Sandbox",
+    "SandboxException",
+    "SandboxInfo",
+    "SandboxNotFound",
+    "ServerError",
+    "Shell",
+    "ShellInfo",
+    "ShellResult",
+    "Shells",
+    "ShoalError",
+    "Timeout",
+    "TimeoutException",
+    "Trajectory",
+    "TrajectoryDiverged",
+    "TrajectoryInfo",
+    "TrajectoryStep",
+    "Unavailable",
+    "WatchHandle",
+    "WriteInfo",
+    "aclose",
+    "close",
+]

@@ -1,0 +1,544 @@
+"""Commands in a sandbox (asyncio API): the twin of ``shoal._sync.commands``."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Dict, List, Optional, Sequence, Union
+
+from .._protocol import (
+    STDIN_CHUNK,
+    CommandState,
+    Output,
+    argv,
+    b64,
+    backoff,
+    checked,
+    chunks,
+    exec_body,
+    split_stdin,
+)
+from .._sync.commands import _check_user
+from ..exceptions import ConnectionLost, FailedPrecondition, InvalidArgument, NotFound, NotSupported, SandboxNotFound, ShoalError, Timeout
+from ..models import CommandInfo, CommandResult, PtySize
+
+if TYPE_CHECKING:
+    from .sandbox import AsyncSandbox
+
+_END = object()
+_DEFAULT_TIMEOUT = 60.0
+# The server sends a keep-alive event every 15 s on a silent command stream:
+# a stream silent for this long is a dead connection, re-attached by offset.
+_STREAM_READ_TIMEOUT = 75.0
+
+# A callback may be a plain function or a coroutine function.
+Callback = Callable[[Any], Any]
+
+
+async def _call(cb: Optional[Callback], arg: Any) -> None:
+    if cb is not None:
+        r = cb(arg)
+        if inspect.isawaitable(r):
+            await r
+
+
+async def _dispatch(out: Output, on_stdout: Optional[Callback], on_stderr: Optional[Callback], on_pty: Optional[Callback]) -> None:
+    stdout, stderr, pty = out
+    if stdout is not None:
+        await _call(on_stdout, stdout)
+    elif stderr is not None:
+        await _call(on_stderr, stderr)
+    elif pty is not None:
+        await _call(on_pty, pty)
+
+
+class _AsyncReader:
+    """Reads one command's events, re-attaching by log offset when the
+    connection breaks, until the command's exit."""
+
+    def __init__(self, commands: "AsyncCommands", state: CommandState, events: AsyncIterator[Dict[str, Any]]) -> None:
+        self._commands = commands
+        self.state = state
+        self._events = events
+        self._closed = False
+
+    async def close(self) -> None:
+        self._closed = True
+        aclose = getattr(self._events, "aclose", None)
+        if aclose is not None:
+            try:
+                await aclose()
+            except (RuntimeError, ShoalError):
+                pass
+
+    async def outputs(self) -> AsyncIterator[Output]:
+        """Output until the command's exit; the stream is then read to its
+        end, so that its connection goes back to the pool."""
+        attempt = 0
+        resuming = False
+        try:
+            while True:
+                try:
+                    async for msg in self._events:
+                        resuming = False
+                        if self.state.done:
+                            continue  # only the end of the stream is left
+                        for out in self.state.feed(msg):
+                            yield out
+                        attempt = 0
+                    if self.state.done or self._closed:
+                        return
+                    raise ConnectionLost("command stream ended before the command's exit")
+                except ConnectionLost:
+                    if self._closed or self.state.done:
+                        return
+                    if not self.state.can_resume() or attempt >= self._commands._t.config.retries:
+                        raise
+                    await asyncio.sleep(backoff(attempt))
+                    attempt += 1
+                    resuming = True
+                    self._events = self._commands._connect_events(self.state.command_id, self.state.offset)
+                except NotSupported:
+                    if resuming:
+                        raise ConnectionLost(
+                            "the connection to the command broke and this server cannot re-attach to commands (no ConnectCommand)"
+                        ) from None
+                    raise
+        finally:
+            await self.close()
+
+
+class AsyncCommandHandle:
+    """A command running in a sandbox (E2B's ``AsyncCommandHandle``).
+
+    Output is read by a background task as it arrives; ``async for`` over the
+    handle yields ``(stdout, stderr, pty)`` tuples, or ``await handle.wait()``.
+    :meth:`disconnect` stops reading without stopping the command;
+    ``sb.commands.connect(handle.id, offset=handle.offset)`` re-attaches.
+    """
+
+    def __init__(
+        self,
+        commands: "AsyncCommands",
+        reader: _AsyncReader,
+        *,
+        check: bool,
+        on_stdout: Optional[Callback] = None,
+        on_stderr: Optional[Callback] = None,
+        on_pty: Optional[Callback] = None,
+    ) -> None:
+        self._commands = commands
+        self._reader = reader
+        self._check = check
+        self._callbacks = (on_stdout, on_stderr, on_pty)
+        self._queue: "asyncio.Queue[Any]" = asyncio.Queue()
+        self._error: Optional[BaseException] = None
+        self._task = asyncio.get_running_loop().create_task(self._pump())
+
+    async def _pump(self) -> None:
+        try:
+            async for out in self._reader.outputs():
+                await _dispatch(out, *self._callbacks)
+                self._queue.put_nowait(out)
+        except asyncio.CancelledError:
+            pass
+        except BaseException as e:  # handed to the caller of wait()/iteration
+            self._error = e
+        finally:
+            self._queue.put_nowait(_END)
+
+    @property
+    def id(self) -> str:
+        """The command's ID (use it with ``sb.commands.connect/kill/send_stdin``)."""
+        return self._reader.state.command_id
+
+    @property
+    def pid(self) -> int:
+        """The process ID inside the sandbox."""
+        return self._reader.state.pid
+
+    @property
+    def offset(self) -> int:
+        """Log offset just past the last event received: re-attach from here."""
+        return self._reader.state.offset
+
+    @property
+    def stdout(self) -> str:
+        """Standard output received so far."""
+        return self._reader.state.stdout
+
+    @property
+    def stderr(self) -> str:
+        """Standard error received so far."""
+        return self._reader.state.stderr
+
+    @property
+    def exit_code(self) -> Optional[int]:
+        """The exit code once the command ended, else None."""
+        st = self._reader.state
+        return st.result().exit_code if st.done else None
+
+    @property
+    def replayed(self) -> bool:
+        """True when the command is a recorded trajectory step, not run again."""
+        return self._reader.state.replayed
+
+    def __aiter__(self) -> AsyncIterator[Output]:
+        return self._iter()
+
+    async def _iter(self) -> AsyncIterator[Output]:
+        while True:
+            item = await self._queue.get()
+            if item is _END:
+                self._queue.put_nowait(_END)
+                if self._error is not None:
+                    raise self._error
+                return
+            yield item
+
+    async def wait(
+        self,
+        on_pty: Optional[Callback] = None,
+        on_stdout: Optional[Callback] = None,
+        on_stderr: Optional[Callback] = None,
+        *,
+        check: Optional[bool] = None,
+        timeout: Optional[float] = None,
+    ) -> CommandResult:
+        """Wait for the command to end and return its result.
+
+        With ``check=True`` (here, or given to ``run``) a non-zero exit
+        raises :class:`CommandExitException` and a command killed by its own
+        timeout raises :class:`CommandTimeout`; by default the result is
+        returned, its ``exit_code`` telling how it ended.
+
+        :param timeout: seconds to wait here; on expiry :class:`Timeout` is
+            raised and the command keeps running.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while True:
+            try:
+                left = None if deadline is None else max(0.0, deadline - loop.time())
+                item = await asyncio.wait_for(self._queue.get(), left)
+            except asyncio.TimeoutError:
+                raise Timeout(f"command {self.id} still running after {timeout} s") from None
+            if item is _END:
+                self._queue.put_nowait(_END)
+                break
+            await _dispatch(item, on_stdout, on_stderr, on_pty)
+        if self._error is not None:
+            raise self._error
+        return checked(self._reader.state.result(), self._check if check is None else check)
+
+    async def kill(self) -> bool:
+        """SIGKILL the command's process group. False if it was not found."""
+        return await self._commands.kill(self.id)
+
+    async def signal(self, signal: str = "SIGTERM") -> None:
+        """Send a signal (``"SIGTERM"``, ``"SIGINT"``, ...) to the command's process group."""
+        await self._commands.signal(self.id, signal)
+
+    async def send_stdin(self, data: Union[str, bytes], request_timeout: Optional[float] = None) -> None:
+        """Write to the command's stdin (start it with ``stdin=True``)."""
+        await self._commands.send_stdin(self.id, data, request_timeout=request_timeout)
+
+    async def close_stdin(self, request_timeout: Optional[float] = None) -> None:
+        """Close the command's stdin (it sees end of file)."""
+        await self._commands.close_stdin(self.id, request_timeout=request_timeout)
+
+    async def resize(self, size: PtySize) -> None:
+        """Resize the command's terminal (commands started with a PTY)."""
+        await self._commands._resize(self.id, size)
+
+    async def disconnect(self) -> None:
+        """Stop receiving output; the command keeps running on the server."""
+        self._reader._closed = True
+        self._task.cancel()
+        try:
+            await self._task
+        except asyncio.CancelledError:
+            pass
+
+
+class AsyncCommands:
+    """``sb.commands``: run commands and manage running ones."""
+
+    def __init__(self, sandbox: "AsyncSandbox") -> None:
+        self._sb = sandbox
+        self._tasks: "set[asyncio.Task[None]]" = set()
+
+    @property
+    def _t(self):  # type: ignore[no-untyped-def]
+        return self._sb._transport
+
+    async def run(
+        self,
+        cmd: Union[str, Sequence[str]],
+        background: bool = False,
+        envs: Optional[Dict[str, str]] = None,
+        user: Optional[str] = None,
+        cwd: Optional[str] = None,
+        on_stdout: Optional[Callback] = None,
+        on_stderr: Optional[Callback] = None,
+        stdin: Any = None,
+        timeout: Optional[float] = _DEFAULT_TIMEOUT,
+        request_timeout: Optional[float] = None,
+        *,
+        check: bool = False,
+    ) -> Any:
+        """Run a command; wait for it, or return a handle with ``background=True``.
+
+        Same parameters as the sync ``Commands.run``; callbacks may be
+        coroutine functions, and ``stdin`` may also be an async iterable.
+        """
+        _check_user(user)
+        inline, stdin_open, source = split_stdin(stdin)
+        body = exec_body(self._sb.sandbox_id, argv(cmd), envs=envs, cwd=cwd, stdin=inline, stdin_open=stdin_open, timeout=timeout)
+        return await self._exec(
+            body,
+            background=background,
+            on_stdout=on_stdout,
+            on_stderr=on_stderr,
+            source=source,
+            check=check,
+            request_timeout=request_timeout,
+        )
+
+    async def _exec(
+        self,
+        body: Dict[str, Any],
+        *,
+        background: bool,
+        check: bool,
+        on_stdout: Optional[Callback] = None,
+        on_stderr: Optional[Callback] = None,
+        on_pty: Optional[Callback] = None,
+        source: Any = None,
+        request_timeout: Optional[float] = None,
+        pty: bool = False,
+    ) -> Any:
+        trajectory = bool(body.get("trajectoryId"))
+        state = CommandState(pty=pty, step=int(body.get("step") or 0))
+        events = self._t.stream(
+            "CommandService",
+            "Exec",
+            body,
+            idempotent=trajectory,
+            request_timeout=request_timeout,
+            read_timeout=_STREAM_READ_TIMEOUT,
+            trajectory=trajectory,
+        )
+        reader = _AsyncReader(self, state, events)
+        try:
+            # Read up to the `started` event, so the handle knows the command's ID.
+            while not state.started:
+                try:
+                    msg = await events.__anext__()
+                except StopAsyncIteration:
+                    raise ConnectionLost("Exec stream ended before the command started") from None
+                state.feed(msg)
+            if source is not None:
+                task = asyncio.get_running_loop().create_task(self._pump_stdin(state.command_id, source))
+                self._tasks.add(task)  # keep a reference until it is done
+                task.add_done_callback(self._tasks.discard)
+            if background:
+                return AsyncCommandHandle(self, reader, check=check, on_stdout=on_stdout, on_stderr=on_stderr, on_pty=on_pty)
+            async for out in reader.outputs():
+                await _dispatch(out, on_stdout, on_stderr, on_pty)
+        except BaseException:
+            await reader.close()
+            raise
+        if not background:
+            await reader.close()
+        return checked(state.result(), check)
+
+    async def _pump_stdin(self, command_id: str, source: Any) -> None:
+        try:
+            async for piece in _aiter_source(source):
+                await self.send_stdin(command_id, piece)
+            await self.close_stdin(command_id)
+        except ShoalError:
+            pass  # the command ended or went away; its result says so
+
+    def _connect_events(self, command_id: str, offset: int) -> AsyncIterator[Dict[str, Any]]:
+        return self._t.stream(
+            "CommandService",
+            "ConnectCommand",
+            {"sandboxId": self._sb.sandbox_id, "commandId": command_id, "offset": str(int(offset))},
+            idempotent=True,
+            read_timeout=_STREAM_READ_TIMEOUT,
+        )
+
+    async def connect(
+        self,
+        cmd_id: str,
+        offset: int = 0,
+        timeout: Optional[float] = None,
+        request_timeout: Optional[float] = None,
+        on_stdout: Optional[Callback] = None,
+        on_stderr: Optional[Callback] = None,
+        *,
+        check: bool = False,
+    ) -> AsyncCommandHandle:
+        """Re-attach to a command (after a disconnect, or from another process).
+
+        :param offset: log offset to continue from (``handle.offset``): each
+            byte after it arrives exactly once. ``0`` replays everything.
+        """
+        info = await self.get(cmd_id, request_timeout=request_timeout)
+        state = CommandState(command_id=info.id, pty=info.pty)
+        state.pid = info.pid
+        state.offset = int(offset)
+        state.offsets_seen = True
+        reader = _AsyncReader(self, state, self._connect_events(info.id, offset))
+        return AsyncCommandHandle(self, reader, check=check, on_stdout=on_stdout, on_stderr=on_stderr)
+
+    async def list(self, request_timeout: Optional[float] = None) -> List[CommandInfo]:
+        """The sandbox's commands (running and recently ended) as server-side objects."""
+        r = await self._t.call("CommandService", "ListCommands", {"sandboxId": self._sb.sandbox_id}, idempotent=True, request_timeout=request_timeout)
+        return [CommandInfo.from_json(c) for c in r.get("commands") or []]
+
+    async def get(self, cmd_id: str, request_timeout: Optional[float] = None) -> CommandInfo:
+        """One command's state, exit status and log size."""
+        r = await self._t.call(
+            "CommandService",
+            "GetCommand",
+            {"sandboxId": self._sb.sandbox_id, "commandId": await self._resolve(cmd_id)},
+            idempotent=True,
+            request_timeout=request_timeout,
+        )
+        return CommandInfo.from_json(r)
+
+    async def wait(self, cmd_id: str, timeout: Optional[float] = None) -> CommandInfo:
+        """Wait on the server for a command to end and return its record
+        (no output: use ``(await connect(cmd_id)).wait()`` for that)."""
+        body: Dict[str, Any] = {"sandboxId": self._sb.sandbox_id, "commandId": await self._resolve(cmd_id)}
+        if timeout:
+            body["timeoutMs"] = str(int(timeout * 1000))
+        rt = timeout + self._t.config.request_timeout if timeout else 24 * 3600.0
+        r = await self._t.call("CommandService", "WaitCommand", body, idempotent=True, request_timeout=rt)
+        return CommandInfo.from_json(r)
+
+    async def kill(self, cmd_id: Union[str, int], request_timeout: Optional[float] = None) -> bool:
+        """SIGKILL a command's process group. False if there was no such
+        command or it had already exited (E2B's behaviour)."""
+        try:
+            await self.signal(cmd_id, "SIGKILL", request_timeout=request_timeout)
+            return True
+        except SandboxNotFound:
+            raise
+        except (NotFound, FailedPrecondition):  # unknown, or exited already
+            return False
+
+    async def signal(self, cmd_id: Union[str, int], signal: str = "SIGTERM", request_timeout: Optional[float] = None) -> None:
+        """Send a signal to a command's process group."""
+        await self._t.call(
+            "CommandService",
+            "SignalCommand",
+            {"sandboxId": self._sb.sandbox_id, "commandId": await self._resolve(cmd_id), "signal": signal},
+            idempotent=signal.upper() in ("SIGKILL", "KILL", "SIGTERM", "TERM"),
+            request_timeout=request_timeout,
+        )
+
+    async def send_stdin(self, cmd_id: Union[str, int], data: Union[str, bytes], request_timeout: Optional[float] = None) -> None:
+        """Write to the stdin of a command started with ``stdin=True``."""
+        cid = await self._resolve(cmd_id)
+        b = data.encode() if isinstance(data, str) else bytes(data)
+        for piece in chunks(b, STDIN_CHUNK) if b else [b""]:
+            await self._t.call(
+                "CommandService",
+                "SendStdin",
+                {"sandboxId": self._sb.sandbox_id, "commandId": cid, "data": b64(piece)},
+                idempotent=False,
+                request_timeout=request_timeout,
+            )
+
+    async def close_stdin(self, cmd_id: Union[str, int], request_timeout: Optional[float] = None) -> None:
+        """Close a command's stdin (it reads end of file)."""
+        await self._t.call(
+            "CommandService",
+            "SendStdin",
+            {"sandboxId": self._sb.sandbox_id, "commandId": await self._resolve(cmd_id), "close": True},
+            idempotent=True,
+            request_timeout=request_timeout,
+        )
+
+    async def _resize(self, cmd_id: Union[str, int], size: PtySize) -> None:
+        await self._t.call(
+            "CommandService",
+            "ResizePty",
+            {"sandboxId": self._sb.sandbox_id, "commandId": await self._resolve(cmd_id), "size": {"rows": size.rows, "cols": size.cols}},
+            idempotent=True,
+        )
+
+    async def _resolve(self, cmd_id: Union[str, int]) -> str:
+        if isinstance(cmd_id, int) and not isinstance(cmd_id, bool):
+            for c in await self.list():
+                if c.pid == cmd_id and c.state == "running":
+                    return c.id
+            raise NotFound(f"no running command with pid {cmd_id} in sandbox {self._sb.sandbox_id}")
+        if not cmd_id:
+            raise InvalidArgument("a command ID is required")
+        return str(cmd_id)
+
+
+async def _aiter_source(source: Any) -> AsyncIterator[bytes]:
+    if isinstance(source, (bytes, bytearray)):
+        for c in chunks(bytes(source)):
+            yield c
+    elif hasattr(source, "__aiter__"):
+        async for b in source:
+            yield b.encode() if isinstance(b, str) else bytes(b)
+    elif hasattr(source, "read"):
+        while True:
+            b = await asyncio.to_thread(source.read, STDIN_CHUNK)
+            if not b:
+                return
+            yield b.encode() if isinstance(b, str) else b
+    else:
+        for b in source:
+            yield b.encode() if isinstance(b, str) else bytes(b)
+
+
+class AsyncPty:
+    """``sb.pty``: interactive terminals (E2B's names)."""
+
+    def __init__(self, sandbox: "AsyncSandbox") -> None:
+        self._sb = sandbox
+
+    async def create(
+        self,
+        size: PtySize = PtySize(),
+        user: Optional[str] = None,
+        cwd: Optional[str] = None,
+        envs: Optional[Dict[str, str]] = None,
+        timeout: Optional[float] = None,
+        request_timeout: Optional[float] = None,
+        *,
+        cmd: Union[str, Sequence[str], None] = None,
+        on_data: Optional[Callback] = None,
+    ) -> AsyncCommandHandle:
+        """Start a shell (or ``cmd``) under a pseudo-terminal; returns its handle.
+
+        Terminal output arrives as ``pty`` bytes (``on_data``, or
+        ``handle.wait(on_pty=...)``, or iteration).
+        """
+        _check_user(user)
+        env = {"TERM": "xterm-256color"}
+        env.update(envs or {})
+        args = argv(cmd) if cmd is not None else ["sh", "-i"]
+        body = exec_body(self._sb.sandbox_id, args, envs=env, cwd=cwd, stdin_open=True, timeout=timeout, pty=size)
+        return await self._sb.commands._exec(body, background=True, check=False, on_pty=on_data, request_timeout=request_timeout, pty=True)
+
+    async def send_stdin(self, pid: Union[str, int], data: Union[str, bytes], request_timeout: Optional[float] = None) -> None:
+        """Type into a terminal (``pid`` is the handle's ``id``)."""
+        await self._sb.commands.send_stdin(pid, data, request_timeout=request_timeout)
+
+    async def resize(self, pid: Union[str, int], size: PtySize, request_timeout: Optional[float] = None) -> None:
+        """Change a terminal's size."""
+        await self._sb.commands._resize(pid, size)
+
+    async def kill(self, pid: Union[str, int], request_timeout: Optional[float] = None) -> bool:
+        """Kill a terminal's process group."""
+        return await self._sb.commands.kill(pid, request_timeout=request_timeout)

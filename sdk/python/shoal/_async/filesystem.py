@@ -1,0 +1,370 @@
+"""Files in a sandbox (asyncio API): the twin of ``shoal._sync.filesystem``."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import IO, TYPE_CHECKING, Any, AsyncIterable, AsyncIterator, Callable, Dict, Iterable, List, Optional, Union
+
+from .._protocol import FILE_CHUNK, check_path, file_mode
+from ..exceptions import AlreadyExists, InvalidArgument, NotFound, SandboxNotFound, ShoalError, Timeout
+from ..models import EntryInfo, FilesystemEvent, WriteInfo
+from .commands import Callback, _call
+
+if TYPE_CHECKING:
+    from .sandbox import AsyncSandbox
+
+AsyncWriteData = Union[str, bytes, bytearray, memoryview, IO[bytes], IO[str], Iterable[bytes], AsyncIterable[bytes]]
+
+
+def _body(data: AsyncWriteData) -> Union[bytes, AsyncIterator[bytes]]:
+    if isinstance(data, str):
+        return data.encode()
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return bytes(data)
+    if hasattr(data, "__aiter__"):
+        return _from_async(data)  # type: ignore[arg-type]
+    if hasattr(data, "read"):
+        return _read_chunks(data)  # type: ignore[arg-type]
+    if hasattr(data, "__iter__"):
+        return _from_sync(data)  # type: ignore[arg-type]
+    raise InvalidArgument(f"data must be str, bytes, a file object or an iterable of bytes, not {type(data).__name__}")
+
+
+async def _from_async(data: AsyncIterable[Any]) -> AsyncIterator[bytes]:
+    async for b in data:
+        yield b.encode() if isinstance(b, str) else bytes(b)
+
+
+async def _from_sync(data: Iterable[Any]) -> AsyncIterator[bytes]:
+    for b in data:
+        yield b.encode() if isinstance(b, str) else bytes(b)
+
+
+async def _read_chunks(f: IO[Any]) -> AsyncIterator[bytes]:
+    # File reads run in a thread so a slow disk does not stall the event loop.
+    while True:
+        b = await asyncio.to_thread(f.read, FILE_CHUNK)
+        if not b:
+            return
+        yield b.encode() if isinstance(b, str) else b
+
+
+class AsyncFiles:
+    """``sb.files``: read, write, list and watch files in the sandbox (E2B's
+    ``Filesystem``). Paths are absolute and must not contain ``..``."""
+
+    def __init__(self, sandbox: "AsyncSandbox") -> None:
+        self._sb = sandbox
+
+    @property
+    def _t(self):  # type: ignore[no-untyped-def]
+        return self._sb._transport
+
+    async def _call(self, method: str, body: Dict[str, Any], request_timeout: Optional[float], idempotent: bool = True) -> Dict[str, Any]:
+        body = dict(body, sandboxId=self._sb.sandbox_id)
+        return await self._t.call("SandboxService", method, body, idempotent=idempotent, request_timeout=request_timeout)
+
+    async def read(self, path: str, format: str = "text", user: Optional[str] = None, request_timeout: Optional[float] = None) -> Any:
+        """Read a file.
+
+        :param format: ``"text"`` (str, UTF-8), ``"bytes"``, or ``"stream"``
+            (an async iterator of byte chunks; consume it fully or ``aclose()`` it).
+        """
+        check_path(path)
+        if format == "stream":
+            return await self._stream(path, request_timeout)
+        if format not in ("text", "bytes"):
+            raise InvalidArgument(f"format {format!r} must be 'text', 'bytes' or 'stream'")
+        async with self._t.get_file(self._sb.sandbox_id, path, request_timeout=request_timeout) as r:
+            data = await r.aread()
+        return data.decode("utf-8", errors="replace") if format == "text" else data
+
+    async def _stream(self, path: str, request_timeout: Optional[float]) -> AsyncIterator[bytes]:
+        cm = self._t.get_file(self._sb.sandbox_id, path, request_timeout=request_timeout)
+        resp = await cm.__aenter__()  # errors (not found, ...) surface here
+
+        async def gen() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in resp.aiter_bytes(FILE_CHUNK):
+                    yield chunk
+            except BaseException as e:
+                if not await cm.__aexit__(type(e), e, e.__traceback__):
+                    raise
+            else:
+                await cm.__aexit__(None, None, None)
+
+        return gen()
+
+    async def download(self, path: str, local_path: Union[str, "os.PathLike[str]"], request_timeout: Optional[float] = None) -> int:
+        """Stream a sandbox file to a local file; returns the number of bytes."""
+        check_path(path)
+        n = 0
+        tmp = f"{os.fspath(local_path)}.shoal-part"
+        try:
+            async with self._t.get_file(self._sb.sandbox_id, path, request_timeout=request_timeout) as r:
+                f = await asyncio.to_thread(open, tmp, "wb")
+                try:
+                    async for chunk in r.aiter_bytes(FILE_CHUNK):
+                        await asyncio.to_thread(f.write, chunk)
+                        n += len(chunk)
+                finally:
+                    await asyncio.to_thread(f.close)
+            os.replace(tmp, local_path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        return n
+
+    async def write(
+        self,
+        path: str,
+        data: AsyncWriteData,
+        user: Optional[str] = None,
+        request_timeout: Optional[float] = None,
+        *,
+        mode: Optional[int] = None,
+    ) -> WriteInfo:
+        """Write a file atomically (parents are created).
+
+        :param data: ``str``, ``bytes``, a file object, or a (sync or async)
+            iterable of byte chunks (streamed).
+        :param mode: permission bits (default ``0o644``).
+        """
+        check_path(path)
+        r = await self._t.put_file(self._sb.sandbox_id, path, _body(data), mode=file_mode(mode), request_timeout=request_timeout)
+        return WriteInfo(name=os.path.basename(path), path=r.get("path", path), bytes=int(r.get("bytes") or 0))
+
+    async def write_files(self, files: List[Dict[str, Any]], user: Optional[str] = None, request_timeout: Optional[float] = None) -> List[WriteInfo]:
+        """Write several files: ``[{"path": ..., "data": ..., "mode": 0o755?}, ...]``."""
+        return [await self.write(f["path"], f["data"], request_timeout=request_timeout, mode=f.get("mode")) for f in files]
+
+    async def upload(
+        self,
+        local_path: Union[str, "os.PathLike[str]"],
+        path: str,
+        request_timeout: Optional[float] = None,
+        *,
+        mode: Optional[int] = None,
+    ) -> WriteInfo:
+        """Stream a local file into the sandbox (mode defaults to the local file's)."""
+        if mode is None:
+            mode = os.stat(local_path).st_mode & 0o7777
+        f = await asyncio.to_thread(open, local_path, "rb")
+        try:
+            return await self.write(path, f, request_timeout=request_timeout, mode=mode)
+        finally:
+            f.close()
+
+    async def get_info(self, path: str, user: Optional[str] = None, request_timeout: Optional[float] = None) -> EntryInfo:
+        """Stat a path (symlinks are not followed)."""
+        return EntryInfo.from_json(await self._call("StatFile", {"path": check_path(path)}, request_timeout))
+
+    async def exists(self, path: str, user: Optional[str] = None, request_timeout: Optional[float] = None) -> bool:
+        """Whether the path exists (a missing sandbox still raises SandboxNotFound)."""
+        try:
+            await self.get_info(path, request_timeout=request_timeout)
+            return True
+        except SandboxNotFound:
+            raise
+        except NotFound:
+            return False
+
+    async def list(self, path: str, depth: int = 1, user: Optional[str] = None, request_timeout: Optional[float] = None) -> List[EntryInfo]:
+        """A directory's entries; ``depth=n`` also lists ``n-1`` levels below."""
+        if depth < 1:
+            raise InvalidArgument("depth must be at least 1")
+        body: Dict[str, Any] = {"path": check_path(path)}
+        if depth > 1:
+            body["depth"] = depth
+        r = await self._call("ListDir", body, request_timeout)
+        return [EntryInfo.from_json(e) for e in r.get("entries") or []]
+
+    async def make_dir(self, path: str, user: Optional[str] = None, request_timeout: Optional[float] = None) -> bool:
+        """Create a directory and its parents. False if it already existed."""
+        try:
+            if (await self.get_info(path, request_timeout=request_timeout)).is_dir:
+                return False
+            raise AlreadyExists(f"{path} exists and is not a directory")
+        except SandboxNotFound:
+            raise
+        except NotFound:
+            pass
+        await self._call("MakeDir", {"path": path}, request_timeout)
+        return True
+
+    async def remove(self, path: str, user: Optional[str] = None, request_timeout: Optional[float] = None, *, recursive: bool = True) -> None:
+        """Remove a file or a directory (with its contents unless ``recursive=False``)."""
+        await self._call("RemoveFile", {"path": check_path(path), "recursive": recursive}, request_timeout)
+
+    async def rename(self, old_path: str, new_path: str, user: Optional[str] = None, request_timeout: Optional[float] = None) -> EntryInfo:
+        """Rename (move) a path; runs ``mv`` in the sandbox (there is no rename call yet)."""
+        check_path(old_path)
+        check_path(new_path)
+        await self._sb.commands.run(["mv", "--", old_path, new_path], timeout=request_timeout or 60, request_timeout=request_timeout)
+        return await self.get_info(new_path, request_timeout=request_timeout)
+
+    async def watch_dir(
+        self,
+        path: str,
+        on_event: Optional[Callback] = None,
+        on_exit: Optional[Callback] = None,
+        recursive: bool = False,
+        user: Optional[str] = None,
+        request_timeout: Optional[float] = None,
+    ) -> "AsyncWatchHandle":
+        """Watch a directory for changes (inotify in the sandbox).
+
+        ``on_event`` (a function or coroutine function) receives each
+        :class:`FilesystemEvent`; or ``async for`` over the handle, or poll
+        ``get_new_events()``. ``await handle.stop()`` ends the watch.
+        """
+        check_path(path)
+        h = AsyncWatchHandle(self, path, recursive, on_event, on_exit, request_timeout)
+        await h._start()
+        return h
+
+    watch = watch_dir
+
+
+def _armed(ready: Any) -> Callable[[Any], None]:
+    """on_open for WatchDir: the server sends its reply headers with
+    "Shoal-Watch-Armed: 1" once the watch is armed (an error reply has
+    headers too, without it). Closes over the event alone, not the handle,
+    so the stream's generator and the handle form no reference cycle."""
+
+    def on_open(headers: Any) -> None:
+        if headers.get("shoal-watch-armed") == "1":
+            ready.set()
+
+    return on_open
+
+
+class AsyncWatchHandle:
+    """A running directory watch (E2B's ``AsyncWatchHandle``)."""
+
+    def __init__(
+        self,
+        files: AsyncFiles,
+        path: str,
+        recursive: bool,
+        on_event: Optional[Callback],
+        on_exit: Optional[Callback],
+        request_timeout: Optional[float],
+    ) -> None:
+        self._path = path
+        self._on_event = on_event
+        self._on_exit = on_exit
+        self._events: List[FilesystemEvent] = []
+        self._changed = asyncio.Condition()
+        self._error: Optional[BaseException] = None
+        self._finished = False
+        self._stopped = False
+        self._ready = asyncio.Event()
+        self._stream = files._t.stream(
+            "SandboxService",
+            "WatchDir",
+            {"sandboxId": files._sb.sandbox_id, "path": path, "recursive": recursive},
+            idempotent=True,
+            request_timeout=request_timeout,
+            on_open=_armed(self._ready),
+        )
+        self._task: Optional["asyncio.Task[None]"] = None
+        self._ready_wait = request_timeout or files._t.config.request_timeout
+
+    async def _start(self) -> None:
+        # Return once the watch is armed (the server sends its reply headers
+        # then), so a change made right after is reported; or once it failed.
+        self._task = asyncio.get_running_loop().create_task(self._run())
+        try:
+            await asyncio.wait_for(self._ready.wait(), self._ready_wait)
+        except asyncio.TimeoutError:
+            pass
+        if self._error is not None and not self._events:
+            raise self._error
+
+    async def _run(self) -> None:
+        err: Optional[BaseException] = None
+        try:
+            async for msg in self._stream:
+                self._ready.set()
+                if not msg.get("op") or msg.get("op") == "OP_UNSPECIFIED":
+                    continue  # the server saying the watch is armed
+                ev = FilesystemEvent.from_json(msg, self._path)
+                async with self._changed:
+                    self._events.append(ev)
+                    self._changed.notify_all()
+                await _call(self._on_event, ev)
+        except asyncio.CancelledError:
+            pass
+        except BaseException as e:
+            if not self._stopped:
+                err = e
+        finally:
+            self._error = err
+            self._finished = True
+            self._ready.set()
+            async with self._changed:
+                self._changed.notify_all()
+            await _call(self._on_exit, err if isinstance(err, Exception) else None)
+
+    def get_new_events(self) -> List[FilesystemEvent]:
+        """Events since the last call."""
+        if self._error is not None and not self._events:
+            raise self._error
+        out, self._events = self._events, []
+        return out
+
+    async def wait_for(self, predicate: Any, timeout: float = 10.0) -> FilesystemEvent:
+        """Wait until an event matching ``predicate`` arrives (consuming events before it)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        async with self._changed:
+            while True:
+                while self._events:
+                    ev = self._events.pop(0)
+                    if predicate(ev):
+                        return ev
+                if self._error is not None:
+                    raise self._error
+                if self._finished:
+                    raise ShoalError("watch ended before a matching event")
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise Timeout(f"no matching event under {self._path} within {timeout} s")
+                try:
+                    await asyncio.wait_for(self._changed.wait(), left)
+                except asyncio.TimeoutError:
+                    pass
+
+    def __aiter__(self) -> AsyncIterator[FilesystemEvent]:
+        return self._iter()
+
+    async def _iter(self) -> AsyncIterator[FilesystemEvent]:
+        while True:
+            async with self._changed:
+                while not self._events and not self._finished:
+                    await self._changed.wait()
+                if self._events:
+                    ev = self._events.pop(0)
+                else:
+                    if self._error is not None:
+                        raise self._error
+                    return
+            yield ev
+
+    async def stop(self) -> None:
+        """End the watch."""
+        self._stopped = True
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    async def __aenter__(self) -> "AsyncWatchHandle":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.stop()

@@ -1,0 +1,248 @@
+"""asyncio HTTP transport: the twin of ``shoal._sync.transport``."""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Awaitable, Callable, Dict, Optional, Tuple, Union
+
+import httpx
+
+from .._config import ConnectionConfig
+from .._protocol import (
+    EnvelopeDecoder,
+    StreamEnd,
+    backoff,
+    decode_message,
+    envelope,
+    http_error,
+    retry_after,
+    retryable,
+    transport_error,
+)
+from .._sync.transport import _client_kwargs, _rpc_path
+from ..exceptions import ConnectionLost, ShoalError
+
+
+class AsyncTransport:
+    """One connection pool to one Shoal endpoint, bound to one event loop."""
+
+    def __init__(self, config: ConnectionConfig) -> None:
+        self.config = config
+        self.client = httpx.AsyncClient(**_client_kwargs(config))
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+    def _timeout(self, request_timeout: Optional[float]) -> Union[float, httpx.Timeout]:
+        if request_timeout is None:
+            return self.client.timeout
+        return httpx.Timeout(request_timeout, connect=min(10.0, request_timeout))
+
+    async def _retrying(self, attempt_fn: Callable[[], Awaitable[Any]], idempotent: bool) -> Any:
+        attempt = 0
+        while True:
+            try:
+                return await attempt_fn()
+            except (httpx.TransportError, ShoalError) as e:
+                if attempt >= self.config.retries or not retryable(e, idempotent):
+                    if isinstance(e, httpx.TransportError):
+                        raise transport_error(e, self.config.url) from None
+                    raise
+                await asyncio.sleep(backoff(attempt, getattr(e, "retry_after", None)))
+                attempt += 1
+
+    async def call(
+        self,
+        service: str,
+        method: str,
+        body: Dict[str, Any],
+        *,
+        idempotent: bool,
+        request_timeout: Optional[float] = None,
+        sandbox_call: bool = False,
+        trajectory: bool = False,
+    ) -> Dict[str, Any]:
+        """POST one Connect unary call as JSON and return the reply."""
+        path = _rpc_path(service, method)
+
+        async def attempt() -> Dict[str, Any]:
+            r = await self.client.post(
+                path,
+                json=body,
+                headers={"Connect-Protocol-Version": "1"},
+                timeout=self._timeout(request_timeout),
+            )
+            if r.status_code != 200:
+                err = http_error(r.status_code, r.content, what=f"{service}.{method}", sandbox_call=sandbox_call, trajectory=trajectory)
+                err.retry_after = retry_after(r)  # type: ignore[attr-defined]
+                raise err
+            return r.json() if r.content else {}
+
+        return await self._retrying(attempt, idempotent)
+
+    async def stream(
+        self,
+        service: str,
+        method: str,
+        body: Dict[str, Any],
+        *,
+        idempotent: bool,
+        request_timeout: Optional[float] = None,
+        read_timeout: Optional[float] = None,
+        sandbox_call: bool = False,
+        trajectory: bool = False,
+        on_open: Optional[Callable[[httpx.Headers], None]] = None,
+    ) -> AsyncIterator[Dict[str, Any]]:
+        """Messages of a server-streaming call (see the sync twin for the rules)."""
+        path = _rpc_path(service, method)
+        rt = request_timeout if request_timeout is not None else self.config.request_timeout
+        timeout = httpx.Timeout(connect=min(10.0, rt), read=read_timeout, write=rt, pool=rt)
+        content = envelope(body)
+        attempt = 0
+        while True:
+            yielded = False
+            try:
+                req = self.client.build_request(
+                    "POST",
+                    path,
+                    content=content,
+                    headers={"Content-Type": "application/connect+json", "Connect-Protocol-Version": "1"},
+                    timeout=timeout,
+                )
+                resp = await self.client.send(req, stream=True)
+                try:
+                    if resp.status_code != 200:
+                        await resp.aread()
+                        err = http_error(resp.status_code, resp.content, what=f"{service}.{method}", sandbox_call=sandbox_call, trajectory=trajectory)
+                        err.retry_after = retry_after(resp)  # type: ignore[attr-defined]
+                        raise err
+                    if on_open is not None:
+                        on_open(resp.headers)
+                        on_open = None
+                    dec = EnvelopeDecoder()
+                    ended = False
+                    async for chunk in resp.aiter_raw():
+                        if ended:
+                            continue  # read the body to its end, so the connection is reused
+                        for flags, payload in dec.feed(chunk):
+                            try:
+                                msg = decode_message(flags, payload, sandbox_call=sandbox_call, trajectory=trajectory)
+                            except StreamEnd:
+                                ended = True
+                                break
+                            yielded = True
+                            yield msg
+                    if ended:
+                        return
+                    raise ConnectionLost(f"{service}.{method} stream from {self.config.url} ended without its end-of-stream message")
+                finally:
+                    await resp.aclose()
+            except (httpx.TransportError, ShoalError) as e:
+                if yielded:
+                    if isinstance(e, httpx.TransportError):
+                        raise ConnectionLost(f"{service}.{method} stream from {self.config.url} broke: {type(e).__name__}: {e}") from None
+                    raise
+                if attempt >= self.config.retries or not retryable(e, idempotent):
+                    if isinstance(e, httpx.TransportError):
+                        raise transport_error(e, self.config.url) from None
+                    raise
+                await asyncio.sleep(backoff(attempt, getattr(e, "retry_after", None)))
+                attempt += 1
+
+    def _file_url(self, sandbox_id: str, path: str, mode: Optional[str] = None) -> Tuple[str, Dict[str, str]]:
+        params = {"path": path}
+        if mode is not None:
+            params["mode"] = mode
+        return f"/v1/sandboxes/{sandbox_id}/files", params
+
+    @asynccontextmanager
+    async def get_file(self, sandbox_id: str, path: str, *, request_timeout: Optional[float] = None) -> AsyncIterator[httpx.Response]:
+        url, params = self._file_url(sandbox_id, path)
+
+        async def attempt() -> httpx.Response:
+            r = await self.client.send(self.client.build_request("GET", url, params=params, timeout=self._timeout(request_timeout)), stream=True)
+            if r.status_code != 200:
+                await r.aread()
+                await r.aclose()
+                err = http_error(r.status_code, r.content, what="file download")
+                err.retry_after = retry_after(r)  # type: ignore[attr-defined]
+                raise err
+            return r
+
+        resp = await self._retrying(attempt, True)
+        try:
+            yield resp
+        except httpx.TransportError as e:
+            raise ConnectionLost(f"download of {path} broke: {type(e).__name__}: {e}") from None
+        finally:
+            await resp.aclose()
+
+    async def put_file(
+        self,
+        sandbox_id: str,
+        path: str,
+        content: Union[bytes, AsyncIterator[bytes]],
+        *,
+        mode: Optional[str],
+        request_timeout: Optional[float] = None,
+    ) -> Dict[str, Any]:
+        url, params = self._file_url(sandbox_id, path, mode)
+
+        async def attempt() -> Dict[str, Any]:
+            r = await self.client.put(
+                url,
+                params=params,
+                content=content,
+                headers={"Content-Type": "application/octet-stream"},
+                timeout=self._timeout(request_timeout),
+            )
+            if r.status_code != 200:
+                err = http_error(r.status_code, r.content, what="file upload")
+                err.retry_after = retry_after(r)  # type: ignore[attr-defined]
+                raise err
+            return r.json() if r.content else {}
+
+        return await self._retrying(attempt, isinstance(content, bytes))
+
+
+# One pool per event loop and settings: an httpx.AsyncClient must not be
+# shared between loops (each asyncio.run() makes a new one).
+_pools: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Dict[Tuple[Any, ...], AsyncTransport]]" = weakref.WeakKeyDictionary()
+
+
+def transport_for(
+    api_key: Optional[str] = None,
+    url: Optional[str] = None,
+    request_timeout: Optional[float] = None,
+    retries: Optional[int] = None,
+) -> AsyncTransport:
+    """The shared transport for these settings in the running event loop."""
+    config = ConnectionConfig.resolve(url=url, api_key=api_key, request_timeout=request_timeout, retries=retries)
+    loop = asyncio.get_running_loop()
+    per_loop = _pools.setdefault(loop, {})
+    t = per_loop.get(config.key)
+    if t is None:
+        t = per_loop[config.key] = AsyncTransport(config)
+        # Close the pool when the loop shuts down (asyncio.run() closes the
+        # async generators still alive), so sockets are not left to the GC.
+        closer = _close_at_shutdown(t)
+        t._closer = closer  # type: ignore[attr-defined]
+        loop.create_task(closer.__anext__())  # type: ignore[arg-type]
+    return t
+
+
+async def _close_at_shutdown(t: AsyncTransport) -> AsyncIterator[None]:
+    try:
+        yield
+    finally:
+        await t.aclose()
+
+
+async def aclose() -> None:
+    """Close the running loop's connection pools (call before the loop ends
+    to release sockets at once; they reopen on the next call)."""
+    per_loop = _pools.pop(asyncio.get_running_loop(), {})
+    for t in per_loop.values():
+        await t.aclose()

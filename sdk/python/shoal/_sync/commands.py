@@ -1,0 +1,571 @@
+"""Commands in a sandbox (blocking API): run, background handles, re-attach,
+PTYs. See ``shoal._async.commands`` for the asyncio twin."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
+
+from .._protocol import (
+    STDIN_CHUNK,
+    CommandState,
+    Output,
+    argv,
+    b64,
+    backoff,
+    checked,
+    chunks,
+    exec_body,
+    split_stdin,
+)
+from ..exceptions import ConnectionLost, FailedPrecondition, InvalidArgument, NotFound, NotSupported, SandboxNotFound, ShoalError, Timeout
+from ..models import CommandInfo, CommandResult, PtySize
+from .transport import Abort
+
+if TYPE_CHECKING:
+    from .sandbox import Sandbox
+
+_END = object()
+_DEFAULT_TIMEOUT = 60.0
+# The server sends a keep-alive event every 15 s on a silent command stream:
+# a stream silent for this long is a dead connection, re-attached by offset.
+_STREAM_READ_TIMEOUT = 75.0
+
+
+def _check_user(user: Optional[str]) -> None:
+    if user not in (None, "root"):
+        raise NotSupported(f"user={user!r}: Shoal runs commands as root inside the sandbox (no other users yet)")
+
+
+class _Reader:
+    """Reads one command's events, re-attaching by log offset when the
+    connection breaks (ConnectCommand), until the end of its stream."""
+
+    def __init__(self, commands: "Commands", state: CommandState) -> None:
+        self._commands = commands
+        self.state = state
+        self.abort = Abort()
+        self._events: Iterator[Dict[str, Any]] = iter(())
+        self._closed = False
+
+    def close(self) -> None:
+        self._closed = True
+        self.abort()
+        close = getattr(self._events, "close", None)
+        if close is not None:
+            try:
+                close()
+            except Exception:
+                pass
+
+    def outputs(self) -> Iterator[Output]:
+        """Output until the command's exit; the stream is then read to its
+        end, so that its connection goes back to the pool."""
+        attempt = 0
+        resuming = False
+        try:
+            while True:
+                try:
+                    for msg in self._events:
+                        resuming = False
+                        if self.state.done:
+                            continue  # only the end of the stream is left
+                        for out in self.state.feed(msg):
+                            yield out
+                        attempt = 0
+                    if self.state.done or self._closed:
+                        return
+                    raise ConnectionLost("command stream ended before the command's exit")
+                except ConnectionLost:
+                    if self._closed or self.state.done:
+                        return
+                    if not self.state.can_resume() or attempt >= self._commands._t.config.retries:
+                        raise
+                    time.sleep(backoff(attempt))
+                    attempt += 1
+                    resuming = True
+                    self._events = self._commands._connect_events(self.state.command_id, self.state.offset, self.abort)
+                except NotSupported:
+                    if resuming:
+                        raise ConnectionLost(
+                            "the connection to the command broke and this server cannot re-attach to commands (no ConnectCommand)"
+                        ) from None
+                    raise
+        finally:
+            self.close()
+
+
+class CommandHandle:
+    """A command running in a sandbox (E2B's ``CommandHandle``).
+
+    Output is read in a background thread as it arrives; iterate over the
+    handle for ``(stdout, stderr, pty)`` tuples (exactly one is not None) or
+    call :meth:`wait`. The command is a server-side object: :meth:`disconnect`
+    stops reading without stopping it, and ``sb.commands.connect(handle.id,
+    offset=handle.offset)`` re-attaches later, even from another process.
+    """
+
+    def __init__(
+        self,
+        commands: "Commands",
+        reader: _Reader,
+        *,
+        check: bool,
+        on_stdout: Optional[Callable[[str], Any]] = None,
+        on_stderr: Optional[Callable[[str], Any]] = None,
+        on_pty: Optional[Callable[[bytes], Any]] = None,
+    ) -> None:
+        self._commands = commands
+        self._reader = reader
+        self._check = check
+        self._callbacks = (on_stdout, on_stderr, on_pty)
+        self._queue: "queue.Queue[Any]" = queue.Queue()
+        self._error: Optional[BaseException] = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._pump, name=f"shoal-cmd-{self.id}", daemon=True)
+        self._thread.start()
+
+    def _pump(self) -> None:
+        try:
+            for out in self._reader.outputs():
+                _dispatch(out, *self._callbacks)
+                self._queue.put(out)
+        except BaseException as e:  # handed to the caller of wait()/iteration
+            self._error = e
+        finally:
+            self._done.set()
+            self._queue.put(_END)
+
+    # --- identity and progress ---
+
+    @property
+    def id(self) -> str:
+        """The command's ID (use it with ``sb.commands.connect/kill/send_stdin``)."""
+        return self._reader.state.command_id
+
+    @property
+    def pid(self) -> int:
+        """The process ID inside the sandbox."""
+        return self._reader.state.pid
+
+    @property
+    def offset(self) -> int:
+        """Log offset just past the last event received: re-attach from here."""
+        return self._reader.state.offset
+
+    @property
+    def stdout(self) -> str:
+        """Standard output received so far."""
+        return self._reader.state.stdout
+
+    @property
+    def stderr(self) -> str:
+        """Standard error received so far."""
+        return self._reader.state.stderr
+
+    @property
+    def exit_code(self) -> Optional[int]:
+        """The exit code once the command ended, else None."""
+        st = self._reader.state
+        return st.result().exit_code if st.done else None
+
+    @property
+    def replayed(self) -> bool:
+        """True when the command is a recorded trajectory step, not run again."""
+        return self._reader.state.replayed
+
+    # --- output ---
+
+    def __iter__(self) -> Iterator[Output]:
+        """Yield ``(stdout, stderr, pty)`` tuples until the command ends."""
+        while True:
+            item = self._queue.get()
+            if item is _END:
+                self._queue.put(_END)
+                if self._error is not None:
+                    raise self._error
+                return
+            yield item
+
+    def wait(
+        self,
+        on_pty: Optional[Callable[[bytes], Any]] = None,
+        on_stdout: Optional[Callable[[str], Any]] = None,
+        on_stderr: Optional[Callable[[str], Any]] = None,
+        *,
+        check: Optional[bool] = None,
+        timeout: Optional[float] = None,
+    ) -> CommandResult:
+        """Wait for the command to end and return its result.
+
+        With ``check=True`` (here, or given to ``run``) a non-zero exit
+        raises :class:`CommandExitException` and a command killed by its own
+        timeout raises :class:`CommandTimeout`; by default the result is
+        returned, its ``exit_code`` telling how it ended.
+
+        :param timeout: seconds to wait here; on expiry :class:`Timeout` is
+            raised and the command keeps running.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                item = self._queue.get(timeout=left)
+            except queue.Empty:
+                raise Timeout(f"command {self.id} still running after {timeout} s") from None
+            if item is _END:
+                self._queue.put(_END)
+                break
+            _dispatch(item, on_stdout, on_stderr, on_pty)
+        if self._error is not None:
+            raise self._error
+        return checked(self._reader.state.result(), self._check if check is None else check)
+
+    # --- control ---
+
+    def kill(self) -> bool:
+        """SIGKILL the command's process group. False if it was not found."""
+        return self._commands.kill(self.id)
+
+    def signal(self, signal: str = "SIGTERM") -> None:
+        """Send a signal (``"SIGTERM"``, ``"SIGINT"``, ...) to the command's process group."""
+        self._commands.signal(self.id, signal)
+
+    def send_stdin(self, data: Union[str, bytes], request_timeout: Optional[float] = None) -> None:
+        """Write to the command's stdin (start it with ``stdin=True``)."""
+        self._commands.send_stdin(self.id, data, request_timeout=request_timeout)
+
+    def close_stdin(self, request_timeout: Optional[float] = None) -> None:
+        """Close the command's stdin (it sees end of file)."""
+        self._commands.close_stdin(self.id, request_timeout=request_timeout)
+
+    def resize(self, size: PtySize) -> None:
+        """Resize the command's terminal (commands started with a PTY)."""
+        self._commands._resize(self.id, size)
+
+    def disconnect(self) -> None:
+        """Stop receiving output; the command keeps running on the server."""
+        self._reader.close()
+
+
+def _dispatch(
+    out: Output,
+    on_stdout: Optional[Callable[[str], Any]],
+    on_stderr: Optional[Callable[[str], Any]],
+    on_pty: Optional[Callable[[bytes], Any]],
+) -> None:
+    stdout, stderr, pty = out
+    if stdout is not None and on_stdout:
+        on_stdout(stdout)
+    elif stderr is not None and on_stderr:
+        on_stderr(stderr)
+    elif pty is not None and on_pty:
+        on_pty(pty)
+
+
+class Commands:
+    """``sb.commands``: run commands and manage running ones."""
+
+    def __init__(self, sandbox: "Sandbox") -> None:
+        self._sb = sandbox
+
+    @property
+    def _t(self):  # type: ignore[no-untyped-def]
+        return self._sb._transport
+
+    def run(
+        self,
+        cmd: Union[str, Sequence[str]],
+        background: bool = False,
+        envs: Optional[Dict[str, str]] = None,
+        user: Optional[str] = None,
+        cwd: Optional[str] = None,
+        on_stdout: Optional[Callable[[str], Any]] = None,
+        on_stderr: Optional[Callable[[str], Any]] = None,
+        stdin: Any = None,
+        timeout: Optional[float] = _DEFAULT_TIMEOUT,
+        request_timeout: Optional[float] = None,
+        *,
+        check: bool = False,
+    ) -> Any:
+        """Run a command; wait for it, or return a handle with ``background=True``.
+
+        :param cmd: a string, run with ``sh -c``, or an argv list.
+        :param background: return a :class:`CommandHandle` as soon as the
+            command started instead of waiting for it.
+        :param envs: extra environment variables.
+        :param user: only ``None``/``"root"`` (E2B compatibility).
+        :param cwd: working directory.
+        :param on_stdout: called with each piece of stdout text as it arrives.
+        :param on_stderr: called with each piece of stderr text.
+        :param stdin: ``str``/``bytes`` to feed (then end of file), ``True``
+            to keep stdin open for ``send_stdin()``, or a file object /
+            iterable of bytes streamed in.
+        :param timeout: seconds after which the server kills the command's
+            process group (E2B's default: 60); ``0`` or ``None``: no limit.
+        :param request_timeout: seconds to wait for the server to answer.
+        :param check: raise :class:`CommandExitException` on a non-zero exit
+            (and :class:`CommandTimeout` on a timeout), as E2B's SDK does;
+            by default (``False``) the result is returned either way.
+        :return: :class:`CommandResult`, or :class:`CommandHandle` when
+            ``background``.
+        """
+        _check_user(user)
+        inline, stdin_open, source = split_stdin(stdin)
+        body = exec_body(self._sb.sandbox_id, argv(cmd), envs=envs, cwd=cwd, stdin=inline, stdin_open=stdin_open, timeout=timeout)
+        return self._exec(
+            body,
+            background=background,
+            on_stdout=on_stdout,
+            on_stderr=on_stderr,
+            source=source,
+            check=check,
+            request_timeout=request_timeout,
+        )
+
+    def _exec(
+        self,
+        body: Dict[str, Any],
+        *,
+        background: bool,
+        check: bool,
+        on_stdout: Optional[Callable[[str], Any]] = None,
+        on_stderr: Optional[Callable[[str], Any]] = None,
+        on_pty: Optional[Callable[[bytes], Any]] = None,
+        source: Any = None,
+        request_timeout: Optional[float] = None,
+        pty: bool = False,
+    ) -> Any:
+        trajectory = bool(body.get("trajectoryId"))
+        state = CommandState(pty=pty, step=int(body.get("step") or 0))
+        reader = _Reader(self, state)
+        reader._events = events = self._t.stream(
+            "CommandService",
+            "Exec",
+            body,
+            idempotent=trajectory,
+            request_timeout=request_timeout,
+            read_timeout=_STREAM_READ_TIMEOUT,
+            trajectory=trajectory,
+            abort=reader.abort,
+        )
+        # Read up to the `started` event, so the handle knows the command's ID.
+        try:
+            for msg in events:
+                state.feed(msg)
+                if state.started:
+                    break
+            else:
+                raise ConnectionLost("Exec stream ended before the command started")
+        except BaseException:
+            reader.close()
+            raise
+        if source is not None:
+            self._pump_stdin(state.command_id, source)
+        if background:
+            return CommandHandle(self, reader, check=check, on_stdout=on_stdout, on_stderr=on_stderr, on_pty=on_pty)
+        try:
+            for out in reader.outputs():
+                _dispatch(out, on_stdout, on_stderr, on_pty)
+        finally:
+            reader.close()
+        return checked(state.result(), check)
+
+    def _pump_stdin(self, command_id: str, source: Any) -> None:
+        def pump() -> None:
+            try:
+                for piece in _iter_source(source):
+                    self.send_stdin(command_id, piece)
+                self.close_stdin(command_id)
+            except ShoalError:
+                pass  # the command ended or went away; its result says so
+
+        threading.Thread(target=pump, name=f"shoal-stdin-{command_id}", daemon=True).start()
+
+    def _connect_events(self, command_id: str, offset: int, abort: Optional[Abort] = None) -> Iterator[Dict[str, Any]]:
+        return self._t.stream(
+            "CommandService",
+            "ConnectCommand",
+            {"sandboxId": self._sb.sandbox_id, "commandId": command_id, "offset": str(int(offset))},
+            idempotent=True,
+            read_timeout=_STREAM_READ_TIMEOUT,
+            abort=abort,
+        )
+
+    def connect(
+        self,
+        cmd_id: str,
+        offset: int = 0,
+        timeout: Optional[float] = None,
+        request_timeout: Optional[float] = None,
+        on_stdout: Optional[Callable[[str], Any]] = None,
+        on_stderr: Optional[Callable[[str], Any]] = None,
+        *,
+        check: bool = False,
+    ) -> CommandHandle:
+        """Re-attach to a command (after a disconnect, or from another process).
+
+        :param cmd_id: the command's ID (``handle.id``; a pid from E2B code
+            is looked up in ``list()``).
+        :param offset: log offset to continue from (``handle.offset``): each
+            byte after it arrives exactly once. ``0`` replays everything.
+        :param timeout: accepted for E2B compatibility; not used (the
+            command's own timeout was set when it started).
+        """
+        info = self.get(cmd_id, request_timeout=request_timeout)  # fails early: unknown ID, old server
+        state = CommandState(command_id=info.id, pty=info.pty)
+        state.pid = info.pid
+        state.offset = int(offset)
+        state.offsets_seen = True
+        reader = _Reader(self, state)
+        reader._events = self._connect_events(info.id, offset, reader.abort)
+        return CommandHandle(self, reader, check=check, on_stdout=on_stdout, on_stderr=on_stderr)
+
+    def list(self, request_timeout: Optional[float] = None) -> List[CommandInfo]:
+        """The sandbox's commands (running and recently ended) as server-side objects."""
+        r = self._t.call("CommandService", "ListCommands", {"sandboxId": self._sb.sandbox_id}, idempotent=True, request_timeout=request_timeout)
+        return [CommandInfo.from_json(c) for c in r.get("commands") or []]
+
+    def get(self, cmd_id: str, request_timeout: Optional[float] = None) -> CommandInfo:
+        """One command's state, exit status and log size."""
+        r = self._t.call(
+            "CommandService", "GetCommand", {"sandboxId": self._sb.sandbox_id, "commandId": self._resolve(cmd_id)}, idempotent=True, request_timeout=request_timeout
+        )
+        return CommandInfo.from_json(r)
+
+    def wait(self, cmd_id: str, timeout: Optional[float] = None) -> CommandInfo:
+        """Wait on the server for a command to end and return its record
+        (no output: use ``connect(cmd_id).wait()`` for that).
+
+        :param timeout: seconds; on expiry the record of the still running
+            command is returned.
+        """
+        body: Dict[str, Any] = {"sandboxId": self._sb.sandbox_id, "commandId": self._resolve(cmd_id)}
+        if timeout:
+            body["timeoutMs"] = str(int(timeout * 1000))
+        rt = None if not timeout else timeout + self._t.config.request_timeout
+        r = self._t.call("CommandService", "WaitCommand", body, idempotent=True, request_timeout=rt if timeout else 24 * 3600.0)
+        return CommandInfo.from_json(r)
+
+    def kill(self, cmd_id: Union[str, int], request_timeout: Optional[float] = None) -> bool:
+        """SIGKILL a command's process group. False if there was no such
+        command or it had already exited (E2B's behaviour)."""
+        try:
+            self.signal(cmd_id, "SIGKILL", request_timeout=request_timeout)
+            return True
+        except SandboxNotFound:
+            raise
+        except (NotFound, FailedPrecondition):  # unknown, or exited already
+            return False
+
+    def signal(self, cmd_id: Union[str, int], signal: str = "SIGTERM", request_timeout: Optional[float] = None) -> None:
+        """Send a signal to a command's process group."""
+        self._t.call(
+            "CommandService",
+            "SignalCommand",
+            {"sandboxId": self._sb.sandbox_id, "commandId": self._resolve(cmd_id), "signal": signal},
+            idempotent=signal.upper() in ("SIGKILL", "KILL", "SIGTERM", "TERM"),
+            request_timeout=request_timeout,
+        )
+
+    def send_stdin(self, cmd_id: Union[str, int], data: Union[str, bytes], request_timeout: Optional[float] = None) -> None:
+        """Write to the stdin of a command started with ``stdin=True``."""
+        cid = self._resolve(cmd_id)
+        b = data.encode() if isinstance(data, str) else bytes(data)
+        for piece in chunks(b, STDIN_CHUNK) if b else [b""]:
+            self._t.call(
+                "CommandService",
+                "SendStdin",
+                {"sandboxId": self._sb.sandbox_id, "commandId": cid, "data": b64(piece)},
+                idempotent=False,
+                request_timeout=request_timeout,
+            )
+
+    def close_stdin(self, cmd_id: Union[str, int], request_timeout: Optional[float] = None) -> None:
+        """Close a command's stdin (it reads end of file)."""
+        self._t.call(
+            "CommandService",
+            "SendStdin",
+            {"sandboxId": self._sb.sandbox_id, "commandId": self._resolve(cmd_id), "close": True},
+            idempotent=True,
+            request_timeout=request_timeout,
+        )
+
+    def _resize(self, cmd_id: Union[str, int], size: PtySize) -> None:
+        self._t.call(
+            "CommandService",
+            "ResizePty",
+            {"sandboxId": self._sb.sandbox_id, "commandId": self._resolve(cmd_id), "size": {"rows": size.rows, "cols": size.cols}},
+            idempotent=True,
+        )
+
+    def _resolve(self, cmd_id: Union[str, int]) -> str:
+        """A command ID; E2B code passes pids, which are looked up."""
+        if isinstance(cmd_id, int) and not isinstance(cmd_id, bool):
+            for c in self.list():
+                if c.pid == cmd_id and c.state == "running":
+                    return c.id
+            raise NotFound(f"no running command with pid {cmd_id} in sandbox {self._sb.sandbox_id}")
+        if not cmd_id:
+            raise InvalidArgument("a command ID is required")
+        return str(cmd_id)
+
+
+def _iter_source(source: Any) -> Iterator[bytes]:
+    if isinstance(source, (bytes, bytearray)):
+        yield from chunks(bytes(source))
+    elif hasattr(source, "read"):
+        while True:
+            b = source.read(STDIN_CHUNK)
+            if not b:
+                return
+            yield b.encode() if isinstance(b, str) else b
+    else:
+        for b in source:
+            yield b.encode() if isinstance(b, str) else bytes(b)
+
+
+class Pty:
+    """``sb.pty``: interactive terminals (E2B's names)."""
+
+    def __init__(self, sandbox: "Sandbox") -> None:
+        self._sb = sandbox
+
+    def create(
+        self,
+        size: PtySize = PtySize(),
+        user: Optional[str] = None,
+        cwd: Optional[str] = None,
+        envs: Optional[Dict[str, str]] = None,
+        timeout: Optional[float] = None,
+        request_timeout: Optional[float] = None,
+        *,
+        cmd: Union[str, Sequence[str], None] = None,
+        on_data: Optional[Callable[[bytes], Any]] = None,
+    ) -> CommandHandle:
+        """Start a shell (or ``cmd``) under a pseudo-terminal; returns its handle.
+
+        Terminal output arrives as ``pty`` bytes (``on_data``, or
+        ``handle.wait(on_pty=...)``, or iteration); type into it with
+        :meth:`send_stdin`. ``timeout``: seconds, none by default.
+        """
+        _check_user(user)
+        env = {"TERM": "xterm-256color"}
+        env.update(envs or {})
+        args = argv(cmd) if cmd is not None else ["sh", "-i"]
+        body = exec_body(self._sb.sandbox_id, args, envs=env, cwd=cwd, stdin_open=True, timeout=timeout, pty=size)
+        return self._sb.commands._exec(body, background=True, check=False, on_pty=on_data, request_timeout=request_timeout, pty=True)
+
+    def send_stdin(self, pid: Union[str, int], data: Union[str, bytes], request_timeout: Optional[float] = None) -> None:
+        """Type into a terminal (``pid`` is the handle's ``id``)."""
+        self._sb.commands.send_stdin(pid, data, request_timeout=request_timeout)
+
+    def resize(self, pid: Union[str, int], size: PtySize, request_timeout: Optional[float] = None) -> None:
+        """Change a terminal's size."""
+        self._sb.commands._resize(pid, size)
+
+    def kill(self, pid: Union[str, int], request_timeout: Optional[float] = None) -> bool:
+        """Kill a terminal's process group."""
+        return self._sb.commands.kill(pid, request_timeout=request_timeout)

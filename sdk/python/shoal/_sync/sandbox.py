@@ -1,0 +1,285 @@
+"""The blocking ``Sandbox`` (see ``shoal._async.sandbox.AsyncSandbox`` for asyncio)."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import timedelta
+from typing import Any, Dict, List, Optional, Sequence, Union
+from urllib.parse import urlsplit
+
+import httpx
+
+from .._protocol import create_body, seconds
+from .._util import instance_or_class
+from ..exceptions import InvalidArgument, SandboxNotFound
+from ..models import SandboxInfo, TrajectoryInfo
+from .commands import Commands, Pty
+from .filesystem import Files
+from .sessions import Shells, Trajectory
+from .transport import Transport, _client_kwargs, _nodelay_transport, transport_for
+
+
+class Sandbox:
+    """A sandbox: an isolated environment to run commands and keep files in.
+
+    Create one with :meth:`create` (or re-attach with :meth:`connect`); use
+    ``sb.commands``, ``sb.files``, ``sb.pty``, ``sb.shells`` and
+    ``sb.trajectory(...)``; :meth:`kill` it when done, or use it as a
+    context manager. Safe to use from several threads.
+    """
+
+    def __init__(self, info: SandboxInfo, transport: Transport) -> None:
+        self._transport = transport
+        self._info = info
+        self.sandbox_id: str = info.sandbox_id
+        self.commands = Commands(self)
+        self.files = Files(self)
+        self.pty = Pty(self)
+        self.shells = Shells(self)
+
+    @property
+    def id(self) -> str:
+        """The sandbox's ID (same as ``sandbox_id``)."""
+        return self.sandbox_id
+
+    @property
+    def info(self) -> SandboxInfo:
+        """What the server said about the sandbox at the last call that returned it."""
+        return self._info
+
+    def __repr__(self) -> str:
+        return f"Sandbox(id={self.sandbox_id!r}, backend={self._info.backend!r}, state={self._info.state!r})"
+
+    # --- lifecycle ---
+
+    @classmethod
+    def create(
+        cls,
+        template: Optional[str] = None,
+        timeout: Union[int, float, timedelta, None] = None,
+        metadata: Optional[Dict[str, str]] = None,
+        envs: Optional[Dict[str, str]] = None,
+        *,
+        base: Optional[str] = None,
+        workspaces: Optional[Sequence[str]] = None,
+        toolkits: Optional[Sequence[str]] = None,
+        backend: Optional[str] = None,
+        cpus: Optional[float] = None,
+        memory: Union[str, int, None] = None,
+        qos: Optional[str] = None,
+        client_key: Optional[str] = None,
+        api_key: Optional[str] = None,
+        url: Optional[str] = None,
+        request_timeout: Optional[float] = None,
+    ) -> "Sandbox":
+        """Create a sandbox and return once it is ready for commands.
+
+        :param template: a named environment (a saved base + workspaces +
+            toolkits); or give the layers with ``base``/``workspaces``/``toolkits``.
+        :param timeout: idle timeout in seconds (default 30 minutes): the
+            sandbox is deleted after this long without a call or a running
+            command. ``set_timeout`` changes it.
+        :param metadata: your labels, returned by ``list()``.
+        :param envs: environment variables of every command.
+        :param base: base layer ref (``name:version``, ``name@sha256:...``).
+        :param workspaces: workspace layer refs (first wins).
+        :param toolkits: toolkit layer refs (first wins, above workspaces).
+        :param backend: ``"container"`` (default), ``"microvm"``, ``"fullvm"``
+            or ``"fncall"``; the rest of the API is the same on all of them.
+        :param cpus: cores (e.g. ``0.5``; default 1).
+        :param memory: bytes or a size such as ``"512M"`` (default 512 MiB).
+        :param qos: reserved (``"ls"``/``"be"``); not in the API yet.
+        :param client_key: idempotency key: repeating a create with the same
+            key returns the same sandbox. One is generated per call when not
+            given, which makes the create safe to retry after a lost
+            connection or a capacity refusal.
+        :param api_key: default ``SHOAL_API_KEY``, then ``/var/lib/shoal/admin.key``.
+        :param url: default ``SHOAL_URL``, then ``http://127.0.0.1:7480``.
+        :param request_timeout: seconds to wait for the server's reply.
+        """
+        t = transport_for(api_key=api_key, url=url)
+        body = create_body(
+            template=template,
+            base=base,
+            workspaces=workspaces,
+            toolkits=toolkits,
+            backend=backend,
+            cpus=cpus,
+            memory=memory,
+            timeout=timeout,
+            metadata=metadata,
+            envs=envs,
+            qos=qos,
+            client_key=client_key or uuid.uuid4().hex,
+        )
+        r = t.call("SandboxService", "CreateSandbox", body, idempotent=True, request_timeout=request_timeout)
+        return cls(SandboxInfo.from_json(r), t)
+
+    @classmethod
+    def connect(
+        cls,
+        sandbox_id: str,
+        api_key: Optional[str] = None,
+        url: Optional[str] = None,
+        request_timeout: Optional[float] = None,
+    ) -> "Sandbox":
+        """Attach to an existing sandbox by ID (resuming it if it is paused)."""
+        t = transport_for(api_key=api_key, url=url)
+        info = cls._get(t, sandbox_id, request_timeout)
+        sb = cls(info, t)
+        if info.state == "paused":
+            sb.resume(request_timeout=request_timeout)
+        return sb
+
+    @classmethod
+    def list(
+        cls,
+        metadata: Optional[Dict[str, str]] = None,
+        state: Optional[Sequence[str]] = None,
+        api_key: Optional[str] = None,
+        url: Optional[str] = None,
+        request_timeout: Optional[float] = None,
+    ) -> List[SandboxInfo]:
+        """Every sandbox, optionally only those whose metadata contains
+        ``metadata`` and whose state is in ``state`` (e.g. ``["running"]``)."""
+        t = transport_for(api_key=api_key, url=url)
+        r = t.call("SandboxService", "ListSandboxes", {}, idempotent=True, request_timeout=request_timeout)
+        out = [SandboxInfo.from_json(s) for s in r.get("sandboxes") or []]
+        if metadata:
+            out = [s for s in out if all(s.metadata.get(k) == v for k, v in metadata.items())]
+        if state:
+            out = [s for s in out if s.state in state]
+        return out
+
+    @staticmethod
+    def _get(t: Transport, sandbox_id: str, request_timeout: Optional[float]) -> SandboxInfo:
+        if not sandbox_id:
+            raise InvalidArgument("a sandbox ID is required")
+        r = t.call("SandboxService", "GetSandbox", {"id": sandbox_id}, idempotent=True, request_timeout=request_timeout, sandbox_call=True)
+        return SandboxInfo.from_json(r)
+
+    # Methods usable both as sb.kill() and Sandbox.kill(sandbox_id) (as in E2B).
+
+    @classmethod
+    def _kill_by_id(
+        cls, sandbox_id: str, api_key: Optional[str] = None, url: Optional[str] = None, request_timeout: Optional[float] = None
+    ) -> bool:
+        t = transport_for(api_key=api_key, url=url)
+        try:
+            t.call("SandboxService", "DeleteSandbox", {"id": sandbox_id}, idempotent=True, request_timeout=request_timeout, sandbox_call=True)
+            return True
+        except SandboxNotFound:
+            return False
+
+    @instance_or_class("_kill_by_id")
+    def kill(self, request_timeout: Optional[float] = None) -> bool:
+        """Delete the sandbox and everything in it. False if it was already gone."""
+        try:
+            self._call("DeleteSandbox", {"id": self.sandbox_id}, request_timeout)
+            return True
+        except SandboxNotFound:
+            return False
+
+    @classmethod
+    def _set_timeout_by_id(
+        cls,
+        sandbox_id: str,
+        timeout: Union[int, float, timedelta],
+        api_key: Optional[str] = None,
+        url: Optional[str] = None,
+        request_timeout: Optional[float] = None,
+    ) -> SandboxInfo:
+        return cls.connect(sandbox_id, api_key=api_key, url=url, request_timeout=request_timeout).set_timeout(timeout, request_timeout)
+
+    @instance_or_class("_set_timeout_by_id")
+    def set_timeout(self, timeout: Union[int, float, timedelta], request_timeout: Optional[float] = None) -> SandboxInfo:
+        """Set the idle timeout (seconds) and restart its clock."""
+        t = seconds(timeout, "timeout")
+        if not t:
+            raise InvalidArgument("timeout must be at least 1 second")
+        self._info = SandboxInfo.from_json(self._call("SetTimeout", {"id": self.sandbox_id, "timeoutSeconds": str(int(t))}, request_timeout))
+        return self._info
+
+    @classmethod
+    def _get_info_by_id(
+        cls, sandbox_id: str, api_key: Optional[str] = None, url: Optional[str] = None, request_timeout: Optional[float] = None
+    ) -> SandboxInfo:
+        return cls._get(transport_for(api_key=api_key, url=url), sandbox_id, request_timeout)
+
+    @instance_or_class("_get_info_by_id")
+    def get_info(self, request_timeout: Optional[float] = None) -> SandboxInfo:
+        """Fetch the sandbox's current state from the server."""
+        self._info = self._get(self._transport, self.sandbox_id, request_timeout)
+        return self._info
+
+    def is_running(self, request_timeout: Optional[float] = None) -> bool:
+        """Whether the sandbox exists and is running."""
+        try:
+            return self.get_info(request_timeout).state == "running"
+        except SandboxNotFound:
+            return False
+
+    def pause(self, request_timeout: Optional[float] = None) -> SandboxInfo:
+        """Freeze the sandbox and let the node reclaim its memory; any later
+        call (or :meth:`resume`) wakes it. Raises NotSupported on servers
+        without pause."""
+        r = self._call("PauseSandbox", {"id": self.sandbox_id}, request_timeout)
+        self._info = SandboxInfo.from_json(r) if r.get("id") else self._info
+        return self._info
+
+    def resume(self, request_timeout: Optional[float] = None) -> SandboxInfo:
+        """Wake a paused sandbox. Raises NotSupported on servers without pause."""
+        r = self._call("ResumeSandbox", {"id": self.sandbox_id}, request_timeout)
+        self._info = SandboxInfo.from_json(r) if r.get("id") else self._info
+        return self._info
+
+    def _call(self, method: str, body: Dict[str, Any], request_timeout: Optional[float]) -> Dict[str, Any]:
+        return self._transport.call("SandboxService", method, body, idempotent=True, request_timeout=request_timeout, sandbox_call=True)
+
+    def __enter__(self) -> "Sandbox":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.kill()
+
+    # --- ports ---
+
+    def get_host(self, port: int) -> str:
+        """Where a port inside the sandbox is reachable, without the scheme
+        (E2B's name): ``f"http://{sb.get_host(8000)}/path"`` is a URL. The
+        proxy needs the API key (``Authorization: Bearer``); :meth:`http_client`
+        sets it for you."""
+        u = urlsplit(self._transport.config.url)
+        return f"{u.netloc}/v1/sandboxes/{self.sandbox_id}/ports/{_port(port)}"
+
+    def get_url(self, port: int, path: str = "") -> str:
+        """Full URL of ``path`` on a port inside the sandbox."""
+        u = urlsplit(self._transport.config.url)
+        return f"{u.scheme}://{self.get_host(port)}/{path.lstrip('/')}"
+
+    def http_client(self, port: int, **kwargs: Any) -> httpx.Client:
+        """An ``httpx.Client`` whose relative URLs go to ``port`` inside the
+        sandbox, authenticated. Close it (or use ``with``) when done."""
+        kw = _client_kwargs(self._transport.config)
+        kw["transport"] = _nodelay_transport(kw.pop("limits"), kw["trust_env"])
+        kw["base_url"] = self.get_url(port)
+        kw.update(kwargs)
+        return httpx.Client(**kw)
+
+    # --- trajectories ---
+
+    def trajectory(self, trajectory_id: str, start_step: int = 1) -> Trajectory:
+        """A trajectory: steps numbered by the SDK, recorded by the server,
+        replayed instead of re-run when the same script runs again."""
+        return Trajectory(self, trajectory_id, start_step)
+
+    def list_trajectories(self, request_timeout: Optional[float] = None) -> List[TrajectoryInfo]:
+        """The sandbox's trajectories (without their steps)."""
+        r = self._transport.call("CommandService", "ListTrajectories", {"sandboxId": self.sandbox_id}, idempotent=True, request_timeout=request_timeout)
+        return [TrajectoryInfo.from_json(x) for x in r.get("trajectories") or []]
+
+
+def _port(port: int) -> int:
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        raise InvalidArgument(f"port {port!r} must be 1-65535")
+    return port

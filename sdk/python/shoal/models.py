@@ -1,0 +1,409 @@
+"""Values returned by the SDK (plain dataclasses, the same for sync and async).
+
+Field names follow E2B's SDK where it has the same thing (``sandbox_id``,
+``exit_code``, ``EntryInfo``, ``FileType``, ``FilesystemEvent``, ``PtySize``),
+with Shoal's additions beside them.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Dict, List, Mapping, Optional
+
+__all__ = [
+    "SandboxInfo",
+    "LayerRef",
+    "CommandResult",
+    "CommandInfo",
+    "ProcessInfo",
+    "EntryInfo",
+    "FileType",
+    "WriteInfo",
+    "FilesystemEvent",
+    "FilesystemEventType",
+    "PtySize",
+    "ShellInfo",
+    "ShellResult",
+    "TrajectoryStep",
+    "TrajectoryInfo",
+]
+
+
+# --- JSON helpers (protojson: int64 as strings, enums as names, RFC 3339 times) ---
+
+_TS = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d+))?(Z|[+-]\d\d:\d\d)?$")
+
+
+def _time(v: Any) -> Optional[datetime]:
+    if not v:
+        return None
+    m = _TS.match(v)
+    if not m:
+        return None
+    base, frac, tz = m.groups()
+    s = base + ("." + (frac + "000000")[:6] if frac else "")
+    dt = datetime.strptime(s, "%Y-%m-%dT%H:%M:%S.%f" if frac else "%Y-%m-%dT%H:%M:%S")
+    if tz in (None, "Z"):
+        return dt.replace(tzinfo=timezone.utc)
+    return datetime.fromisoformat(dt.isoformat() + tz)
+
+
+def _int(v: Any) -> int:
+    return int(v) if v not in (None, "") else 0
+
+
+def _enum(v: Any, prefix: str) -> str:
+    """'SANDBOX_STATE_RUNNING' -> 'running' (0/unset -> 'unspecified')."""
+    if isinstance(v, int) or v is None:
+        return "unspecified" if not v else str(v)
+    return v[len(prefix):].lower() if v.startswith(prefix) else v.lower()
+
+
+# --- sandboxes ---
+
+
+@dataclass
+class LayerRef:
+    """One layer of a sandbox as resolved at creation (the digest is what it runs on)."""
+
+    kind: str  # "base", "workspace", "toolkit"
+    ref: str
+    digest: str
+
+
+@dataclass
+class SandboxInfo:
+    """A sandbox as the server describes it.
+
+    ``started_at``/``end_at``/``cpu_count``/``memory_mb`` are E2B's names for
+    ``created_at``/``expires_at``/``cpus``/``memory_bytes``.
+    """
+
+    sandbox_id: str
+    backend: str
+    state: str  # "creating", "running", "paused", "deleting", "error"
+    layers: List[LayerRef]
+    memory_bytes: int
+    cpus: float
+    pids_limit: int
+    timeout: int  # idle timeout in seconds
+    created_at: Optional[datetime]
+    expires_at: Optional[datetime]
+    metadata: Dict[str, str]
+    error: str = ""
+    template: str = ""
+    client_key: str = ""
+    raw: Dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def started_at(self) -> Optional[datetime]:
+        """E2B's name for ``created_at``."""
+        return self.created_at
+
+    @property
+    def end_at(self) -> Optional[datetime]:
+        """E2B's name for ``expires_at`` (when the idle timeout deletes it)."""
+        return self.expires_at
+
+    @property
+    def cpu_count(self) -> float:
+        """E2B's name for ``cpus``."""
+        return self.cpus
+
+    @property
+    def memory_mb(self) -> int:
+        """``memory_bytes`` in MiB (E2B's name)."""
+        return self.memory_bytes >> 20
+
+    @property
+    def template_id(self) -> str:
+        """E2B's name for ``template``."""
+        return self.template
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "SandboxInfo":
+        return cls(
+            sandbox_id=d.get("id", ""),
+            backend=d.get("backend", ""),
+            state=_enum(d.get("state"), "SANDBOX_STATE_"),
+            layers=[
+                LayerRef(_enum(l.get("kind"), "LAYER_KIND_"), l.get("ref", ""), l.get("digest", ""))
+                for l in d.get("layers") or []
+            ],
+            memory_bytes=_int(d.get("memoryBytes")),
+            cpus=_int(d.get("millicpu")) / 1000.0,
+            pids_limit=_int(d.get("pidsLimit")),
+            timeout=_int(d.get("timeoutSeconds")),
+            created_at=_time(d.get("createdAt")),
+            expires_at=_time(d.get("expiresAt")),
+            metadata=dict(d.get("metadata") or {}),
+            error=d.get("error", ""),
+            template=d.get("template", ""),
+            client_key=d.get("clientKey", ""),
+            raw=dict(d),
+        )
+
+
+# --- commands ---
+
+
+@dataclass
+class CommandResult:
+    """How a command ended (E2B's ``CommandResult`` plus Shoal's fields).
+
+    ``stdout``/``stderr`` are decoded as UTF-8 (invalid bytes replaced);
+    under a PTY the terminal output is in ``stdout``.
+    """
+
+    stdout: str
+    stderr: str
+    exit_code: int
+    error: Optional[str] = None
+    command_id: str = ""
+    pid: int = 0
+    signal: str = ""  # e.g. "SIGKILL" when killed by a signal
+    timed_out: bool = False
+    replayed: bool = False  # a recorded trajectory step, returned without running it again
+    step: int = 0  # the trajectory step, if any
+    dropped_bytes: int = 0  # output dropped past the server's log cap
+
+
+@dataclass
+class CommandInfo:
+    """A command as a server-side object (E2B: ``ProcessInfo``)."""
+
+    id: str
+    sandbox_id: str
+    pid: int
+    args: List[str]
+    cwd: str
+    state: str  # "running", "exited", "lost"
+    exit_code: Optional[int]
+    signal: str
+    timed_out: bool
+    started_at: Optional[datetime]
+    ended_at: Optional[datetime]
+    log_bytes: int
+    dropped_bytes: int
+    pty: bool
+    trajectory_id: str
+    step: int
+    replayed: bool
+    envs: Dict[str, str] = field(default_factory=dict)
+
+    @property
+    def tag(self) -> str:
+        """E2B's name for a process's identifier: here, the command ID."""
+        return self.id
+
+    @property
+    def cmd(self) -> str:
+        """The program (``args[0]``), as E2B's ``ProcessInfo.cmd``."""
+        return self.args[0] if self.args else ""
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "CommandInfo":
+        ex = d.get("exit")
+        state = _enum(d.get("state"), "COMMAND_STATE_")
+        return cls(
+            id=d.get("id", ""),
+            sandbox_id=d.get("sandboxId", ""),
+            pid=_int(d.get("pid")),
+            args=list(d.get("args") or []),
+            cwd=d.get("cwd", ""),
+            state=state,
+            exit_code=_int(ex.get("code")) if ex is not None else None,
+            signal=(ex or {}).get("signal", ""),
+            timed_out=bool((ex or {}).get("timedOut")),
+            started_at=_time(d.get("startedAt")),
+            ended_at=_time(d.get("endedAt")),
+            log_bytes=_int(d.get("logBytes")),
+            dropped_bytes=_int(d.get("droppedBytes")),
+            pty=bool(d.get("pty")),
+            trajectory_id=d.get("trajectoryId", ""),
+            step=_int(d.get("step")),
+            replayed=bool(d.get("replayed")),
+        )
+
+
+ProcessInfo = CommandInfo  # E2B's name
+
+
+@dataclass
+class PtySize:
+    """Terminal size for ``sb.pty.create()`` and ``resize()``."""
+
+    rows: int = 24
+    cols: int = 80
+
+
+# --- files ---
+
+
+class FileType(str, enum.Enum):
+    """E2B's file types."""
+
+    FILE = "file"
+    DIR = "dir"
+
+
+@dataclass
+class EntryInfo:
+    """A file or directory in a sandbox (E2B's ``EntryInfo``)."""
+
+    name: str
+    path: str
+    type: FileType
+    size: int
+    mode: int  # permission bits, e.g. 0o644
+    symlink_target: Optional[str]
+    modified_time: Optional[datetime]
+
+    @property
+    def is_dir(self) -> bool:
+        """Whether the entry is a directory."""
+        return self.type == FileType.DIR
+
+    @property
+    def permissions(self) -> str:
+        """``rwxr-xr-x`` form of ``mode``."""
+        s = ""
+        for shift in (6, 3, 0):
+            b = (self.mode >> shift) & 7
+            s += ("r" if b & 4 else "-") + ("w" if b & 2 else "-") + ("x" if b & 1 else "-")
+        return s
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "EntryInfo":
+        return cls(
+            name=d.get("name", ""),
+            path=d.get("path", ""),
+            type=FileType.DIR if d.get("isDir") else FileType.FILE,
+            size=_int(d.get("size")),
+            mode=_int(d.get("mode")),
+            symlink_target=d.get("symlink") or None,
+            modified_time=_time(d.get("modifiedAt")),
+        )
+
+
+@dataclass
+class WriteInfo:
+    """What ``files.write()`` wrote (E2B's ``WriteInfo`` plus the byte count)."""
+
+    name: str
+    path: str
+    type: FileType = FileType.FILE
+    bytes: int = 0
+
+
+class FilesystemEventType(str, enum.Enum):
+    """E2B's file system event types."""
+
+    CHMOD = "chmod"
+    CREATE = "create"
+    REMOVE = "remove"
+    RENAME = "rename"
+    WRITE = "write"
+    OVERFLOW = "overflow"  # events were lost: re-scan ``path``
+
+
+@dataclass
+class FilesystemEvent:
+    """One change seen by ``files.watch_dir()``; ``name`` is relative to the
+    watched directory, ``old_path`` is set for renames."""
+
+    name: str
+    type: FilesystemEventType
+    path: str = ""
+    is_dir: bool = False
+    old_path: str = ""
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any], root: str) -> "FilesystemEvent":
+        path = d.get("path", "")
+        prefix = root.rstrip("/") + "/"
+        name = path[len(prefix):] if path.startswith(prefix) else path
+        op = _enum(d.get("op"), "OP_")
+        try:
+            typ = FilesystemEventType(op)
+        except ValueError:
+            typ = FilesystemEventType.WRITE
+        return cls(name=name, type=typ, path=path, is_dir=bool(d.get("isDir")), old_path=d.get("oldPath", ""))
+
+
+# --- shells and trajectories ---
+
+
+@dataclass
+class ShellInfo:
+    """A named persistent shell in a sandbox."""
+
+    name: str
+    sandbox_id: str
+    command_id: str
+    created_at: Optional[datetime]
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "ShellInfo":
+        return cls(
+            name=d.get("name", ""),
+            sandbox_id=d.get("sandboxId", ""),
+            command_id=d.get("commandId", ""),
+            created_at=_time(d.get("createdAt")),
+        )
+
+
+@dataclass
+class ShellResult:
+    """What a command line run in a shell printed (stdout and stderr as a terminal shows them)."""
+
+    output: str
+    exit_code: int
+    timed_out: bool = False
+
+    @property
+    def stdout(self) -> str:
+        """The output (a shell's stdout and stderr are one terminal stream)."""
+        return self.output
+
+
+@dataclass
+class TrajectoryStep:
+    """One recorded step of a trajectory."""
+
+    step: int
+    command_id: str
+    args: List[str]
+    request_digest: str
+    command: Optional[CommandInfo]
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "TrajectoryStep":
+        c = d.get("command")
+        return cls(
+            step=_int(d.get("step")),
+            command_id=d.get("commandId", ""),
+            args=list(d.get("args") or []),
+            request_digest=d.get("requestDigest", ""),
+            command=CommandInfo.from_json(c) if c else None,
+        )
+
+
+@dataclass
+class TrajectoryInfo:
+    """A trajectory: the steps recorded under one client-chosen ID."""
+
+    id: str
+    sandbox_id: str
+    steps: List[TrajectoryStep]
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "TrajectoryInfo":
+        return cls(
+            id=d.get("id", ""),
+            sandbox_id=d.get("sandboxId", ""),
+            steps=[TrajectoryStep.from_json(s) for s in d.get("steps") or []],
+        )
