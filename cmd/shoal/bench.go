@@ -85,7 +85,32 @@ func benchCmd() *cobra.Command {
 	sess.Flags().Int64Var(&so.StreamBytes, "bytes", 48<<20, "output bytes of the streaming run (keep it under the server's --command-log-cap)")
 	sess.Flags().IntVar(&so.Reattaches, "reattaches", 50, "re-attaches to time")
 	sess.Flags().IntVar(&so.Steps, "steps", 100, "trajectory steps")
-	cmd.AddCommand(create, execb, sess, benchLayersCmd())
+	var fo bench.FnCallOptions
+	fnb := &cobra.Command{
+		Use:   "fncall [-n N] [--batch N] [--isolation cgroup|sandbox|both]",
+		Short: "FnCall latency (python print(1), C++ hello) against bare runs on the host, and batch calls/s",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := client(cmd)
+			if err != nil {
+				return err
+			}
+			ctx, cancel := cmdContext()
+			defer cancel()
+			res, err := bench.FnCall(ctx, c, fo)
+			if err != nil {
+				return err
+			}
+			return printResult(res)
+		},
+	}
+	fnb.Flags().IntVarP(&fo.N, "number", "n", 200, "latency samples (python; C++ gets a quarter)")
+	fnb.Flags().IntVar(&fo.BatchN, "batch", 2000, "calls in the throughput batch (0: none)")
+	fnb.Flags().IntVarP(&fo.Concurrency, "concurrency", "c", 0, "batch calls in flight (0: the server's capacity)")
+	fnb.Flags().StringVar(&fo.Isolation, "isolation", "cgroup", "cgroup, sandbox or both")
+	fnb.Flags().StringVar(&fo.Python, "python", "/usr/bin/python3", "host python3 for the baseline")
+	fnb.Flags().StringVar(&fo.Gxx, "gxx", "/usr/bin/g++", "host g++ for the baseline")
+	cmd.AddCommand(create, execb, sess, benchLayersCmd(), fnb)
 	return cmd
 }
 

@@ -86,6 +86,8 @@ const (
 	OpCommands    Op = 14 // list the durable commands the agent holds
 	OpResize      Op = 15 // set the window size of a durable command's pty
 	OpWatch       Op = 16 // stream inotify events under a path (see watch.go)
+	OpFnPrepare   Op = 20 // fncall: reset a call's box and write its files (see fncall.go)
+	OpFnRun       Op = 21 // fncall: run one process of a call in given cgroups (see fncall.go)
 )
 
 var opNames = [...]string{
@@ -94,6 +96,7 @@ var opNames = [...]string{
 	OpMakeDir: "mkdir", OpRemove: "remove", OpAttach: "attach",
 	OpPortForward: "portforward", OpClaim: "claim", OpStdin: "stdin",
 	OpCommands: "commands", OpResize: "resize", OpWatch: "watch",
+	OpFnPrepare: "fnprepare", OpFnRun: "fnrun",
 }
 
 func (o Op) String() string {

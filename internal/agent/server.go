@@ -239,6 +239,16 @@ func (s *Server) serveConn(c net.Conn) {
 		if decode(c, body, &req) {
 			s.watch(c, &req)
 		}
+	case OpFnPrepare:
+		var req wireFnPrepare
+		if decode(c, body, &req) {
+			s.fnPrepare(c, &req)
+		}
+	case OpFnRun:
+		var req wireFnRun
+		if decode(c, body, &req) {
+			s.fnRun(c, &req)
+		}
 	case OpListDir:
 		var req wireListRequest
 		if decode(c, body, &req) {

@@ -4,11 +4,13 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io/fs"
 	"net/http"
 
 	"connectrpc.com/connect"
 
+	"github.com/shoal-sandbox/shoal/internal/agent"
 	"github.com/shoal-sandbox/shoal/internal/errdefs"
 	"github.com/shoal-sandbox/shoal/internal/layer"
 )
@@ -19,6 +21,16 @@ func toConnect(err error) error {
 	var ce *connect.Error
 	if errors.As(err, &ce) {
 		return ce
+	}
+	// A directory that is not empty is a state to change, not a conflict
+	// of names: the agent's not_empty also unwraps to fs.ErrExist (so
+	// callers testing for "exists" keep working), but it is not one.
+	var ae *agent.Error
+	if errors.As(err, &ae) && ae.Code == agent.CodeNotEmpty {
+		if ae.Op == "remove" {
+			return connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf("%w: pass recursive to remove a directory with everything in it", err))
+		}
+		return connect.NewError(connect.CodeFailedPrecondition, err)
 	}
 	code := connect.CodeInternal
 	switch {
@@ -53,7 +65,9 @@ var httpStatus = map[connect.Code]int{
 	connect.CodeAlreadyExists:      http.StatusConflict,
 	connect.CodePermissionDenied:   http.StatusForbidden,
 	connect.CodeResourceExhausted:  http.StatusTooManyRequests,
-	connect.CodeFailedPrecondition: http.StatusPreconditionFailed,
+	connect.CodeFailedPrecondition: http.StatusBadRequest, // not 412: Connect uses 400
+	connect.CodeAborted:            http.StatusConflict,
+	connect.CodeUnimplemented:      http.StatusNotImplemented,
 	connect.CodeUnauthenticated:    http.StatusUnauthorized,
 	connect.CodeUnavailable:        http.StatusServiceUnavailable,
 }

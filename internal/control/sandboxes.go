@@ -50,14 +50,16 @@ func (s *Server) Handler() http.Handler {
 		w.Header().Set("Content-Type", "application/json")
 		fmt.Fprintln(w, `{"status":"ok"}`)
 	})
-	mux.Handle(shoalv1connect.NewSandboxServiceHandler(s))
-	mux.Handle(shoalv1connect.NewLayerServiceHandler(s))
-	mux.Handle(shoalv1connect.NewCommandServiceHandler(s))
+	mux.Handle(shoalv1connect.NewSandboxServiceHandler(s, handlerOptions()...)) // strict JSON (codec.go)
+	mux.Handle(shoalv1connect.NewLayerServiceHandler(s, handlerOptions()...))
+	mux.Handle(shoalv1connect.NewCommandServiceHandler(s, handlerOptions()...))
 	mux.HandleFunc("GET /v1/sandboxes/{id}/files", s.readFile)
 	mux.HandleFunc("PUT /v1/sandboxes/{id}/files", s.writeFile)
 	s.portRoutes(mux) // /v1/sandboxes/{id}/ports/{port}/... (ports.go)
 	s.layerRoutes(mux)
-	return s.auth.Middleware(mux, "/healthz")
+	s.fncallRoutes(mux) // FnCallService, CreateSandbox of backend "fncall" (fncall.go)
+	// A /shoal.v1.* procedure not served here: unimplemented (codec.go).
+	return s.auth.Middleware(unknownProcedures(mux), "/healthz")
 }
 
 // --- sandboxes ---

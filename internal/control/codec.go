@@ -1,0 +1,137 @@
+package control
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/http"
+	"net/url"
+	"strings"
+
+	"connectrpc.com/connect"
+	"google.golang.org/protobuf/encoding/protojson"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/reflect/protoreflect"
+	"google.golang.org/protobuf/reflect/protoregistry"
+)
+
+// handlerOptions are the options of every connect handler the API serves:
+// JSON requests are decoded strictly (see strictJSONCodec).
+func handlerOptions() []connect.HandlerOption {
+	return []connect.HandlerOption{
+		connect.WithCodec(strictJSONCodec{name: "json"}),
+		connect.WithCodec(strictJSONCodec{name: "json; charset=utf-8"}),
+	}
+}
+
+// strictJSONCodec is connect-go's protojson codec without DiscardUnknown: a
+// JSON request naming a field this server does not know is refused with
+// invalid_argument naming the field, instead of the field being dropped
+// silently (a client could not tell that e.g. clientKey was ignored by an
+// older server). Connect registers its JSON codec under two names, "json"
+// and "json; charset=utf-8"; both are replaced. Binary protobuf keeps its
+// usual rule (unknown fields are skipped), as the wire format intends.
+type strictJSONCodec struct{ name string }
+
+var _ connect.Codec = strictJSONCodec{}
+
+func (c strictJSONCodec) Name() string { return c.name }
+
+func (c strictJSONCodec) IsBinary() bool { return false }
+
+func (c strictJSONCodec) Marshal(message any) ([]byte, error) {
+	m, ok := message.(proto.Message)
+	if !ok {
+		return nil, fmt.Errorf("%T is not a protobuf message", message)
+	}
+	return protojson.MarshalOptions{}.Marshal(m)
+}
+
+func (c strictJSONCodec) MarshalAppend(dst []byte, message any) ([]byte, error) {
+	m, ok := message.(proto.Message)
+	if !ok {
+		return nil, fmt.Errorf("%T is not a protobuf message", message)
+	}
+	return protojson.MarshalOptions{}.MarshalAppend(dst, m)
+}
+
+// MarshalStable is what connect uses for the query string of GET requests.
+func (c strictJSONCodec) MarshalStable(message any) ([]byte, error) {
+	b, err := c.Marshal(message)
+	if err != nil {
+		return nil, err
+	}
+	var out bytes.Buffer
+	if err := json.Compact(&out, b); err != nil {
+		return nil, err
+	}
+	return out.Bytes(), nil
+}
+
+func (c strictJSONCodec) Unmarshal(data []byte, message any) error {
+	m, ok := message.(proto.Message)
+	if !ok {
+		return fmt.Errorf("%T is not a protobuf message", message)
+	}
+	if len(data) == 0 {
+		return errors.New("zero-length payload is not a valid JSON object")
+	}
+	if err := (protojson.UnmarshalOptions{}).Unmarshal(data, m); err != nil {
+		// Connect answers invalid_argument with "unmarshal message: " and
+		// this; protojson's own text names the field: `unknown field "x"`.
+		name := m.ProtoReflect().Descriptor().FullName()
+		if strings.Contains(err.Error(), "unknown field") {
+			return fmt.Errorf("%s: %w (this server does not know that field: is the client newer than the server?)", name, err)
+		}
+		return fmt.Errorf("%s: %w", name, err)
+	}
+	return nil
+}
+
+// unknownProcedures answers a call to a procedure this server does not
+// serve, /shoal.v1.<Service>/<Method> with an unknown service or method,
+// with Connect's JSON error {"code":"unimplemented"} and HTTP 404 (gRPC
+// clients get grpc-status 12 in a trailers-only reply) instead of the
+// plain-text "404 page not found" of ServeMux and of the generated service
+// handlers. Everything else goes to next.
+func unknownProcedures(mux *http.ServeMux) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if strings.HasPrefix(r.URL.Path, "/shoal.v1.") && !knownProcedure(mux, r) {
+			writeUnimplemented(w, r)
+			return
+		}
+		mux.ServeHTTP(w, r)
+	})
+}
+
+// knownProcedure reports whether r names a method declared in api/shoal/v1
+// whose service has a handler on mux.
+func knownProcedure(mux *http.ServeMux, r *http.Request) bool {
+	service, method, ok := strings.Cut(strings.TrimPrefix(r.URL.Path, "/"), "/")
+	if !ok || method == "" || strings.Contains(method, "/") {
+		return false
+	}
+	d, err := protoregistry.GlobalFiles.FindDescriptorByName(protoreflect.FullName(service))
+	if err != nil {
+		return false
+	}
+	sd, ok := d.(protoreflect.ServiceDescriptor)
+	if !ok || sd.Methods().ByName(protoreflect.Name(method)) == nil {
+		return false
+	}
+	_, pattern := mux.Handler(r)
+	return pattern != ""
+}
+
+func writeUnimplemented(w http.ResponseWriter, r *http.Request) {
+	msg := fmt.Sprintf("this Shoal server does not implement %s (unknown procedure: is the client newer than the server?)", r.URL.Path)
+	if strings.HasPrefix(r.Header.Get("Content-Type"), "application/grpc") {
+		w.Header().Set("Content-Type", r.Header.Get("Content-Type"))
+		w.Header().Set("Grpc-Status", "12") // UNIMPLEMENTED
+		w.Header().Set("Grpc-Message", url.PathEscape(msg))
+		w.WriteHeader(http.StatusOK)
+		return
+	}
+	writeHTTPError(w, http.StatusNotFound, connect.CodeUnimplemented.String(), msg)
+}
