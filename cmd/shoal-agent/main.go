@@ -40,14 +40,34 @@ func main() {
 	if os.Getpid() != 1 {
 		unix.Prctl(unix.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 	}
-	// In the background: the first request must not wait for it.
-	go prewarmThreads(8)
+	// The seccomp filter goes on before anything else runs; failing to
+	// install it is fatal (see agent.StartBoot).
+	boot, err := agent.StartBoot()
+	if err != nil {
+		log.Warn("boot", "err", err)
+		boot.Ready(err)
+		os.Exit(1)
+	}
+	// In the background: the first request must not wait for it. A pooled
+	// agent starts them once claimed: the claim's capability drop visits
+	// every thread.
+	if !boot.Pooled() {
+		go prewarmThreads(8)
+	}
 	l, err := agent.Listen(*listen)
 	if err != nil {
 		log.Warn("listen", "err", err)
+		boot.Ready(err)
 		os.Exit(1)
 	}
 	srv := agent.NewServer(agent.Config{ReapAll: true, IdleRelease: time.Second, Logger: log})
+	if boot.Pooled() {
+		if err := srv.AcceptClaims(boot, func() { go prewarmThreads(8) }); err != nil {
+			log.Warn("boot", "err", err)
+			boot.Ready(err)
+			os.Exit(1)
+		}
+	}
 
 	sigc := make(chan os.Signal, 1)
 	signal.Notify(sigc, syscall.SIGTERM, syscall.SIGINT)
@@ -56,6 +76,7 @@ func main() {
 		srv.Shutdown()
 		os.Exit(0)
 	}()
+	boot.Ready(nil)
 	if err := srv.Serve(l); err != nil {
 		log.Warn("serve", "err", err)
 		os.Exit(1)

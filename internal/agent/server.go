@@ -199,9 +199,14 @@ func (s *Server) serveConn(c net.Conn) {
 		return
 	}
 	op, body := Op(payload[0]), payload[1:]
+	if !s.admit(c, op) { // a pooled sandbox serves nothing before its claim (claim.go)
+		return
+	}
 	switch op {
 	case OpPing:
 		s.ping(c)
+	case OpClaim:
+		s.claim(c, body)
 	case OpExec:
 		var req wireExecRequest
 		if decode(c, body, &req) {

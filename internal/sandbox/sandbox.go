@@ -102,5 +102,14 @@ type Backend interface {
 	Delete(ctx context.Context, h Handle) error
 }
 
+// Closer is implemented by backends that hold node-wide resources besides
+// their sandboxes (the container backend's warm pool of pre-started
+// containers). The node calls Close when it stops: the backend releases
+// those resources and leaves every sandbox running. ctx bounds the call.
+// No Create may follow.
+type Closer interface {
+	Close(ctx context.Context) error
+}
+
 // Timeouts used by backends when the caller's context has none.
 const DefaultStartTimeout = 30 * time.Second

@@ -215,7 +215,7 @@ func TestForkBombStoppedByPidsLimit(t *testing.T) {
 		t.Errorf("the bomb's command was not killed by its timeout: %+v", st)
 	}
 	t.Logf("fork bomb: %+v, output tail %q", st, tail(out.String()))
-	pids := cgroupValue(t, "pids", id, "pids.max")
+	pids := cgroupValue(t, "pids", runcID(t, id), "pids.max")
 	if pids != "1024" {
 		t.Fatalf("pids.max = %q", pids)
 	}
@@ -229,10 +229,38 @@ func TestForkBombStoppedByPidsLimit(t *testing.T) {
 	}
 }
 
-// cgroupValue reads a v1 cgroup file of a sandbox's container.
-func cgroupValue(t *testing.T, ctrl, id, file string) string {
+// runcID returns the runc container ID of a sandbox, which names its
+// cgroups (/sys/fs/cgroup/CTRL/shoal/RUNC_ID): the sandbox ID for a sandbox
+// created cold, the ID of the pool container it was claimed from for one
+// created from the container backend's warm pool (the backend keeps it in
+// DATA/pool/claimed/<sandbox id>/runc-id).
+func runcID(t *testing.T, id string) string {
 	t.Helper()
-	b, err := os.ReadFile(filepath.Join("/sys/fs/cgroup", ctrl, "shoal", id, file))
+	b, err := os.ReadFile(filepath.Join(dataDir, "pool", "claimed", id, "runc-id"))
+	if err != nil {
+		return id
+	}
+	return strings.TrimSpace(string(b))
+}
+
+// pooled reports whether a sandbox was created from the warm pool.
+func pooled(id string) bool {
+	_, err := os.Stat(filepath.Join(dataDir, "pool", "claimed", id))
+	return err == nil
+}
+
+// sandboxProcs lists the host PIDs in a sandbox's cgroup (its agent and
+// commands).
+func sandboxProcs(t *testing.T, id string) []string {
+	t.Helper()
+	b, _ := os.ReadFile(filepath.Join("/sys/fs/cgroup/pids/shoal", runcID(t, id), "cgroup.procs"))
+	return strings.Fields(string(b))
+}
+
+// cgroupValue reads a v1 cgroup file of a container (see runcID).
+func cgroupValue(t *testing.T, ctrl, runcID, file string) string {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join("/sys/fs/cgroup", ctrl, "shoal", runcID, file))
 	if err != nil {
 		t.Fatalf("read cgroup: %v", err)
 	}
@@ -270,7 +298,20 @@ func TestDeleteLeavesNothing(t *testing.T) {
 		t.Fatal("exec")
 	}
 	dir := filepath.Join(dataDir, "sandboxes", id)
-	if len(mountsUnder(dir)) == 0 {
+	rid := runcID(t, id)
+	t.Logf("sandbox %s: pooled %v, runc container %s", id, pooled(id), rid)
+	if pooled(id) {
+		// Its root is mounted in the sandbox's mount namespace only: an
+		// overlay whose upper layer is in the sandbox dir.
+		procs := sandboxProcs(t, id)
+		if len(procs) == 0 {
+			t.Fatal("no process in the sandbox's cgroup")
+		}
+		mi, _ := os.ReadFile(filepath.Join("/proc", procs[0], "mountinfo"))
+		if !strings.Contains(string(mi), "upperdir="+filepath.Join(dir, "upper")) {
+			t.Fatalf("the sandbox's root is not its overlay:\n%s", mi)
+		}
+	} else if len(mountsUnder(dir)) == 0 {
 		t.Fatal("no rootfs mount while running")
 	}
 	if out, code := run(nil, "rm", id); code != 0 {
@@ -280,14 +321,17 @@ func TestDeleteLeavesNothing(t *testing.T) {
 		t.Errorf("mounts left: %v", m)
 	}
 	for _, ctrl := range []string{"memory", "pids", "cpu", "freezer", "devices", "blkio", "cpuset"} {
-		if _, err := os.Stat(filepath.Join("/sys/fs/cgroup", ctrl, "shoal", id)); err == nil {
+		if _, err := os.Stat(filepath.Join("/sys/fs/cgroup", ctrl, "shoal", rid)); err == nil {
 			t.Errorf("cgroup %s left", ctrl)
 		}
+	}
+	if _, err := os.Stat(filepath.Join(dataDir, "pool", "claimed", id)); err == nil {
+		t.Errorf("pool container dir left")
 	}
 	if _, err := os.Stat(dir); err == nil {
 		t.Errorf("sandbox dir left")
 	}
-	out, _ := exec.Command("runc", "--root", filepath.Join(dataDir, "runc"), "state", id).CombinedOutput()
+	out, _ := exec.Command("runc", "--root", filepath.Join(dataDir, "runc"), "state", rid).CombinedOutput()
 	if !strings.Contains(string(out), "does not exist") {
 		t.Errorf("runc still knows the container: %s", out)
 	}
@@ -330,7 +374,7 @@ func TestServeKilledAndRestartedKeepsSandboxes(t *testing.T) {
 	}
 	killServe()
 	// The sandbox keeps running without shoal serve.
-	if procs := processesWithEnv("SHOAL_SANDBOX_ID=" + id); len(procs) == 0 {
+	if procs := sandboxProcs(t, id); len(procs) == 0 {
 		t.Fatal("the sandbox died with shoal serve")
 	}
 	if err := startServe(); err != nil {

@@ -1,25 +1,41 @@
 // Package container is the sandbox backend that runs each sandbox as an OCI
-// container through runc: namespaces (pid, mount, ipc, uts, a private network
-// namespace with loopback only) and cgroup v1/v2 limits, with the sandbox's
-// layers composed by overlayfs on the host and the guest agent as PID 1.
+// container through runc: namespaces (pid, mount, ipc, uts, cgroup, a
+// private network namespace with loopback only) and cgroup v1/v2 limits,
+// docker's capabilities, masked paths and seccomp profile, with the
+// sandbox's layers composed by overlayfs and the guest agent as PID 1.
 //
-// Lifecycle of one sandbox:
+// A sandbox is created one of two ways:
 //
-//   - Create mounts the overlay root (layers + a private upper under
-//     Spec.Dir), opens the agent's listening unix socket on the host, writes an
-//     OCI bundle and runs `runc run --detach`, handing the listening socket to
-//     the agent as fd 3. When Create returns the socket already accepts
-//     connections (they queue in the backlog until the agent accepts).
-//   - There is no shim: once runc exits the container's init is reparented,
-//     so sandboxes keep running when the node process dies; Recover asks runc
-//     for the state of a container described by a persisted Handle.
-//   - Delete SIGKILLs every task of the container's cgroup, waits for them to
-//     exit (pidfd), lets runc delete its state, unmounts the root and checks
-//     that no cgroup directory is left. It is idempotent.
+//   - Cold: Create mounts the overlay root (layers + a private upper under
+//     Spec.Dir) on the host, opens the agent's listening unix socket, writes
+//     an OCI bundle and runs `runc run --detach`, handing the agent the
+//     listening socket (fd 3), the node's precompiled seccomp filter
+//     (fd 4, see seccomp.go) and a ready pipe (fd 5). Create returns once the
+//     agent has installed the filter and is about to serve.
+//   - Pooled (pool.go): a pre-started blank container, already in its own
+//     namespaces and cgroups with its agent running, is claimed: the host
+//     writes the sandbox's limits into its cgroups, composes the overlay as
+//     a detached mount and passes its descriptor to the agent, which makes
+//     it its root, drops CAP_SYS_ADMIN and installs the filter. A claim takes
+//     a few milliseconds instead of a runc run; the pool refills in the
+//     background. Create falls back on the cold path when the pool is empty
+//     or a claim fails.
 //
-// A Backend holds no mutable state: it is safe for concurrent use, and two
-// calls for different sandboxes never contend. Calls for the same sandbox
-// must be serialized by the caller (the node's sandbox manager).
+// There is no shim: once runc exits the container's init is reparented, so
+// sandboxes keep running when the node process dies; Recover asks runc for
+// the state of a container described by a persisted Handle. Delete SIGKILLs
+// every task of the container's cgroup, waits for them to exit (pidfd), lets
+// runc delete its state, unmounts the root and checks that no cgroup
+// directory is left. It is idempotent.
+//
+// The runc container ID of a cold sandbox is the sandbox ID; a pooled
+// sandbox keeps the ID its pool container was started with
+// (Handle.Data["runc_id"]; its cgroups are <CgroupParent>/<runc_id>).
+//
+// A Backend is safe for concurrent use, and two calls for different
+// sandboxes never contend (the pool has its own lock, held briefly). Calls
+// for the same sandbox must be serialized by the caller (the node's sandbox
+// manager).
 package container
 
 import (
@@ -28,7 +44,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"github.com/shoal-sandbox/shoal/internal/layer"
 	"io"
 	"log/slog"
 	"net"
@@ -36,12 +51,17 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"runtime"
+	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 
 	"golang.org/x/sys/unix"
 
+	"github.com/shoal-sandbox/shoal/internal/backend/container/seccompbpf"
+	"github.com/shoal-sandbox/shoal/internal/layer"
 	"github.com/shoal-sandbox/shoal/internal/sandbox"
 )
 
@@ -55,6 +75,7 @@ const (
 	DefaultCgroupParent = "shoal"
 	DefaultMemoryBytes  = 512 << 20
 	DefaultPids         = 1024
+	DefaultPoolSize     = 4
 )
 
 // Paths inside Spec.Dir, and the agent's place in the container.
@@ -83,6 +104,20 @@ type Config struct {
 	// docker's --cgroup-parent), not from the node's own cgroup: a service
 	// manager stopping the node must not kill its sandboxes. Default "shoal".
 	CgroupParent string
+	// PoolSize is how many pre-started blank containers the backend keeps
+	// ready for Create to claim (see pool.go). 0 means DefaultPoolSize; a
+	// negative value disables the pool. The pool is filled from the first
+	// Create on, in the background.
+	PoolSize int
+	// PoolDir holds the pool containers' bundles and agent sockets, and
+	// those of the sandboxes made from them. Default: "pool" beside
+	// StateDir. It must outlive the node process like StateDir, and belongs
+	// to one Backend: New deletes the unclaimed pool containers it finds.
+	PoolDir string
+	// RuncSeccomp makes runc compile and load docker's seccomp profile in
+	// every container, as before the node compiled it once (seccomp.go).
+	// It disables the pool. For comparison and as a way out.
+	RuncSeccomp bool
 	// Log receives the backend's logs; nil discards them.
 	Log *slog.Logger
 }
@@ -91,6 +126,9 @@ type Config struct {
 func (c Config) Validate() error {
 	if c.StateDir != "" && !filepath.IsAbs(c.StateDir) {
 		return fmt.Errorf("container backend: state dir %q must be an absolute path", c.StateDir)
+	}
+	if c.PoolDir != "" && !filepath.IsAbs(c.PoolDir) {
+		return fmt.Errorf("container backend: pool dir %q must be an absolute path", c.PoolDir)
 	}
 	p := strings.Trim(c.CgroupParent, "/")
 	for _, part := range strings.Split(p, "/") {
@@ -112,6 +150,15 @@ func (c Config) withDefaults() Config {
 		c.CgroupParent = DefaultCgroupParent
 	}
 	c.CgroupParent = strings.Trim(filepath.Clean("/"+c.CgroupParent), "/")
+	if c.PoolDir == "" {
+		c.PoolDir = filepath.Join(filepath.Dir(c.StateDir), "pool")
+	}
+	if c.PoolSize == 0 {
+		c.PoolSize = DefaultPoolSize
+	}
+	if c.RuncSeccomp {
+		c.PoolSize = -1
+	}
 	if c.Log == nil {
 		c.Log = slog.New(slog.DiscardHandler)
 	}
@@ -123,13 +170,43 @@ type Backend struct {
 	runtime      string // absolute path of the runtime binary
 	stateDir     string
 	cgroupParent string // relative to each hierarchy's root, no leading or trailing slash
+	poolDir      string
 	log          *slog.Logger
+
+	// filter is a sealed memfd holding the compiled seccomp program that
+	// every agent installs (seccomp.go); nil when runc loads the profile.
+	filter     *os.File
+	filterProg seccompbpf.Program
+	pool       *pool // nil when disabled
+	// lifeline is the read end of a pipe whose write end (lifelineW) only
+	// this process holds: pool containers get it, and their agent exits
+	// when it reads EOF before a claim, so that no pool container outlives
+	// the node (agent.EnvLifeline). Nil without a pool.
+	lifeline, lifelineW *os.File
+
+	cgroupOnce sync.Once
+	cgroups    []cgroupMount // set once by cgroupOnce, read-only after; see cgroupMounts
+	cgroupsErr error
+
+	// runtimeCopy is a sealed memfd copy of the runtime binary, or nil.
+	// runc (1.1) copies its own 10 MiB binary into a new sealed memfd in
+	// every `runc run` and `runc init` (its defence against CVE-2019-5736,
+	// a container overwriting the host's runc through /proc/self/exe),
+	// unless it already runs from a sealed memfd: executing it from this
+	// copy saves that (~3-4 ms of CPU per container) with the same
+	// protection. An upgrade of the runtime on disk takes effect at the
+	// next start of the node.
+	runtimeCopy *os.File
 }
 
-var _ sandbox.Backend = (*Backend)(nil)
+var (
+	_ sandbox.Backend = (*Backend)(nil)
+	_ sandbox.Closer  = (*Backend)(nil)
+)
 
-// New checks that the runtime answers `--version`, creates the state
-// directory and returns a Backend.
+// New checks that the runtime answers `--version`, creates the state and
+// pool directories, compiles the seccomp filter, deletes the pool
+// containers a previous process left unclaimed and returns a Backend.
 func New(cfg Config) (*Backend, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
@@ -139,7 +216,7 @@ func New(cfg Config) (*Backend, error) {
 	if err != nil {
 		return nil, fmt.Errorf("container backend: find runtime %q: %w", cfg.Runtime, err)
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	out, err := exec.CommandContext(ctx, bin, "--version").CombinedOutput()
 	if err != nil {
@@ -148,9 +225,59 @@ func New(cfg Config) (*Backend, error) {
 	if err := os.MkdirAll(cfg.StateDir, 0o700); err != nil {
 		return nil, fmt.Errorf("container backend: create state dir: %w", err)
 	}
+	b := &Backend{runtime: bin, stateDir: cfg.StateDir, cgroupParent: cfg.CgroupParent, poolDir: cfg.PoolDir, log: cfg.Log}
+	if data, err := os.ReadFile(bin); err != nil {
+		cfg.Log.Warn("container backend: read runtime binary", "err", err)
+	} else if f, err := sealedFile(filepath.Base(bin), data); err != nil {
+		cfg.Log.Warn("container backend: sealed copy of the runtime", "err", err)
+	} else {
+		b.runtimeCopy = f
+		// Executing a memfd may be forbidden (vm.memfd_noexec).
+		if out, err := b.runc(ctx, "--version").CombinedOutput(); err != nil {
+			cfg.Log.Warn("container backend: cannot run the runtime from a sealed copy", "err", err, "output", string(bytes.TrimSpace(out)))
+			b.runtimeCopy = nil
+			f.Close()
+		}
+	}
+	if !cfg.RuncSeccomp {
+		prog, f, err := compileDockerFilter()
+		if err != nil {
+			// Still docker's profile, loaded by runc: slower, as safe.
+			cfg.Log.Warn("container backend: runc will load the seccomp profile of every container", "err", err)
+		} else {
+			b.filter, b.filterProg = f, prog
+		}
+	}
+	if err := b.sweepPool(ctx); err != nil {
+		return nil, fmt.Errorf("container backend: %w", err)
+	}
+	switch {
+	case cfg.PoolSize < 0:
+	case b.filter == nil:
+		cfg.Log.Warn("container backend: no pool without the compiled seccomp filter")
+	case len(b.memberSocket(poolPrefix+strings.Repeat("x", 16))) > maxSocketPath:
+		cfg.Log.Warn("container backend: no pool: pool dir too long for unix socket paths", "pool_dir", cfg.PoolDir)
+	default:
+		r, w, err := os.Pipe() // both close-on-exec: no child holds the write end
+		if err != nil {
+			return nil, fmt.Errorf("container backend: lifeline pipe: %w", err)
+		}
+		b.lifeline, b.lifelineW = r, w
+		b.pool = newPool(b, cfg.PoolSize)
+	}
 	version, _, _ := strings.Cut(string(out), "\n")
-	cfg.Log.Debug("container backend ready", "runtime", bin, "version", version, "state_dir", cfg.StateDir)
-	return &Backend{runtime: bin, stateDir: cfg.StateDir, cgroupParent: cfg.CgroupParent, log: cfg.Log}, nil
+	cfg.Log.Debug("container backend ready", "runtime", bin, "version", version, "state_dir", cfg.StateDir,
+		"seccomp", map[bool]string{true: "compiled once", false: "runc"}[b.filter != nil], "pool", cfg.PoolSize)
+	return b, nil
+}
+
+// Close stops refilling the pool and deletes the pool containers not yet
+// claimed. Sandboxes keep running. Create must not be called afterwards.
+func (b *Backend) Close(ctx context.Context) error {
+	if b.pool == nil {
+		return nil
+	}
+	return b.pool.close(ctx)
 }
 
 // Name returns "container".
@@ -224,18 +351,39 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (h sandbox.Hand
 	if err != nil {
 		return h, fmt.Errorf("container backend: %w", err)
 	}
-	log := b.log.With("sandbox_id", spec.ID)
-	rootfs := filepath.Join(dir, rootfsDir)
 	// Refuse before doing anything that the undo steps would tear down: an
 	// existing sandbox of that ID or that root must survive a repeated Create.
-	if b.hasState(spec.ID) {
+	if b.hasState(spec.ID) || exists(b.claimedDir(spec.ID)) {
 		return h, fmt.Errorf("create sandbox %s: a container with this id exists", spec.ID)
 	}
+	rootfs := filepath.Join(dir, rootfsDir)
 	if mounted, err := isOverlayMount(rootfs); err != nil {
 		return h, fmt.Errorf("create sandbox %s: %w", spec.ID, err)
 	} else if mounted {
 		return h, fmt.Errorf("create sandbox %s: %s is already mounted", spec.ID, rootfs)
 	}
+	if exists(filepath.Join(dir, upperDir)) {
+		return h, fmt.Errorf("create sandbox %s: %s has a writable layer already", spec.ID, dir)
+	}
+	if b.pool != nil {
+		if m := b.pool.take(spec.AgentBinary); m != nil {
+			h, err := b.claim(ctx, spec, dir, m)
+			if err == nil {
+				return h, nil
+			}
+			if ctx.Err() != nil {
+				return h, err
+			}
+			b.log.Warn("claim of a pool container failed; creating the sandbox cold", "sandbox_id", spec.ID, "err", err)
+		}
+	}
+	return b.createCold(ctx, spec, dir)
+}
+
+// createCold creates a sandbox with its own `runc run` around its root.
+func (b *Backend) createCold(ctx context.Context, spec sandbox.Spec, dir string) (h sandbox.Handle, err error) {
+	log := b.log.With("sandbox_id", spec.ID)
+	start := time.Now()
 	var undo undoStack
 	defer func() {
 		if err != nil {
@@ -243,9 +391,11 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (h sandbox.Hand
 		}
 	}()
 
+	rootfs := filepath.Join(dir, rootfsDir)
 	upper := filepath.Join(dir, upperDir)
 	work := filepath.Join(dir, workDir)
 	bundle := filepath.Join(dir, bundleDir)
+	undo.push("remove writable layer", func() error { return removeAll(upper, work) })
 	for _, d := range []string{rootfs, upper, work, bundle} {
 		if err := os.Mkdir(d, 0o755); err != nil && !errors.Is(err, os.ErrExist) {
 			return h, fmt.Errorf("create sandbox %s: %w", spec.ID, err)
@@ -253,11 +403,7 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (h sandbox.Hand
 	}
 
 	// 1. The root: overlay of the layers and the private upper.
-	lowers := make([]string, len(spec.Layers))
-	for i, l := range spec.Layers {
-		lowers[i] = l.MountPath
-	}
-	if err := layer.Compose(rootfs, lowers, upper, work, true); err != nil {
+	if err := layer.Compose(rootfs, lowerDirs(spec), upper, work, true); err != nil {
 		return h, fmt.Errorf("create sandbox %s: %w", spec.ID, err)
 	}
 	undo.push("unmount rootfs", func() error { return layer.Unmount(rootfs) })
@@ -283,19 +429,7 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (h sandbox.Hand
 		return h, fmt.Errorf("create sandbox %s: %w", spec.ID, err)
 	}
 
-	// 4. runc run --detach. The container's stdio is runc's stdio.
-	devNull, err := os.Open(os.DevNull)
-	if err != nil {
-		return h, fmt.Errorf("create sandbox %s: %w", spec.ID, err)
-	}
-	defer devNull.Close()
-	agentLog, err := os.OpenFile(filepath.Join(dir, agentLogName), os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o640)
-	if err != nil {
-		return h, fmt.Errorf("create sandbox %s: %w", spec.ID, err)
-	}
-	defer agentLog.Close()
-	logStart, _ := agentLog.Seek(0, io.SeekEnd)
-
+	// 4. runc run --detach, then wait for the agent.
 	// runc may leave a half-created container behind when it fails or is
 	// killed: undo by the same path as Delete, with its own time budget.
 	undo.push("destroy container", func() error {
@@ -303,41 +437,174 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (h sandbox.Hand
 		defer cancel()
 		return b.destroy(ctx, spec.ID)
 	})
-	cmd := b.runc(ctx, "run", "--detach", "--bundle", bundle, "--preserve-fds", "1",
-		"--pid-file", filepath.Join(dir, pidFileName), spec.ID)
-	cmd.Stdin = devNull
-	cmd.Stdout = agentLog
-	cmd.Stderr = agentLog
-	cmd.ExtraFiles = []*os.File{lnFile} // fd 3 in runc, preserved for the agent
-	if err := cmd.Run(); err != nil {
-		return h, fmt.Errorf("create sandbox %s: runc run: %w: %s", spec.ID, err, tail(agentLog.Name(), logStart))
+	if err := b.startContainer(ctx, spec.ID, bundle, dir, lnFile, false); err != nil {
+		return h, fmt.Errorf("create sandbox %s: %w", spec.ID, err)
 	}
 
-	log.Debug("sandbox created", "rootfs", rootfs)
+	log.Debug("sandbox created cold", "rootfs", rootfs, "took", time.Since(start))
 	return sandbox.Handle{
 		ID:          spec.ID,
 		Backend:     Name,
 		AgentSocket: sock,
-		Data:        map[string]string{"rootfs": rootfs, "bundle": bundle, "dir": dir},
+		Data:        map[string]string{"rootfs": rootfs, "bundle": bundle, "dir": dir, "runc_id": spec.ID},
 	}, nil
+}
+
+// lowerDirs are the overlay's lower directories, top first.
+func lowerDirs(spec sandbox.Spec) []string {
+	lowers := make([]string, len(spec.Layers))
+	for i, l := range spec.Layers {
+		lowers[i] = l.MountPath
+	}
+	return lowers
+}
+
+// startContainer runs `runc run --detach` for the bundle and waits until the
+// agent is ready (it has installed its seccomp filter, if any, and serves).
+// The container's stdio is runc's: /dev/null and dir/agent.log. The caller
+// destroys the container if this fails.
+//
+// A pool container (pooled) is started at the lowest CPU priority (nice 19,
+// see startMember) and gets the read end of the node's lifeline.
+func (b *Backend) startContainer(ctx context.Context, runcID, bundle, dir string, ln *os.File, pooled bool) error {
+	devNull, err := os.Open(os.DevNull)
+	if err != nil {
+		return err
+	}
+	defer devNull.Close()
+	agentLog, err := os.OpenFile(filepath.Join(dir, agentLogName), os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o640)
+	if err != nil {
+		return err
+	}
+	defer agentLog.Close()
+	logStart, _ := agentLog.Seek(0, io.SeekEnd)
+	readyR, readyW, err := os.Pipe()
+	if err != nil {
+		return fmt.Errorf("ready pipe: %w", err)
+	}
+	defer readyR.Close()
+	extra := []*os.File{ln} // fd 3
+	if b.filter != nil {
+		extra = append(extra, b.filter) // fd 4
+	}
+	extra = append(extra, readyW) // b.readyFD()
+	if pooled && b.lifeline != nil {
+		extra = append(extra, b.lifeline) // b.readyFD()+1
+	}
+	cmd := b.runcWith(ctx, extra, "run", "--detach", "--bundle", bundle, "--preserve-fds", strconv.Itoa(len(extra)),
+		"--pid-file", filepath.Join(dir, pidFileName), runcID)
+	cmd.Stdin = devNull
+	cmd.Stdout = agentLog
+	cmd.Stderr = agentLog
+	if pooled {
+		err = startNiced(cmd, 19)
+	} else {
+		err = cmd.Start()
+	}
+	if err == nil {
+		err = cmd.Wait()
+	}
+	readyW.Close() // now only the agent holds it: EOF if it dies
+	if err != nil {
+		return fmt.Errorf("runc run: %w: %s", err, tail(agentLog.Name(), logStart))
+	}
+	if err := waitReady(ctx, readyR); err != nil {
+		return fmt.Errorf("agent: %w: %s", err, tail(agentLog.Name(), logStart))
+	}
+	return nil
+}
+
+// startNiced starts cmd with the given nice value, which its children
+// inherit. Priorities are per thread: the child is forked from a thread
+// locked for the purpose, which exits with its goroutine.
+func startNiced(cmd *exec.Cmd, nice int) error {
+	errc := make(chan error, 1)
+	go func() {
+		runtime.LockOSThread() // never unlocked: the thread dies with the goroutine
+		if err := unix.Setpriority(unix.PRIO_PROCESS, 0, nice); err != nil {
+			errc <- fmt.Errorf("set priority: %w", err)
+			return
+		}
+		errc <- cmd.Start()
+	}()
+	return <-errc
+}
+
+// waitReady reads the agent's ready line: "ok", or "error: why".
+func waitReady(ctx context.Context, r *os.File) error {
+	if dl, ok := ctx.Deadline(); ok {
+		r.SetReadDeadline(dl)
+	}
+	stop := context.AfterFunc(ctx, func() { r.SetReadDeadline(time.Now()) })
+	defer stop()
+	var line []byte
+	buf := make([]byte, 512)
+	for len(line) < 4096 {
+		n, err := r.Read(buf)
+		line = append(line, buf[:n]...)
+		if i := bytes.IndexByte(line, '\n'); i >= 0 {
+			line = line[:i]
+			break
+		}
+		if err == io.EOF {
+			return errors.New("exited before it was ready")
+		}
+		if err != nil {
+			if ctx.Err() != nil {
+				return fmt.Errorf("not ready: %w", ctx.Err())
+			}
+			return fmt.Errorf("not ready: %w", err)
+		}
+	}
+	switch msg := string(line); {
+	case msg == "ok":
+		return nil
+	case strings.HasPrefix(msg, "error: "):
+		return errors.New(strings.TrimPrefix(msg, "error: "))
+	default:
+		return fmt.Errorf("unexpected ready message %q", msg)
+	}
+}
+
+// runcID returns the runtime's container ID for a handle, which may be a
+// provisional one (ID and dir only) left by a create that was interrupted.
+func (b *Backend) runcID(h sandbox.Handle) (string, error) {
+	id := h.Data["runc_id"]
+	if id == "" {
+		// A claim renames the pool container's dir to the sandbox's ID
+		// before anything else: it tells which container it got.
+		if data, err := os.ReadFile(filepath.Join(b.claimedDir(h.ID), runcIDFile)); err == nil {
+			id = strings.TrimSpace(string(data))
+		} else {
+			id = h.ID
+		}
+	}
+	if err := checkID(id); err != nil {
+		return "", err
+	}
+	return id, nil
 }
 
 // Recover reports whether the container of h still runs: StatusRunning
 // (running or paused), StatusStopped (its init is gone, it never started, or
-// its overlay root is no longer mounted on the host), or sandbox.ErrNotFound
-// when the runtime has no such container.
+// the overlay root of a cold sandbox is no longer mounted on the host), or
+// sandbox.ErrNotFound when the runtime has no such container.
 func (b *Backend) Recover(ctx context.Context, h sandbox.Handle) (sandbox.Status, error) {
 	if err := checkID(h.ID); err != nil {
 		return "", err
 	}
-	if !b.hasState(h.ID) {
+	id, err := b.runcID(h)
+	if err != nil {
+		return "", err
+	}
+	if !b.hasState(id) {
 		return "", fmt.Errorf("recover sandbox %s: %w", h.ID, sandbox.ErrNotFound)
 	}
 	var stdout, stderr bytes.Buffer
-	cmd := b.runc(ctx, "state", h.ID)
+	cmd := b.runc(ctx, "state", id)
 	cmd.Stdout, cmd.Stderr = &stdout, &stderr
 	if err := cmd.Run(); err != nil {
-		if !b.hasState(h.ID) {
+		if !b.hasState(id) {
 			return "", fmt.Errorf("recover sandbox %s: %w", h.ID, sandbox.ErrNotFound)
 		}
 		return "", fmt.Errorf("recover sandbox %s: runc state: %w: %s", h.ID, err, bytes.TrimSpace(stderr.Bytes()))
@@ -375,13 +642,17 @@ func (b *Backend) Delete(ctx context.Context, h sandbox.Handle) error {
 	if err := checkID(h.ID); err != nil {
 		return err
 	}
+	id, err := b.runcID(h)
+	if err != nil {
+		return err
+	}
 	if _, ok := ctx.Deadline(); !ok {
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithTimeout(ctx, sandbox.DefaultStartTimeout)
 		defer cancel()
 	}
 	var errs []error
-	if err := b.destroy(ctx, h.ID); err != nil {
+	if err := b.destroy(ctx, id); err != nil {
 		errs = append(errs, err)
 	}
 	rootfs := h.Data["rootfs"]
@@ -398,10 +669,16 @@ func (b *Backend) Delete(ctx context.Context, h sandbox.Handle) error {
 			errs = append(errs, err)
 		}
 	}
+	// A pooled sandbox's container dir (bundle, socket, log).
+	if len(errs) == 0 {
+		if err := os.RemoveAll(b.claimedDir(h.ID)); err != nil {
+			errs = append(errs, err)
+		}
+	}
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("delete sandbox %s: %w", h.ID, err)
 	}
-	b.log.Debug("sandbox deleted", "sandbox_id", h.ID)
+	b.log.Debug("sandbox deleted", "sandbox_id", h.ID, "runc_id", id)
 	return nil
 }
 
@@ -432,17 +709,35 @@ func (b *Backend) hasState(id string) bool {
 // runc returns a runtime command in its own process group (a Ctrl-C of the
 // node must not reach it, nor the container it starts) with no stdio of ours.
 func (b *Backend) runc(ctx context.Context, args ...string) *exec.Cmd {
+	return b.runcWith(ctx, nil, args...)
+}
+
+// runcWith is runc with extra files for the runtime (fd 3 on). The runtime
+// binary is executed from the backend's sealed copy when there is one (see
+// runtimeCopy).
+func (b *Backend) runcWith(ctx context.Context, extra []*os.File, args ...string) *exec.Cmd {
 	cmd := exec.CommandContext(ctx, b.runtime, append([]string{"--root", b.stateDir}, args...)...)
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
 	cmd.WaitDelay = 5 * time.Second
+	cmd.ExtraFiles = extra
+	if b.runtimeCopy != nil {
+		// The copy goes last, past what --preserve-fds hands the container
+		// (runc marks every later descriptor close-on-exec in its init).
+		cmd.ExtraFiles = append(append([]*os.File(nil), extra...), b.runtimeCopy)
+		cmd.Path = "/proc/self/fd/" + strconv.Itoa(3+len(extra))
+		cmd.Args[0] = filepath.Base(b.runtime)
+	}
 	return cmd
 }
+
+// maxSocketPath is the longest path a unix socket can be bound to.
+var maxSocketPath = len(unix.RawSockaddrUnix{}.Path) - 1
 
 // listenAgent binds a listening unix socket at path and returns it as a file
 // (for the agent); the listener itself is closed without unlinking the path.
 func listenAgent(path string) (*os.File, error) {
-	if len(path) > len(unix.RawSockaddrUnix{}.Path)-1 {
-		return nil, fmt.Errorf("agent socket path %s is longer than %d bytes: use a shorter sandbox dir", path, len(unix.RawSockaddrUnix{}.Path)-1)
+	if len(path) > maxSocketPath {
+		return nil, fmt.Errorf("agent socket path %s is longer than %d bytes: use a shorter sandbox dir", path, maxSocketPath)
 	}
 	if err := removeIfExists(path); err != nil {
 		return nil, err
@@ -486,6 +781,21 @@ func writeJSON(path string, v any) error {
 		return fmt.Errorf("write %s: %w", filepath.Base(path), err)
 	}
 	return nil
+}
+
+func exists(path string) bool {
+	_, err := os.Lstat(path)
+	return err == nil
+}
+
+func removeAll(paths ...string) error {
+	var errs []error
+	for _, p := range paths {
+		if err := os.RemoveAll(p); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
 }
 
 func removeIfExists(path string) error {

@@ -27,6 +27,7 @@ import (
 var (
 	skipReason  string // why root-only tests skip; "" when they run
 	agentBinary string // testdata/testagent, built static
+	realAgent   string // cmd/shoal-agent, built static (for pooled sandboxes)
 	lowerDir    string // a busybox root, the single lower layer
 )
 
@@ -76,6 +77,12 @@ func setup(tmp string) error {
 	if out, err := build.CombinedOutput(); err != nil {
 		return fmt.Errorf("build test agent: %v: %s", err, out)
 	}
+	realAgent = filepath.Join(tmp, "shoal-agent")
+	build = exec.Command("go", "build", "-o", realAgent, "github.com/shoal-sandbox/shoal/cmd/shoal-agent")
+	build.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := build.CombinedOutput(); err != nil {
+		return fmt.Errorf("build shoal-agent: %v: %s", err, out)
+	}
 	lowerDir = filepath.Join(tmp, "busybox-root")
 	for _, d := range []string{"bin", "etc", "root", "tmp", "proc", "sys", "dev"} {
 		if err := os.MkdirAll(filepath.Join(lowerDir, d), 0o755); err != nil {
@@ -90,7 +97,7 @@ func setup(tmp string) error {
 	if err := os.WriteFile(filepath.Join(lowerDir, "bin", "busybox"), data, 0o755); err != nil {
 		return err
 	}
-	for _, app := range []string{"sh", "cat", "echo", "sleep", "ls", "ps", "id", "hostname", "ip", "touch", "mkdir", "rm"} {
+	for _, app := range []string{"sh", "cat", "echo", "sleep", "ls", "ps", "id", "hostname", "ip", "touch", "mkdir", "rm", "env", "grep", "unshare", "true", "mount", "stat"} {
 		if err := os.Symlink("busybox", filepath.Join(lowerDir, "bin", app)); err != nil {
 			return err
 		}
@@ -107,7 +114,7 @@ func requireRoot(t testing.TB) {
 
 func newBackend(t testing.TB) *Backend {
 	t.Helper()
-	b, err := New(Config{StateDir: t.TempDir(), CgroupParent: testCgroupParent})
+	b, err := New(Config{StateDir: t.TempDir(), CgroupParent: testCgroupParent, PoolSize: -1})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -526,10 +533,30 @@ func helperMain() {
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(2)
 	}
-	b, err := New(Config{StateDir: os.Getenv("SHOAL_TEST_STATE_DIR"), CgroupParent: testCgroupParent})
+	poolSize := -1
+	if os.Getenv("SHOAL_TEST_POOL") == "1" {
+		poolSize = 1
+	}
+	b, err := New(Config{StateDir: os.Getenv("SHOAL_TEST_STATE_DIR"), CgroupParent: testCgroupParent, PoolSize: poolSize})
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(2)
+	}
+	if b.pool != nil {
+		// Wait for a pool container, so that the create is a claim.
+		b.pool.take(spec.AgentBinary)
+		for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+			b.pool.mu.Lock()
+			n := len(b.pool.ready)
+			b.pool.mu.Unlock()
+			if n > 0 {
+				break
+			}
+			if time.Now().After(deadline) {
+				fmt.Fprintln(os.Stderr, "no pool container after 30s")
+				os.Exit(2)
+			}
+		}
 	}
 	h, err := b.Create(context.Background(), spec)
 	if err != nil {

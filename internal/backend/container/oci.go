@@ -3,12 +3,14 @@ package container
 import (
 	"fmt"
 	"path"
+	"strconv"
 	"strings"
 
 	"github.com/moby/profiles/seccomp"
 	specs "github.com/opencontainers/runtime-spec/specs-go"
 	"golang.org/x/sys/unix"
 
+	"github.com/shoal-sandbox/shoal/internal/agent"
 	"github.com/shoal-sandbox/shoal/internal/sandbox"
 )
 
@@ -44,19 +46,76 @@ var baseEnv = []string{
 	"TERM=xterm",
 }
 
+// Descriptors the agent inherits from runc (--preserve-fds): the listening
+// socket, the seccomp filter (when the agent installs it), the ready pipe,
+// and for a pool container the lifeline.
+const (
+	fdSocket  = 3
+	fdSeccomp = 4
+)
+
 // ociSpec returns the runtime configuration of a sandbox whose overlay root
-// is mounted at rootfs.
+// is mounted at rootfs (the cold path: runc sets the container up around
+// its final root).
 func (b *Backend) ociSpec(spec sandbox.Spec, rootfs string) (*specs.Spec, error) {
-	mem := spec.Resources.MemoryBytes
+	return b.containerSpec(containerOptions{
+		runcID:   spec.ID,
+		rootfs:   rootfs,
+		hostname: hostname(spec.ID),
+		env:      sandboxEnv(spec),
+		res:      spec.Resources,
+		agent:    spec.AgentBinary,
+		caps:     dockerCaps,
+	})
+}
+
+// sandboxEnv is the environment of a sandbox's processes. The variables of
+// the agent's start-up contract are not the caller's to set.
+func sandboxEnv(spec sandbox.Spec) []string {
+	env := make([]string, 0, len(spec.Env))
+	for _, kv := range spec.Env {
+		k, _, _ := strings.Cut(kv, "=")
+		switch k {
+		case "SHOAL_AGENT_FD", agent.EnvSeccompFD, agent.EnvReadyFD, agent.EnvPool:
+			continue
+		}
+		env = append(env, kv)
+	}
+	return mergeEnv(baseEnv, env, []string{"SHOAL_SANDBOX_ID=" + spec.ID})
+}
+
+// containerOptions are what differs between a sandbox's container and a
+// pool container.
+type containerOptions struct {
+	runcID   string
+	rootfs   string
+	hostname string
+	env      []string // without the SHOAL_*_FD variables
+	res      sandbox.Resources
+	agent    string
+	caps     []string
+	pooled   bool // a blank pool container (SHOAL_POOL=1)
+}
+
+// readyFD is the ready pipe's descriptor number in the agent.
+func (b *Backend) readyFD() int {
+	if b.filter != nil {
+		return fdSeccomp + 1
+	}
+	return fdSeccomp
+}
+
+func (b *Backend) containerSpec(o containerOptions) (*specs.Spec, error) {
+	mem := o.res.MemoryBytes
 	if mem == 0 {
 		mem = DefaultMemoryBytes
 	}
-	pids := spec.Resources.Pids
+	pids := o.res.Pids
 	if pids == 0 {
 		pids = DefaultPids
 	}
-	if mem < 0 || pids < 0 || spec.Resources.MilliCPU < 0 {
-		return nil, fmt.Errorf("negative resource limit %+v", spec.Resources)
+	if mem < 0 || pids < 0 || o.res.MilliCPU < 0 {
+		return nil, fmt.Errorf("negative resource limit %+v", o.res)
 	}
 	res := &specs.LinuxResources{
 		// Deny every device; runc allows its default /dev nodes back.
@@ -65,35 +124,51 @@ func (b *Backend) ociSpec(spec sandbox.Spec, rootfs string) (*specs.Spec, error)
 		Memory: &specs.LinuxMemory{Limit: &mem, Swap: &mem},
 		Pids:   &specs.LinuxPids{Limit: &pids},
 	}
-	if m := spec.Resources.MilliCPU; m > 0 {
+	if m := o.res.MilliCPU; m > 0 {
 		quota, period := m*cpuPeriod/1000, uint64(cpuPeriod)
 		res.CPU = &specs.LinuxCPU{Quota: &quota, Period: &period}
+	}
+	if o.pooled {
+		// A pool container starts at the lowest CPU weight, so that filling
+		// the pool yields to the sandboxes (and claims) that run; the claim
+		// restores the default weight (setLimits).
+		shares := uint64(poolCPUShares)
+		res.CPU = &specs.LinuxCPU{Shares: &shares}
 	}
 
 	nofile, err := nofileLimit()
 	if err != nil {
 		return nil, err
 	}
+	fdEnv := []string{
+		"SHOAL_AGENT_FD=" + strconv.Itoa(fdSocket),
+		agent.EnvReadyFD + "=" + strconv.Itoa(b.readyFD()),
+	}
+	if b.filter != nil {
+		fdEnv = append(fdEnv, agent.EnvSeccompFD+"="+strconv.Itoa(fdSeccomp))
+	}
+	if o.pooled {
+		fdEnv = append(fdEnv, agent.EnvPool+"=1")
+		if b.lifeline != nil {
+			fdEnv = append(fdEnv, agent.EnvLifeline+"="+strconv.Itoa(b.readyFD()+1))
+		}
+	}
 	s := &specs.Spec{
 		Version: ociVersion,
-		Root:    &specs.Root{Path: rootfs},
+		Root:    &specs.Root{Path: o.rootfs},
 		Process: &specs.Process{
-
 			Args: []string{agentPath},
-			Env: mergeEnv(baseEnv, spec.Env, []string{
-				"SHOAL_AGENT_FD=3",
-				"SHOAL_SANDBOX_ID=" + spec.ID,
-			}),
+			Env:  mergeEnv(o.env, fdEnv),
 			Cwd:  "/",
 			User: specs.User{UID: 0, GID: 0},
 			Capabilities: &specs.LinuxCapabilities{
-				Bounding:  dockerCaps,
-				Effective: dockerCaps,
-				Permitted: dockerCaps,
+				Bounding:  o.caps,
+				Effective: o.caps,
+				Permitted: o.caps,
 			},
 			Rlimits: []specs.POSIXRlimit{{Type: "RLIMIT_NOFILE", Hard: nofile, Soft: nofile}},
 		},
-		Hostname: hostname(spec.ID),
+		Hostname: o.hostname,
 		Mounts: []specs.Mount{
 			{Destination: "/proc", Type: "proc", Source: "proc", Options: []string{"nosuid", "noexec", "nodev"}},
 			{Destination: "/dev", Type: "tmpfs", Source: "tmpfs", Options: []string{"nosuid", "strictatime", "mode=755", "size=65536k"}},
@@ -103,10 +178,10 @@ func (b *Backend) ociSpec(spec sandbox.Spec, rootfs string) (*specs.Spec, error)
 			{Destination: "/sys", Type: "sysfs", Source: "sysfs", Options: []string{"nosuid", "noexec", "nodev", "ro"}},
 			{Destination: "/sys/fs/cgroup", Type: "cgroup", Source: "cgroup", Options: []string{"nosuid", "noexec", "nodev", "relatime", "ro"}},
 			// The agent: one host binary shared (page cache and all) by every sandbox.
-			{Destination: agentPath, Type: "bind", Source: spec.AgentBinary, Options: []string{"bind", "ro", "nosuid", "nodev"}},
+			{Destination: agentPath, Type: "bind", Source: o.agent, Options: []string{"bind", "ro", "nosuid", "nodev"}},
 		},
 		Linux: &specs.Linux{
-			CgroupsPath: b.cgroupPath(spec.ID),
+			CgroupsPath: b.cgroupPath(o.runcID),
 			Resources:   res,
 			Namespaces: []specs.LinuxNamespace{
 				{Type: specs.PIDNamespace},
@@ -121,7 +196,17 @@ func (b *Backend) ociSpec(spec sandbox.Spec, rootfs string) (*specs.Spec, error)
 			ReadonlyPaths: dockerReadonlyPaths,
 		},
 	}
-	// The default profile depends on the capabilities: set them first.
+	if b.filter != nil {
+		// The agent installs the node's precompiled filter on itself
+		// (seccomp.go); a process without CAP_SYS_ADMIN may only do so
+		// under no_new_privs. Consequence: setuid and file-capability
+		// binaries do not gain privileges in a sandbox (the processes run
+		// as root already, with docker's capabilities).
+		s.Process.NoNewPrivileges = true
+		return s, nil
+	}
+	// runc compiles and loads the profile. It depends on the capabilities:
+	// set them first.
 	sc, err := seccomp.GetDefaultProfile(s)
 	if err != nil {
 		return nil, fmt.Errorf("seccomp profile: %w", err)

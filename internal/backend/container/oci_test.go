@@ -58,7 +58,7 @@ func TestCheckSpec(t *testing.T) {
 func TestOCISpec(t *testing.T) {
 	b := &Backend{cgroupParent: "shoal"}
 	s := validSpec()
-	s.Env = []string{"HOME=/work", "FOO=bar", "SHOAL_AGENT_FD=7"}
+	s.Env = []string{"HOME=/work", "FOO=bar", "SHOAL_AGENT_FD=7", "SHOAL_POOL=1", "SHOAL_SECCOMP_FD=9"}
 	cfg, err := b.ociSpec(s, "/var/lib/shoal/sb-1/rootfs")
 	if err != nil {
 		t.Fatal(err)
@@ -71,7 +71,7 @@ func TestOCISpec(t *testing.T) {
 	}
 	wantEnv := []string{
 		"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-		"HOME=/work", "TERM=xterm", "FOO=bar", "SHOAL_AGENT_FD=3", "SHOAL_SANDBOX_ID=sb-1",
+		"HOME=/work", "TERM=xterm", "FOO=bar", "SHOAL_SANDBOX_ID=sb-1", "SHOAL_AGENT_FD=3", "SHOAL_READY_FD=4",
 	}
 	if !slices.Equal(cfg.Process.Env, wantEnv) {
 		t.Errorf("env %q, want %q", cfg.Process.Env, wantEnv)
@@ -135,6 +135,46 @@ func TestOCISpec(t *testing.T) {
 	s.Resources.MemoryBytes = -1
 	if _, err := b.ociSpec(s, "/r"); err == nil {
 		t.Error("negative memory accepted")
+	}
+}
+
+// TestOCISpecCompiledSeccomp: with the node's compiled filter, runc loads
+// no profile; the agent gets the filter as fd 4 and runs with
+// no_new_privs. A pool container also has CAP_SYS_ADMIN and SHOAL_POOL.
+func TestOCISpecCompiledSeccomp(t *testing.T) {
+	prog, f, err := compileDockerFilter()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	b := &Backend{cgroupParent: "shoal", filter: f, filterProg: prog}
+	cfg, err := b.ociSpec(validSpec(), "/r")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.Linux.Seccomp != nil || !cfg.Process.NoNewPrivileges {
+		t.Errorf("seccomp %v, noNewPrivileges %v: want none, true", cfg.Linux.Seccomp != nil, cfg.Process.NoNewPrivileges)
+	}
+	for _, want := range []string{"SHOAL_AGENT_FD=3", "SHOAL_SECCOMP_FD=4", "SHOAL_READY_FD=5"} {
+		if !slices.Contains(cfg.Process.Env, want) {
+			t.Errorf("env %q lacks %s", cfg.Process.Env, want)
+		}
+	}
+	if slices.Contains(cfg.Process.Capabilities.Bounding, "CAP_SYS_ADMIN") || slices.Contains(cfg.Process.Env, "SHOAL_POOL=1") {
+		t.Errorf("a sandbox container is set up like a pool container: %+v", cfg.Process)
+	}
+
+	pool, err := b.containerSpec(containerOptions{runcID: "pool-1", rootfs: "/r", hostname: "pool", env: baseEnv,
+		agent: "/a", caps: append(slices.Clone(dockerCaps), "CAP_SYS_ADMIN"), pooled: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Contains(pool.Process.Env, "SHOAL_POOL=1") || !slices.Contains(pool.Process.Capabilities.Bounding, "CAP_SYS_ADMIN") ||
+		pool.Linux.Seccomp != nil || !pool.Process.NoNewPrivileges || pool.Linux.CgroupsPath != "/shoal/pool-1" {
+		t.Errorf("pool container %+v %+v", pool.Process, pool.Linux)
+	}
+	if len(pool.Linux.MaskedPaths) == 0 || len(pool.Linux.Namespaces) != len(cfg.Linux.Namespaces) {
+		t.Errorf("pool container lacks masked paths or namespaces: %+v", pool.Linux)
 	}
 }
 

@@ -3,7 +3,10 @@
 // $SHOAL_AGENT_FD and answers each request line with one JSON line.
 //
 // Requests: "pid", "hostname", "ifaces", "fds", "cgroup", "nofile",
-// "write <path> <text>", "exec <shell command>".
+// "status" (/proc/self/status), "write <path> <text>", "exec <shell command>".
+//
+// Like shoal-agent it installs the seccomp filter it is given and reports
+// on the ready pipe (agent.StartBoot).
 package main
 
 import (
@@ -16,6 +19,8 @@ import (
 	"strconv"
 	"strings"
 	"syscall"
+
+	"github.com/shoal-sandbox/shoal/internal/agent"
 )
 
 type reply struct {
@@ -24,6 +29,12 @@ type reply struct {
 }
 
 func main() {
+	boot, err := agent.StartBoot()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "testagent: boot:", err)
+		boot.Ready(err)
+		os.Exit(2)
+	}
 	fd, err := strconv.Atoi(os.Getenv("SHOAL_AGENT_FD"))
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "testagent: SHOAL_AGENT_FD:", err)
@@ -34,6 +45,7 @@ func main() {
 		fmt.Fprintln(os.Stderr, "testagent:", err)
 		os.Exit(2)
 	}
+	boot.Ready(nil)
 	for {
 		c, err := ln.Accept()
 		if err != nil {
@@ -93,6 +105,9 @@ func handle(line string) (string, error) {
 	case "cgroup":
 		data, err := os.ReadFile("/proc/self/cgroup")
 		return strings.TrimSpace(string(data)), err
+	case "status":
+		data, err := os.ReadFile("/proc/self/status")
+		return string(data), err
 	case "nofile":
 		var rl syscall.Rlimit
 		err := syscall.Getrlimit(syscall.RLIMIT_NOFILE, &rl)

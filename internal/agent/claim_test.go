@@ -1,0 +1,161 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"io/fs"
+	"net"
+	"os"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// pooledServer serves a pooled server (as after StartBoot with
+// SHOAL_POOL=1) on a fresh socket. Its exit hook records the exit code
+// instead of exiting.
+func pooledServer(t *testing.T) (*Client, *atomic.Int32) {
+	t.Helper()
+	srv := NewServer(Config{})
+	allow := []unix.SockFilter{{Code: unix.BPF_RET | unix.BPF_K, K: 0x7fff0000}}
+	if err := srv.AcceptClaims(&Boot{pooled: true, seccomp: allow}, nil); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { claimStates.Delete(srv) })
+	exited := new(atomic.Int32)
+	exited.Store(-1)
+	v, _ := claimStates.Load(srv)
+	v.(*claimState).exit = func(code int) { exited.Store(int32(code)) }
+	sock := shortSocket(t)
+	l, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	go srv.Serve(l)
+	t.Cleanup(func() { l.Close() })
+	return NewClient(sock), exited
+}
+
+func TestPooledServesOnlyPingAndClaim(t *testing.T) {
+	c, _ := pooledServer(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if _, err := c.Ping(ctx); err != nil {
+		t.Fatalf("ping: %v", err)
+	}
+	_, err := c.Exec(ctx, ExecRequest{Args: []string{"true"}})
+	var ae *Error
+	if !errors.As(err, &ae) || ae.Code != CodeUnsupported || !strings.Contains(ae.Msg, "not been claimed") {
+		t.Errorf("exec before the claim: %v", err)
+	}
+	if _, err := c.Stat(ctx, "/"); err == nil {
+		t.Error("stat before the claim succeeded")
+	}
+	if _, _, err := c.ReadFile(ctx, "/etc/hostname"); err == nil {
+		t.Error("read before the claim succeeded")
+	}
+}
+
+// TestClaimWithoutMountExits: a claim whose descriptor is not a mount fails
+// at the first step; the agent answers and exits (it would not serve a
+// half-claimed sandbox), and nothing was claimed.
+func TestClaimWithoutMountExits(t *testing.T) {
+	c, exited := pooledServer(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	f, err := os.Open(os.DevNull)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	err = c.Claim(ctx, int(f.Fd()), ClaimRequest{Hostname: "x", Env: []string{"A=1"}})
+	if err == nil || !strings.Contains(err.Error(), "attach root") {
+		t.Fatalf("claim with /dev/null: %v", err)
+	}
+	if got := exited.Load(); got != 1 {
+		t.Errorf("exit code %d, want 1", got)
+	}
+	if _, err := c.Exec(ctx, ExecRequest{Args: []string{"true"}}); err == nil {
+		t.Error("exec after a failed claim succeeded")
+	}
+}
+
+// TestClaimBadEnv: the request is checked before the root moves (a root
+// switch would fail the test process here); the agent still exits.
+func TestClaimBadEnv(t *testing.T) {
+	c, exited := pooledServer(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	f, _ := os.Open(os.DevNull)
+	defer f.Close()
+	err := c.Claim(ctx, int(f.Fd()), ClaimRequest{Env: []string{"NOEQUALS"}})
+	if err == nil || !strings.Contains(err.Error(), "environment") {
+		t.Fatalf("claim with a bad env: %v", err)
+	}
+	if got := exited.Load(); got != 1 {
+		t.Errorf("exit code %d, want 1", got)
+	}
+}
+
+func TestClaimRefusedByColdAgent(t *testing.T) {
+	c := startAgent(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	f, _ := os.Open(os.DevNull)
+	defer f.Close()
+	err := c.Claim(ctx, int(f.Fd()), ClaimRequest{})
+	var ae *Error
+	if !errors.As(err, &ae) || ae.Code != CodeUnsupported {
+		t.Errorf("claim of a cold agent: %v", err)
+	}
+	// It still serves.
+	if _, err := c.Stat(ctx, "/"); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		t.Errorf("stat after a refused claim: %v", err)
+	}
+}
+
+func TestDecodeFilter(t *testing.T) {
+	if _, err := decodeFilter(make([]byte, 7)); err == nil {
+		t.Error("7 bytes accepted")
+	}
+	if _, err := decodeFilter(nil); err == nil {
+		t.Error("empty filter accepted")
+	}
+	p, err := decodeFilter([]byte{6, 0, 1, 2, 0, 0, 0xff, 0x7f})
+	if err != nil || len(p) != 1 || p[0].Code != 6 || p[0].Jt != 1 || p[0].Jf != 2 || p[0].K != 0x7fff0000 {
+		t.Errorf("decode: %+v %v", p, err)
+	}
+}
+
+// TestLifeline: an unclaimed pooled agent exits when the node's end of the
+// lifeline closes.
+func TestLifeline(t *testing.T) {
+	r, w, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := NewServer(Config{})
+	allow := []unix.SockFilter{{Code: unix.BPF_RET | unix.BPF_K, K: 0x7fff0000}}
+	exited := make(chan int, 1)
+	st := &claimState{seccomp: allow, lifeline: r, exit: func(code int) { exited <- code }}
+	claimStates.Store(srv, st)
+	t.Cleanup(func() { claimStates.Delete(srv) })
+	go srv.watchLifeline(st)
+	select {
+	case code := <-exited:
+		t.Fatalf("exited (%d) while the node lives", code)
+	case <-time.After(100 * time.Millisecond):
+	}
+	w.Close() // the node dies
+	select {
+	case code := <-exited:
+		if code != 0 {
+			t.Errorf("exit code %d", code)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("did not exit after the lifeline closed")
+	}
+}

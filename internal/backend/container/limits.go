@@ -1,0 +1,153 @@
+package container
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+
+	"github.com/shoal-sandbox/shoal/internal/sandbox"
+)
+
+// CPU weights: a pool container's while it waits, a sandbox's (the
+// kernel's default, which cold sandboxes keep).
+const (
+	poolCPUShares    = 2
+	defaultCPUShares = 1024
+)
+
+// setLimits writes a sandbox's resource limits into the cgroups of the
+// container runcID, as runc would have from the OCI spec: memory and
+// memory+swap (v1: memory.limit_in_bytes, memory.memsw.limit_in_bytes;
+// v2: memory.max, memory.swap.max = 0), the CFS quota, the pids limit, and
+// the default CPU weight in place of a pool container's lowest one.
+// A pool container is created with the defaults; a claim sets the limits
+// of the sandbox it becomes before the sandbox's root arrives.
+func (b *Backend) setLimits(runcID string, r sandbox.Resources) error {
+	mem := r.MemoryBytes
+	if mem == 0 {
+		mem = DefaultMemoryBytes
+	}
+	pids := r.Pids
+	if pids == 0 {
+		pids = DefaultPids
+	}
+	if mem < 0 || pids < 0 || r.MilliCPU < 0 {
+		return fmt.Errorf("negative resource limit %+v", r)
+	}
+	quota := int64(-1)
+	if r.MilliCPU > 0 {
+		quota = r.MilliCPU * cpuPeriod / 1000
+	}
+	mounts, err := b.cgroupMounts()
+	if err != nil {
+		return err
+	}
+	memStr, pidsStr := strconv.FormatInt(mem, 10), strconv.FormatInt(pids, 10)
+	for _, m := range mounts {
+		dir := filepath.Join(m.dir, b.cgroupParent, runcID)
+		has := func(ctrl string) bool { return slices.Contains(m.options, ctrl) }
+		if m.v2 {
+			// Only the controllers enabled for us have files (none on a
+			// hybrid host, whose v2 hierarchy is systemd's alone).
+			for _, w := range []struct{ file, value string }{
+				{"memory.max", memStr},
+				{"memory.swap.max", "0"},
+				{"pids.max", pidsStr},
+				{"cpu.max", cpuMax(quota)},
+				{"cpu.weight", "100"},
+			} {
+				if err := writeIfExists(filepath.Join(dir, w.file), w.value); err != nil {
+					return err
+				}
+			}
+			continue
+		}
+		if has("memory") {
+			if err := setMemoryV1(dir, memStr, mem); err != nil {
+				return err
+			}
+		}
+		if has("pids") {
+			if err := writeCgroup(filepath.Join(dir, "pids.max"), pidsStr); err != nil {
+				return err
+			}
+		}
+		if has("cpu") {
+			if err := writeCgroup(filepath.Join(dir, "cpu.shares"), strconv.Itoa(defaultCPUShares)); err != nil {
+				return err
+			}
+			if err := writeCgroup(filepath.Join(dir, "cpu.cfs_period_us"), strconv.Itoa(cpuPeriod)); err != nil {
+				return err
+			}
+			if err := writeCgroup(filepath.Join(dir, "cpu.cfs_quota_us"), strconv.FormatInt(quota, 10)); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// setMemoryV1 sets memory and memory+swap to the same limit. The kernel
+// keeps memory <= memory+swap at every step, so the order depends on
+// whether the limit goes down or up.
+func setMemoryV1(dir, value string, limit int64) error {
+	memFile := filepath.Join(dir, "memory.limit_in_bytes")
+	swFile := filepath.Join(dir, "memory.memsw.limit_in_bytes")
+	cur, err := os.ReadFile(memFile)
+	if err != nil {
+		return fmt.Errorf("read %s: %w", memFile, err)
+	}
+	curLimit, _ := strconv.ParseInt(strings.TrimSpace(string(cur)), 10, 64)
+	order := []string{memFile, swFile}
+	if limit > curLimit {
+		order = []string{swFile, memFile}
+	}
+	for _, f := range order {
+		if f == swFile {
+			// No swap accounting (swapaccount=0): nothing to bound.
+			if err := writeIfExists(f, value); err != nil {
+				return err
+			}
+			continue
+		}
+		if err := writeCgroup(f, value); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func cpuMax(quota int64) string {
+	if quota < 0 {
+		return "max " + strconv.Itoa(cpuPeriod)
+	}
+	return strconv.FormatInt(quota, 10) + " " + strconv.Itoa(cpuPeriod)
+}
+
+// writeCgroup writes a cgroup control file (never creating it: cgroupfs
+// answers EACCES, not ENOENT, to a create).
+func writeCgroup(path, value string) error {
+	f, err := os.OpenFile(path, os.O_WRONLY|os.O_TRUNC, 0)
+	if err == nil {
+		_, err = f.WriteString(value)
+		if cerr := f.Close(); err == nil {
+			err = cerr
+		}
+	}
+	if err != nil {
+		return fmt.Errorf("write %s = %s: %w", path, value, err)
+	}
+	return nil
+}
+
+func writeIfExists(path, value string) error {
+	err := writeCgroup(path, value)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	return err
+}

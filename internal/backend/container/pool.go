@@ -1,0 +1,488 @@
+package container
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"sync"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/shoal-sandbox/shoal/internal/agent"
+	"github.com/shoal-sandbox/shoal/internal/layer"
+	"github.com/shoal-sandbox/shoal/internal/sandbox"
+)
+
+// The warm pool.
+//
+// A pool container is a runc container started ahead of time over an empty
+// root: its own pid, mount, ipc, uts, cgroup and network namespaces, its
+// cgroups (with the default limits), docker's masked and read-only paths,
+// /proc, /dev and /sys mounted, and the agent running as PID 1 in pooled
+// mode. It has CAP_SYS_ADMIN (for the root switch) and no seccomp filter
+// yet; nothing but the agent ever runs in it before it is claimed.
+//
+// A claim (Create with a ready pool container):
+//
+//  1. renames the container's dir PoolDir/ready/<runc id> to
+//     PoolDir/claimed/<sandbox id>, atomically (RENAME_NOREPLACE): from then
+//     on the container belongs to the sandbox, and a provisional handle (a
+//     create interrupted by a crash) finds it by the sandbox ID;
+//  2. writes the sandbox's limits into the container's cgroups;
+//  3. composes the overlay root (layers + the private upper under
+//     Spec.Dir) as a detached mount, and sends its descriptor to the agent
+//     with the host name and the environment (agent.Client.Claim);
+//  4. the agent attaches it, moves /proc, /dev, /sys and its binary into it,
+//     pivots, installs docker's seccomp filter for docker's capabilities on
+//     every thread and drops CAP_SYS_ADMIN from every thread
+//     (internal/agent/claim.go); only then does it answer and serve.
+//
+// Isolation is that of a cold sandbox: same namespaces, cgroup limits
+// (written by the host before the root arrives), capabilities (CAP_SYS_ADMIN
+// is gone from the bounding set before any command can run), seccomp
+// policy, masked paths, read-only agent binary, no network. The overlay
+// root exists only in the container's mount namespace, not on the host.
+//
+// The pool is filled lazily (from the first Create on) and refilled in the
+// background, one container at a time, after each claim, at the lowest
+// priority: runc runs at nice 19 and the pool container's cgroup at the
+// lowest CPU weight until its claim (the agent's threads are set back to
+// nice 0 once it is ready), so that filling the pool yields to the creates
+// and sandboxes that run. A failed claim
+// deletes the pool container and the create falls back on the cold path.
+// Close deletes the unclaimed pool containers. Should the node die without
+// Close, their agents exit on their own (the lifeline, agent.EnvLifeline),
+// and the next New on the same dirs deletes the stopped containers.
+
+// Layout of PoolDir.
+const (
+	poolReady   = "ready"   // ready/<runc id>: unclaimed pool containers
+	poolClaimed = "claimed" // claimed/<sandbox id>: containers of pooled sandboxes
+	runcIDFile  = "runc-id" // in a container dir: the runc container ID
+	ownerFile   = "owner"   // in a claimed dir: the sandbox's Spec.Dir
+	blankRoot   = "root"    // in a container dir: the empty root before the claim
+	poolPrefix  = "pool-"
+)
+
+func (b *Backend) readyDir(runcID string) string {
+	return filepath.Join(b.poolDir, poolReady, runcID)
+}
+
+func (b *Backend) claimedDir(sandboxID string) string {
+	return filepath.Join(b.poolDir, poolClaimed, sandboxID)
+}
+
+func (b *Backend) memberSocket(runcID string) string {
+	return filepath.Join(b.readyDir(runcID), socketName)
+}
+
+// member is a ready pool container.
+type member struct {
+	id    string // runc container ID
+	dir   string // PoolDir/ready/<id>
+	agent string // the agent binary it runs
+}
+
+// pool keeps up to size ready containers.
+type pool struct {
+	b    *Backend
+	size int
+
+	ctx    context.Context // cancelled by close: stops the filler
+	cancel context.CancelFunc
+	wake   chan struct{} // cap 1: a member was taken
+
+	mu      sync.Mutex
+	agent   string    // guarded by mu; the agent binary, set by the first take
+	ready   []*member // guarded by mu; oldest first
+	started bool      // guarded by mu; the filler runs
+	closed  bool      // guarded by mu
+	done    chan struct{}
+}
+
+func newPool(b *Backend, size int) *pool {
+	ctx, cancel := context.WithCancel(context.Background())
+	return &pool{b: b, size: size, ctx: ctx, cancel: cancel, wake: make(chan struct{}, 1), done: make(chan struct{})}
+}
+
+// take returns a ready container running agentBinary, or nil. The first
+// call starts the filler; every call that takes one wakes it.
+func (p *pool) take(agentBinary string) *member {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		return nil
+	}
+	if !p.started {
+		p.started, p.agent = true, agentBinary
+		go p.fill()
+		return nil
+	}
+	if agentBinary != p.agent || len(p.ready) == 0 {
+		return nil
+	}
+	m := p.ready[0]
+	p.ready = slices.Delete(p.ready, 0, 1)
+	select {
+	case p.wake <- struct{}{}:
+	default:
+	}
+	return m
+}
+
+// fill keeps the pool full until close.
+func (p *pool) fill() {
+	defer close(p.done)
+	log := p.b.log
+	var backoff time.Duration
+	for {
+		p.mu.Lock()
+		need := !p.closed && len(p.ready) < p.size
+		p.mu.Unlock()
+		if !need {
+			select {
+			case <-p.wake:
+				continue
+			case <-p.ctx.Done():
+				return
+			}
+		}
+		ctx, cancel := context.WithTimeout(p.ctx, sandbox.DefaultStartTimeout)
+		m, err := p.b.startMember(ctx, p.agent)
+		cancel()
+		if err != nil {
+			if p.ctx.Err() != nil {
+				return
+			}
+			backoff = min(max(2*backoff, 100*time.Millisecond), 30*time.Second)
+			log.Error("start pool container", "err", err, "retry_in", backoff)
+			select {
+			case <-time.After(backoff):
+			case <-p.ctx.Done():
+				return
+			}
+			continue
+		}
+		backoff = 0
+		p.mu.Lock()
+		if p.closed {
+			p.mu.Unlock()
+			p.b.removeMember(m)
+			return
+		}
+		p.ready = append(p.ready, m)
+		n := len(p.ready)
+		p.mu.Unlock()
+		log.Debug("pool container ready", "runc_id", m.id, "ready", n)
+	}
+}
+
+// close stops the filler and deletes the ready containers.
+func (p *pool) close(ctx context.Context) error {
+	p.mu.Lock()
+	if p.closed {
+		p.mu.Unlock()
+		return nil
+	}
+	p.closed = true
+	started := p.started
+	ready := p.ready
+	p.ready = nil
+	p.mu.Unlock()
+	p.cancel()
+	if started {
+		select {
+		case <-p.done:
+		case <-ctx.Done():
+			return fmt.Errorf("close pool: %w", ctx.Err())
+		}
+	}
+	var errs []error
+	for _, m := range ready {
+		errs = append(errs, p.b.removeMember(m))
+	}
+	return errors.Join(errs...)
+}
+
+// startMember starts one pool container running agentBinary.
+func (b *Backend) startMember(ctx context.Context, agentBinary string) (m *member, err error) {
+	var r [8]byte
+	rand.Read(r[:])
+	id := poolPrefix + hex.EncodeToString(r[:])
+	dir := b.readyDir(id)
+	m = &member{id: id, dir: dir, agent: agentBinary}
+	defer func() {
+		if err != nil {
+			if rerr := b.removeMember(m); rerr != nil {
+				b.log.Error("undo failed pool container", "runc_id", id, "err", rerr)
+			}
+		}
+	}()
+	root := filepath.Join(dir, blankRoot)
+	bundle := filepath.Join(dir, bundleDir)
+	for _, d := range []string{dir, bundle, root, filepath.Join(root, ".shoal", "newroot")} {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			return m, fmt.Errorf("pool container: %w", err)
+		}
+	}
+	if err := os.WriteFile(filepath.Join(dir, runcIDFile), []byte(id+"\n"), 0o600); err != nil {
+		return m, fmt.Errorf("pool container: %w", err)
+	}
+	caps := append(slices.Clone(dockerCaps), "CAP_SYS_ADMIN")
+	cfg, err := b.containerSpec(containerOptions{
+		runcID:   id,
+		rootfs:   root,
+		hostname: "pool",
+		env:      baseEnv,
+		agent:    agentBinary,
+		caps:     caps,
+		pooled:   true,
+	})
+	if err != nil {
+		return m, fmt.Errorf("pool container: %w", err)
+	}
+	if err := writeJSON(filepath.Join(bundle, "config.json"), cfg); err != nil {
+		return m, fmt.Errorf("pool container: %w", err)
+	}
+	lnFile, err := listenAgent(filepath.Join(dir, socketName))
+	if err != nil {
+		return m, fmt.Errorf("pool container: %w", err)
+	}
+	defer lnFile.Close()
+	// In the background, at the lowest priority: filling the pool yields
+	// to the creates and sandboxes that run (the container's own cgroup
+	// starts at the lowest CPU weight too, see containerSpec). The agent
+	// inherits runc's nice value: set it back for the sandbox.
+	if err := b.startContainer(ctx, id, bundle, dir, lnFile, true); err != nil {
+		return m, fmt.Errorf("pool container %s: %w", id, err)
+	}
+	if err := resetPriority(filepath.Join(dir, pidFileName)); err != nil {
+		return m, fmt.Errorf("pool container %s: %w", id, err)
+	}
+	return m, nil
+}
+
+// resetPriority sets the nice value of every thread of the process whose
+// pid is in pidFile back to 0. A thread inherits its creator's value, so
+// once a pass finds every thread at 0, no thread can appear with another
+// (the agent could only raise its value, and does not).
+func resetPriority(pidFile string) error {
+	data, err := os.ReadFile(pidFile)
+	if err != nil {
+		return err
+	}
+	pid := string(trimSpace(data))
+	for range 10 {
+		ents, err := os.ReadDir("/proc/" + pid + "/task")
+		if err != nil {
+			return fmt.Errorf("reset priority: %w", err)
+		}
+		clean := true
+		for _, e := range ents {
+			tid, err := strconv.Atoi(e.Name())
+			if err != nil {
+				continue
+			}
+			// getpriority returns 20-nice.
+			prio, err := unix.Getpriority(unix.PRIO_PROCESS, tid)
+			if errors.Is(err, unix.ESRCH) {
+				continue
+			}
+			if err != nil {
+				return fmt.Errorf("reset priority: %w", err)
+			}
+			if prio == 20 {
+				continue
+			}
+			clean = false
+			if err := unix.Setpriority(unix.PRIO_PROCESS, tid, 0); err != nil && !errors.Is(err, unix.ESRCH) {
+				return fmt.Errorf("reset priority: %w", err)
+			}
+		}
+		if clean {
+			return nil
+		}
+	}
+	return errors.New("reset priority: threads keep appearing")
+}
+
+// removeMember destroys an unclaimed pool container and removes its dir.
+func (b *Backend) removeMember(m *member) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := b.destroy(ctx, m.id); err != nil {
+		return err
+	}
+	return os.RemoveAll(m.dir)
+}
+
+// claim makes a sandbox of a ready pool container; see the top of the file.
+// On failure the container is destroyed and nothing of the claim is left
+// (the caller may then create the sandbox cold in the same dir).
+func (b *Backend) claim(ctx context.Context, spec sandbox.Spec, dir string, m *member) (h sandbox.Handle, err error) {
+	log := b.log.With("sandbox_id", spec.ID, "runc_id", m.id)
+	start := time.Now()
+	claimed := b.claimedDir(spec.ID)
+	sock := filepath.Join(claimed, socketName)
+	if len(sock) > maxSocketPath {
+		b.removeMember(m)
+		return h, fmt.Errorf("claim for sandbox %s: socket path %s too long", spec.ID, sock)
+	}
+	var undo undoStack
+	defer func() {
+		if err != nil {
+			undo.run(log)
+		}
+	}()
+	owner := filepath.Join(m.dir, ownerFile)
+	if err := os.WriteFile(owner, []byte(dir+"\n"), 0o600); err != nil {
+		b.removeMember(m)
+		return h, fmt.Errorf("claim for sandbox %s: %w", spec.ID, err)
+	}
+	if err := os.MkdirAll(filepath.Dir(claimed), 0o700); err != nil {
+		b.removeMember(m)
+		return h, fmt.Errorf("claim for sandbox %s: %w", spec.ID, err)
+	}
+	// 1. The container is the sandbox's from here on.
+	if err := unix.Renameat2(unix.AT_FDCWD, m.dir, unix.AT_FDCWD, claimed, unix.RENAME_NOREPLACE); err != nil {
+		b.removeMember(m)
+		return h, fmt.Errorf("claim for sandbox %s: %w", spec.ID, err)
+	}
+	undo.push("destroy container", func() error {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		if err := b.destroy(ctx, m.id); err != nil {
+			return err
+		}
+		return os.RemoveAll(claimed)
+	})
+
+	// 2. Limits, before anything of the sandbox runs.
+	if err := b.setLimits(m.id, spec.Resources); err != nil {
+		return h, fmt.Errorf("claim for sandbox %s: %w", spec.ID, err)
+	}
+
+	// 3. The root, as a detached mount handed to the agent.
+	upper := filepath.Join(dir, upperDir)
+	work := filepath.Join(dir, workDir)
+	undo.push("remove writable layer", func() error { return removeAll(upper, work) })
+	lowers := lowerDirs(spec)
+	if err := ensureTmpUpper(lowers, upper); err != nil {
+		return h, fmt.Errorf("claim for sandbox %s: %w", spec.ID, err)
+	}
+	mfd, err := layer.ComposeFD(lowers, upper, work, true)
+	if err != nil {
+		return h, fmt.Errorf("claim for sandbox %s: %w", spec.ID, err)
+	}
+	err = agent.NewClient(sock).Claim(ctx, mfd, agent.ClaimRequest{
+		Hostname: hostname(spec.ID),
+		Env:      sandboxEnv(spec),
+	})
+	unix.Close(mfd)
+	if err != nil {
+		return h, fmt.Errorf("claim for sandbox %s: %w: %s", spec.ID, err, tail(filepath.Join(claimed, agentLogName), 0))
+	}
+	log.Debug("sandbox created from the pool", "took", time.Since(start))
+	return sandbox.Handle{
+		ID:          spec.ID,
+		Backend:     Name,
+		AgentSocket: sock,
+		Data: map[string]string{
+			"runc_id": m.id,
+			"bundle":  filepath.Join(claimed, bundleDir),
+			"dir":     dir,
+			"pooled":  "true",
+		},
+	}, nil
+}
+
+// ensureTmpUpper gives the root a world-writable /tmp, in its upper layer,
+// when no lower layer has one (ensureTmp for a root not mounted on the host).
+func ensureTmpUpper(lowers []string, upper string) error {
+	for _, l := range lowers {
+		if _, err := os.Lstat(filepath.Join(l, "tmp")); err == nil {
+			return nil
+		}
+	}
+	if err := os.MkdirAll(upper, 0o755); err != nil {
+		return err
+	}
+	p := filepath.Join(upper, "tmp")
+	if err := os.Mkdir(p, 0o755); err != nil && !errors.Is(err, os.ErrExist) {
+		return fmt.Errorf("create /tmp: %w", err)
+	}
+	if err := os.Chmod(p, 0o777|os.ModeSticky); err != nil {
+		return fmt.Errorf("create /tmp: %w", err)
+	}
+	return nil
+}
+
+// sweepPool deletes what an earlier process left in PoolDir: every
+// unclaimed pool container (its agent never served a sandbox), and the
+// claimed ones whose sandbox dir is gone (the node forgot the sandbox).
+func (b *Backend) sweepPool(ctx context.Context) error {
+	for _, d := range []string{filepath.Join(b.poolDir, poolReady), filepath.Join(b.poolDir, poolClaimed)} {
+		if err := os.MkdirAll(d, 0o700); err != nil {
+			return fmt.Errorf("create pool dir: %w", err)
+		}
+	}
+	var errs []error
+	sweep := func(kind, name string, orphan func(dir string) bool) {
+		dir := filepath.Join(b.poolDir, kind, name)
+		if !orphan(dir) {
+			return
+		}
+		id := name
+		if data, err := os.ReadFile(filepath.Join(dir, runcIDFile)); err == nil {
+			id = string(trimSpace(data))
+		}
+		if checkID(id) != nil {
+			errs = append(errs, fmt.Errorf("pool dir %s: bad container id %q", dir, id))
+			return
+		}
+		b.log.Info("deleting a pool container left by an earlier process", "runc_id", id, "dir", dir)
+		if err := b.destroy(ctx, id); err != nil {
+			errs = append(errs, err)
+			return
+		}
+		if err := os.RemoveAll(dir); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	ready, err := os.ReadDir(filepath.Join(b.poolDir, poolReady))
+	if err != nil {
+		return err
+	}
+	for _, e := range ready {
+		sweep(poolReady, e.Name(), func(string) bool { return true })
+	}
+	claimed, err := os.ReadDir(filepath.Join(b.poolDir, poolClaimed))
+	if err != nil {
+		return err
+	}
+	for _, e := range claimed {
+		sweep(poolClaimed, e.Name(), func(dir string) bool {
+			data, err := os.ReadFile(filepath.Join(dir, ownerFile))
+			if err != nil {
+				return false // not ours to judge
+			}
+			_, err = os.Stat(string(trimSpace(data)))
+			return errors.Is(err, os.ErrNotExist)
+		})
+	}
+	return errors.Join(errs...)
+}
+
+func trimSpace(b []byte) []byte {
+	for len(b) > 0 && (b[len(b)-1] == '\n' || b[len(b)-1] == ' ') {
+		b = b[:len(b)-1]
+	}
+	return b
+}
