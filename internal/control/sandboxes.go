@@ -131,5 +131,17 @@ func sandboxPB(r node.Record) *pb.Sandbox {
 	for _, l := range r.Layers {
 		out.Layers = append(out.Layers, &pb.LayerRef{Kind: kindPB(l.Kind), Ref: l.Ref, Digest: l.Digest})
 	}
+	out.Runtime = map[string]string{}
+	for k, v := range r.Handle.Data {
+		if k != "dir" {
+			out.Runtime[k] = v
+		}
+	}
+	if r.Handle.AgentSocket != "" {
+		out.Runtime["agent_socket"] = r.Handle.AgentSocket
+	}
+	if out.Runtime["runc_id"] == "" && r.Backend == "container" {
+		out.Runtime["runc_id"] = r.ID
+	}
 	return out
 }

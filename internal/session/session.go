@@ -502,6 +502,10 @@ func (m *Manager) finish(c *Command, exit *agent.ExitStatus, why string) {
 	rec := c.rec
 	release := c.release
 	c.release = nil
+	// Readers learn of the exit before it is persisted: if the node dies in
+	// between, the agent still holds the command (the pump tells it to
+	// forget only after this returns), and Recover records the same exit.
+	c.notifyLocked()
 	c.mu.Unlock()
 	if err := m.db.Batch(func(tx *bbolt.Tx) error {
 		if tx.Bucket(bucketCommands).Get([]byte(key(rec.SandboxID, rec.ID))) == nil {
@@ -514,9 +518,6 @@ func (m *Manager) finish(c *Command, exit *agent.ExitStatus, why string) {
 	if release != nil {
 		release()
 	}
-	c.mu.Lock()
-	c.notifyLocked()
-	c.mu.Unlock()
 }
 
 // Get finds a command.

@@ -370,8 +370,13 @@ type Sandbox struct {
 	ExpiresAt      *timestamppb.Timestamp `protobuf:"bytes,10,opt,name=expires_at,json=expiresAt,proto3" json:"expires_at,omitempty"`
 	Metadata       map[string]string      `protobuf:"bytes,11,rep,name=metadata,proto3" json:"metadata,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
 	Error          string                 `protobuf:"bytes,12,opt,name=error,proto3" json:"error,omitempty"`
-	unknownFields  protoimpl.UnknownFields
-	sizeCache      protoimpl.SizeCache
+	// runtime is the backend's handle of the sandbox on its node, for
+	// operators and benchmarks: e.g. "runc_id" (the OCI runtime's container
+	// ID, also its cgroup name) and "agent_socket" (the guest agent's socket
+	// on the host).
+	Runtime       map[string]string `protobuf:"bytes,13,rep,name=runtime,proto3" json:"runtime,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Sandbox) Reset() {
@@ -486,6 +491,13 @@ func (x *Sandbox) GetError() string {
 		return x.Error
 	}
 	return ""
+}
+
+func (x *Sandbox) GetRuntime() map[string]string {
+	if x != nil {
+		return x.Runtime
+	}
+	return nil
 }
 
 type GetSandboxRequest struct {
@@ -1352,7 +1364,7 @@ const file_shoal_v1_sandbox_proto_rawDesc = "" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1a6\n" +
 	"\bEnvEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x9a\x04\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x90\x05\n" +
 	"\aSandbox\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x18\n" +
 	"\abackend\x18\x02 \x01(\tR\abackend\x12,\n" +
@@ -1369,8 +1381,12 @@ const file_shoal_v1_sandbox_proto_rawDesc = "" +
 	"expires_at\x18\n" +
 	" \x01(\v2\x1a.google.protobuf.TimestampR\texpiresAt\x12;\n" +
 	"\bmetadata\x18\v \x03(\v2\x1f.shoal.v1.Sandbox.MetadataEntryR\bmetadata\x12\x14\n" +
-	"\x05error\x18\f \x01(\tR\x05error\x1a;\n" +
+	"\x05error\x18\f \x01(\tR\x05error\x128\n" +
+	"\aruntime\x18\r \x03(\v2\x1e.shoal.v1.Sandbox.RuntimeEntryR\aruntime\x1a;\n" +
 	"\rMetadataEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1a:\n" +
+	"\fRuntimeEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"#\n" +
 	"\x11GetSandboxRequest\x12\x0e\n" +
@@ -1467,7 +1483,7 @@ func file_shoal_v1_sandbox_proto_rawDescGZIP() []byte {
 }
 
 var file_shoal_v1_sandbox_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_shoal_v1_sandbox_proto_msgTypes = make([]protoimpl.MessageInfo, 22)
+var file_shoal_v1_sandbox_proto_msgTypes = make([]protoimpl.MessageInfo, 23)
 var file_shoal_v1_sandbox_proto_goTypes = []any{
 	(SandboxState)(0),             // 0: shoal.v1.SandboxState
 	(WatchDirEvent_Op)(0),         // 1: shoal.v1.WatchDirEvent.Op
@@ -1493,47 +1509,49 @@ var file_shoal_v1_sandbox_proto_goTypes = []any{
 	nil,                           // 21: shoal.v1.CreateSandboxRequest.MetadataEntry
 	nil,                           // 22: shoal.v1.CreateSandboxRequest.EnvEntry
 	nil,                           // 23: shoal.v1.Sandbox.MetadataEntry
-	(LayerKind)(0),                // 24: shoal.v1.LayerKind
-	(*timestamppb.Timestamp)(nil), // 25: google.protobuf.Timestamp
+	nil,                           // 24: shoal.v1.Sandbox.RuntimeEntry
+	(LayerKind)(0),                // 25: shoal.v1.LayerKind
+	(*timestamppb.Timestamp)(nil), // 26: google.protobuf.Timestamp
 }
 var file_shoal_v1_sandbox_proto_depIdxs = []int32{
-	24, // 0: shoal.v1.LayerRef.kind:type_name -> shoal.v1.LayerKind
+	25, // 0: shoal.v1.LayerRef.kind:type_name -> shoal.v1.LayerKind
 	21, // 1: shoal.v1.CreateSandboxRequest.metadata:type_name -> shoal.v1.CreateSandboxRequest.MetadataEntry
 	22, // 2: shoal.v1.CreateSandboxRequest.env:type_name -> shoal.v1.CreateSandboxRequest.EnvEntry
 	0,  // 3: shoal.v1.Sandbox.state:type_name -> shoal.v1.SandboxState
 	2,  // 4: shoal.v1.Sandbox.layers:type_name -> shoal.v1.LayerRef
-	25, // 5: shoal.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
-	25, // 6: shoal.v1.Sandbox.expires_at:type_name -> google.protobuf.Timestamp
+	26, // 5: shoal.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
+	26, // 6: shoal.v1.Sandbox.expires_at:type_name -> google.protobuf.Timestamp
 	23, // 7: shoal.v1.Sandbox.metadata:type_name -> shoal.v1.Sandbox.MetadataEntry
-	4,  // 8: shoal.v1.ListSandboxesResponse.sandboxes:type_name -> shoal.v1.Sandbox
-	25, // 9: shoal.v1.FileInfo.modified_at:type_name -> google.protobuf.Timestamp
-	11, // 10: shoal.v1.ListDirResponse.entries:type_name -> shoal.v1.FileInfo
-	1,  // 11: shoal.v1.WatchDirEvent.op:type_name -> shoal.v1.WatchDirEvent.Op
-	3,  // 12: shoal.v1.SandboxService.CreateSandbox:input_type -> shoal.v1.CreateSandboxRequest
-	5,  // 13: shoal.v1.SandboxService.GetSandbox:input_type -> shoal.v1.GetSandboxRequest
-	6,  // 14: shoal.v1.SandboxService.ListSandboxes:input_type -> shoal.v1.ListSandboxesRequest
-	8,  // 15: shoal.v1.SandboxService.DeleteSandbox:input_type -> shoal.v1.DeleteSandboxRequest
-	10, // 16: shoal.v1.SandboxService.SetTimeout:input_type -> shoal.v1.SetTimeoutRequest
-	12, // 17: shoal.v1.SandboxService.StatFile:input_type -> shoal.v1.StatFileRequest
-	13, // 18: shoal.v1.SandboxService.ListDir:input_type -> shoal.v1.ListDirRequest
-	15, // 19: shoal.v1.SandboxService.MakeDir:input_type -> shoal.v1.MakeDirRequest
-	17, // 20: shoal.v1.SandboxService.RemoveFile:input_type -> shoal.v1.RemoveFileRequest
-	19, // 21: shoal.v1.SandboxService.WatchDir:input_type -> shoal.v1.WatchDirRequest
-	4,  // 22: shoal.v1.SandboxService.CreateSandbox:output_type -> shoal.v1.Sandbox
-	4,  // 23: shoal.v1.SandboxService.GetSandbox:output_type -> shoal.v1.Sandbox
-	7,  // 24: shoal.v1.SandboxService.ListSandboxes:output_type -> shoal.v1.ListSandboxesResponse
-	9,  // 25: shoal.v1.SandboxService.DeleteSandbox:output_type -> shoal.v1.DeleteSandboxResponse
-	4,  // 26: shoal.v1.SandboxService.SetTimeout:output_type -> shoal.v1.Sandbox
-	11, // 27: shoal.v1.SandboxService.StatFile:output_type -> shoal.v1.FileInfo
-	14, // 28: shoal.v1.SandboxService.ListDir:output_type -> shoal.v1.ListDirResponse
-	16, // 29: shoal.v1.SandboxService.MakeDir:output_type -> shoal.v1.MakeDirResponse
-	18, // 30: shoal.v1.SandboxService.RemoveFile:output_type -> shoal.v1.RemoveFileResponse
-	20, // 31: shoal.v1.SandboxService.WatchDir:output_type -> shoal.v1.WatchDirEvent
-	22, // [22:32] is the sub-list for method output_type
-	12, // [12:22] is the sub-list for method input_type
-	12, // [12:12] is the sub-list for extension type_name
-	12, // [12:12] is the sub-list for extension extendee
-	0,  // [0:12] is the sub-list for field type_name
+	24, // 8: shoal.v1.Sandbox.runtime:type_name -> shoal.v1.Sandbox.RuntimeEntry
+	4,  // 9: shoal.v1.ListSandboxesResponse.sandboxes:type_name -> shoal.v1.Sandbox
+	26, // 10: shoal.v1.FileInfo.modified_at:type_name -> google.protobuf.Timestamp
+	11, // 11: shoal.v1.ListDirResponse.entries:type_name -> shoal.v1.FileInfo
+	1,  // 12: shoal.v1.WatchDirEvent.op:type_name -> shoal.v1.WatchDirEvent.Op
+	3,  // 13: shoal.v1.SandboxService.CreateSandbox:input_type -> shoal.v1.CreateSandboxRequest
+	5,  // 14: shoal.v1.SandboxService.GetSandbox:input_type -> shoal.v1.GetSandboxRequest
+	6,  // 15: shoal.v1.SandboxService.ListSandboxes:input_type -> shoal.v1.ListSandboxesRequest
+	8,  // 16: shoal.v1.SandboxService.DeleteSandbox:input_type -> shoal.v1.DeleteSandboxRequest
+	10, // 17: shoal.v1.SandboxService.SetTimeout:input_type -> shoal.v1.SetTimeoutRequest
+	12, // 18: shoal.v1.SandboxService.StatFile:input_type -> shoal.v1.StatFileRequest
+	13, // 19: shoal.v1.SandboxService.ListDir:input_type -> shoal.v1.ListDirRequest
+	15, // 20: shoal.v1.SandboxService.MakeDir:input_type -> shoal.v1.MakeDirRequest
+	17, // 21: shoal.v1.SandboxService.RemoveFile:input_type -> shoal.v1.RemoveFileRequest
+	19, // 22: shoal.v1.SandboxService.WatchDir:input_type -> shoal.v1.WatchDirRequest
+	4,  // 23: shoal.v1.SandboxService.CreateSandbox:output_type -> shoal.v1.Sandbox
+	4,  // 24: shoal.v1.SandboxService.GetSandbox:output_type -> shoal.v1.Sandbox
+	7,  // 25: shoal.v1.SandboxService.ListSandboxes:output_type -> shoal.v1.ListSandboxesResponse
+	9,  // 26: shoal.v1.SandboxService.DeleteSandbox:output_type -> shoal.v1.DeleteSandboxResponse
+	4,  // 27: shoal.v1.SandboxService.SetTimeout:output_type -> shoal.v1.Sandbox
+	11, // 28: shoal.v1.SandboxService.StatFile:output_type -> shoal.v1.FileInfo
+	14, // 29: shoal.v1.SandboxService.ListDir:output_type -> shoal.v1.ListDirResponse
+	16, // 30: shoal.v1.SandboxService.MakeDir:output_type -> shoal.v1.MakeDirResponse
+	18, // 31: shoal.v1.SandboxService.RemoveFile:output_type -> shoal.v1.RemoveFileResponse
+	20, // 32: shoal.v1.SandboxService.WatchDir:output_type -> shoal.v1.WatchDirEvent
+	23, // [23:33] is the sub-list for method output_type
+	13, // [13:23] is the sub-list for method input_type
+	13, // [13:13] is the sub-list for extension type_name
+	13, // [13:13] is the sub-list for extension extendee
+	0,  // [0:13] is the sub-list for field type_name
 }
 
 func init() { file_shoal_v1_sandbox_proto_init() }
@@ -1548,7 +1566,7 @@ func file_shoal_v1_sandbox_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_shoal_v1_sandbox_proto_rawDesc), len(file_shoal_v1_sandbox_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   22,
+			NumMessages:   23,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

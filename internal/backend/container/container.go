@@ -669,10 +669,16 @@ func (b *Backend) Delete(ctx context.Context, h sandbox.Handle) error {
 			errs = append(errs, err)
 		}
 	}
-	// A pooled sandbox's container dir (bundle, socket, log).
+	// A pooled sandbox's container dir (socket, log) and bundle.
 	if len(errs) == 0 {
-		if err := os.RemoveAll(b.claimedDir(h.ID)); err != nil {
-			errs = append(errs, err)
+		paths := []string{b.claimedDir(h.ID)}
+		if strings.HasPrefix(id, poolPrefix) {
+			paths = append(paths, b.memberBundle(id))
+		}
+		for _, p := range paths {
+			if err := os.RemoveAll(p); err != nil {
+				errs = append(errs, err)
+			}
 		}
 	}
 	if err := errors.Join(errs...); err != nil {

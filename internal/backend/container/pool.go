@@ -65,6 +65,10 @@ import (
 const (
 	poolReady   = "ready"   // ready/<runc id>: unclaimed pool containers
 	poolClaimed = "claimed" // claimed/<sandbox id>: containers of pooled sandboxes
+	// bundles/<runc id>: a pool container's OCI bundle. It never moves: runc
+	// records its path (and chdirs there for runc exec), while the
+	// container's dir moves from ready/ to claimed/ on its claim.
+	poolBundles = "bundles"
 	runcIDFile  = "runc-id" // in a container dir: the runc container ID
 	ownerFile   = "owner"   // in a claimed dir: the sandbox's Spec.Dir
 	blankRoot   = "root"    // in a container dir: the empty root before the claim
@@ -73,6 +77,10 @@ const (
 
 func (b *Backend) readyDir(runcID string) string {
 	return filepath.Join(b.poolDir, poolReady, runcID)
+}
+
+func (b *Backend) memberBundle(runcID string) string {
+	return filepath.Join(b.poolDir, poolBundles, runcID)
 }
 
 func (b *Backend) claimedDir(sandboxID string) string {
@@ -226,7 +234,7 @@ func (b *Backend) startMember(ctx context.Context, agentBinary string) (m *membe
 		}
 	}()
 	root := filepath.Join(dir, blankRoot)
-	bundle := filepath.Join(dir, bundleDir)
+	bundle := b.memberBundle(id)
 	for _, d := range []string{dir, bundle, root, filepath.Join(root, ".shoal", "newroot")} {
 		if err := os.MkdirAll(d, 0o755); err != nil {
 			return m, fmt.Errorf("pool container: %w", err)
@@ -320,6 +328,9 @@ func (b *Backend) removeMember(m *member) error {
 	if err := b.destroy(ctx, m.id); err != nil {
 		return err
 	}
+	if err := os.RemoveAll(b.memberBundle(m.id)); err != nil {
+		return err
+	}
 	return os.RemoveAll(m.dir)
 }
 
@@ -396,7 +407,7 @@ func (b *Backend) claim(ctx context.Context, spec sandbox.Spec, dir string, m *m
 		AgentSocket: sock,
 		Data: map[string]string{
 			"runc_id": m.id,
-			"bundle":  filepath.Join(claimed, bundleDir),
+			"bundle":  b.memberBundle(m.id),
 			"dir":     dir,
 			"pooled":  "true",
 		},
@@ -452,8 +463,10 @@ func (b *Backend) sweepPool(ctx context.Context) error {
 			errs = append(errs, err)
 			return
 		}
-		if err := os.RemoveAll(dir); err != nil {
-			errs = append(errs, err)
+		for _, p := range []string{b.memberBundle(id), dir} {
+			if err := os.RemoveAll(p); err != nil {
+				errs = append(errs, err)
+			}
 		}
 	}
 	ready, err := os.ReadDir(filepath.Join(b.poolDir, poolReady))

@@ -8,11 +8,14 @@
         sb.files.write("/work/a.txt", "hello")
 
 ``AsyncSandbox`` has the same surface with ``await``. Names follow E2B's SDK
-where it has the same thing. Configuration: arguments, else ``SHOAL_URL``
-and ``SHOAL_API_KEY``, else ``/var/lib/shoal/admin.key``.
+where it has the same thing. ``shoal.layers`` builds, lists, commits, tags,
+removes, exports and imports layers; ``shoal.environments`` manages named
+stacks of layers (templates); ``shoal.fncall`` runs judged one-shot calls.
+Configuration: arguments, else ``SHOAL_URL`` and ``SHOAL_API_KEY``, else
+``/var/lib/shoal/admin.key``.
 """
 
-from . import fncall
+from . import environments, fncall, layers
 from ._async.commands import AsyncCommandHandle, AsyncCommands, AsyncPty
 from ._async.filesystem import AsyncFiles, AsyncWatchHandle
 from ._async.sandbox import AsyncSandbox
@@ -38,6 +41,8 @@ from .exceptions import (
     FailedPrecondition,
     InvalidArgument,
     InvalidArgumentException,
+    LayerInUse,
+    LayerNotFound,
     NotFound,
     NotFoundException,
     NotSupported,
@@ -52,18 +57,24 @@ from .exceptions import (
     Unavailable,
 )
 from .models import (
+    BuildProgress,
     CommandInfo,
     CommandResult,
     EntryInfo,
+    Environment,
     FilesystemEvent,
     FilesystemEventType,
     FileType,
+    GCResult,
+    Layer,
     LayerRef,
     ProcessInfo,
     PtySize,
+    RemoveResult,
     SandboxInfo,
     ShellInfo,
     ShellResult,
+    TagResult,
     TrajectoryInfo,
     TrajectoryStep,
     WriteInfo,
@@ -73,7 +84,9 @@ Filesystem = Files  # E2B's name
 AsyncFilesystem = AsyncFiles
 
 __all__ = [
+    "environments",
     "fncall",
+    "layers",
     "Aborted",
     "AlreadyExists",
     "AsyncCommandHandle",
@@ -88,6 +101,7 @@ __all__ = [
     "AsyncWatchHandle",
     "AuthError",
     "AuthenticationException",
+    "BuildProgress",
     "Canceled",
     "CapacityExhausted",
     "CommandExitException",
@@ -99,14 +113,19 @@ __all__ = [
     "ConnectionConfig",
     "ConnectionLost",
     "EntryInfo",
+    "Environment",
     "FailedPrecondition",
     "FileType",
     "Files",
     "Filesystem",
     "FilesystemEvent",
     "FilesystemEventType",
+    "GCResult",
     "InvalidArgument",
     "InvalidArgumentException",
+    "Layer",
+    "LayerInUse",
+    "LayerNotFound",
     "LayerRef",
     "NotFound",
     "NotFoundException",
@@ -115,6 +134,7 @@ __all__ = [
     "ProcessInfo",
     "Pty",
     "PtySize",
+    "RemoveResult",
     "Sandbox",
     "SandboxException",
     "SandboxInfo",
@@ -125,6 +145,7 @@ __all__ = [
     "ShellResult",
     "Shells",
     "ShoalError",
+    "TagResult",
     "Timeout",
     "TimeoutException",
     "Trajectory",

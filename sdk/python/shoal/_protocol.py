@@ -26,7 +26,7 @@ from .exceptions import (
     Unavailable,
     error_for,
 )
-from .models import CommandResult, PtySize
+from .models import CommandResult, Environment, Layer, PtySize
 
 # Small stdin travels inside the Exec request; larger or streamed stdin is
 # sent with SendStdin in chunks of STDIN_CHUNK.
@@ -238,13 +238,13 @@ def create_body(
         raise InvalidArgument("workspaces and toolkits are lists of layer refs")
     body: Dict[str, Any] = {}
     if template:
-        body["template"] = template
+        body["template"] = template.name if isinstance(template, Environment) else template
     if base:
-        body["base"] = base
+        body["base"] = layer_ref(base)
     if workspaces:
-        body["workspaces"] = list(workspaces)
+        body["workspaces"] = [layer_ref(r) for r in workspaces]
     if toolkits:
-        body["toolkits"] = list(toolkits)
+        body["toolkits"] = [layer_ref(r) for r in toolkits]
     if backend:
         body["backend"] = backend
     if cpus is not None:
@@ -264,6 +264,12 @@ def create_body(
     if client_key:
         body["clientKey"] = client_key
     return body
+
+
+def layer_ref(ref: Any) -> str:
+    """A layer reference: a string as given, a :class:`Layer` by its digest
+    (``name@sha256:...``: exactly that image, whatever its tag names now)."""
+    return ref.pinned if isinstance(ref, Layer) else ref
 
 
 def argv(cmd: Union[str, Sequence[str]]) -> List[str]:

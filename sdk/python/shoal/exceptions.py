@@ -47,6 +47,11 @@ class SandboxNotFound(NotFound):
     """The sandbox does not exist (never did, was killed, or timed out)."""
 
 
+class LayerNotFound(NotFound):
+    """No layer has the tag or digest named (in a layer call, or in a create's
+    base, workspaces, toolkits or environment)."""
+
+
 class InvalidArgument(ShoalError):
     """The request was refused because an argument is wrong; the message says which."""
 
@@ -72,6 +77,12 @@ class TrajectoryDiverged(FailedPrecondition):
     step was first run; fast-forwarding through recorded steps is only
     correct when the same steps are sent in the same order.
     """
+
+
+class LayerInUse(FailedPrecondition):
+    """A layer image cannot be removed: a sandbox or an environment uses it,
+    or it is mounted. The message says by whom; ``layers.gc()`` removes it
+    once nothing does."""
 
 
 class Aborted(ShoalError):
@@ -203,8 +214,11 @@ _BY_CODE = {
     "data_loss": ServerError,
 }
 
-# Messages with which the server reports a missing sandbox (internal/node).
+# Messages with which the server reports a missing sandbox (internal/node),
+# a missing layer and a layer in use (internal/layer).
 _SANDBOX_MISSING = ("no sandbox ", "is not a sandbox id")
+_LAYER_MISSING = "layer not found"
+_LAYER_IN_USE = "layer in use"
 
 
 def error_for(
@@ -227,6 +241,10 @@ def error_for(
         low = message.lower()
         if sandbox_call or any(m in low for m in _SANDBOX_MISSING):
             cls = SandboxNotFound
+        elif _LAYER_MISSING in low:
+            cls = LayerNotFound
+    elif cls is FailedPrecondition and _LAYER_IN_USE in message.lower():
+        cls = LayerInUse
     if trajectory and code == "failed_precondition":
         cls = TrajectoryDiverged  # "trajectory T step N diverged: ..."
     return cls(message, code=code, status=status)

@@ -29,6 +29,12 @@ __all__ = [
     "ShellResult",
     "TrajectoryStep",
     "TrajectoryInfo",
+    "Layer",
+    "BuildProgress",
+    "TagResult",
+    "RemoveResult",
+    "GCResult",
+    "Environment",
 ]
 
 
@@ -406,4 +412,185 @@ class TrajectoryInfo:
             id=d.get("id", ""),
             sandbox_id=d.get("sandboxId", ""),
             steps=[TrajectoryStep.from_json(s) for s in d.get("steps") or []],
+        )
+
+
+# --- layers and environments ---
+
+
+def _get(d: Mapping[str, Any], json_name: str, proto_name: str) -> Any:
+    """A field by its JSON name, else its proto name (the import endpoint
+    replies with proto names)."""
+    v = d.get(json_name)
+    return d.get(proto_name) if v is None else v
+
+
+@dataclass
+class Layer:
+    """A read-only layer image (``base``, ``workspace`` or ``toolkit``).
+
+    ``ref`` is the tag this entry is listed under (``name:version``; empty
+    for an untagged image), ``digest`` the content address of the EROFS
+    image. ``tags``, ``used_by_*`` and ``mounts`` are filled by
+    ``layers.get()`` (``tags`` also by ``layers.list(all=True)``).
+    """
+
+    name: str
+    version: str
+    kind: str  # "base", "workspace", "toolkit"
+    digest: str  # sha256:<hex>
+    size: int  # bytes of the EROFS image
+    compression: str
+    created_at: Optional[datetime]
+    ref: str  # name:version
+    source: str  # what it was built from, e.g. "dir /src", "commit of sandbox ID"
+    files: int  # entries in the tree
+    content_bytes: int  # bytes of regular files in the tree
+    tags: List[str] = field(default_factory=list)
+    used_by_sandboxes: List[str] = field(default_factory=list)
+    used_by_environments: List[str] = field(default_factory=list)
+    mounts: int = 0
+    raw: Dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def pinned(self) -> str:
+        """A reference to exactly this image, ``name@sha256:...`` (or the
+        digest alone for an untagged image): it never moves with the tag."""
+        return f"{self.name}@{self.digest}" if self.name else self.digest
+
+    @property
+    def in_use(self) -> bool:
+        """Whether a sandbox or an environment uses the image, or it is
+        mounted (known after ``layers.get()``)."""
+        return bool(self.used_by_sandboxes or self.used_by_environments or self.mounts)
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "Layer":
+        return cls(
+            name=d.get("name", ""),
+            version=d.get("version", ""),
+            kind=_enum(d.get("kind"), "LAYER_KIND_"),
+            digest=d.get("digest", ""),
+            size=_int(d.get("size")),
+            compression=d.get("compression", ""),
+            created_at=_time(_get(d, "createdAt", "created_at")),
+            ref=d.get("ref", ""),
+            source=d.get("source", ""),
+            files=_int(d.get("files")),
+            content_bytes=_int(_get(d, "contentBytes", "content_bytes")),
+            tags=list(d.get("tags") or []),
+            used_by_sandboxes=list(_get(d, "usedBySandboxes", "used_by_sandboxes") or []),
+            used_by_environments=list(_get(d, "usedByEnvironments", "used_by_environments") or []),
+            mounts=_int(d.get("mounts")),
+            raw=dict(d),
+        )
+
+
+@dataclass
+class BuildProgress:
+    """One progress event of a layer build or commit, for ``on_progress``.
+
+    Either a line at the start of each stage (``message`` set, e.g.
+    ``"scanning /src"``), or a status update for a progress bar
+    (``message`` empty): ``done`` of ``total`` ``unit`` (``"bytes"``,
+    ``"files"``, ``"layers"``) in ``stage`` (``"extract"``, ``"unpack"``,
+    ``"copy"``, ``"scan"``, ``"mkfs"``, ``"hash"``, ``"done"``).
+    """
+
+    message: str = ""
+    stage: str = ""
+    done: int = 0
+    total: int = 0  # 0 if unknown
+    unit: str = ""
+
+    @property
+    def fraction(self) -> Optional[float]:
+        """``done / total`` of a status update, ``None`` when the total is unknown."""
+        return self.done / self.total if self.total > 0 else None
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> Optional["BuildProgress"]:
+        """The progress in one BuildLayerResponse, or None (the final layer)."""
+        if "progress" in d:
+            return cls(message=d.get("progress") or "")
+        st = d.get("status")
+        if st is not None:
+            return cls(stage=st.get("stage", ""), done=_int(st.get("done")), total=_int(st.get("total")), unit=st.get("unit", ""))
+        return None
+
+
+@dataclass
+class TagResult:
+    """What ``layers.tag()`` did: the layer the tag now names, and the digest
+    it named before (``""`` for a new tag)."""
+
+    layer: Layer
+    previous_digest: str = ""
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "TagResult":
+        return cls(layer=Layer.from_json(d.get("layer") or {}), previous_digest=d.get("previousDigest", ""))
+
+
+@dataclass
+class RemoveResult:
+    """What ``layers.rm()`` removed: tags, then images no longer used."""
+
+    untagged: List[str]
+    removed: List[Layer]
+    freed_bytes: int = 0
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "RemoveResult":
+        return cls(
+            untagged=list(d.get("untagged") or []),
+            removed=[Layer.from_json(x) for x in d.get("removed") or []],
+            freed_bytes=_int(d.get("freedBytes")),
+        )
+
+
+@dataclass
+class GCResult:
+    """What ``layers.gc()`` removed (or, with ``dry_run``, would remove), and
+    how many images it kept (tagged, named by an environment, used or mounted)."""
+
+    removed: List[Layer]
+    freed_bytes: int = 0
+    kept: int = 0
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "GCResult":
+        return cls(
+            removed=[Layer.from_json(x) for x in d.get("removed") or []],
+            freed_bytes=_int(d.get("freedBytes")),
+            kept=_int(d.get("kept")),
+        )
+
+
+@dataclass
+class Environment:
+    """A named stack of layers (a template): ``Sandbox.create(template=name)``.
+
+    ``base``, ``workspaces`` and ``toolkits`` are the references as given;
+    tags are resolved at each create, so moving a tag upgrades every later
+    sandbox. ``resolved`` is what they name now, top to bottom (toolkits,
+    workspaces, then the base); empty if one of them no longer resolves.
+    """
+
+    name: str
+    base: str
+    workspaces: List[str]
+    toolkits: List[str]
+    created_at: Optional[datetime]
+    resolved: List[Layer] = field(default_factory=list)
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "Environment":
+        return cls(
+            name=d.get("name", ""),
+            base=d.get("base", ""),
+            workspaces=list(d.get("workspaces") or []),
+            toolkits=list(d.get("toolkits") or []),
+            created_at=_time(d.get("createdAt")),
+            resolved=[Layer.from_json(x) for x in d.get("resolved") or []],
         )

@@ -89,8 +89,8 @@ def test_remove_and_make_dir(sb) -> None:
         sb.files.make_dir("/work/file")
     sb.files.remove("/work/file")
     assert not sb.files.exists("/work/file")
-    with pytest.raises(shoal.ShoalError):
-        sb.files.remove("/work/d1", recursive=False)  # not empty
+    with pytest.raises(shoal.FailedPrecondition, match="recursive"):
+        sb.files.remove("/work/d1", recursive=False)  # not empty: a state to change, not a name taken
     sb.files.remove("/work/d1")  # recursive by default, as in E2B
     assert not sb.files.exists("/work/d1")
     with pytest.raises(shoal.NotFound):

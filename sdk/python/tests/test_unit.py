@@ -365,3 +365,107 @@ def test_fncall_sync_and_async_match() -> None:
     assert body["limits"] == {"cpuTimeMs": "500", "memoryBytes": str(64 << 20)}
     with pytest.raises(shoal.InvalidArgument):
         fncall.request("python", "x", stdin="a", tests=["b"])
+
+
+# --- layers and environments ---
+
+LAYER_FNS = ["build", "commit", "list", "get", "inspect", "tag", "rm", "remove", "gc", "export", "import_"]
+ENV_FNS = ["create", "list", "get", "rm", "remove"]
+
+
+@pytest.mark.parametrize("mod,names", [(shoal.layers, LAYER_FNS), (shoal.environments, ENV_FNS)], ids=["layers", "environments"])
+def test_layers_and_environments_sync_and_async_match(mod: Any, names: List[str]) -> None:
+    for n in names:
+        s, a = getattr(mod, n), getattr(mod, "a" + n)
+        assert n in mod.__all__ and "a" + n in mod.__all__
+        assert inspect.signature(s).parameters.keys() == inspect.signature(a).parameters.keys(), n
+        assert inspect.iscoroutinefunction(a) and not inspect.iscoroutinefunction(s), n
+        assert s.__doc__ and a.__doc__, n
+
+
+def test_layer_models_parse_protojson() -> None:
+    d = {
+        "name": "repo", "version": "1", "kind": "LAYER_KIND_WORKSPACE", "digest": "sha256:ab", "size": "4096", "compression": "lz4",
+        "createdAt": "2026-11-29T14:48:33Z", "ref": "repo:1", "source": "dir /src", "files": "3", "contentBytes": "12",
+        "tags": ["repo:1", "repo:latest"], "usedBySandboxes": ["sb1"], "mounts": 1,
+    }  # fmt: skip
+    l = shoal.Layer.from_json(d)
+    assert (l.kind, l.size, l.files, l.content_bytes, l.tags, l.used_by_sandboxes, l.mounts) == ("workspace", 4096, 3, 12, ["repo:1", "repo:latest"], ["sb1"], 1)
+    assert l.pinned == "repo@sha256:ab" and l.in_use and l.created_at is not None
+    # The import endpoint replies with proto names.
+    l2 = shoal.Layer.from_json({"name": "r", "kind": "LAYER_KIND_TOOLKIT", "digest": "sha256:cd", "content_bytes": "7", "created_at": "2026-11-29T14:48:33Z"})
+    assert (l2.kind, l2.content_bytes, l2.created_at is not None, l2.in_use) == ("toolkit", 7, True, False)
+    assert shoal.Layer.from_json({"digest": "sha256:ef"}).pinned == "sha256:ef"
+    p = shoal.BuildProgress.from_json({"status": {"stage": "mkfs", "done": "5", "total": "10", "unit": "files"}})
+    assert p is not None and (p.message, p.stage, p.fraction) == ("", "mkfs", 0.5)
+    p = shoal.BuildProgress.from_json({"progress": "scanning /src"})
+    assert p is not None and p.message == "scanning /src" and p.fraction is None
+    assert shoal.BuildProgress.from_json({"layer": d}) is None
+    e = shoal.Environment.from_json({"name": "t", "base": "b:1", "workspaces": ["w:1"], "resolved": [d, d]})
+    assert (e.name, e.base, e.workspaces, e.toolkits, len(e.resolved)) == ("t", "b:1", ["w:1"], [], 2)
+    r = shoal.RemoveResult.from_json({"untagged": ["repo:1"], "removed": [d], "freedBytes": "4096"})
+    assert (r.untagged, r.removed[0].digest, r.freed_bytes) == (["repo:1"], "sha256:ab", 4096)
+    g = shoal.GCResult.from_json({"kept": 2})
+    assert (g.removed, g.freed_bytes, g.kept) == ([], 0, 2)
+    t = shoal.TagResult.from_json({"layer": d, "previousDigest": "sha256:00"})
+    assert (t.layer.ref, t.previous_digest) == ("repo:1", "sha256:00")
+
+
+@pytest.mark.parametrize(
+    "code,message,cls",
+    [
+        ("failed_precondition", "remove layer sha256:ab: layer in use: used by sandbox sb1", shoal.LayerInUse),
+        ("not_found", "resolve layer nope:1: layer not found", shoal.LayerNotFound),
+        ("not_found", "no sandbox x on this node", shoal.SandboxNotFound),
+        ("not_found", 'no environment "e" (see shoal env ls)', shoal.NotFound),
+    ],
+)
+def test_layer_error_mapping(code: str, message: str, cls: type) -> None:
+    e = shoal.exceptions.error_for(code, message)
+    assert type(e) is cls
+    assert isinstance(shoal.LayerInUse("x"), shoal.FailedPrecondition) and isinstance(shoal.LayerNotFound("x"), shoal.NotFound)
+
+
+def test_layer_requests(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: List[httpx.Request] = []
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        seen.append(req)
+        if req.url.path == "/shoal.v1.LayerService/BuildLayer":
+            body = env(0, {"progress": "copying"}) + env(0, {"status": {"stage": "copy", "done": "1", "total": "2", "unit": "files"}})
+            body += env(0, {"layer": {"name": "w", "version": "1", "kind": "LAYER_KIND_WORKSPACE", "digest": "sha256:ab"}}) + env(2, {})
+            return httpx.Response(200, stream=httpx.ByteStream(body), headers={"Content-Type": "application/connect+json"})
+        if req.url.path == "/v1/layers/export":
+            return httpx.Response(200, stream=httpx.ByteStream(b"TAR" * 1000))
+        if req.url.path == "/v1/layers/import":
+            assert req.read() == b"TAR" * 1000
+            return httpx.Response(200, json={"name": "w", "version": "2", "kind": "LAYER_KIND_WORKSPACE", "digest": "sha256:ab"})
+        return httpx.Response(200, json={})
+
+    t = mock_transport(handler)
+    monkeypatch.setattr("shoal._sync.transport.transport_for", lambda **kw: t)
+    events: List[shoal.BuildProgress] = []
+    l = shoal.layers.build("workspace", "w:1", "/src", compression="lz4", on_progress=events.append)
+    assert l.pinned == "w@sha256:ab" and [e.message for e in events] == ["copying", ""] and events[1].fraction == 0.5
+    assert json.loads(seen[-1].content[5:]) == {"kind": "LAYER_KIND_WORKSPACE", "ref": "w:1", "source": "/src", "compression": "lz4"}
+    shoal.layers.gc(dry_run=True)
+    assert json.loads(seen[-1].content) == {"dryRun": True}
+    import io
+
+    buf = io.BytesIO()
+    assert shoal.layers.export("w:1", buf) == 3000 and seen[-1].url.params["ref"] == "w:1"
+    assert shoal.layers.import_(buf.getvalue(), tag="w:2").ref == "" and seen[-1].url.params["tag"] == "w:2"
+    assert shoal.layers.import_(iter([b"TAR" * 500, b"TAR" * 500])).version == "2"
+    with pytest.raises(shoal.InvalidArgument):
+        shoal.layers.build("rootfs", "w:1", "/src")
+    with pytest.raises(shoal.InvalidArgument):
+        shoal.layers.commit("sb1", "base", "w:1")
+    with pytest.raises(shoal.InvalidArgument):
+        shoal.layers.export("w:1", 42)  # type: ignore[arg-type]
+    with pytest.raises(shoal.InvalidArgument):
+        shoal.environments.create("e", base="b:1", workspaces="w:1")
+    body = proto.create_body(
+        template=shoal.Environment.from_json({"name": "tmpl"}), base=l, workspaces=["x:1", l], toolkits=None, backend=None,
+        cpus=None, memory=None, timeout=None, metadata=None, envs=None, qos=None, client_key=None,
+    )  # fmt: skip
+    assert body == {"template": "tmpl", "base": "w@sha256:ab", "workspaces": ["x:1", "w@sha256:ab"]}

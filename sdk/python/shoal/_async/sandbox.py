@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uuid
 from datetime import timedelta
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 from urllib.parse import urlsplit
 
 import httpx
@@ -13,7 +13,7 @@ from .._protocol import create_body, seconds
 from .._util import instance_or_class
 from ..exceptions import InvalidArgument, SandboxNotFound
 from .._sync.transport import _client_kwargs
-from ..models import SandboxInfo, TrajectoryInfo
+from ..models import BuildProgress, Layer, SandboxInfo, TrajectoryInfo
 from .commands import AsyncCommands, AsyncPty
 from .filesystem import AsyncFiles
 from .sessions import AsyncShells, AsyncTrajectory
@@ -268,6 +268,29 @@ class AsyncSandbox:
         kw["base_url"] = self.get_url(port)
         kw.update(kwargs)
         return httpx.AsyncClient(**kw)
+
+    # --- layers ---
+
+    async def commit(
+        self,
+        kind: str,
+        ref: str,
+        *,
+        compression: Optional[str] = None,
+        on_progress: Optional[Callable[[BuildProgress], Any]] = None,
+        request_timeout: Optional[float] = None,
+    ) -> Layer:
+        """Turn what this sandbox changed (its writable layer) into a new
+        ``"workspace"`` or ``"toolkit"`` layer tagged ``ref`` (``name:version``).
+
+        Created over the same layers plus the new one, a sandbox sees this
+        one's files (deletions included). The sandbox keeps running.
+        ``on_progress`` gets :class:`~shoal.BuildProgress` events.
+        See :func:`shoal.layers.acommit`.
+        """
+        from .. import layers
+
+        return await layers.acommit(self, kind, ref, compression=compression, on_progress=on_progress, request_timeout=request_timeout)
 
     # --- trajectories ---
 

@@ -151,6 +151,72 @@ class AsyncTransport:
                 await asyncio.sleep(backoff(attempt, getattr(e, "retry_after", None)))
                 attempt += 1
 
+    # --- plain HTTP endpoints (layer images) ---
+
+    @asynccontextmanager
+    async def get_stream(
+        self, url: str, params: Dict[str, str], *, what: str, request_timeout: Optional[float] = None
+    ) -> AsyncIterator[httpx.Response]:
+        """The streamed reply of a GET (status checked; retried until it starts)."""
+
+        async def attempt() -> httpx.Response:
+            r = await self.client.send(self.client.build_request("GET", url, params=params, timeout=self._timeout(request_timeout)), stream=True)
+            if r.status_code != 200:
+                await r.aread()
+                await r.aclose()
+                err = http_error(r.status_code, r.content, what=what)
+                err.retry_after = retry_after(r)  # type: ignore[attr-defined]
+                raise err
+            return r
+
+        resp = await self._retrying(attempt, True)
+        try:
+            yield resp
+        except httpx.TransportError as e:
+            raise ConnectionLost(f"{what} broke: {type(e).__name__}: {e}") from None
+        finally:
+            await resp.aclose()
+
+    async def send_body(
+        self,
+        method: str,
+        url: str,
+        params: Dict[str, str],
+        content: Callable[[], Union[bytes, AsyncIterator[bytes]]],
+        *,
+        what: str,
+        idempotent: bool,
+        content_type: str = "application/octet-stream",
+        request_timeout: Optional[float] = None,
+    ) -> Dict[str, Any]:
+        """Send a body (made afresh by ``content()`` for each attempt) and
+        return the JSON reply. Retried only when ``idempotent``."""
+
+        async def attempt() -> Dict[str, Any]:
+            body = content()
+            try:
+                r = await self.client.request(
+                    method,
+                    url,
+                    params=params,
+                    content=body,
+                    headers={"Content-Type": content_type},
+                    timeout=self._timeout(request_timeout),
+                )
+            finally:
+                aclose = getattr(body, "aclose", None)  # an async generator holding a file
+                if aclose is not None:
+                    await aclose()
+            if r.status_code != 200:
+                err = http_error(r.status_code, r.content, what=what)
+                err.retry_after = retry_after(r)  # type: ignore[attr-defined]
+                raise err
+            return r.json() if r.content else {}
+
+        return await self._retrying(attempt, idempotent)
+
+    # --- file bytes ---
+
     def _file_url(self, sandbox_id: str, path: str, mode: Optional[str] = None) -> Tuple[str, Dict[str, str]]:
         params = {"path": path}
         if mode is not None:

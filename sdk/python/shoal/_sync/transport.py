@@ -257,6 +257,70 @@ class Transport:
                 time.sleep(backoff(attempt, getattr(e, "retry_after", None)))
                 attempt += 1
 
+    # --- plain HTTP endpoints (layer images) ---
+
+    @contextmanager
+    def get_stream(
+        self, url: str, params: Mapping[str, str], *, what: str, request_timeout: Optional[float] = None
+    ) -> Iterator[httpx.Response]:
+        """The streamed reply of a GET (status checked; retried until it starts)."""
+
+        def attempt() -> httpx.Response:
+            r = self.client.send(self.client.build_request("GET", url, params=params, timeout=self._timeout(request_timeout)), stream=True)
+            if r.status_code != 200:
+                r.read()
+                r.close()
+                err = http_error(r.status_code, r.content, what=what)
+                err.retry_after = retry_after(r)  # type: ignore[attr-defined]
+                raise err
+            return r
+
+        resp = self._retrying(attempt, True)
+        try:
+            yield resp
+        except httpx.TransportError as e:
+            raise ConnectionLost(f"{what} broke: {type(e).__name__}: {e}") from None
+        finally:
+            resp.close()
+
+    def send_body(
+        self,
+        method: str,
+        url: str,
+        params: Mapping[str, str],
+        content: Callable[[], Union[bytes, Iterator[bytes]]],
+        *,
+        what: str,
+        idempotent: bool,
+        content_type: str = "application/octet-stream",
+        request_timeout: Optional[float] = None,
+    ) -> Dict[str, Any]:
+        """Send a body (made afresh by ``content()`` for each attempt) and
+        return the JSON reply. Retried only when ``idempotent``."""
+
+        def attempt() -> Dict[str, Any]:
+            body = content()
+            try:
+                r = self.client.request(
+                    method,
+                    url,
+                    params=params,
+                    content=body,
+                    headers={"Content-Type": content_type},
+                    timeout=self._timeout(request_timeout),
+                )
+            finally:
+                close = getattr(body, "close", None)  # a generator holding a file
+                if close is not None:
+                    close()
+            if r.status_code != 200:
+                err = http_error(r.status_code, r.content, what=what)
+                err.retry_after = retry_after(r)  # type: ignore[attr-defined]
+                raise err
+            return r.json() if r.content else {}
+
+        return self._retrying(attempt, idempotent)
+
     # --- file bytes ---
 
     def _file_url(self, sandbox_id: str, path: str, mode: Optional[str] = None) -> Tuple[str, Dict[str, str]]:

@@ -1,0 +1,545 @@
+"""Layers: the read-only, content-addressed EROFS images sandboxes are
+composed from (one ``base``, any number of ``workspace`` and ``toolkit``
+layers), on the server's node.
+
+    from shoal import layers, Sandbox
+
+    ws = layers.build("workspace", "repo:1", "/srv/repo-tree", on_progress=print)
+    layers.list()                               # tagged layers; all=True adds untagged images
+    layers.get("repo:1").used_by_sandboxes      # who uses it (also .tags, .mounts)
+
+    with Sandbox.create(base="debian:12", workspaces=["repo:1"]) as sb:
+        sb.commands.run("cd /work/repo && make")
+        built = sb.commit("workspace", "repo:1-built")   # what the sandbox changed, as a layer
+
+    layers.tag("repo:1-built", "repo:latest")   # moves atomically
+    layers.rm("repo:1")                         # LayerInUse while a sandbox or environment uses it
+    layers.gc(dry_run=True)                     # images nothing references
+    layers.export("repo:latest", "repo.shoal-layer.tar")
+    layers.import_("repo.shoal-layer.tar", tag="repo:copy")
+
+A reference is ``name:version`` (a tag, which can move), ``name@sha256:...``
+or ``sha256:...`` (one image, which never changes). ``build`` reads its
+source from the *server's* file system: a directory, a tarball (``.tar``,
+``.tar.gz``, ``.tar.zst``), an OCI image layout or a docker-archive.
+Environments (named stacks of layers, ``Sandbox.create(template=...)``) are
+in :mod:`shoal.environments`.
+
+Every function takes ``api_key=``, ``url=`` and ``request_timeout=`` like
+``Sandbox.create``; ``abuild``, ``acommit``, ``alist``, ... are the asyncio
+forms (``on_progress`` may then be a coroutine function).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect as _inspect
+import os
+from typing import IO, Any, AsyncIterator, Awaitable, Callable, Dict, Iterable, Iterator, List, Optional, Union
+
+from ._protocol import FILE_CHUNK
+from .exceptions import InvalidArgument, ServerError
+from .models import BuildProgress, GCResult, Layer, RemoveResult, TagResult
+
+__all__ = [
+    "KINDS",
+    "build",
+    "commit",
+    "list",
+    "get",
+    "inspect",
+    "tag",
+    "rm",
+    "remove",
+    "gc",
+    "export",
+    "import_",
+    "abuild",
+    "acommit",
+    "alist",
+    "aget",
+    "ainspect",
+    "atag",
+    "arm",
+    "aremove",
+    "agc",
+    "aexport",
+    "aimport_",
+]
+
+KINDS = ("base", "workspace", "toolkit")
+
+ProgressCallback = Callable[[BuildProgress], Any]
+PathArg = Union[str, "os.PathLike[str]"]
+ImportSource = Union[PathArg, bytes, bytearray, memoryview, IO[bytes], Iterable[bytes]]
+
+EXPORT_PATH = "/v1/layers/export"
+IMPORT_PATH = "/v1/layers/import"
+
+
+# --- requests, shared by the sync and asyncio forms ---
+
+
+def _kind(kind: str, allowed: Iterable[str] = KINDS) -> str:
+    k = kind.lower() if isinstance(kind, str) else ""
+    if k.startswith("layer_kind_"):
+        k = k[len("layer_kind_") :]
+    allowed = tuple(allowed)
+    if k not in allowed:
+        raise InvalidArgument(f"layer kind {kind!r} must be one of {', '.join(allowed)}")
+    return "LAYER_KIND_" + k.upper()
+
+
+def _ref(ref: Any, what: str = "layer reference") -> str:
+    if isinstance(ref, Layer):
+        return ref.pinned
+    if not isinstance(ref, str) or not ref:
+        raise InvalidArgument(f"a {what} is required (name:version, name@sha256:... or sha256:...)")
+    return ref
+
+
+def _build_body(kind: str, ref: str, source: PathArg, compression: Optional[str], image: Optional[str]) -> Dict[str, Any]:
+    body: Dict[str, Any] = {"kind": _kind(kind), "ref": _ref(ref, "layer tag (name:version)"), "source": os.fspath(source)}
+    if compression:
+        body["compression"] = compression
+    if image:
+        body["image"] = image
+    return body
+
+
+def _commit_body(sandbox: Any, kind: str, ref: str, compression: Optional[str]) -> Dict[str, Any]:
+    sandbox_id = sandbox if isinstance(sandbox, str) else getattr(sandbox, "sandbox_id", None)
+    if not sandbox_id:
+        raise InvalidArgument("commit needs a sandbox or a sandbox ID")
+    body: Dict[str, Any] = {"sandboxId": sandbox_id, "kind": _kind(kind, ("workspace", "toolkit")), "ref": _ref(ref, "layer tag (name:version)")}
+    if compression:
+        body["compression"] = compression
+    return body
+
+
+def _long(request_timeout: Optional[float], t: Any) -> float:
+    # Builds, commits and transfers move whole trees or images.
+    return request_timeout if request_timeout is not None else max(600.0, t.config.request_timeout)
+
+
+def _no_layer(what: str) -> ServerError:
+    return ServerError(f"{what} stream ended without the layer")
+
+
+def _is_path(src: Any) -> bool:
+    return isinstance(src, (str, os.PathLike))
+
+
+def _file_chunks(path: PathArg) -> Iterator[bytes]:
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(FILE_CHUNK)
+            if not b:
+                return
+            yield b
+
+
+def _sync_content(src: ImportSource) -> Callable[[], Union[bytes, Iterator[bytes]]]:
+    """A maker of the request body for each attempt."""
+    if _is_path(src):
+        return lambda: _file_chunks(src)  # type: ignore[arg-type]
+    if isinstance(src, (bytes, bytearray, memoryview)):
+        data = bytes(src)
+        return lambda: data
+    if hasattr(src, "read"):
+        f = src
+
+        def chunks() -> Iterator[bytes]:
+            while True:
+                b = f.read(FILE_CHUNK)  # type: ignore[union-attr]
+                if not b:
+                    return
+                yield b
+
+        return chunks
+    if hasattr(src, "__iter__"):
+        it = src
+        return lambda: (bytes(b) for b in it)  # type: ignore[union-attr]
+    raise InvalidArgument(f"import_ reads a path, bytes, a binary file object or an iterable of bytes, not {type(src).__name__}")
+
+
+def _import_params(tag: Optional[str]) -> Dict[str, str]:
+    return {"tag": _ref(tag, "tag")} if tag else {}
+
+
+def _check_dest(dest: Any) -> None:
+    if not _is_path(dest) and not hasattr(dest, "write"):
+        raise InvalidArgument(f"export writes to a path or a binary file object, not {type(dest).__name__}")
+
+
+# --- blocking ---
+
+
+def _t(api_key: Optional[str], url: Optional[str]) -> Any:
+    from ._sync.transport import transport_for
+
+    return transport_for(api_key=api_key, url=url)
+
+
+def _receive(stream: Iterator[Dict[str, Any]], on_progress: Optional[ProgressCallback], what: str) -> Layer:
+    # Read to the end of the stream (the layer is the last event), so the
+    # connection goes back to the pool and a trailing error is not lost.
+    layer: Optional[Layer] = None
+    try:
+        for msg in stream:
+            if "layer" in msg:
+                layer = Layer.from_json(msg["layer"] or {})
+                continue
+            p = BuildProgress.from_json(msg)
+            if p is not None and on_progress is not None:
+                on_progress(p)
+    finally:
+        close = getattr(stream, "close", None)  # if on_progress raised: the connection now, not at GC
+        if close is not None:
+            close()
+    if layer is None:
+        raise _no_layer(what)
+    return layer
+
+
+def build(
+    kind: str,
+    ref: str,
+    source: PathArg,
+    *,
+    compression: Optional[str] = None,
+    image: Optional[str] = None,
+    on_progress: Optional[ProgressCallback] = None,
+    api_key: Optional[str] = None,
+    url: Optional[str] = None,
+    request_timeout: Optional[float] = None,
+) -> Layer:
+    """Build a layer from a path on the server and tag it ``ref``.
+
+    :param kind: ``"base"``, ``"workspace"`` or ``"toolkit"``.
+    :param ref: the tag, ``name:version``; an existing tag moves to the new image.
+    :param source: an absolute path on the server's machine: a directory, a
+        ``.tar``/``.tar.gz``/``.tar.zst`` of a tree, an OCI image layout
+        (directory or tar) or a ``docker save`` archive.
+    :param compression: ``"none"``, ``"lz4"`` or ``"lz4hc"`` (server default if unset).
+    :param image: for an image source holding several images, which one.
+    :param on_progress: called with each :class:`BuildProgress`: a line per
+        stage, and status updates (``done``/``total``) for a progress bar.
+    :returns: the :class:`Layer`, whose ``digest`` names exactly this image.
+    """
+    body = _build_body(kind, ref, source, compression, image)
+    t = _t(api_key, url)
+    return _receive(t.stream("LayerService", "BuildLayer", body, idempotent=True, request_timeout=_long(request_timeout, t)), on_progress, "BuildLayer")
+
+
+def commit(
+    sandbox: Any,
+    kind: str,
+    ref: str,
+    *,
+    compression: Optional[str] = None,
+    on_progress: Optional[ProgressCallback] = None,
+    api_key: Optional[str] = None,
+    url: Optional[str] = None,
+    request_timeout: Optional[float] = None,
+) -> Layer:
+    """Turn what a sandbox changed (its writable layer) into a new layer.
+
+    Stacked over the same layers, the new layer reproduces the sandbox's
+    file system: deleted files become whiteouts. The sandbox keeps running.
+    Same as ``sb.commit(kind, ref)``.
+
+    :param sandbox: a :class:`~shoal.Sandbox` (its connection settings are
+        used) or a sandbox ID.
+    :param kind: ``"workspace"`` or ``"toolkit"``.
+    :param ref: the tag, ``name:version``.
+    """
+    from ._sync.transport import Transport
+
+    body = _commit_body(sandbox, kind, ref, compression)
+    tr = getattr(sandbox, "_transport", None)
+    t = tr if isinstance(tr, Transport) and api_key is None and url is None else _t(api_key, url)
+    return _receive(t.stream("LayerService", "CommitLayer", body, idempotent=True, request_timeout=_long(request_timeout, t)), on_progress, "CommitLayer")
+
+
+def list(all: bool = False, api_key: Optional[str] = None, url: Optional[str] = None, request_timeout: Optional[float] = None) -> List[Layer]:  # noqa: A001
+    """The node's layers, one entry per tag; with ``all``, also the images
+    no tag points at (kept while a sandbox or environment uses them, or
+    until :func:`gc`), with ``ref`` empty, and every entry's ``tags``."""
+    r = _t(api_key, url).call("LayerService", "ListLayers", {"all": True} if all else {}, idempotent=True, request_timeout=request_timeout)
+    return [Layer.from_json(x) for x in r.get("layers") or []]
+
+
+def get(ref: str, api_key: Optional[str] = None, url: Optional[str] = None, request_timeout: Optional[float] = None) -> Layer:
+    """Resolve a reference, with who uses the image: ``tags``,
+    ``used_by_sandboxes``, ``used_by_environments``, ``mounts``.
+    Raises :class:`~shoal.LayerNotFound` if nothing has that name."""
+    r = _t(api_key, url).call("LayerService", "GetLayer", {"ref": _ref(ref)}, idempotent=True, request_timeout=request_timeout)
+    return Layer.from_json(r)
+
+
+inspect = get  # the CLI's name
+
+
+def tag(source: str, target: str, api_key: Optional[str] = None, url: Optional[str] = None, request_timeout: Optional[float] = None) -> TagResult:
+    """Point the tag ``target`` (``name:version``) at the image ``source``
+    names, atomically: a create sees the old image or the new one, never
+    neither. Sandboxes already running keep the image they started on."""
+    body = {"source": _ref(source), "target": _ref(target, "tag (name:version)")}
+    return TagResult.from_json(_t(api_key, url).call("LayerService", "TagLayer", body, idempotent=True, request_timeout=request_timeout))
+
+
+def rm(ref: str, api_key: Optional[str] = None, url: Optional[str] = None, request_timeout: Optional[float] = None) -> RemoveResult:
+    """Remove a tag, and its image if nothing else uses it (or an untagged
+    image by digest). Raises :class:`~shoal.LayerInUse` for an image a
+    sandbox or an environment uses (the tag is not removed either)."""
+    r = _t(api_key, url).call("LayerService", "DeleteLayer", {"ref": _ref(ref)}, idempotent=True, request_timeout=request_timeout)
+    return RemoveResult.from_json(r)
+
+
+remove = rm
+
+
+def gc(dry_run: bool = False, api_key: Optional[str] = None, url: Optional[str] = None, request_timeout: Optional[float] = None) -> GCResult:
+    """Remove every image no tag, environment or sandbox references and that
+    is not mounted; with ``dry_run``, only say what would be removed."""
+    r = _t(api_key, url).call("LayerService", "GarbageCollectLayers", {"dryRun": True} if dry_run else {}, idempotent=True, request_timeout=request_timeout)
+    return GCResult.from_json(r)
+
+
+def export(
+    ref: str, dest: Union[PathArg, IO[bytes]], api_key: Optional[str] = None, url: Optional[str] = None, request_timeout: Optional[float] = None
+) -> int:
+    """Write a layer in the export format (a tar of its metadata and EROFS
+    image) to ``dest``, a path or a binary file object; returns the bytes
+    written. A path is written to a temporary name and renamed when
+    complete, so it never holds a partial export. :func:`import_` (on this
+    or another server) reads it back."""
+    _check_dest(dest)
+    t = _t(api_key, url)
+    with t.get_stream(EXPORT_PATH, {"ref": _ref(ref)}, what=f"export of layer {ref}", request_timeout=_long(request_timeout, t)) as r:
+        if not _is_path(dest):
+            n = 0
+            for chunk in r.iter_bytes(FILE_CHUNK):
+                dest.write(chunk)  # type: ignore[union-attr]
+                n += len(chunk)
+            return n
+        tmp = f"{os.fspath(dest)}.shoal-part"  # type: ignore[arg-type]
+        try:
+            n = 0
+            with open(tmp, "wb") as f:
+                for chunk in r.iter_bytes(FILE_CHUNK):
+                    f.write(chunk)
+                    n += len(chunk)
+            os.replace(tmp, dest)  # type: ignore[arg-type]
+            return n
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+
+def import_(
+    src: ImportSource, tag: Optional[str] = None, api_key: Optional[str] = None, url: Optional[str] = None, request_timeout: Optional[float] = None
+) -> Layer:
+    """Store a layer sent in the export format (from :func:`export`): a
+    path, bytes, a binary file object or an iterable of bytes, streamed.
+    The server verifies the image's digest before storing it. ``tag``
+    (``name:version``) replaces the tag recorded in the export. Retried
+    like an idempotent call when the source can be read again (a path or bytes)."""
+    content = _sync_content(src)
+    t = _t(api_key, url)
+    r = t.send_body(
+        "POST", IMPORT_PATH, _import_params(tag), content, what="layer import", idempotent=_is_path(src) or isinstance(src, (bytes, bytearray, memoryview)),
+        content_type="application/x-tar", request_timeout=_long(request_timeout, t),
+    )  # fmt: skip
+    return Layer.from_json(r)
+
+
+# --- asyncio ---
+
+
+def _at(api_key: Optional[str], url: Optional[str]) -> Any:
+    from ._async.transport import transport_for
+
+    return transport_for(api_key=api_key, url=url)
+
+
+async def _call_back(cb: Optional[Callable[[Any], Any]], arg: Any) -> None:
+    if cb is not None:
+        x = cb(arg)
+        if _inspect.isawaitable(x):
+            await x
+
+
+async def _areceive(stream: AsyncIterator[Dict[str, Any]], on_progress: Optional[Callable[[BuildProgress], Union[Any, Awaitable[Any]]]], what: str) -> Layer:
+    layer: Optional[Layer] = None
+    try:
+        async for msg in stream:  # to its end, as _receive
+            if "layer" in msg:
+                layer = Layer.from_json(msg["layer"] or {})
+                continue
+            p = BuildProgress.from_json(msg)
+            if p is not None:
+                await _call_back(on_progress, p)
+    finally:
+        aclose = getattr(stream, "aclose", None)
+        if aclose is not None:
+            await aclose()
+    if layer is None:
+        raise _no_layer(what)
+    return layer
+
+
+async def abuild(
+    kind: str,
+    ref: str,
+    source: PathArg,
+    *,
+    compression: Optional[str] = None,
+    image: Optional[str] = None,
+    on_progress: Optional[ProgressCallback] = None,
+    api_key: Optional[str] = None,
+    url: Optional[str] = None,
+    request_timeout: Optional[float] = None,
+) -> Layer:
+    """:func:`build` for asyncio."""
+    body = _build_body(kind, ref, source, compression, image)
+    t = _at(api_key, url)
+    return await _areceive(t.stream("LayerService", "BuildLayer", body, idempotent=True, request_timeout=_long(request_timeout, t)), on_progress, "BuildLayer")
+
+
+async def acommit(
+    sandbox: Any,
+    kind: str,
+    ref: str,
+    *,
+    compression: Optional[str] = None,
+    on_progress: Optional[ProgressCallback] = None,
+    api_key: Optional[str] = None,
+    url: Optional[str] = None,
+    request_timeout: Optional[float] = None,
+) -> Layer:
+    """:func:`commit` for asyncio (``sandbox`` is an :class:`~shoal.AsyncSandbox` or an ID)."""
+    from ._async.transport import AsyncTransport
+
+    body = _commit_body(sandbox, kind, ref, compression)
+    tr = getattr(sandbox, "_transport", None)
+    t = tr if isinstance(tr, AsyncTransport) and api_key is None and url is None else _at(api_key, url)
+    return await _areceive(t.stream("LayerService", "CommitLayer", body, idempotent=True, request_timeout=_long(request_timeout, t)), on_progress, "CommitLayer")
+
+
+async def alist(all: bool = False, api_key: Optional[str] = None, url: Optional[str] = None, request_timeout: Optional[float] = None) -> List[Layer]:
+    """:func:`list` for asyncio."""
+    r = await _at(api_key, url).call("LayerService", "ListLayers", {"all": True} if all else {}, idempotent=True, request_timeout=request_timeout)
+    return [Layer.from_json(x) for x in r.get("layers") or []]
+
+
+async def aget(ref: str, api_key: Optional[str] = None, url: Optional[str] = None, request_timeout: Optional[float] = None) -> Layer:
+    """:func:`get` for asyncio."""
+    r = await _at(api_key, url).call("LayerService", "GetLayer", {"ref": _ref(ref)}, idempotent=True, request_timeout=request_timeout)
+    return Layer.from_json(r)
+
+
+ainspect = aget
+
+
+async def atag(source: str, target: str, api_key: Optional[str] = None, url: Optional[str] = None, request_timeout: Optional[float] = None) -> TagResult:
+    """:func:`tag` for asyncio."""
+    body = {"source": _ref(source), "target": _ref(target, "tag (name:version)")}
+    return TagResult.from_json(await _at(api_key, url).call("LayerService", "TagLayer", body, idempotent=True, request_timeout=request_timeout))
+
+
+async def arm(ref: str, api_key: Optional[str] = None, url: Optional[str] = None, request_timeout: Optional[float] = None) -> RemoveResult:
+    """:func:`rm` for asyncio."""
+    r = await _at(api_key, url).call("LayerService", "DeleteLayer", {"ref": _ref(ref)}, idempotent=True, request_timeout=request_timeout)
+    return RemoveResult.from_json(r)
+
+
+aremove = arm
+
+
+async def agc(dry_run: bool = False, api_key: Optional[str] = None, url: Optional[str] = None, request_timeout: Optional[float] = None) -> GCResult:
+    """:func:`gc` for asyncio."""
+    r = await _at(api_key, url).call(
+        "LayerService", "GarbageCollectLayers", {"dryRun": True} if dry_run else {}, idempotent=True, request_timeout=request_timeout
+    )
+    return GCResult.from_json(r)
+
+
+async def aexport(
+    ref: str, dest: Union[PathArg, IO[bytes]], api_key: Optional[str] = None, url: Optional[str] = None, request_timeout: Optional[float] = None
+) -> int:
+    """:func:`export` for asyncio (file writes run in a thread)."""
+    _check_dest(dest)
+    t = _at(api_key, url)
+    async with t.get_stream(EXPORT_PATH, {"ref": _ref(ref)}, what=f"export of layer {ref}", request_timeout=_long(request_timeout, t)) as r:
+        if not _is_path(dest):
+            n = 0
+            async for chunk in r.aiter_bytes(FILE_CHUNK):
+                await asyncio.to_thread(dest.write, chunk)  # type: ignore[union-attr]
+                n += len(chunk)
+            return n
+        tmp = f"{os.fspath(dest)}.shoal-part"  # type: ignore[arg-type]
+        try:
+            n = 0
+            f = await asyncio.to_thread(open, tmp, "wb")
+            try:
+                async for chunk in r.aiter_bytes(FILE_CHUNK):
+                    await asyncio.to_thread(f.write, chunk)
+                    n += len(chunk)
+            finally:
+                await asyncio.to_thread(f.close)
+            os.replace(tmp, dest)  # type: ignore[arg-type]
+            return n
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+
+def _async_content(src: Any) -> Callable[[], Union[bytes, AsyncIterator[bytes]]]:
+    if isinstance(src, (bytes, bytearray, memoryview)):
+        data = bytes(src)
+        return lambda: data
+    if _is_path(src) or hasattr(src, "read"):
+
+        async def chunks() -> AsyncIterator[bytes]:
+            f = await asyncio.to_thread(open, src, "rb") if _is_path(src) else src
+            try:
+                while True:
+                    b = await asyncio.to_thread(f.read, FILE_CHUNK)
+                    if not b:
+                        return
+                    yield b
+            finally:
+                if f is not src:
+                    await asyncio.to_thread(f.close)
+
+        return chunks
+    if hasattr(src, "__aiter__"):
+
+        async def from_async() -> AsyncIterator[bytes]:
+            async for b in src:
+                yield bytes(b)
+
+        return from_async
+    if hasattr(src, "__iter__"):
+
+        async def from_sync() -> AsyncIterator[bytes]:
+            for b in src:
+                yield bytes(b)
+
+        return from_sync
+    raise InvalidArgument(f"aimport_ reads a path, bytes, a binary file object or an iterable of bytes, not {type(src).__name__}")
+
+
+async def aimport_(
+    src: ImportSource, tag: Optional[str] = None, api_key: Optional[str] = None, url: Optional[str] = None, request_timeout: Optional[float] = None
+) -> Layer:
+    """:func:`import_` for asyncio (also takes an async iterable of bytes)."""
+    content = _async_content(src)
+    t = _at(api_key, url)
+    r = await t.send_body(
+        "POST", IMPORT_PATH, _import_params(tag), content, what="layer import", idempotent=_is_path(src) or isinstance(src, (bytes, bytearray, memoryview)),
+        content_type="application/x-tar", request_timeout=_long(request_timeout, t),
+    )  # fmt: skip
+    return Layer.from_json(r)

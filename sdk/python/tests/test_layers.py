@@ -1,0 +1,243 @@
+"""shoal.layers and shoal.environments against a real server: build from a
+directory, list, inspect, commit a sandbox into a workspace and compose it,
+tag, rm refused while in use, gc, environments as templates, export and
+import. Layer names are unique to this module (the server is shared)."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import shutil
+import tempfile
+from typing import Dict, Iterator, List
+
+import pytest
+
+import shoal
+from shoal import environments, layers
+
+WORKSPACE_FILE = "/work/sdk/hello.txt"
+
+
+def tree(files: Dict[str, str]) -> str:
+    """A directory on this machine, which is the server's (it reads the source)."""
+    root = tempfile.mkdtemp(prefix="sdklayer")
+    for p, content in files.items():
+        path = os.path.join(root, p)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(content)
+    return root
+
+
+@pytest.fixture
+def src(request: pytest.FixtureRequest) -> Iterator[str]:
+    # Images are content-addressed: each test gets content of its own.
+    d = tree({WORKSPACE_FILE.lstrip("/"): "hello from a layer\n", "work/sdk/sub/test": request.node.name})
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def read(sb: shoal.Sandbox, path: str) -> str:
+    return sb.files.read(path)
+
+
+def test_build_list_inspect(server, src) -> None:
+    events: List[shoal.BuildProgress] = []
+    l = layers.build("workspace", "sdk-ws:1", src, on_progress=events.append)
+    assert (l.kind, l.ref, l.name, l.version) == ("workspace", "sdk-ws:1", "sdk-ws", "1")
+    assert l.digest.startswith("sha256:") and l.size > 0 and l.files >= 4 and l.content_bytes == len("hello from a layer\n") + len("test_build_list_inspect")
+    assert l.created_at is not None and src in l.source
+    assert any(e.message for e in events), events  # a line per stage
+    assert all(isinstance(e, shoal.BuildProgress) for e in events)
+
+    listed = {x.ref: x for x in layers.list()}
+    assert listed["sdk-ws:1"].digest == l.digest and listed[server.base].kind == "base"
+    everything = layers.list(all=True)
+    assert any(x.ref == "sdk-ws:1" and "sdk-ws:1" in x.tags for x in everything)
+
+    got = layers.get("sdk-ws:1")
+    assert got.digest == l.digest and got.tags == ["sdk-ws:1"] and not got.in_use
+    assert layers.inspect(l.digest).digest == l.digest == layers.get(l.pinned).digest
+    with pytest.raises(shoal.LayerNotFound):
+        layers.get("sdk-nope:1")
+    with pytest.raises(shoal.InvalidArgument, match="absolute"):
+        layers.build("workspace", "sdk-ws:2", "relative/dir")
+    with pytest.raises(shoal.InvalidArgument):
+        layers.build("workspace", "no-version", src)
+    with pytest.raises(shoal.InvalidArgument):
+        layers.build("rootfs", "sdk-ws:2", src)
+
+    # The same content under another tag is the same image.
+    assert layers.build("workspace", "sdk-ws:again", src).digest == l.digest
+    r = layers.rm("sdk-ws:again")
+    assert r.untagged == ["sdk-ws:again"] and r.removed == []  # sdk-ws:1 still names the image
+
+
+def test_commit_and_compose(server, container_sb) -> None:
+    sb = container_sb
+    sb.files.write("/work/made/by-sandbox.txt", "made in a sandbox\n")
+    sb.commands.run("rm /www/index.html", check=True)  # a deletion: a whiteout in the layer
+    events: List[shoal.BuildProgress] = []
+    l = sb.commit("workspace", "sdk-commit:1", on_progress=events.append)
+    assert (l.kind, l.ref) == ("workspace", "sdk-commit:1") and f"sandbox {sb.sandbox_id}" in l.source and events
+    assert sb.is_running()  # the sandbox keeps running
+    with pytest.raises(shoal.InvalidArgument):
+        sb.commit("base", "sdk-commit:2")
+
+    for ws in ("sdk-commit:1", l):  # by tag, and a Layer (by digest)
+        with shoal.Sandbox.create(base=server.base, workspaces=[ws], timeout=300) as sb2:
+            assert read(sb2, "/work/made/by-sandbox.txt") == "made in a sandbox\n"
+            assert not sb2.files.exists("/www/index.html")
+            assert [(x.kind, x.digest) for x in sb2.get_info().layers][-1:] == [("base", layers.get(server.base).digest)]
+            assert l.digest in [x.digest for x in sb2.info.layers]
+    # The module form, by sandbox ID, as a toolkit.
+    t = layers.commit(sb.sandbox_id, "toolkit", "sdk-commit-tk:1")
+    assert t.kind == "toolkit" and t.digest == l.digest  # the same changes, the same image
+    with pytest.raises(shoal.SandboxNotFound):
+        layers.commit("nosuchsandbox", "workspace", "sdk-commit:3")
+    layers.rm("sdk-commit-tk:1")
+
+
+def test_tag_rm_in_use_and_gc(server, src) -> None:
+    a = layers.build("toolkit", "sdk-tgc:1", src)
+    tagged = layers.tag("sdk-tgc:1", "sdk-tgc:stable")
+    assert tagged.layer.digest == a.digest and tagged.previous_digest == ""
+    with shoal.Sandbox.create(base=server.base, toolkits=["sdk-tgc:stable"], timeout=300) as sb:
+        assert read(sb, WORKSPACE_FILE) == "hello from a layer\n"
+
+        # A new version; the tag moves, the running sandbox keeps A.
+        src_b = tree({WORKSPACE_FILE.lstrip("/"): "version B\n"})
+        try:
+            b = layers.build("toolkit", "sdk-tgc:1", src_b)
+        finally:
+            shutil.rmtree(src_b, ignore_errors=True)
+        moved = layers.tag("sdk-tgc:1", "sdk-tgc:stable")
+        assert moved.previous_digest == a.digest and moved.layer.digest == b.digest
+        assert read(sb, WORKSPACE_FILE) == "hello from a layer\n"
+
+        info = layers.get(a.digest)
+        assert info.tags == [] and info.used_by_sandboxes == [sb.sandbox_id] and info.mounts >= 1 and info.in_use
+        with pytest.raises(shoal.LayerInUse, match=sb.sandbox_id) as e:
+            layers.rm(a.digest)
+        assert isinstance(e.value, shoal.FailedPrecondition) and e.value.code == "failed_precondition"
+        assert a.digest not in [x.digest for x in layers.gc().removed]
+        assert any(x.digest == a.digest and x.ref == "" for x in layers.list(all=True))
+
+    # Unused now: gc (a dry run first) collects A, keeps B (tagged).
+    dry = layers.gc(dry_run=True)
+    assert a.digest in [x.digest for x in dry.removed] and dry.freed_bytes >= a.size
+    assert layers.get(a.digest).digest == a.digest  # a dry run removes nothing
+    gc = layers.gc()
+    assert a.digest in [x.digest for x in gc.removed] and b.digest not in [x.digest for x in gc.removed] and gc.kept >= 2
+    with pytest.raises(shoal.LayerNotFound):
+        layers.get(a.digest)
+
+    # rm of one of two tags untags; of the last one removes the image.
+    assert layers.rm("sdk-tgc:stable").untagged == ["sdk-tgc:stable"]
+    last = layers.rm("sdk-tgc:1")
+    assert last.untagged == ["sdk-tgc:1"] and [x.digest for x in last.removed] == [b.digest] and last.freed_bytes > 0
+
+
+def test_environments(server, src) -> None:
+    ws = layers.build("workspace", "sdk-envws:1", src)
+    env = environments.create("sdk-env", base=server.base, workspaces=["sdk-envws:1"])
+    assert (env.name, env.base, env.workspaces, env.toolkits) == ("sdk-env", server.base, ["sdk-envws:1"], [])
+    assert [x.digest for x in env.resolved] == [ws.digest, layers.get(server.base).digest]
+    assert "sdk-env" in [e.name for e in environments.list()]
+    assert environments.get("sdk-env").created_at is not None
+    with pytest.raises(shoal.AlreadyExists):
+        environments.create("sdk-env", base=server.base)
+    with pytest.raises(shoal.LayerNotFound):
+        environments.create("sdk-env2", base=server.base, toolkits=["sdk-nope:1"])
+
+    for template in ("sdk-env", env):  # a name, or the Environment
+        with shoal.Sandbox.create(template=template, timeout=300) as sb:
+            assert read(sb, WORKSPACE_FILE) == "hello from a layer\n"
+            assert [x.digest for x in sb.info.layers] == [x.digest for x in env.resolved]
+    # The environment names the tag: rm is refused, gc keeps the image.
+    assert layers.get("sdk-envws:1").used_by_environments == ["sdk-env"]
+    with pytest.raises(shoal.LayerInUse, match="sdk-env"):
+        layers.rm("sdk-envws:1")
+
+    replaced = environments.create("sdk-env", base=server.base, replace=True)
+    assert replaced.workspaces == [] and len(replaced.resolved) == 1
+    environments.rm("sdk-env")
+    with pytest.raises(shoal.NotFound):
+        environments.get("sdk-env")
+    with pytest.raises(shoal.NotFound):
+        environments.rm("sdk-env")
+    with pytest.raises(shoal.NotFound):
+        shoal.Sandbox.create(template="sdk-env")
+    layers.rm("sdk-envws:1")
+
+
+def test_export_import_round_trip(server, src, tmp_path) -> None:
+    l = layers.build("workspace", "sdk-xfer:1", src)
+    path = tmp_path / "x.shoal-layer.tar"
+    n = layers.export("sdk-xfer:1", path)
+    assert n == path.stat().st_size > l.size and not os.path.exists(f"{path}.shoal-part")
+    buf = io.BytesIO()
+    assert layers.export(l.digest, buf) == n
+    with pytest.raises(shoal.LayerNotFound):
+        layers.export("sdk-nope:1", tmp_path / "nope.tar")
+    assert not (tmp_path / "nope.tar").exists()
+
+    # Gone from the server, then back from the file under another tag.
+    assert [x.digest for x in layers.rm("sdk-xfer:1").removed] == [l.digest]
+    imp = layers.import_(path, tag="sdk-xfer:imported")
+    assert (imp.digest, imp.kind, imp.ref) == (l.digest, "workspace", "sdk-xfer:imported")
+    with shoal.Sandbox.create(base=server.base, workspaces=["sdk-xfer:imported"], timeout=300) as sb:
+        assert read(sb, WORKSPACE_FILE) == "hello from a layer\n"
+    # From a file object and from bytes, under the tag recorded in the export.
+    with open(path, "rb") as f:
+        assert layers.import_(f).ref == "sdk-xfer:1"
+    assert layers.import_(buf.getvalue(), tag="sdk-xfer:bytes").digest == l.digest
+    # A damaged export is refused before anything is stored.
+    bad = bytearray(buf.getvalue())
+    bad[-2048] ^= 0xFF
+    with pytest.raises(shoal.ShoalError) as e:
+        layers.import_(bytes(bad[: len(bad) // 2]), tag="sdk-xfer:bad")
+    assert isinstance(e.value, (shoal.InvalidArgument, shoal.FailedPrecondition)), repr(e.value)
+    with pytest.raises(shoal.LayerNotFound):
+        layers.get("sdk-xfer:bad")
+    for t in ("sdk-xfer:imported", "sdk-xfer:1", "sdk-xfer:bytes"):
+        layers.rm(t)
+
+
+def test_asyncio(server, src) -> None:
+    async def main() -> None:
+        seen: List[shoal.BuildProgress] = []
+
+        async def on_progress(p: shoal.BuildProgress) -> None:
+            seen.append(p)
+
+        l = await layers.abuild("workspace", "sdk-async:1", src, on_progress=on_progress)
+        assert l.ref == "sdk-async:1" and seen
+        assert "sdk-async:1" in [x.ref for x in await layers.alist()]
+        assert (await layers.aget("sdk-async:1")).digest == l.digest
+        await environments.acreate("sdk-aenv", base=server.base, workspaces=["sdk-async:1"])
+        assert "sdk-aenv" in [e.name for e in await environments.alist()]
+        async with await shoal.AsyncSandbox.create(template="sdk-aenv", timeout=300) as sb:
+            assert await sb.files.read(WORKSPACE_FILE) == "hello from a layer\n"
+            await sb.files.write("/work/sdk/async.txt", "async")
+            c = await sb.commit("workspace", "sdk-async:2")
+            assert c.kind == "workspace" and c.digest != l.digest
+        await environments.arm("sdk-aenv")
+        with pytest.raises(shoal.NotFound):
+            await environments.aget("sdk-aenv")
+        buf = io.BytesIO()
+        n = await layers.aexport("sdk-async:2", buf)
+        assert n > 0
+        assert (await layers.arm("sdk-async:2")).removed
+        imp = await layers.aimport_(buf.getvalue(), tag="sdk-async:3")
+        assert imp.digest == c.digest
+        assert (await layers.atag("sdk-async:3", "sdk-async:4")).layer.digest == c.digest
+        for t in ("sdk-async:1", "sdk-async:3", "sdk-async:4"):
+            await layers.arm(t)
+        assert isinstance(await layers.agc(dry_run=True), shoal.GCResult)
+
+    asyncio.run(main())
