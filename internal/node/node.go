@@ -694,6 +694,7 @@ func (m *Manager) Run(ctx context.Context) {
 			}
 			if now.Sub(lastFlush) >= 5*time.Second {
 				m.flush()
+				m.probe()
 				lastFlush = now
 			}
 		}
@@ -714,6 +715,49 @@ func (m *Manager) expired(now time.Time) []string {
 		}
 	}
 	return ids
+}
+
+// probe marks running sandboxes whose init (the guest agent) is gone as in
+// error, for backends that can tell cheaply (sandbox.Prober): their
+// commands cannot run any more, and callers get a clear error instead of a
+// refused connection. Deleting them still cleans everything up.
+func (m *Manager) probe() {
+	type cand struct {
+		id string
+		h  sandbox.Handle
+		p  sandbox.Prober
+	}
+	var cands []cand
+	m.mu.Lock()
+	for id, e := range m.sandboxes {
+		if e.rec.State != StateRunning || e.deleted != nil {
+			continue
+		}
+		if p, ok := m.backends[e.rec.Backend].(sandbox.Prober); ok {
+			cands = append(cands, cand{id, e.rec.Handle, p})
+		}
+	}
+	m.mu.Unlock()
+	for _, c := range cands {
+		alive, err := c.p.Alive(c.h)
+		if err != nil || alive {
+			continue
+		}
+		m.mu.Lock()
+		e, ok := m.sandboxes[c.id]
+		if !ok || e.rec.State != StateRunning || e.deleted != nil {
+			m.mu.Unlock()
+			continue
+		}
+		e.rec.State = StateError
+		e.rec.Error = "its guest agent (the sandbox's init) exited; delete the sandbox"
+		rec := e.rec
+		m.mu.Unlock()
+		m.log.Warn("sandbox init exited", "sandbox_id", c.id)
+		if err := m.db.Batch(func(tx *bbolt.Tx) error { return putRecord(tx, &rec) }); err != nil {
+			m.log.Error("persist sandbox state", "sandbox_id", c.id, "err", err)
+		}
+	}
 }
 
 // flush persists expiry times pushed back by activity.

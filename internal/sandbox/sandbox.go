@@ -111,5 +111,13 @@ type Closer interface {
 	Close(ctx context.Context) error
 }
 
+// Prober is implemented by backends that can tell cheaply (without running
+// anything) whether a sandbox's init still lives. The node calls Alive for
+// every running sandbox every few seconds and marks the dead ones as in
+// error, so that nobody waits on a sandbox whose guest agent is gone.
+type Prober interface {
+	Alive(h Handle) (bool, error)
+}
+
 // Timeouts used by backends when the caller's context has none.
 const DefaultStartTimeout = 30 * time.Second

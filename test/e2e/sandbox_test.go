@@ -5,6 +5,7 @@ import (
 	"context"
 	"crypto/rand"
 	"crypto/sha256"
+	"encoding/json"
 	"errors"
 	"io"
 	"net/http"
@@ -13,6 +14,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -490,5 +492,47 @@ func TestBadInputClearErrors(t *testing.T) {
 	_, err = sdk(t).Get(context.Background(), "zzzzzzzzzzzzzzzzzzzz")
 	if !errors.As(err, &ce) || ce.Code() != connect.CodeNotFound || !strings.Contains(ce.Message(), "zzzzzzzzzzzzzzzzzzzz") {
 		t.Errorf("unknown id: %v", err)
+	}
+}
+
+func TestDeadAgentMarksSandboxError(t *testing.T) {
+	need(t)
+	id := create(t)
+	c := sdk(t)
+	sb, err := c.Get(context.Background(), id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	state, err := os.ReadFile(filepath.Join(dataDir, "runc", sb.Runtime["runc_id"], "state.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var st struct {
+		Pid int `json:"init_process_pid"`
+	}
+	if err := json.Unmarshal(state, &st); err != nil || st.Pid <= 0 {
+		t.Fatalf("runc state: %v %d", err, st.Pid)
+	}
+	// The sandbox's init (the guest agent) dies.
+	syscall.Kill(st.Pid, syscall.SIGKILL)
+	deadline := time.Now().Add(15 * time.Second)
+	for time.Now().Before(deadline) {
+		sb, err = c.Get(context.Background(), id)
+		if err == nil && sb.State == pb.SandboxState_SANDBOX_STATE_ERROR {
+			break
+		}
+		time.Sleep(250 * time.Millisecond)
+	}
+	if sb.State != pb.SandboxState_SANDBOX_STATE_ERROR || !strings.Contains(sb.Error, "guest agent") {
+		t.Fatalf("after the agent died: state %s error %q", sb.State, sb.Error)
+	}
+	if out, code := run(nil, "exec", id, "--", "true"); code == 0 || !strings.Contains(out, "failed_precondition") {
+		t.Fatalf("exec in a dead sandbox: %d %s", code, out)
+	}
+	if out, code := run(nil, "rm", id); code != 0 {
+		t.Fatalf("rm of a dead sandbox: %s", out)
+	}
+	if m := mountsUnder(filepath.Join(dataDir, "sandboxes", id)); len(m) != 0 {
+		t.Errorf("mounts left: %v", m)
 	}
 }
