@@ -595,7 +595,16 @@ func (m *Manager) Events(ctx context.Context, c *Command, from int64, keepAlive 
 	}
 	pos := from
 	var ka <-chan time.Time
-	block := make([]byte, eventBlock)
+	// Small logs (most commands) need a small block; a pooled full-size one
+	// serves the rest without a 1 MiB allocation per call.
+	var block []byte
+	if size-from < eventBlock {
+		block = make([]byte, max(size-from, agent.LogRecordHeader))
+	} else {
+		bp := blockPool.Get().(*[]byte)
+		defer blockPool.Put(bp)
+		block = *bp
+	}
 	for {
 		c.mu.Lock()
 		size, state, exit, changed := c.size, c.rec.State, c.rec.Exit, c.changed
@@ -603,6 +612,9 @@ func (m *Manager) Events(ctx context.Context, c *Command, from int64, keepAlive 
 		for pos < size {
 			// Read a block of whole records and merge runs of the same
 			// stream into one event: far fewer messages than records.
+			if int64(len(block)) < min(size-pos, eventBlock) {
+				block = make([]byte, min(size-pos, eventBlock)) // the log grew
+			}
 			n, err := f.ReadAt(block[:min(int64(len(block)), size-pos)], pos)
 			if err != nil && !errors.Is(err, io.EOF) {
 				return fmt.Errorf("read command log: %w", err)
@@ -653,6 +665,8 @@ func (m *Manager) Events(ctx context.Context, c *Command, from int64, keepAlive 
 // eventBlock is how much of a log Events reads at a time (and so the
 // largest event it merges).
 const eventBlock = 1 << 20
+
+var blockPool = sync.Pool{New: func() any { b := make([]byte, eventBlock); return &b }}
 
 // parseRecords turns the whole records at the start of b (which starts at
 // log offset base) into events, merging consecutive records of the same
