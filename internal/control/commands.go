@@ -25,14 +25,10 @@ func startRequest(r *pb.ExecRequest) (session.StartRequest, error) {
 	if r.TimeoutMs < 0 {
 		return session.StartRequest{}, connect.NewError(connect.CodeInvalidArgument, errors.New("timeout_ms must not be negative"))
 	}
-	env := make([]string, 0, len(r.Env))
-	for k, v := range r.Env {
-		if k == "" || strings.ContainsAny(k, "=\x00") {
-			return session.StartRequest{}, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("bad environment variable name %q", k))
-		}
-		env = append(env, k+"="+v)
+	env, err := envList(r.Env)
+	if err != nil {
+		return session.StartRequest{}, err
 	}
-	sort.Strings(env)
 	sr := session.StartRequest{
 		Args: r.Args, Env: env, Cwd: r.Cwd, Stdin: r.Stdin, StdinOpen: r.StdinOpen,
 		Timeout: time.Duration(r.TimeoutMs) * time.Millisecond, Trajectory: r.TrajectoryId, Step: r.Step,
@@ -44,6 +40,20 @@ func startRequest(r *pb.ExecRequest) (session.StartRequest, error) {
 		sr.PTY = &agent.Winsize{Rows: uint16(r.Pty.Rows), Cols: uint16(r.Pty.Cols)}
 	}
 	return sr, nil
+}
+
+// envList turns a request's environment map into sorted KEY=VALUE
+// entries, refusing names a process environment cannot hold.
+func envList(m map[string]string) ([]string, error) {
+	env := make([]string, 0, len(m))
+	for k, v := range m {
+		if k == "" || strings.ContainsAny(k, "=\x00") {
+			return nil, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("bad environment variable name %q", k))
+		}
+		env = append(env, k+"="+v)
+	}
+	sort.Strings(env)
+	return env, nil
 }
 
 func commandPB(in session.Info, replayed bool) *pb.Command {

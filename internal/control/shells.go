@@ -3,9 +3,6 @@ package control
 import (
 	"context"
 	"errors"
-	"fmt"
-	"sort"
-	"strings"
 	"time"
 
 	"connectrpc.com/connect"
@@ -21,14 +18,10 @@ func shellPB(sh *session.Shell) *pb.Shell {
 
 func (s *Server) CreateShell(ctx context.Context, req *connect.Request[pb.CreateShellRequest]) (*connect.Response[pb.Shell], error) {
 	r := req.Msg
-	env := make([]string, 0, len(r.Env))
-	for k, v := range r.Env {
-		if k == "" || strings.ContainsAny(k, "=\x00") {
-			return nil, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("bad environment variable name %q", k))
-		}
-		env = append(env, k+"="+v)
+	env, err := envList(r.Env)
+	if err != nil {
+		return nil, err
 	}
-	sort.Strings(env)
 	sh, err := s.sessions.CreateShell(ctx, r.SandboxId, r.Name, r.Cwd, env, r.Shell)
 	if err != nil {
 		return nil, toConnect(err)

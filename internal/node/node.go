@@ -15,6 +15,7 @@ import (
 	"path/filepath"
 	"runtime"
 	"sort"
+	"strings"
 	"sync"
 	"time"
 
@@ -202,22 +203,11 @@ func (m *Manager) validate(req *CreateRequest) error {
 		return errdefs.New(ErrInvalid, "timeout must be between 1s and %s, got %s", m.cfg.MaxTimeout, req.Timeout)
 	}
 	for k := range req.Env {
-		if k == "" || containsAny(k, "=\x00") {
+		if k == "" || strings.ContainsAny(k, "=\x00") {
 			return errdefs.New(ErrInvalid, "bad environment variable name %q", k)
 		}
 	}
 	return nil
-}
-
-func containsAny(s, chars string) bool {
-	for _, c := range s {
-		for _, d := range chars {
-			if c == d {
-				return true
-			}
-		}
-	}
-	return false
 }
 
 // resolve turns the requested refs into layers ordered top to bottom
