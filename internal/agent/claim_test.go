@@ -7,7 +7,6 @@ import (
 	"net"
 	"os"
 	"strings"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -17,7 +16,7 @@ import (
 // pooledServer serves a pooled server (as after StartBoot with
 // SHOAL_POOL=1) on a fresh socket. Its exit hook records the exit code
 // instead of exiting.
-func pooledServer(t *testing.T) (*Client, *atomic.Int32) {
+func pooledServer(t *testing.T) (*Client, <-chan int) {
 	t.Helper()
 	srv := NewServer(Config{})
 	allow := []unix.SockFilter{{Code: unix.BPF_RET | unix.BPF_K, K: 0x7fff0000}}
@@ -25,10 +24,11 @@ func pooledServer(t *testing.T) (*Client, *atomic.Int32) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { claimStates.Delete(srv) })
-	exited := new(atomic.Int32)
-	exited.Store(-1)
+	// The agent answers a failed claim first and exits after, so tests wait
+	// for the exit rather than read it right after Claim returns.
+	exited := make(chan int, 1)
 	v, _ := claimStates.Load(srv)
-	v.(*claimState).exit = func(code int) { exited.Store(int32(code)) }
+	v.(*claimState).exit = func(code int) { exited <- code }
 	sock := shortSocket(t)
 	l, err := net.Listen("unix", sock)
 	if err != nil {
@@ -37,6 +37,19 @@ func pooledServer(t *testing.T) (*Client, *atomic.Int32) {
 	go srv.Serve(l)
 	t.Cleanup(func() { l.Close() })
 	return NewClient(sock), exited
+}
+
+// waitExit waits (with a deadline) for the agent to exit with want.
+func waitExit(t *testing.T, exited <-chan int, want int) {
+	t.Helper()
+	select {
+	case got := <-exited:
+		if got != want {
+			t.Errorf("exit code %d, want %d", got, want)
+		}
+	case <-time.After(10 * time.Second):
+		t.Errorf("the agent did not exit within 10s (want exit code %d)", want)
+	}
 }
 
 func TestPooledServesOnlyPingAndClaim(t *testing.T) {
@@ -75,9 +88,7 @@ func TestClaimWithoutMountExits(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), "attach root") {
 		t.Fatalf("claim with /dev/null: %v", err)
 	}
-	if got := exited.Load(); got != 1 {
-		t.Errorf("exit code %d, want 1", got)
-	}
+	waitExit(t, exited, 1)
 	if _, err := c.Exec(ctx, ExecRequest{Args: []string{"true"}}); err == nil {
 		t.Error("exec after a failed claim succeeded")
 	}
@@ -95,9 +106,7 @@ func TestClaimBadEnv(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), "environment") {
 		t.Fatalf("claim with a bad env: %v", err)
 	}
-	if got := exited.Load(); got != 1 {
-		t.Errorf("exit code %d, want 1", got)
-	}
+	waitExit(t, exited, 1)
 }
 
 func TestClaimRefusedByColdAgent(t *testing.T) {

@@ -42,10 +42,12 @@ import (
 //   - chmod: IN_ATTRIB (mode, owner, times, link count).
 //   - overflow: events were lost; path says where to re-scan.
 
+// maxWatchDirs bounds the directories one recursive watch follows (each
+// costs a kernel watch and an entry in the agent's maps). A variable only so
+// that a test can check the bound without making 16k directories.
+var maxWatchDirs = 16384
+
 const (
-	// maxWatchDirs bounds the directories one recursive watch follows (each
-	// costs a kernel watch and an entry in the agent's maps).
-	maxWatchDirs = 16384
 	// writeWindow is the coalescing window of write events per file.
 	writeWindow = 50 * time.Millisecond
 	// renameWait is how long an IN_MOVED_FROM waits for its IN_MOVED_TO

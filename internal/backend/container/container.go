@@ -365,17 +365,22 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (h sandbox.Hand
 	if exists(filepath.Join(dir, upperDir)) {
 		return h, fmt.Errorf("create sandbox %s: %s has a writable layer already", spec.ID, dir)
 	}
-	if b.pool != nil {
-		if m := b.pool.take(spec.AgentBinary); m != nil {
-			h, err := b.claim(ctx, spec, dir, m)
-			if err == nil {
-				return h, nil
-			}
-			if ctx.Err() != nil {
-				return h, err
-			}
-			b.log.Warn("claim of a pool container failed; creating the sandbox cold", "sandbox_id", spec.ID, "err", err)
+	// From the pool: a member that fails its claim (or does not answer it
+	// within claimTimeout) is destroyed and the next one is tried, up to
+	// maxClaimTries; then the cold path.
+	for try := 0; b.pool != nil && try < maxClaimTries; try++ {
+		m := b.pool.take(spec.AgentBinary)
+		if m == nil {
+			break
 		}
+		h, err := b.claim(ctx, spec, dir, m)
+		if err == nil {
+			return h, nil
+		}
+		if ctx.Err() != nil {
+			return h, err
+		}
+		b.log.Warn("claim of a pool container failed; trying another", "sandbox_id", spec.ID, "runc_id", m.id, "try", try+1, "err", err)
 	}
 	return b.createCold(ctx, spec, dir)
 }

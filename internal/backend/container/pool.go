@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -89,6 +90,46 @@ func (b *Backend) claimedDir(sandboxID string) string {
 
 func (b *Backend) memberSocket(runcID string) string {
 	return filepath.Join(b.readyDir(runcID), socketName)
+}
+
+const (
+	// claimTimeout bounds one claim: the agent's answer normally comes in
+	// milliseconds, even on a loaded host.
+	claimTimeout = 5 * time.Second
+	// maxClaimTries is how many pool members one create tries before the
+	// cold path.
+	maxClaimTries = 2
+)
+
+// processState describes the process whose pid is in pidFile, for an error
+// message: its state and kernel wait channel, with those of its threads.
+func processState(pidFile string) string {
+	data, err := os.ReadFile(pidFile)
+	if err != nil {
+		return "pid unknown: " + err.Error()
+	}
+	pid := string(trimSpace(data))
+	ents, err := os.ReadDir("/proc/" + pid + "/task")
+	if err != nil {
+		return "pid " + pid + ": gone"
+	}
+	out := "pid " + pid + ":"
+	for i, e := range ents {
+		if i == 16 {
+			out += " …"
+			break
+		}
+		state := "?"
+		if st, err := os.ReadFile("/proc/" + pid + "/task/" + e.Name() + "/stat"); err == nil {
+			// "tid (comm) S ...": the state follows the last ')'.
+			if j := strings.LastIndexByte(string(st), ')'); j >= 0 && j+2 < len(st) {
+				state = string(st[j+2])
+			}
+		}
+		wchan, _ := os.ReadFile("/proc/" + pid + "/task/" + e.Name() + "/wchan")
+		out += fmt.Sprintf(" %s=%s/%s", e.Name(), state, wchan)
+	}
+	return out
 }
 
 // member is a ready pool container.
@@ -372,7 +413,7 @@ func (b *Backend) claim(ctx context.Context, spec sandbox.Spec, dir string, m *m
 		if err := b.destroy(ctx, m.id); err != nil {
 			return err
 		}
-		return os.RemoveAll(claimed)
+		return removeAll(claimed, b.memberBundle(m.id))
 	})
 
 	// 2. Limits, before anything of the sandbox runs.
@@ -392,13 +433,20 @@ func (b *Backend) claim(ctx context.Context, spec sandbox.Spec, dir string, m *m
 	if err != nil {
 		return h, fmt.Errorf("claim for sandbox %s: %w", spec.ID, err)
 	}
-	err = agent.NewClient(sock).Claim(ctx, mfd, agent.ClaimRequest{
+	// A claim takes milliseconds; one that takes seconds will not end
+	// well: the member is destroyed (undo) and the caller tries another.
+	cctx, cancel := context.WithTimeout(ctx, claimTimeout)
+	err = agent.NewClient(sock).Claim(cctx, mfd, agent.ClaimRequest{
 		Hostname: hostname(spec.ID),
 		Env:      sandboxEnv(spec),
 	})
+	cancel()
 	unix.Close(mfd)
 	if err != nil {
-		return h, fmt.Errorf("claim for sandbox %s: %w: %s", spec.ID, err, tail(filepath.Join(claimed, agentLogName), 0))
+		// Say what the agent was doing: a claim that is not answered
+		// must be explainable from the log alone.
+		return h, fmt.Errorf("claim for sandbox %s: %w (agent %s); agent log: %q", spec.ID, err,
+			processState(filepath.Join(claimed, pidFileName)), tail(filepath.Join(claimed, agentLogName), 0))
 	}
 	log.Debug("sandbox created from the pool", "took", time.Since(start))
 	return sandbox.Handle{

@@ -478,6 +478,49 @@ func TestPoolFailedClaim(t *testing.T) {
 	}
 }
 
+// TestPoolClaimNotAnswered: a pool member whose agent never answers the
+// claim (stopped, as a hung or starved agent would be) costs the create at
+// most claimTimeout: the member is destroyed with all it had (bundle, dir,
+// cgroups, runc state) and the sandbox is created elsewhere.
+func TestPoolClaimNotAnswered(t *testing.T) {
+	requireRoot(t)
+	b := newPoolBackend(t, t.TempDir(), 1)
+	m := waitPool(t, b, 1)[0]
+	pid, err := strconv.Atoi(readTrim(t, filepath.Join(m.dir, pidFileName)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Kill(pid, unix.SIGSTOP); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { unix.Kill(pid, unix.SIGKILL) })
+	spec := poolSpec(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	h, err := b.Create(ctx, spec)
+	if err != nil {
+		t.Fatalf("create with a stopped pool member: %v", err)
+	}
+	t.Cleanup(func() { b.Delete(context.Background(), h) })
+	if h.Data["runc_id"] == m.id {
+		t.Fatalf("created from the stopped member: %+v", h)
+	}
+	if out, code := run(t, h, "cat /etc/lower-file"); code != 0 || out != "from the lower\n" {
+		t.Errorf("sandbox after the failed claim: %d %q", code, out)
+	}
+	if left := runcLeftovers(t, b, m.id, []int{pid}); len(left) > 0 {
+		t.Errorf("left of the unanswered claim: %v", left)
+	}
+	for _, p := range []string{m.dir, b.memberBundle(m.id), b.claimedDir(spec.ID) + "/" + runcIDFile} {
+		if h.Data["pooled"] != "" && p == b.claimedDir(spec.ID)+"/"+runcIDFile {
+			continue // the sandbox came from another member
+		}
+		if exists(p) {
+			t.Errorf("%s is left after the unanswered claim", p)
+		}
+	}
+}
+
 // TestPoolAcrossRestart: a pooled sandbox survives the death of the process
 // that created it; the next backend on the same dirs deletes the pool
 // containers that process left unclaimed, keeps the sandbox, and deletes it
