@@ -24,9 +24,16 @@ import (
 // returns (a Process, a ReadFile reader): when ctx is done the connection is
 // closed, which for a running Process kills its process group, like
 // exec.CommandContext.
+//
+// The first call other than Ping or Claim checks the agent's protocol
+// version (a sandbox outlives upgrades of the node, and keeps its agent): an
+// agent that speaks another protocol fails that call and every later one
+// with a CodeVersion error saying so, instead of being misunderstood.
 type Client struct {
-	path   string
-	dialer net.Dialer
+	path    string
+	dialer  net.Dialer
+	checked atomic.Bool  // the agent's protocol matched
+	wrong   atomic.Value // string: why the agent is refused, once known
 }
 
 // NewClient returns a client for the agent listening at socketPath.
@@ -37,6 +44,7 @@ func NewClient(socketPath string) *Client {
 // Info describes the agent process.
 type Info struct {
 	Version  string
+	Protocol int   // ProtocolVersion of the agent's build
 	Pid      int   // the agent's pid in its own pid namespace (1 in a sandbox)
 	RSSBytes int64 // the agent's resident set size (VmRSS)
 }
@@ -62,7 +70,30 @@ func (c *Client) Ping(ctx context.Context) (Info, error) {
 	if err := c.unary(ctx, OpPing, "", struct{}{}, &rep); err != nil {
 		return Info{}, err
 	}
-	return Info{Version: rep.Version, Pid: rep.Pid, RSSBytes: rep.RSS}, nil
+	return Info{Version: rep.Version, Protocol: rep.Protocol, Pid: rep.Pid, RSSBytes: rep.RSS}, nil
+}
+
+// checkProtocol pings the agent once per Client and compares its protocol
+// version with ours.
+func (c *Client) checkProtocol(ctx context.Context) error {
+	if c.checked.Load() {
+		return nil
+	}
+	if why, ok := c.wrong.Load().(string); ok {
+		return &Error{Op: "connect", Code: CodeVersion, Msg: why}
+	}
+	info, err := c.Ping(ctx)
+	if err != nil {
+		return err
+	}
+	if info.Protocol != ProtocolVersion {
+		why := fmt.Sprintf("the sandbox's agent (version %s) speaks protocol %d, this node speaks %d: "+
+			"the sandbox was created by an incompatible Shoal; delete it and create a new one", info.Version, info.Protocol, ProtocolVersion)
+		c.wrong.Store(why)
+		return &Error{Op: "connect", Code: CodeVersion, Msg: why}
+	}
+	c.checked.Store(true)
+	return nil
 }
 
 // Stat returns information about path without following a final symlink.
@@ -257,6 +288,11 @@ type clientConn struct {
 // while when the agent's accept queue is full (EAGAIN), as it can be when
 // many callers wake the same sandbox at once.
 func (c *Client) open(ctx context.Context, op Op, path string, req any) (*clientConn, error) {
+	if op != OpPing && op != OpClaim {
+		if err := c.checkProtocol(ctx); err != nil {
+			return nil, err
+		}
+	}
 	cc := &clientConn{ctx: ctx, op: op, path: path}
 	body, err := json.Marshal(req)
 	if err != nil {

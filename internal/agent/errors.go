@@ -5,6 +5,8 @@ import (
 	"io/fs"
 	"os"
 	"syscall"
+
+	"github.com/shoal-sandbox/shoal/internal/errdefs"
 )
 
 // ErrorCode classifies an error reported by the agent. Codes are stable
@@ -23,6 +25,9 @@ const (
 	CodeIO          ErrorCode = "io"          // any other OS error
 	CodeUnsupported ErrorCode = "unsupported" // op unknown to this agent version
 	CodeProtocol    ErrorCode = "protocol"    // malformed frame or message
+	// CodeVersion: the agent speaks another protocol version (client side
+	// only); unwraps to errdefs.ErrFailedPrecondition.
+	CodeVersion ErrorCode = "version"
 )
 
 // Error is an error reported by the agent. Op and Path are filled in by the
@@ -55,6 +60,8 @@ func (e *Error) Unwrap() error {
 		return fs.ErrPermission
 	case CodeInvalid, CodeNotDir, CodeIsDir:
 		return fs.ErrInvalid
+	case CodeVersion:
+		return errdefs.ErrFailedPrecondition
 	}
 	return nil
 }

@@ -62,6 +62,9 @@ func (c *Config) Validate() error {
 	if _, err := os.Stat(c.AgentBinary); err != nil {
 		return fmt.Errorf("node config: agent binary: %w", err)
 	}
+	if err := checkAgentBinary(c.AgentBinary); err != nil {
+		return fmt.Errorf("node config: %w", err)
+	}
 	if c.DefaultBackend == "" {
 		c.DefaultBackend = "container"
 	}
