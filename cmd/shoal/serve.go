@@ -36,7 +36,9 @@ type serveConfig struct {
 	Debug   bool
 	LogCap  int64
 	// PoolSize: pre-started blank containers kept ready (0: none).
-	PoolSize    int
+	PoolSize int
+	// PoolMax: how far demand may grow the pool.
+	PoolMax     int
 	RuncSeccomp bool
 	Pprof       string
 	E2B         e2bConfig
@@ -114,6 +116,7 @@ func serveCmd() *cobra.Command {
 	cmd.Flags().StringVar(&cfg.Runtime, "runtime", "runc", "OCI runtime for the container backend")
 	cmd.Flags().BoolVar(&cfg.Debug, "debug", false, "debug logging")
 	cmd.Flags().IntVar(&cfg.PoolSize, "pool-size", container.DefaultPoolSize, "pre-started blank containers kept ready for creates (0: none)")
+	cmd.Flags().IntVar(&cfg.PoolMax, "pool-max", container.DefaultPoolMax, fmt.Sprintf("how many ready containers demand may grow the pool to (each holds about %d MiB)", container.PoolMemberBytes>>20))
 	cmd.Flags().BoolVar(&cfg.RuncSeccomp, "runc-seccomp", false, "let runc compile docker's seccomp profile per container instead of once per node (slower; disables the pool)")
 	cmd.Flags().StringVar(&cfg.Pprof, "pprof", "", "serve Go profiles (net/http/pprof) on this HOST:PORT, unauthenticated: keep it on localhost")
 	cmd.Flags().Int64Var(&cfg.LogCap, "command-log-cap", session.DefaultLogCap, "bytes of output kept per command (the rest is dropped and reported)")
@@ -156,6 +159,7 @@ func serve(cfg serveConfig) error {
 	}
 	ctr, err := container.New(container.Config{
 		PoolSize:    poolSize,
+		PoolMax:     cfg.PoolMax,
 		RuncSeccomp: cfg.RuncSeccomp,
 		Runtime:     cfg.Runtime,
 		StateDir:    filepath.Join(cfg.DataDir, "runc"),

@@ -76,6 +76,7 @@ const (
 	DefaultMemoryBytes  = 512 << 20
 	DefaultPids         = 1024
 	DefaultPoolSize     = 4
+	DefaultPoolMax      = 32
 )
 
 // Paths inside Spec.Dir, and the agent's place in the container.
@@ -109,6 +110,10 @@ type Config struct {
 	// negative value disables the pool. The pool is filled from the first
 	// Create on, in the background.
 	PoolSize int
+	// PoolMax is how large the pool may grow under demand (see pool.go):
+	// each ready container costs about PoolMemberBytes. 0 means
+	// DefaultPoolMax; never below PoolSize.
+	PoolMax int
 	// PoolDir holds the pool containers' bundles and agent sockets, and
 	// those of the sandboxes made from them. Default: "pool" beside
 	// StateDir. It must outlive the node process like StateDir, and belongs
@@ -155,6 +160,9 @@ func (c Config) withDefaults() Config {
 	}
 	if c.PoolSize == 0 {
 		c.PoolSize = DefaultPoolSize
+	}
+	if c.PoolMax == 0 {
+		c.PoolMax = DefaultPoolMax
 	}
 	if c.RuncSeccomp {
 		c.PoolSize = -1
@@ -263,7 +271,7 @@ func New(cfg Config) (*Backend, error) {
 			return nil, fmt.Errorf("container backend: lifeline pipe: %w", err)
 		}
 		b.lifeline, b.lifelineW = r, w
-		b.pool = newPool(b, cfg.PoolSize)
+		b.pool = newPool(b, cfg.PoolSize, max(cfg.PoolMax, cfg.PoolSize))
 	}
 	version, _, _ := strings.Cut(string(out), "\n")
 	cfg.Log.Debug("container backend ready", "runtime", bin, "version", version, "state_dir", cfg.StateDir,
@@ -442,7 +450,7 @@ func (b *Backend) createCold(ctx context.Context, spec sandbox.Spec, dir string)
 		defer cancel()
 		return b.destroy(ctx, spec.ID)
 	})
-	if err := b.startContainer(ctx, spec.ID, bundle, dir, lnFile, false); err != nil {
+	if err := b.startContainer(ctx, spec.ID, bundle, dir, lnFile, false, 0); err != nil {
 		return h, fmt.Errorf("create sandbox %s: %w", spec.ID, err)
 	}
 
@@ -471,7 +479,9 @@ func lowerDirs(spec sandbox.Spec) []string {
 //
 // A pool container (pooled) is started at the lowest CPU priority (nice 19,
 // see startMember) and gets the read end of the node's lifeline.
-func (b *Backend) startContainer(ctx context.Context, runcID, bundle, dir string, ln *os.File, pooled bool) error {
+//
+// nice is runc's nice value (and so the agent's until resetPriority).
+func (b *Backend) startContainer(ctx context.Context, runcID, bundle, dir string, ln *os.File, pooled bool, nice int) error {
 	devNull, err := os.Open(os.DevNull)
 	if err != nil {
 		return err
@@ -501,8 +511,8 @@ func (b *Backend) startContainer(ctx context.Context, runcID, bundle, dir string
 	cmd.Stdin = devNull
 	cmd.Stdout = agentLog
 	cmd.Stderr = agentLog
-	if pooled {
-		err = startNiced(cmd, 19)
+	if nice != 0 {
+		err = startNiced(cmd, nice)
 	} else {
 		err = cmd.Start()
 	}

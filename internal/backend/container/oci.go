@@ -95,6 +95,7 @@ type containerOptions struct {
 	agent    string
 	caps     []string
 	pooled   bool // a blank pool container (SHOAL_POOL=1)
+	urgent   bool // pooled, started while creates wait: normal CPU weight
 }
 
 // readyFD is the ready pipe's descriptor number in the agent.
@@ -128,7 +129,7 @@ func (b *Backend) containerSpec(o containerOptions) (*specs.Spec, error) {
 		quota, period := m*cpuPeriod/1000, uint64(cpuPeriod)
 		res.CPU = &specs.LinuxCPU{Quota: &quota, Period: &period}
 	}
-	if o.pooled {
+	if o.pooled && !o.urgent {
 		// A pool container starts at the lowest CPU weight, so that filling
 		// the pool yields to the sandboxes (and claims) that run; the claim
 		// restores the default weight (setLimits).

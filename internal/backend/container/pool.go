@@ -139,97 +139,234 @@ type member struct {
 	agent string // the agent binary it runs
 }
 
-// pool keeps up to size ready containers.
+// pool keeps between min and max ready containers, sized by demand.
+//
+// The target starts at min. A take that finds the pool empty (a miss: that
+// create goes cold) doubles the target, up to max, and makes the pool
+// urgent for urgentFor: the filler then starts up to fillParallel
+// containers at once at normal priority (nice 0, the default CPU weight)
+// instead of one at a time at the lowest. Every shrinkEvery without a miss
+// halves the surplus above min once the pool has been idle (no take) for
+// shrinkIdle, deleting the oldest ready containers. max bounds the memory
+// the pool holds (about PoolMemberBytes per ready container).
 type pool struct {
-	b    *Backend
-	size int
+	b        *Backend
+	min, max int
+	// Tuning, copied from the variables below at creation.
+	urgentFor, shrinkIdle, shrinkEvery time.Duration
+	fillParallel                       int
 
 	ctx    context.Context // cancelled by close: stops the filler
 	cancel context.CancelFunc
-	wake   chan struct{} // cap 1: a member was taken
+	wake   chan struct{} // cap 1: a member was taken, or the target grew
 
-	mu      sync.Mutex
-	agent   string    // guarded by mu; the agent binary, set by the first take
-	ready   []*member // guarded by mu; oldest first
-	started bool      // guarded by mu; the filler runs
-	closed  bool      // guarded by mu
-	done    chan struct{}
+	mu       sync.Mutex
+	agent    string    // guarded by mu; the agent binary, set by the first take
+	ready    []*member // guarded by mu; oldest first
+	starting int       // guarded by mu; members being started
+	target   int       // guarded by mu; between min and max
+	urgentTo time.Time // guarded by mu; fill at full speed until then
+	lastTake time.Time // guarded by mu
+	lastMiss time.Time // guarded by mu
+	stats    PoolStats // guarded by mu
+	started  bool      // guarded by mu; the filler runs
+	closed   bool      // guarded by mu
+	done     chan struct{}
 }
 
-func newPool(b *Backend, size int) *pool {
+// PoolStats counts what the pool did; see Backend.PoolStats.
+type PoolStats struct {
+	Ready, Starting, Target, Max int
+	Claims                       int64 // creates served from the pool
+	Misses                       int64 // creates that found the pool empty
+	Started, Shrunk              int64 // containers started, and deleted by a shrink
+}
+
+// Tuning of the pool; variables so that tests can shorten them.
+var (
+	urgentFor    = 10 * time.Second
+	shrinkIdle   = 60 * time.Second
+	shrinkEvery  = 10 * time.Second
+	fillParallel = 2
+)
+
+// PoolMemberBytes is about what one ready pool container costs: the agent's
+// resident memory (~4 MiB) and the kernel's share (namespaces, cgroups,
+// page tables).
+const PoolMemberBytes = 8 << 20
+
+func newPool(b *Backend, min, max int) *pool {
 	ctx, cancel := context.WithCancel(context.Background())
-	return &pool{b: b, size: size, ctx: ctx, cancel: cancel, wake: make(chan struct{}, 1), done: make(chan struct{})}
+	return &pool{b: b, min: min, max: max, target: min, ctx: ctx, cancel: cancel,
+		urgentFor: urgentFor, shrinkIdle: shrinkIdle, shrinkEvery: shrinkEvery, fillParallel: fillParallel,
+		wake: make(chan struct{}, 1), done: make(chan struct{})}
+}
+
+func (p *pool) poke() {
+	select {
+	case p.wake <- struct{}{}:
+	default:
+	}
 }
 
 // take returns a ready container running agentBinary, or nil. The first
-// call starts the filler; every call that takes one wakes it.
+// call starts the filler; every call wakes it.
 func (p *pool) take(agentBinary string) *member {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.closed {
 		return nil
 	}
+	now := time.Now()
+	p.lastTake = now
 	if !p.started {
 		p.started, p.agent = true, agentBinary
 		go p.fill()
+		go p.shrinker()
 		return nil
 	}
-	if agentBinary != p.agent || len(p.ready) == 0 {
+	if agentBinary != p.agent {
+		return nil
+	}
+	defer p.poke()
+	if len(p.ready) == 0 {
+		// A miss: the pool is too small for this demand.
+		p.stats.Misses++
+		p.lastMiss = now
+		p.urgentTo = now.Add(p.urgentFor)
+		p.target = min(p.max, max(2*p.target, p.target+1))
 		return nil
 	}
 	m := p.ready[0]
 	p.ready = slices.Delete(p.ready, 0, 1)
-	select {
-	case p.wake <- struct{}{}:
-	default:
-	}
+	p.stats.Claims++
 	return m
 }
 
-// fill keeps the pool full until close.
+// stats returns the pool's counters and sizes.
+func (p *pool) statsNow() PoolStats {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	st := p.stats
+	st.Ready, st.Starting, st.Target, st.Max = len(p.ready), p.starting, p.target, p.max
+	return st
+}
+
+// fill keeps the pool at its target until close.
 func (p *pool) fill() {
 	defer close(p.done)
+	var wg sync.WaitGroup
+	defer wg.Wait()
 	log := p.b.log
 	var backoff time.Duration
+	// Each start reports here (buffered: never more than fillParallel run).
+	results := make(chan error, p.fillParallel)
+	handle := func(err error) bool {
+		if err == nil {
+			backoff = 0
+			return true
+		}
+		if p.ctx.Err() != nil {
+			return false
+		}
+		backoff = min(max(2*backoff, 100*time.Millisecond), 30*time.Second)
+		log.Error("start pool container", "err", err, "retry_in", backoff)
+		select {
+		case <-time.After(backoff):
+			return true
+		case <-p.ctx.Done():
+			return false
+		}
+	}
 	for {
+		select {
+		case err := <-results:
+			if !handle(err) {
+				return
+			}
+			continue
+		default:
+		}
 		p.mu.Lock()
-		need := !p.closed && len(p.ready) < p.size
+		urgent := time.Now().Before(p.urgentTo)
+		limit := 1
+		if urgent {
+			limit = p.fillParallel
+		}
+		need := !p.closed && len(p.ready)+p.starting < p.target && p.starting < limit
+		if need {
+			p.starting++
+		}
 		p.mu.Unlock()
 		if !need {
 			select {
 			case <-p.wake:
-				continue
-			case <-p.ctx.Done():
-				return
-			}
-		}
-		ctx, cancel := context.WithTimeout(p.ctx, sandbox.DefaultStartTimeout)
-		m, err := p.b.startMember(ctx, p.agent)
-		cancel()
-		if err != nil {
-			if p.ctx.Err() != nil {
-				return
-			}
-			backoff = min(max(2*backoff, 100*time.Millisecond), 30*time.Second)
-			log.Error("start pool container", "err", err, "retry_in", backoff)
-			select {
-			case <-time.After(backoff):
+			case err := <-results:
+				if !handle(err) {
+					return
+				}
 			case <-p.ctx.Done():
 				return
 			}
 			continue
 		}
-		backoff = 0
-		p.mu.Lock()
-		if p.closed {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			ctx, cancel := context.WithTimeout(p.ctx, sandbox.DefaultStartTimeout)
+			m, err := p.b.startMember(ctx, p.agent, urgent)
+			cancel()
+			p.mu.Lock()
+			p.starting--
+			closed := p.closed
+			if err == nil && !closed {
+				p.ready = append(p.ready, m)
+				p.stats.Started++
+			}
+			n := len(p.ready)
 			p.mu.Unlock()
-			p.b.removeMember(m)
+			if err == nil && closed {
+				p.b.removeMember(m)
+				return
+			}
+			if err == nil {
+				log.Debug("pool container ready", "runc_id", m.id, "ready", n, "urgent", urgent)
+			}
+			select {
+			case results <- err:
+			case <-p.ctx.Done():
+			}
+		}()
+	}
+}
+
+// shrinker lowers the target towards min while the pool is idle, deleting
+// the surplus ready containers (oldest first).
+func (p *pool) shrinker() {
+	t := time.NewTicker(p.shrinkEvery)
+	defer t.Stop()
+	for {
+		select {
+		case <-p.ctx.Done():
 			return
+		case now := <-t.C:
+			p.mu.Lock()
+			var drop []*member
+			if p.target > p.min && now.Sub(p.lastTake) >= p.shrinkIdle && now.Sub(p.lastMiss) >= p.shrinkIdle {
+				p.target = p.min + (p.target-p.min)/2
+				if extra := len(p.ready) - p.target; extra > 0 {
+					drop = slices.Clone(p.ready[:extra])
+					p.ready = slices.Delete(p.ready, 0, extra)
+					p.stats.Shrunk += int64(extra)
+				}
+			}
+			p.mu.Unlock()
+			for _, m := range drop {
+				if err := p.b.removeMember(m); err != nil {
+					p.b.log.Warn("shrink pool", "runc_id", m.id, "err", err)
+				}
+			}
 		}
-		p.ready = append(p.ready, m)
-		n := len(p.ready)
-		p.mu.Unlock()
-		log.Debug("pool container ready", "runc_id", m.id, "ready", n)
 	}
 }
 
@@ -261,7 +398,8 @@ func (p *pool) close(ctx context.Context) error {
 }
 
 // startMember starts one pool container running agentBinary.
-func (b *Backend) startMember(ctx context.Context, agentBinary string) (m *member, err error) {
+// urgent: creates are waiting, start it at normal priority.
+func (b *Backend) startMember(ctx context.Context, agentBinary string, urgent bool) (m *member, err error) {
 	var r [8]byte
 	rand.Read(r[:])
 	id := poolPrefix + hex.EncodeToString(r[:])
@@ -293,6 +431,7 @@ func (b *Backend) startMember(ctx context.Context, agentBinary string) (m *membe
 		agent:    agentBinary,
 		caps:     caps,
 		pooled:   true,
+		urgent:   urgent,
 	})
 	if err != nil {
 		return m, fmt.Errorf("pool container: %w", err)
@@ -309,7 +448,11 @@ func (b *Backend) startMember(ctx context.Context, agentBinary string) (m *membe
 	// to the creates and sandboxes that run (the container's own cgroup
 	// starts at the lowest CPU weight too, see containerSpec). The agent
 	// inherits runc's nice value: set it back for the sandbox.
-	if err := b.startContainer(ctx, id, bundle, dir, lnFile, true); err != nil {
+	nice := 19
+	if urgent {
+		nice = 0
+	}
+	if err := b.startContainer(ctx, id, bundle, dir, lnFile, true, nice); err != nil {
 		return m, fmt.Errorf("pool container %s: %w", id, err)
 	}
 	if err := resetPriority(filepath.Join(dir, pidFileName)); err != nil {
@@ -546,4 +689,13 @@ func trimSpace(b []byte) []byte {
 		b = b[:len(b)-1]
 	}
 	return b
+}
+
+// PoolStats reports the pool's sizes and counters; ok is false without a
+// pool.
+func (b *Backend) PoolStats() (st PoolStats, ok bool) {
+	if b.pool == nil {
+		return st, false
+	}
+	return b.pool.statsNow(), true
 }

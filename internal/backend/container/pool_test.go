@@ -478,6 +478,55 @@ func TestPoolFailedClaim(t *testing.T) {
 	}
 }
 
+// TestPoolGrowsWithDemandAndShrinksWhenIdle: creates that find the pool
+// empty grow its target (up to max) and the filler catches up; once idle,
+// the surplus is deleted down to the minimum.
+func TestPoolGrowsWithDemandAndShrinksWhenIdle(t *testing.T) {
+	requireRoot(t)
+	defer func(i, e time.Duration) { shrinkIdle, shrinkEvery = i, e }(shrinkIdle, shrinkEvery)
+	shrinkIdle, shrinkEvery = 2*time.Second, 200*time.Millisecond
+	b, err := New(Config{StateDir: t.TempDir(), CgroupParent: testCgroupParent, PoolSize: 1, PoolMax: 4, Log: testLog(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { b.Close(context.Background()) })
+	b.pool.take(realAgent) // starts the filler
+	waitPool(t, b, 1)
+	// Three creates at once: one claim, then misses.
+	var handles []sandbox.Handle
+	for range 3 {
+		handles = append(handles, create(t, b, poolSpec(t)))
+	}
+	st, _ := b.PoolStats()
+	if st.Misses == 0 || st.Target <= 1 || st.Target > 4 {
+		t.Fatalf("after a burst: %+v, want misses and a target in (1, 4]", st)
+	}
+	waitPool(t, b, st.Target) // the filler reaches the new target
+	for _, h := range handles {
+		if err := b.Delete(context.Background(), h); err != nil {
+			t.Error(err)
+		}
+	}
+	// Idle: back to the minimum, the surplus deleted.
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		st, _ = b.PoolStats()
+		if st.Target == 1 && st.Ready == 1 && st.Starting == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("pool did not shrink back to 1: %+v", st)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if st.Shrunk == 0 {
+		t.Errorf("nothing deleted by the shrink: %+v", st)
+	}
+	if ents, _ := os.ReadDir(filepath.Join(b.poolDir, poolReady)); len(ents) != 1 {
+		t.Errorf("%d ready dirs after the shrink, want 1", len(ents))
+	}
+}
+
 // TestPoolClaimNotAnswered: a pool member whose agent never answers the
 // claim (stopped, as a hung or starved agent would be) costs the create at
 // most claimTimeout: the member is destroyed with all it had (bundle, dir,
