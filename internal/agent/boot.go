@@ -77,7 +77,8 @@ func StartBoot() (*Boot, error) {
 			return b, err
 		}
 		unix.CloseOnExec(fd)
-		unix.SetNonblock(fd, true) // pollable: a claim's Close ends the watch
+		// Left as it is, never read (see Server.watchLifeline): its
+		// O_NONBLOCK flag is shared with the node and changes under us.
 		b.lifeline = os.NewFile(uintptr(fd), "lifeline")
 	}
 	if s, ok := os.LookupEnv(EnvSeccompFD); ok {

@@ -58,7 +58,32 @@ type claimState struct {
 	claimed  atomic.Bool // set once the claim succeeded; read by admit
 	exit     func(code int)
 	then     func()   // called after a successful claim; may be nil
-	lifeline *os.File // see Boot; closed by a successful claim
+	lifeline *os.File // see Boot; closed by the watch once claimed
+	// stopR, stopW: a pipe whose write end a successful claim closes, to
+	// end the lifeline watch; -1 without a lifeline.
+	stopR, stopW int
+}
+
+func newClaimState(seccomp []unix.SockFilter, lifeline *os.File, exit func(int)) (*claimState, error) {
+	st := &claimState{seccomp: seccomp, exit: exit, lifeline: lifeline, stopR: -1, stopW: -1}
+	if lifeline != nil {
+		var p [2]int
+		if err := unix.Pipe2(p[:], unix.O_CLOEXEC); err != nil {
+			return nil, err
+		}
+		st.stopR, st.stopW = p[0], p[1]
+	}
+	return st, nil
+}
+
+// stopWatch ends the lifeline watch of a claimed agent (st.mu held): the
+// sandbox outlives the node from now on. The watch closes the lifeline once
+// st.mu is released.
+func (st *claimState) stopWatch() {
+	if st.stopW >= 0 {
+		unix.Close(st.stopW)
+		st.stopW = -1
+	}
 }
 
 // claimStates holds the state of pooled servers (one per process in
@@ -75,7 +100,11 @@ func (s *Server) AcceptClaims(b *Boot, claimed func()) error {
 	if len(b.seccomp) == 0 {
 		return errors.New("accept claims: no seccomp filter for the sandbox")
 	}
-	st := &claimState{seccomp: b.seccomp, exit: os.Exit, then: claimed, lifeline: b.lifeline}
+	st, err := newClaimState(b.seccomp, b.lifeline, os.Exit)
+	if err != nil {
+		return fmt.Errorf("accept claims: %w", err)
+	}
+	st.then = claimed
 	claimStates.Store(s, st)
 	if st.lifeline != nil {
 		go s.watchLifeline(st)
@@ -84,13 +113,32 @@ func (s *Server) AcceptClaims(b *Boot, claimed func()) error {
 }
 
 // watchLifeline exits the process when the node's end of the lifeline
-// closes before a claim (see Boot). A claim closes the lifeline, which ends
-// the watch.
+// closes before a claim (see Boot). A claim stops the watch (st.stopW).
+//
+// It polls for the hang-up and never reads the lifeline. The pipe's open
+// file description is shared by the node and every pool container, and its
+// O_NONBLOCK flag with it: the node's start of each new pool container
+// clears the flag (os/exec calls File.Fd on what it passes, which sets the
+// description blocking). A read here could then block in the kernel, and
+// the claim, which used to Close the lifeline, waited on that read forever:
+// the claim that was never answered (about 1 create in 400 under load).
 func (s *Server) watchLifeline(st *claimState) {
-	var buf [64]byte
+	lfd := int(st.lifeline.Fd())
+	fds := []unix.PollFd{
+		{Fd: int32(lfd), Events: unix.POLLIN},
+		{Fd: int32(st.stopR), Events: unix.POLLIN},
+	}
 	for {
-		if _, err := st.lifeline.Read(buf[:]); err != nil {
-			break // EOF: the node is gone; or closed by the claim
+		fds[0].Revents, fds[1].Revents = 0, 0
+		if _, err := unix.Poll(fds, -1); err != nil {
+			if errors.Is(err, unix.EINTR) {
+				continue
+			}
+			s.log.Warn("watch the lifeline", "err", err)
+			return
+		}
+		if fds[0].Revents != 0 || fds[1].Revents != 0 {
+			break // the node never writes: any event is its end closing, or the claim's stop
 		}
 	}
 	st.mu.Lock() // a claim in progress decides first
@@ -98,7 +146,10 @@ func (s *Server) watchLifeline(st *claimState) {
 	if !st.claimed.Load() {
 		s.log.Warn("the node that started this pool container is gone: exiting")
 		st.exit(0)
+		return
 	}
+	st.lifeline.Close()
+	unix.Close(st.stopR)
 }
 
 // admit reports whether op may be served now; if not, it answers c.
@@ -217,9 +268,7 @@ func (s *Server) becomeSandbox(st *claimState, mfd int, req *wireClaimRequest) e
 	// Published to exec by st.claimed (admit loads it before any exec).
 	s.env = env
 	st.claimed.Store(true)
-	if st.lifeline != nil {
-		st.lifeline.Close() // the sandbox outlives the node from now on
-	}
+	st.stopWatch()
 	return nil
 }
 

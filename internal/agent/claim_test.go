@@ -149,7 +149,10 @@ func TestLifeline(t *testing.T) {
 	srv := NewServer(Config{})
 	allow := []unix.SockFilter{{Code: unix.BPF_RET | unix.BPF_K, K: 0x7fff0000}}
 	exited := make(chan int, 1)
-	st := &claimState{seccomp: allow, lifeline: r, exit: func(code int) { exited <- code }}
+	st, err := newClaimState(allow, r, func(code int) { exited <- code })
+	if err != nil {
+		t.Fatal(err)
+	}
 	claimStates.Store(srv, st)
 	t.Cleanup(func() { claimStates.Delete(srv) })
 	go srv.watchLifeline(st)
@@ -166,5 +169,54 @@ func TestLifeline(t *testing.T) {
 		}
 	case <-time.After(5 * time.Second):
 		t.Fatal("did not exit after the lifeline closed")
+	}
+}
+
+// TestLifelineClaimWithBlockingPipe: the lifeline's open file description
+// is shared with the node, whose start of each new pool container makes it
+// blocking. A claim must still end the watch at once, and the agent must
+// not exit. (The watch used to read the pipe, and the claim to close it:
+// with the description blocking, the read sat in the kernel and the close
+// waited for it forever; the claim was never answered.)
+func TestLifelineClaimWithBlockingPipe(t *testing.T) {
+	r, w, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w.Close()
+	exited := make(chan int, 1)
+	st, err := newClaimState(nil, r, func(code int) { exited <- code })
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := NewServer(Config{})
+	done := make(chan struct{})
+	go func() {
+		srv.watchLifeline(st)
+		close(done)
+	}()
+	// What the node's os/exec does to the shared description (File.Fd).
+	w.Fd()
+	if err := unix.SetNonblock(int(r.Fd()), false); err != nil {
+		t.Fatal(err)
+	}
+	// The claim, as becomeSandbox ends it.
+	st.mu.Lock()
+	st.claimed.Store(true)
+	st.stopWatch()
+	st.mu.Unlock()
+	select {
+	case <-done:
+	case code := <-exited:
+		t.Fatalf("a claimed agent exited (%d)", code)
+	case <-time.After(10 * time.Second):
+		t.Fatal("the lifeline watch did not end within 10s of the claim")
+	}
+	// The node dying later does not matter any more.
+	w.Close()
+	select {
+	case code := <-exited:
+		t.Fatalf("a claimed agent exited (%d) when the node died", code)
+	default:
 	}
 }
