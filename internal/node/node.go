@@ -275,6 +275,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (rec Record, er
 			}
 		}
 	}
+	start := time.Now()
 	layers, refs, err := m.resolve(&req)
 	if err != nil {
 		return Record{}, err
@@ -305,6 +306,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (rec Record, er
 	var undo []func()
 	defer func() {
 		if err != nil {
+			m.log.Warn("create failed", "sandbox_id", id, "backend", req.Backend, "base", req.Base, "took", time.Since(start), "err", err)
 			for i := len(undo) - 1; i >= 0; i-- {
 				undo[i]()
 			}
@@ -343,10 +345,12 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (rec Record, er
 		spec.Layers = append(spec.Layers, sl)
 	}
 
+	tBackend := time.Now()
 	h, err := be.Create(ctx, spec)
 	if err != nil {
 		return Record{}, fmt.Errorf("create %s sandbox: %w", req.Backend, err)
 	}
+	backendTook := time.Since(tBackend)
 	undo = append(undo, func() {
 		dctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 		defer cancel()
@@ -372,7 +376,8 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (rec Record, er
 	m.mu.Lock()
 	m.sandboxes[id] = &entry{rec: rec, agent: agent.NewClient(h.AgentSocket), acquired: hostMounts}
 	m.mu.Unlock()
-	m.log.Info("sandbox created", "sandbox_id", id, "backend", req.Backend, "base", req.Base)
+	m.log.Info("sandbox created", "sandbox_id", id, "backend", req.Backend, "base", req.Base,
+		"took", time.Since(start), "backend_took", backendTook, "pooled", h.Data["pooled"] == "true")
 	return rec, nil
 }
 
