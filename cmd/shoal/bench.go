@@ -3,6 +3,7 @@ package main
 import (
 	"encoding/json"
 	"os"
+	"time"
 
 	"github.com/spf13/cobra"
 
@@ -110,7 +111,34 @@ func benchCmd() *cobra.Command {
 	fnb.Flags().StringVar(&fo.Isolation, "isolation", "cgroup", "cgroup, sandbox or both")
 	fnb.Flags().StringVar(&fo.Python, "python", "/usr/bin/python3", "host python3 for the baseline")
 	fnb.Flags().StringVar(&fo.Gxx, "gxx", "/usr/bin/g++", "host g++ for the baseline")
-	cmd.AddCommand(create, execb, sess, benchLayersCmd(), fnb)
+	var bo bench.BurstOptions
+	burst := &cobra.Command{
+		Use:   "burst [-n N] [-c C] [--base REF] [--python-bench bench.py]",
+		Short: "Rollouts (create, one command, delete) in a burst: failures, hangs, create→first exec, creates/s, pool vs cold, against `runc run` at the same concurrency",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := client(cmd)
+			if err != nil {
+				return err
+			}
+			ctx, cancel := cmdContext()
+			defer cancel()
+			res, err := bench.Burst(ctx, c, bo)
+			if err != nil {
+				return err
+			}
+			return printResult(res)
+		},
+	}
+	burst.Flags().IntVarP(&bo.N, "number", "n", 1000, "rollouts")
+	burst.Flags().IntVarP(&bo.Concurrency, "concurrency", "c", 64, "rollouts in flight")
+	burst.Flags().StringVar(&bo.Base, "base", "debian:12", "base layer")
+	burst.Flags().DurationVar(&bo.HangAfter, "hang-after", time.Minute, "a create not answered by then counts as a hang")
+	burst.Flags().StringVar(&bo.DataDir, "data", "/var/lib/shoal", "the server's data dir (for the runc baseline)")
+	burst.Flags().StringVar(&bo.Runtime, "runtime", "runc", "OCI runtime for the baseline")
+	burst.Flags().IntVar(&bo.BaselineN, "baseline-n", 0, "`runc run`s in the baseline (0: min(N, 200))")
+	burst.Flags().StringVar(&bo.PythonBench, "python-bench", "", "the Python SDK's bench.py: also run the burst from the asyncio SDK")
+	cmd.AddCommand(create, execb, sess, benchLayersCmd(), fnb, burst)
 	return cmd
 }
 

@@ -94,6 +94,64 @@ async def bench_create(n: int, conc: int, base: str) -> Dict[str, Any]:
     }
 
 
+async def bench_burst(n: int, conc: int, base: str, hang_after: float = 60.0) -> Dict[str, Any]:
+    """Rollouts from the asyncio SDK: create, run `true`, kill; C in flight."""
+    sem = asyncio.Semaphore(conc)
+    firsts: List[float] = []
+    errors: List[str] = []
+    counts = {"failures": 0, "hangs": 0, "pooled": 0, "cold": 0}
+
+    async def one(i: int) -> None:
+        async with sem:
+            t = time.monotonic()
+            try:
+                sb = await asyncio.wait_for(AsyncSandbox.create(base=base, metadata={"bench": "burst"}), hang_after)
+            except asyncio.TimeoutError:
+                counts["hangs"] += 1
+                errors.append(f"create not answered in {hang_after}s")
+                return
+            except shoal.ShoalError as e:
+                counts["failures"] += 1
+                errors.append(f"{type(e).__name__}: {e}")
+                return
+            counts["pooled" if (sb.info.raw.get("runtime") or {}).get("pooled") == "true" else "cold"] += 1
+            try:
+                r = await sb.commands.run("true")
+                if r.exit_code == 0:
+                    firsts.append(time.monotonic() - t)
+                else:
+                    counts["failures"] += 1
+                    errors.append(f"true exited {r.exit_code}")
+            except shoal.ShoalError as e:
+                counts["failures"] += 1
+                errors.append(f"{type(e).__name__}: {e}")
+            finally:
+                try:
+                    await sb.kill()
+                except shoal.ShoalError as e:
+                    counts["failures"] += 1
+                    errors.append(f"kill: {type(e).__name__}: {e}")
+
+    t0 = time.monotonic()
+    await asyncio.gather(*[one(i) for i in range(n)])
+    wall = time.monotonic() - t0
+    return {
+        "failures": counts["failures"],
+        "hangs": counts["hangs"],
+        "first_error": errors[0] if errors else "",
+        "create_to_first_exec": {
+            "n": len(firsts),
+            "p50_ms": ms(pct(firsts, 50)),
+            "p95_ms": ms(pct(firsts, 95)),
+            "p99_ms": ms(pct(firsts, 99)),
+            "max_ms": ms(max(firsts, default=0)),
+        },
+        "creates_per_second": round(len(firsts) / wall, 1) if wall else 0,
+        "pooled": counts["pooled"],
+        "cold": counts["cold"],
+    }
+
+
 def _stats(lat: List[float], cpu: List[float]) -> Dict[str, float]:
     return {"p50_ms": ms(pct(lat, 50)), "p99_ms": ms(pct(lat, 99)), "client_cpu_us": round(sum(cpu) / len(cpu) * 1e6, 1)}
 
@@ -233,7 +291,14 @@ async def main() -> None:
     p.add_argument("--base", default=os.environ.get("SHOAL_BASE", "debian:12"))
     p.add_argument("--overhead-n", type=int, default=200, help="calls per overhead measurement")
     p.add_argument("--skip-create", action="store_true")
+    p.add_argument("--burst", action="store_true", help="only the burst of rollouts (create, run true, kill), as `shoal bench burst` runs it")
     args = p.parse_args()
+    if args.burst:
+        try:
+            print(json.dumps(await bench_burst(args.n, args.c, args.base), indent=2))
+        finally:
+            await shoal.aclose()
+        return
     res: Dict[str, Any] = {
         "sdk": shoal.__version__,
         "python": sys.version.split()[0],
