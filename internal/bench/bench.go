@@ -12,7 +12,6 @@ import (
 	"sync"
 	"time"
 
-
 	pb "github.com/shoal-sandbox/shoal/api/shoal/v1"
 	shoal "github.com/shoal-sandbox/shoal/sdk/go"
 )
