@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"io/fs"
 	"os"
 	"strings"
@@ -66,23 +67,20 @@ func TestDurableSurvivesDetachAndReattaches(t *testing.T) {
 	// Read a little, acknowledge it, and go away: the command goes on.
 	first, _, end := drain(t, a, true, 1)
 	a.Close()
-	time.Sleep(200 * time.Millisecond)
-	infos, err := c.Commands(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	found := false
-	for _, in := range infos {
-		if in.ID == id {
-			found = true
-			if in.Base != end {
-				t.Errorf("base %d, want the acknowledged %d", in.Base, end)
+	// The agent takes the acknowledgement in on its own time: wait for it.
+	var infos []CommandInfo
+	waitFor(t, 10*time.Second, "the acknowledged offset", func() bool {
+		infos, err = c.Commands(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, in := range infos {
+			if in.ID == id && in.Base == end {
+				return true
 			}
 		}
-	}
-	if !found {
-		t.Fatalf("command %s not listed: %+v", id, infos)
-	}
+		return false
+	}, func() string { return fmt.Sprintf("command %s, want base %d: %+v", id, end, infos) })
 	// Below the acknowledged offset is refused.
 	if _, err := c.Attach(ctx, id, 0); !errors.Is(err, fs.ErrInvalid) && end > 0 {
 		t.Fatalf("attach below base: %v", err)
@@ -101,11 +99,11 @@ func TestDurableSurvivesDetachAndReattaches(t *testing.T) {
 	if exit.Code != 7 {
 		t.Fatalf("exit %+v", exit)
 	}
-	// Done: the agent forgot it.
-	time.Sleep(50 * time.Millisecond)
-	if _, err := c.Attach(ctx, id, 0); !errors.Is(err, fs.ErrNotExist) {
-		t.Fatalf("attach after done: %v", err)
-	}
+	// Done: the agent forgets it.
+	waitFor(t, 10*time.Second, "the agent to forget the command", func() bool {
+		_, err = c.Attach(ctx, id, 0)
+		return errors.Is(err, fs.ErrNotExist)
+	}, func() string { return fmt.Sprintf("attach after done: %v", err) })
 }
 
 func TestDurableBackpressureLosesNothing(t *testing.T) {

@@ -251,3 +251,17 @@ func TestMain(m *testing.M) {
 	}
 	os.Exit(code)
 }
+
+// waitFor polls cond until it holds or the deadline passes; then the test
+// fails with what and why(). Tests wait for the event they assert instead of
+// sleeping and hoping it happened.
+func waitFor(t testing.TB, d time.Duration, what string, cond func() bool, why func() string) {
+	t.Helper()
+	deadline := time.Now().Add(d)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("waited %v for %s: %s", d, what, why())
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}

@@ -224,8 +224,20 @@ func TestForkBombStoppedByPidsLimit(t *testing.T) {
 	if !strings.Contains(out.String(), "Resource temporarily unavailable") && !strings.Contains(out.String(), "can't fork") {
 		t.Errorf("expected fork failures in the output")
 	}
-	// The host is fine and the sandbox answers once the bomb is gone.
-	time.Sleep(500 * time.Millisecond)
+	// The host is fine and the sandbox answers once the bomb is gone (its
+	// processes are killed, then reaped: wait for the pids cgroup to hold
+	// little more than the agent's own threads).
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		n, _ := strconv.Atoi(cgroupValue(t, "pids", runcID(t, id), "pids.current"))
+		if n < 64 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d tasks left in the sandbox 30s after the bomb's timeout", n)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
 	if o, code := run(nil, "exec", id, "--", "echo", "alive"); code != 0 || !strings.Contains(o, "alive") {
 		t.Fatalf("sandbox after fork bomb: %d %s", code, o)
 	}
@@ -403,17 +415,25 @@ func TestServeKilledAndRestartedKeepsSandboxes(t *testing.T) {
 
 func TestIdleTimeoutDeletes(t *testing.T) {
 	need(t)
-	id := create(t, "--timeout", "2s")
+	// Activity pushes the deadline back: an exec that starts at t0 leaves
+	// the sandbox expiring no earlier than t0 + its timeout. (Checked on
+	// the deadline itself, not by sleeping near it: a loaded host may take
+	// longer than any margin to run the exec.)
+	id := create(t, "--timeout", "60s")
 	c := sdk(t)
-	// Activity pushes the deadline back.
-	time.Sleep(1200 * time.Millisecond)
-	run(nil, "exec", id, "--", "true")
-	time.Sleep(1200 * time.Millisecond)
-	if _, err := c.Get(context.Background(), id); err != nil {
-		t.Fatalf("deleted despite activity: %v", err)
+	t0 := time.Now()
+	if _, code := run(nil, "exec", id, "--", "true"); code != 0 {
+		t.Fatalf("exec: %d", code)
 	}
-	// SetTimeout refreshes it.
-	if _, err := c.SetTimeout(context.Background(), id, 3*time.Second); err != nil {
+	sb, err := c.Get(context.Background(), id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if exp := sb.ExpiresAt.AsTime(); exp.Before(t0.Add(60 * time.Second).Truncate(time.Second)) {
+		t.Fatalf("expires at %v after an exec at %v with a 60s timeout", exp, t0)
+	}
+	// SetTimeout restarts the clock: deleted once idle that long.
+	if _, err := c.SetTimeout(context.Background(), id, 2*time.Second); err != nil {
 		t.Fatal(err)
 	}
 	deadline := time.Now().Add(10 * time.Second)

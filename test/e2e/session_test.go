@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"io"
 	"os/exec"
 	"path/filepath"
 	"strings"
@@ -81,16 +82,26 @@ func TestKilledCLIClientCommandGoesOn(t *testing.T) {
 	cmd := exec.Command(filepath.Join(binDir, "shoal"), "exec", id, "--", "sh", "-c", slowOutput)
 	cmd.Env = append(cmd.Environ(), "SHOAL_URL="+apiURL, "SHOAL_API_KEY="+apiKey)
 	var partial bytes.Buffer
-	cmd.Stdout = &partial
+	pipe, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(700 * time.Millisecond)
-	cmd.Process.Signal(syscall.SIGKILL)
-	cmd.Wait()
-	if partial.Len() == 0 {
-		t.Fatal("no output before the kill")
+	// Kill it once some output arrived (not after a fixed time: a loaded
+	// host may not have streamed anything yet).
+	buf := make([]byte, 64)
+	n, err := pipe.Read(buf)
+	if n == 0 {
+		t.Fatalf("no output before the kill: %v", err)
 	}
+	partial.Write(buf[:n])
+	cmd.Process.Signal(syscall.SIGKILL)
+	// What the client had in its pipe when it died is output it saw.
+	rest, _ := io.ReadAll(pipe)
+	partial.Write(rest)
+	cmd.Wait()
 	// The command is still there and finishes; its whole output is intact.
 	out, _ := run(nil, "ps", id)
 	lines := strings.Split(strings.TrimSpace(out), "\n")
