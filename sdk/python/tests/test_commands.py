@@ -6,6 +6,7 @@ import hashlib
 import io
 import threading
 import time
+import uuid
 
 import pytest
 
@@ -37,18 +38,25 @@ def test_missing_program(sb) -> None:
 
 
 def test_streaming_callbacks_arrive_while_the_command_runs(sb) -> None:
+    # The command cannot finish until the callback for its first line has
+    # run (it opens the gate): no timing assumption about a loaded host.
+    gate = f"/tmp/gate-{uuid.uuid4().hex}"
     seen = []
-    t0 = time.monotonic()
+
+    def on_stdout(s: str) -> None:
+        seen.append(("out", s))
+        if s == "first\n":
+            sb.files.write(gate, "")
+
     r = sb.commands.run(
-        "echo first; sleep 1; echo second; echo oops >&2",
-        on_stdout=lambda s: seen.append(("out", s, time.monotonic() - t0)),
-        on_stderr=lambda s: seen.append(("err", s, time.monotonic() - t0)),
+        f"echo first; while [ ! -e {gate} ]; do sleep 0.02; done; echo second; echo oops >&2",
+        on_stdout=on_stdout,
+        on_stderr=lambda s: seen.append(("err", s)),
+        timeout=60,
     )
     # stdout and stderr are separate pipes: their relative order is not defined
-    assert [s for k, s, _ in seen if k == "out"] == ["first\n", "second\n"]
-    assert [s for k, s, _ in seen if k == "err"] == ["oops\n"]
-    assert seen[0][:2] == ("out", "first\n") and seen[0][2] < 0.8  # came before the sleep ended
-    assert [t for k, s, t in seen if s == "second\n"][0] >= 0.8
+    assert [s for k, s in seen if k == "out"] == ["first\n", "second\n"]
+    assert [s for k, s in seen if k == "err"] == ["oops\n"]
     assert r.stdout == "first\nsecond\n" and r.stderr == "oops\n"
 
 
@@ -130,7 +138,9 @@ def test_background_send_stdin(sb) -> None:
 
 def test_background_kill(sb) -> None:
     h = sb.commands.run("echo alive; sleep 60", background=True)
-    time.sleep(0.2)
+    deadline = time.monotonic() + 30
+    while "alive" not in h.stdout and time.monotonic() < deadline:
+        time.sleep(0.05)
     t0 = time.monotonic()
     assert h.kill() is True
     r = h.wait(check=False)
@@ -140,15 +150,18 @@ def test_background_kill(sb) -> None:
 
 
 def test_wait_timeout_leaves_the_command_running(sb) -> None:
-    h = sb.commands.run("sleep 1; echo done", background=True)
+    gate = f"/tmp/gate-{uuid.uuid4().hex}"
+    h = sb.commands.run(f"while [ ! -e {gate} ]; do sleep 0.02; done; echo done", background=True)
     with pytest.raises(shoal.Timeout):
         h.wait(timeout=0.1)
-    assert h.wait(timeout=20).stdout == "done\n"
+    sb.files.write(gate, "")
+    assert h.wait(timeout=30).stdout == "done\n"
 
 
 def test_signal(sb) -> None:
     h = sb.commands.run("trap 'echo term; exit 9' TERM; echo ready; while true; do sleep 0.1; done", background=True)
-    while "ready" not in h.stdout:
+    deadline = time.monotonic() + 30
+    while "ready" not in h.stdout and time.monotonic() < deadline:
         time.sleep(0.05)
     h.signal("SIGTERM")
     r = h.wait(check=False)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 
 import pytest
 
@@ -34,9 +35,11 @@ def test_list_and_get(csb) -> None:
 
 
 def test_wait_on_the_server(csb) -> None:
-    h = csb.commands.run("sleep 1; echo done", background=True)
+    gate = f"/tmp/gate-{uuid.uuid4().hex}"
+    h = csb.commands.run(f"while [ ! -e {gate} ]; do sleep 0.02; done; echo done", background=True)
     info = csb.commands.wait(h.id, timeout=0.1)
     assert info.state == "running" and info.exit_code is None
+    csb.files.write(gate, "")
     info = csb.commands.wait(h.id)
     assert info.state == "exited" and info.exit_code == 0
 
