@@ -12,7 +12,7 @@ import {
   NotFoundError,
   SandboxNotFoundError,
 } from 'e2b'
-import { TEMPLATE, BASE_REF, E2B_URL, SHOAL_API_KEY, resolveShoalDomain, sleep, waitFor, shoal } from './helpers.mjs'
+import { TEMPLATE, BASE_REF, E2B_URL, SHOAL_API_KEY, resolveShoalDomain, waitFor, shoal } from './helpers.mjs'
 
 resolveShoalDomain()
 
@@ -275,8 +275,10 @@ describe('commands', () => {
     const t0 = Date.now()
     await assert.rejects(sbx.commands.run('sleep 30', { timeoutMs: 1000 }))
     assert.ok(Date.now() - t0 < 10_000)
-    await sleep(500)
-    assert.ok(!(await sbx.commands.list()).some((p) => p.cmd === '/bin/bash' && p.args.at(-1) === 'sleep 30'))
+    // The kill and the list race: wait for the command to be gone.
+    await waitFor(async () => !(await sbx.commands.list()).some((p) => p.cmd === '/bin/bash' && p.args.at(-1) === 'sleep 30'), {
+      what: 'the timed-out command to leave the process list',
+    })
   })
 
   test('pty', async () => {
