@@ -66,8 +66,21 @@ func fromWire(w wireFileInfo) FileInfo {
 
 // Ping checks that the agent answers and reports its version and memory.
 func (c *Client) Ping(ctx context.Context) (Info, error) {
+	return c.ping(ctx, false)
+}
+
+// PingAtRest is Ping after the agent has returned its free memory to the
+// OS (a garbage collection, as when it has been idle for
+// Config.IdleRelease), so that RSSBytes is its memory at rest: what it
+// holds, not what its garbage collector has yet to free. Older agents
+// answer as Ping.
+func (c *Client) PingAtRest(ctx context.Context) (Info, error) {
+	return c.ping(ctx, true)
+}
+
+func (c *Client) ping(ctx context.Context, release bool) (Info, error) {
 	var rep wirePingReply
-	if err := c.unary(ctx, OpPing, "", struct{}{}, &rep); err != nil {
+	if err := c.unary(ctx, OpPing, "", wirePingRequest{Release: release}, &rep); err != nil {
 		return Info{}, err
 	}
 	return Info{Version: rep.Version, Protocol: rep.Protocol, Pid: rep.Pid, RSSBytes: rep.RSS}, nil

@@ -5,8 +5,10 @@ import (
 	"encoding/binary"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net"
 	"sync"
+	"time"
 )
 
 // Durable commands, host side. See durable.go for the protocol.
@@ -134,12 +136,31 @@ func (a *Attachment) Ack(off int64) error {
 	return writeFrame(a.cc, FrameAck, b[:])
 }
 
-// Done tells the agent that the exit status is recorded: it forgets the
-// command. Call it after the exit record, then Close.
+// doneTimeout bounds how long Done waits for the agent's confirmation.
+const doneTimeout = 5 * time.Second
+
+// Done tells the agent that the exit status is recorded, so that it forgets
+// the command (its record and whatever output it still holds), and waits
+// until the agent confirms by closing the connection: when Done returns
+// nil, the agent holds nothing more of the command. Call it after the exit
+// record (not concurrently with Recv), then Close.
 func (a *Attachment) Done() error {
 	a.wmu.Lock()
-	defer a.wmu.Unlock()
-	return writeFrame(a.cc, FrameEOF, nil)
+	err := writeFrame(a.cc, FrameEOF, nil)
+	a.wmu.Unlock()
+	if err != nil {
+		return a.cc.wrapErr(fmt.Errorf("acknowledge the end of command %s: %w", a.id, err))
+	}
+	a.cc.SetReadDeadline(time.Now().Add(doneTimeout))
+	var buf [64]byte
+	for {
+		if _, err := a.cc.Read(buf[:]); err != nil {
+			if err == io.EOF {
+				return nil
+			}
+			return a.cc.wrapErr(fmt.Errorf("acknowledge the end of command %s: no confirmation from the agent: %w", a.id, err))
+		}
+	}
 }
 
 // Close closes the attachment; the command goes on.

@@ -28,7 +28,15 @@ import (
 // blocks on its next write instead of losing output. When the node attaches
 // again (OpAttach from the offset its log ends at) the agent resends from
 // there, then the exit status (FrameExit); the node answers FrameEOF once it
-// has recorded the exit, and the agent forgets the command.
+// has recorded the exit, and the agent forgets the command: its record, its
+// unacknowledged output and every map entry go at once, and the agent closes
+// the connection, which tells the node it has (Attachment.Done waits for
+// that). A command whose end the node never acknowledges (the node is gone
+// for good, or lost the connection at the wrong moment and never came back)
+// is kept only while fewer than Config.MaxExited such commands, holding less
+// than Config.MaxExitedBytes of output, have exited after it: past that the
+// oldest is forgotten, with a warning, and an attach to it fails with
+// CodeNotExist.
 //
 // Output beyond the command's log cap is dropped, counted, and reported:
 // one 'T' record (payload: 8-byte count of the first dropped chunk) marks
@@ -66,6 +74,47 @@ type durable struct {
 	truncated bool          // the 'T' record has been added
 	exit      *wireExit     // set once the command exited and its output is in recs
 	attachGen int           // the newest attach; older attach loops stop
+	forgotten bool          // dropped from the server: attach loops stop
+
+	// Guarded by Server.mu: the server's list of exited commands.
+	prev, next *durable
+	listed     bool
+	exitedAt   time.Time
+}
+
+// exitedList is a list of exited durable commands, oldest first.
+type exitedList struct {
+	head, tail *durable
+	n          int
+}
+
+func (l *exitedList) push(d *durable) {
+	d.prev, d.next, d.listed = l.tail, nil, true
+	if l.tail != nil {
+		l.tail.next = d
+	} else {
+		l.head = d
+	}
+	l.tail = d
+	l.n++
+}
+
+func (l *exitedList) remove(d *durable) {
+	if !d.listed {
+		return
+	}
+	if d.prev != nil {
+		d.prev.next = d.next
+	} else {
+		l.head = d.next
+	}
+	if d.next != nil {
+		d.next.prev = d.prev
+	} else {
+		l.tail = d.prev
+	}
+	d.prev, d.next, d.listed = nil, nil, false
+	l.n--
 }
 
 func (d *durable) notifyLocked() {
@@ -216,14 +265,81 @@ func (s *Server) collect(d *durable, files [3]*os.File) {
 	ws, timedOut := d.cmd.status, d.cmd.timedOut
 	s.reaper.mu.Unlock()
 	ex := exitOf(ws, timedOut)
+	// The exit is set and the command listed as exited in one step (under
+	// s.mu), so that whoever sees the exit also sees the command listed.
+	s.mu.Lock()
 	d.mu.Lock()
 	ex.Dropped = d.dropped
 	d.exit = &ex
 	d.notifyLocked()
 	d.mu.Unlock()
-	s.mu.Lock()
 	delete(s.cmds, d.cmd.id) // no more signals: the pid may be reused
+	if s.durables[d.cmd.id] == d {
+		d.exitedAt = time.Now()
+		s.exited.push(d)
+	}
+	over := s.overflowLocked()
 	s.mu.Unlock()
+	for _, o := range over {
+		n := o.drop()
+		s.log.Warn("forgetting an exited command whose end the node never acknowledged: its exit status and unacknowledged output are dropped",
+			"cmd", o.cmd.id, "exited_ago", time.Since(o.exitedAt).Round(time.Millisecond).String(), "unacked_bytes", n,
+			"max_exited", s.cfg.MaxExited, "max_exited_bytes", s.cfg.MaxExitedBytes)
+	}
+}
+
+// overflowLocked unlinks the oldest exited commands while more than
+// MaxExited of them, or more than MaxExitedBytes of their output, are held,
+// and returns them (to drop and log outside s.mu).
+func (s *Server) overflowLocked() []*durable {
+	var out []*durable
+	pop := func() *durable {
+		d := s.exited.head
+		s.exited.remove(d)
+		delete(s.durables, d.cmd.id)
+		out = append(out, d)
+		return d
+	}
+	for s.exited.n > s.cfg.MaxExited {
+		pop()
+	}
+	var held int64
+	for d := s.exited.head; d != nil; d = d.next {
+		held += d.held()
+	}
+	for held > s.cfg.MaxExitedBytes && s.exited.head != nil {
+		held -= pop().held()
+	}
+	return out
+}
+
+// held is the unacknowledged output d holds.
+func (d *durable) held() int64 {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return int64(d.unacked)
+}
+
+// forget drops d once the node has recorded its end.
+func (s *Server) forget(d *durable) {
+	s.mu.Lock()
+	if s.durables[d.cmd.id] == d {
+		delete(s.durables, d.cmd.id)
+	}
+	s.exited.remove(d)
+	s.mu.Unlock()
+	d.drop()
+}
+
+// drop releases what d holds and stops its attach loops; it returns the
+// unacknowledged output bytes that were dropped.
+func (d *durable) drop() int {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	n := d.unacked
+	d.recs, d.unacked, d.forgotten = nil, 0, true
+	d.notifyLocked()
+	return n
 }
 
 // exitOf turns a wait status into the wire exit status.
@@ -249,7 +365,7 @@ func (s *Server) durable(c net.Conn, id string) *durable {
 	d := s.durables[id]
 	s.mu.Unlock()
 	if d == nil {
-		sendError(c, CodeNotExist, "no command "+strconv.Quote(id)+" (it ended and was recorded, or the agent restarted)")
+		sendError(c, CodeNotExist, "no command "+strconv.Quote(id)+" (it ended and was recorded, or the agent restarted, or it ended unacknowledged and was forgotten)")
 	}
 	return d
 }
@@ -300,11 +416,9 @@ func (s *Server) attachLoop(c net.Conn, d *durable, pos int64) {
 				done := d.exit != nil
 				d.mu.Unlock()
 				if done {
-					s.mu.Lock()
-					delete(s.durables, d.cmd.id)
-					s.mu.Unlock()
+					s.forget(d)
 				}
-				return
+				return // attachLoop returns and the connection is closed
 			}
 		}
 	}()
@@ -312,7 +426,7 @@ func (s *Server) attachLoop(c net.Conn, d *durable, pos int64) {
 	var batch []outRec
 	for {
 		d.mu.Lock()
-		for d.attachGen == gen && pos == d.end && d.exit == nil {
+		for d.attachGen == gen && pos == d.end && d.exit == nil && !d.forgotten {
 			ch := d.changed
 			d.mu.Unlock()
 			select {
@@ -321,6 +435,11 @@ func (s *Server) attachLoop(c net.Conn, d *durable, pos int64) {
 				return
 			}
 			d.mu.Lock()
+		}
+		if d.forgotten {
+			d.mu.Unlock()
+			sendError(c, CodeNotExist, "command "+strconv.Quote(d.cmd.id)+" was forgotten: it exited and the node did not acknowledge its end before too many other commands exited")
+			return
 		}
 		if d.attachGen != gen || pos < d.base {
 			d.mu.Unlock()

@@ -90,7 +90,9 @@ func TestDurableSurvivesDetachAndReattaches(t *testing.T) {
 		t.Fatal(err)
 	}
 	rest, exit, _ := drain(t, b, true, 0)
-	b.Done()
+	if err := b.Done(); err != nil {
+		t.Fatalf("Done: %v", err)
+	}
 	b.Close()
 	full := append(first, rest...)
 	if got := stdoutOf(full); got != "line1\nline2\nline3\nline4\nline5\nline6\n" {
@@ -99,11 +101,10 @@ func TestDurableSurvivesDetachAndReattaches(t *testing.T) {
 	if exit.Code != 7 {
 		t.Fatalf("exit %+v", exit)
 	}
-	// Done: the agent forgets it.
-	waitFor(t, 10*time.Second, "the agent to forget the command", func() bool {
-		_, err = c.Attach(ctx, id, 0)
-		return errors.Is(err, fs.ErrNotExist)
-	}, func() string { return fmt.Sprintf("attach after done: %v", err) })
+	// Done returned: the agent forgot it.
+	if _, err := c.Attach(ctx, id, 0); !errors.Is(err, fs.ErrNotExist) {
+		t.Fatalf("attach after done: %v", err)
+	}
 }
 
 func TestDurableBackpressureLosesNothing(t *testing.T) {

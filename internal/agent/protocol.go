@@ -188,6 +188,12 @@ type wireError struct {
 	Msg  string    `json:"msg"`
 }
 
+type wirePingRequest struct {
+	// Release: return free memory to the OS first (as after IdleRelease),
+	// so that RSS is the agent's memory at rest.
+	Release bool `json:"release,omitempty"`
+}
+
 type wirePingReply struct {
 	Version  string `json:"version"`
 	Protocol int    `json:"proto"`

@@ -40,7 +40,20 @@ type Config struct {
 	IdleRelease time.Duration
 	// Logger receives warnings; nil discards them. A *slog.Logger fits.
 	Logger Logger
+	// MaxExited bounds the durable commands that have exited but whose end
+	// the node has not acknowledged yet (see durable.go): past it, the
+	// oldest is forgotten, with a warning. Default DefaultMaxExited.
+	MaxExited int
+	// MaxExitedBytes bounds the unacknowledged output those commands hold,
+	// likewise. Default DefaultMaxExitedBytes.
+	MaxExitedBytes int64
 }
+
+// Defaults of Config.MaxExited and Config.MaxExitedBytes.
+const (
+	DefaultMaxExited      = 256
+	DefaultMaxExitedBytes = 16 << 20
+)
 
 // Logger is what the server logs through: the Warn method of *slog.Logger.
 // The agent binary does not link log/slog (about 370 KiB of RSS in a process
@@ -67,6 +80,7 @@ type Server struct {
 	mu       sync.Mutex
 	cmds     map[string]*command // guarded by mu; running commands by ID
 	durables map[string]*durable // guarded by mu; durable commands not yet forgotten
+	exited   exitedList          // guarded by mu; those of durables that exited, oldest first
 	seq      uint64              // guarded by mu; command ID counter
 	boot     string              // prefix of command IDs, from the server's start time
 }
@@ -84,6 +98,12 @@ func NewServer(cfg Config) *Server {
 	if cfg.Env == nil {
 		cfg.Env = os.Environ()
 	}
+	if cfg.MaxExited <= 0 {
+		cfg.MaxExited = DefaultMaxExited
+	}
+	if cfg.MaxExitedBytes <= 0 {
+		cfg.MaxExitedBytes = DefaultMaxExitedBytes
+	}
 	log := cfg.Logger
 	if log == nil {
 		log = discardLogger{}
@@ -100,15 +120,19 @@ func NewServer(cfg Config) *Server {
 	if cfg.IdleRelease > 0 {
 		s.idleTimer = time.AfterFunc(time.Hour, func() {
 			if s.active.Load() == 0 {
-				// Two collections: the first moves bufPool's buffers to its
-				// victim cache, the second frees them.
-				runtime.GC()
-				debug.FreeOSMemory()
+				s.releaseMemory()
 			}
 		})
 		s.idleTimer.Stop()
 	}
 	return s
+}
+
+// releaseMemory returns all free memory to the OS. Two collections: the
+// first moves bufPool's buffers to its victim cache, the second frees them.
+func (s *Server) releaseMemory() {
+	runtime.GC()
+	debug.FreeOSMemory()
 }
 
 // Listen returns the agent's listener: the already-listening unix socket
@@ -204,7 +228,10 @@ func (s *Server) serveConn(c net.Conn) {
 	}
 	switch op {
 	case OpPing:
-		s.ping(c)
+		var req wirePingRequest
+		if len(body) == 0 || decode(c, body, &req) {
+			s.ping(c, req.Release)
+		}
 	case OpClaim:
 		s.claim(c, body)
 	case OpExec:
@@ -302,7 +329,10 @@ func sendOSError(w io.Writer, err error, path string) error {
 	return writeJSONFrame(w, FrameError, wireErr(err, path))
 }
 
-func (s *Server) ping(c net.Conn) {
+func (s *Server) ping(c net.Conn, release bool) {
+	if release {
+		s.releaseMemory()
+	}
 	writeJSONFrame(c, FrameReply, wirePingReply{
 		Version: Version, Protocol: ProtocolVersion, Pid: os.Getpid(), RSS: selfRSS(),
 	})
