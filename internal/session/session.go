@@ -353,16 +353,36 @@ func (m *Manager) start(ctx context.Context, sandboxID string, req StartRequest)
 		LogCap: m.cfg.LogCap,
 		PTY:    req.PTY,
 	}
-	att, err := ag.Start(ctx, sreq)
+	// The attachment belongs to the pump, not to the request: a streamed
+	// Exec returns as soon as its client has the exit, and if that closed
+	// the attachment before the pump acknowledged the command's end, the
+	// agent would keep the command for ever. The request bounds the start
+	// only.
+	pctx, cancel := context.WithCancel(m.ctx)
+	stop := context.AfterFunc(ctx, cancel)
+	att, err := ag.Start(pctx, sreq)
+	var agentID string
+	var pid int
+	if err == nil {
+		agentID, pid = att.ID(), att.Pid()
+		if !stop() {
+			// The request ended during the start, which closes the
+			// attachment; the command runs: the pump attaches again.
+			att.Close()
+			att = nil
+			pctx, cancel = context.WithCancel(m.ctx)
+		}
+	}
 	if err != nil {
+		cancel()
 		f.Close()
 		os.Remove(c.logPath)
 		release()
 		return nil, fmt.Errorf("start %s in sandbox %s: %w", quoteArgs(req.Args), sandboxID, err)
 	}
 	c.rec = record{
-		ID: id, SandboxID: sandboxID, AgentID: att.ID(), Args: req.Args, Cwd: req.Cwd, PTY: req.PTY != nil,
-		Pid: att.Pid(), State: StateRunning, Started: time.Now().UTC(),
+		ID: id, SandboxID: sandboxID, AgentID: agentID, Args: req.Args, Cwd: req.Cwd, PTY: req.PTY != nil,
+		Pid: pid, State: StateRunning, Started: time.Now().UTC(),
 		Trajectory: req.Trajectory, Step: req.Step,
 	}
 	if req.Trajectory != "" {
@@ -379,8 +399,11 @@ func (m *Manager) start(ctx context.Context, sandboxID string, req StartRequest)
 		return tx.Bucket(bucketTrajectories).Put(trajKey(sandboxID, req.Trajectory, req.Step), b)
 	})
 	if err != nil {
-		ag.SignalCommand(context.Background(), att.ID(), int(syscall.SIGKILL))
-		att.Close()
+		ag.SignalCommand(context.Background(), agentID, int(syscall.SIGKILL))
+		if att != nil {
+			att.Close()
+		}
+		cancel()
 		f.Close()
 		os.Remove(c.logPath)
 		release()
@@ -389,11 +412,10 @@ func (m *Manager) start(ctx context.Context, sandboxID string, req StartRequest)
 	m.mu.Lock()
 	m.cmds[key(sandboxID, id)] = c
 	m.mu.Unlock()
-	pctx, cancel := context.WithCancel(m.ctx)
 	c.cancel = cancel
 	go m.pump(pctx, c, ag, att, f)
 	if len(req.Stdin) > 0 || (sreq.Stdin && !req.StdinOpen) {
-		if err := ag.SendStdin(ctx, att.ID(), req.Stdin, !req.StdinOpen); err != nil {
+		if err := ag.SendStdin(ctx, agentID, req.Stdin, !req.StdinOpen); err != nil {
 			m.log.Warn("write stdin", "sandbox_id", sandboxID, "command", id, "err", err)
 		}
 	}
@@ -455,8 +477,7 @@ func (m *Manager) pump(ctx context.Context, c *Command, ag *agent.Client, att *a
 		attempt = 0
 		if r.Exit != nil {
 			m.finish(c, r.Exit, "")
-			att.Done()
-			att.Close()
+			m.acknowledgeEnd(ctx, c, ag, att)
 			return
 		}
 		var hdr [agent.LogRecordHeader]byte
@@ -477,6 +498,44 @@ func (m *Manager) pump(ctx context.Context, c *Command, ag *agent.Client, att *a
 			att.Ack(r.End)
 			acked = r.End
 		}
+	}
+}
+
+// acknowledgeEnd tells the agent that c's end is recorded, so that it
+// forgets the command; it returns once the agent confirmed. A connection
+// that breaks first is opened again, a few times: an agent never told keeps
+// the command until its own limit on such commands pushes it out.
+func (m *Manager) acknowledgeEnd(ctx context.Context, c *Command, ag *agent.Client, att *agent.Attachment) {
+	err := att.Done()
+	att.Close()
+	for attempt := 1; err != nil && attempt <= 3 && ctx.Err() == nil; attempt++ {
+		c.mu.Lock()
+		from := c.size
+		c.mu.Unlock()
+		a, aerr := ag.Attach(ctx, c.rec.AgentID, from)
+		if aerr != nil {
+			if errors.Is(aerr, fs.ErrNotExist) {
+				return // it forgot it after all
+			}
+			err = aerr
+			continue
+		}
+		for {
+			r, rerr := a.Recv()
+			if rerr != nil {
+				err = rerr
+				break
+			}
+			if r.Exit != nil {
+				err = a.Done()
+				break
+			}
+		}
+		a.Close()
+	}
+	if err != nil && ctx.Err() == nil {
+		m.log.Warn("could not tell the agent that a command's end is recorded: it keeps the command until its limit pushes it out",
+			"sandbox_id", c.rec.SandboxID, "command", c.rec.ID, "err", err)
 	}
 }
 
