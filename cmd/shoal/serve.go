@@ -35,6 +35,9 @@ type serveConfig struct {
 	Runtime string
 	Debug   bool
 	LogCap  int64
+	// Retention of ended commands (session.Config.KeepEnded, KeepFor).
+	KeepCommands    int
+	KeepCommandsFor time.Duration
 	// PoolSize: pre-started blank containers kept ready (0: none).
 	PoolSize int
 	// PoolMax: how far demand may grow the pool.
@@ -70,6 +73,12 @@ func (c *serveConfig) Validate() error {
 		if _, _, err := net.SplitHostPort(c.E2B.Listen); err != nil {
 			return fmt.Errorf("--e2b-listen %q must be HOST:PORT (or empty to disable): %w", c.E2B.Listen, err)
 		}
+	}
+	if c.KeepCommands == 0 || c.KeepCommands < -1 {
+		return fmt.Errorf("--command-retention %d: want the number of ended commands kept per sandbox (at least 1), or -1 for no limit", c.KeepCommands)
+	}
+	if c.KeepCommandsFor < 0 {
+		return fmt.Errorf("--command-retention-age %s: want a duration such as 24h, or 0 for no limit", c.KeepCommandsFor)
 	}
 	if c.Agent == "" {
 		c.Agent = findAgent()
@@ -120,6 +129,8 @@ func serveCmd() *cobra.Command {
 	cmd.Flags().BoolVar(&cfg.RuncSeccomp, "runc-seccomp", false, "let runc compile docker's seccomp profile per container instead of once per node (slower; disables the pool)")
 	cmd.Flags().StringVar(&cfg.Pprof, "pprof", "", "serve Go profiles (net/http/pprof) on this HOST:PORT, unauthenticated: keep it on localhost")
 	cmd.Flags().Int64Var(&cfg.LogCap, "command-log-cap", session.DefaultLogCap, "bytes of output kept per command (the rest is dropped and reported)")
+	cmd.Flags().IntVar(&cfg.KeepCommands, "command-retention", session.DefaultKeepEnded, "ended commands kept per sandbox (records and output logs; older ones are pruned), besides trajectory steps and shells, which are kept as long as the sandbox lives; -1: no limit")
+	cmd.Flags().DurationVar(&cfg.KeepCommandsFor, "command-retention-age", 0, "also prune ended commands older than this (e.g. 24h); 0: no age limit")
 	cmd.Flags().StringVar(&cfg.E2B.Listen, "e2b-listen", "127.0.0.1:7481", "E2B-compatible endpoint (API and sandbox traffic, HTTP and HTTPS on one port); empty disables it")
 	cmd.Flags().StringVar(&cfg.E2B.Domain, "e2b-domain", "", "sandbox domain for E2B clients: getHost(port) is PORT-ID.DOMAIN (default shoal.localhost:<e2b port>)")
 	cmd.Flags().StringVar(&cfg.E2B.DefaultTemplate, "e2b-default-template", "debian:12", "environment or base layer used for E2B's default template \"base\" when none is named base")
@@ -174,7 +185,7 @@ func serve(cfg serveConfig) error {
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	sessions, err := session.New(session.Config{LogCap: cfg.LogCap}, db, mgr, log)
+	sessions, err := session.New(session.Config{LogCap: cfg.LogCap, KeepEnded: cfg.KeepCommands, KeepFor: cfg.KeepCommandsFor}, db, mgr, log)
 	if err != nil {
 		return err
 	}
@@ -208,6 +219,7 @@ func serve(cfg serveConfig) error {
 		}
 		defer e2bSrv.Close()
 		mgr.OnDelete(e2bSrv.OnDelete)
+		sessions.OnPrune(e2bSrv.OnPrune)
 	}
 	if err := mgr.Recover(ctx); err != nil {
 		return fmt.Errorf("recover sandboxes: %w", err)

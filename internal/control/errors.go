@@ -15,11 +15,28 @@ import (
 	"github.com/shoal-sandbox/shoal/internal/layer"
 )
 
+// ReasonHeader is the error metadata (a Connect trailer, gRPC trailer or
+// HTTP header) that names an error more precisely than its code:
+// ReasonSandboxKilled on a NotFound error means the sandbox was deleted
+// (killed by a client or by its timeout) while the operation ran; for a
+// command stream, that the command did not exit but was killed with it.
+const (
+	ReasonHeader        = "Shoal-Error-Reason"
+	ReasonSandboxKilled = "sandbox_killed"
+)
+
 // toConnect maps an internal error to a connect error with the right code.
 // The message is the error's own text, which says what was being done.
 func toConnect(err error) error {
 	var ce *connect.Error
 	if errors.As(err, &ce) {
+		return ce
+	}
+	if errors.Is(err, errdefs.ErrSandboxKilled) {
+		// The sandbox is gone, as every later call about it will say
+		// (NotFound); the reason tells it from any other NotFound.
+		ce := connect.NewError(connect.CodeNotFound, err)
+		ce.Meta().Set(ReasonHeader, ReasonSandboxKilled)
 		return ce
 	}
 	// A directory that is not empty is a state to change, not a conflict

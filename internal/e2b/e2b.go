@@ -280,6 +280,14 @@ func (s *Server) OnDelete(id string) {
 	}
 }
 
+// OnPrune forgets what the face kept of commands the session layer's
+// retention policy pruned; register it with session.Manager.OnPrune.
+func (s *Server) OnPrune(sandboxID string, commandIDs []string) {
+	if err := s.store.dropCommands(sandboxID, commandIDs); err != nil {
+		s.log.Warn("e2b: forget pruned commands", "sandbox_id", sandboxID, "err", err)
+	}
+}
+
 // Close stops the background work (deadlines, watchers).
 func (s *Server) Close() {
 	s.stopOnce.Do(func() { close(s.stop) })

@@ -21,7 +21,10 @@ import (
 	"testing"
 	"time"
 
+	"connectrpc.com/connect"
+
 	"github.com/shoal-sandbox/shoal/internal/agent"
+	"github.com/shoal-sandbox/shoal/internal/errdefs"
 	"github.com/shoal-sandbox/shoal/internal/node"
 )
 
@@ -278,5 +281,13 @@ func TestServeTLSAndPlain(t *testing.T) {
 	c, err := tls.LoadX509KeyPair(filepath.Join(dir, "e2b/tls/server.pem"), filepath.Join(dir, "e2b/tls/server.key"))
 	if err != nil || c.Leaf.VerifyHostname("3000-abcdefghijklmnopqrst.e2b.example.com") != nil {
 		t.Errorf("new certificate: %v", err)
+	}
+}
+
+// A sandbox killed under a process stream is what E2B's edge answers for a
+// sandbox that is gone: unavailable.
+func TestCodeOfSandboxKilled(t *testing.T) {
+	if c := codeOf(errdefs.New(errdefs.ErrSandboxKilled, "sandbox x was killed")); c != connect.CodeUnavailable {
+		t.Fatalf("codeOf(killed) = %v, want unavailable", c)
 	}
 }

@@ -29,6 +29,9 @@ func codeOf(err error) connect.Code {
 		}
 	}
 	switch {
+	case errors.Is(err, errdefs.ErrSandboxKilled):
+		// What E2B's edge answers once a sandbox is gone (502: unavailable).
+		return connect.CodeUnavailable
 	case errors.Is(err, errdefs.ErrInvalidArgument), errors.Is(err, layer.ErrInvalidRef), errors.Is(err, fs.ErrInvalid):
 		return connect.CodeInvalidArgument
 	case errors.Is(err, errdefs.ErrNotFound), errors.Is(err, layer.ErrNotFound), errors.Is(err, fs.ErrNotExist):

@@ -25,6 +25,7 @@ import (
 	pp "github.com/shoal-sandbox/shoal/api/e2b/process"
 	"github.com/shoal-sandbox/shoal/api/e2b/process/processconnect"
 	"github.com/shoal-sandbox/shoal/internal/agent"
+	"github.com/shoal-sandbox/shoal/internal/errdefs"
 	"github.com/shoal-sandbox/shoal/internal/session"
 )
 
@@ -250,6 +251,13 @@ func (p *processService) stream(ctx context.Context, c *session.Command, in sess
 		}
 		return send(out)
 	})
+	if errors.Is(err, errdefs.ErrSandboxKilled) {
+		// E2B's envd dies with its sandbox: the stream breaks without an
+		// end event, and the edge then answers 502 "... was not found",
+		// which the SDK reports as a sandbox killed (or timed out). End
+		// the stream with that answer at once.
+		return connect.NewError(connect.CodeUnavailable, fmt.Errorf("The sandbox %s was not found: it was killed (deleted) while process %d ran", in.SandboxID, in.Pid))
+	}
 	if err != nil {
 		return toConnect(err)
 	}

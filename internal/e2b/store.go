@@ -175,6 +175,31 @@ func (st *store) commandsByTag(sandboxID, tag string) []string {
 	return ids
 }
 
+// dropCommands forgets some commands of a sandbox.
+func (st *store) dropCommands(sandboxID string, ids []string) error {
+	keys := make([][]byte, 0, len(ids))
+	st.mu.Lock()
+	for _, id := range ids {
+		k := sandboxID + "/" + id
+		if _, ok := st.commands[k]; ok {
+			delete(st.commands, k)
+			keys = append(keys, []byte(k))
+		}
+	}
+	st.mu.Unlock()
+	if len(keys) == 0 {
+		return nil
+	}
+	return st.db.Batch(func(tx *bbolt.Tx) error {
+		for _, k := range keys {
+			if err := tx.Bucket(bucketCommands).Delete(k); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+}
+
 func (st *store) dropSandbox(id string) error {
 	return st.drop(func(sandboxID string) bool { return sandboxID == id })
 }

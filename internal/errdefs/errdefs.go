@@ -18,6 +18,11 @@ var (
 	ErrFailedPrecondition = errors.New("failed precondition")
 	ErrResourceExhausted  = errors.New("resource exhausted")
 	ErrUnavailable        = errors.New("unavailable")
+	// ErrSandboxKilled: the operation's sandbox was deleted (by a client,
+	// or by its timeout) while the operation ran, e.g. the command a
+	// stream follows: it did not exit, it was killed with its sandbox. The
+	// message names the sandbox.
+	ErrSandboxKilled = errors.New("sandbox killed")
 )
 
 type kindError struct {

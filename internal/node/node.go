@@ -557,6 +557,14 @@ func (m *Manager) Delete(ctx context.Context, id string) error {
 	return err
 }
 
+// Deleting reports whether a sandbox is being deleted, or is gone.
+func (m *Manager) Deleting(id string) bool {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	e, ok := m.sandboxes[id]
+	return !ok || e.deleted != nil
+}
+
 // OnDelete registers fn to be called after each sandbox is deleted. Call it
 // before serving.
 func (m *Manager) OnDelete(fn func(id string)) { m.onDelete = append(m.onDelete, fn) }

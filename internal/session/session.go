@@ -57,12 +57,26 @@ type Sandboxes interface {
 	SandboxDir(id string) (string, error)
 	// Hold marks the sandbox busy (never idle) until release is called.
 	Hold(id string) (release func(), err error)
+	// Deleting reports whether the sandbox is being deleted, or is gone.
+	Deleting(id string) bool
 }
 
 // Config configures a Manager.
 type Config struct {
 	LogCap int64 // per command; 0 = DefaultLogCap
+	// Retention: what the node keeps of a sandbox's ended commands (their
+	// records and output logs). Running commands, trajectory steps and the
+	// commands of shell sessions are kept as long as their sandbox lives;
+	// of the others, the KeepEnded most recently ended ones, none ended
+	// longer ago than KeepFor. A pruned command's ID answers NotFound
+	// ("command X was pruned by the retention policy").
+	KeepEnded int           // 0 = DefaultKeepEnded; -1 = no count limit
+	KeepFor   time.Duration // 0 = no age limit
 }
+
+// DefaultKeepEnded is how many ended commands of each sandbox the node keeps
+// by default (besides trajectory steps and shells).
+const DefaultKeepEnded = 1000
 
 // State of a command.
 type State string
@@ -90,6 +104,7 @@ type record struct {
 	Step       int64             `json:"step,omitempty"`
 	Digest     string            `json:"digest,omitempty"`
 	LogBytes   int64             `json:"log_bytes,omitempty"` // at exit
+	Killed     bool              `json:"killed,omitempty"`    // lost because its sandbox was deleted
 	Extra      map[string]string `json:"extra,omitempty"`
 }
 
@@ -120,6 +135,9 @@ type Info struct {
 	Trajectory    string
 	Step          int64
 	Digest        string
+	// Killed: the command is lost because its sandbox was deleted (killed)
+	// while it ran.
+	Killed bool
 }
 
 // Info returns a snapshot of the command.
@@ -130,8 +148,13 @@ func (c *Command) Info() Info {
 	return Info{
 		ID: r.ID, SandboxID: r.SandboxID, Args: r.Args, Cwd: r.Cwd, PTY: r.PTY, Pid: r.Pid,
 		State: r.State, Exit: r.Exit, Started: r.Started, Ended: r.Ended, LogBytes: c.size,
-		Trajectory: r.Trajectory, Step: r.Step, Digest: r.Digest,
+		Trajectory: r.Trajectory, Step: r.Step, Digest: r.Digest, Killed: r.Killed,
 	}
+}
+
+// killedError is what a reader of a command killed with its sandbox gets.
+func killedError(sandboxID, id string) error {
+	return errdefs.New(errdefs.ErrSandboxKilled, "sandbox %s was killed (deleted) while command %s ran: the command did not exit", sandboxID, id)
 }
 
 func (c *Command) notifyLocked() {
@@ -142,7 +165,14 @@ func (c *Command) notifyLocked() {
 var (
 	bucketCommands     = []byte("session.commands")
 	bucketTrajectories = []byte("session.trajectories")
+	bucketPruned       = []byte("session.pruned") // sandboxID/commandID → prunedRecord
 )
+
+// prunedRecord is what is left of a command the retention policy pruned.
+type prunedRecord struct {
+	Ended  time.Time `json:"ended"`
+	Pruned time.Time `json:"pruned"`
+}
 
 // Manager holds the commands of one node. It is safe for concurrent use.
 type Manager struct {
@@ -154,9 +184,12 @@ type Manager struct {
 	ctx    context.Context // ends pumps on Close
 	cancel context.CancelFunc
 
-	mu     sync.Mutex          // guards cmds and shells
-	cmds   map[string]*Command // key: sandboxID/commandID
-	shells map[string]*Shell   // key: sandboxID/name
+	mu     sync.Mutex            // guards cmds, shells and ended
+	cmds   map[string]*Command   // key: sandboxID/commandID
+	shells map[string]*Shell     // key: sandboxID/name
+	ended  map[string]*endedList // by sandbox: prunable ended commands, in the order they ended
+
+	onPrune []func(sandboxID string, commandIDs []string) // set before serving
 
 	trajLocks keyedMutex // serializes the steps of one trajectory
 }
@@ -170,8 +203,17 @@ func New(cfg Config, db *bbolt.DB, sb Sandboxes, log *slog.Logger) (*Manager, er
 	if cfg.LogCap < 4096 {
 		return nil, fmt.Errorf("session config: log cap %d is below 4096 bytes", cfg.LogCap)
 	}
+	switch {
+	case cfg.KeepEnded == 0:
+		cfg.KeepEnded = DefaultKeepEnded
+	case cfg.KeepEnded < -1:
+		return nil, fmt.Errorf("session config: keep %d ended commands: want at least 1, or -1 for no limit", cfg.KeepEnded)
+	}
+	if cfg.KeepFor < 0 {
+		return nil, fmt.Errorf("session config: keep ended commands for %s: want a positive duration, or 0 for no limit", cfg.KeepFor)
+	}
 	if err := db.Update(func(tx *bbolt.Tx) error {
-		for _, b := range [][]byte{bucketCommands, bucketTrajectories} {
+		for _, b := range [][]byte{bucketCommands, bucketTrajectories, bucketPruned} {
 			if _, err := tx.CreateBucketIfNotExists(b); err != nil {
 				return err
 			}
@@ -182,9 +224,12 @@ func New(cfg Config, db *bbolt.DB, sb Sandboxes, log *slog.Logger) (*Manager, er
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	m := &Manager{cfg: cfg, log: log, db: db, sb: sb, ctx: ctx, cancel: cancel,
-		cmds: map[string]*Command{}, shells: map[string]*Shell{}}
+		cmds: map[string]*Command{}, shells: map[string]*Shell{}, ended: map[string]*endedList{}}
 	if err := m.shellsInit(); err != nil {
 		return nil, fmt.Errorf("open session store: %w", err)
+	}
+	if cfg.KeepFor > 0 {
+		go m.pruneByAge()
 	}
 	return m, nil
 }
@@ -451,6 +496,10 @@ func (m *Manager) pump(ctx context.Context, c *Command, ag *agent.Client, att *a
 					m.finish(c, nil, "the sandbox's agent no longer knows the command")
 					return
 				}
+				if m.sb.Deleting(c.rec.SandboxID) {
+					m.finish(c, nil, whyDeleted)
+					return
+				}
 				attempt++
 				if attempt > 50 {
 					m.finish(c, nil, "cannot re-attach: "+err.Error())
@@ -476,6 +525,11 @@ func (m *Manager) pump(ctx context.Context, c *Command, ag *agent.Client, att *a
 		}
 		attempt = 0
 		if r.Exit != nil {
+			if r.Exit.Signal == "SIGKILL" && m.sb.Deleting(c.rec.SandboxID) {
+				// Killed with its sandbox (the agent saw it die first).
+				m.finish(c, nil, whyDeleted)
+				return
+			}
 			m.finish(c, r.Exit, "")
 			m.acknowledgeEnd(ctx, c, ag, att)
 			return
@@ -539,8 +593,13 @@ func (m *Manager) acknowledgeEnd(ctx context.Context, c *Command, ag *agent.Clie
 	}
 }
 
-// finish records how a command ended: its exit status, or lost (exit nil).
+// whyDeleted is why the commands of a deleted sandbox are lost.
+const whyDeleted = "the sandbox was deleted"
+
+// finish records how a command ended: its exit status, or lost (exit nil);
+// lost while its sandbox is being deleted is killed.
 func (m *Manager) finish(c *Command, exit *agent.ExitStatus, why string) {
+	killed := exit == nil && (why == whyDeleted || m.sb.Deleting(c.rec.SandboxID))
 	c.mu.Lock()
 	if c.rec.State != StateRunning {
 		c.mu.Unlock()
@@ -551,6 +610,10 @@ func (m *Manager) finish(c *Command, exit *agent.ExitStatus, why string) {
 		c.rec.Exit = exit
 	} else {
 		c.rec.State = StateLost
+		c.rec.Killed = killed
+		if killed {
+			why = whyDeleted
+		}
 		if c.rec.Extra == nil {
 			c.rec.Extra = map[string]string{}
 		}
@@ -577,17 +640,22 @@ func (m *Manager) finish(c *Command, exit *agent.ExitStatus, why string) {
 	if release != nil {
 		release()
 	}
+	m.ended1(c)
 }
 
 // Get finds a command.
 func (m *Manager) Get(sandboxID, id string) (*Command, error) {
 	m.mu.Lock()
-	defer m.mu.Unlock()
 	c, ok := m.cmds[key(sandboxID, id)]
-	if !ok {
-		return nil, errdefs.New(errdefs.ErrNotFound, "no command %q in sandbox %s", id, sandboxID)
+	m.mu.Unlock()
+	if ok {
+		return c, nil
 	}
-	return c, nil
+	if p, ok := m.prunedRecord(sandboxID, id); ok {
+		return nil, errdefs.New(errdefs.ErrNotFound, "command %s was pruned by the retention policy: it ended %s ago, and the node keeps %s",
+			id, time.Since(p.Ended).Round(time.Second), m.policy())
+	}
+	return nil, errdefs.New(errdefs.ErrNotFound, "no command %q in sandbox %s", id, sandboxID)
 }
 
 // List returns a sandbox's commands, oldest first.
@@ -632,7 +700,9 @@ type Event struct {
 // Events calls fn with the command's events from log offset from: output
 // records, then the exit (or lost) event. It waits for more output while the
 // command runs; every keepAlive of silence it sends EventKeepAlive (0: none).
-// It returns fn's error, ctx's error, or nil after the last event.
+// It returns fn's error, ctx's error, or nil after the last event; for a
+// command killed with its sandbox, after its output, an error of kind
+// errdefs.ErrSandboxKilled instead of an end event.
 func (m *Manager) Events(ctx context.Context, c *Command, from int64, keepAlive time.Duration, fn func(Event) error) error {
 	c.mu.Lock()
 	size := c.size
@@ -642,6 +712,11 @@ func (m *Manager) Events(ctx context.Context, c *Command, from int64, keepAlive 
 	}
 	f, err := os.Open(c.logPath)
 	if err != nil {
+		if errors.Is(err, fs.ErrNotExist) {
+			if _, gone := m.Get(c.rec.SandboxID, c.rec.ID); gone != nil {
+				return gone // pruned, or its sandbox deleted, meanwhile
+			}
+		}
 		return fmt.Errorf("open command log: %w", err)
 	}
 	defer f.Close()
@@ -666,7 +741,7 @@ func (m *Manager) Events(ctx context.Context, c *Command, from int64, keepAlive 
 	}
 	for {
 		c.mu.Lock()
-		size, state, exit, changed := c.size, c.rec.State, c.rec.Exit, c.changed
+		size, state, exit, changed, killed := c.size, c.rec.State, c.rec.Exit, c.changed, c.rec.Killed
 		c.mu.Unlock()
 		for pos < size {
 			// Read a block of whole records and merge runs of the same
@@ -703,6 +778,9 @@ func (m *Manager) Events(ctx context.Context, c *Command, from int64, keepAlive 
 		case StateExited:
 			return fn(Event{Kind: EventExit, Exit: exit, Offset: pos})
 		case StateLost:
+			if killed {
+				return killedError(c.rec.SandboxID, c.rec.ID)
+			}
 			return fn(Event{Kind: EventLost, Offset: pos})
 		}
 		if keepAlive > 0 && ka == nil {
@@ -782,12 +860,17 @@ func recordBoundary(f *os.File, off int64) (bool, error) {
 	return false, nil
 }
 
-// Wait waits until the command ends (or ctx ends) and returns its info.
+// Wait waits until the command ends (or ctx ends) and returns its info;
+// for a command killed with its sandbox, an error of kind
+// errdefs.ErrSandboxKilled too.
 func (m *Manager) Wait(ctx context.Context, c *Command) (Info, error) {
 	for {
 		c.mu.Lock()
-		state, changed := c.rec.State, c.changed
+		state, changed, killed := c.rec.State, c.changed, c.rec.Killed
 		c.mu.Unlock()
+		if killed {
+			return c.Info(), killedError(c.rec.SandboxID, c.rec.ID)
+		}
 		if state != StateRunning {
 			return c.Info(), nil
 		}
@@ -859,10 +942,13 @@ func (m *Manager) DropSandbox(sandboxID string) {
 		if c.cancel != nil {
 			c.cancel()
 		}
-		m.finish(c, nil, "the sandbox was deleted")
+		m.finish(c, nil, whyDeleted)
 	}
+	m.mu.Lock()
+	delete(m.ended, sandboxID)
+	m.mu.Unlock()
 	err := m.db.Update(func(tx *bbolt.Tx) error {
-		for _, b := range [][]byte{bucketCommands, bucketTrajectories, bucketShells} {
+		for _, b := range [][]byte{bucketCommands, bucketTrajectories, bucketShells, bucketPruned} {
 			bk := tx.Bucket(b)
 			cur := bk.Cursor()
 			for k, _ := cur.Seek([]byte(prefix)); k != nil && strings.HasPrefix(string(k), prefix); k, _ = cur.Next() {
@@ -895,6 +981,18 @@ func (m *Manager) Recover(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	// Shells first: their commands are kept whatever the retention policy.
+	if err := m.recoverShells(); err != nil {
+		return err
+	}
+	// Ended commands join their sandbox's retention list in the order they
+	// ended, and before the running ones, which may end during recovery.
+	sort.SliceStable(recs, func(i, j int) bool {
+		if (recs[i].State == StateRunning) != (recs[j].State == StateRunning) {
+			return recs[j].State == StateRunning
+		}
+		return recs[i].Ended.Before(recs[j].Ended)
+	})
 	known := map[string]map[string]bool{} // sandbox → agent IDs we track
 	for _, r := range recs {
 		dir, err := m.sb.SandboxDir(r.SandboxID)
@@ -913,6 +1011,7 @@ func (m *Manager) Recover(ctx context.Context) error {
 		m.cmds[key(r.SandboxID, r.ID)] = c
 		m.mu.Unlock()
 		if r.State != StateRunning {
+			m.ended1(c)
 			continue
 		}
 		if known[r.SandboxID] == nil {
@@ -937,9 +1036,7 @@ func (m *Manager) Recover(ctx context.Context) error {
 		c.cancel = cancel
 		go m.pump(pctx, c, ag, nil, f)
 	}
-	if err := m.recoverShells(); err != nil {
-		return err
-	}
+
 	// Commands the agents hold that we never recorded (a crash between
 	// starting one and persisting it): kill them and let the agent forget.
 	for sandboxID, ids := range known {
@@ -1059,4 +1156,179 @@ func (m *Manager) Trajectories(sandboxID string) ([]Trajectory, error) {
 		out = append(out, *byID[id])
 	}
 	return out, err
+}
+
+// Retention of ended commands (Config.KeepEnded, Config.KeepFor).
+
+// endedList is a sandbox's prunable ended commands, oldest first.
+type endedList struct {
+	cs   []*Command
+	head int
+}
+
+func (l *endedList) len() int { return len(l.cs) - l.head }
+
+func (l *endedList) pop() *Command {
+	c := l.cs[l.head]
+	l.cs[l.head] = nil
+	l.head++
+	if l.head > 64 && l.head*2 > len(l.cs) {
+		l.cs = append([]*Command(nil), l.cs[l.head:]...)
+		l.head = 0
+	}
+	return c
+}
+
+// OnPrune registers fn to be called with the commands the retention policy
+// pruned (after their records and logs are gone). Call it before serving.
+func (m *Manager) OnPrune(fn func(sandboxID string, commandIDs []string)) {
+	m.onPrune = append(m.onPrune, fn)
+}
+
+// ended1 puts an ended command under the retention policy (unless it is
+// kept for the sandbox's life) and prunes its sandbox's commands.
+func (m *Manager) ended1(c *Command) {
+	c.mu.Lock()
+	sandboxID, id, traj := c.rec.SandboxID, c.rec.ID, c.rec.Trajectory
+	c.mu.Unlock()
+	m.mu.Lock()
+	if m.cmds[key(sandboxID, id)] != c || traj != "" || m.isShellLocked(sandboxID, id) {
+		// Gone with its sandbox, or kept as long as the sandbox lives.
+		m.mu.Unlock()
+		return
+	}
+	l := m.ended[sandboxID]
+	if l == nil {
+		l = &endedList{}
+		m.ended[sandboxID] = l
+	}
+	l.cs = append(l.cs, c)
+	m.mu.Unlock()
+	m.prune(sandboxID, time.Now())
+}
+
+func (m *Manager) isShellLocked(sandboxID, id string) bool {
+	for _, sh := range m.shells {
+		if sh.CommandID == id && sh.SandboxID == sandboxID {
+			return true
+		}
+	}
+	return false
+}
+
+// prune drops a sandbox's ended commands beyond the retention policy:
+// records, logs, and the in-memory state; a tombstone remains, so that the
+// command's ID answers "pruned" rather than "no such command".
+func (m *Manager) prune(sandboxID string, now time.Time) {
+	var gone []*Command
+	var ended []time.Time
+	m.mu.Lock()
+	l := m.ended[sandboxID]
+	for l != nil && l.len() > 0 {
+		c := l.cs[l.head]
+		c.mu.Lock()
+		e := c.rec.Ended
+		c.mu.Unlock()
+		overCount := m.cfg.KeepEnded >= 0 && l.len() > m.cfg.KeepEnded
+		tooOld := m.cfg.KeepFor > 0 && now.Sub(e) > m.cfg.KeepFor
+		if !overCount && !tooOld {
+			break
+		}
+		l.pop()
+		k := key(sandboxID, c.rec.ID)
+		if m.cmds[k] == c {
+			delete(m.cmds, k)
+			gone = append(gone, c)
+			ended = append(ended, e)
+		}
+	}
+	if l != nil && l.len() == 0 {
+		delete(m.ended, sandboxID)
+	}
+	m.mu.Unlock()
+	if len(gone) == 0 {
+		return
+	}
+	ids := make([]string, len(gone))
+	for i, c := range gone {
+		ids[i] = c.rec.ID
+	}
+	err := m.db.Batch(func(tx *bbolt.Tx) error {
+		for i, id := range ids {
+			k := []byte(key(sandboxID, id))
+			if tx.Bucket(bucketCommands).Get(k) == nil {
+				continue // its sandbox was deleted meanwhile
+			}
+			if err := tx.Bucket(bucketCommands).Delete(k); err != nil {
+				return err
+			}
+			b, _ := json.Marshal(prunedRecord{Ended: ended[i], Pruned: now.UTC()})
+			if err := tx.Bucket(bucketPruned).Put(k, b); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		m.log.Error("prune ended commands", "sandbox_id", sandboxID, "err", err)
+	}
+	for _, c := range gone {
+		if err := os.Remove(c.logPath); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			m.log.Warn("remove pruned command's log", "sandbox_id", sandboxID, "command", c.rec.ID, "err", err)
+		}
+	}
+	m.log.Debug("pruned ended commands", "sandbox_id", sandboxID, "count", len(gone), "policy", m.policy())
+	for _, fn := range m.onPrune {
+		fn(sandboxID, ids)
+	}
+}
+
+// pruneByAge applies Config.KeepFor to every sandbox, periodically.
+func (m *Manager) pruneByAge() {
+	every := min(max(m.cfg.KeepFor/4, time.Second), time.Minute)
+	t := time.NewTicker(every)
+	defer t.Stop()
+	for {
+		select {
+		case <-m.ctx.Done():
+			return
+		case now := <-t.C:
+			m.mu.Lock()
+			ids := make([]string, 0, len(m.ended))
+			for id := range m.ended {
+				ids = append(ids, id)
+			}
+			m.mu.Unlock()
+			for _, id := range ids {
+				m.prune(id, now)
+			}
+		}
+	}
+}
+
+// prunedRecord returns the tombstone of a pruned command.
+func (m *Manager) prunedRecord(sandboxID, id string) (prunedRecord, bool) {
+	var p prunedRecord
+	var ok bool
+	m.db.View(func(tx *bbolt.Tx) error {
+		if v := tx.Bucket(bucketPruned).Get([]byte(key(sandboxID, id))); v != nil {
+			ok = json.Unmarshal(v, &p) == nil
+		}
+		return nil
+	})
+	return p, ok
+}
+
+// policy describes the retention policy.
+func (m *Manager) policy() string {
+	var s string
+	if m.cfg.KeepEnded >= 0 {
+		s = fmt.Sprintf("the %d most recently ended commands of a sandbox", m.cfg.KeepEnded)
+	} else {
+		s = "every ended command of a sandbox"
+	}
+	if m.cfg.KeepFor > 0 {
+		s += fmt.Sprintf(" for at most %s", m.cfg.KeepFor)
+	}
+	return s + " (and its trajectory steps and shells as long as it lives)"
 }

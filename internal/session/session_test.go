@@ -2,12 +2,15 @@ package session
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"log/slog"
 	"net"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -358,4 +361,191 @@ func TestEndReachesAgentAfterTheRequestEnds(t *testing.T) {
 	waitFor(t, 10*time.Second, fmt.Sprintf("the agent to forget command %s once its end is recorded", agentID), func() bool {
 		return !holds(t, p, agentID)
 	})
+}
+
+// waitSettled waits until the pump of an ended command has done all it
+// does after the end (recorded it, applied the retention policy, told the
+// agent): the agent no longer holds it.
+func waitSettled(t *testing.T, p *proxy, c *Command) {
+	t.Helper()
+	waitFor(t, 10*time.Second, "the end of command "+c.rec.ID+" to be acknowledged", func() bool {
+		return !holds(t, p, c.rec.AgentID)
+	})
+}
+
+func ids(infos []Info) map[string]bool {
+	out := map[string]bool{}
+	for _, in := range infos {
+		out[in.ID] = true
+	}
+	return out
+}
+
+func wantPruned(t *testing.T, m *Manager, sandboxID string, c *Command) {
+	t.Helper()
+	_, err := m.Get(sandboxID, c.rec.ID)
+	if !errors.Is(err, errdefs.ErrNotFound) || !strings.Contains(err.Error(), "command "+c.rec.ID+" was pruned by the retention policy") {
+		t.Errorf("Get(pruned %s) = %v, want NotFound: pruned by the retention policy", c.rec.ID, err)
+	}
+	if _, err := os.Stat(c.logPath); !errors.Is(err, fs.ErrNotExist) {
+		t.Errorf("log of pruned command %s: %v, want it removed", c.rec.ID, err)
+	}
+}
+
+// The node keeps the most recent ended commands of a sandbox, and its
+// trajectory steps, running commands and shells whatever their number;
+// a pruned command's ID says it was pruned, also after a restart.
+func TestRetentionKeepsRecentCommandsAndTrajectorySteps(t *testing.T) {
+	e := newEnv(t)
+	m := e.manager(Config{KeepEnded: 3})
+	p := e.sb.add("sb1")
+	ctx := context.Background()
+
+	step, _, _ := run(t, m, "sb1", StartRequest{Args: []string{"echo", "step"}, Trajectory: "traj", Step: 1})
+	waitSettled(t, p, step)
+	running, _, err := m.Start(ctx, "sb1", StartRequest{Args: []string{"cat"}, StdinOpen: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var plain []*Command
+	for i := range 6 {
+		c, out, end := run(t, m, "sb1", StartRequest{Args: []string{"echo", fmt.Sprint(i)}})
+		if out != fmt.Sprintf("%d\n", i) || end.Kind != EventExit {
+			t.Fatalf("command %d: %q %+v", i, out, end)
+		}
+		waitSettled(t, p, c)
+		plain = append(plain, c)
+	}
+	got := ids(m.List("sb1"))
+	want := map[string]bool{step.rec.ID: true, running.rec.ID: true, plain[3].rec.ID: true, plain[4].rec.ID: true, plain[5].rec.ID: true}
+	if fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Fatalf("kept %v, want the trajectory step, the running command and the 3 most recent: %v", got, want)
+	}
+	for _, c := range plain[:3] {
+		wantPruned(t, m, "sb1", c)
+	}
+	// The recorded step still replays.
+	c, replayed, err := m.Start(ctx, "sb1", StartRequest{Args: []string{"echo", "step"}, Trajectory: "traj", Step: 1})
+	if err != nil || !replayed || c.rec.ID != step.rec.ID {
+		t.Fatalf("replay of step 1: %v replayed=%v", err, replayed)
+	}
+
+	// A restart with a stricter policy prunes what it no longer keeps; the
+	// pruned ones still say so.
+	m.Close()
+	m2 := e.manager(Config{KeepEnded: 1})
+	if err := m2.Recover(ctx); err != nil {
+		t.Fatal(err)
+	}
+	got = ids(m2.List("sb1"))
+	want = map[string]bool{step.rec.ID: true, running.rec.ID: true, plain[5].rec.ID: true}
+	if fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Fatalf("after restart with keep 1: kept %v, want %v", got, want)
+	}
+	for _, c := range plain[:5] {
+		wantPruned(t, m2, "sb1", c)
+	}
+	// The running command was never pruned; once it ends, it is the one kept.
+	rc, err := m2.Get("sb1", running.rec.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := m2.SendStdin(ctx, rc, nil, true); err != nil {
+		t.Fatal(err)
+	}
+	if in, err := m2.Wait(ctx, rc); err != nil || in.State != StateExited {
+		t.Fatalf("wait: %+v %v", in, err)
+	}
+	waitSettled(t, p, rc)
+	wantPruned(t, m2, "sb1", plain[5])
+
+	// Deleting the sandbox forgets everything, tombstones included.
+	e.sb.kill(m2, "sb1")
+	if _, ok := m2.prunedRecord("sb1", plain[0].rec.ID); ok {
+		t.Error("a pruned command's tombstone outlived its sandbox")
+	}
+}
+
+// KeepFor prunes ended commands by age.
+func TestRetentionByAge(t *testing.T) {
+	e := newEnv(t)
+	m := e.manager(Config{KeepFor: time.Hour})
+	p := e.sb.add("sb1")
+	var cs []*Command
+	for range 2 {
+		c, _, _ := run(t, m, "sb1", StartRequest{Args: []string{"true"}})
+		waitSettled(t, p, c)
+		cs = append(cs, c)
+	}
+	m.prune("sb1", time.Now().Add(30*time.Minute))
+	if n := len(m.List("sb1")); n != 2 {
+		t.Fatalf("%d commands kept within the age limit, want 2", n)
+	}
+	m.prune("sb1", time.Now().Add(61*time.Minute))
+	if n := len(m.List("sb1")); n != 0 {
+		t.Fatalf("%d commands kept past the age limit, want 0", n)
+	}
+	for _, c := range cs {
+		wantPruned(t, m, "sb1", c)
+	}
+}
+
+// A command whose sandbox is deleted under it does not end like a command
+// that exited: its readers get, after its output, an error of kind
+// ErrSandboxKilled naming the sandbox.
+func TestSandboxKilledIsNotAnExit(t *testing.T) {
+	e := newEnv(t)
+	m := e.manager(Config{})
+	p := e.sb.add("sbk")
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	c, _, err := m.Start(ctx, "sbk", StartRequest{Args: []string{"sh", "-c", "echo started; exec sleep 600"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { // the in-process agent outlives the "sandbox"
+		agent.NewClient(p.target).SignalCommand(context.Background(), c.rec.AgentID, 9)
+	})
+	started := make(chan struct{})
+	var once sync.Once
+	var ends []Event
+	errc := make(chan error, 1)
+	go func() {
+		errc <- m.Events(ctx, c, 0, 0, func(ev Event) error {
+			switch ev.Kind {
+			case EventStdout:
+				once.Do(func() { close(started) })
+			case EventExit, EventLost:
+				ends = append(ends, ev)
+			}
+			return nil
+		})
+	}()
+	waitDone := make(chan error, 1)
+	go func() {
+		_, err := m.Wait(ctx, c)
+		waitDone <- err
+	}()
+	select {
+	case <-started:
+	case <-ctx.Done():
+		t.Fatal("no output")
+	}
+	e.sb.kill(m, "sbk")
+	for _, ch := range []chan error{errc, waitDone} {
+		select {
+		case err := <-ch:
+			if !errors.Is(err, errdefs.ErrSandboxKilled) || !strings.Contains(err.Error(), "sandbox sbk was killed") {
+				t.Errorf("reader of a command whose sandbox was deleted: %v, want ErrSandboxKilled naming the sandbox", err)
+			}
+		case <-ctx.Done():
+			t.Fatal("the reader did not end after the sandbox was deleted")
+		}
+	}
+	if len(ends) != 0 {
+		t.Errorf("end events %+v, want none (the command did not exit)", ends)
+	}
+	if in := c.Info(); in.State != StateLost || !in.Killed {
+		t.Errorf("info %+v, want lost and killed", in)
+	}
 }

@@ -142,7 +142,7 @@ func (c *Client) consume(stream *connect.ServerStreamForClient[pb.CommandEvent],
 		}
 	}
 	if err := stream.Err(); err != nil {
-		return false, err
+		return false, streamErr(err)
 	}
 	return false, errors.New("command stream ended without an exit status")
 }
