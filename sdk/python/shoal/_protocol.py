@@ -72,6 +72,23 @@ class StreamEnd(Exception):
     """The server ended the stream normally."""
 
 
+# Error metadata that names an error more precisely than its code.
+REASON_HEADER = "shoal-error-reason"
+
+
+def metadata_reason(meta: Any) -> Optional[str]:
+    """The Shoal-Error-Reason of an end-of-stream message's metadata (a JSON
+    object of lists) or of HTTP headers."""
+    if not meta:
+        return None
+    if isinstance(meta, httpx.Headers):
+        return meta.get(REASON_HEADER)
+    for k, v in meta.items():
+        if str(k).lower() == REASON_HEADER:
+            return (v[0] if isinstance(v, list) and v else v) or None
+    return None
+
+
 def decode_message(flags: int, payload: bytes, *, sandbox_call: bool = False, trajectory: bool = False) -> Dict[str, Any]:
     """Decode one envelope into a message; raises StreamEnd at a clean end,
     or the server's error carried by the end-of-stream envelope."""
@@ -84,7 +101,13 @@ def decode_message(flags: int, payload: bytes, *, sandbox_call: bool = False, tr
     if flags & FLAG_END_STREAM:
         err = msg.get("error")
         if err:
-            raise error_for(err.get("code", "unknown"), err.get("message", ""), sandbox_call=sandbox_call, trajectory=trajectory)
+            raise error_for(
+                err.get("code", "unknown"),
+                err.get("message", ""),
+                sandbox_call=sandbox_call,
+                trajectory=trajectory,
+                reason=metadata_reason(msg.get("metadata")),
+            )
         raise StreamEnd()
     return msg
 
@@ -112,6 +135,7 @@ def http_error(
     what: str = "",
     sandbox_call: bool = False,
     trajectory: bool = False,
+    reason: Optional[str] = None,
 ) -> ShoalError:
     """The exception for an HTTP error reply (a Connect JSON error body, or not)."""
     code = msg = None
@@ -128,7 +152,7 @@ def http_error(
             msg = f"this Shoal server does not implement {what or 'this call'} (HTTP 404: {text})"
         else:
             msg = f"HTTP {status}" + (f" from {what}" if what else "") + (f": {text}" if text else "")
-    return error_for(code, msg or code, status=status, sandbox_call=sandbox_call, trajectory=trajectory)
+    return error_for(code, msg or code, status=status, sandbox_call=sandbox_call, trajectory=trajectory, reason=reason)
 
 
 def transport_error(e: Exception, url: str) -> ShoalError:

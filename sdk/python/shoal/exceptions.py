@@ -12,6 +12,7 @@ same errors.
 
 from __future__ import annotations
 
+import re
 from typing import Optional
 
 
@@ -45,6 +46,25 @@ class NotFound(ShoalError):
 
 class SandboxNotFound(NotFound):
     """The sandbox does not exist (never did, was killed, or timed out)."""
+
+
+class SandboxKilled(SandboxNotFound):
+    """The sandbox was deleted while a command ran in it: killed by a client
+    (``sandbox.kill()``, ``shoal rm``) or by its timeout. The command did not
+    exit, it was killed with its sandbox, so there is no exit code; the
+    output received until then was delivered.
+
+    Raised by ``commands.run()``, ``CommandHandle.wait()`` and iteration,
+    ``commands.wait()`` and ``commands.connect(...).wait()``; the message
+    names the sandbox (``err.sandbox_id``). A subclass of
+    :class:`SandboxNotFound`: the sandbox is gone, as every later call about
+    it will say.
+    """
+
+    def __init__(self, message: str = "", *, code: Optional[str] = None, status: Optional[int] = None) -> None:
+        super().__init__(message, code=code, status=status)
+        m = re.search(r"sandbox (\S+) was killed", message)
+        self.sandbox_id: Optional[str] = m.group(1) if m else None
 
 
 class LayerNotFound(NotFound):
@@ -215,8 +235,13 @@ _BY_CODE = {
 }
 
 # Messages with which the server reports a missing sandbox (internal/node),
-# a missing layer and a layer in use (internal/layer).
+# a sandbox killed under a command (internal/session), a missing layer and a
+# layer in use (internal/layer).
 _SANDBOX_MISSING = ("no sandbox ", "is not a sandbox id")
+_SANDBOX_KILLED = " was killed (deleted) while "
+# The reason (error metadata Shoal-Error-Reason) of a sandbox killed under an
+# operation (internal/control.ReasonSandboxKilled).
+REASON_SANDBOX_KILLED = "sandbox_killed"
 _LAYER_MISSING = "layer not found"
 _LAYER_IN_USE = "layer in use"
 
@@ -228,6 +253,7 @@ def error_for(
     status: Optional[int] = None,
     sandbox_call: bool = False,
     trajectory: bool = False,
+    reason: Optional[str] = None,
 ) -> ShoalError:
     """Build the exception for a server error.
 
@@ -235,11 +261,14 @@ def error_for(
         set_timeout...), so ``not_found`` means the sandbox is gone.
     :param trajectory: the call carried a trajectory step, so a refusal of
         the step means the trajectory diverged.
+    :param reason: the error's Shoal-Error-Reason metadata, if any.
     """
     cls = _BY_CODE.get(code, ServerError)
     if cls is NotFound:
         low = message.lower()
-        if sandbox_call or any(m in low for m in _SANDBOX_MISSING):
+        if reason == REASON_SANDBOX_KILLED or _SANDBOX_KILLED in message:
+            cls = SandboxKilled
+        elif sandbox_call or any(m in low for m in _SANDBOX_MISSING):
             cls = SandboxNotFound
         elif _LAYER_MISSING in low:
             cls = LayerNotFound

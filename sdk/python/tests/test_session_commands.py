@@ -5,6 +5,7 @@ transparent resume after a lost connection. Skips while the server answers
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import uuid
 
@@ -101,3 +102,45 @@ def test_async_reattach(server, csb) -> None:
         await shoal.aclose()
 
     asyncio.run(main())
+
+
+def test_killed_sandbox_is_not_an_exit(container_sb) -> None:
+    """A command whose sandbox is deleted under it raises SandboxKilled,
+    naming the sandbox, from every way of waiting for it; it never looks
+    like an exit."""
+    sb = container_sb
+    skip_unless_implemented("ListCommands", sb.commands.list)
+    h = sb.commands.run("echo started; sleep 600", background=True)
+    fg_result: list = []
+
+    def foreground() -> None:
+        try:
+            fg_result.append(sb.commands.run("echo fg; sleep 600"))
+        except BaseException as e:  # noqa: BLE001 (checked below)
+            fg_result.append(e)
+
+    def server_wait() -> None:
+        try:
+            fg_result.append(sb.commands.wait(h.id))
+        except BaseException as e:  # noqa: BLE001
+            fg_result.append(e)
+
+    threads = [threading.Thread(target=foreground), threading.Thread(target=server_wait)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while "started" not in h.stdout or sum(1 for c in sb.commands.list() if c.state == "running") < 2:
+        assert time.monotonic() < deadline, "the commands did not start"
+        time.sleep(0.01)
+    assert sb.kill() is True
+    with pytest.raises(shoal.SandboxKilled) as ei:
+        h.wait(timeout=30)
+    e = ei.value
+    assert isinstance(e, shoal.SandboxNotFound) and e.sandbox_id == sb.sandbox_id and sb.sandbox_id in str(e)
+    assert h.exit_code is None and h.stdout == "started\n"
+    for t in threads:
+        t.join(30)
+        assert not t.is_alive()
+    assert len(fg_result) == 2
+    for r in fg_result:
+        assert isinstance(r, shoal.SandboxKilled), f"{type(r).__name__}: {r}"

@@ -51,6 +51,8 @@ def test_end_of_stream_error_becomes_exception() -> None:
         ("not_found", "agent stat /x: no such file or directory", {}, shoal.NotFound),
         ("not_found", "no sandbox abc on this node", {}, shoal.SandboxNotFound),
         ("not_found", "whatever", {"sandbox_call": True}, shoal.SandboxNotFound),
+        ("not_found", "sandbox abc was killed (deleted) while command x ran: the command did not exit", {}, shoal.SandboxKilled),
+        ("not_found", "gone", {"reason": "sandbox_killed"}, shoal.SandboxKilled),
         ("invalid_argument", "bad", {}, shoal.InvalidArgument),
         ("unauthenticated", "invalid API key", {}, shoal.AuthError),
         ("resource_exhausted", "full", {}, shoal.CapacityExhausted),
@@ -67,6 +69,30 @@ def test_error_mapping(code: str, message: str, kw: Any, cls: type) -> None:
     e = shoal.exceptions.error_for(code, message, **kw)
     assert type(e) is cls and str(e) == message and e.code == code
     assert isinstance(e, shoal.ShoalError) and isinstance(e, shoal.SandboxException)
+
+
+def test_killed_sandbox_from_stream_metadata() -> None:
+    # The end of a command stream whose sandbox was deleted: NotFound, and
+    # the reason in the end-of-stream metadata.
+    end = {
+        "error": {"code": "not_found", "message": "sandbox abcdefghijklmnopqrst was killed (deleted) while command c1 ran: the command did not exit"},
+        "metadata": {"Shoal-Error-Reason": ["sandbox_killed"]},
+    }
+    with pytest.raises(shoal.SandboxKilled) as e:
+        proto.decode_message(2, json.dumps(end).encode())
+    assert isinstance(e.value, shoal.SandboxNotFound) and e.value.code == "not_found"
+    assert e.value.sandbox_id == "abcdefghijklmnopqrst"
+    # The reason alone is enough; a plain NotFound is not a killed sandbox.
+    end = {"error": {"code": "not_found", "message": "gone"}, "metadata": {"shoal-error-reason": ["sandbox_killed"]}}
+    with pytest.raises(shoal.SandboxKilled):
+        proto.decode_message(2, json.dumps(end).encode())
+    with pytest.raises(shoal.NotFound) as e2:
+        proto.decode_message(2, json.dumps({"error": {"code": "not_found", "message": "no command x"}}).encode())
+    assert not isinstance(e2.value, shoal.SandboxNotFound)
+    # A unary call's reason comes in a header.
+    h = proto.httpx.Headers({"Shoal-Error-Reason": "sandbox_killed"})
+    e3 = proto.http_error(404, b'{"code":"not_found","message":"gone"}', reason=proto.metadata_reason(h))
+    assert isinstance(e3, shoal.SandboxKilled)
 
 
 def test_http_errors_without_connect_body() -> None:

@@ -15,6 +15,7 @@ from .._protocol import (
     StreamEnd,
     backoff,
     decode_message,
+    metadata_reason,
     envelope,
     http_error,
     retry_after,
@@ -75,7 +76,14 @@ class AsyncTransport:
                 timeout=self._timeout(request_timeout),
             )
             if r.status_code != 200:
-                err = http_error(r.status_code, r.content, what=f"{service}.{method}", sandbox_call=sandbox_call, trajectory=trajectory)
+                err = http_error(
+                    r.status_code,
+                    r.content,
+                    what=f"{service}.{method}",
+                    sandbox_call=sandbox_call,
+                    trajectory=trajectory,
+                    reason=metadata_reason(r.headers),
+                )
                 err.retry_after = retry_after(r)  # type: ignore[attr-defined]
                 raise err
             return r.json() if r.content else {}
@@ -115,7 +123,14 @@ class AsyncTransport:
                 try:
                     if resp.status_code != 200:
                         await resp.aread()
-                        err = http_error(resp.status_code, resp.content, what=f"{service}.{method}", sandbox_call=sandbox_call, trajectory=trajectory)
+                        err = http_error(
+                    resp.status_code,
+                    resp.content,
+                    what=f"{service}.{method}",
+                    sandbox_call=sandbox_call,
+                    trajectory=trajectory,
+                    reason=metadata_reason(resp.headers),
+                )
                         err.retry_after = retry_after(resp)  # type: ignore[attr-defined]
                         raise err
                     if on_open is not None:
