@@ -159,6 +159,23 @@ describe('sandboxes', () => {
     await assert.rejects(Sandbox.connect(sbx.sandboxId), SandboxNotFoundError)
     await assert.rejects(sbx.commands.run('true'))
   })
+
+  test('a command whose sandbox is killed does not end as an exit', async () => {
+    const sbx = await Sandbox.create(TEMPLATE)
+    const seen = []
+    const h = await sbx.commands.run('echo started; sleep 1000', { background: true, onStdout: (d) => seen.push(d) })
+    await waitFor(() => seen.join('').includes('started'), { what: 'the command to start' })
+    assert.equal(await sbx.kill(), true)
+    // As with E2B: the stream ends the way the edge answers for a sandbox
+    // that is gone (unavailable, "... was not found"), which the SDK reports
+    // as a sandbox timed out or killed, never as the command's exit.
+    await assert.rejects(h.wait(), (e) => {
+      assert.ok(!(e instanceof CommandExitError), `a CommandExitError: ${e}`)
+      assert.match(e.message, /was not found: it was killed/)
+      assert.ok(e.message.includes(sbx.sandboxId), e.message)
+      return true
+    })
+  })
 })
 
 describe('commands', () => {
