@@ -205,6 +205,11 @@ func serve(cfg serveConfig) error {
 		defer e2bSrv.Close()
 		mgr.OnDelete(e2bSrv.OnDelete)
 	}
+	// None of the recoveries waits for a sandbox's agent (one may be
+	// stopped, traced, wedged): the API listens promptly. Run checks the
+	// agents in the background and shows those that do not answer in
+	// error until they do; the session layer re-attaches to commands in
+	// the background.
 	if err := mgr.Recover(ctx); err != nil {
 		return fmt.Errorf("recover sandboxes: %w", err)
 	}
