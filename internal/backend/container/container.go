@@ -1,8 +1,10 @@
 // Package container is the sandbox backend that runs each sandbox as an OCI
 // container through runc: namespaces (pid, mount, ipc, uts, cgroup, a
 // private network namespace with loopback only) and cgroup v1/v2 limits,
-// docker's capabilities, masked paths and seccomp profile, with the
-// sandbox's layers composed by overlayfs and the guest agent as PID 1.
+// docker's capabilities, masked paths and seccomp profile (without the
+// debugging system calls, seccomp.go), with the sandbox's layers composed by
+// overlayfs and the guest agent as PID 1. The container's stdio is
+// /dev/null and a pipe the node drains into a capped log (agentlog.go).
 //
 // A sandbox is created one of two ways:
 //

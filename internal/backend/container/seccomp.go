@@ -17,7 +17,8 @@ import (
 // runc compiles a container's seccomp profile with libseccomp and loads it
 // in every `runc run`: for docker's profile that is ~25 ms of CPU per
 // container, half of runc's cost. Instead the backend compiles docker's
-// profile for docker's capability set once, in New, to a BPF program
+// profile for docker's capability set (without the debugging system calls,
+// see debugSyscalls) once, in New, to a BPF program
 // (seccompbpf, with the semantics runc gives the profile, -ENOSYS for
 // system calls newer than the profile included), keeps it in a sealed
 // memfd, and hands that to every agent as a descriptor; the agent installs
