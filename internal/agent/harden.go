@@ -16,9 +16,10 @@ import (
 // descriptors it holds (/proc/1/fd/N). Two defences, either sufficient:
 //
 //   - SetNotDumpable: the kernel then requires CAP_SYS_PTRACE, which no
-//     sandbox has, for ptrace, /proc/1/mem, /proc/1/fd, /proc/1/environ,
-//     process_vm_readv/writev, kcmp and pidfd_getfd on the agent. execve
-//     makes a process dumpable again, so commands are unaffected.
+//     sandbox has, for ptrace, /proc/1/mem, /proc/1/environ, what
+//     /proc/1/fd/N, cwd, root and exe point to (the fd numbers can still be
+//     listed), process_vm_readv/writev, kcmp and pidfd_getfd on the agent.
+//     execve makes a process dumpable again, so commands are unaffected.
 //   - the sandbox's seccomp filter denies ptrace, process_vm_readv/writev,
 //     kcmp and pidfd_getfd altogether (internal/backend/container,
 //     seccomp.go); the agent needs none of them.
@@ -42,8 +43,8 @@ func SetNotDumpable() error {
 // a non-blocking file description of its own (a line that does not fit is
 // dropped) and makes a write to a closed pipe (EPIPE) harmless: Go kills a
 // program on EPIPE on fd 1 or 2 unless SIGPIPE is notified. Only ever write
-// to the log with StderrLogger (one write(2) per line), never through
-// os.Stderr, which is left blocking.
+// to the log with StderrLogger (one atomic write(2) per line), never through
+// os.Stderr, which would fail with EAGAIN or write half lines.
 
 // PrepareStderr makes logging on fd 2 safe for the agent, as described
 // above, when fd 2 is a pipe; otherwise (a terminal or a file, in tests and
