@@ -19,6 +19,14 @@ import (
 	"golang.org/x/sys/unix"
 )
 
+// Before anything else, even flag parsing: no process of the sandbox may
+// trace the agent or reach into it through /proc (agent.SetNotDumpable).
+// Both modes, cold and pooled, go through here; StartBoot does it again and
+// fails closed.
+func init() {
+	agent.SetNotDumpable()
+}
+
 func main() {
 	listen := flag.String("listen", "", "unix socket `path` to listen on when $SHOAL_AGENT_FD is not set")
 	version := flag.Bool("version", false, "print the version and exit")
@@ -27,7 +35,7 @@ func main() {
 		fmt.Println(agent.Version)
 		return
 	}
-	log := stderrLogger{}
+	log := agent.StderrLogger{}
 	// One P: the agent mostly waits on pipes, sockets and children, and
 	// every extra P keeps its own caches and threads (measured: idle RSS
 	// 4084 KiB with 2 Ps, 3840 KiB with 1). $GOMAXPROCS still wins.
@@ -102,16 +110,4 @@ func prewarmThreads(n int) {
 	for i := 0; i < n; i++ {
 		<-done
 	}
-}
-
-// stderrLogger writes "shoal-agent: msg key=value ..." lines. It stands in
-// for log/slog, which would cost the agent about 370 KiB of RSS.
-type stderrLogger struct{}
-
-func (stderrLogger) Warn(msg string, args ...any) {
-	line := "shoal-agent: " + msg
-	for i := 0; i+1 < len(args); i += 2 {
-		line += fmt.Sprintf(" %v=%v", args[i], args[i+1])
-	}
-	fmt.Fprintln(os.Stderr, line)
 }

@@ -86,6 +86,9 @@ func (c *serveConfig) Validate() error {
 	if c.Agent == "" {
 		return errors.New("shoal-agent not found next to the shoal binary nor in /usr/local/lib/shoal: build it (see README) or pass --agent")
 	}
+	if err := node.CheckAgentBinary(c.Agent); err != nil {
+		return err
+	}
 	return nil
 }
 
@@ -221,6 +224,11 @@ func serve(cfg serveConfig) error {
 		mgr.OnDelete(e2bSrv.OnDelete)
 		sessions.OnPrune(e2bSrv.OnPrune)
 	}
+	// None of the recoveries waits for a sandbox's agent (one may be
+	// stopped, traced, wedged): the API listens promptly. Run checks the
+	// agents in the background and shows those that do not answer in
+	// error until they do; the session layer re-attaches to commands in
+	// the background.
 	if err := mgr.Recover(ctx); err != nil {
 		return fmt.Errorf("recover sandboxes: %w", err)
 	}

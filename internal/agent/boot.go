@@ -54,11 +54,17 @@ type Boot struct {
 	pooled   bool
 }
 
-// StartBoot reads the start-up environment. Unless the agent is pooled, it
-// installs the seccomp filter now. An error means the agent must not serve:
-// report it with Ready and exit.
+// StartBoot makes the process non-dumpable (SetNotDumpable) and its log
+// safe (PrepareStderr), then reads the start-up environment. Unless the
+// agent is pooled, it installs the seccomp filter now. An error means the
+// agent must not serve: report it with Ready and exit.
 func StartBoot() (*Boot, error) {
 	b := &Boot{}
+	PrepareStderr()
+	if err := SetNotDumpable(); err != nil {
+		// Fail closed: a dumpable PID 1 is the workload's to trace.
+		return b, fmt.Errorf("prctl PR_SET_DUMPABLE: %w", err)
+	}
 	if s, ok := os.LookupEnv(EnvReadyFD); ok {
 		os.Unsetenv(EnvReadyFD)
 		fd, err := envFD(EnvReadyFD, s)

@@ -7,7 +7,7 @@ import (
 	"fmt"
 )
 
-// checkAgentBinary refuses a guest agent that cannot run as a sandbox's
+// CheckAgentBinary refuses a guest agent that cannot run as a sandbox's
 // PID 1: the agent is bind-mounted into roots that have no dynamic loader
 // and no libc of the host's, so it must be a static ELF executable (no
 // program interpreter, no shared libraries). `go build ./cmd/...` with cgo
@@ -15,7 +15,7 @@ import (
 // dynamically, because package net then uses the C resolver; without this
 // check every create would fail with "exec /.shoal/agent: no such file or
 // directory".
-func checkAgentBinary(path string) error {
+func CheckAgentBinary(path string) error {
 	f, err := elf.Open(path)
 	if err != nil {
 		return fmt.Errorf("agent binary %s: not an ELF executable: %w", path, err)

@@ -29,11 +29,11 @@ func TestCheckAgentBinary(t *testing.T) {
 		}
 		return out
 	}
-	if err := checkAgentBinary(build("static", "0")); err != nil {
+	if err := CheckAgentBinary(build("static", "0")); err != nil {
 		t.Errorf("static agent refused: %v", err)
 	}
 	if _, err := exec.LookPath("gcc"); err == nil {
-		err := checkAgentBinary(build("dynamic", "1"))
+		err := CheckAgentBinary(build("dynamic", "1"))
 		if err == nil || !strings.Contains(err.Error(), "CGO_ENABLED=0") {
 			t.Errorf("dynamic agent: %v, want a refusal naming the fix", err)
 		}
@@ -42,7 +42,7 @@ func TestCheckAgentBinary(t *testing.T) {
 	}
 	script := filepath.Join(dir, "script")
 	os.WriteFile(script, []byte("#!/bin/sh\n"), 0o755)
-	if err := checkAgentBinary(script); err == nil {
+	if err := CheckAgentBinary(script); err == nil {
 		t.Error("a shell script was accepted as the agent")
 	}
 }

@@ -62,9 +62,6 @@ func (c *Config) Validate() error {
 	if _, err := os.Stat(c.AgentBinary); err != nil {
 		return fmt.Errorf("node config: agent binary: %w", err)
 	}
-	if err := checkAgentBinary(c.AgentBinary); err != nil {
-		return fmt.Errorf("node config: %w", err)
-	}
 	if c.DefaultBackend == "" {
 		c.DefaultBackend = "container"
 	}
@@ -110,6 +107,23 @@ type entry struct {
 	dirty    bool          // rec.Expires changed since it was last persisted
 	running  int           // commands in flight (the sandbox is not idle)
 	deleted  chan struct{} // closed when a delete finished; nil until one starts
+	// recovered: Recover found it running; Run checks that its agent
+	// answers (checkAgent).
+	recovered bool
+	// unresponsive: its agent has not answered since the node restarted.
+	// The sandbox shows as in error, but is persisted as running and
+	// returns to running as soon as its agent answers (checkAgent).
+	unresponsive bool
+}
+
+// persisted is what the store keeps of e: an unresponsive sandbox is still
+// running as far as the next start of the node is concerned.
+func (e *entry) persisted() Record {
+	rec := e.rec
+	if e.unresponsive {
+		rec.State, rec.Error = StateRunning, ""
+	}
+	return rec
 }
 
 // New opens the manager over an open store. Call Recover before serving.
@@ -485,9 +499,9 @@ func (m *Manager) SetTimeout(id string, d time.Duration) (Record, error) {
 	e.rec.Timeout = d
 	e.rec.Expires = time.Now().UTC().Add(d)
 	e.dirty = false
-	rec := e.rec
+	rec, stored := e.rec, e.persisted()
 	m.mu.Unlock()
-	err = m.db.Batch(func(tx *bbolt.Tx) error { return putRecord(tx, &rec) })
+	err = m.db.Batch(func(tx *bbolt.Tx) error { return putRecord(tx, &stored) })
 	return rec, err
 }
 
@@ -501,6 +515,9 @@ func (m *Manager) Agent(id string) (*agent.Client, error) {
 		return nil, err
 	}
 	if e.rec.State != StateRunning {
+		if e.rec.Error != "" {
+			return nil, errdefs.New(ErrNotRunning, "sandbox %s is %s: %s", id, e.rec.State, e.rec.Error)
+		}
 		return nil, errdefs.New(ErrNotRunning, "sandbox %s is %s", id, e.rec.State)
 	}
 	m.touchLocked(e)
@@ -624,9 +641,27 @@ func (m *Manager) destroy(ctx context.Context, rec *Record, release bool) error 
 	return nil
 }
 
+// Timeouts of what Recover and Run do for each sandbox after a restart: a
+// sandbox that does not answer must not keep the node from serving.
+const (
+	// recoverTimeout bounds the backend's Recover of one sandbox (it asks
+	// the runtime, not the sandbox).
+	recoverTimeout = 10 * time.Second
+	// cleanupTimeout bounds the removal of a sandbox a crash left half
+	// created or half deleted.
+	cleanupTimeout = 30 * time.Second
+	// agentCheckTimeout bounds one ping of a recovered sandbox's agent;
+	// agentRecheckMax is the longest wait between two pings of one that
+	// does not answer.
+	agentCheckTimeout = 3 * time.Second
+	agentRecheckMax   = 30 * time.Second
+)
+
 // Recover loads the persisted sandboxes after a (re)start: running ones are
 // re-attached (their layer mounts adopted), half-created and half-deleted
-// ones are cleaned up, and layer mounts nobody uses are swept.
+// ones are cleaned up, and layer mounts nobody uses are swept. It talks to
+// the backends, never to a sandbox: Run then checks, in the background,
+// that the agents of the running ones answer (checkAgent).
 func (m *Manager) Recover(ctx context.Context) error {
 	recs, err := loadRecords(m.db)
 	if err != nil {
@@ -640,14 +675,19 @@ func (m *Manager) Recover(ctx context.Context) error {
 			rec.State, rec.Error = StateError, fmt.Sprintf("backend %q is not enabled on this node", rec.Backend)
 		case rec.State == StateCreating || rec.State == StateDeleting:
 			log.Info("cleaning up sandbox interrupted while " + string(rec.State))
-			if err := m.destroy(ctx, rec, false); err != nil {
+			cctx, cancel := context.WithTimeout(ctx, cleanupTimeout)
+			err := m.destroy(cctx, rec, false)
+			cancel()
+			if err != nil {
 				log.Error("clean up sandbox", "err", err)
 				rec.State, rec.Error = StateError, err.Error()
 			} else {
 				continue
 			}
 		case rec.State == StateRunning:
-			st, err := be.Recover(ctx, rec.Handle)
+			cctx, cancel := context.WithTimeout(ctx, recoverTimeout)
+			st, err := be.Recover(cctx, rec.Handle)
+			cancel()
 			switch {
 			case err != nil:
 				rec.State, rec.Error = StateError, "recover: "+err.Error()
@@ -655,7 +695,7 @@ func (m *Manager) Recover(ctx context.Context) error {
 				rec.State, rec.Error = StateError, "its runtime is "+string(st)
 			}
 		}
-		e := &entry{rec: *rec, agent: agent.NewClient(rec.Handle.AgentSocket)}
+		e := &entry{rec: *rec, agent: agent.NewClient(rec.Handle.AgentSocket), recovered: rec.State == StateRunning}
 		if rec.State == StateRunning && be.Capabilities().HostLayerMounts {
 			for _, l := range rec.Layers {
 				if _, err := m.layers.Acquire(l.Digest); err != nil {
@@ -676,9 +716,88 @@ func (m *Manager) Recover(ctx context.Context) error {
 	return m.layers.Sweep()
 }
 
-// Run deletes sandboxes whose idle timeout expired and persists timeout
-// changes, until ctx is done.
+// checkRecovered starts checkAgent for every sandbox Recover found running.
+func (m *Manager) checkRecovered(ctx context.Context) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	for id, e := range m.sandboxes {
+		if e.recovered {
+			e.recovered = false
+			go m.checkAgent(ctx, id)
+		}
+	}
+}
+
+// checkAgent pings the agent of a sandbox recovered after a restart, each
+// ping bounded by agentCheckTimeout. One that does not answer (stopped,
+// traced, wedged) is shown in error, "unresponsive", and pinged again, less
+// and less often, until it answers (it is running again), it is found dead
+// (probe), it is deleted, or ctx ends.
+func (m *Manager) checkAgent(ctx context.Context, id string) {
+	delay := time.Second
+	for {
+		m.mu.Lock()
+		e, ok := m.sandboxes[id]
+		if !ok || (e.deleted == nil && e.rec.State != StateRunning && !e.unresponsive) {
+			m.mu.Unlock()
+			return // gone, or in error for good (probe)
+		}
+		deleting, ag := e.deleted != nil, e.agent
+		m.mu.Unlock()
+		if !deleting && m.pingAgent(ctx, id, ag) {
+			return
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(delay):
+		}
+		delay = min(2*delay, agentRecheckMax)
+	}
+}
+
+// pingAgent is one ping of checkAgent; it reports whether the agent
+// answered (or checking is over).
+func (m *Manager) pingAgent(ctx context.Context, id string, ag *agent.Client) (done bool) {
+	pctx, cancel := context.WithTimeout(ctx, agentCheckTimeout)
+	_, err := ag.Ping(pctx)
+	cancel()
+	if ctx.Err() != nil {
+		return true
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	e, ok := m.sandboxes[id]
+	switch {
+	case !ok:
+		return true
+	case e.deleted != nil:
+		return false // see how the delete ends
+	case err == nil:
+		if e.unresponsive {
+			e.unresponsive = false
+			e.rec.State, e.rec.Error = StateRunning, ""
+			m.log.Info("sandbox agent answers again", "sandbox_id", id)
+		}
+		return true
+	case e.unresponsive:
+		return false
+	case e.rec.State == StateRunning:
+		e.unresponsive = true
+		e.rec.State = StateError
+		e.rec.Error = "its guest agent has not answered since the node restarted (" + err.Error() + "); the node keeps trying"
+		m.log.Warn("sandbox agent does not answer after the restart; retrying in the background", "sandbox_id", id, "err", err)
+		return false
+	}
+	return true // in error for good (probe)
+}
+
+// Run checks, in the background, that the agents of the sandboxes Recover
+// found running answer (checkAgent); then, until ctx is done, it deletes
+// sandboxes whose idle timeout expired, persists timeout changes and
+// probes that sandboxes still live.
 func (m *Manager) Run(ctx context.Context) {
+	m.checkRecovered(ctx)
 	tick := time.NewTicker(time.Second)
 	defer tick.Stop()
 	lastFlush := time.Now()
@@ -736,7 +855,7 @@ func (m *Manager) probe() {
 	var cands []cand
 	m.mu.Lock()
 	for id, e := range m.sandboxes {
-		if e.rec.State != StateRunning || e.deleted != nil {
+		if (e.rec.State != StateRunning && !e.unresponsive) || e.deleted != nil {
 			continue
 		}
 		if p, ok := m.backends[e.rec.Backend].(sandbox.Prober); ok {
@@ -751,10 +870,11 @@ func (m *Manager) probe() {
 		}
 		m.mu.Lock()
 		e, ok := m.sandboxes[c.id]
-		if !ok || e.rec.State != StateRunning || e.deleted != nil {
+		if !ok || (e.rec.State != StateRunning && !e.unresponsive) || e.deleted != nil {
 			m.mu.Unlock()
 			continue
 		}
+		e.unresponsive = false
 		e.rec.State = StateError
 		e.rec.Error = "its guest agent (the sandbox's init) exited; delete the sandbox"
 		rec := e.rec
@@ -772,7 +892,7 @@ func (m *Manager) flush() {
 	var recs []Record
 	for _, e := range m.sandboxes {
 		if e.dirty && e.deleted == nil {
-			recs = append(recs, e.rec)
+			recs = append(recs, e.persisted())
 			e.dirty = false
 		}
 	}

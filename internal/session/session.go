@@ -965,7 +965,8 @@ func (m *Manager) DropSandbox(sandboxID string) {
 }
 
 // Recover loads the persisted commands after a restart and re-attaches to
-// the running ones, from the end of their logs.
+// the running ones, from the end of their logs. It makes no call to an
+// agent itself: pumps re-attach, and orphans are reaped, in the background.
 func (m *Manager) Recover(ctx context.Context) error {
 	var recs []record
 	err := m.db.View(func(tx *bbolt.Tx) error {
@@ -1039,25 +1040,59 @@ func (m *Manager) Recover(ctx context.Context) error {
 
 	// Commands the agents hold that we never recorded (a crash between
 	// starting one and persisting it): kill them and let the agent forget.
+	// In the background: an agent that does not answer (stopped, traced,
+	// wedged) must not keep the node from serving.
 	for sandboxID, ids := range known {
 		ag, err := m.sb.Agent(sandboxID)
 		if err != nil {
 			continue
 		}
-		infos, err := ag.Commands(ctx)
-		if err != nil {
-			continue
-		}
-		for _, in := range infos {
-			if !ids[in.ID] {
-				m.reapOrphan(ctx, ag, in)
-			}
-		}
+		go m.reapOrphans(sandboxID, ag, ids)
 	}
 	return nil
 }
 
-func (m *Manager) reapOrphan(ctx context.Context, ag *agent.Client, in agent.CommandInfo) {
+// Bounds of the calls reapOrphans makes to an agent.
+const (
+	orphanListTimeout = 5 * time.Second  // listing its commands
+	orphanReapTimeout = 30 * time.Second // killing one and draining it
+	orphanRetryMax    = 30 * time.Second // between two tries
+)
+
+// reapOrphans kills and drains the commands the agent of a sandbox holds
+// but the session layer never recorded (ids: those it did). Every call is
+// bounded; an agent that does not answer is asked again, less and less
+// often, until it does, the sandbox is gone, or Close.
+func (m *Manager) reapOrphans(sandboxID string, ag *agent.Client, ids map[string]bool) {
+	delay := time.Second
+	for {
+		if _, err := m.sb.SandboxDir(sandboxID); err != nil {
+			return // the sandbox is gone
+		}
+		ctx, cancel := context.WithTimeout(m.ctx, orphanListTimeout)
+		infos, err := ag.Commands(ctx)
+		cancel()
+		if err == nil {
+			for _, in := range infos {
+				if !ids[in.ID] {
+					m.reapOrphan(ag, in)
+				}
+			}
+			return
+		}
+		m.log.Debug("list a sandbox's commands after the restart", "sandbox_id", sandboxID, "err", err, "retry_in", delay)
+		select {
+		case <-m.ctx.Done():
+			return
+		case <-time.After(delay):
+		}
+		delay = min(2*delay, orphanRetryMax)
+	}
+}
+
+func (m *Manager) reapOrphan(ag *agent.Client, in agent.CommandInfo) {
+	ctx, cancel := context.WithTimeout(m.ctx, orphanReapTimeout)
+	defer cancel()
 	ag.SignalCommand(ctx, in.ID, int(syscall.SIGKILL))
 	att, err := ag.Attach(ctx, in.ID, in.Base)
 	if err != nil {

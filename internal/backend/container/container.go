@@ -1,8 +1,10 @@
 // Package container is the sandbox backend that runs each sandbox as an OCI
 // container through runc: namespaces (pid, mount, ipc, uts, cgroup, a
 // private network namespace with loopback only) and cgroup v1/v2 limits,
-// docker's capabilities, masked paths and seccomp profile, with the
-// sandbox's layers composed by overlayfs and the guest agent as PID 1.
+// docker's capabilities, masked paths and seccomp profile (without the
+// debugging system calls, seccomp.go), with the sandbox's layers composed by
+// overlayfs and the guest agent as PID 1. The container's stdio is
+// /dev/null and a pipe the node drains into a capped log (agentlog.go).
 //
 // A sandbox is created one of two ways:
 //
@@ -191,6 +193,9 @@ type Backend struct {
 	// when it reads EOF before a claim, so that no pool container outlives
 	// the node (agent.EnvLifeline). Nil without a pool.
 	lifeline, lifelineW *os.File
+
+	// drains are the agent log drains running in this process (agentlog.go).
+	drains drains
 
 	cgroupOnce sync.Once
 	cgroups    []cgroupMount // set once by cgroupOnce, read-only after; see cgroupMounts
@@ -474,7 +479,8 @@ func lowerDirs(spec sandbox.Spec) []string {
 
 // startContainer runs `runc run --detach` for the bundle and waits until the
 // agent is ready (it has installed its seccomp filter, if any, and serves).
-// The container's stdio is runc's: /dev/null and dir/agent.log. The caller
+// The container's stdio is runc's: /dev/null, /dev/null and a pipe that the
+// node drains into dir/agent.log, within a cap (agentlog.go). The caller
 // destroys the container if this fails.
 //
 // A pool container (pooled) is started at the lowest CPU priority (nice 19,
@@ -487,17 +493,28 @@ func (b *Backend) startContainer(ctx context.Context, runcID, bundle, dir string
 		return err
 	}
 	defer devNull.Close()
-	agentLog, err := os.OpenFile(filepath.Join(dir, agentLogName), os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o640)
-	if err != nil {
-		return err
+	logPath := filepath.Join(dir, agentLogName)
+	var logStart int64
+	if fi, err := os.Stat(logPath); err == nil {
+		logStart = fi.Size()
 	}
-	defer agentLog.Close()
-	logStart, _ := agentLog.Seek(0, io.SeekEnd)
 	readyR, readyW, err := os.Pipe()
 	if err != nil {
 		return fmt.Errorf("ready pipe: %w", err)
 	}
 	defer readyR.Close()
+	logR, logW, err := os.Pipe()
+	if err != nil {
+		readyW.Close()
+		return fmt.Errorf("log pipe: %w", err)
+	}
+	drain, err := drainAgentLog(logR, logPath)
+	if err != nil {
+		readyW.Close()
+		logW.Close()
+		return fmt.Errorf("agent log: %w", err)
+	}
+	b.drains.add(runcID, drain)
 	extra := []*os.File{ln} // fd 3
 	if b.filter != nil {
 		extra = append(extra, b.filter) // fd 4
@@ -509,22 +526,26 @@ func (b *Backend) startContainer(ctx context.Context, runcID, bundle, dir string
 	cmd := b.runcWith(ctx, extra, "run", "--detach", "--bundle", bundle, "--preserve-fds", strconv.Itoa(len(extra)),
 		"--pid-file", filepath.Join(dir, pidFileName), runcID)
 	cmd.Stdin = devNull
-	cmd.Stdout = agentLog
-	cmd.Stderr = agentLog
+	cmd.Stdout = devNull
+	cmd.Stderr = logW
 	if nice != 0 {
 		err = startNiced(cmd, nice)
 	} else {
 		err = cmd.Start()
 	}
+	logW.Close() // now only runc, and the container, hold it
 	if err == nil {
 		err = cmd.Wait()
 	}
 	readyW.Close() // now only the agent holds it: EOF if it dies
 	if err != nil {
-		return fmt.Errorf("runc run: %w: %s", err, tail(agentLog.Name(), logStart))
+		// runc is done writing; wait (briefly) for the drain to copy it.
+		drain.settle(time.Second)
+		return fmt.Errorf("runc run: %w: %s", err, tail(logPath, logStart))
 	}
 	if err := waitReady(ctx, readyR); err != nil {
-		return fmt.Errorf("agent: %w: %s", err, tail(agentLog.Name(), logStart))
+		drain.settle(time.Second)
+		return fmt.Errorf("agent: %w: %s", err, tail(logPath, logStart))
 	}
 	return nil
 }
@@ -646,6 +667,9 @@ func (b *Backend) Recover(ctx context.Context, h sandbox.Handle) (sandbox.Status
 			b.log.Warn("sandbox runs but its root is not mounted on the host", "sandbox_id", h.ID, "rootfs", rootfs)
 			return sandbox.StatusStopped, nil
 		}
+	}
+	if err := b.reattachLog(h, id); err != nil {
+		b.log.Warn("the agent's log is not collected", "sandbox_id", h.ID, "err", err)
 	}
 	return sandbox.StatusRunning, nil
 }

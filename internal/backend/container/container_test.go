@@ -83,6 +83,12 @@ func setup(tmp string) error {
 	if out, err := build.CombinedOutput(); err != nil {
 		return fmt.Errorf("build shoal-agent: %v: %s", err, out)
 	}
+	escape := filepath.Join(tmp, "escape")
+	build = exec.Command("go", "build", "-o", escape, "../../../test/e2e/testdata/escape")
+	build.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := build.CombinedOutput(); err != nil {
+		return fmt.Errorf("build escape: %v: %s", err, out)
+	}
 	lowerDir = filepath.Join(tmp, "busybox-root")
 	for _, d := range []string{"bin", "etc", "root", "tmp", "proc", "sys", "dev"} {
 		if err := os.MkdirAll(filepath.Join(lowerDir, d), 0o755); err != nil {
@@ -97,7 +103,13 @@ func setup(tmp string) error {
 	if err := os.WriteFile(filepath.Join(lowerDir, "bin", "busybox"), data, 0o755); err != nil {
 		return err
 	}
-	for _, app := range []string{"sh", "cat", "echo", "sleep", "ls", "ps", "id", "hostname", "ip", "touch", "mkdir", "rm", "env", "grep", "unshare", "true", "mount", "stat"} {
+	if data, err = os.ReadFile(escape); err != nil {
+		return err
+	}
+	if err := os.WriteFile(filepath.Join(lowerDir, "bin", "escape"), data, 0o755); err != nil {
+		return err
+	}
+	for _, app := range []string{"sh", "cat", "echo", "sleep", "ls", "ps", "id", "hostname", "ip", "touch", "mkdir", "rm", "env", "grep", "unshare", "true", "mount", "stat", "head"} {
 		if err := os.Symlink("busybox", filepath.Join(lowerDir, "bin", app)); err != nil {
 			return err
 		}
@@ -236,8 +248,9 @@ func TestCreate(t *testing.T) {
 			k, v, _ := strings.Cut(kv, "=")
 			fds[k] = v
 		}
-		if fds["0"] != "/dev/null" || !strings.HasSuffix(fds["1"], "agent.log") || !strings.HasSuffix(fds["2"], "agent.log") || !strings.HasPrefix(fds["3"], "socket:") {
-			t.Errorf("agent fds %v: want 0 /dev/null, 1 and 2 agent.log, 3 a socket", fds)
+		// No host file: stderr is the log pipe the node drains (agentlog.go).
+		if fds["0"] != "/dev/null" || fds["1"] != "/dev/null" || !strings.HasPrefix(fds["2"], "pipe:") || !strings.HasPrefix(fds["3"], "socket:") {
+			t.Errorf("agent fds %v: want 0 and 1 /dev/null, 2 a pipe, 3 a socket", fds)
 		}
 		for fd, target := range fds {
 			if strings.Contains(target, "hostname") {
@@ -501,8 +514,9 @@ func TestFailedCreateLeavesNothing(t *testing.T) {
 		wantErr string
 	}{
 		{"missing lower", func(s *sandbox.Spec) { s.Layers[0].MountPath = "/nonexistent/layer" }, "lowerdir+"},
-		{"missing agent", func(s *sandbox.Spec) { s.AgentBinary = "/nonexistent/agent" }, "runc run"},
-		{"agent not executable", func(s *sandbox.Spec) { s.AgentBinary = notExecutable }, "runc run"},
+		// runc's own words, from the container's log pipe (agentlog.go).
+		{"missing agent", func(s *sandbox.Spec) { s.AgentBinary = "/nonexistent/agent" }, "runc run: exit status 1: "},
+		{"agent not executable", func(s *sandbox.Spec) { s.AgentBinary = notExecutable }, "permission denied"},
 		{"network", func(s *sandbox.Spec) { s.Network = true }, "not supported"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -514,6 +528,9 @@ func TestFailedCreateLeavesNothing(t *testing.T) {
 			}
 			if !strings.Contains(err.Error(), tc.wantErr) {
 				t.Errorf("error %q does not mention %q", err, tc.wantErr)
+			}
+			if tc.name == "missing agent" && !strings.Contains(err.Error(), "/nonexistent/agent") {
+				t.Errorf("error %q does not have runc's message", err)
 			}
 			t.Log(err)
 			if left := leftovers(t, b, spec); len(left) > 0 {

@@ -212,6 +212,7 @@ func (b *Backend) containerSpec(o containerOptions) (*specs.Spec, error) {
 	if err != nil {
 		return nil, fmt.Errorf("seccomp profile: %w", err)
 	}
+	denyDebugging(sc) // as the compiled filter does (seccomp.go)
 	s.Linux.Seccomp = sc
 	return s, nil
 }

@@ -3,6 +3,7 @@ package container
 import (
 	"fmt"
 	"os"
+	"slices"
 
 	"github.com/moby/profiles/seccomp"
 	specs "github.com/opencontainers/runtime-spec/specs-go"
@@ -16,7 +17,8 @@ import (
 // runc compiles a container's seccomp profile with libseccomp and loads it
 // in every `runc run`: for docker's profile that is ~25 ms of CPU per
 // container, half of runc's cost. Instead the backend compiles docker's
-// profile for docker's capability set once, in New, to a BPF program
+// profile for docker's capability set (without the debugging system calls,
+// see debugSyscalls) once, in New, to a BPF program
 // (seccompbpf, with the semantics runc gives the profile, -ENOSYS for
 // system calls newer than the profile included), keeps it in a sealed
 // memfd, and hands that to every agent as a descriptor; the agent installs
@@ -32,12 +34,63 @@ import (
 // a pooled sandbox run under the same policy as in a cold one.
 
 // dockerFilterProfile is docker's default seccomp profile for docker's
-// capability set: what runc would load for a sandbox.
+// capability set, without the debugging system calls (denyDebugging): what
+// runc would load for a sandbox.
 func dockerFilterProfile() (*specs.LinuxSeccomp, error) {
 	s := &specs.Spec{Process: &specs.Process{Capabilities: &specs.LinuxCapabilities{
 		Bounding: dockerCaps, Effective: dockerCaps, Permitted: dockerCaps,
 	}}}
-	return seccomp.GetDefaultProfile(s)
+	p, err := seccomp.GetDefaultProfile(s)
+	if err != nil {
+		return nil, err
+	}
+	denyDebugging(p)
+	return p, nil
+}
+
+// debugSyscalls are the system calls that let one process look into or
+// act inside another: docker's profile allows the first three (on kernels
+// since 4.8, where seccomp can no longer be bypassed with ptrace), and the
+// last two with CAP_SYS_PTRACE, which a sandbox never has.
+//
+// A sandbox denies them all (EPERM), to every process, agent included
+// (which needs none of them): no process of a sandbox can trace or read
+// another one, and above all not the agent, PID 1, whose answers (command
+// output, exit codes) the node trusts. The agent is also non-dumpable
+// (agent.SetNotDumpable), which alone keeps it out of reach; denying the
+// calls keeps it so should that ever fail, at a price: gdb, strace, ltrace
+// and other debuggers do not work inside a sandbox (see README, security).
+var debugSyscalls = []string{"ptrace", "process_vm_readv", "process_vm_writev", "kcmp", "pidfd_getfd"}
+
+// denyDebugging removes debugSyscalls from every rule of p and adds a rule
+// denying them with EPERM, which is the default action of docker's profile
+// (the compiler and runc skip such a rule, but it names the calls, so that
+// they never fall into the -ENOSYS stub).
+func denyDebugging(p *specs.LinuxSeccomp) {
+	deny := map[string]bool{}
+	for _, n := range debugSyscalls {
+		deny[n] = true
+	}
+	kept := p.Syscalls[:0]
+	for _, sc := range p.Syscalls {
+		var names []string
+		for _, n := range sc.Names {
+			if !deny[n] {
+				names = append(names, n)
+			}
+		}
+		if len(names) == 0 {
+			continue
+		}
+		sc.Names = names
+		kept = append(kept, sc)
+	}
+	eperm := uint(unix.EPERM)
+	p.Syscalls = append(kept, specs.LinuxSyscall{
+		Names:    slices.Clone(debugSyscalls),
+		Action:   specs.ActErrno,
+		ErrnoRet: &eperm,
+	})
 }
 
 // compileDockerFilter compiles docker's profile and returns it in a sealed

@@ -251,3 +251,54 @@ func TestSeccompFailsClosed(t *testing.T) {
 		}
 	}
 }
+
+// TestFilterDeniesDebugging: the compiled filter (and the profile runc
+// would load) deny the system calls that reach into another process, on
+// every x86 ABI.
+func TestFilterDeniesDebugging(t *testing.T) {
+	prog, f, err := compileDockerFilter()
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+	eperm := seccompbpf.RetErrno | uint32(unix.EPERM)
+	for _, a := range []struct {
+		arch  specs.Arch
+		audit uint32
+	}{{specs.ArchX86_64, seccompbpf.AuditArchX86_64}, {specs.ArchX32, seccompbpf.AuditArchX86_64}, {specs.ArchX86, seccompbpf.AuditArchI386}} {
+		for _, name := range debugSyscalls {
+			nr, ok := seccompbpf.Resolve(a.arch, name)
+			if !ok {
+				continue
+			}
+			if v, err := seccompbpf.Run(prog, seccompbpf.Data{Nr: nr, Arch: a.audit}); err != nil || v != eperm {
+				t.Errorf("%s (%s): verdict %#x %v, want EPERM", name, a.arch, v, err)
+			}
+		}
+		// Still allowed: what they are not.
+		for _, name := range []string{"getpid", "wait4", "pidfd_open", "pidfd_send_signal"} {
+			nr, ok := seccompbpf.Resolve(a.arch, name)
+			if !ok {
+				continue
+			}
+			if v, err := seccompbpf.Run(prog, seccompbpf.Data{Nr: nr, Arch: a.audit}); err != nil || v != seccompbpf.RetAllow {
+				t.Errorf("%s (%s): verdict %#x %v, want allow", name, a.arch, v, err)
+			}
+		}
+	}
+	// The profile runc loads with RuncSeccomp.
+	b := &Backend{}
+	s, err := b.containerSpec(containerOptions{runcID: "x", rootfs: "/", caps: dockerCaps})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, sc := range s.Linux.Seccomp.Syscalls {
+		for _, n := range sc.Names {
+			for _, d := range debugSyscalls {
+				if n == d && sc.Action != specs.ActErrno {
+					t.Errorf("runc's profile: %s has action %s", n, sc.Action)
+				}
+			}
+		}
+	}
+}

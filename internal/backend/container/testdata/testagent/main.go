@@ -3,7 +3,8 @@
 // $SHOAL_AGENT_FD and answers each request line with one JSON line.
 //
 // Requests: "pid", "hostname", "ifaces", "fds", "cgroup", "nofile",
-// "status" (/proc/self/status), "write <path> <text>", "exec <shell command>".
+// "status" (/proc/self/status), "write <path> <text>", "exec <shell command>",
+// "log <text>" (a line on its log, as shoal-agent logs).
 //
 // Like shoal-agent it installs the seccomp filter it is given and reports
 // on the ready pipe (agent.StartBoot).
@@ -115,6 +116,9 @@ func handle(line string) (string, error) {
 	case "write":
 		path, text, _ := strings.Cut(arg, " ")
 		return "ok", os.WriteFile(path, []byte(text), 0o644)
+	case "log":
+		agent.StderrLogger{}.Warn(arg)
+		return "ok", nil
 	case "exec":
 		out, err := exec.Command("/bin/sh", "-c", arg).CombinedOutput()
 		return string(out), err
