@@ -35,6 +35,8 @@ type serveConfig struct {
 	Runtime string
 	Debug   bool
 	LogCap  int64
+	// CommitMaxBytes bounds what a layer commit copies from a sandbox.
+	CommitMaxBytes int64
 	// PoolSize: pre-started blank containers kept ready (0: none).
 	PoolSize    int
 	RuncSeccomp bool
@@ -117,6 +119,7 @@ func serveCmd() *cobra.Command {
 	cmd.Flags().BoolVar(&cfg.RuncSeccomp, "runc-seccomp", false, "let runc compile docker's seccomp profile per container instead of once per node (slower; disables the pool)")
 	cmd.Flags().StringVar(&cfg.Pprof, "pprof", "", "serve Go profiles (net/http/pprof) on this HOST:PORT, unauthenticated: keep it on localhost")
 	cmd.Flags().Int64Var(&cfg.LogCap, "command-log-cap", session.DefaultLogCap, "bytes of output kept per command (the rest is dropped and reported)")
+	cmd.Flags().Int64Var(&cfg.CommitMaxBytes, "commit-max-bytes", layer.DefaultCommitMaxBytes, "bytes of files a layer commit copies from a sandbox at most (a bigger writable layer is refused)")
 	cmd.Flags().StringVar(&cfg.E2B.Listen, "e2b-listen", "127.0.0.1:7481", "E2B-compatible endpoint (API and sandbox traffic, HTTP and HTTPS on one port); empty disables it")
 	cmd.Flags().StringVar(&cfg.E2B.Domain, "e2b-domain", "", "sandbox domain for E2B clients: getHost(port) is PORT-ID.DOMAIN (default shoal.localhost:<e2b port>)")
 	cmd.Flags().StringVar(&cfg.E2B.DefaultTemplate, "e2b-default-template", "debian:12", "environment or base layer used for E2B's default template \"base\" when none is named base")
@@ -164,7 +167,7 @@ func serve(cfg serveConfig) error {
 	if err != nil {
 		return err
 	}
-	mgr, err := node.New(node.Config{DataDir: cfg.DataDir, AgentBinary: cfg.Agent}, db, layers, []sandbox.Backend{ctr}, log)
+	mgr, err := node.New(node.Config{DataDir: cfg.DataDir, AgentBinary: cfg.Agent, CommitMaxBytes: cfg.CommitMaxBytes}, db, layers, []sandbox.Backend{ctr}, log)
 	if err != nil {
 		return err
 	}
