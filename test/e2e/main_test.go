@@ -72,6 +72,7 @@ func setup() error {
 		{"go", "build", "-o", filepath.Join(binDir, "shoal-agent"), "../../cmd/shoal-agent"},
 		{"go", "build", "-o", filepath.Join(binDir, "hog"), "./testdata/hog"},
 		{"go", "build", "-o", filepath.Join(binDir, "portsrv"), "./testdata/portsrv"},
+		{"go", "build", "-o", filepath.Join(binDir, "swapper"), "./testdata/swapper"},
 	}
 	for _, b := range builds {
 		cmd := exec.Command(b[0], b[1:]...)
@@ -196,7 +197,7 @@ func mountsUnder(dir string) []string {
 }
 
 // busyboxRootfs makes a minimal root file system: busybox with its applets,
-// the hog and portsrv test programs, /etc/passwd and the usual directories.
+// the hog, portsrv and swapper test programs, /etc/passwd and the usual directories.
 func busyboxRootfs() (string, error) {
 	root, err := os.MkdirTemp("", "shoal-e2e-rootfs")
 	if err != nil {
@@ -215,7 +216,7 @@ func busyboxRootfs() (string, error) {
 	if err := copyFile(bb, filepath.Join(root, "bin", "busybox"), 0o755); err != nil {
 		return "", err
 	}
-	for _, prog := range []string{"hog", "portsrv"} {
+	for _, prog := range []string{"hog", "portsrv", "swapper"} {
 		if err := copyFile(filepath.Join(binDir, prog), filepath.Join(root, "bin", prog), 0o755); err != nil {
 			return "", err
 		}
