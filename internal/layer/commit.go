@@ -343,9 +343,9 @@ const resolveBeneath = unix.RESOLVE_BENEATH | unix.RESOLVE_NO_SYMLINKS | unix.RE
 
 // openBeneath opens name (one path component) in the directory dirfd.
 func openBeneath(dirfd int, name string, flags int) (int, error) {
-	for {
+	for try := 0; ; try++ {
 		fd, err := unix.Openat2(dirfd, name, &unix.OpenHow{Flags: uint64(flags | unix.O_NOFOLLOW | unix.O_CLOEXEC), Resolve: resolveBeneath})
-		if errors.Is(err, unix.EINTR) || errors.Is(err, unix.EAGAIN) {
+		if (errors.Is(err, unix.EINTR) || errors.Is(err, unix.EAGAIN)) && try < 100 {
 			continue // EAGAIN: a rename raced with RESOLVE_BENEATH's checks
 		}
 		if errors.Is(err, unix.ENOSYS) {
