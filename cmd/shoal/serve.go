@@ -38,6 +38,8 @@ type serveConfig struct {
 	// Retention of ended commands (session.Config.KeepEnded, KeepFor).
 	KeepCommands    int
 	KeepCommandsFor time.Duration
+	// CommitMaxBytes bounds what a layer commit copies from a sandbox.
+	CommitMaxBytes int64
 	// PoolSize: pre-started blank containers kept ready (0: none).
 	PoolSize int
 	// PoolMax: how far demand may grow the pool.
@@ -134,6 +136,7 @@ func serveCmd() *cobra.Command {
 	cmd.Flags().Int64Var(&cfg.LogCap, "command-log-cap", session.DefaultLogCap, "bytes of output kept per command (the rest is dropped and reported)")
 	cmd.Flags().IntVar(&cfg.KeepCommands, "command-retention", session.DefaultKeepEnded, "ended commands kept per sandbox (records and output logs; older ones are pruned), besides trajectory steps and shells, which are kept as long as the sandbox lives; -1: no limit")
 	cmd.Flags().DurationVar(&cfg.KeepCommandsFor, "command-retention-age", 0, "also prune ended commands older than this (e.g. 24h); 0: no age limit")
+	cmd.Flags().Int64Var(&cfg.CommitMaxBytes, "commit-max-bytes", layer.DefaultCommitMaxBytes, "bytes of files a layer commit copies from a sandbox at most (a bigger writable layer is refused)")
 	cmd.Flags().StringVar(&cfg.E2B.Listen, "e2b-listen", "127.0.0.1:7481", "E2B-compatible endpoint (API and sandbox traffic, HTTP and HTTPS on one port); empty disables it")
 	cmd.Flags().StringVar(&cfg.E2B.Domain, "e2b-domain", "", "sandbox domain for E2B clients: getHost(port) is PORT-ID.DOMAIN (default shoal.localhost:<e2b port>)")
 	cmd.Flags().StringVar(&cfg.E2B.DefaultTemplate, "e2b-default-template", "debian:12", "environment or base layer used for E2B's default template \"base\" when none is named base")
@@ -182,7 +185,7 @@ func serve(cfg serveConfig) error {
 	if err != nil {
 		return err
 	}
-	mgr, err := node.New(node.Config{DataDir: cfg.DataDir, AgentBinary: cfg.Agent}, db, layers, []sandbox.Backend{ctr}, log)
+	mgr, err := node.New(node.Config{DataDir: cfg.DataDir, AgentBinary: cfg.Agent, CommitMaxBytes: cfg.CommitMaxBytes}, db, layers, []sandbox.Backend{ctr}, log)
 	if err != nil {
 		return err
 	}

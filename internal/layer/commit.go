@@ -5,10 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"io/fs"
 	"os"
 	"path/filepath"
-	"slices"
+	"strconv"
 	"strings"
 	"time"
 
@@ -24,15 +23,38 @@ type CommitOptions struct {
 	Version     string
 	Compression string
 	// Upper is the writable upper directory of an overlay (a sandbox's).
-	// It is read, never modified; the overlay may stay mounted.
+	// It is read, never modified, and only through file descriptors (see
+	// Commit); the overlay may stay mounted.
 	Upper string
 	// Exclude lists paths of the sandbox's root ("/.shoal") left out of the
 	// layer, with everything under them.
 	Exclude []string
 	// Origin is recorded as the layer's Source ("commit of sandbox ID").
-	Origin   string
-	Progress func(Progress)
+	Origin string
+	// Freeze, if not nil, is called before the upper is read, to stop
+	// whatever writes to it (the node freezes the sandbox). The thaw
+	// function it returns, if not nil, is called as soon as the copy is
+	// over, whether it worked or not, before the image is built. An error
+	// fails the commit.
+	Freeze func(ctx context.Context) (thaw func(), err error)
+	// Bounds of what a commit copies from the upper; zero means the
+	// default (DefaultCommitMaxBytes, DefaultCommitMaxEntries,
+	// DefaultCommitMaxDepth). Bytes are the sum of the regular files'
+	// sizes (a file with several links counted once).
+	MaxBytes   int64
+	MaxEntries int64
+	MaxDepth   int
+	Progress   func(Progress)
 }
+
+// Default bounds of a commit (see CommitOptions).
+const (
+	DefaultCommitMaxBytes   int64 = 64 << 30
+	DefaultCommitMaxEntries int64 = 4 << 20
+	// DefaultCommitMaxDepth: levels of directories below the root. Far
+	// deeper trees crash mkfs.erofs (1.5, at ~1,950 levels).
+	DefaultCommitMaxDepth = 256
+)
 
 // Overlayfs's extended attributes (the "trusted." namespace: overlays
 // mounted by root without userxattr).
@@ -44,9 +66,10 @@ const (
 )
 
 // Commit makes a layer of an overlay upper directory. The upper is copied
-// to scratch space first (so the sandbox may keep running, and the
-// overlay's private attributes are left behind), keeping what overlayfs
-// needs to read the layer as a lower the way it read the upper:
+// to scratch space first (so the overlay's private attributes are left
+// behind, and the image is built from a tree nobody else writes to),
+// keeping what overlayfs needs to read the layer as a lower the way it read
+// the upper:
 //   - whiteouts (character devices 0/0: files the sandbox deleted) stay
 //     whiteouts, which EROFS stores as they are;
 //   - opaque directories (trusted.overlay.opaque=y: directories the sandbox
@@ -59,8 +82,26 @@ const (
 // fifos are refused. Kind must be workspace or toolkit: a commit records
 // changes on top of other layers, which a base has not.
 //
-// The copy is a snapshot of the upper as the sandbox's writes left it while
-// copying; files written during the copy may be caught half-way.
+// The upper belongs to a sandbox that may be hostile, so it is read the
+// way an untrusted tree must be: through file descriptors, one name at a
+// time below a directory already open (openat2 with RESOLVE_BENEATH,
+// RESOLVE_NO_SYMLINKS, RESOLVE_NO_MAGICLINKS, RESOLVE_NO_XDEV and
+// O_NOFOLLOW), each entry opened as an O_PATH descriptor first and typed by
+// fstat on it. Symlinks are read from that descriptor (readlinkat) and kept
+// as symlinks, never followed; a regular file is opened for reading through
+// its descriptor (so never a device or a fifo put in its place) with
+// O_NONBLOCK, checked to be the same regular file, and at most the size it
+// had is copied. The copy is made with descriptors too (mkdirat, openat
+// with O_EXCL, fchown, fchmod, fsetxattr on what was just created): nothing
+// outside the upper is read and nothing outside the scratch tree written,
+// whatever the sandbox swaps in during the commit. o.Freeze stops the
+// sandbox for the copy, so that the copy is a consistent snapshot; without
+// it, files written during the copy may be caught half-way.
+//
+// The upper is walked twice (a scan, then the copy) and refused, before
+// anything is copied, when it is deeper than MaxDepth or has paths too
+// long for the scratch tree (errdefs.ErrFailedPrecondition), or more than
+// MaxEntries entries or MaxBytes bytes (errdefs.ErrResourceExhausted).
 func (s *Store) Commit(ctx context.Context, o CommitOptions) (Layer, error) {
 	l, err := s.commit(ctx, o)
 	if err != nil {
@@ -79,9 +120,9 @@ func (s *Store) commit(ctx context.Context, o CommitOptions) (Layer, error) {
 	if o.Kind == KindBase {
 		return Layer{}, errdefs.New(errdefs.ErrInvalidArgument, "a commit is a workspace or a toolkit layer, not a base: it holds the changes made on top of other layers")
 	}
-	fi, err := os.Lstat(o.Upper)
-	if err != nil || !fi.IsDir() {
-		return Layer{}, errdefs.New(errdefs.ErrFailedPrecondition, "no writable layer at %s: %v", o.Upper, err)
+	lim, err := o.limits()
+	if err != nil {
+		return Layer{}, err
 	}
 	exclude := map[string]bool{}
 	for _, p := range o.Exclude {
@@ -91,20 +132,19 @@ func (s *Store) commit(ctx context.Context, o CommitOptions) (Layer, error) {
 		}
 		exclude[rel] = true
 	}
+	root, err := openUpper(o.Upper)
+	if err != nil {
+		return Layer{}, err
+	}
+	root.Close()
 	work, err := os.MkdirTemp(s.tmp, "commit-")
 	if err != nil {
 		return Layer{}, err
 	}
 	defer os.RemoveAll(work)
 
-	st, err := scanUpper(ctx, o.Upper, exclude)
-	if err != nil {
-		return Layer{}, fmt.Errorf("scan %s: %w", o.Upper, err)
-	}
-	rep.start(StageCopy, "bytes", st.bytes, "copying the sandbox's changes (%d entries, %.1f MiB)", st.files, mib(st.bytes))
 	tree := filepath.Join(work, "root")
-	c := &upperCopier{src: o.Upper, dst: tree, exclude: exclude, links: map[[2]uint64]string{}, rep: rep, total: st.bytes}
-	if err := c.copy(ctx); err != nil {
+	if err := copyUpper(ctx, o, tree, exclude, lim, rep); err != nil {
 		if ctx.Err() != nil {
 			return Layer{}, ctx.Err()
 		}
@@ -118,130 +158,269 @@ func (s *Store) commit(ctx context.Context, o CommitOptions) (Layer, error) {
 	return s.make(ctx, work, spec, rep)
 }
 
-// scanUpper counts the entries and bytes of what a commit copies.
-func scanUpper(ctx context.Context, upper string, exclude map[string]bool) (treeStats, error) {
-	var st treeStats
-	err := filepath.WalkDir(upper, func(p string, d fs.DirEntry, err error) error {
+// commitLimits are a commit's bounds, defaults applied.
+type commitLimits struct {
+	bytes, entries int64
+	depth          int
+}
+
+func (o CommitOptions) limits() (commitLimits, error) {
+	if o.MaxBytes < 0 || o.MaxEntries < 0 || o.MaxDepth < 0 {
+		return commitLimits{}, errdefs.New(errdefs.ErrInvalidArgument, "negative commit bound (bytes %d, entries %d, depth %d)", o.MaxBytes, o.MaxEntries, o.MaxDepth)
+	}
+	l := commitLimits{bytes: o.MaxBytes, entries: o.MaxEntries, depth: o.MaxDepth}
+	if l.bytes == 0 {
+		l.bytes = DefaultCommitMaxBytes
+	}
+	if l.entries == 0 {
+		l.entries = DefaultCommitMaxEntries
+	}
+	if l.depth == 0 {
+		l.depth = DefaultCommitMaxDepth
+	}
+	return l, nil
+}
+
+// openUpper opens the upper directory itself (a path of the node's, not
+// the sandbox's), refusing a symlink.
+func openUpper(upper string) (*os.File, error) {
+	fd, err := unix.Open(upper, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, errdefs.New(errdefs.ErrFailedPrecondition, "no writable layer at %s: %v", upper, err)
+	}
+	return os.NewFile(uintptr(fd), upper), nil
+}
+
+// copyUpper freezes the upper's writers (o.Freeze), checks the upper
+// against the bounds and copies it to tree, then thaws them.
+func copyUpper(ctx context.Context, o CommitOptions, tree string, exclude map[string]bool, lim commitLimits, rep *reporter) error {
+	frozen := false
+	if o.Freeze != nil {
+		thaw, err := o.Freeze(ctx)
 		if err != nil {
 			return err
 		}
-		if err := ctx.Err(); err != nil {
-			return err
+		if thaw != nil {
+			defer thaw()
+			frozen = true
+		} else {
+			rep.note("the sandbox cannot be frozen: files written during the copy may be caught half-way")
 		}
-		rel, _ := filepath.Rel(upper, p)
-		if exclude[rel] {
-			if d.IsDir() {
-				return filepath.SkipDir
-			}
-			return nil
-		}
-		if rel == "." {
-			return nil
-		}
-		st.files++
-		if d.Type().IsRegular() {
-			if fi, err := d.Info(); err == nil {
-				st.bytes += fi.Size()
-			}
-		}
-		return nil
-	})
-	return st, err
-}
+	}
+	// The longest path below tree that system calls accept (PATH_MAX
+	// counts the terminating NUL); mkfs.erofs reads the tree by path.
+	maxPath := unix.PathMax - 1 - len(tree) - 1
 
-// upperCopier copies an overlay upper directory into a layer tree; not safe
-// for concurrent use.
-type upperCopier struct {
-	src, dst string
-	exclude  map[string]bool
-	links    map[[2]uint64]string // (dev, ino) of files with several links -> first copy
-	rep      *reporter
-	copied   int64
-	total    int64
-}
-
-func (c *upperCopier) copy(ctx context.Context) error {
-	if err := os.Mkdir(c.dst, 0o755); err != nil {
+	scan := &upperWalker{exclude: exclude, lim: lim, maxPath: maxPath, links: map[[2]uint64]string{}}
+	if err := scan.walk(ctx, o.Upper, -1); err != nil {
 		return err
 	}
-	var dirs []string // metadata applied last, deepest first
-	err := filepath.WalkDir(c.src, func(p string, d fs.DirEntry, err error) error {
-		if err != nil {
-			return err
-		}
-		if err := ctx.Err(); err != nil {
-			return err
-		}
-		rel, err := filepath.Rel(c.src, p)
-		if err != nil {
-			return err
-		}
-		if c.exclude[rel] {
-			if d.IsDir() {
-				return filepath.SkipDir
-			}
-			return nil
-		}
-		if err := c.entry(rel); err != nil {
-			return fmt.Errorf("/%s: %w", strings.TrimPrefix(rel, "."), err)
-		}
-		if d.IsDir() {
-			dirs = append(dirs, rel)
-		}
-		return nil
-	})
+	how := ""
+	if frozen {
+		how = ", sandbox frozen"
+	}
+	rep.start(StageCopy, "bytes", scan.bytes, "copying the sandbox's changes (%d entries, %.1f MiB%s)", scan.entries, mib(scan.bytes), how)
+
+	if err := os.Mkdir(tree, 0o755); err != nil {
+		return err
+	}
+	dst, err := unix.Open(tree, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return err
 	}
-	for _, rel := range slices.Backward(dirs) {
-		if err := c.meta(rel, true); err != nil {
-			return fmt.Errorf("/%s: %w", strings.TrimPrefix(rel, "."), err)
+	defer unix.Close(dst)
+	c := &upperWalker{exclude: exclude, lim: lim, maxPath: maxPath, links: map[[2]uint64]string{},
+		copy: true, dstRoot: dst, rep: rep, total: scan.bytes}
+	return c.walk(ctx, o.Upper, dst)
+}
+
+// upperWalker walks an overlay upper directory through file descriptors
+// (see Commit), checking it against the bounds and, with copy set, copying
+// it into the directory open as dstRoot. Not safe for concurrent use.
+type upperWalker struct {
+	exclude map[string]bool // paths relative to the root, left out
+	lim     commitLimits
+	maxPath int // the longest relative path allowed, in bytes
+	// links maps the (dev, ino) of files with several links to the path of
+	// their first link, relative to the root (in the copy, for linkat).
+	links map[[2]uint64]string
+
+	copy    bool // false: only count and check
+	dstRoot int  // the copy's root directory (copy)
+	rep     *reporter
+	total   int64 // bytes to copy, for progress (copy)
+
+	entries int64 // entries met, the root not counted
+	bytes   int64 // sizes of the regular files met, each inode once
+	copied  int64 // bytes copied (copy)
+}
+
+// entryError is an error about one entry of the upper, named by its path
+// in the sandbox.
+type entryError struct {
+	rel string // relative to the root; "." for the root
+	err error
+}
+
+func (e *entryError) Error() string {
+	p := "/"
+	if e.rel != "." {
+		p += e.rel
+	}
+	if len(p) > 240 { // deep trees: keep the message readable
+		p = p[:100] + "..." + p[len(p)-100:]
+	}
+	return p + ": " + e.err.Error()
+}
+
+func (e *entryError) Unwrap() error { return e.err }
+
+// walk walks the upper at path upper; with copy set, dst is the open copy
+// of its root.
+func (w *upperWalker) walk(ctx context.Context, upper string, dst int) error {
+	root, err := openUpper(upper)
+	if err != nil {
+		return err
+	}
+	defer root.Close()
+	var st unix.Stat_t
+	if err := unix.Fstat(int(root.Fd()), &st); err != nil {
+		return err
+	}
+	if err := w.dir(ctx, root, dst, ".", 0); err != nil {
+		return err
+	}
+	if w.copy {
+		if err := w.meta(xfd{fd: int(root.Fd())}, xfd{fd: dst}, &st); err != nil {
+			return &entryError{".", err}
 		}
 	}
 	return nil
 }
 
-// entry copies one entry (a directory's metadata comes later, in meta).
-func (c *upperCopier) entry(rel string) error {
-	src, dst := filepath.Join(c.src, rel), filepath.Join(c.dst, rel)
-	var st unix.Stat_t
-	if err := unix.Lstat(src, &st); err != nil {
-		return err
-	}
-	switch st.Mode & unix.S_IFMT {
-	case unix.S_IFDIR:
-		if rel == "." {
+// dir walks the entries of the directory src (rel, at depth levels below
+// the root); dst is its open copy (copy). Entries come in directory order:
+// mkfs.erofs sorts them.
+func (w *upperWalker) dir(ctx context.Context, src *os.File, dst int, rel string, depth int) error {
+	srcFD := int(src.Fd())
+	for {
+		names, err := src.Readdirnames(256)
+		if err == io.EOF {
 			return nil
 		}
-		return os.Mkdir(dst, 0o700)
-	case unix.S_IFREG:
-		key := [2]uint64{st.Dev, st.Ino}
-		if st.Nlink > 1 {
-			if first, ok := c.links[key]; ok {
-				return os.Link(first, dst)
+		if err != nil {
+			return &entryError{rel, fmt.Errorf("read directory: %w", err)}
+		}
+		for _, name := range names {
+			if err := ctx.Err(); err != nil {
+				return err
 			}
-			c.links[key] = dst
+			crel := name
+			if rel != "." {
+				crel = rel + "/" + name
+			}
+			if name == "" || name == "." || name == ".." || strings.ContainsRune(name, '/') {
+				return &entryError{rel, fmt.Errorf("bad directory entry name %q", name)}
+			}
+			if w.exclude[crel] {
+				continue
+			}
+			if err := w.entry(ctx, srcFD, dst, name, crel, depth+1); err != nil {
+				var ee *entryError
+				if !errors.As(err, &ee) && ctx.Err() == nil {
+					err = &entryError{crel, err}
+				}
+				return err
+			}
 		}
-		if err := c.copyFile(src, dst); err != nil {
-			return err
+	}
+}
+
+// resolveBeneath is how every name of the upper is opened: one component
+// below a directory already open, never through a symlink or a magic link,
+// never onto another mount.
+const resolveBeneath = unix.RESOLVE_BENEATH | unix.RESOLVE_NO_SYMLINKS | unix.RESOLVE_NO_MAGICLINKS | unix.RESOLVE_NO_XDEV
+
+// openBeneath opens name (one path component) in the directory dirfd.
+func openBeneath(dirfd int, name string, flags int) (int, error) {
+	for try := 0; ; try++ {
+		fd, err := unix.Openat2(dirfd, name, &unix.OpenHow{Flags: uint64(flags | unix.O_NOFOLLOW | unix.O_CLOEXEC), Resolve: resolveBeneath})
+		if (errors.Is(err, unix.EINTR) || errors.Is(err, unix.EAGAIN)) && try < 100 {
+			continue // EAGAIN: a rename raced with RESOLVE_BENEATH's checks
 		}
-	case unix.S_IFLNK:
-		target, err := os.Readlink(src)
+		if errors.Is(err, unix.ENOSYS) {
+			// Before Linux 5.6. name is one component: O_NOFOLLOW is
+			// enough to never follow a symlink.
+			return unix.Openat(dirfd, name, flags|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+		}
+		return fd, err
+	}
+}
+
+// entry checks, and with copy set copies, the entry name of the directory
+// srcDir (rel, depth levels below the root) into dstDir.
+func (w *upperWalker) entry(ctx context.Context, srcDir, dstDir int, name, rel string, depth int) error {
+	if depth > w.lim.depth {
+		return errdefs.New(errdefs.ErrFailedPrecondition, "more than %d levels of directories: a commit holds at most %d", w.lim.depth, w.lim.depth)
+	}
+	if len(rel) > w.maxPath {
+		return errdefs.New(errdefs.ErrFailedPrecondition, "path longer than %d bytes: too long for a layer", w.maxPath)
+	}
+	if w.entries++; w.entries > w.lim.entries {
+		return errdefs.New(errdefs.ErrResourceExhausted, "more than %d files and directories: a commit holds at most %d", w.lim.entries, w.lim.entries)
+	}
+	fd, err := openBeneath(srcDir, name, unix.O_PATH)
+	if err != nil {
+		return err
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		unix.Close(fd)
+		return err
+	}
+	if st.Mode&unix.S_IFMT == unix.S_IFDIR {
+		// The directory itself, opened for reading through the O_PATH
+		// descriptor ("." never leaves it); one descriptor per level.
+		d, err := unix.Openat(fd, ".", unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+		unix.Close(fd)
 		if err != nil {
 			return err
 		}
-		if err := os.Symlink(target, dst); err != nil {
+		src := os.NewFile(uintptr(d), rel)
+		defer src.Close()
+		return w.subdir(ctx, src, dstDir, name, rel, depth, &st)
+	}
+	defer unix.Close(fd)
+	switch st.Mode & unix.S_IFMT {
+	case unix.S_IFREG:
+		return w.file(fd, dstDir, name, rel, &st)
+	case unix.S_IFLNK:
+		target, err := readlinkFd(fd)
+		if err != nil {
 			return err
 		}
+		if !w.copy {
+			return nil
+		}
+		if err := unix.Symlinkat(target, dstDir, name); err != nil {
+			return err
+		}
+		return w.metaAt(xfd{fd: fd, opath: true}, dstDir, name, &st)
 	case unix.S_IFCHR:
 		if st.Rdev != 0 {
 			return errdefs.New(errdefs.ErrFailedPrecondition, "a character device (%d:%d): device nodes are not allowed in a layer (only overlay whiteouts, 0:0)", unix.Major(st.Rdev), unix.Minor(st.Rdev))
 		}
-		if err := unix.Mknod(dst, unix.S_IFCHR|(st.Mode&0o7777), 0); err != nil {
+		if !w.copy {
+			return nil
+		}
+		if err := unix.Mknodat(dstDir, name, unix.S_IFCHR|(st.Mode&0o7777), 0); err != nil {
 			return fmt.Errorf("make whiteout: %w", err)
 		}
+		return w.metaAt(xfd{fd: fd, opath: true}, dstDir, name, &st)
 	case unix.S_IFSOCK:
-		c.rep.note("skipping socket /%s: a layer cannot hold sockets", rel)
+		if w.copy {
+			w.rep.note("skipping socket /%s: a layer cannot hold sockets", rel)
+		}
 		return nil
 	case unix.S_IFBLK:
 		return errdefs.New(errdefs.ErrFailedPrecondition, "a block device: device nodes are not allowed in a layer")
@@ -250,59 +429,173 @@ func (c *upperCopier) entry(rel string) error {
 	default:
 		return fmt.Errorf("unknown file type %#o", st.Mode&unix.S_IFMT)
 	}
-	return c.meta(rel, false)
 }
 
-func (c *upperCopier) copyFile(src, dst string) error {
-	in, err := os.Open(src)
+// subdir walks the directory src, and with copy set makes its copy in
+// dstDir, metadata last (a read-only directory can still be filled).
+func (w *upperWalker) subdir(ctx context.Context, src *os.File, dstDir int, name, rel string, depth int, st *unix.Stat_t) error {
+	if !w.copy {
+		return w.dir(ctx, src, -1, rel, depth)
+	}
+	if err := unix.Mkdirat(dstDir, name, 0o700); err != nil {
+		return err
+	}
+	dst, err := openBeneath(dstDir, name, unix.O_RDONLY|unix.O_DIRECTORY)
 	if err != nil {
 		return err
 	}
-	defer in.Close()
-	out, err := os.OpenFile(dst, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
-	if err != nil {
+	defer unix.Close(dst)
+	if err := w.dir(ctx, src, dst, rel, depth); err != nil {
 		return err
 	}
-	defer out.Close()
-	n, err := io.Copy(out, in) // copy_file_range: a reflink where the file system can
-	c.copied += n
-	c.rep.update(min(c.copied, c.total), c.total)
-	if err != nil {
-		return err
-	}
-	return out.Close()
+	return w.meta(xfd{fd: int(src.Fd())}, xfd{fd: dst}, st)
 }
 
-// meta copies owner, mode and extended attributes (filtered: see Commit)
-// of src to dst. Directories get theirs after their content is in.
-func (c *upperCopier) meta(rel string, dir bool) error {
-	src, dst := filepath.Join(c.src, rel), filepath.Join(c.dst, rel)
-	var st unix.Stat_t
-	if err := unix.Lstat(src, &st); err != nil {
-		return err
+// file counts, and with copy set copies, the regular file open as the
+// O_PATH descriptor fd.
+func (w *upperWalker) file(fd, dstDir int, name, rel string, st *unix.Stat_t) error {
+	if st.Nlink > 1 {
+		key := [2]uint64{st.Dev, st.Ino}
+		if first, ok := w.links[key]; ok {
+			if !w.copy {
+				return nil
+			}
+			return unix.Linkat(w.dstRoot, first, dstDir, name, 0)
+		}
+		w.links[key] = rel
 	}
-	isDir := st.Mode&unix.S_IFMT == unix.S_IFDIR
-	if isDir != dir {
+	if w.bytes += st.Size; w.bytes > w.lim.bytes {
+		return errdefs.New(errdefs.ErrResourceExhausted, "more than %d bytes (%.1f GiB) of files: a commit holds at most that", w.lim.bytes, float64(w.lim.bytes)/(1<<30))
+	}
+	if !w.copy {
 		return nil
 	}
-	if err := copyXattrs(src, dst, isDir); err != nil {
+	// Open the very inode fd refers to (its magic link in /proc is our
+	// own, not the sandbox's), non-blocking, and check it is still that
+	// regular file.
+	in, err := unix.Open("/proc/self/fd/"+strconv.Itoa(fd), unix.O_RDONLY|unix.O_NONBLOCK|unix.O_NOCTTY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("open: %w", err)
+	}
+	inF := os.NewFile(uintptr(in), rel)
+	defer inF.Close()
+	var ist unix.Stat_t
+	if err := unix.Fstat(in, &ist); err != nil {
 		return err
 	}
-	if err := unix.Lchown(dst, int(st.Uid), int(st.Gid)); err != nil {
+	if ist.Mode&unix.S_IFMT != unix.S_IFREG || ist.Dev != st.Dev || ist.Ino != st.Ino {
+		return fmt.Errorf("changed while being committed (opened mode %#o)", ist.Mode)
+	}
+	out, err := openBeneath(dstDir, name, unix.O_WRONLY|unix.O_CREAT|unix.O_EXCL)
+	if err != nil {
 		return err
 	}
-	if st.Mode&unix.S_IFMT != unix.S_IFLNK { // after chown, which clears set-id bits
-		if err := unix.Chmod(dst, st.Mode&0o7777); err != nil {
-			return err
+	outF := os.NewFile(uintptr(out), name)
+	defer outF.Close()
+	// At most the size it had: a file that grows is not followed.
+	n, err := io.Copy(outF, &io.LimitedReader{R: inF, N: st.Size}) // copy_file_range: a reflink where the file system can
+	w.copied += n
+	w.rep.update(min(w.copied, w.total), w.total)
+	if err != nil {
+		return err
+	}
+	if err := w.meta(xfd{fd: in}, xfd{fd: out}, st); err != nil {
+		return err
+	}
+	return outF.Close()
+}
+
+// readlinkFd reads the symlink open as the O_PATH descriptor fd.
+func readlinkFd(fd int) (string, error) {
+	for size := 256; ; size *= 4 {
+		buf := make([]byte, size)
+		n, err := unix.Readlinkat(fd, "", buf)
+		if err != nil {
+			return "", fmt.Errorf("read symlink: %w", err)
 		}
+		if n < size {
+			return string(buf[:n]), nil
+		}
+	}
+}
+
+// metaAt gives the entry name just made in dstDir (a symlink or a
+// whiteout) the metadata of src, through an O_PATH descriptor of it.
+func (w *upperWalker) metaAt(src xfd, dstDir int, name string, st *unix.Stat_t) error {
+	fd, err := openBeneath(dstDir, name, unix.O_PATH)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(fd)
+	return w.meta(src, xfd{fd: fd, opath: true}, st)
+}
+
+// meta gives dst the owner, extended attributes (filtered: see Commit) and
+// mode st and src have, in that order: a chown clears set-id bits and file
+// capabilities, a mode change does not. A symlink's mode is not changed.
+func (w *upperWalker) meta(src, dst xfd, st *unix.Stat_t) error {
+	if err := unix.Fchownat(dst.fd, "", int(st.Uid), int(st.Gid), unix.AT_EMPTY_PATH|unix.AT_SYMLINK_NOFOLLOW); err != nil {
+		return fmt.Errorf("chown: %w", err)
+	}
+	if err := copyXattrs(src, dst, st.Mode&unix.S_IFMT == unix.S_IFDIR); err != nil {
+		return err
+	}
+	if st.Mode&unix.S_IFMT == unix.S_IFLNK {
+		return nil
+	}
+	if err := dst.chmod(st.Mode & 0o7777); err != nil {
+		return fmt.Errorf("chmod: %w", err)
 	}
 	return nil
 }
 
+// xfd is an open descriptor for extended attributes and modes: a regular
+// one, or an O_PATH one (of a symlink or a whiteout), which the f*xattr
+// calls refuse and which is reached through its /proc/self/fd magic link
+// instead (that link leads to the very inode, a symlink included, and is
+// ours: the sandbox cannot change it).
+type xfd struct {
+	fd    int
+	opath bool
+}
+
+func (x xfd) proc() string { return "/proc/self/fd/" + strconv.Itoa(x.fd) }
+
+func (x xfd) listxattr(buf []byte) (int, error) {
+	if x.opath {
+		return unix.Listxattr(x.proc(), buf)
+	}
+	return unix.Flistxattr(x.fd, buf)
+}
+
+func (x xfd) getxattr(name string, buf []byte) (int, error) {
+	if x.opath {
+		return unix.Getxattr(x.proc(), name, buf)
+	}
+	return unix.Fgetxattr(x.fd, name, buf)
+}
+
+func (x xfd) setxattr(name string, v []byte) error {
+	if x.opath {
+		return unix.Setxattr(x.proc(), name, v, 0)
+	}
+	return unix.Fsetxattr(x.fd, name, v, 0)
+}
+
+// chmod changes the mode of a regular file, a directory or (O_PATH) a
+// whiteout, never of a symlink (whose magic link would not be followed
+// further, but chmod of a symlink is meaningless anyway).
+func (x xfd) chmod(mode uint32) error {
+	if x.opath {
+		return unix.Chmod(x.proc(), mode)
+	}
+	return unix.Fchmod(x.fd, mode)
+}
+
 // copyXattrs copies src's extended attributes to dst, keeping of
 // overlayfs's own only the opaque flag of directories.
-func copyXattrs(src, dst string, isDir bool) error {
-	names, err := listXattrs(src)
+func copyXattrs(src, dst xfd, isDir bool) error {
+	names, err := listXattrsFd(src)
 	if err != nil {
 		return err
 	}
@@ -312,32 +605,32 @@ func copyXattrs(src, dst string, isDir bool) error {
 			case ovlRedirect, ovlMetacopy:
 				return errdefs.New(errdefs.ErrFailedPrecondition, "has overlay attribute %s (a renamed directory or a metadata-only copy): not supported in a commit; mount overlays with redirect_dir=off, metacopy=off", n)
 			case ovlOpaque:
-				if v, err := getXattr(src, n); err == nil && isDir && string(v) == "y" {
-					if err := unix.Lsetxattr(dst, n, v, 0); err != nil {
+				if v, err := getXattrFd(src, n); err == nil && isDir && string(v) == "y" {
+					if err := dst.setxattr(n, v); err != nil {
 						return fmt.Errorf("set %s: %w", n, err)
 					}
 				}
 			}
 			continue
 		}
-		v, err := getXattr(src, n)
+		v, err := getXattrFd(src, n)
 		if errors.Is(err, unix.ENODATA) {
 			continue
 		}
 		if err != nil {
 			return fmt.Errorf("read xattr %s: %w", n, err)
 		}
-		if err := unix.Lsetxattr(dst, n, v, 0); err != nil {
+		if err := dst.setxattr(n, v); err != nil {
 			return fmt.Errorf("set xattr %s: %w", n, err)
 		}
 	}
 	return nil
 }
 
-func listXattrs(p string) ([]string, error) {
+func listXattrsFd(x xfd) ([]string, error) {
 	buf := make([]byte, 1024)
 	for {
-		n, err := unix.Llistxattr(p, buf)
+		n, err := x.listxattr(buf)
 		if errors.Is(err, unix.ERANGE) {
 			buf = make([]byte, len(buf)*4)
 			continue
@@ -358,10 +651,10 @@ func listXattrs(p string) ([]string, error) {
 	}
 }
 
-func getXattr(p, name string) ([]byte, error) {
+func getXattrFd(x xfd, name string) ([]byte, error) {
 	buf := make([]byte, 256)
 	for {
-		n, err := unix.Lgetxattr(p, name, buf)
+		n, err := x.getxattr(name, buf)
 		if errors.Is(err, unix.ERANGE) {
 			buf = make([]byte, len(buf)*4)
 			continue

@@ -7,13 +7,17 @@ package node
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
+	"time"
 
 	"github.com/shoal-sandbox/shoal/internal/errdefs"
 	"github.com/shoal-sandbox/shoal/internal/layer"
+	"github.com/shoal-sandbox/shoal/internal/sandbox"
 )
 
 // reservedPaths are the paths Shoal itself puts into a sandbox's root (the
@@ -95,9 +99,13 @@ func (m *Manager) applyTemplate(req *CreateRequest) error {
 }
 
 // CommitLayer turns the writable layer of a running sandbox into a new
-// workspace or toolkit layer (see layer.Store.Commit); o.Upper, o.Exclude
-// and o.Origin are filled in here. The sandbox keeps running; the commit
-// counts as activity for its idle timeout.
+// workspace or toolkit layer (see layer.Store.Commit); o.Upper, o.Exclude,
+// o.Origin and o.Freeze are filled in here, and o.MaxBytes if zero (from
+// Config.CommitMaxBytes). When its backend is a sandbox.Freezer the sandbox
+// is frozen while its writable layer is copied (not while the image is
+// built) and thawed whatever happens; otherwise it keeps running. Commits
+// of one sandbox run one at a time. The commit counts as activity for its
+// idle timeout.
 func (m *Manager) CommitLayer(ctx context.Context, id string, o layer.CommitOptions) (layer.Layer, error) {
 	m.mu.Lock()
 	e, err := m.lookup(id)
@@ -111,6 +119,10 @@ func (m *Manager) CommitLayer(ctx context.Context, id string, o layer.CommitOpti
 	}
 	rec := e.rec
 	e.running++
+	if e.commit == nil {
+		e.commit = make(chan struct{}, 1)
+	}
+	commit := e.commit
 	m.mu.Unlock()
 	defer func() {
 		m.mu.Lock()
@@ -123,6 +135,14 @@ func (m *Manager) CommitLayer(ctx context.Context, id string, o layer.CommitOpti
 	if dir == "" {
 		return layer.Layer{}, errdefs.New(ErrNotRunning, "commit sandbox %s: its %s backend keeps no writable layer on this node's disk", id, rec.Backend)
 	}
+	// One commit of a sandbox at a time: a freeze is not counted, the
+	// first commit's thaw would end the second's.
+	select {
+	case commit <- struct{}{}:
+		defer func() { <-commit }()
+	case <-ctx.Done():
+		return layer.Layer{}, fmt.Errorf("commit sandbox %s: waiting for its other commit: %w", id, ctx.Err())
+	}
 	var over []string
 	for _, l := range rec.Layers {
 		over = append(over, l.Ref)
@@ -130,6 +150,39 @@ func (m *Manager) CommitLayer(ctx context.Context, id string, o layer.CommitOpti
 	o.Upper = filepath.Join(dir, upperDirName)
 	o.Exclude = append(slices.Clone(o.Exclude), reservedPaths...)
 	o.Origin = fmt.Sprintf("commit of sandbox %s over %s", id, strings.Join(over, " + "))
+	if o.MaxBytes == 0 {
+		o.MaxBytes = m.cfg.CommitMaxBytes
+	}
+	thaw := func() {}
+	defer func() { thaw() }() // the layer store thaws after the copy; this is in case it did not
+	o.Freeze = func(ctx context.Context) (func(), error) {
+		f, ok := m.backends[rec.Backend].(sandbox.Freezer)
+		if !ok {
+			return nil, nil
+		}
+		if err := f.Freeze(ctx, rec.Handle); err != nil {
+			if errors.Is(err, sandbox.ErrUnsupported) {
+				m.log.Warn("commit of a sandbox that cannot be frozen", "sandbox_id", id, "err", err)
+				return nil, nil
+			}
+			if ctx.Err() != nil {
+				return nil, err
+			}
+			return nil, errdefs.Mark(errdefs.ErrUnavailable, err)
+		}
+		frozen := time.Now()
+		thaw = sync.OnceFunc(func() {
+			// Not ctx: a cancelled commit must thaw too.
+			tctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			if err := f.Thaw(tctx, rec.Handle); err != nil {
+				m.log.Error("thaw sandbox after commit", "sandbox_id", id, "err", err)
+				return
+			}
+			m.log.Debug("sandbox thawed after commit", "sandbox_id", id, "frozen_for", time.Since(frozen))
+		})
+		return thaw, nil
+	}
 	l, err := m.layers.Commit(ctx, o)
 	if err != nil {
 		return layer.Layer{}, fmt.Errorf("commit sandbox %s: %w", id, err)

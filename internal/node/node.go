@@ -44,6 +44,9 @@ type Config struct {
 	DefaultMemory   int64
 	DefaultMilliCPU int64
 	PidsLimit       int64
+	// CommitMaxBytes bounds the bytes of files a commit copies from a
+	// sandbox's writable layer; 0 means layer.DefaultCommitMaxBytes.
+	CommitMaxBytes int64
 }
 
 // Validate fills defaults and checks the configuration.
@@ -80,6 +83,9 @@ func (c *Config) Validate() error {
 	if c.PidsLimit == 0 {
 		c.PidsLimit = 1024
 	}
+	if c.CommitMaxBytes < 0 {
+		return fmt.Errorf("node config: commit max bytes %d is negative", c.CommitMaxBytes)
+	}
 	return nil
 }
 
@@ -106,6 +112,7 @@ type entry struct {
 	acquired bool          // layer mounts are held for this sandbox
 	dirty    bool          // rec.Expires changed since it was last persisted
 	running  int           // commands in flight (the sandbox is not idle)
+	commit   chan struct{} // held (one slot) by the commit in flight; made by the first
 	deleted  chan struct{} // closed when a delete finished; nil until one starts
 	// recovered: Recover found it running; Run checks that its agent
 	// answers (checkAgent).
@@ -693,6 +700,14 @@ func (m *Manager) Recover(ctx context.Context) error {
 				rec.State, rec.Error = StateError, "recover: "+err.Error()
 			case st != sandbox.StatusRunning:
 				rec.State, rec.Error = StateError, "its runtime is "+string(st)
+			default:
+				// Frozen only during a commit: a node that died meanwhile
+				// left it so.
+				if f, ok := be.(sandbox.Freezer); ok {
+					if err := f.Thaw(ctx, rec.Handle); err != nil {
+						log.Error("thaw sandbox", "err", err)
+					}
+				}
 			}
 		}
 		e := &entry{rec: *rec, agent: agent.NewClient(rec.Handle.AgentSocket), recovered: rec.State == StateRunning}

@@ -119,5 +119,18 @@ type Prober interface {
 	Alive(h Handle) (bool, error)
 }
 
+// Freezer is implemented by backends that can stop every process of a
+// sandbox in place and let them go on later (the cgroup freezer): the node
+// freezes a sandbox while it copies its writable layer (a commit), so that
+// the copy is a consistent snapshot and nothing in the sandbox acts
+// meanwhile. Freeze returns once every task is frozen (or fails, leaving
+// the sandbox thawed); ErrUnsupported if the host cannot freeze it. Thaw
+// lets them run again; thawing a sandbox that is not frozen, or gone, is
+// not an error. Calls for one sandbox are serialized by the caller.
+type Freezer interface {
+	Freeze(ctx context.Context, h Handle) error
+	Thaw(ctx context.Context, h Handle) error
+}
+
 // Timeouts used by backends when the caller's context has none.
 const DefaultStartTimeout = 30 * time.Second

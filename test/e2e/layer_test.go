@@ -4,6 +4,8 @@ import (
 	"archive/tar"
 	"bytes"
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"fmt"
 	"io"
 	"os"
@@ -795,3 +797,164 @@ func protojsonUnmarshal(b []byte, m proto.Message) error {
 }
 
 func connectReq[T any](m *T) *connect.Request[T] { return connect.NewRequest(m) }
+
+// TestLayerCommitSymlinkSwapAttack: inside a sandbox, a loop keeps swapping
+// /work/x between a 4777 regular file and a symlink to a file of the host
+// (0600), and /work/d between a 4777 directory and a symlink to a host
+// directory (0700), while the sandbox is committed several times. The
+// host's files never get into a layer and keep their modes. (The node
+// walked the upper by path: lstat, then open, chmod or readdir; it read the
+// host's files into the layer and chmodded them 4777.)
+func TestLayerCommitSymlinkSwapAttack(t *testing.T) {
+	need(t)
+	var r [16]byte
+	rand.Read(r[:])
+	secret := "canary-" + hex.EncodeToString(r[:])
+	host := t.TempDir()
+	canary := filepath.Join(host, "admin.key")
+	if err := os.WriteFile(canary, []byte(secret), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	canaryDir := filepath.Join(host, "secrets")
+	os.Mkdir(canaryDir, 0o700)
+	if err := os.WriteFile(filepath.Join(canaryDir, "token"), []byte(secret), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	checkCanary := func() {
+		t.Helper()
+		fi, err := os.Lstat(canary)
+		if err != nil || fi.Mode() != 0o600 {
+			t.Fatalf("the host's canary is now %v (%v), was -rw-------", fi.Mode(), err)
+		}
+		if b, _ := os.ReadFile(canary); string(b) != secret {
+			t.Fatalf("the host's canary was written: %q", b)
+		}
+		if fi, err := os.Lstat(canaryDir); err != nil || fi.Mode() != os.ModeDir|0o700 {
+			t.Fatalf("the host's directory is now %v (%v), was drwx------", fi.Mode(), err)
+		}
+	}
+
+	sb := create(t)
+	// /work/a, walked first, widens the window between reading a
+	// directory and visiting its entries.
+	sh(t, sb, fmt.Sprintf(`set -e; mkdir /work/a; cd /work/a; seq 1 2000 | xargs touch; cd /work
+		echo mine >x; chmod 4777 x; ln -s %s x.alt
+		mkdir d; echo mine >d/own; chmod 4777 d; ln -s %s d.alt`, canary, canaryDir))
+	// swapper exchanges the names (renameat2): they always exist, their
+	// types flip as fast as the sandbox can.
+	startInSandbox(t, sb, "sh", "-c", "cd /work && exec swapper x x.alt d d.alt")
+	deadline := time.Now().Add(10 * time.Second)
+	for first := sh(t, sb, "ls -l /work/x"); sh(t, sb, "ls -l /work/x") == first; {
+		if time.Now().After(deadline) {
+			t.Fatal("the swap loop does not run")
+		}
+	}
+	for i := range 5 {
+		stdout, stderr, code := run3(nil, "layer", "commit", sb, "--kind", "workspace", fmt.Sprintf("attack:%d", i))
+		if code != 0 {
+			t.Fatalf("commit %d: %s %s", i, stdout, stderr)
+		}
+		checkCanary()
+		_, digest, _ := strings.Cut(strings.TrimSpace(stdout), "@")
+		img, err := os.ReadFile(imagePath(digest)) // uncompressed: file data is in the clear
+		if err != nil {
+			t.Fatal(err)
+		}
+		if bytes.Contains(img, []byte(secret)) {
+			t.Fatalf("commit %d: the layer holds the host's secret", i)
+		}
+		if !bytes.Contains(img, []byte(canary)) && !bytes.Contains(img, []byte("mine")) {
+			t.Errorf("commit %d: neither the file nor the symlink is in the layer", i)
+		}
+	}
+	checkCanary()
+}
+
+// TestLayerCommitFreezesSandbox: while its writable layer is copied, the
+// sandbox is frozen (its freezer cgroup is FROZEN and a counter loop in it
+// makes no progress); afterwards it runs again.
+func TestLayerCommitFreezesSandbox(t *testing.T) {
+	need(t)
+	sb := create(t)
+	state := filepath.Join("/sys/fs/cgroup/freezer/shoal", runcID(t, sb), "freezer.state")
+	if _, err := os.Stat(state); err != nil {
+		t.Skipf("no v1 freezer cgroup for the sandbox: %v", err)
+	}
+	freezer := func() string {
+		b, _ := os.ReadFile(state)
+		return strings.TrimSpace(string(b))
+	}
+	counterFile := filepath.Join(dataDir, "sandboxes", sb, "upper", "work", "counter")
+	counter := func() string {
+		b, _ := os.ReadFile(counterFile)
+		return strings.TrimSpace(string(b))
+	}
+	advances := func() bool {
+		c := counter()
+		for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+			if n := counter(); n != "" && n != c {
+				return true
+			}
+		}
+		return false
+	}
+	// Enough entries for the copy to take a while.
+	sh(t, sb, "mkdir -p /work/many && cd /work/many && seq 1 20000 | xargs touch")
+	startInSandbox(t, sb, "sh", "-c", "i=0; while :; do i=$((i+1)); echo $i >/work/counter; done")
+	if !advances() {
+		t.Fatal("the counter loop does not run")
+	}
+
+	type result struct {
+		stdout, stderr string
+		code           int
+	}
+	done := make(chan result, 1)
+	go func() {
+		stdout, stderr, code := run3(nil, "layer", "commit", sb, "--kind", "workspace", "frozen:1")
+		done <- result{stdout, stderr, code}
+	}()
+	var res result
+	sawFrozen, checked := false, false
+poll:
+	for {
+		select {
+		case res = <-done:
+			break poll
+		default:
+		}
+		if freezer() == "FROZEN" {
+			sawFrozen = true
+			if !checked {
+				before := counter()
+				time.Sleep(100 * time.Millisecond)
+				after := counter()
+				if freezer() == "FROZEN" { // frozen all along: one commit, one freeze
+					checked = true
+					if after != before {
+						t.Errorf("the counter went from %s to %s in a frozen sandbox", before, after)
+					}
+				}
+			}
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+	if res.code != 0 {
+		t.Fatalf("commit: %s %s", res.stdout, res.stderr)
+	}
+	if !sawFrozen {
+		t.Error("the sandbox was never seen frozen during the commit")
+	}
+	if !strings.Contains(res.stderr, "sandbox frozen") {
+		t.Errorf("the commit did not say the sandbox was frozen: %s", res.stderr)
+	}
+	if st := freezer(); st != "THAWED" {
+		t.Errorf("after the commit the sandbox is %s", st)
+	}
+	if !advances() {
+		t.Error("the sandbox makes no progress after the commit")
+	}
+	if got := sh(t, sb, "echo alive"); got != "alive\n" {
+		t.Errorf("exec after the commit: %q", got)
+	}
+}

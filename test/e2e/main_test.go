@@ -73,6 +73,7 @@ func setup() error {
 		{"go", "build", "-o", filepath.Join(binDir, "hog"), "./testdata/hog"},
 		{"go", "build", "-o", filepath.Join(binDir, "portsrv"), "./testdata/portsrv"},
 		{"go", "build", "-o", filepath.Join(binDir, "escape"), "./testdata/escape"},
+		{"go", "build", "-o", filepath.Join(binDir, "swapper"), "./testdata/swapper"},
 	}
 	for _, b := range builds {
 		cmd := exec.Command(b[0], b[1:]...)
@@ -197,8 +198,8 @@ func mountsUnder(dir string) []string {
 }
 
 // busyboxRootfs makes a minimal root file system: busybox with its applets,
-// the hog, portsrv and escape test programs, /etc/passwd and the usual
-// directories.
+// the hog, portsrv, escape and swapper test programs, /etc/passwd and the
+// usual directories.
 func busyboxRootfs() (string, error) {
 	root, err := os.MkdirTemp("", "shoal-e2e-rootfs")
 	if err != nil {
@@ -217,7 +218,7 @@ func busyboxRootfs() (string, error) {
 	if err := copyFile(bb, filepath.Join(root, "bin", "busybox"), 0o755); err != nil {
 		return "", err
 	}
-	for _, prog := range []string{"hog", "portsrv", "escape"} {
+	for _, prog := range []string{"hog", "portsrv", "escape", "swapper"} {
 		if err := copyFile(filepath.Join(binDir, prog), filepath.Join(root, "bin", prog), 0o755); err != nil {
 			return "", err
 		}

@@ -28,7 +28,9 @@
 // the state of a container described by a persisted Handle. Delete SIGKILLs
 // every task of the container's cgroup, waits for them to exit (pidfd), lets
 // runc delete its state, unmounts the root and checks that no cgroup
-// directory is left. It is idempotent.
+// directory is left. It is idempotent. Freeze and Thaw (freeze.go) stop a
+// sandbox's tasks in place with the cgroup freezer and let them go on (the
+// node freezes a sandbox while it commits its writable layer).
 //
 // The runc container ID of a cold sandbox is the sandbox ID; a pooled
 // sandbox keeps the ID its pool container was started with

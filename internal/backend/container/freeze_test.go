@@ -1,0 +1,117 @@
+package container
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/shoal-sandbox/shoal/internal/sandbox"
+)
+
+// TestFreezeThaw: a frozen sandbox makes no progress (a counter loop
+// stops, its agent does not answer) and runc calls it paused; thawed, it
+// goes on. Thaw is idempotent and a no-op once the sandbox is gone.
+func TestFreezeThaw(t *testing.T) {
+	requireRoot(t)
+	b := newBackend(t)
+	ctx := context.Background()
+	spec := newSpec(t)
+	h := create(t, b, spec)
+	a := dial(t, h.AgentSocket)
+	a.ask(t, "exec (i=0; while :; do i=$((i+1)); echo $i >/tmp/counter; done) >/dev/null 2>&1 & echo started")
+	counterFile := filepath.Join(spec.Dir, upperDir, "tmp", "counter")
+	counter := func() string {
+		b, _ := os.ReadFile(counterFile)
+		return strings.TrimSpace(string(b))
+	}
+	advances := func() bool {
+		c := counter()
+		for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+			if n := counter(); n != "" && n != c {
+				return true
+			}
+		}
+		return false
+	}
+	if !advances() {
+		t.Fatal("the counter loop does not run")
+	}
+	f, err := b.freezer(h.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	state := func() string {
+		name := "freezer.state"
+		if f.v2 {
+			name = "cgroup.freeze"
+		}
+		b, _ := os.ReadFile(filepath.Join(f.dir, name))
+		return strings.TrimSpace(string(b))
+	}
+
+	if err := b.Freeze(ctx, h); err != nil {
+		t.Fatal(err)
+	}
+	if st := state(); st != "FROZEN" && st != "1" {
+		t.Errorf("after Freeze the cgroup is %q", st)
+	}
+	before := counter()
+	time.Sleep(300 * time.Millisecond)
+	if after := counter(); after != before {
+		t.Errorf("frozen sandbox made progress: counter %s -> %s", before, after)
+	}
+	// The agent is frozen too: a request waits.
+	c, err := net.Dial("unix", h.AgentSocket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	fmt.Fprintln(c, "pid")
+	rd := bufio.NewReader(c)
+	c.SetReadDeadline(time.Now().Add(300 * time.Millisecond))
+	if line, err := rd.ReadString('\n'); err == nil {
+		t.Errorf("a frozen agent answered %q", line)
+	}
+	if st, err := b.Recover(ctx, h); err != nil || st != sandbox.StatusRunning {
+		t.Errorf("Recover of a frozen sandbox = %v, %v; want running", st, err)
+	}
+
+	if err := b.Thaw(ctx, h); err != nil {
+		t.Fatal(err)
+	}
+	if st := state(); st != "THAWED" && st != "0" {
+		t.Errorf("after Thaw the cgroup is %q", st)
+	}
+	c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if _, err := rd.ReadString('\n'); err != nil {
+		t.Errorf("the thawed agent does not answer: %v", err)
+	}
+	if !advances() {
+		t.Error("the thawed sandbox makes no progress")
+	}
+	if err := b.Thaw(ctx, h); err != nil {
+		t.Errorf("second Thaw: %v", err)
+	}
+
+	// Frozen, then deleted: Delete thaws to kill; afterwards Thaw is a
+	// no-op and Freeze says the sandbox is gone.
+	if err := b.Freeze(ctx, h); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.Delete(ctx, h); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.Thaw(ctx, h); err != nil {
+		t.Errorf("Thaw of a deleted sandbox: %v", err)
+	}
+	if err := b.Freeze(ctx, h); !errors.Is(err, sandbox.ErrNotFound) {
+		t.Errorf("Freeze of a deleted sandbox: %v, want ErrNotFound", err)
+	}
+}
