@@ -203,7 +203,9 @@ func TestExecTimeoutKillsProcessGroup(t *testing.T) {
 	if want := (ExitStatus{Code: 137, Signal: "SIGKILL", TimedOut: true}); r.exit != want {
 		t.Errorf("exit = %+v, want %+v", r.exit, want)
 	}
-	if d := time.Since(start); d > 2*time.Second {
+	// About 300 ms; the bound only tells a kill from waiting for the sleep
+	// (100 s) on however loaded a host.
+	if d := time.Since(start); d > 20*time.Second {
 		t.Errorf("exit came %v after start, want about 300ms", d)
 	}
 	waitDead(t, grandchild, "backgrounded grandchild")
@@ -295,7 +297,8 @@ func TestExecBackgroundHoldsOutput(t *testing.T) {
 	if r.exit != (ExitStatus{}) {
 		t.Errorf("exit = %+v", r.exit)
 	}
-	if d := time.Since(start); d > 2*time.Second {
+	// Not held by the background sleep (30 s), however loaded the host.
+	if d := time.Since(start); d > 15*time.Second {
 		t.Errorf("exit took %v", d)
 	}
 }
