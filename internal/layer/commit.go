@@ -627,10 +627,14 @@ func copyXattrs(src, dst xfd, isDir bool) error {
 	return nil
 }
 
-func listXattrsFd(x xfd) ([]string, error) {
+func listXattrsFd(x xfd) ([]string, error) { return listXattrNames(x.listxattr) }
+
+// listXattrNames calls list (listxattr and friends) with a buffer that
+// grows until the names fit, and splits them.
+func listXattrNames(list func(buf []byte) (int, error)) ([]string, error) {
 	buf := make([]byte, 1024)
 	for {
-		n, err := x.listxattr(buf)
+		n, err := list(buf)
 		if errors.Is(err, unix.ERANGE) {
 			buf = make([]byte, len(buf)*4)
 			continue

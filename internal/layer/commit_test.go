@@ -250,27 +250,7 @@ func TestDeviceRefusedInSourcesButWhiteoutsInCommits(t *testing.T) {
 // listXattrs lists the extended attributes of the file at p (not
 // following a symlink).
 func listXattrs(p string) ([]string, error) {
-	buf := make([]byte, 1024)
-	for {
-		n, err := unix.Llistxattr(p, buf)
-		if errors.Is(err, unix.ERANGE) {
-			buf = make([]byte, len(buf)*4)
-			continue
-		}
-		if errors.Is(err, unix.ENOTSUP) {
-			return nil, nil
-		}
-		if err != nil {
-			return nil, fmt.Errorf("list xattrs: %w", err)
-		}
-		var names []string
-		for _, s := range strings.Split(string(buf[:n]), "\x00") {
-			if s != "" {
-				names = append(names, s)
-			}
-		}
-		return names, nil
-	}
+	return listXattrNames(func(buf []byte) (int, error) { return unix.Llistxattr(p, buf) })
 }
 
 // getXattr reads an extended attribute of the file at p (not following a
