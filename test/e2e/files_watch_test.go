@@ -45,7 +45,7 @@ func expectEvents(t *testing.T, w *shoal.Watch, want ...string) {
 	}
 	var got []string
 	i := 0
-	timeout := time.After(10 * time.Second)
+	timeout := time.After(30 * time.Second)
 	for i < len(want) {
 		ch := make(chan item, 1)
 		go func() {
@@ -129,7 +129,6 @@ func TestWatchCLI(t *testing.T) {
 	if !armed.Scan() || !strings.HasPrefix(armed.Text(), "watching") {
 		t.Fatalf("shoal watch did not say it is watching: %q", armed.Text())
 	}
-	inSandbox(t, id, "mkdir /work/d && echo 1 > /work/d/one && mv /work/d/one /work/d/two")
 	lines := make(chan string, 100)
 	go func() {
 		sc := bufio.NewScanner(stdout)
@@ -138,23 +137,33 @@ func TestWatchCLI(t *testing.T) {
 		}
 		close(lines)
 	}()
-	want := []string{"create /work/d/", "create /work/d/one", "write /work/d/one", "rename /work/d/one -> /work/d/two"}
 	var got []string
-	timeout := time.After(10 * time.Second)
-	for i := 0; i < len(want); {
-		select {
-		case l, ok := <-lines:
-			if !ok {
-				t.Fatalf("shoal watch ended; got %q", got)
+	expect := func(want ...string) {
+		t.Helper()
+		timeout := time.After(30 * time.Second)
+		for i := 0; i < len(want); {
+			select {
+			case l, ok := <-lines:
+				if !ok {
+					t.Fatalf("shoal watch ended; got %q", got)
+				}
+				got = append(got, l)
+				if l == want[i] {
+					i++
+				}
+			case <-timeout:
+				t.Fatalf("timed out waiting for %q; got %q", want[i], got)
 			}
-			got = append(got, l)
-			if l == want[i] {
-				i++
-			}
-		case <-timeout:
-			t.Fatalf("timed out waiting for %q; got %q", want[i], got)
 		}
 	}
+	// A new directory is watched as soon as its creation is seen; what is
+	// created in it before that is reported from a scan. Wait until an
+	// entry of it was reported (so its watch is in place) before the
+	// events this test is about.
+	inSandbox(t, id, "mkdir /work/d && touch /work/d/probe")
+	expect("create /work/d/", "create /work/d/probe")
+	inSandbox(t, id, "echo 1 > /work/d/one && mv /work/d/one /work/d/two")
+	expect("create /work/d/one", "write /work/d/one", "rename /work/d/one -> /work/d/two")
 	cmd.Process.Signal(syscall.SIGINT)
 	if err := cmd.Wait(); err != nil {
 		t.Fatalf("shoal watch after SIGINT: %v", err)

@@ -81,8 +81,18 @@ func agentFDs(t *testing.T, pid int) (targets map[string]string, cloexec map[str
 	}
 	targets, cloexec = map[string]string{}, map[string]bool{}
 	for _, e := range ents {
-		targets[e.Name()], _ = os.Readlink(filepath.Join(dir, e.Name()))
-		info, _ := os.ReadFile(fmt.Sprintf("/proc/%d/fdinfo/%s", pid, e.Name()))
+		// The agent opens and closes descriptors all the time (a
+		// connection per request): one gone by the time it is read was
+		// transient, not held.
+		target, err := os.Readlink(filepath.Join(dir, e.Name()))
+		if err != nil {
+			continue
+		}
+		info, err := os.ReadFile(fmt.Sprintf("/proc/%d/fdinfo/%s", pid, e.Name()))
+		if err != nil {
+			continue
+		}
+		targets[e.Name()] = target
 		for _, l := range strings.Split(string(info), "\n") {
 			if v, ok := strings.CutPrefix(l, "flags:"); ok {
 				fl, _ := strconv.ParseUint(strings.TrimSpace(v), 8, 64)
