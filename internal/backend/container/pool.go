@@ -152,7 +152,8 @@ type member struct {
 type pool struct {
 	b        *Backend
 	min, max int
-	// Tuning, copied from the variables below at creation.
+	// Tuning, copied from the variables below at creation (shrinkIdle is
+	// read under mu).
 	urgentFor, shrinkIdle, shrinkEvery time.Duration
 	fillParallel                       int
 
@@ -352,8 +353,11 @@ func (p *pool) shrinker() {
 		case now := <-t.C:
 			p.mu.Lock()
 			var drop []*member
-			if p.target > p.min && now.Sub(p.lastTake) >= p.shrinkIdle && now.Sub(p.lastMiss) >= p.shrinkIdle {
-				p.target = p.min + (p.target-p.min)/2
+			if now.Sub(p.lastTake) >= p.shrinkIdle && now.Sub(p.lastMiss) >= p.shrinkIdle {
+				if p.target > p.min {
+					p.target = p.min + (p.target-p.min)/2
+				}
+				// Also what was still starting when the target came down.
 				if extra := len(p.ready) - p.target; extra > 0 {
 					drop = slices.Clone(p.ready[:extra])
 					p.ready = slices.Delete(p.ready, 0, extra)

@@ -486,7 +486,8 @@ func TestPoolGrowsWithDemandAndShrinksWhenIdle(t *testing.T) {
 	defer func(i, e, u time.Duration) { shrinkIdle, shrinkEvery, urgentFor = i, e, u }(shrinkIdle, shrinkEvery, urgentFor)
 	// Urgent (normal priority) for the whole test: a pool refilling at
 	// nice 19 makes no progress under a CPU hog, by design.
-	shrinkIdle, shrinkEvery, urgentFor = 2*time.Second, 200*time.Millisecond, time.Hour
+	// No shrink until the growth is checked (below).
+	shrinkIdle, shrinkEvery, urgentFor = time.Hour, 200*time.Millisecond, time.Hour
 	b, err := New(Config{StateDir: t.TempDir(), CgroupParent: testCgroupParent, PoolSize: 1, PoolMax: 4, Log: testLog(t)})
 	if err != nil {
 		t.Fatal(err)
@@ -509,6 +510,10 @@ func TestPoolGrowsWithDemandAndShrinksWhenIdle(t *testing.T) {
 			t.Error(err)
 		}
 	}
+	// Now idle after 2 s.
+	b.pool.mu.Lock()
+	b.pool.shrinkIdle = 2 * time.Second
+	b.pool.mu.Unlock()
 	// Idle: back to the minimum, the surplus deleted (the counters change
 	// before the deletes finish: wait for the dirs too).
 	deadline := time.Now().Add(30 * time.Second)
