@@ -42,6 +42,27 @@ func dist(ds []time.Duration) Dist {
 	return Dist{N: len(s), P50: q(0.5), P90: q(0.9), P95: q(0.95), P99: q(0.99), Mean: ms(sum / time.Duration(len(s))), Max: ms(s[len(s)-1])}
 }
 
+// parallel calls fn(i) for i in [0, n) from c goroutines and returns once
+// every call has returned.
+func parallel(n, c int, fn func(i int)) {
+	work := make(chan int)
+	var wg sync.WaitGroup
+	for range c {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range work {
+				fn(i)
+			}
+		}()
+	}
+	for i := range n {
+		work <- i
+	}
+	close(work)
+	wg.Wait()
+}
+
 // CreateOptions configure the create benchmark.
 type CreateOptions struct {
 	Base        string // base layer ref
@@ -98,71 +119,46 @@ func Create(ctx context.Context, c *shoal.Client, o CreateOptions) (*CreateResul
 		}
 		mu.Unlock()
 	}
-	work := make(chan struct{})
-	var wg sync.WaitGroup
 	start := time.Now()
-	for w := 0; w < o.Concurrency; w++ {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for range work {
-				t0 := time.Now()
-				sb, err := c.Create(ctx, &pb.CreateSandboxRequest{Base: o.Base, TimeoutSeconds: 600})
-				if err != nil {
-					fail(err)
-					continue
-				}
-				t1 := time.Now()
-				st, err := c.Exec(ctx, sb.Id, shoal.ExecOptions{Args: []string{"true"}})
-				t2 := time.Now()
-				mu.Lock()
-				ids = append(ids, sb.Id)
-				creates = append(creates, t1.Sub(t0))
-				if err == nil && st.Code == 0 {
-					firsts = append(firsts, t2.Sub(t0))
-				}
-				mu.Unlock()
-				if err != nil {
-					fail(err)
-				} else if st.Code != 0 {
-					fail(fmt.Errorf("true exited %d", st.Code))
-				}
-			}
-		}()
-	}
-	for i := 0; i < o.N; i++ {
-		work <- struct{}{}
-	}
-	close(work)
-	wg.Wait()
+	parallel(o.N, o.Concurrency, func(int) {
+		t0 := time.Now()
+		sb, err := c.Create(ctx, &pb.CreateSandboxRequest{Base: o.Base, TimeoutSeconds: 600})
+		if err != nil {
+			fail(err)
+			return
+		}
+		t1 := time.Now()
+		st, err := c.Exec(ctx, sb.Id, shoal.ExecOptions{Args: []string{"true"}})
+		t2 := time.Now()
+		mu.Lock()
+		ids = append(ids, sb.Id)
+		creates = append(creates, t1.Sub(t0))
+		if err == nil && st.Code == 0 {
+			firsts = append(firsts, t2.Sub(t0))
+		}
+		mu.Unlock()
+		if err != nil {
+			fail(err)
+		} else if st.Code != 0 {
+			fail(fmt.Errorf("true exited %d", st.Code))
+		}
+	})
 	elapsed := time.Since(start)
 	res.CreatesPerSecond = math.Round(float64(len(creates))/elapsed.Seconds()*10) / 10
 	res.Create = dist(creates)
 	res.CreateFirstExec = dist(firsts)
 
 	// Clean up with the same concurrency, measuring delete.
-	idc := make(chan string)
-	for w := 0; w < o.Concurrency; w++ {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for id := range idc {
-				t0 := time.Now()
-				if err := c.Delete(context.Background(), id); err != nil {
-					fail(err)
-					continue
-				}
-				mu.Lock()
-				dels = append(dels, time.Since(t0))
-				mu.Unlock()
-			}
-		}()
-	}
-	for _, id := range ids {
-		idc <- id
-	}
-	close(idc)
-	wg.Wait()
+	parallel(len(ids), o.Concurrency, func(i int) {
+		t0 := time.Now()
+		if err := c.Delete(context.Background(), ids[i]); err != nil {
+			fail(err)
+			return
+		}
+		mu.Lock()
+		dels = append(dels, time.Since(t0))
+		mu.Unlock()
+	})
 	res.Delete = dist(dels)
 	if res.BaselineRuncRun.P50 > 0 {
 		res.RatioFirstExecP50 = math.Round(res.CreateFirstExec.P50/res.BaselineRuncRun.P50*100) / 100

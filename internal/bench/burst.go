@@ -121,50 +121,37 @@ func burstGo(ctx context.Context, c *shoal.Client, o BurstOptions) BurstSide {
 			side.FirstError = err.Error()
 		}
 	}
-	work := make(chan struct{})
-	var wg sync.WaitGroup
 	start := time.Now()
-	for w := 0; w < o.Concurrency; w++ {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for range work {
-				t0 := time.Now()
-				cctx, cancel := context.WithTimeout(ctx, o.HangAfter)
-				sb, err := c.Create(cctx, &pb.CreateSandboxRequest{Base: o.Base, TimeoutSeconds: 600})
-				cancel()
-				if err != nil {
-					fail(fmt.Errorf("create: %w", err), errors.Is(err, context.DeadlineExceeded) || cctx.Err() != nil)
-					continue
-				}
-				st, err := c.Exec(ctx, sb.Id, shoal.ExecOptions{Args: []string{"true"}})
-				d := time.Since(t0)
-				mu.Lock()
-				if sb.Runtime["pooled"] == "true" {
-					side.Pooled++
-				} else {
-					side.Cold++
-				}
-				if err == nil && st.Code == 0 {
-					firsts = append(firsts, d)
-				}
-				mu.Unlock()
-				if err != nil {
-					fail(fmt.Errorf("exec: %w", err), false)
-				} else if st.Code != 0 {
-					fail(fmt.Errorf("true exited %d", st.Code), false)
-				}
-				if err := c.Delete(context.Background(), sb.Id); err != nil {
-					fail(fmt.Errorf("delete: %w", err), false)
-				}
-			}
-		}()
-	}
-	for i := 0; i < o.N; i++ {
-		work <- struct{}{}
-	}
-	close(work)
-	wg.Wait()
+	parallel(o.N, o.Concurrency, func(int) {
+		t0 := time.Now()
+		cctx, cancel := context.WithTimeout(ctx, o.HangAfter)
+		sb, err := c.Create(cctx, &pb.CreateSandboxRequest{Base: o.Base, TimeoutSeconds: 600})
+		cancel()
+		if err != nil {
+			fail(fmt.Errorf("create: %w", err), errors.Is(err, context.DeadlineExceeded) || cctx.Err() != nil)
+			return
+		}
+		st, err := c.Exec(ctx, sb.Id, shoal.ExecOptions{Args: []string{"true"}})
+		d := time.Since(t0)
+		mu.Lock()
+		if sb.Runtime["pooled"] == "true" {
+			side.Pooled++
+		} else {
+			side.Cold++
+		}
+		if err == nil && st.Code == 0 {
+			firsts = append(firsts, d)
+		}
+		mu.Unlock()
+		if err != nil {
+			fail(fmt.Errorf("exec: %w", err), false)
+		} else if st.Code != 0 {
+			fail(fmt.Errorf("true exited %d", st.Code), false)
+		}
+		if err := c.Delete(context.Background(), sb.Id); err != nil {
+			fail(fmt.Errorf("delete: %w", err), false)
+		}
+	})
 	side.CreatesPerSecond = math.Round(float64(len(firsts))/time.Since(start).Seconds()*10) / 10
 	side.CreateFirstExec = dist(firsts)
 	return side
@@ -204,35 +191,22 @@ func runcBaselineConcurrent(ctx context.Context, dataDir, runtime, digest string
 		mu    sync.Mutex
 		out   []time.Duration
 		first error
-		wg    sync.WaitGroup
 	)
-	work := make(chan int)
 	start := time.Now()
-	for w := 0; w < c; w++ {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for i := range work {
-				id := fmt.Sprintf("shoal-burst-%d-%d", os.Getpid(), i)
-				cmd := exec.CommandContext(ctx, runtime, "--root", state, "run", "--bundle", tmp, id)
-				t0 := time.Now()
-				b, err := cmd.CombinedOutput()
-				d := time.Since(t0)
-				mu.Lock()
-				if err != nil && first == nil {
-					first = fmt.Errorf("runc run: %v: %s", err, b)
-				} else if err == nil {
-					out = append(out, d)
-				}
-				mu.Unlock()
-			}
-		}()
-	}
-	for i := 0; i < n; i++ {
-		work <- i
-	}
-	close(work)
-	wg.Wait()
+	parallel(n, c, func(i int) {
+		id := fmt.Sprintf("shoal-burst-%d-%d", os.Getpid(), i)
+		cmd := exec.CommandContext(ctx, runtime, "--root", state, "run", "--bundle", tmp, id)
+		t0 := time.Now()
+		b, err := cmd.CombinedOutput()
+		d := time.Since(t0)
+		mu.Lock()
+		if err != nil && first == nil {
+			first = fmt.Errorf("runc run: %v: %s", err, b)
+		} else if err == nil {
+			out = append(out, d)
+		}
+		mu.Unlock()
+	})
 	if first != nil {
 		return nil, 0, first
 	}
