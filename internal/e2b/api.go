@@ -198,7 +198,7 @@ func (s *Server) sandboxJSON(rec node.Record) sandboxJSON {
 		EnvdVersion: EnvdVersion, EnvdAccessToken: s.envdToken(rec.ID), Domain: s.domain(),
 	}
 	out.Alias = out.TemplateID
-	if m, _ := s.store.sandbox(rec.ID); m.Private {
+	if !s.portsPublic(rec.ID) {
 		t := s.trafficToken(rec.ID)
 		out.TrafficAccessToken = &t
 	}
@@ -297,7 +297,7 @@ func (s *Server) createSandbox(w http.ResponseWriter, r *http.Request) {
 		badRequest(w, "timeout must not be negative")
 		return
 	}
-	private := false
+	public := true // E2B's default: allowPublicTraffic
 	if n := in.Network; n != nil {
 		switch {
 		case len(n.AllowOut) > 0, len(n.EgressProxy) > 0 && string(n.EgressProxy) != "null", len(n.Rules) > 0 && string(n.Rules) != "null":
@@ -307,7 +307,7 @@ func (s *Server) createSandbox(w http.ResponseWriter, r *http.Request) {
 			badRequest(w, "network maskRequestHost and httpsPorts are not supported by Shoal yet")
 			return
 		}
-		private = n.AllowPublicTraffic != nil && !*n.AllowPublicTraffic
+		public = n.AllowPublicTraffic == nil || *n.AllowPublicTraffic
 	}
 	for k := range in.EnvVars {
 		if k == "" || strings.ContainsAny(k, "=\x00") {
@@ -329,7 +329,7 @@ func (s *Server) createSandbox(w http.ResponseWriter, r *http.Request) {
 		writeErr(w, err)
 		return
 	}
-	if err := s.store.putSandbox(rec.ID, sandboxMeta{Template: in.TemplateID, Private: private, Deadline: rec.Created.Add(timeout)}); err != nil {
+	if err := s.store.putSandbox(rec.ID, sandboxMeta{Template: in.TemplateID, Public: &public, Deadline: rec.Created.Add(timeout)}); err != nil {
 		s.log.Warn("e2b: record sandbox", "sandbox_id", rec.ID, "err", err)
 	}
 	s.log.Info("e2b: sandbox created", "sandbox_id", rec.ID, "template", in.TemplateID)

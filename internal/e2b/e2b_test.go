@@ -291,3 +291,36 @@ func TestCodeOfSandboxKilled(t *testing.T) {
 		t.Fatalf("codeOf(killed) = %v, want unavailable", c)
 	}
 }
+
+// Ports are public only for a sandbox made through E2B without
+// allowPublicTraffic = false; entries written before the Public field keep
+// what they meant, and an entry an E2B call wrote later for a sandbox made
+// through Shoal's API (no template) stays private.
+func TestPortsPublic(t *testing.T) {
+	yes, no := true, false
+	for _, c := range []struct {
+		m    sandboxMeta
+		want bool
+	}{
+		{sandboxMeta{Template: "base", Public: &yes}, true},
+		{sandboxMeta{Template: "base", Public: &no}, false},
+		{sandboxMeta{Template: "base"}, true},                 // legacy E2B entry, public
+		{sandboxMeta{Template: "base", Private: true}, false}, // legacy, allowPublicTraffic false
+		{sandboxMeta{Deadline: time.Now()}, false},            // Shoal-made, touched by E2B's setTimeout
+		{sandboxMeta{Paused: true}, false},
+	} {
+		if got := c.m.public(); got != c.want {
+			t.Errorf("%+v: public() = %v, want %v", c.m, got, c.want)
+		}
+	}
+	// No entry at all: a sandbox made through Shoal's API.
+	st := &store{sandboxes: map[string]sandboxMeta{}}
+	s := &Server{store: st}
+	if s.portsPublic("aaaaaaaaaaaaaaaaaaaa") {
+		t.Error("a sandbox with no E2B entry has public ports")
+	}
+	st.sandboxes["aaaaaaaaaaaaaaaaaaaa"] = sandboxMeta{Template: "t", Public: &yes}
+	if !s.portsPublic("aaaaaaaaaaaaaaaaaaaa") {
+		t.Error("a public E2B sandbox's ports are private")
+	}
+}

@@ -63,13 +63,23 @@ func (p *portProxy) dial(ctx context.Context, network, addr string) (net.Conn, e
 	return ag.DialPort(ctx, port)
 }
 
+// portsPublic reports whether sandbox id's ports are served without its
+// traffic access token: only a sandbox made through E2B with public
+// traffic allowed (E2B's default). One made through Shoal's own API is
+// reached there with the API key, or here with its token (returned by
+// E2B's connect).
+func (s *Server) portsPublic(id string) bool {
+	m, ok := s.store.sandbox(id)
+	return ok && m.public()
+}
+
 func (p *portProxy) dropSandbox(string) { p.transport.CloseIdleConnections() }
 
 func (p *portProxy) serve(w http.ResponseWriter, r *http.Request, rec node.Record, port int) {
-	if m, _ := p.s.store.sandbox(rec.ID); m.Private {
+	if !p.s.portsPublic(rec.ID) {
 		tok := r.Header.Get(trafficTokenHeader)
 		if subtle.ConstantTimeCompare([]byte(tok), []byte(p.s.trafficToken(rec.ID))) != 1 {
-			writeError(w, http.StatusForbidden, "this sandbox's ports are private: send its traffic access token in the e2b-traffic-access-token header")
+			writeError(w, http.StatusForbidden, "this sandbox's ports are private: send its traffic access token (trafficAccessToken of the sandbox, from create or connect) in the e2b-traffic-access-token header")
 			return
 		}
 	}

@@ -30,9 +30,25 @@ type sandboxMeta struct {
 	Paused   bool      `json:"paused,omitempty"`
 	// ResumeTimeout is the sandbox's timeout before it was paused.
 	ResumeTimeout time.Duration `json:"resume_timeout,omitempty"`
-	// Private: its ports need the traffic access token
-	// (network.allowPublicTraffic = false).
+	// Public: its ports are served to anyone who knows the sandbox's
+	// address (made through E2B without network.allowPublicTraffic =
+	// false). Otherwise they need the traffic access token, and a sandbox
+	// made through Shoal's own API (no entry, or one written later by an
+	// E2B call that knew nothing of its network) is never public.
+	Public *bool `json:"public,omitempty"`
+	// Private is what entries written before Public said: set when
+	// allowPublicTraffic was false (read by public()).
 	Private bool `json:"private,omitempty"`
+}
+
+// public reports whether a sandbox's ports are open without the traffic
+// access token. Entries older than the Public field: the E2B-made ones
+// (they name a template) that were not created private.
+func (m sandboxMeta) public() bool {
+	if m.Public != nil {
+		return *m.Public
+	}
+	return m.Template != "" && !m.Private
 }
 
 type commandMeta struct {

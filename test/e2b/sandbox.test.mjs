@@ -549,6 +549,34 @@ test('private ports need the traffic access token', async () => {
   }
 })
 
+test("a sandbox made through Shoal's API has private ports here", async () => {
+  const made = await shoal('shoal.v1.SandboxService/CreateSandbox', { base: BASE_REF })
+  try {
+    await shoal('shoal.v1.CommandService/StartCommand', {
+      sandboxId: made.id,
+      args: ['sh', '-c', 'mkdir -p /tmp/www && echo shoal-made > /tmp/www/index.html && httpd -p 8000 -h /tmp/www'],
+    })
+    const sbx = await Sandbox.connect(made.id)
+    assert.ok(sbx.trafficAccessToken, 'connect returns the traffic access token of a private sandbox')
+    const url = `http://${sbx.getHost(8000)}/`
+    const body = await waitFor(async () => {
+      const res = await fetch(url, { headers: { 'e2b-traffic-access-token': sbx.trafficAccessToken } })
+      return res.status === 200 && (await res.text())
+    }, { what: 'httpd with the token' })
+    assert.equal(body, 'shoal-made\n')
+    // Knowing the ID is not enough, by host name or by header.
+    assert.equal((await fetch(url)).status, 403)
+    const byHeader = await fetch(`${E2B_URL}/`, { headers: { 'E2b-Sandbox-Id': made.id, 'E2b-Sandbox-Port': '8000' } })
+    assert.equal(byHeader.status, 403)
+    assert.equal((await fetch(url, { headers: { 'e2b-traffic-access-token': 'x'.repeat(40) } })).status, 403)
+    // An E2B call that writes the sandbox's entry (setTimeout) opens nothing.
+    await sbx.setTimeout(120_000)
+    assert.equal((await fetch(url)).status, 403)
+  } finally {
+    await shoal('shoal.v1.SandboxService/DeleteSandbox', { id: made.id })
+  }
+})
+
 test('envd refuses a request without the sandbox access token', async () => {
   const sbx = await Sandbox.create(TEMPLATE)
   try {
