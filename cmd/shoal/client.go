@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -15,8 +14,6 @@ import (
 	"time"
 
 	"github.com/spf13/cobra"
-	"google.golang.org/protobuf/encoding/protojson"
-	"google.golang.org/protobuf/proto"
 
 	pb "github.com/shoal-sandbox/shoal/api/shoal/v1"
 	shoal "github.com/shoal-sandbox/shoal/sdk/go"
@@ -32,24 +29,6 @@ func client(cmd *cobra.Command) (*shoal.Client, error) {
 // cmdContext is cancelled by Ctrl-C.
 func cmdContext() (context.Context, context.CancelFunc) {
 	return signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-}
-
-var pj = protojson.MarshalOptions{Multiline: true, Indent: "  ", UseProtoNames: true, EmitUnpopulated: true}
-
-func printJSON(m proto.Message) {
-	b, _ := pj.Marshal(m)
-	fmt.Println(string(b))
-}
-
-// printJSONList prints messages as one JSON array.
-func printJSONList[T proto.Message](items []T) {
-	out := make([]json.RawMessage, 0, len(items))
-	for _, it := range items {
-		b, _ := protojson.MarshalOptions{UseProtoNames: true, EmitUnpopulated: true}.Marshal(it)
-		out = append(out, b)
-	}
-	b, _ := json.MarshalIndent(out, "", "  ")
-	fmt.Println(string(b))
 }
 
 func absPath(p string) (string, error) {
@@ -291,7 +270,7 @@ func lsCmd() *cobra.Command {
 					base = s.Layers[n-1].Ref
 				}
 				fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\n", s.Id, s.Backend, stateString(s.State), base,
-					s.CreatedAt.AsTime().Local().Format(time.DateTime), time.Until(s.ExpiresAt.AsTime()).Round(time.Second))
+					s.CreatedAt.AsTime().Local().Format(time.DateTime), s.ExpiresAt.AsTime().Local().Format(time.DateTime))
 			}
 			return tw.Flush()
 		},

@@ -75,7 +75,7 @@ trajectory step: re-running a recorded step replays its result instead.`,
 			}
 			st, err := c.Exec(ctx, args[0], o)
 			if err != nil {
-				return err
+				return execFailed(err)
 			}
 			return exitWith(st, timeout)
 		},
@@ -91,6 +91,23 @@ trajectory step: re-running a recorded step replays its result instead.`,
 	f.StringVar(&trajectory, "trajectory", "", "record as a step of this trajectory")
 	f.Int64Var(&step, "step", 0, "the trajectory step number (>= 1)")
 	return cmd
+}
+
+// execFailed gives a command that could not start the exit code a shell
+// (and docker exec) would: 127 when its executable does not exist, 126
+// when it cannot be executed, after printing the reason.
+func execFailed(err error) error {
+	code := 0
+	switch {
+	case errors.Is(err, shoal.ErrCommandNotFound):
+		code = 127
+	case errors.Is(err, shoal.ErrCommandNotExecutable):
+		code = 126
+	default:
+		return err
+	}
+	fmt.Fprintln(os.Stderr, "shoal:", errMessage(err))
+	return exitCode(code)
 }
 
 func exitWith(st shoal.ExitStatus, timeout time.Duration) error {
@@ -123,7 +140,7 @@ func interactive(cmd *cobra.Command, c *shoal.Client, req *pb.ExecRequest) error
 	defer cancel()
 	cm, err := c.Start(ctx, req)
 	if err != nil {
-		return err
+		return execFailed(err)
 	}
 	if isTTY {
 		old, err := term.MakeRaw(fd)

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -10,7 +11,6 @@ import (
 	"time"
 
 	"github.com/spf13/cobra"
-	"google.golang.org/protobuf/encoding/protojson"
 
 	pb "github.com/shoal-sandbox/shoal/api/shoal/v1"
 	shoal "github.com/shoal-sandbox/shoal/sdk/go"
@@ -104,7 +104,6 @@ when the watch is armed. It ends when PATH itself is removed or moved.`,
 			}
 			defer w.Close()
 			fmt.Fprintf(os.Stderr, "watching %s\n", args[1])
-			mo := protojson.MarshalOptions{UseProtoNames: true}
 			for {
 				ev, err := w.Next()
 				if errors.Is(err, shoal.ErrWatchEnded) {
@@ -117,7 +116,7 @@ when the watch is armed. It ends when PATH itself is removed or moved.`,
 					return err
 				}
 				if asJSON {
-					b, _ := mo.Marshal(ev)
+					b, _ := json.Marshal(jsonView(ev.ProtoReflect()))
 					fmt.Println(string(b))
 				} else {
 					fmt.Println(watchLine(ev))

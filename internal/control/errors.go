@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io/fs"
 	"net/http"
+	"strings"
 
 	"connectrpc.com/connect"
 
@@ -20,9 +21,17 @@ import (
 // ReasonSandboxKilled on a NotFound error means the sandbox was deleted
 // (killed by a client or by its timeout) while the operation ran; for a
 // command stream, that the command did not exit but was killed with it.
+//
+// ReasonCommandNotFound (NotFound) and ReasonCommandNotExecutable
+// (PermissionDenied, InvalidArgument) name a command that could not start
+// because its executable does not exist, or exists but cannot be executed
+// (a directory, no x bit, not a binary): what shells and docker exec report
+// as exit codes 127 and 126, and what `shoal exec` exits with.
 const (
-	ReasonHeader        = "Shoal-Error-Reason"
-	ReasonSandboxKilled = "sandbox_killed"
+	ReasonHeader               = "Shoal-Error-Reason"
+	ReasonSandboxKilled        = "sandbox_killed"
+	ReasonCommandNotFound      = "command_not_found"
+	ReasonCommandNotExecutable = "command_not_executable"
 )
 
 // toConnect maps an internal error to a connect error with the right code.
@@ -43,6 +52,11 @@ func toConnect(err error) error {
 	// of names: the agent's not_empty also unwraps to fs.ErrExist (so
 	// callers testing for "exists" keep working), but it is not one.
 	var ae *agent.Error
+	if errors.As(err, &ae) && ae.Op == "exec" {
+		if ce := execError(err, ae); ce != nil {
+			return ce
+		}
+	}
 	if errors.As(err, &ae) && ae.Code == agent.CodeNotEmpty {
 		if ae.Op == "remove" {
 			return connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf("%w: pass recursive to remove a directory with everything in it", err))
@@ -71,6 +85,34 @@ func toConnect(err error) error {
 		code = connect.CodeDeadlineExceeded
 	}
 	return connect.NewError(code, err)
+}
+
+// execError names the agent's refusal to start a command's executable, or
+// returns nil for another failure of an exec.
+func execError(err error, ae *agent.Error) *connect.Error {
+	if strings.HasPrefix(ae.Msg, "cwd ") {
+		return nil // the working directory, not the executable (agent/exec.go)
+	}
+	var code connect.Code
+	var reason string
+	switch ae.Code {
+	case agent.CodeNotExist:
+		code, reason = connect.CodeNotFound, ReasonCommandNotFound
+	case agent.CodePermission:
+		code, reason = connect.CodePermissionDenied, ReasonCommandNotExecutable
+	case agent.CodeIsDir, agent.CodeInvalid:
+		code, reason = connect.CodeInvalidArgument, ReasonCommandNotExecutable
+	case agent.CodeIO:
+		if !strings.Contains(ae.Msg, "exec format error") {
+			return nil
+		}
+		code, reason = connect.CodeInvalidArgument, ReasonCommandNotExecutable
+	default:
+		return nil
+	}
+	ce := connect.NewError(code, err)
+	ce.Meta().Set(ReasonHeader, reason)
+	return ce
 }
 
 // httpStatus is the HTTP status the Connect protocol uses for each code.

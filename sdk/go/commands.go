@@ -142,7 +142,7 @@ func (c *Client) consume(stream *connect.ServerStreamForClient[pb.CommandEvent],
 		}
 	}
 	if err := stream.Err(); err != nil {
-		return false, streamErr(err)
+		return false, startErr(err)
 	}
 	return false, errors.New("command stream ended without an exit status")
 }
@@ -166,7 +166,7 @@ func (c *Client) Attach(ctx context.Context, sandboxID, commandID string, offset
 func (c *Client) Start(ctx context.Context, req *pb.ExecRequest) (*pb.Command, error) {
 	res, err := c.Commands.StartCommand(ctx, connect.NewRequest(req))
 	if err != nil {
-		return nil, err
+		return nil, startErr(err)
 	}
 	return res.Msg, nil
 }

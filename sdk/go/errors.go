@@ -14,12 +14,50 @@ import (
 // sandbox is gone) naming the sandbox.
 var ErrSandboxKilled = errors.New("sandbox killed")
 
-// The error metadata with which the server names a killed sandbox
-// (internal/control.ReasonHeader).
-const (
-	reasonHeader        = "Shoal-Error-Reason"
-	reasonSandboxKilled = "sandbox_killed"
+// ErrCommandNotFound and ErrCommandNotExecutable match (errors.Is) the
+// error of Exec or Start whose command could not start: its executable does
+// not exist (not in PATH, or no such file), or exists but cannot be
+// executed (a directory, no execute permission, not a binary). Shells and
+// `docker exec` report these as exit codes 127 and 126; so does `shoal
+// exec`. The error is also the server's *connect.Error.
+var (
+	ErrCommandNotFound      = errors.New("command not found")
+	ErrCommandNotExecutable = errors.New("command not executable")
 )
+
+// The error metadata with which the server names an error more precisely
+// than its code (internal/control.ReasonHeader).
+const (
+	reasonHeader               = "Shoal-Error-Reason"
+	reasonSandboxKilled        = "sandbox_killed"
+	reasonCommandNotFound      = "command_not_found"
+	reasonCommandNotExecutable = "command_not_executable"
+)
+
+// reasonError is a server error with a name: errors.Is matches the name,
+// errors.As the *connect.Error.
+type reasonError struct {
+	Err  *connect.Error
+	name error
+}
+
+func (e *reasonError) Error() string   { return e.Err.Error() }
+func (e *reasonError) Unwrap() []error { return []error{e.Err, e.name} }
+
+// startErr names the errors of starting a command that have a name.
+func startErr(err error) error {
+	var ce *connect.Error
+	if err == nil || !errors.As(err, &ce) {
+		return streamErr(err)
+	}
+	switch ce.Meta().Get(reasonHeader) {
+	case reasonCommandNotFound:
+		return &reasonError{Err: ce, name: ErrCommandNotFound}
+	case reasonCommandNotExecutable:
+		return &reasonError{Err: ce, name: ErrCommandNotExecutable}
+	}
+	return streamErr(err)
+}
 
 // SandboxKilledError is the error of a command whose sandbox was killed
 // under it. errors.Is(err, ErrSandboxKilled) holds, and errors.As finds the

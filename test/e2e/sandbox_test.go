@@ -44,10 +44,24 @@ func TestExecOutputExitCodeStdin(t *testing.T) {
 	if code != 137 {
 		t.Fatalf("killed command: exit code %d, want 137", code)
 	}
-	// A missing program is a clear error, not a hang.
-	out, code := run(nil, "exec", id, "--", "/no/such/program")
-	if code == 0 || !strings.Contains(out, "not_found") {
-		t.Fatalf("missing program: code %d output %q", code, out)
+	// A missing program is a clear error, not a hang, with a shell's exit
+	// codes: 127 not found (by path or in PATH), 126 not executable; a
+	// missing working directory or sandbox is Shoal's own error (1).
+	for _, c := range []struct {
+		args []string
+		code int
+		says string
+	}{
+		{[]string{id, "--", "/no/such/program"}, 127, "not_found"},
+		{[]string{id, "--", "no-such-program"}, 127, "not found in $PATH"},
+		{[]string{id, "--", "/work"}, 126, "permission"},
+		{[]string{"--cwd", "/no/such/dir", id, "--", "true"}, 1, "cwd /no/such/dir"},
+		{[]string{"no-such-sandbox", "--", "true"}, 1, "not a sandbox ID"},
+	} {
+		out, code := run(nil, append([]string{"exec"}, c.args...)...)
+		if code != c.code || !strings.Contains(out, c.says) {
+			t.Errorf("exec %q: code %d output %q, want code %d and %q", c.args, code, out, c.code, c.says)
+		}
 	}
 	// Large stdin is pumped, not inlined: 3 MiB through cat.
 	big := bytes.Repeat([]byte("0123456789abcdef"), 3<<16)

@@ -67,6 +67,21 @@ class SandboxKilled(SandboxNotFound):
         self.sandbox_id: Optional[str] = m.group(1) if m else None
 
 
+class CommandNotFound(NotFound):
+    """A command could not start: its executable does not exist (no such
+    file, or not found in ``PATH``). A shell would exit 127; ``shoal exec``
+    does."""
+
+
+class CommandNotExecutable(ShoalError):
+    """A command could not start: its executable exists but cannot be
+    executed (a directory, no execute permission, not a binary). A shell
+    would exit 126; ``shoal exec`` does. ``code`` is the server's
+    (``permission_denied`` or ``invalid_argument``)."""
+
+    default_code = "permission_denied"
+
+
 class LayerNotFound(NotFound):
     """No layer has the tag or digest named (in a layer call, or in a create's
     base, workspaces, toolkits or environment)."""
@@ -242,6 +257,10 @@ _SANDBOX_KILLED = " was killed (deleted) while "
 # The reason (error metadata Shoal-Error-Reason) of a sandbox killed under an
 # operation (internal/control.ReasonSandboxKilled).
 REASON_SANDBOX_KILLED = "sandbox_killed"
+# A command's executable is missing / not executable
+# (internal/control.ReasonCommandNotFound, ReasonCommandNotExecutable).
+REASON_COMMAND_NOT_FOUND = "command_not_found"
+REASON_COMMAND_NOT_EXECUTABLE = "command_not_executable"
 _LAYER_MISSING = "layer not found"
 _LAYER_IN_USE = "layer in use"
 
@@ -264,6 +283,10 @@ def error_for(
     :param reason: the error's Shoal-Error-Reason metadata, if any.
     """
     cls = _BY_CODE.get(code, ServerError)
+    if reason == REASON_COMMAND_NOT_FOUND:
+        return CommandNotFound(message, code=code, status=status)
+    if reason == REASON_COMMAND_NOT_EXECUTABLE:
+        return CommandNotExecutable(message, code=code, status=status)
     if cls is NotFound:
         low = message.lower()
         if reason == REASON_SANDBOX_KILLED or _SANDBOX_KILLED in message:

@@ -33,8 +33,18 @@ def test_argv_list_is_not_a_shell_line(sb) -> None:
 
 
 def test_missing_program(sb) -> None:
-    with pytest.raises((shoal.CommandExitException, shoal.NotFound, shoal.InvalidArgument, shoal.FailedPrecondition)):
-        sb.commands.run(["/no/such/program"], check=True)
+    with pytest.raises(shoal.CommandNotFound):
+        sb.commands.run(["/no/such/program"])
+    with pytest.raises(shoal.CommandNotFound):
+        sb.commands.run(["no-such-program"], background=True)
+    sb.files.make_dir("/tmp/a-dir")
+    with pytest.raises(shoal.CommandNotExecutable) as e:
+        sb.commands.run(["/tmp/a-dir"])
+    assert e.value.code == "permission_denied"
+    # A missing working directory is not a missing program.
+    with pytest.raises(shoal.NotFound) as e:
+        sb.commands.run(["true"], cwd="/no/such/dir")
+    assert not isinstance(e.value, shoal.CommandNotFound)
 
 
 def test_streaming_callbacks_arrive_while_the_command_runs(sb) -> None:
