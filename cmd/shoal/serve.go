@@ -22,6 +22,7 @@ import (
 	"github.com/shoal-sandbox/shoal/internal/control"
 	"github.com/shoal-sandbox/shoal/internal/e2b"
 	"github.com/shoal-sandbox/shoal/internal/layer"
+	"github.com/shoal-sandbox/shoal/internal/metrics"
 	"github.com/shoal-sandbox/shoal/internal/node"
 	"github.com/shoal-sandbox/shoal/internal/sandbox"
 	"github.com/shoal-sandbox/shoal/internal/session"
@@ -185,10 +186,12 @@ func serve(cfg serveConfig) error {
 	if err != nil {
 		return err
 	}
-	mgr, err := node.New(node.Config{DataDir: cfg.DataDir, AgentBinary: cfg.Agent, CommitMaxBytes: cfg.CommitMaxBytes}, db, layers, []sandbox.Backend{ctr}, log)
+	mt := metrics.New()
+	mgr, err := node.New(node.Config{DataDir: cfg.DataDir, AgentBinary: cfg.Agent, CommitMaxBytes: cfg.CommitMaxBytes, Metrics: mt}, db, layers, []sandbox.Backend{ctr}, log)
 	if err != nil {
 		return err
 	}
+	registerGauges(mt, mgr, ctr)
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	sessions, err := session.New(session.Config{LogCap: cfg.LogCap, KeepEnded: cfg.KeepCommands, KeepFor: cfg.KeepCommandsFor}, db, mgr, log)
@@ -255,8 +258,10 @@ func serve(cfg serveConfig) error {
 	var protocols http.Protocols
 	protocols.SetHTTP1(true)
 	protocols.SetUnencryptedHTTP2(true) // gRPC clients
+	api := control.New(mgr, sessions, auth, log)
+	api.SetMetrics(mt)
 	srv := &http.Server{
-		Handler:           control.New(mgr, sessions, auth, log).Handler(),
+		Handler:           api.Handler(),
 		Protocols:         &protocols,
 		ReadHeaderTimeout: 10 * time.Second,
 	}
@@ -284,4 +289,36 @@ func serve(cfg serveConfig) error {
 		log.Warn("drain the container pool", "err", cerr)
 	}
 	return err
+}
+
+// registerGauges adds what /metrics reads at each scrape: sandboxes by
+// backend and state, and the warm pool's sizes and counters.
+func registerGauges(mt *metrics.Metrics, mgr *node.Manager, ctr *container.Backend) {
+	mt.Gauges("shoal_sandboxes", "Sandboxes on this node by backend and state.", []string{"backend", "state"}, func() []metrics.Gauge {
+		var out []metrics.Gauge
+		for k, n := range mgr.StateCounts() {
+			out = append(out, metrics.Gauge{Labels: []string{k[0], k[1]}, Value: float64(n)})
+		}
+		return out
+	})
+	mt.Gauges("shoal_pool_containers", "Warm pool containers of the container backend: ready, starting, target and max.", []string{"kind"}, func() []metrics.Gauge {
+		st, ok := ctr.PoolStats()
+		if !ok {
+			return nil
+		}
+		return []metrics.Gauge{
+			{Labels: []string{"ready"}, Value: float64(st.Ready)}, {Labels: []string{"starting"}, Value: float64(st.Starting)},
+			{Labels: []string{"target"}, Value: float64(st.Target)}, {Labels: []string{"max"}, Value: float64(st.Max)},
+		}
+	})
+	mt.Counters("shoal_pool_events_total", "Counts of the warm pool since serve started: claims (creates it served), misses (creates that found it empty), started and shrunk containers.", []string{"event"}, func() []metrics.Gauge {
+		st, ok := ctr.PoolStats()
+		if !ok {
+			return nil
+		}
+		return []metrics.Gauge{
+			{Labels: []string{"claims"}, Value: float64(st.Claims)}, {Labels: []string{"misses"}, Value: float64(st.Misses)},
+			{Labels: []string{"started"}, Value: float64(st.Started)}, {Labels: []string{"shrunk"}, Value: float64(st.Shrunk)},
+		}
+	})
 }

@@ -17,11 +17,13 @@ import (
 )
 
 // handlerOptions are the options of every connect handler the API serves:
-// JSON requests are decoded strictly (see strictJSONCodec).
-func handlerOptions() []connect.HandlerOption {
+// JSON requests are decoded strictly (see strictJSONCodec), and every call
+// is counted (metrics.go).
+func (s *Server) handlerOptions() []connect.HandlerOption {
 	return []connect.HandlerOption{
 		connect.WithCodec(strictJSONCodec{name: "json"}),
 		connect.WithCodec(strictJSONCodec{name: "json; charset=utf-8"}),
+		connect.WithInterceptors(metricsInterceptor{s.metrics}),
 	}
 }
 

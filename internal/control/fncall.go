@@ -43,8 +43,8 @@ func (s *Server) fncallRoutes(mux *http.ServeMux) {
 	if svc.err != nil {
 		s.log.Error("fncall engine", "err", svc.err)
 	}
-	mux.Handle(shoalv1connect.NewFnCallServiceHandler(svc, handlerOptions()...))
-	path, h := shoalv1connect.NewSandboxServiceHandler(&fncallSandboxes{Server: s, fn: svc}, handlerOptions()...)
+	mux.Handle(shoalv1connect.NewFnCallServiceHandler(svc, s.handlerOptions()...))
+	path, h := shoalv1connect.NewSandboxServiceHandler(&fncallSandboxes{Server: s, fn: svc}, s.handlerOptions()...)
 	mux.Handle(path+"CreateSandbox", h)
 }
 

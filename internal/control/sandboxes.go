@@ -17,6 +17,7 @@ import (
 
 	pb "github.com/shoal-sandbox/shoal/api/shoal/v1"
 	"github.com/shoal-sandbox/shoal/api/shoal/v1/shoalv1connect"
+	"github.com/shoal-sandbox/shoal/internal/metrics"
 	"github.com/shoal-sandbox/shoal/internal/node"
 	"github.com/shoal-sandbox/shoal/internal/session"
 )
@@ -30,6 +31,7 @@ type Server struct {
 	sessions *session.Manager
 	auth     *Auth
 	log      *slog.Logger
+	metrics  *metrics.Metrics // nil: not counted, no /metrics
 }
 
 var (
@@ -46,20 +48,23 @@ func New(m *node.Manager, sessions *session.Manager, auth *Auth, log *slog.Logge
 // Handler returns the HTTP handler for the whole API.
 func (s *Server) Handler() http.Handler {
 	mux := http.NewServeMux()
+	if s.metrics != nil {
+		mux.Handle("GET /metrics", s.metrics.Handler()) // authenticated like the rest
+	}
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Content-Type", "application/json")
 		fmt.Fprintln(w, `{"status":"ok"}`)
 	})
-	mux.Handle(shoalv1connect.NewSandboxServiceHandler(s, handlerOptions()...)) // strict JSON (codec.go)
-	mux.Handle(shoalv1connect.NewLayerServiceHandler(s, handlerOptions()...))
-	mux.Handle(shoalv1connect.NewCommandServiceHandler(s, handlerOptions()...))
+	mux.Handle(shoalv1connect.NewSandboxServiceHandler(s, s.handlerOptions()...)) // strict JSON (codec.go)
+	mux.Handle(shoalv1connect.NewLayerServiceHandler(s, s.handlerOptions()...))
+	mux.Handle(shoalv1connect.NewCommandServiceHandler(s, s.handlerOptions()...))
 	mux.HandleFunc("GET /v1/sandboxes/{id}/files", s.readFile)
 	mux.HandleFunc("PUT /v1/sandboxes/{id}/files", s.writeFile)
 	s.portRoutes(mux) // /v1/sandboxes/{id}/ports/{port}/... (ports.go)
 	s.layerRoutes(mux)
 	s.fncallRoutes(mux) // FnCallService, CreateSandbox of backend "fncall" (fncall.go)
 	// A /shoal.v1.* procedure not served here: unimplemented (codec.go).
-	return s.auth.Middleware(unknownProcedures(mux), "/healthz")
+	return s.auth.Middleware(s.countRoutes(unknownProcedures(mux)), "/healthz")
 }
 
 // --- sandboxes ---

@@ -6,6 +6,7 @@
 package errdefs
 
 import (
+	"context"
 	"errors"
 	"fmt"
 )
@@ -46,4 +47,31 @@ func Mark(kind, err error) error {
 // New formats an error of the given kind; %w works as in fmt.Errorf.
 func New(kind error, format string, args ...any) error {
 	return Mark(kind, fmt.Errorf(format, args...))
+}
+
+// Code names err's kind in the words of the wire codes ("ok" for nil,
+// "internal" for an error of no kind), for logs and metrics labels. The
+// API's mapping to wire codes stays in internal/control.
+func Code(err error) string {
+	switch {
+	case err == nil:
+		return "ok"
+	case errors.Is(err, ErrInvalidArgument):
+		return "invalid_argument"
+	case errors.Is(err, ErrNotFound), errors.Is(err, ErrSandboxKilled):
+		return "not_found"
+	case errors.Is(err, ErrAlreadyExists):
+		return "already_exists"
+	case errors.Is(err, ErrFailedPrecondition):
+		return "failed_precondition"
+	case errors.Is(err, ErrResourceExhausted):
+		return "resource_exhausted"
+	case errors.Is(err, ErrUnavailable):
+		return "unavailable"
+	case errors.Is(err, context.Canceled):
+		return "canceled"
+	case errors.Is(err, context.DeadlineExceeded):
+		return "deadline_exceeded"
+	}
+	return "internal"
 }

@@ -30,6 +30,8 @@ import (
 	"regexp"
 	"strings"
 	"time"
+
+	"github.com/shoal-sandbox/shoal/internal/errdefs"
 )
 
 // Kind is what a layer holds; it decides its place in a stack.
@@ -54,15 +56,16 @@ func ParseKind(s string) (Kind, error) {
 	return "", fmt.Errorf("unknown layer kind %q: valid kinds are base, workspace, toolkit", s)
 }
 
-// Errors returned by the Store; check them with errors.Is.
+// Errors returned by the Store; check them with errors.Is. Each is also of
+// an errdefs kind (errors.Is(layer.ErrNotFound, errdefs.ErrNotFound)).
 var (
 	// ErrNotFound: no layer has this tag or digest.
-	ErrNotFound = errors.New("layer not found")
+	ErrNotFound = errdefs.Mark(errdefs.ErrNotFound, errors.New("layer not found"))
 	// ErrInvalidRef: a reference, name, version or digest is malformed.
-	ErrInvalidRef = errors.New("invalid layer reference")
+	ErrInvalidRef = errdefs.Mark(errdefs.ErrInvalidArgument, errors.New("invalid layer reference"))
 	// ErrInUse: the layer is used (by a sandbox, an environment or a
 	// mount) or still tagged, so it cannot be removed.
-	ErrInUse = errors.New("layer in use")
+	ErrInUse = errdefs.Mark(errdefs.ErrFailedPrecondition, errors.New("layer in use"))
 )
 
 // Layer describes one built image and the tag it was built under.

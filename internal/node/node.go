@@ -24,6 +24,7 @@ import (
 	"github.com/shoal-sandbox/shoal/internal/agent"
 	"github.com/shoal-sandbox/shoal/internal/errdefs"
 	"github.com/shoal-sandbox/shoal/internal/layer"
+	"github.com/shoal-sandbox/shoal/internal/metrics"
 	"github.com/shoal-sandbox/shoal/internal/sandbox"
 )
 
@@ -47,6 +48,8 @@ type Config struct {
 	// CommitMaxBytes bounds the bytes of files a commit copies from a
 	// sandbox's writable layer; 0 means layer.DefaultCommitMaxBytes.
 	CommitMaxBytes int64
+	// Metrics counts creates and deletes (nil: not counted).
+	Metrics *metrics.Metrics
 }
 
 // Validate fills defaults and checks the configuration.
@@ -297,6 +300,9 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (rec Record, er
 		}
 	}
 	start := time.Now()
+	defer func() {
+		m.cfg.Metrics.Create(req.Backend, rec.Handle.Data["pooled"] == "true", time.Since(start), errdefs.Code(err))
+	}()
 	layers, refs, err := m.resolve(&req)
 	if err != nil {
 		return Record{}, err
@@ -539,6 +545,11 @@ func (m *Manager) touchLocked(e *entry) {
 // Delete destroys a sandbox: its processes, its mounts, its writable layer
 // and its record. Deleting a sandbox that is being deleted waits for that.
 func (m *Manager) Delete(ctx context.Context, id string) error {
+	return m.delete(ctx, id, "request")
+}
+
+// delete deletes a sandbox; reason (request, timeout) is what metrics say.
+func (m *Manager) delete(ctx context.Context, id, reason string) error {
 	m.mu.Lock()
 	e, err := m.lookup(id)
 	if err != nil {
@@ -576,9 +587,21 @@ func (m *Manager) Delete(ctx context.Context, id string) error {
 		for _, fn := range m.onDelete {
 			fn(id)
 		}
-		m.log.Info("sandbox deleted", "sandbox_id", id)
+		m.log.Info("sandbox deleted", "sandbox_id", id, "reason", reason)
+		m.cfg.Metrics.Delete(rec.Backend, reason)
 	}
 	return err
+}
+
+// StateCounts counts the sandboxes by backend and state.
+func (m *Manager) StateCounts() map[[2]string]int {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	out := map[[2]string]int{}
+	for _, e := range m.sandboxes {
+		out[[2]string{e.rec.Backend, string(e.rec.State)}]++
+	}
+	return out
 }
 
 // Deleting reports whether a sandbox is being deleted, or is gone.
@@ -827,7 +850,7 @@ func (m *Manager) Run(ctx context.Context) {
 					dctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 					defer cancel()
 					m.log.Info("sandbox idle timeout", "sandbox_id", id)
-					if err := m.Delete(dctx, id); err != nil && !errors.Is(err, ErrNotFound) {
+					if err := m.delete(dctx, id, "timeout"); err != nil && !errors.Is(err, ErrNotFound) {
 						m.log.Error("delete expired sandbox", "sandbox_id", id, "err", err)
 					}
 				}(id)

@@ -221,3 +221,50 @@ func TestRemoveNonEmptyDirectory(t *testing.T) {
 		t.Fatalf("StatFile after remove: %v", err)
 	}
 }
+
+// /metrics needs the API key, and counts what happened: a create, a create
+// of a missing layer, a file read, the sandboxes running now.
+func TestMetricsEndpoint(t *testing.T) {
+	need(t)
+	get := func(key string) (int, string) {
+		req, _ := http.NewRequest(http.MethodGet, apiURL+"/metrics", nil)
+		if key != "" {
+			req.Header.Set("Authorization", "Bearer "+key)
+		}
+		res, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer res.Body.Close()
+		b, _ := io.ReadAll(res.Body)
+		return res.StatusCode, string(b)
+	}
+	if status, _ := get(""); status != http.StatusUnauthorized {
+		t.Fatalf("/metrics without a key: HTTP %d, want 401", status)
+	}
+	id := create(t)
+	if _, code := run(nil, "create", "--base", "no-such-layer:1"); code == 0 {
+		t.Fatal("create of a missing layer succeeded")
+	}
+	if out, code := run(nil, "cp", id+":/bin/busybox", "/dev/null"); code != 0 {
+		t.Fatalf("cp: %s", out)
+	}
+	status, body := get(apiKey)
+	if status != http.StatusOK {
+		t.Fatalf("/metrics: HTTP %d", status)
+	}
+	for _, want := range []string{
+		`shoal_sandbox_creates_total{backend="container",result="ok"}`,
+		`shoal_sandbox_creates_total{backend="container",result="not_found"}`,
+		`shoal_sandbox_create_seconds_count{backend="container"`,
+		`shoal_sandboxes{backend="container",state="running"}`,
+		`shoal_api_requests_total{code="ok",procedure="/shoal.v1.SandboxService/CreateSandbox"}`,
+		`shoal_api_requests_total{code="not_found",procedure="/shoal.v1.SandboxService/CreateSandbox"}`,
+		`shoal_api_requests_total{code="ok",procedure="GET /v1/sandboxes/{id}/files"}`,
+		`shoal_pool_containers{kind="ready"}`,
+	} {
+		if !strings.Contains(body, want) {
+			t.Errorf("/metrics lacks %s", want)
+		}
+	}
+}

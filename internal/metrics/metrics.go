@@ -1,0 +1,138 @@
+// Package metrics is what a node tells Prometheus: creates and their
+// latency, sandboxes by state, the warm pool, API requests by procedure and
+// code, plus Go's and the process's own collectors. serve makes one
+// Metrics, hands it to the parts that count, and serves it on /metrics.
+// Every method is safe on a nil *Metrics (tests and tools run without one).
+package metrics
+
+import (
+	"net/http"
+	"strconv"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+)
+
+// Metrics holds a node's registry and the metrics it updates as things
+// happen; gauges of current state are read at scrape time (Gauges).
+type Metrics struct {
+	reg *prometheus.Registry
+
+	creates        *prometheus.CounterVec
+	createSeconds  *prometheus.HistogramVec
+	deletes        *prometheus.CounterVec
+	requests       *prometheus.CounterVec
+	requestSeconds *prometheus.HistogramVec
+}
+
+// Latency buckets from 1 ms (a pooled create, an exec) to a minute (a cold
+// create on a loaded host, a layer build's first byte).
+var buckets = []float64{.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60}
+
+// New returns a Metrics with its own registry, holding the Go runtime's and
+// the process's collectors.
+func New() *Metrics {
+	m := &Metrics{
+		reg: prometheus.NewRegistry(),
+		creates: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "shoal_sandbox_creates_total",
+			Help: "Sandbox creates by backend and result (ok, or the error code: invalid_argument, not_found, resource_exhausted, internal, ...).",
+		}, []string{"backend", "result"}),
+		createSeconds: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "shoal_sandbox_create_seconds",
+			Help:    "Latency of successful sandbox creates, by backend and whether a warm pool served them.",
+			Buckets: buckets,
+		}, []string{"backend", "pooled"}),
+		deletes: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "shoal_sandbox_deletes_total",
+			Help: "Sandboxes deleted, by backend and why (request, timeout).",
+		}, []string{"backend", "reason"}),
+		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "shoal_api_requests_total",
+			Help: "API requests by procedure (or route) and code (ok, or the Connect code of the error).",
+		}, []string{"procedure", "code"}),
+		requestSeconds: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "shoal_api_request_seconds",
+			Help:    "API request latency by procedure (or route); a stream counts until it ends.",
+			Buckets: buckets,
+		}, []string{"procedure"}),
+	}
+	m.reg.MustRegister(m.creates, m.createSeconds, m.deletes, m.requests, m.requestSeconds,
+		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	return m
+}
+
+// Handler serves the registry in Prometheus' text (or protobuf) format.
+func (m *Metrics) Handler() http.Handler {
+	return promhttp.HandlerFor(m.reg, promhttp.HandlerOpts{Registry: m.reg})
+}
+
+// Create records one create: its latency when it succeeded, its result.
+// result is "ok" or the error's code.
+func (m *Metrics) Create(backend string, pooled bool, took time.Duration, result string) {
+	if m == nil {
+		return
+	}
+	m.creates.WithLabelValues(backend, result).Inc()
+	if result == "ok" {
+		m.createSeconds.WithLabelValues(backend, strconv.FormatBool(pooled)).Observe(took.Seconds())
+	}
+}
+
+// Delete records one delete.
+func (m *Metrics) Delete(backend, reason string) {
+	if m == nil {
+		return
+	}
+	m.deletes.WithLabelValues(backend, reason).Inc()
+}
+
+// Request records one API request.
+func (m *Metrics) Request(procedure, code string, took time.Duration) {
+	if m == nil {
+		return
+	}
+	m.requests.WithLabelValues(procedure, code).Inc()
+	m.requestSeconds.WithLabelValues(procedure).Observe(took.Seconds())
+}
+
+// Gauge is one value of a gauge read at scrape time.
+type Gauge struct {
+	Labels []string // values of the gauge's labels, in order
+	Value  float64
+}
+
+// Gauges registers a gauge family whose values read() returns at each
+// scrape (sandboxes by state, the pool's sizes): no count to keep in step
+// with the state it describes.
+func (m *Metrics) Gauges(name, help string, labels []string, read func() []Gauge) {
+	if m == nil {
+		return
+	}
+	m.reg.MustRegister(&gaugeFunc{desc: prometheus.NewDesc(name, help, labels, nil), typ: prometheus.GaugeValue, read: read})
+}
+
+// Counters is Gauges for counts kept elsewhere that only grow (name ends
+// in _total).
+func (m *Metrics) Counters(name, help string, labels []string, read func() []Gauge) {
+	if m == nil {
+		return
+	}
+	m.reg.MustRegister(&gaugeFunc{desc: prometheus.NewDesc(name, help, labels, nil), typ: prometheus.CounterValue, read: read})
+}
+
+type gaugeFunc struct {
+	desc *prometheus.Desc
+	typ  prometheus.ValueType
+	read func() []Gauge
+}
+
+func (g *gaugeFunc) Describe(ch chan<- *prometheus.Desc) { ch <- g.desc }
+
+func (g *gaugeFunc) Collect(ch chan<- prometheus.Metric) {
+	for _, v := range g.read() {
+		ch <- prometheus.MustNewConstMetric(g.desc, g.typ, v.Value, v.Labels...)
+	}
+}
