@@ -27,6 +27,11 @@ type Resources struct {
 	MemoryBytes int64 // hard memory limit (OOM kill above it)
 	MilliCPU    int64 // CPU bandwidth in thousandths of a core (1000 = one core)
 	Pids        int64 // maximum number of tasks
+	// DiskBytes is the size of the sandbox's writable layer (its own file
+	// system, with an inode count derived from the size); 0 means no limit
+	// but the host's disk. A backend that cannot bound it refuses a
+	// non-zero value with ErrUnsupported.
+	DiskBytes int64 `json:",omitempty"`
 }
 
 // Layer is one read-only layer of a sandbox's root, as the backend sees it.
