@@ -137,5 +137,13 @@ type Freezer interface {
 	Thaw(ctx context.Context, h Handle) error
 }
 
+// DiskLimiter is implemented by backends that can bound the size of a
+// sandbox's writable layer (Resources.DiskBytes). DiskLimits says whether
+// this one can on this host, and how, or why not: a backend that cannot
+// refuses a non-zero DiskBytes with ErrUnsupported.
+type DiskLimiter interface {
+	DiskLimits() (ok bool, how string)
+}
+
 // Timeouts used by backends when the caller's context has none.
 const DefaultStartTimeout = 30 * time.Second
