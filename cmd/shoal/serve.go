@@ -49,9 +49,9 @@ type serveConfig struct {
 	// Per-sandbox limits and the node's budgets (node.Config); the strings
 	// are sizes or counts as given, parsed by Validate.
 	DefaultDisk, MaxDisk, DiskBudget, PidsBudget string
-	PidsLimit                                   int64
-	Nofile                                      uint64
-	E2B         e2bConfig
+	PidsLimit                                    int64
+	Nofile                                       uint64
+	E2B                                          e2bConfig
 }
 
 // e2bConfig configures the E2B-compatible endpoint (internal/e2b).
