@@ -89,13 +89,16 @@ func parseBytes(s string) (int64, error) {
 	if err != nil || v < 0 {
 		return 0, fmt.Errorf("size %q must look like 512M or 2G", s)
 	}
+	if v*float64(mult) >= 1<<63 {
+		return 0, fmt.Errorf("size %q is too large", s)
+	}
 	return int64(v * float64(mult)), nil
 }
 
 func createCmd() *cobra.Command {
 	var (
 		req               pb.CreateSandboxRequest
-		memory            string
+		memory, disk      string
 		cpus              float64
 		timeout           time.Duration
 		metadata, envVars []string
@@ -111,6 +114,11 @@ func createCmd() *cobra.Command {
 			}
 			if req.MemoryBytes, err = parseBytes(memory); err != nil {
 				return fmt.Errorf("--memory: %w", err)
+			}
+			if disk != "" {
+				if req.DiskBytes, err = parseBytes(disk); err != nil {
+					return fmt.Errorf("--disk: %w", err)
+				}
 			}
 			if cpus < 0 {
 				return errors.New("--cpus must be positive")
@@ -143,6 +151,7 @@ func createCmd() *cobra.Command {
 	f.StringArrayVar(&req.Workspaces, "workspace", nil, "workspace layer ref (repeatable)")
 	f.StringArrayVar(&req.Toolkits, "toolkit", nil, "toolkit layer ref (repeatable)")
 	f.StringVar(&memory, "memory", "512M", "memory limit")
+	f.StringVar(&disk, "disk", "", "size of the writable layer, e.g. 4G (ENOSPC in the sandbox when full; default: the server's, 1G)")
 	f.Float64Var(&cpus, "cpus", 1, "CPU limit in cores")
 	f.DurationVar(&timeout, "timeout", 30*time.Minute, "idle timeout (refreshed by activity)")
 	f.StringArrayVar(&metadata, "metadata", nil, "KEY=VALUE metadata (repeatable)")

@@ -47,7 +47,12 @@ type serveConfig struct {
 	PoolMax     int
 	RuncSeccomp bool
 	Pprof       string
-	E2B         e2bConfig
+	// Per-sandbox limits and the node's budgets (node.Config); the strings
+	// are sizes or counts as given, parsed by Validate.
+	DefaultDisk, MaxDisk, DiskBudget, PidsBudget string
+	PidsLimit                                    int64
+	Nofile                                       uint64
+	E2B                                          e2bConfig
 }
 
 // e2bConfig configures the E2B-compatible endpoint (internal/e2b).
@@ -95,6 +100,54 @@ func (c *serveConfig) Validate() error {
 	return nil
 }
 
+// nodeConfig is the node manager's configuration: limits and budgets
+// parsed, "auto" budgets computed from the host.
+func (c *serveConfig) nodeConfig() (node.Config, error) {
+	nc := node.Config{DataDir: c.DataDir, AgentBinary: c.Agent, CommitMaxBytes: c.CommitMaxBytes, PidsLimit: c.PidsLimit}
+	if c.PidsLimit < 1 || c.PidsLimit > 1<<22 {
+		return nc, fmt.Errorf("--pids-limit %d: want 1 to %d", c.PidsLimit, 1<<22)
+	}
+	size := func(flag, v string) (int64, error) {
+		n, err := parseBytes(v)
+		if err != nil {
+			return 0, fmt.Errorf("--%s: %w", flag, err)
+		}
+		return n, nil
+	}
+	var err error
+	if c.DefaultDisk == "none" {
+		nc.DefaultDisk = -1
+	} else if nc.DefaultDisk, err = size("default-disk", c.DefaultDisk); err != nil {
+		return nc, err
+	}
+	if nc.MaxDisk, err = size("max-disk", c.MaxDisk); err != nil {
+		return nc, err
+	}
+	switch c.DiskBudget {
+	case "none":
+	case "auto", "":
+		if nc.DiskBudget, err = node.DiskBudgetFor(c.DataDir, 4); err != nil {
+			return nc, err
+		}
+	default:
+		if nc.DiskBudget, err = size("disk-budget", c.DiskBudget); err != nil {
+			return nc, err
+		}
+	}
+	switch c.PidsBudget {
+	case "none":
+	case "auto", "":
+		if nc.PidsBudget, err = node.HostPidsBudget(); err != nil {
+			return nc, fmt.Errorf("--pids-budget auto: %w", err)
+		}
+	default:
+		if nc.PidsBudget, err = strconv.ParseInt(c.PidsBudget, 10, 64); err != nil || nc.PidsBudget < 1 {
+			return nc, fmt.Errorf("--pids-budget %q: want auto, none or a positive number", c.PidsBudget)
+		}
+	}
+	return nc, nc.Validate()
+}
+
 // findAgent looks for shoal-agent beside this executable, then in the
 // install location.
 func findAgent() string {
@@ -133,6 +186,12 @@ func serveCmd() *cobra.Command {
 	cmd.Flags().IntVar(&cfg.PoolSize, "pool-size", container.DefaultPoolSize, "pre-started blank containers kept ready for creates (0: none)")
 	cmd.Flags().IntVar(&cfg.PoolMax, "pool-max", container.DefaultPoolMax, fmt.Sprintf("how many ready containers demand may grow the pool to (each holds about %d MiB)", container.PoolMemberBytes>>20))
 	cmd.Flags().BoolVar(&cfg.RuncSeccomp, "runc-seccomp", false, "let runc compile docker's seccomp profile per container instead of once per node (slower; disables the pool)")
+	cmd.Flags().StringVar(&cfg.DefaultDisk, "default-disk", "1G", "size of a sandbox's writable layer when its create gives none (its own file system: ENOSPC when full); \"none\": no limit")
+	cmd.Flags().StringVar(&cfg.MaxDisk, "max-disk", "1T", "largest disk a create may ask for")
+	cmd.Flags().StringVar(&cfg.DiskBudget, "disk-budget", "auto", "the sum of the sandboxes' disk sizes this node admits; \"auto\": 4 x the data dir's free space less a reserve (a tenth of the file system, at least 1 GiB); a size (e.g. the free space) to guarantee it; \"none\"")
+	cmd.Flags().Int64Var(&cfg.PidsLimit, "pids-limit", container.DefaultPids, "tasks (processes and threads) per sandbox")
+	cmd.Flags().StringVar(&cfg.PidsBudget, "pids-budget", "auto", "the sum of the sandboxes' pids limits this node admits; \"auto\": 3/4 of the smaller of kernel.pid_max and kernel.threads-max; a number; \"none\"")
+	cmd.Flags().Uint64Var(&cfg.Nofile, "sandbox-nofile", container.DefaultNofile, "RLIMIT_NOFILE (open files per process) in sandboxes")
 	cmd.Flags().StringVar(&cfg.Pprof, "pprof", "", "serve Go profiles (net/http/pprof) on this HOST:PORT, unauthenticated: keep it on localhost")
 	cmd.Flags().Int64Var(&cfg.LogCap, "command-log-cap", session.DefaultLogCap, "bytes of output kept per command (the rest is dropped and reported)")
 	cmd.Flags().IntVar(&cfg.KeepCommands, "command-retention", session.DefaultKeepEnded, "ended commands kept per sandbox (records and output logs; older ones are pruned), besides trajectory steps and shells, which are kept as long as the sandbox lives; -1: no limit")
@@ -175,7 +234,14 @@ func serve(cfg serveConfig) error {
 	if poolSize == 0 {
 		poolSize = -1 // container.Config: 0 means its default, -1 none
 	}
+	node.RaiseHostLimits(log)
+	nodeCfg, err := cfg.nodeConfig()
+	if err != nil {
+		return err
+	}
 	ctr, err := container.New(container.Config{
+		DiskDir:     filepath.Join(cfg.DataDir, "disk"),
+		Nofile:      cfg.Nofile,
 		PoolSize:    poolSize,
 		PoolMax:     cfg.PoolMax,
 		RuncSeccomp: cfg.RuncSeccomp,
@@ -186,8 +252,15 @@ func serve(cfg serveConfig) error {
 	if err != nil {
 		return err
 	}
+	if ok, how := ctr.DiskLimits(); ok {
+		log.Info("sandbox disks: limited", "how", how, "default", nodeCfg.DefaultDisk, "max", nodeCfg.MaxDisk, "budget", nodeCfg.DiskBudget)
+	} else {
+		log.Error("sandbox disks: NOT limited: a sandbox can fill the host's disk", "why", how)
+	}
+	log.Info("sandbox tasks", "pids_limit", nodeCfg.PidsLimit, "pids_budget", nodeCfg.PidsBudget, "nofile", cfg.Nofile)
 	mt := metrics.New()
-	mgr, err := node.New(node.Config{DataDir: cfg.DataDir, AgentBinary: cfg.Agent, CommitMaxBytes: cfg.CommitMaxBytes, Metrics: mt}, db, layers, []sandbox.Backend{ctr}, log)
+	nodeCfg.Metrics = mt
+	mgr, err := node.New(nodeCfg, db, layers, []sandbox.Backend{ctr}, log)
 	if err != nil {
 		return err
 	}

@@ -71,12 +71,12 @@ func (s *Server) Handler() http.Handler {
 
 func (s *Server) CreateSandbox(ctx context.Context, req *connect.Request[pb.CreateSandboxRequest]) (*connect.Response[pb.Sandbox], error) {
 	r := req.Msg
-	if r.MemoryBytes < 0 || r.Millicpu < 0 || r.TimeoutSeconds < 0 {
-		return nil, connect.NewError(connect.CodeInvalidArgument, errors.New("memory_bytes, millicpu and timeout_seconds must not be negative"))
+	if r.MemoryBytes < 0 || r.Millicpu < 0 || r.TimeoutSeconds < 0 || r.DiskBytes < 0 {
+		return nil, connect.NewError(connect.CodeInvalidArgument, errors.New("memory_bytes, millicpu, disk_bytes and timeout_seconds must not be negative"))
 	}
 	rec, err := s.node.Create(ctx, node.CreateRequest{
 		Backend: r.Backend, Template: r.Template, Base: r.Base, Workspaces: r.Workspaces, Toolkits: r.Toolkits,
-		Memory: r.MemoryBytes, MilliCPU: r.Millicpu, Timeout: time.Duration(r.TimeoutSeconds) * time.Second,
+		Memory: r.MemoryBytes, MilliCPU: r.Millicpu, Disk: r.DiskBytes, Timeout: time.Duration(r.TimeoutSeconds) * time.Second,
 		Metadata: r.Metadata, Env: r.Env, ClientKey: r.ClientKey,
 	})
 	if err != nil {
@@ -118,7 +118,7 @@ func (s *Server) SetTimeout(ctx context.Context, req *connect.Request[pb.SetTime
 
 func sandboxPB(r node.Record) *pb.Sandbox {
 	out := &pb.Sandbox{
-		Id: r.ID, Backend: r.Backend, MemoryBytes: r.Resources.MemoryBytes, Millicpu: r.Resources.MilliCPU,
+		Id: r.ID, Backend: r.Backend, MemoryBytes: r.Resources.MemoryBytes, Millicpu: r.Resources.MilliCPU, DiskBytes: r.Resources.DiskBytes,
 		PidsLimit: r.Resources.Pids, TimeoutSeconds: int64(r.Timeout / time.Second),
 		CreatedAt: timestamppb.New(r.Created), ExpiresAt: timestamppb.New(r.Expires),
 		Metadata: r.Metadata, Error: r.Error,

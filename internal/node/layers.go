@@ -147,7 +147,10 @@ func (m *Manager) CommitLayer(ctx context.Context, id string, o layer.CommitOpti
 	for _, l := range rec.Layers {
 		over = append(over, l.Ref)
 	}
-	o.Upper = filepath.Join(dir, upperDirName)
+	o.Upper = rec.Handle.Data["upper"] // where the backend put it (on a disk image, say)
+	if o.Upper == "" {
+		o.Upper = filepath.Join(dir, upperDirName)
+	}
 	o.Exclude = append(slices.Clone(o.Exclude), reservedPaths...)
 	o.Origin = fmt.Sprintf("commit of sandbox %s over %s", id, strings.Join(over, " + "))
 	if o.MaxBytes == 0 {

@@ -48,9 +48,27 @@ type Config struct {
 	// CommitMaxBytes bounds the bytes of files a commit copies from a
 	// sandbox's writable layer; 0 means layer.DefaultCommitMaxBytes.
 	CommitMaxBytes int64
+	// DefaultDisk is the size of the writable layer of a sandbox whose
+	// create gives none, on backends that bound it (sandbox.DiskLimiter);
+	// 0 means DefaultDiskBytes, negative no limit. MaxDisk bounds what a
+	// create may ask (0: DefaultMaxDiskBytes).
+	DefaultDisk int64
+	MaxDisk     int64
+	// DiskBudget bounds the sum of the disk sizes of the node's sandboxes
+	// (admission: a create beyond it is refused as resource_exhausted);
+	// PidsBudget bounds the sum of their pids limits likewise. 0: no bound.
+	DiskBudget int64
+	PidsBudget int64
 	// Metrics counts creates and deletes (nil: not counted).
 	Metrics *metrics.Metrics
 }
+
+// Disk sizes.
+const (
+	MinDiskBytes        = 16 << 20
+	DefaultDiskBytes    = 1 << 30
+	DefaultMaxDiskBytes = 1 << 40
+)
 
 // Validate fills defaults and checks the configuration.
 func (c *Config) Validate() error {
@@ -86,6 +104,21 @@ func (c *Config) Validate() error {
 	if c.PidsLimit == 0 {
 		c.PidsLimit = 1024
 	}
+	if c.DefaultDisk == 0 {
+		c.DefaultDisk = DefaultDiskBytes
+	}
+	if c.MaxDisk == 0 {
+		c.MaxDisk = DefaultMaxDiskBytes
+	}
+	if c.MaxDisk < MinDiskBytes {
+		return fmt.Errorf("node config: max disk %d bytes is below the minimum of %d", c.MaxDisk, MinDiskBytes)
+	}
+	if c.DefaultDisk > 0 && (c.DefaultDisk < MinDiskBytes || c.DefaultDisk > c.MaxDisk) {
+		return fmt.Errorf("node config: default disk %d bytes is not between %d and the max disk %d", c.DefaultDisk, MinDiskBytes, c.MaxDisk)
+	}
+	if c.DiskBudget < 0 || c.PidsBudget < 0 {
+		return errors.New("node config: negative disk or pids budget")
+	}
 	if c.CommitMaxBytes < 0 {
 		return fmt.Errorf("node config: commit max bytes %d is negative", c.CommitMaxBytes)
 	}
@@ -104,7 +137,10 @@ type Manager struct {
 	sandboxes map[string]*entry // by ID
 
 	keyLocks map[string]chan struct{} // guarded by mu: creates in flight per client key
-	onDelete []func(id string)        // set before serving; called after each delete
+	// admitting holds what the creates in flight were admitted with
+	// (admission.go), until their entry is in sandboxes. Guarded by mu.
+	admitting map[string]sandbox.Resources
+	onDelete  []func(id string) // set before serving; called after each delete
 }
 
 // entry is the in-memory state of one sandbox. Its fields are guarded by
@@ -165,6 +201,7 @@ func New(cfg Config, db *bbolt.DB, layers *layer.Store, backends []sandbox.Backe
 		return nil, fmt.Errorf("open sandbox store: %w", err)
 	}
 	m.keyLocks = map[string]chan struct{}{}
+	m.admitting = map[string]sandbox.Resources{}
 	for _, b := range backends {
 		m.backends[b.Name()] = b
 	}
@@ -188,9 +225,11 @@ type CreateRequest struct {
 	Toolkits   []string
 	Memory     int64
 	MilliCPU   int64
-	Timeout    time.Duration
-	Metadata   map[string]string
-	Env        map[string]string
+	// Disk is the size of the writable layer; 0 for the node's default.
+	Disk     int64
+	Timeout  time.Duration
+	Metadata map[string]string
+	Env      map[string]string
 	// ClientKey makes the create idempotent: repeating a create with the
 	// same key returns the sandbox made for it (while it exists).
 	ClientKey string
@@ -222,6 +261,9 @@ func (m *Manager) validate(req *CreateRequest) error {
 	}
 	if max := int64(runtime.NumCPU()) * 1000; req.MilliCPU < 10 || req.MilliCPU > max {
 		return errdefs.New(ErrInvalid, "cpus must be between 0.01 and %d (this node's cores), got %.3f", max/1000, float64(req.MilliCPU)/1000)
+	}
+	if err := m.validateDisk(req); err != nil {
+		return err
 	}
 	if req.Timeout == 0 {
 		req.Timeout = m.cfg.DefaultTimeout
@@ -320,6 +362,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (rec Record, er
 			MemoryBytes: req.Memory,
 			MilliCPU:    req.MilliCPU,
 			Pids:        m.cfg.PidsLimit,
+			DiskBytes:   max(req.Disk, 0),
 		},
 		Timeout:  req.Timeout,
 		Created:  now,
@@ -339,6 +382,11 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (rec Record, er
 			}
 		}
 	}()
+
+	if err := m.admit(id, rec.Resources); err != nil {
+		return Record{}, err
+	}
+	undo = append(undo, func() { m.admitted(id) })
 
 	// Persist first, so that a crash from here on is cleaned up by Recover.
 	if err := m.db.Batch(func(tx *bbolt.Tx) error { return putRecord(tx, &rec) }); err != nil {
@@ -402,6 +450,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (rec Record, er
 	}
 	m.mu.Lock()
 	m.sandboxes[id] = &entry{rec: rec, agent: agent.NewClient(h.AgentSocket), acquired: hostMounts}
+	delete(m.admitting, id) // counted by its entry from now on
 	m.mu.Unlock()
 	m.log.Info("sandbox created", "sandbox_id", id, "backend", req.Backend, "base", req.Base,
 		"took", time.Since(start), "backend_took", backendTook, "pooled", h.Data["pooled"] == "true")

@@ -27,6 +27,11 @@ type Resources struct {
 	MemoryBytes int64 // hard memory limit (OOM kill above it)
 	MilliCPU    int64 // CPU bandwidth in thousandths of a core (1000 = one core)
 	Pids        int64 // maximum number of tasks
+	// DiskBytes is the size of the sandbox's writable layer (its own file
+	// system, with an inode count derived from the size); 0 means no limit
+	// but the host's disk. A backend that cannot bound it refuses a
+	// non-zero value with ErrUnsupported.
+	DiskBytes int64 `json:",omitempty"`
 }
 
 // Layer is one read-only layer of a sandbox's root, as the backend sees it.
@@ -130,6 +135,14 @@ type Prober interface {
 type Freezer interface {
 	Freeze(ctx context.Context, h Handle) error
 	Thaw(ctx context.Context, h Handle) error
+}
+
+// DiskLimiter is implemented by backends that can bound the size of a
+// sandbox's writable layer (Resources.DiskBytes). DiskLimits says whether
+// this one can on this host, and how, or why not: a backend that cannot
+// refuses a non-zero DiskBytes with ErrUnsupported.
+type DiskLimiter interface {
+	DiskLimits() (ok bool, how string)
 }
 
 // Timeouts used by backends when the caller's context has none.

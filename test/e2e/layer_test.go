@@ -883,6 +883,9 @@ func TestLayerCommitFreezesSandbox(t *testing.T) {
 		return strings.TrimSpace(string(b))
 	}
 	counterFile := filepath.Join(dataDir, "sandboxes", sb, "upper", "work", "counter")
+	if _, err := os.Stat(filepath.Join(dataDir, "sandboxes", sb, "disk", "upper")); err == nil {
+		counterFile = filepath.Join(dataDir, "sandboxes", sb, "disk", "upper", "work", "counter") // on its disk image
+	}
 	counter := func() string {
 		b, _ := os.ReadFile(counterFile)
 		return strings.TrimSpace(string(b))

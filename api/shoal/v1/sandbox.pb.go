@@ -244,7 +244,11 @@ type CreateSandboxRequest struct {
 	// client_key makes the create idempotent: repeating a create with the same
 	// key returns the sandbox already made for it (e.g. "rollout-17/env-3"),
 	// so a client that died between request and reply leaks nothing.
-	ClientKey     string `protobuf:"bytes,11,opt,name=client_key,json=clientKey,proto3" json:"client_key,omitempty"`
+	ClientKey string `protobuf:"bytes,11,opt,name=client_key,json=clientKey,proto3" json:"client_key,omitempty"`
+	// disk_bytes is the size of the sandbox's writable layer, a file system
+	// of its own (inodes: one per 8 KiB): writing past it fails with ENOSPC
+	// in the sandbox. 0 = the node's default (serve --default-disk, 1 GiB).
+	DiskBytes     int64 `protobuf:"varint,12,opt,name=disk_bytes,json=diskBytes,proto3" json:"disk_bytes,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -356,6 +360,13 @@ func (x *CreateSandboxRequest) GetClientKey() string {
 	return ""
 }
 
+func (x *CreateSandboxRequest) GetDiskBytes() int64 {
+	if x != nil {
+		return x.DiskBytes
+	}
+	return 0
+}
+
 type Sandbox struct {
 	state          protoimpl.MessageState `protogen:"open.v1"`
 	Id             string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
@@ -374,7 +385,10 @@ type Sandbox struct {
 	// operators and benchmarks: e.g. "runc_id" (the OCI runtime's container
 	// ID, also its cgroup name) and "agent_socket" (the guest agent's socket
 	// on the host).
-	Runtime       map[string]string `protobuf:"bytes,13,rep,name=runtime,proto3" json:"runtime,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	Runtime map[string]string `protobuf:"bytes,13,rep,name=runtime,proto3" json:"runtime,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	// disk_bytes: the size of its writable layer; 0 = not limited (a node
+	// that cannot limit disks).
+	DiskBytes     int64 `protobuf:"varint,14,opt,name=disk_bytes,json=diskBytes,proto3" json:"disk_bytes,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -498,6 +512,13 @@ func (x *Sandbox) GetRuntime() map[string]string {
 		return x.Runtime
 	}
 	return nil
+}
+
+func (x *Sandbox) GetDiskBytes() int64 {
+	if x != nil {
+		return x.DiskBytes
+	}
+	return 0
 }
 
 type GetSandboxRequest struct {
@@ -1342,7 +1363,7 @@ const file_shoal_v1_sandbox_proto_rawDesc = "" +
 	"\bLayerRef\x12'\n" +
 	"\x04kind\x18\x01 \x01(\x0e2\x13.shoal.v1.LayerKindR\x04kind\x12\x10\n" +
 	"\x03ref\x18\x02 \x01(\tR\x03ref\x12\x16\n" +
-	"\x06digest\x18\x03 \x01(\tR\x06digest\"\x9d\x04\n" +
+	"\x06digest\x18\x03 \x01(\tR\x06digest\"\xbc\x04\n" +
 	"\x14CreateSandboxRequest\x12\x18\n" +
 	"\abackend\x18\x01 \x01(\tR\abackend\x12\x12\n" +
 	"\x04base\x18\x02 \x01(\tR\x04base\x12\x1e\n" +
@@ -1358,13 +1379,15 @@ const file_shoal_v1_sandbox_proto_rawDesc = "" +
 	"\btemplate\x18\n" +
 	" \x01(\tR\btemplate\x12\x1d\n" +
 	"\n" +
-	"client_key\x18\v \x01(\tR\tclientKey\x1a;\n" +
+	"client_key\x18\v \x01(\tR\tclientKey\x12\x1d\n" +
+	"\n" +
+	"disk_bytes\x18\f \x01(\x03R\tdiskBytes\x1a;\n" +
 	"\rMetadataEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1a6\n" +
 	"\bEnvEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x90\x05\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xaf\x05\n" +
 	"\aSandbox\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x18\n" +
 	"\abackend\x18\x02 \x01(\tR\abackend\x12,\n" +
@@ -1382,7 +1405,9 @@ const file_shoal_v1_sandbox_proto_rawDesc = "" +
 	" \x01(\v2\x1a.google.protobuf.TimestampR\texpiresAt\x12;\n" +
 	"\bmetadata\x18\v \x03(\v2\x1f.shoal.v1.Sandbox.MetadataEntryR\bmetadata\x12\x14\n" +
 	"\x05error\x18\f \x01(\tR\x05error\x128\n" +
-	"\aruntime\x18\r \x03(\v2\x1e.shoal.v1.Sandbox.RuntimeEntryR\aruntime\x1a;\n" +
+	"\aruntime\x18\r \x03(\v2\x1e.shoal.v1.Sandbox.RuntimeEntryR\aruntime\x12\x1d\n" +
+	"\n" +
+	"disk_bytes\x18\x0e \x01(\x03R\tdiskBytes\x1a;\n" +
 	"\rMetadataEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1a:\n" +

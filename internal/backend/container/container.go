@@ -64,6 +64,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/shoal-sandbox/shoal/internal/backend/container/diskimg"
 	"github.com/shoal-sandbox/shoal/internal/backend/container/seccompbpf"
 	"github.com/shoal-sandbox/shoal/internal/layer"
 	"github.com/shoal-sandbox/shoal/internal/sandbox"
@@ -81,6 +82,7 @@ const (
 	DefaultPids         = 1024
 	DefaultPoolSize     = 4
 	DefaultPoolMax      = 32
+	DefaultNofile       = 65536
 )
 
 // Paths inside Spec.Dir, and the agent's place in the container.
@@ -123,6 +125,13 @@ type Config struct {
 	// StateDir. It must outlive the node process like StateDir, and belongs
 	// to one Backend: New deletes the unclaimed pool containers it finds.
 	PoolDir string
+	// DiskDir, when set, holds the disk image templates (disk.go): a
+	// sandbox whose Resources.DiskBytes is set gets a writable layer of
+	// that size of its own. Empty: no disk limits (DiskBytes refused).
+	DiskDir string
+	// Nofile is the RLIMIT_NOFILE (soft and hard) of sandbox processes; 0
+	// means DefaultNofile.
+	Nofile uint64
 	// RuncSeccomp makes runc compile and load docker's seccomp profile in
 	// every container, as before the node compiled it once (seccomp.go).
 	// It disables the pool. For comparison and as a way out.
@@ -168,6 +177,9 @@ func (c Config) withDefaults() Config {
 	if c.PoolMax == 0 {
 		c.PoolMax = DefaultPoolMax
 	}
+	if c.Nofile == 0 {
+		c.Nofile = DefaultNofile
+	}
 	if c.RuncSeccomp {
 		c.PoolSize = -1
 	}
@@ -212,6 +224,10 @@ type Backend struct {
 	// protection. An upgrade of the runtime on disk takes effect at the
 	// next start of the node.
 	runtimeCopy *os.File
+
+	disks    *diskimg.Maker // nil: no disk limits (disk.go)
+	diskMode string         // how disks are limited, or why not
+	nofile   uint64         // RLIMIT_NOFILE of sandbox processes
 }
 
 var (
@@ -240,7 +256,7 @@ func New(cfg Config) (*Backend, error) {
 	if err := os.MkdirAll(cfg.StateDir, 0o700); err != nil {
 		return nil, fmt.Errorf("container backend: create state dir: %w", err)
 	}
-	b := &Backend{runtime: bin, stateDir: cfg.StateDir, cgroupParent: cfg.CgroupParent, poolDir: cfg.PoolDir, log: cfg.Log}
+	b := &Backend{runtime: bin, stateDir: cfg.StateDir, cgroupParent: cfg.CgroupParent, poolDir: cfg.PoolDir, log: cfg.Log, nofile: cfg.Nofile}
 	if data, err := os.ReadFile(bin); err != nil {
 		cfg.Log.Warn("container backend: read runtime binary", "err", err)
 	} else if f, err := sealedFile(filepath.Base(bin), data); err != nil {
@@ -266,6 +282,7 @@ func New(cfg Config) (*Backend, error) {
 	if err := b.sweepPool(ctx); err != nil {
 		return nil, fmt.Errorf("container backend: %w", err)
 	}
+	b.initDisks(ctx, cfg.DiskDir)
 	switch {
 	case cfg.PoolSize < 0:
 	case b.filter == nil:
@@ -377,7 +394,7 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (h sandbox.Hand
 	} else if mounted {
 		return h, fmt.Errorf("create sandbox %s: %s is already mounted", spec.ID, rootfs)
 	}
-	if exists(filepath.Join(dir, upperDir)) {
+	if exists(filepath.Join(dir, upperDir)) || exists(filepath.Join(dir, diskImageName)) {
 		return h, fmt.Errorf("create sandbox %s: %s has a writable layer already", spec.ID, dir)
 	}
 	// From the pool: a member that fails its claim (or does not answer it
@@ -412,10 +429,11 @@ func (b *Backend) createCold(ctx context.Context, spec sandbox.Spec, dir string)
 	}()
 
 	rootfs := filepath.Join(dir, rootfsDir)
-	upper := filepath.Join(dir, upperDir)
-	work := filepath.Join(dir, workDir)
 	bundle := filepath.Join(dir, bundleDir)
-	undo.push("remove writable layer", func() error { return removeAll(upper, work) })
+	upper, work, err := b.writableLayer(ctx, spec, dir, &undo)
+	if err != nil {
+		return h, fmt.Errorf("create sandbox %s: %w", spec.ID, err)
+	}
 	for _, d := range []string{rootfs, upper, work, bundle} {
 		if err := os.Mkdir(d, 0o755); err != nil && !errors.Is(err, os.ErrExist) {
 			return h, fmt.Errorf("create sandbox %s: %w", spec.ID, err)
@@ -466,7 +484,7 @@ func (b *Backend) createCold(ctx context.Context, spec sandbox.Spec, dir string)
 		ID:          spec.ID,
 		Backend:     Name,
 		AgentSocket: sock,
-		Data:        map[string]string{"rootfs": rootfs, "bundle": bundle, "dir": dir, "runc_id": spec.ID},
+		Data:        handleData(map[string]string{"rootfs": rootfs, "bundle": bundle, "dir": dir, "runc_id": spec.ID}, spec, upper),
 	}, nil
 }
 
@@ -702,6 +720,11 @@ func (b *Backend) Delete(ctx context.Context, h sandbox.Handle) error {
 	}
 	if rootfs != "" {
 		if err := layer.Unmount(rootfs); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if dir := h.Data["dir"]; dir != "" {
+		if err := removeDisk(dir); err != nil {
 			errs = append(errs, err)
 		}
 	}

@@ -267,7 +267,7 @@ func TestCreate(t *testing.T) {
 		}
 	})
 	t.Run("nofile", func(t *testing.T) {
-		want, _ := nofileLimit()
+		want, _ := nofileLimit(DefaultNofile)
 		if got := a.ask(t, "nofile"); got != fmt.Sprintf("%d %d", want, want) {
 			t.Errorf("NOFILE %s, want %d", got, want)
 		}

@@ -137,7 +137,7 @@ func (b *Backend) containerSpec(o containerOptions) (*specs.Spec, error) {
 		res.CPU = &specs.LinuxCPU{Shares: &shares}
 	}
 
-	nofile, err := nofileLimit()
+	nofile, err := nofileLimit(b.nofile)
 	if err != nil {
 		return nil, err
 	}
@@ -223,14 +223,20 @@ func (b *Backend) cgroupPath(id string) string {
 	return "/" + path.Join(b.cgroupParent, id)
 }
 
-// nofileLimit is the NOFILE limit of sandbox processes: 1048576, or our own
-// hard limit if lower (without CAP_SYS_RESOURCE, asking for more fails).
-func nofileLimit() (uint64, error) {
+// nofileLimit is the NOFILE limit of sandbox processes: want (the
+// backend's Config.Nofile, else DefaultNofile), or our own hard limit if
+// lower (without CAP_SYS_RESOURCE, asking for more fails). It bounds each
+// process; the kernel memory of a sandbox's open files is charged to its
+// memory cgroup.
+func nofileLimit(want uint64) (uint64, error) {
+	if want == 0 {
+		want = DefaultNofile
+	}
 	var rl unix.Rlimit
 	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &rl); err != nil {
 		return 0, fmt.Errorf("get NOFILE limit: %w", err)
 	}
-	return min(uint64(1<<20), rl.Max), nil
+	return min(want, rl.Max), nil
 }
 
 // hostname derives a valid host name (RFC 1123 label) from a sandbox ID.

@@ -569,9 +569,10 @@ func (b *Backend) claim(ctx context.Context, spec sandbox.Spec, dir string, m *m
 	}
 
 	// 3. The root, as a detached mount handed to the agent.
-	upper := filepath.Join(dir, upperDir)
-	work := filepath.Join(dir, workDir)
-	undo.push("remove writable layer", func() error { return removeAll(upper, work) })
+	upper, work, err := b.writableLayer(ctx, spec, dir, &undo)
+	if err != nil {
+		return h, fmt.Errorf("claim for sandbox %s: %w", spec.ID, err)
+	}
 	lowers := lowerDirs(spec)
 	if err := ensureTmpUpper(lowers, upper); err != nil {
 		return h, fmt.Errorf("claim for sandbox %s: %w", spec.ID, err)
@@ -600,12 +601,12 @@ func (b *Backend) claim(ctx context.Context, spec sandbox.Spec, dir string, m *m
 		ID:          spec.ID,
 		Backend:     Name,
 		AgentSocket: sock,
-		Data: map[string]string{
+		Data: handleData(map[string]string{
 			"runc_id": m.id,
 			"bundle":  b.memberBundle(m.id),
 			"dir":     dir,
 			"pooled":  "true",
-		},
+		}, spec, upper),
 	}, nil
 }
 

@@ -212,19 +212,21 @@ def retry_after(resp: Optional[httpx.Response]) -> Optional[float]:
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(I?)(B?)\s*$", re.I)
 
 
-def parse_memory(v: Union[str, int, float, None]) -> Optional[int]:
+def parse_memory(v: Union[str, int, float, None], what: str = "memory") -> Optional[int]:
     """'512M', '1.5G', '65536', 2**30 -> bytes (binary units, like the CLI)."""
     if v is None:
         return None
     if isinstance(v, bool):
-        raise InvalidArgument(f"memory {v!r} must be bytes or a size such as '512M'")
+        raise InvalidArgument(f"{what} {v!r} must be bytes or a size such as '512M'")
     if isinstance(v, (int, float)):
         if v < 0:
-            raise InvalidArgument(f"memory {v!r} must not be negative")
+            raise InvalidArgument(f"{what} {v!r} must not be negative")
         return int(v)
+    if not isinstance(v, str):
+        raise InvalidArgument(f"{what} {v!r} must be bytes or a size such as '512M'")
     m = _SIZE.match(v)
     if not m:
-        raise InvalidArgument(f"memory {v!r} must look like '512M', '2G' or a number of bytes")
+        raise InvalidArgument(f"{what} {v!r} must look like '512M', '2G' or a number of bytes")
     mult = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[m.group(2).upper()]
     return int(float(m.group(1)) * mult)
 
@@ -251,6 +253,7 @@ def create_body(
     cpus: Optional[float],
     memory: Union[str, int, None],
     timeout: Union[int, float, timedelta, None],
+    disk: Union[str, int, None] = None,
     metadata: Optional[Mapping[str, str]],
     envs: Optional[Mapping[str, str]],
     qos: Optional[str],
@@ -278,6 +281,9 @@ def create_body(
     mem = parse_memory(memory)
     if mem:
         body["memoryBytes"] = str(mem)
+    dsk = parse_memory(disk, "disk")
+    if dsk:
+        body["diskBytes"] = str(dsk)
     t = seconds(timeout, "timeout")
     if t:
         body["timeoutSeconds"] = str(max(1, int(t)))

@@ -102,6 +102,7 @@ class SandboxInfo:
     error: str = ""
     template: str = ""
     client_key: str = ""
+    disk_bytes: int = 0  # size of the writable layer; 0: not limited
     raw: Dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -142,6 +143,7 @@ class SandboxInfo:
             memory_bytes=_int(d.get("memoryBytes")),
             cpus=_int(d.get("millicpu")) / 1000.0,
             pids_limit=_int(d.get("pidsLimit")),
+            disk_bytes=_int(d.get("diskBytes")),
             timeout=_int(d.get("timeoutSeconds")),
             created_at=_time(d.get("createdAt")),
             expires_at=_time(d.get("expiresAt")),

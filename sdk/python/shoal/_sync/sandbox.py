@@ -66,6 +66,7 @@ class Sandbox:
         backend: Optional[str] = None,
         cpus: Optional[float] = None,
         memory: Union[str, int, None] = None,
+        disk: Union[str, int, None] = None,
         qos: Optional[str] = None,
         client_key: Optional[str] = None,
         api_key: Optional[str] = None,
@@ -88,6 +89,9 @@ class Sandbox:
             or ``"fncall"``; the rest of the API is the same on all of them.
         :param cpus: cores (e.g. ``0.5``; default 1).
         :param memory: bytes or a size such as ``"512M"`` (default 512 MiB).
+        :param disk: size of the sandbox's writable layer, bytes or a size
+            such as ``"4G"`` (default: the server's, 1 GiB): a file system of
+            its own, on which writes past it fail with ENOSPC.
         :param qos: reserved (``"ls"``/``"be"``); not in the API yet.
         :param client_key: idempotency key: repeating a create with the same
             key returns the same sandbox. One is generated per call when not
@@ -106,6 +110,7 @@ class Sandbox:
             backend=backend,
             cpus=cpus,
             memory=memory,
+            disk=disk,
             timeout=timeout,
             metadata=metadata,
             envs=envs,

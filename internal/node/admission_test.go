@@ -1,0 +1,99 @@
+package node
+
+import (
+	"errors"
+	"math"
+	"testing"
+
+	"github.com/shoal-sandbox/shoal/internal/errdefs"
+	"github.com/shoal-sandbox/shoal/internal/sandbox"
+)
+
+// diskBackend is a fake backend that bounds disks (or says why it cannot).
+type diskBackend struct {
+	fakeBackend
+	ok bool
+}
+
+func (b diskBackend) DiskLimits() (bool, string) { return b.ok, "test" }
+
+func TestValidateDisk(t *testing.T) {
+	m, _, _ := newTestManager(t)
+	m.cfg.DefaultDisk, m.cfg.MaxDisk = 1<<30, 4<<30
+	for _, tc := range []struct {
+		name    string
+		limits  bool // the backend bounds disks
+		disk    int64
+		want    int64
+		wantErr error
+	}{
+		{"default", true, 0, 1 << 30, nil},
+		{"given", true, 64 << 20, 64 << 20, nil},
+		{"negative", true, -1, 0, errdefs.ErrInvalidArgument},
+		{"too small", true, 1 << 20, 0, errdefs.ErrInvalidArgument},
+		{"too large", true, 4<<30 + 1, 0, errdefs.ErrInvalidArgument},
+		{"max int", true, math.MaxInt64, 0, errdefs.ErrInvalidArgument},
+		{"no limits: default is none", false, 0, 0, nil},
+		{"no limits: given is refused", false, 64 << 20, 0, errdefs.ErrFailedPrecondition},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			m.backends["fake"] = diskBackend{ok: tc.limits}
+			req := CreateRequest{Backend: "fake", Disk: tc.disk}
+			err := m.validateDisk(&req)
+			if tc.wantErr != nil {
+				if !errors.Is(err, tc.wantErr) {
+					t.Fatalf("disk %d: %v, want %v", tc.disk, err, tc.wantErr)
+				}
+				return
+			}
+			if err != nil || req.Disk != tc.want {
+				t.Fatalf("disk %d: %d, %v; want %d", tc.disk, req.Disk, err, tc.want)
+			}
+		})
+	}
+}
+
+func TestAdmission(t *testing.T) {
+	m, _, _ := newTestManager(t)
+	m.cfg.PidsBudget, m.cfg.DiskBudget = 3000, 3<<30
+	r := sandbox.Resources{Pids: 1024, DiskBytes: 1 << 30}
+	if err := m.admit("a", r); err != nil {
+		t.Fatal(err)
+	}
+	m.sandboxes["b"] = &entry{rec: Record{ID: "b", Resources: r}} // a running one
+	// A third of 1024 pids would pass 3000.
+	if err := m.admit("c", r); !errors.Is(err, errdefs.ErrResourceExhausted) {
+		t.Fatalf("third sandbox over the pids budget: %v, want resource_exhausted", err)
+	}
+	if err := m.admit("c", sandbox.Resources{Pids: 900, DiskBytes: 1<<30 + 1}); !errors.Is(err, errdefs.ErrResourceExhausted) {
+		t.Fatalf("over the disk budget: %v, want resource_exhausted", err)
+	}
+	if err := m.admit("c", sandbox.Resources{Pids: 900, DiskBytes: 1 << 30}); err != nil {
+		t.Fatalf("within both budgets: %v", err)
+	}
+	// A failed create gives its share back; so does a deleted sandbox.
+	m.admitted("c")
+	delete(m.sandboxes, "b")
+	if err := m.admit("d", r); err != nil {
+		t.Fatal(err)
+	}
+	if err := m.admit("e", sandbox.Resources{Pids: math.MaxInt64}); !errors.Is(err, errdefs.ErrResourceExhausted) {
+		t.Fatalf("max int pids: %v, want resource_exhausted", err)
+	}
+	// No budgets: anything goes.
+	m.cfg.PidsBudget, m.cfg.DiskBudget = 0, 0
+	if err := m.admit("f", sandbox.Resources{Pids: math.MaxInt64, DiskBytes: math.MaxInt64}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestHostPidsBudget(t *testing.T) {
+	b, err := HostPidsBudget()
+	if err != nil {
+		t.Skip(err)
+	}
+	pidMax, _ := readSysctl("/proc/sys/kernel/pid_max")
+	if b <= 0 || b > pidMax {
+		t.Errorf("pids budget %d, pid_max %d", b, pidMax)
+	}
+}
