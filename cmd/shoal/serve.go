@@ -100,6 +100,26 @@ func (c *serveConfig) Validate() error {
 	return nil
 }
 
+// pidsMax is --pids-budget: the bound of all sandboxes' tasks together
+// (pids.max of their parent cgroup), 0 for none.
+func (c *serveConfig) pidsMax() (int64, error) {
+	switch c.PidsBudget {
+	case "none":
+		return 0, nil
+	case "auto", "":
+		n, err := node.HostPidsBudget()
+		if err != nil {
+			return 0, fmt.Errorf("--pids-budget auto: %w", err)
+		}
+		return n, nil
+	}
+	n, err := strconv.ParseInt(c.PidsBudget, 10, 64)
+	if err != nil || n < 1 {
+		return 0, fmt.Errorf("--pids-budget %q: want auto, none or a positive number", c.PidsBudget)
+	}
+	return n, nil
+}
+
 // nodeConfig is the node manager's configuration: limits and budgets
 // parsed, "auto" budgets computed from the host.
 func (c *serveConfig) nodeConfig() (node.Config, error) {
@@ -132,17 +152,6 @@ func (c *serveConfig) nodeConfig() (node.Config, error) {
 	default:
 		if nc.DiskBudget, err = size("disk-budget", c.DiskBudget); err != nil {
 			return nc, err
-		}
-	}
-	switch c.PidsBudget {
-	case "none":
-	case "auto", "":
-		if nc.PidsBudget, err = node.HostPidsBudget(); err != nil {
-			return nc, fmt.Errorf("--pids-budget auto: %w", err)
-		}
-	default:
-		if nc.PidsBudget, err = strconv.ParseInt(c.PidsBudget, 10, 64); err != nil || nc.PidsBudget < 1 {
-			return nc, fmt.Errorf("--pids-budget %q: want auto, none or a positive number", c.PidsBudget)
 		}
 	}
 	return nc, nc.Validate()
@@ -190,7 +199,7 @@ func serveCmd() *cobra.Command {
 	cmd.Flags().StringVar(&cfg.MaxDisk, "max-disk", "1T", "largest disk a create may ask for")
 	cmd.Flags().StringVar(&cfg.DiskBudget, "disk-budget", "auto", "the sum of the sandboxes' disk sizes this node admits; \"auto\": 4 x the data dir's free space less a reserve (a tenth of the file system, at least 1 GiB); a size (e.g. the free space) to guarantee it; \"none\"")
 	cmd.Flags().Int64Var(&cfg.PidsLimit, "pids-limit", container.DefaultPids, "tasks (processes and threads) per sandbox")
-	cmd.Flags().StringVar(&cfg.PidsBudget, "pids-budget", "auto", "the sum of the sandboxes' pids limits this node admits; \"auto\": 3/4 of the smaller of kernel.pid_max and kernel.threads-max; a number; \"none\"")
+	cmd.Flags().StringVar(&cfg.PidsBudget, "pids-budget", "auto", "how many tasks all sandboxes together may run (pids.max of their parent cgroup; each sandbox also has --pids-limit); \"auto\": 3/4 of the smaller of kernel.pid_max and kernel.threads-max; a number; \"none\"")
 	cmd.Flags().Uint64Var(&cfg.Nofile, "sandbox-nofile", container.DefaultNofile, "RLIMIT_NOFILE (open files per process) in sandboxes")
 	cmd.Flags().StringVar(&cfg.Pprof, "pprof", "", "serve Go profiles (net/http/pprof) on this HOST:PORT, unauthenticated: keep it on localhost")
 	cmd.Flags().Int64Var(&cfg.LogCap, "command-log-cap", session.DefaultLogCap, "bytes of output kept per command (the rest is dropped and reported)")
@@ -239,9 +248,14 @@ func serve(cfg serveConfig) error {
 	if err != nil {
 		return err
 	}
+	pidsMax, err := cfg.pidsMax()
+	if err != nil {
+		return err
+	}
 	ctr, err := container.New(container.Config{
 		DiskDir:     filepath.Join(cfg.DataDir, "disk"),
 		Nofile:      cfg.Nofile,
+		PidsMax:     pidsMax,
 		PoolSize:    poolSize,
 		PoolMax:     cfg.PoolMax,
 		RuncSeccomp: cfg.RuncSeccomp,
@@ -257,7 +271,7 @@ func serve(cfg serveConfig) error {
 	} else {
 		log.Error("sandbox disks: NOT limited: a sandbox can fill the host's disk", "why", how)
 	}
-	log.Info("sandbox tasks", "pids_limit", nodeCfg.PidsLimit, "pids_budget", nodeCfg.PidsBudget, "nofile", cfg.Nofile)
+	log.Info("sandbox tasks", "pids_limit", nodeCfg.PidsLimit, "pids_budget", pidsMax, "nofile", cfg.Nofile)
 	mt := metrics.New()
 	nodeCfg.Metrics = mt
 	mgr, err := node.New(nodeCfg, db, layers, []sandbox.Backend{ctr}, log)

@@ -55,21 +55,20 @@ func TestValidateDisk(t *testing.T) {
 
 func TestAdmission(t *testing.T) {
 	m, _, _ := newTestManager(t)
-	m.cfg.PidsBudget, m.cfg.DiskBudget = 3000, 3<<30
+	m.cfg.DiskBudget = 3 << 30
 	r := sandbox.Resources{Pids: 1024, DiskBytes: 1 << 30}
 	if err := m.admit("a", r); err != nil {
 		t.Fatal(err)
 	}
 	m.sandboxes["b"] = &entry{rec: Record{ID: "b", Resources: r}} // a running one
-	// A third of 1024 pids would pass 3000.
-	if err := m.admit("c", r); !errors.Is(err, errdefs.ErrResourceExhausted) {
-		t.Fatalf("third sandbox over the pids budget: %v, want resource_exhausted", err)
-	}
 	if err := m.admit("c", sandbox.Resources{Pids: 900, DiskBytes: 1<<30 + 1}); !errors.Is(err, errdefs.ErrResourceExhausted) {
 		t.Fatalf("over the disk budget: %v, want resource_exhausted", err)
 	}
-	if err := m.admit("c", sandbox.Resources{Pids: 900, DiskBytes: 1 << 30}); err != nil {
-		t.Fatalf("within both budgets: %v", err)
+	if err := m.admit("c", r); err != nil {
+		t.Fatalf("within the budget: %v", err)
+	}
+	if err := m.admit("d", r); !errors.Is(err, errdefs.ErrResourceExhausted) {
+		t.Fatalf("fourth disk over the budget: %v, want resource_exhausted", err)
 	}
 	// A failed create gives its share back; so does a deleted sandbox.
 	m.admitted("c")
@@ -77,11 +76,11 @@ func TestAdmission(t *testing.T) {
 	if err := m.admit("d", r); err != nil {
 		t.Fatal(err)
 	}
-	if err := m.admit("e", sandbox.Resources{Pids: math.MaxInt64}); !errors.Is(err, errdefs.ErrResourceExhausted) {
-		t.Fatalf("max int pids: %v, want resource_exhausted", err)
+	if err := m.admit("e", sandbox.Resources{DiskBytes: math.MaxInt64}); !errors.Is(err, errdefs.ErrResourceExhausted) {
+		t.Fatalf("max int disk: %v, want resource_exhausted", err)
 	}
-	// No budgets: anything goes.
-	m.cfg.PidsBudget, m.cfg.DiskBudget = 0, 0
+	// No budget: anything goes.
+	m.cfg.DiskBudget = 0
 	if err := m.admit("f", sandbox.Resources{Pids: math.MaxInt64, DiskBytes: math.MaxInt64}); err != nil {
 		t.Fatal(err)
 	}

@@ -55,10 +55,9 @@ type Config struct {
 	DefaultDisk int64
 	MaxDisk     int64
 	// DiskBudget bounds the sum of the disk sizes of the node's sandboxes
-	// (admission: a create beyond it is refused as resource_exhausted);
-	// PidsBudget bounds the sum of their pids limits likewise. 0: no bound.
+	// (admission: a create beyond it is refused as resource_exhausted).
+	// 0: no bound.
 	DiskBudget int64
-	PidsBudget int64
 	// Metrics counts creates and deletes (nil: not counted).
 	Metrics *metrics.Metrics
 }
@@ -116,7 +115,7 @@ func (c *Config) Validate() error {
 	if c.DefaultDisk > 0 && (c.DefaultDisk < MinDiskBytes || c.DefaultDisk > c.MaxDisk) {
 		return fmt.Errorf("node config: default disk %d bytes is not between %d and the max disk %d", c.DefaultDisk, MinDiskBytes, c.MaxDisk)
 	}
-	if c.DiskBudget < 0 || c.PidsBudget < 0 {
+	if c.DiskBudget < 0 {
 		return errors.New("node config: negative disk or pids budget")
 	}
 	if c.CommitMaxBytes < 0 {

@@ -246,3 +246,35 @@ func (b *Backend) removeCgroups(id string) error {
 	}
 	return errors.Join(errs...)
 }
+
+// setParentPidsMax writes pids.max of the parent cgroup of all sandboxes in
+// every hierarchy that has the pids controller (v1 "pids", or v2 when it is
+// enabled for us), creating the parent if no sandbox made it yet.
+func (b *Backend) setParentPidsMax(n int64) error {
+	mounts, err := b.cgroupMounts()
+	if err != nil {
+		return err
+	}
+	set := false
+	for _, m := range mounts {
+		if !m.v2 && !slices.Contains(m.options, "pids") {
+			continue
+		}
+		dir := filepath.Join(m.dir, b.cgroupParent)
+		if m.v2 {
+			if _, err := os.Stat(filepath.Join(dir, "pids.max")); err != nil {
+				continue // the controller is not enabled for us
+			}
+		} else if err := os.MkdirAll(dir, 0o755); err != nil {
+			return err
+		}
+		if err := os.WriteFile(filepath.Join(dir, "pids.max"), []byte(strconv.FormatInt(n, 10)), 0); err != nil {
+			return fmt.Errorf("set %s/pids.max: %w", dir, err)
+		}
+		set = true
+	}
+	if !set {
+		return errors.New("no pids cgroup controller")
+	}
+	return nil
+}

@@ -111,6 +111,11 @@ type Config struct {
 	// docker's --cgroup-parent), not from the node's own cgroup: a service
 	// manager stopping the node must not kill its sandboxes. Default "shoal".
 	CgroupParent string
+	// PidsMax bounds the tasks of all sandboxes together: pids.max of
+	// CgroupParent in the pids hierarchy (every sandbox's own pids limit
+	// sits under it), so that fork bombs in many sandboxes at once leave
+	// the host's pid_max and threads-max to the host. 0: not set.
+	PidsMax int64
 	// PoolSize is how many pre-started blank containers the backend keeps
 	// ready for Create to claim (see pool.go). 0 means DefaultPoolSize; a
 	// negative value disables the pool. The pool is filled from the first
@@ -283,6 +288,13 @@ func New(cfg Config) (*Backend, error) {
 		return nil, fmt.Errorf("container backend: %w", err)
 	}
 	b.initDisks(ctx, cfg.DiskDir)
+	if cfg.PidsMax > 0 {
+		if err := b.setParentPidsMax(cfg.PidsMax); err != nil {
+			cfg.Log.Error("container backend: node-wide pids limit NOT set: fork bombs in many sandboxes at once could exhaust the host's tasks", "pids_max", cfg.PidsMax, "err", err)
+		} else {
+			cfg.Log.Info("container backend: node-wide pids limit", "cgroup", cfg.CgroupParent, "pids_max", cfg.PidsMax)
+		}
+	}
 	switch {
 	case cfg.PoolSize < 0:
 	case b.filter == nil:
