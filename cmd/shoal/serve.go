@@ -44,7 +44,9 @@ type serveConfig struct {
 	PoolSize int
 	// PoolMax: how far demand may grow the pool.
 	PoolMax     int
-	RuncSeccomp bool
+	// EgressSubnet: the sandboxes' links (container.Config.EgressSubnet).
+	EgressSubnet string
+	RuncSeccomp  bool
 	Pprof       string
 	E2B         e2bConfig
 }
@@ -131,6 +133,7 @@ func serveCmd() *cobra.Command {
 	cmd.Flags().BoolVar(&cfg.Debug, "debug", false, "debug logging")
 	cmd.Flags().IntVar(&cfg.PoolSize, "pool-size", container.DefaultPoolSize, "pre-started blank containers kept ready for creates (0: none)")
 	cmd.Flags().IntVar(&cfg.PoolMax, "pool-max", container.DefaultPoolMax, fmt.Sprintf("how many ready containers demand may grow the pool to (each holds about %d MiB)", container.PoolMemberBytes>>20))
+	cmd.Flags().StringVar(&cfg.EgressSubnet, "egress-subnet", container.DefaultEgressSubnet, "IPv4 subnet of the links of sandboxes created with network egress (a /31 each; nodes sharing a host need their own); empty disables egress")
 	cmd.Flags().BoolVar(&cfg.RuncSeccomp, "runc-seccomp", false, "let runc compile docker's seccomp profile per container instead of once per node (slower; disables the pool)")
 	cmd.Flags().StringVar(&cfg.Pprof, "pprof", "", "serve Go profiles (net/http/pprof) on this HOST:PORT, unauthenticated: keep it on localhost")
 	cmd.Flags().Int64Var(&cfg.LogCap, "command-log-cap", session.DefaultLogCap, "bytes of output kept per command (the rest is dropped and reported)")
@@ -177,8 +180,9 @@ func serve(cfg serveConfig) error {
 	ctr, err := container.New(container.Config{
 		PoolSize:    poolSize,
 		PoolMax:     cfg.PoolMax,
-		RuncSeccomp: cfg.RuncSeccomp,
-		Runtime:     cfg.Runtime,
+		RuncSeccomp:  cfg.RuncSeccomp,
+		EgressSubnet: cfg.EgressSubnet,
+		Runtime:      cfg.Runtime,
 		StateDir:    filepath.Join(cfg.DataDir, "runc"),
 		Log:         log,
 	})

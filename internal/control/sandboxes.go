@@ -17,6 +17,7 @@ import (
 
 	pb "github.com/shoal-sandbox/shoal/api/shoal/v1"
 	"github.com/shoal-sandbox/shoal/api/shoal/v1/shoalv1connect"
+	"github.com/shoal-sandbox/shoal/internal/netpolicy"
 	"github.com/shoal-sandbox/shoal/internal/node"
 	"github.com/shoal-sandbox/shoal/internal/session"
 )
@@ -73,6 +74,7 @@ func (s *Server) CreateSandbox(ctx context.Context, req *connect.Request[pb.Crea
 		Backend: r.Backend, Template: r.Template, Base: r.Base, Workspaces: r.Workspaces, Toolkits: r.Toolkits,
 		Memory: r.MemoryBytes, MilliCPU: r.Millicpu, Timeout: time.Duration(r.TimeoutSeconds) * time.Second,
 		Metadata: r.Metadata, Env: r.Env, ClientKey: r.ClientKey,
+		Network: networkReq(r.Network),
 	})
 	if err != nil {
 		return nil, toConnect(err)
@@ -111,6 +113,14 @@ func (s *Server) SetTimeout(ctx context.Context, req *connect.Request[pb.SetTime
 	return connect.NewResponse(sandboxPB(rec)), nil
 }
 
+// networkReq is a create's network policy; nil: none.
+func networkReq(n *pb.NetworkPolicy) *netpolicy.Request {
+	if n == nil {
+		return nil
+	}
+	return &netpolicy.Request{Internet: n.Internet, AllowOut: n.AllowOut, DenyOut: n.DenyOut}
+}
+
 func sandboxPB(r node.Record) *pb.Sandbox {
 	out := &pb.Sandbox{
 		Id: r.ID, Backend: r.Backend, MemoryBytes: r.Resources.MemoryBytes, Millicpu: r.Resources.MilliCPU,
@@ -130,6 +140,9 @@ func sandboxPB(r node.Record) *pb.Sandbox {
 	}
 	for _, l := range r.Layers {
 		out.Layers = append(out.Layers, &pb.LayerRef{Kind: kindPB(l.Kind), Ref: l.Ref, Digest: l.Digest})
+	}
+	if n := r.Network; n != nil {
+		out.Network = &pb.NetworkPolicy{Internet: n.Internet, AllowOut: n.AllowOut, DenyOut: n.DenyOut}
 	}
 	out.Runtime = map[string]string{}
 	for k, v := range r.Handle.Data {

@@ -24,6 +24,7 @@ import (
 	"github.com/shoal-sandbox/shoal/internal/agent"
 	"github.com/shoal-sandbox/shoal/internal/errdefs"
 	"github.com/shoal-sandbox/shoal/internal/layer"
+	"github.com/shoal-sandbox/shoal/internal/netpolicy"
 	"github.com/shoal-sandbox/shoal/internal/sandbox"
 )
 
@@ -191,6 +192,8 @@ type CreateRequest struct {
 	// ClientKey makes the create idempotent: repeating a create with the
 	// same key returns the sandbox made for it (while it exists).
 	ClientKey string
+	// Network: nil is loopback only; see internal/netpolicy.
+	Network *netpolicy.Request
 }
 
 func (m *Manager) validate(req *CreateRequest) error {
@@ -230,6 +233,12 @@ func (m *Manager) validate(req *CreateRequest) error {
 		if k == "" || strings.ContainsAny(k, "=\x00") {
 			return errdefs.New(ErrInvalid, "bad environment variable name %q", k)
 		}
+	}
+	if _, err := netpolicy.Parse(req.Network); err != nil {
+		return errdefs.New(ErrInvalid, "%s", err)
+	}
+	if !req.Network.Egress() {
+		req.Network = nil
 	}
 	return nil
 }
@@ -320,6 +329,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (rec Record, er
 		Expires:  now.Add(req.Timeout),
 		Metadata: req.Metadata,
 		Env:      req.Env,
+		Network:  req.Network,
 		// A provisional handle: enough for the backend to clean up after a
 		// crash in the middle of this create.
 		Handle: sandbox.Handle{ID: id, Backend: req.Backend, Data: map[string]string{"dir": dir}},
@@ -350,6 +360,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (rec Record, er
 		Resources:   rec.Resources,
 		AgentBinary: m.cfg.AgentBinary,
 		Env:         envList(req.Env),
+		Network:     req.Network,
 	}
 	hostMounts := be.Capabilities().HostLayerMounts
 	for _, l := range layers {
