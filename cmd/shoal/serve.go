@@ -43,12 +43,12 @@ type serveConfig struct {
 	// PoolSize: pre-started blank containers kept ready (0: none).
 	PoolSize int
 	// PoolMax: how far demand may grow the pool.
-	PoolMax     int
+	PoolMax int
 	// EgressSubnet: the sandboxes' links (container.Config.EgressSubnet).
 	EgressSubnet string
 	RuncSeccomp  bool
-	Pprof       string
-	E2B         e2bConfig
+	Pprof        string
+	E2B          e2bConfig
 }
 
 // e2bConfig configures the E2B-compatible endpoint (internal/e2b).
@@ -178,13 +178,13 @@ func serve(cfg serveConfig) error {
 		poolSize = -1 // container.Config: 0 means its default, -1 none
 	}
 	ctr, err := container.New(container.Config{
-		PoolSize:    poolSize,
-		PoolMax:     cfg.PoolMax,
+		PoolSize:     poolSize,
+		PoolMax:      cfg.PoolMax,
 		RuncSeccomp:  cfg.RuncSeccomp,
 		EgressSubnet: cfg.EgressSubnet,
 		Runtime:      cfg.Runtime,
-		StateDir:    filepath.Join(cfg.DataDir, "runc"),
-		Log:         log,
+		StateDir:     filepath.Join(cfg.DataDir, "runc"),
+		Log:          log,
 	})
 	if err != nil {
 		return err
