@@ -39,6 +39,7 @@ func benchCmd() *cobra.Command {
 	create.Flags().StringVar(&co.Base, "base", "debian:12", "base layer")
 	create.Flags().StringVar(&co.DataDir, "data", "/var/lib/shoal", "the server's data dir (for the runc baseline)")
 	create.Flags().StringVar(&co.Runtime, "runtime", "runc", "OCI runtime for the baseline")
+	create.Flags().StringArrayVar(&co.AllowOut, "allow-out", nil, "create every sandbox with network egress to this CIDR[:PORT] (repeatable; measures the cost of egress)")
 
 	var eo bench.ExecOptions
 	execb := &cobra.Command{

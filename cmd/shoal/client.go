@@ -102,9 +102,11 @@ func createCmd() *cobra.Command {
 		cpus              float64
 		timeout           time.Duration
 		metadata, envVars []string
+		internet          bool
+		allowOut, denyOut []string
 	)
 	cmd := &cobra.Command{
-		Use:   "create (--base REF | --template ENV) [--workspace REF]... [--toolkit REF]...",
+		Use:   "create (--base REF | --template ENV) [--workspace REF]... [--toolkit REF]... [--internet] [--allow-out CIDR[:PORT]]... [--deny-out CIDR]...",
 		Short: "Create a sandbox (prints its ID)",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
@@ -134,6 +136,9 @@ func createCmd() *cobra.Command {
 			if req.Env, err = keyValues(envVars, "--env"); err != nil {
 				return err
 			}
+			if internet || len(allowOut) > 0 || len(denyOut) > 0 {
+				req.Network = &pb.NetworkPolicy{Internet: internet, AllowOut: allowOut, DenyOut: denyOut}
+			}
 			ctx, cancel := cmdContext()
 			defer cancel()
 			sb, err := c.Create(ctx, &req)
@@ -157,6 +162,9 @@ func createCmd() *cobra.Command {
 	f.StringArrayVar(&metadata, "metadata", nil, "KEY=VALUE metadata (repeatable)")
 	f.StringArrayVar(&envVars, "env", nil, "KEY=VALUE environment for every command (repeatable)")
 	f.StringVar(&req.ClientKey, "client-key", "", "idempotency key: repeating a create with it returns the same sandbox")
+	f.BoolVar(&internet, "internet", false, "network egress to the public IPv4 internet (not private ranges, other sandboxes or the host); default: no network")
+	f.StringArrayVar(&allowOut, "allow-out", nil, "network egress to CIDR, IP, CIDR:PORT or CIDR:LOW-HIGH (repeatable; may name a private range)")
+	f.StringArrayVar(&denyOut, "deny-out", nil, "CIDR taken out of --internet (repeatable)")
 	cmd.MarkFlagsOneRequired("base", "template")
 	cmd.MarkFlagsMutuallyExclusive("base", "template")
 	return cmd

@@ -47,6 +47,8 @@ type serveConfig struct {
 	PoolMax     int
 	RuncSeccomp bool
 	Pprof       string
+	// EgressSubnet: the sandboxes' links (container.Config.EgressSubnet).
+	EgressSubnet string
 	// Per-sandbox limits and the node's budgets (node.Config); the strings
 	// are sizes or counts as given, parsed by Validate.
 	DefaultDisk, MaxDisk, DiskBudget, PidsBudget string
@@ -194,6 +196,7 @@ func serveCmd() *cobra.Command {
 	cmd.Flags().BoolVar(&cfg.Debug, "debug", false, "debug logging")
 	cmd.Flags().IntVar(&cfg.PoolSize, "pool-size", container.DefaultPoolSize, "pre-started blank containers kept ready for creates (0: none)")
 	cmd.Flags().IntVar(&cfg.PoolMax, "pool-max", container.DefaultPoolMax, fmt.Sprintf("how many ready containers demand may grow the pool to (each holds about %d MiB)", container.PoolMemberBytes>>20))
+	cmd.Flags().StringVar(&cfg.EgressSubnet, "egress-subnet", container.DefaultEgressSubnet, "IPv4 subnet of the links of sandboxes created with network egress (a /31 each; nodes sharing a host need their own); empty disables egress")
 	cmd.Flags().BoolVar(&cfg.RuncSeccomp, "runc-seccomp", false, "let runc compile docker's seccomp profile per container instead of once per node (slower; disables the pool)")
 	cmd.Flags().StringVar(&cfg.DefaultDisk, "default-disk", "1G", "size of a sandbox's writable layer when its create gives none (its own file system: ENOSPC when full); \"none\": no limit")
 	cmd.Flags().StringVar(&cfg.MaxDisk, "max-disk", "1T", "largest disk a create may ask for")
@@ -262,6 +265,7 @@ func serve(cfg serveConfig) error {
 		Runtime:     cfg.Runtime,
 		StateDir:    filepath.Join(cfg.DataDir, "runc"),
 		Log:         log,
+		EgressSubnet: cfg.EgressSubnet,
 	})
 	if err != nil {
 		return err

@@ -70,6 +70,9 @@ type CreateOptions struct {
 	Concurrency int    // creates in flight
 	DataDir     string // the server's data dir (for the runc baseline)
 	Runtime     string // "runc"
+	// AllowOut gives every sandbox network egress to these (CIDR[:PORT]);
+	// none: no network.
+	AllowOut []string
 }
 
 // CreateResult is the JSON printed by `shoal bench create`.
@@ -122,7 +125,11 @@ func Create(ctx context.Context, c *shoal.Client, o CreateOptions) (*CreateResul
 	start := time.Now()
 	parallel(o.N, o.Concurrency, func(int) {
 		t0 := time.Now()
-		sb, err := c.Create(ctx, &pb.CreateSandboxRequest{Base: o.Base, TimeoutSeconds: 600})
+		req := &pb.CreateSandboxRequest{Base: o.Base, TimeoutSeconds: 600}
+		if len(o.AllowOut) > 0 {
+			req.Network = &pb.NetworkPolicy{AllowOut: o.AllowOut}
+		}
+		sb, err := c.Create(ctx, req)
 		if err != nil {
 			fail(err)
 			return

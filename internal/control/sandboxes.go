@@ -18,6 +18,7 @@ import (
 	pb "github.com/shoal-sandbox/shoal/api/shoal/v1"
 	"github.com/shoal-sandbox/shoal/api/shoal/v1/shoalv1connect"
 	"github.com/shoal-sandbox/shoal/internal/metrics"
+	"github.com/shoal-sandbox/shoal/internal/netpolicy"
 	"github.com/shoal-sandbox/shoal/internal/node"
 	"github.com/shoal-sandbox/shoal/internal/session"
 )
@@ -78,6 +79,7 @@ func (s *Server) CreateSandbox(ctx context.Context, req *connect.Request[pb.Crea
 		Backend: r.Backend, Template: r.Template, Base: r.Base, Workspaces: r.Workspaces, Toolkits: r.Toolkits,
 		Memory: r.MemoryBytes, MilliCPU: r.Millicpu, Disk: r.DiskBytes, Timeout: time.Duration(r.TimeoutSeconds) * time.Second,
 		Metadata: r.Metadata, Env: r.Env, ClientKey: r.ClientKey,
+		Network: networkReq(r.Network),
 	})
 	if err != nil {
 		return nil, toConnect(err)
@@ -116,6 +118,14 @@ func (s *Server) SetTimeout(ctx context.Context, req *connect.Request[pb.SetTime
 	return connect.NewResponse(sandboxPB(rec)), nil
 }
 
+// networkReq is a create's network policy; nil: none.
+func networkReq(n *pb.NetworkPolicy) *netpolicy.Request {
+	if n == nil {
+		return nil
+	}
+	return &netpolicy.Request{Internet: n.Internet, AllowOut: n.AllowOut, DenyOut: n.DenyOut}
+}
+
 func sandboxPB(r node.Record) *pb.Sandbox {
 	out := &pb.Sandbox{
 		Id: r.ID, Backend: r.Backend, MemoryBytes: r.Resources.MemoryBytes, Millicpu: r.Resources.MilliCPU, DiskBytes: r.Resources.DiskBytes,
@@ -135,6 +145,9 @@ func sandboxPB(r node.Record) *pb.Sandbox {
 	}
 	for _, l := range r.Layers {
 		out.Layers = append(out.Layers, &pb.LayerRef{Kind: kindPB(l.Kind), Ref: l.Ref, Digest: l.Digest})
+	}
+	if n := r.Network; n != nil {
+		out.Network = &pb.NetworkPolicy{Internet: n.Internet, AllowOut: n.AllowOut, DenyOut: n.DenyOut}
 	}
 	out.Runtime = map[string]string{}
 	for k, v := range r.Handle.Data {

@@ -21,6 +21,7 @@ import (
 
 	"github.com/shoal-sandbox/shoal/internal/errdefs"
 	"github.com/shoal-sandbox/shoal/internal/layer"
+	"github.com/shoal-sandbox/shoal/internal/netpolicy"
 	"github.com/shoal-sandbox/shoal/internal/node"
 )
 
@@ -284,9 +285,6 @@ func (s *Server) createSandbox(w http.ResponseWriter, r *http.Request) {
 	case in.AutoResume != nil && in.AutoResume.Enabled:
 		badRequest(w, "autoResume is not supported by Shoal yet")
 		return
-	case in.AllowInternetAccess != nil && *in.AllowInternetAccess:
-		badRequest(w, "allowInternetAccess: Shoal sandboxes have no network access yet (loopback only); leave it unset or false")
-		return
 	case len(in.VolumeMounts) > 0:
 		badRequest(w, "volumeMounts are not supported by Shoal yet")
 		return
@@ -300,8 +298,8 @@ func (s *Server) createSandbox(w http.ResponseWriter, r *http.Request) {
 	public := true // E2B's default: allowPublicTraffic
 	if n := in.Network; n != nil {
 		switch {
-		case len(n.AllowOut) > 0, len(n.EgressProxy) > 0 && string(n.EgressProxy) != "null", len(n.Rules) > 0 && string(n.Rules) != "null":
-			badRequest(w, "network egress settings (allowOut, egressProxy, rules) are not supported by Shoal yet: sandboxes have no network access (loopback only)")
+		case len(n.EgressProxy) > 0 && string(n.EgressProxy) != "null", len(n.Rules) > 0 && string(n.Rules) != "null":
+			badRequest(w, "network egressProxy and rules are not supported by Shoal yet (allowOut and denyOut are: IPv4 addresses and CIDRs)")
 			return
 		case n.MaskRequestHost != "", len(n.HTTPSPorts) > 0:
 			badRequest(w, "network maskRequestHost and httpsPorts are not supported by Shoal yet")
@@ -320,6 +318,15 @@ func (s *Server) createSandbox(w http.ResponseWriter, r *http.Request) {
 		timeout = time.Duration(*in.Timeout) * time.Second
 	}
 	req := node.CreateRequest{Timeout: timeout, Metadata: in.Metadata, Env: in.EnvVars}
+	// Network: E2B's allowInternetAccess (the public internet; unset is
+	// false here: Shoal sandboxes have no network unless asked), denyOut
+	// taken out of it, allowOut allowed whatever denyOut says.
+	if (in.AllowInternetAccess != nil && *in.AllowInternetAccess) || (in.Network != nil && len(in.Network.AllowOut) > 0) {
+		req.Network = &netpolicy.Request{Internet: in.AllowInternetAccess != nil && *in.AllowInternetAccess}
+		if n := in.Network; n != nil {
+			req.Network.AllowOut, req.Network.DenyOut = n.AllowOut, n.DenyOut
+		}
+	}
 	if err := s.resolveTemplate(in.TemplateID, &req); err != nil {
 		writeErr(w, err)
 		return

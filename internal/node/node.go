@@ -25,6 +25,7 @@ import (
 	"github.com/shoal-sandbox/shoal/internal/errdefs"
 	"github.com/shoal-sandbox/shoal/internal/layer"
 	"github.com/shoal-sandbox/shoal/internal/metrics"
+	"github.com/shoal-sandbox/shoal/internal/netpolicy"
 	"github.com/shoal-sandbox/shoal/internal/sandbox"
 )
 
@@ -232,6 +233,8 @@ type CreateRequest struct {
 	// ClientKey makes the create idempotent: repeating a create with the
 	// same key returns the sandbox made for it (while it exists).
 	ClientKey string
+	// Network: nil is loopback only; see internal/netpolicy.
+	Network *netpolicy.Request
 }
 
 func (m *Manager) validate(req *CreateRequest) error {
@@ -274,6 +277,12 @@ func (m *Manager) validate(req *CreateRequest) error {
 		if k == "" || strings.ContainsAny(k, "=\x00") {
 			return errdefs.New(ErrInvalid, "bad environment variable name %q", k)
 		}
+	}
+	if _, err := netpolicy.Parse(req.Network); err != nil {
+		return errdefs.New(ErrInvalid, "%s", err)
+	}
+	if !req.Network.Egress() {
+		req.Network = nil
 	}
 	return nil
 }
@@ -368,6 +377,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (rec Record, er
 		Expires:  now.Add(req.Timeout),
 		Metadata: req.Metadata,
 		Env:      req.Env,
+		Network:  req.Network,
 		// A provisional handle: enough for the backend to clean up after a
 		// crash in the middle of this create.
 		Handle: sandbox.Handle{ID: id, Backend: req.Backend, Data: map[string]string{"dir": dir}},
@@ -403,6 +413,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (rec Record, er
 		Resources:   rec.Resources,
 		AgentBinary: m.cfg.AgentBinary,
 		Env:         envList(req.Env),
+		Network:     req.Network,
 	}
 	hostMounts := be.Capabilities().HostLayerMounts
 	for _, l := range layers {

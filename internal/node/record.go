@@ -10,6 +10,7 @@ import (
 
 	"go.etcd.io/bbolt"
 
+	"github.com/shoal-sandbox/shoal/internal/netpolicy"
 	"github.com/shoal-sandbox/shoal/internal/sandbox"
 )
 
@@ -48,6 +49,8 @@ type Record struct {
 	Env       map[string]string `json:"env,omitempty"`
 	Handle    sandbox.Handle    `json:"handle"`
 	ClientKey string            `json:"client_key,omitempty"`
+	// Network is the egress asked for; nil: loopback only.
+	Network *netpolicy.Request `json:"network,omitempty"`
 }
 
 var (

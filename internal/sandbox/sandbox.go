@@ -12,6 +12,8 @@ import (
 	"context"
 	"errors"
 	"time"
+
+	"github.com/shoal-sandbox/shoal/internal/netpolicy"
 )
 
 // Errors shared by all backends; check them with errors.Is.
@@ -57,9 +59,10 @@ type Spec struct {
 	Resources Resources
 	// AgentBinary is the host path of the static shoal-agent binary.
 	AgentBinary string
-	// Network: false (the default) means a private network namespace with
-	// loopback only.
-	Network bool
+	// Network: nil (the default), or a request without egress, means a
+	// private network namespace with loopback only; see internal/netpolicy.
+	// A backend that cannot give egress fails with ErrUnsupported.
+	Network *netpolicy.Request
 	// Env is added to every process started in the sandbox.
 	Env []string
 }

@@ -87,7 +87,8 @@ func TestE2BSDK(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		serve = exec.Command(filepath.Join(bin, "shoal"), "serve", "--data", data, "--listen", apiAddr, "--e2b-listen", e2bAddr, "--e2b-default-template", template, "--debug")
+		serve = exec.Command(filepath.Join(bin, "shoal"), "serve", "--data", data, "--listen", apiAddr, "--e2b-listen", e2bAddr, "--e2b-default-template", template, "--debug",
+			"--egress-subnet", fmt.Sprintf("10.%d.0.0/16", 8+os.Getpid()%120))
 		serve.Stdout, serve.Stderr = logf, logf
 		serve.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
 		if err := serve.Start(); err != nil {

@@ -592,7 +592,24 @@ test('envd refuses a request without the sandbox access token', async () => {
   }
 })
 
+test('allowInternetAccess gives the sandbox a link out; none by default', async () => {
+  const sbx = await Sandbox.create(TEMPLATE, { allowInternetAccess: true, network: { denyOut: ['198.51.100.0/24'] } })
+  try {
+    const r = await sbx.commands.run('ip -o -4 addr show eth0')
+    assert.match(r.stdout, /inet 10\./)
+  } finally {
+    await sbx.kill()
+  }
+  const none = await Sandbox.create(TEMPLATE)
+  try {
+    const r = await none.commands.run('ip -o link show | grep -v ": lo:" || true')
+    assert.equal(r.stdout.trim(), '')
+  } finally {
+    await none.kill()
+  }
+})
+
 test('unsupported create options are refused, not ignored', async () => {
-  await assert.rejects(Sandbox.create(TEMPLATE, { allowInternetAccess: true }), /no network access/)
+  await assert.rejects(Sandbox.create(TEMPLATE, { network: { allowOut: ['example.com'] } }), /host names are not supported/)
   await assert.rejects(Sandbox.create(TEMPLATE, { lifecycle: { onTimeout: 'pause' } }), /autoPause/)
 })

@@ -29,6 +29,9 @@ var (
 	apiKey     string
 	serveCmd   *exec.Cmd
 	baseRef    = "busybox:1"
+	// egressSubnet is this run's own: other nodes on the host (parallel
+	// runs) take theirs (network_test.go).
+	egressSubnet = fmt.Sprintf("10.%d.0.0/16", 128+os.Getpid()%120)
 )
 
 func TestMain(m *testing.M) {
@@ -117,7 +120,8 @@ func startServe() error {
 	if err != nil {
 		return err
 	}
-	serveCmd = exec.Command(filepath.Join(binDir, "shoal"), "serve", "--data", dataDir, "--listen", addr, "--debug", "--e2b-listen=")
+	serveCmd = exec.Command(filepath.Join(binDir, "shoal"), "serve", "--data", dataDir, "--listen", addr, "--debug", "--e2b-listen=",
+		"--egress-subnet", egressSubnet)
 	serveCmd.Stdout, serveCmd.Stderr = log, log
 	serveCmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
 	if err := serveCmd.Start(); err != nil {

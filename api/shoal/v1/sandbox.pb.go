@@ -161,7 +161,7 @@ func (x WatchDirEvent_Op) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use WatchDirEvent_Op.Descriptor instead.
 func (WatchDirEvent_Op) EnumDescriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{18, 0}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{19, 0}
 }
 
 // LayerRef is one layer of a sandbox as resolved at creation: the digest is
@@ -248,7 +248,9 @@ type CreateSandboxRequest struct {
 	// disk_bytes is the size of the sandbox's writable layer, a file system
 	// of its own (inodes: one per 8 KiB): writing past it fails with ENOSPC
 	// in the sandbox. 0 = the node's default (serve --default-disk, 1 GiB).
-	DiskBytes     int64 `protobuf:"varint,12,opt,name=disk_bytes,json=diskBytes,proto3" json:"disk_bytes,omitempty"`
+	DiskBytes int64 `protobuf:"varint,12,opt,name=disk_bytes,json=diskBytes,proto3" json:"disk_bytes,omitempty"`
+	// network: none (loopback only) unless set; see NetworkPolicy.
+	Network       *NetworkPolicy `protobuf:"bytes,20,opt,name=network,proto3" json:"network,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -367,6 +369,84 @@ func (x *CreateSandboxRequest) GetDiskBytes() int64 {
 	return 0
 }
 
+func (x *CreateSandboxRequest) GetNetwork() *NetworkPolicy {
+	if x != nil {
+		return x.Network
+	}
+	return nil
+}
+
+// NetworkPolicy is a sandbox's network egress (README "Network"). Egress is
+// given when internet is true or allow_out is not empty: the sandbox gets
+// eth0 with an address of the node's egress subnet, and its packets may go
+// only where this allows, IPv4 only, never to other sandboxes, the host or
+// link-local/loopback/multicast ranges.
+type NetworkPolicy struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// internet: every public IPv4 address (not the private ranges: RFC 1918,
+	// 100.64/10, 192.0.0/24, 198.18/15), minus deny_out.
+	Internet bool `protobuf:"varint,1,opt,name=internet,proto3" json:"internet,omitempty"`
+	// allow_out: "CIDR", "IP", "CIDR:PORT" or "CIDR:LOW-HIGH" (TCP and UDP;
+	// no port: every protocol); allowed even when deny_out covers it, and
+	// may name a private range. At most 64 entries.
+	AllowOut []string `protobuf:"bytes,2,rep,name=allow_out,json=allowOut,proto3" json:"allow_out,omitempty"`
+	// deny_out: CIDRs or IPs taken out of internet. At most 64 entries.
+	DenyOut       []string `protobuf:"bytes,3,rep,name=deny_out,json=denyOut,proto3" json:"deny_out,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *NetworkPolicy) Reset() {
+	*x = NetworkPolicy{}
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[2]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *NetworkPolicy) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*NetworkPolicy) ProtoMessage() {}
+
+func (x *NetworkPolicy) ProtoReflect() protoreflect.Message {
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[2]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use NetworkPolicy.ProtoReflect.Descriptor instead.
+func (*NetworkPolicy) Descriptor() ([]byte, []int) {
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{2}
+}
+
+func (x *NetworkPolicy) GetInternet() bool {
+	if x != nil {
+		return x.Internet
+	}
+	return false
+}
+
+func (x *NetworkPolicy) GetAllowOut() []string {
+	if x != nil {
+		return x.AllowOut
+	}
+	return nil
+}
+
+func (x *NetworkPolicy) GetDenyOut() []string {
+	if x != nil {
+		return x.DenyOut
+	}
+	return nil
+}
+
 type Sandbox struct {
 	state          protoimpl.MessageState `protogen:"open.v1"`
 	Id             string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
@@ -388,14 +468,15 @@ type Sandbox struct {
 	Runtime map[string]string `protobuf:"bytes,13,rep,name=runtime,proto3" json:"runtime,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
 	// disk_bytes: the size of its writable layer; 0 = not limited (a node
 	// that cannot limit disks).
-	DiskBytes     int64 `protobuf:"varint,14,opt,name=disk_bytes,json=diskBytes,proto3" json:"disk_bytes,omitempty"`
+	DiskBytes     int64          `protobuf:"varint,14,opt,name=disk_bytes,json=diskBytes,proto3" json:"disk_bytes,omitempty"`
+	Network       *NetworkPolicy `protobuf:"bytes,20,opt,name=network,proto3" json:"network,omitempty"` // as created; unset: loopback only
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Sandbox) Reset() {
 	*x = Sandbox{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[2]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -407,7 +488,7 @@ func (x *Sandbox) String() string {
 func (*Sandbox) ProtoMessage() {}
 
 func (x *Sandbox) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[2]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -420,7 +501,7 @@ func (x *Sandbox) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Sandbox.ProtoReflect.Descriptor instead.
 func (*Sandbox) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{2}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *Sandbox) GetId() string {
@@ -521,6 +602,13 @@ func (x *Sandbox) GetDiskBytes() int64 {
 	return 0
 }
 
+func (x *Sandbox) GetNetwork() *NetworkPolicy {
+	if x != nil {
+		return x.Network
+	}
+	return nil
+}
+
 type GetSandboxRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Id            string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
@@ -530,7 +618,7 @@ type GetSandboxRequest struct {
 
 func (x *GetSandboxRequest) Reset() {
 	*x = GetSandboxRequest{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[3]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -542,7 +630,7 @@ func (x *GetSandboxRequest) String() string {
 func (*GetSandboxRequest) ProtoMessage() {}
 
 func (x *GetSandboxRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[3]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -555,7 +643,7 @@ func (x *GetSandboxRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetSandboxRequest.ProtoReflect.Descriptor instead.
 func (*GetSandboxRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{3}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *GetSandboxRequest) GetId() string {
@@ -573,7 +661,7 @@ type ListSandboxesRequest struct {
 
 func (x *ListSandboxesRequest) Reset() {
 	*x = ListSandboxesRequest{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[4]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -585,7 +673,7 @@ func (x *ListSandboxesRequest) String() string {
 func (*ListSandboxesRequest) ProtoMessage() {}
 
 func (x *ListSandboxesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[4]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -598,7 +686,7 @@ func (x *ListSandboxesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSandboxesRequest.ProtoReflect.Descriptor instead.
 func (*ListSandboxesRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{4}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{5}
 }
 
 type ListSandboxesResponse struct {
@@ -610,7 +698,7 @@ type ListSandboxesResponse struct {
 
 func (x *ListSandboxesResponse) Reset() {
 	*x = ListSandboxesResponse{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[5]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -622,7 +710,7 @@ func (x *ListSandboxesResponse) String() string {
 func (*ListSandboxesResponse) ProtoMessage() {}
 
 func (x *ListSandboxesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[5]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -635,7 +723,7 @@ func (x *ListSandboxesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSandboxesResponse.ProtoReflect.Descriptor instead.
 func (*ListSandboxesResponse) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{5}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *ListSandboxesResponse) GetSandboxes() []*Sandbox {
@@ -654,7 +742,7 @@ type DeleteSandboxRequest struct {
 
 func (x *DeleteSandboxRequest) Reset() {
 	*x = DeleteSandboxRequest{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[6]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -666,7 +754,7 @@ func (x *DeleteSandboxRequest) String() string {
 func (*DeleteSandboxRequest) ProtoMessage() {}
 
 func (x *DeleteSandboxRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[6]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -679,7 +767,7 @@ func (x *DeleteSandboxRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteSandboxRequest.ProtoReflect.Descriptor instead.
 func (*DeleteSandboxRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{6}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *DeleteSandboxRequest) GetId() string {
@@ -697,7 +785,7 @@ type DeleteSandboxResponse struct {
 
 func (x *DeleteSandboxResponse) Reset() {
 	*x = DeleteSandboxResponse{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[7]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -709,7 +797,7 @@ func (x *DeleteSandboxResponse) String() string {
 func (*DeleteSandboxResponse) ProtoMessage() {}
 
 func (x *DeleteSandboxResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[7]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -722,7 +810,7 @@ func (x *DeleteSandboxResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteSandboxResponse.ProtoReflect.Descriptor instead.
 func (*DeleteSandboxResponse) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{7}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{8}
 }
 
 type SetTimeoutRequest struct {
@@ -735,7 +823,7 @@ type SetTimeoutRequest struct {
 
 func (x *SetTimeoutRequest) Reset() {
 	*x = SetTimeoutRequest{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[8]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -747,7 +835,7 @@ func (x *SetTimeoutRequest) String() string {
 func (*SetTimeoutRequest) ProtoMessage() {}
 
 func (x *SetTimeoutRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[8]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -760,7 +848,7 @@ func (x *SetTimeoutRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetTimeoutRequest.ProtoReflect.Descriptor instead.
 func (*SetTimeoutRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{8}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *SetTimeoutRequest) GetId() string {
@@ -792,7 +880,7 @@ type FileInfo struct {
 
 func (x *FileInfo) Reset() {
 	*x = FileInfo{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[9]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -804,7 +892,7 @@ func (x *FileInfo) String() string {
 func (*FileInfo) ProtoMessage() {}
 
 func (x *FileInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[9]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -817,7 +905,7 @@ func (x *FileInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FileInfo.ProtoReflect.Descriptor instead.
 func (*FileInfo) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{9}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *FileInfo) GetName() string {
@@ -879,7 +967,7 @@ type StatFileRequest struct {
 
 func (x *StatFileRequest) Reset() {
 	*x = StatFileRequest{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[10]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -891,7 +979,7 @@ func (x *StatFileRequest) String() string {
 func (*StatFileRequest) ProtoMessage() {}
 
 func (x *StatFileRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[10]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -904,7 +992,7 @@ func (x *StatFileRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatFileRequest.ProtoReflect.Descriptor instead.
 func (*StatFileRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{10}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *StatFileRequest) GetSandboxId() string {
@@ -938,7 +1026,7 @@ type ListDirRequest struct {
 
 func (x *ListDirRequest) Reset() {
 	*x = ListDirRequest{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[11]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -950,7 +1038,7 @@ func (x *ListDirRequest) String() string {
 func (*ListDirRequest) ProtoMessage() {}
 
 func (x *ListDirRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[11]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -963,7 +1051,7 @@ func (x *ListDirRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListDirRequest.ProtoReflect.Descriptor instead.
 func (*ListDirRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{11}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *ListDirRequest) GetSandboxId() string {
@@ -996,7 +1084,7 @@ type ListDirResponse struct {
 
 func (x *ListDirResponse) Reset() {
 	*x = ListDirResponse{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[12]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1008,7 +1096,7 @@ func (x *ListDirResponse) String() string {
 func (*ListDirResponse) ProtoMessage() {}
 
 func (x *ListDirResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[12]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1021,7 +1109,7 @@ func (x *ListDirResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListDirResponse.ProtoReflect.Descriptor instead.
 func (*ListDirResponse) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{12}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *ListDirResponse) GetEntries() []*FileInfo {
@@ -1041,7 +1129,7 @@ type MakeDirRequest struct {
 
 func (x *MakeDirRequest) Reset() {
 	*x = MakeDirRequest{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[13]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1053,7 +1141,7 @@ func (x *MakeDirRequest) String() string {
 func (*MakeDirRequest) ProtoMessage() {}
 
 func (x *MakeDirRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[13]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1066,7 +1154,7 @@ func (x *MakeDirRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MakeDirRequest.ProtoReflect.Descriptor instead.
 func (*MakeDirRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{13}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *MakeDirRequest) GetSandboxId() string {
@@ -1091,7 +1179,7 @@ type MakeDirResponse struct {
 
 func (x *MakeDirResponse) Reset() {
 	*x = MakeDirResponse{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[14]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1103,7 +1191,7 @@ func (x *MakeDirResponse) String() string {
 func (*MakeDirResponse) ProtoMessage() {}
 
 func (x *MakeDirResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[14]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1116,7 +1204,7 @@ func (x *MakeDirResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MakeDirResponse.ProtoReflect.Descriptor instead.
 func (*MakeDirResponse) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{14}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{15}
 }
 
 type RemoveFileRequest struct {
@@ -1130,7 +1218,7 @@ type RemoveFileRequest struct {
 
 func (x *RemoveFileRequest) Reset() {
 	*x = RemoveFileRequest{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[15]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1142,7 +1230,7 @@ func (x *RemoveFileRequest) String() string {
 func (*RemoveFileRequest) ProtoMessage() {}
 
 func (x *RemoveFileRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[15]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1155,7 +1243,7 @@ func (x *RemoveFileRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RemoveFileRequest.ProtoReflect.Descriptor instead.
 func (*RemoveFileRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{15}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *RemoveFileRequest) GetSandboxId() string {
@@ -1187,7 +1275,7 @@ type RemoveFileResponse struct {
 
 func (x *RemoveFileResponse) Reset() {
 	*x = RemoveFileResponse{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[16]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1199,7 +1287,7 @@ func (x *RemoveFileResponse) String() string {
 func (*RemoveFileResponse) ProtoMessage() {}
 
 func (x *RemoveFileResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[16]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1212,7 +1300,7 @@ func (x *RemoveFileResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RemoveFileResponse.ProtoReflect.Descriptor instead.
 func (*RemoveFileResponse) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{16}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{17}
 }
 
 // WatchDir's stream sends its response headers, with the header
@@ -1238,7 +1326,7 @@ type WatchDirRequest struct {
 
 func (x *WatchDirRequest) Reset() {
 	*x = WatchDirRequest{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[17]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1250,7 +1338,7 @@ func (x *WatchDirRequest) String() string {
 func (*WatchDirRequest) ProtoMessage() {}
 
 func (x *WatchDirRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[17]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1263,7 +1351,7 @@ func (x *WatchDirRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchDirRequest.ProtoReflect.Descriptor instead.
 func (*WatchDirRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{17}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *WatchDirRequest) GetSandboxId() string {
@@ -1299,7 +1387,7 @@ type WatchDirEvent struct {
 
 func (x *WatchDirEvent) Reset() {
 	*x = WatchDirEvent{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[18]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1311,7 +1399,7 @@ func (x *WatchDirEvent) String() string {
 func (*WatchDirEvent) ProtoMessage() {}
 
 func (x *WatchDirEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[18]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1324,7 +1412,7 @@ func (x *WatchDirEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchDirEvent.ProtoReflect.Descriptor instead.
 func (*WatchDirEvent) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{18}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *WatchDirEvent) GetOp() WatchDirEvent_Op {
@@ -1363,7 +1451,7 @@ const file_shoal_v1_sandbox_proto_rawDesc = "" +
 	"\bLayerRef\x12'\n" +
 	"\x04kind\x18\x01 \x01(\x0e2\x13.shoal.v1.LayerKindR\x04kind\x12\x10\n" +
 	"\x03ref\x18\x02 \x01(\tR\x03ref\x12\x16\n" +
-	"\x06digest\x18\x03 \x01(\tR\x06digest\"\xbc\x04\n" +
+	"\x06digest\x18\x03 \x01(\tR\x06digest\"\xef\x04\n" +
 	"\x14CreateSandboxRequest\x12\x18\n" +
 	"\abackend\x18\x01 \x01(\tR\abackend\x12\x12\n" +
 	"\x04base\x18\x02 \x01(\tR\x04base\x12\x1e\n" +
@@ -1381,13 +1469,18 @@ const file_shoal_v1_sandbox_proto_rawDesc = "" +
 	"\n" +
 	"client_key\x18\v \x01(\tR\tclientKey\x12\x1d\n" +
 	"\n" +
-	"disk_bytes\x18\f \x01(\x03R\tdiskBytes\x1a;\n" +
+	"disk_bytes\x18\f \x01(\x03R\tdiskBytes\x121\n" +
+	"\anetwork\x18\x14 \x01(\v2\x17.shoal.v1.NetworkPolicyR\anetwork\x1a;\n" +
 	"\rMetadataEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1a6\n" +
 	"\bEnvEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xaf\x05\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"c\n" +
+	"\rNetworkPolicy\x12\x1a\n" +
+	"\binternet\x18\x01 \x01(\bR\binternet\x12\x1b\n" +
+	"\tallow_out\x18\x02 \x03(\tR\ballowOut\x12\x19\n" +
+	"\bdeny_out\x18\x03 \x03(\tR\adenyOut\"\xe2\x05\n" +
 	"\aSandbox\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x18\n" +
 	"\abackend\x18\x02 \x01(\tR\abackend\x12,\n" +
@@ -1407,7 +1500,8 @@ const file_shoal_v1_sandbox_proto_rawDesc = "" +
 	"\x05error\x18\f \x01(\tR\x05error\x128\n" +
 	"\aruntime\x18\r \x03(\v2\x1e.shoal.v1.Sandbox.RuntimeEntryR\aruntime\x12\x1d\n" +
 	"\n" +
-	"disk_bytes\x18\x0e \x01(\x03R\tdiskBytes\x1a;\n" +
+	"disk_bytes\x18\x0e \x01(\x03R\tdiskBytes\x121\n" +
+	"\anetwork\x18\x14 \x01(\v2\x17.shoal.v1.NetworkPolicyR\anetwork\x1a;\n" +
 	"\rMetadataEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1a:\n" +
@@ -1508,75 +1602,78 @@ func file_shoal_v1_sandbox_proto_rawDescGZIP() []byte {
 }
 
 var file_shoal_v1_sandbox_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_shoal_v1_sandbox_proto_msgTypes = make([]protoimpl.MessageInfo, 23)
+var file_shoal_v1_sandbox_proto_msgTypes = make([]protoimpl.MessageInfo, 24)
 var file_shoal_v1_sandbox_proto_goTypes = []any{
 	(SandboxState)(0),             // 0: shoal.v1.SandboxState
 	(WatchDirEvent_Op)(0),         // 1: shoal.v1.WatchDirEvent.Op
 	(*LayerRef)(nil),              // 2: shoal.v1.LayerRef
 	(*CreateSandboxRequest)(nil),  // 3: shoal.v1.CreateSandboxRequest
-	(*Sandbox)(nil),               // 4: shoal.v1.Sandbox
-	(*GetSandboxRequest)(nil),     // 5: shoal.v1.GetSandboxRequest
-	(*ListSandboxesRequest)(nil),  // 6: shoal.v1.ListSandboxesRequest
-	(*ListSandboxesResponse)(nil), // 7: shoal.v1.ListSandboxesResponse
-	(*DeleteSandboxRequest)(nil),  // 8: shoal.v1.DeleteSandboxRequest
-	(*DeleteSandboxResponse)(nil), // 9: shoal.v1.DeleteSandboxResponse
-	(*SetTimeoutRequest)(nil),     // 10: shoal.v1.SetTimeoutRequest
-	(*FileInfo)(nil),              // 11: shoal.v1.FileInfo
-	(*StatFileRequest)(nil),       // 12: shoal.v1.StatFileRequest
-	(*ListDirRequest)(nil),        // 13: shoal.v1.ListDirRequest
-	(*ListDirResponse)(nil),       // 14: shoal.v1.ListDirResponse
-	(*MakeDirRequest)(nil),        // 15: shoal.v1.MakeDirRequest
-	(*MakeDirResponse)(nil),       // 16: shoal.v1.MakeDirResponse
-	(*RemoveFileRequest)(nil),     // 17: shoal.v1.RemoveFileRequest
-	(*RemoveFileResponse)(nil),    // 18: shoal.v1.RemoveFileResponse
-	(*WatchDirRequest)(nil),       // 19: shoal.v1.WatchDirRequest
-	(*WatchDirEvent)(nil),         // 20: shoal.v1.WatchDirEvent
-	nil,                           // 21: shoal.v1.CreateSandboxRequest.MetadataEntry
-	nil,                           // 22: shoal.v1.CreateSandboxRequest.EnvEntry
-	nil,                           // 23: shoal.v1.Sandbox.MetadataEntry
-	nil,                           // 24: shoal.v1.Sandbox.RuntimeEntry
-	(LayerKind)(0),                // 25: shoal.v1.LayerKind
-	(*timestamppb.Timestamp)(nil), // 26: google.protobuf.Timestamp
+	(*NetworkPolicy)(nil),         // 4: shoal.v1.NetworkPolicy
+	(*Sandbox)(nil),               // 5: shoal.v1.Sandbox
+	(*GetSandboxRequest)(nil),     // 6: shoal.v1.GetSandboxRequest
+	(*ListSandboxesRequest)(nil),  // 7: shoal.v1.ListSandboxesRequest
+	(*ListSandboxesResponse)(nil), // 8: shoal.v1.ListSandboxesResponse
+	(*DeleteSandboxRequest)(nil),  // 9: shoal.v1.DeleteSandboxRequest
+	(*DeleteSandboxResponse)(nil), // 10: shoal.v1.DeleteSandboxResponse
+	(*SetTimeoutRequest)(nil),     // 11: shoal.v1.SetTimeoutRequest
+	(*FileInfo)(nil),              // 12: shoal.v1.FileInfo
+	(*StatFileRequest)(nil),       // 13: shoal.v1.StatFileRequest
+	(*ListDirRequest)(nil),        // 14: shoal.v1.ListDirRequest
+	(*ListDirResponse)(nil),       // 15: shoal.v1.ListDirResponse
+	(*MakeDirRequest)(nil),        // 16: shoal.v1.MakeDirRequest
+	(*MakeDirResponse)(nil),       // 17: shoal.v1.MakeDirResponse
+	(*RemoveFileRequest)(nil),     // 18: shoal.v1.RemoveFileRequest
+	(*RemoveFileResponse)(nil),    // 19: shoal.v1.RemoveFileResponse
+	(*WatchDirRequest)(nil),       // 20: shoal.v1.WatchDirRequest
+	(*WatchDirEvent)(nil),         // 21: shoal.v1.WatchDirEvent
+	nil,                           // 22: shoal.v1.CreateSandboxRequest.MetadataEntry
+	nil,                           // 23: shoal.v1.CreateSandboxRequest.EnvEntry
+	nil,                           // 24: shoal.v1.Sandbox.MetadataEntry
+	nil,                           // 25: shoal.v1.Sandbox.RuntimeEntry
+	(LayerKind)(0),                // 26: shoal.v1.LayerKind
+	(*timestamppb.Timestamp)(nil), // 27: google.protobuf.Timestamp
 }
 var file_shoal_v1_sandbox_proto_depIdxs = []int32{
-	25, // 0: shoal.v1.LayerRef.kind:type_name -> shoal.v1.LayerKind
-	21, // 1: shoal.v1.CreateSandboxRequest.metadata:type_name -> shoal.v1.CreateSandboxRequest.MetadataEntry
-	22, // 2: shoal.v1.CreateSandboxRequest.env:type_name -> shoal.v1.CreateSandboxRequest.EnvEntry
-	0,  // 3: shoal.v1.Sandbox.state:type_name -> shoal.v1.SandboxState
-	2,  // 4: shoal.v1.Sandbox.layers:type_name -> shoal.v1.LayerRef
-	26, // 5: shoal.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
-	26, // 6: shoal.v1.Sandbox.expires_at:type_name -> google.protobuf.Timestamp
-	23, // 7: shoal.v1.Sandbox.metadata:type_name -> shoal.v1.Sandbox.MetadataEntry
-	24, // 8: shoal.v1.Sandbox.runtime:type_name -> shoal.v1.Sandbox.RuntimeEntry
-	4,  // 9: shoal.v1.ListSandboxesResponse.sandboxes:type_name -> shoal.v1.Sandbox
-	26, // 10: shoal.v1.FileInfo.modified_at:type_name -> google.protobuf.Timestamp
-	11, // 11: shoal.v1.ListDirResponse.entries:type_name -> shoal.v1.FileInfo
-	1,  // 12: shoal.v1.WatchDirEvent.op:type_name -> shoal.v1.WatchDirEvent.Op
-	3,  // 13: shoal.v1.SandboxService.CreateSandbox:input_type -> shoal.v1.CreateSandboxRequest
-	5,  // 14: shoal.v1.SandboxService.GetSandbox:input_type -> shoal.v1.GetSandboxRequest
-	6,  // 15: shoal.v1.SandboxService.ListSandboxes:input_type -> shoal.v1.ListSandboxesRequest
-	8,  // 16: shoal.v1.SandboxService.DeleteSandbox:input_type -> shoal.v1.DeleteSandboxRequest
-	10, // 17: shoal.v1.SandboxService.SetTimeout:input_type -> shoal.v1.SetTimeoutRequest
-	12, // 18: shoal.v1.SandboxService.StatFile:input_type -> shoal.v1.StatFileRequest
-	13, // 19: shoal.v1.SandboxService.ListDir:input_type -> shoal.v1.ListDirRequest
-	15, // 20: shoal.v1.SandboxService.MakeDir:input_type -> shoal.v1.MakeDirRequest
-	17, // 21: shoal.v1.SandboxService.RemoveFile:input_type -> shoal.v1.RemoveFileRequest
-	19, // 22: shoal.v1.SandboxService.WatchDir:input_type -> shoal.v1.WatchDirRequest
-	4,  // 23: shoal.v1.SandboxService.CreateSandbox:output_type -> shoal.v1.Sandbox
-	4,  // 24: shoal.v1.SandboxService.GetSandbox:output_type -> shoal.v1.Sandbox
-	7,  // 25: shoal.v1.SandboxService.ListSandboxes:output_type -> shoal.v1.ListSandboxesResponse
-	9,  // 26: shoal.v1.SandboxService.DeleteSandbox:output_type -> shoal.v1.DeleteSandboxResponse
-	4,  // 27: shoal.v1.SandboxService.SetTimeout:output_type -> shoal.v1.Sandbox
-	11, // 28: shoal.v1.SandboxService.StatFile:output_type -> shoal.v1.FileInfo
-	14, // 29: shoal.v1.SandboxService.ListDir:output_type -> shoal.v1.ListDirResponse
-	16, // 30: shoal.v1.SandboxService.MakeDir:output_type -> shoal.v1.MakeDirResponse
-	18, // 31: shoal.v1.SandboxService.RemoveFile:output_type -> shoal.v1.RemoveFileResponse
-	20, // 32: shoal.v1.SandboxService.WatchDir:output_type -> shoal.v1.WatchDirEvent
-	23, // [23:33] is the sub-list for method output_type
-	13, // [13:23] is the sub-list for method input_type
-	13, // [13:13] is the sub-list for extension type_name
-	13, // [13:13] is the sub-list for extension extendee
-	0,  // [0:13] is the sub-list for field type_name
+	26, // 0: shoal.v1.LayerRef.kind:type_name -> shoal.v1.LayerKind
+	22, // 1: shoal.v1.CreateSandboxRequest.metadata:type_name -> shoal.v1.CreateSandboxRequest.MetadataEntry
+	23, // 2: shoal.v1.CreateSandboxRequest.env:type_name -> shoal.v1.CreateSandboxRequest.EnvEntry
+	4,  // 3: shoal.v1.CreateSandboxRequest.network:type_name -> shoal.v1.NetworkPolicy
+	0,  // 4: shoal.v1.Sandbox.state:type_name -> shoal.v1.SandboxState
+	2,  // 5: shoal.v1.Sandbox.layers:type_name -> shoal.v1.LayerRef
+	27, // 6: shoal.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
+	27, // 7: shoal.v1.Sandbox.expires_at:type_name -> google.protobuf.Timestamp
+	24, // 8: shoal.v1.Sandbox.metadata:type_name -> shoal.v1.Sandbox.MetadataEntry
+	25, // 9: shoal.v1.Sandbox.runtime:type_name -> shoal.v1.Sandbox.RuntimeEntry
+	4,  // 10: shoal.v1.Sandbox.network:type_name -> shoal.v1.NetworkPolicy
+	5,  // 11: shoal.v1.ListSandboxesResponse.sandboxes:type_name -> shoal.v1.Sandbox
+	27, // 12: shoal.v1.FileInfo.modified_at:type_name -> google.protobuf.Timestamp
+	12, // 13: shoal.v1.ListDirResponse.entries:type_name -> shoal.v1.FileInfo
+	1,  // 14: shoal.v1.WatchDirEvent.op:type_name -> shoal.v1.WatchDirEvent.Op
+	3,  // 15: shoal.v1.SandboxService.CreateSandbox:input_type -> shoal.v1.CreateSandboxRequest
+	6,  // 16: shoal.v1.SandboxService.GetSandbox:input_type -> shoal.v1.GetSandboxRequest
+	7,  // 17: shoal.v1.SandboxService.ListSandboxes:input_type -> shoal.v1.ListSandboxesRequest
+	9,  // 18: shoal.v1.SandboxService.DeleteSandbox:input_type -> shoal.v1.DeleteSandboxRequest
+	11, // 19: shoal.v1.SandboxService.SetTimeout:input_type -> shoal.v1.SetTimeoutRequest
+	13, // 20: shoal.v1.SandboxService.StatFile:input_type -> shoal.v1.StatFileRequest
+	14, // 21: shoal.v1.SandboxService.ListDir:input_type -> shoal.v1.ListDirRequest
+	16, // 22: shoal.v1.SandboxService.MakeDir:input_type -> shoal.v1.MakeDirRequest
+	18, // 23: shoal.v1.SandboxService.RemoveFile:input_type -> shoal.v1.RemoveFileRequest
+	20, // 24: shoal.v1.SandboxService.WatchDir:input_type -> shoal.v1.WatchDirRequest
+	5,  // 25: shoal.v1.SandboxService.CreateSandbox:output_type -> shoal.v1.Sandbox
+	5,  // 26: shoal.v1.SandboxService.GetSandbox:output_type -> shoal.v1.Sandbox
+	8,  // 27: shoal.v1.SandboxService.ListSandboxes:output_type -> shoal.v1.ListSandboxesResponse
+	10, // 28: shoal.v1.SandboxService.DeleteSandbox:output_type -> shoal.v1.DeleteSandboxResponse
+	5,  // 29: shoal.v1.SandboxService.SetTimeout:output_type -> shoal.v1.Sandbox
+	12, // 30: shoal.v1.SandboxService.StatFile:output_type -> shoal.v1.FileInfo
+	15, // 31: shoal.v1.SandboxService.ListDir:output_type -> shoal.v1.ListDirResponse
+	17, // 32: shoal.v1.SandboxService.MakeDir:output_type -> shoal.v1.MakeDirResponse
+	19, // 33: shoal.v1.SandboxService.RemoveFile:output_type -> shoal.v1.RemoveFileResponse
+	21, // 34: shoal.v1.SandboxService.WatchDir:output_type -> shoal.v1.WatchDirEvent
+	25, // [25:35] is the sub-list for method output_type
+	15, // [15:25] is the sub-list for method input_type
+	15, // [15:15] is the sub-list for extension type_name
+	15, // [15:15] is the sub-list for extension extendee
+	0,  // [0:15] is the sub-list for field type_name
 }
 
 func init() { file_shoal_v1_sandbox_proto_init() }
@@ -1591,7 +1688,7 @@ func file_shoal_v1_sandbox_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_shoal_v1_sandbox_proto_rawDesc), len(file_shoal_v1_sandbox_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   23,
+			NumMessages:   24,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

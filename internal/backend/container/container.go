@@ -66,6 +66,7 @@ import (
 
 	"github.com/shoal-sandbox/shoal/internal/backend/container/diskimg"
 	"github.com/shoal-sandbox/shoal/internal/backend/container/seccompbpf"
+	"github.com/shoal-sandbox/shoal/internal/errdefs"
 	"github.com/shoal-sandbox/shoal/internal/layer"
 	"github.com/shoal-sandbox/shoal/internal/sandbox"
 )
@@ -137,6 +138,11 @@ type Config struct {
 	// Nofile is the RLIMIT_NOFILE (soft and hard) of sandbox processes; 0
 	// means DefaultNofile.
 	Nofile uint64
+	// EgressSubnet is the IPv4 subnet sandboxes with egress get their
+	// links from (network.go), e.g. DefaultEgressSubnet; "" disables
+	// egress: a create that asks for it fails with ErrUnsupported. Nodes
+	// sharing a host need subnets of their own.
+	EgressSubnet string
 	// RuncSeccomp makes runc compile and load docker's seccomp profile in
 	// every container, as before the node compiled it once (seccomp.go).
 	// It disables the pool. For comparison and as a way out.
@@ -212,6 +218,9 @@ type Backend struct {
 	// when it reads EOF before a claim, so that no pool container outlives
 	// the node (agent.EnvLifeline). Nil without a pool.
 	lifeline, lifelineW *os.File
+
+	// egress attaches sandboxes' networks (network.go); nil when disabled.
+	egress *egress
 
 	// drains are the agent log drains running in this process (agentlog.go).
 	drains drains
@@ -295,6 +304,13 @@ func New(cfg Config) (*Backend, error) {
 			cfg.Log.Info("container backend: node-wide pids limit", "cgroup", cfg.CgroupParent, "pids_max", cfg.PidsMax)
 		}
 	}
+	if cfg.EgressSubnet != "" {
+		e, err := newEgress(cfg.EgressSubnet, cfg.StateDir, "/run/shoal", cfg.Log)
+		if err != nil {
+			return nil, fmt.Errorf("container backend: %w", err)
+		}
+		b.egress = e
+	}
 	switch {
 	case cfg.PoolSize < 0:
 	case b.filter == nil:
@@ -316,12 +332,17 @@ func New(cfg Config) (*Backend, error) {
 }
 
 // Close stops refilling the pool and deletes the pool containers not yet
-// claimed. Sandboxes keep running. Create must not be called afterwards.
+// claimed, and the egress rules when no sandbox has egress. Sandboxes keep
+// running. Create must not be called afterwards.
 func (b *Backend) Close(ctx context.Context) error {
-	if b.pool == nil {
-		return nil
+	var errs []error
+	if b.pool != nil {
+		errs = append(errs, b.pool.close(ctx))
 	}
-	return b.pool.close(ctx)
+	if b.egress != nil {
+		errs = append(errs, b.egress.close())
+	}
+	return errors.Join(errs...)
 }
 
 // Name returns "container".
@@ -368,9 +389,6 @@ func checkSpec(spec sandbox.Spec) error {
 	if spec.AgentBinary == "" {
 		return errors.New("container backend: spec has no agent binary")
 	}
-	if spec.Network {
-		return fmt.Errorf("container backend: network access: %w", sandbox.ErrUnsupported)
-	}
 	for _, kv := range spec.Env {
 		if k, _, ok := strings.Cut(kv, "="); !ok || k == "" || strings.ContainsRune(kv, 0) {
 			return fmt.Errorf("container backend: env entry %q is not KEY=value", kv)
@@ -386,6 +404,30 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (h sandbox.Hand
 	if err := checkSpec(spec); err != nil {
 		return h, err
 	}
+	if spec.Network.Egress() && b.egress == nil {
+		return h, fmt.Errorf("container backend: network egress is disabled on this node (serve --egress-subnet): %w%.0w", sandbox.ErrUnsupported, errdefs.ErrFailedPrecondition)
+	}
+	h, err = b.create(ctx, spec)
+	if err != nil || !spec.Network.Egress() {
+		return h, err
+	}
+	data, err := b.egress.attach(b, spec.ID, h.Data["runc_id"], spec.Network)
+	if err != nil {
+		dctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		if derr := b.Delete(dctx, h); derr != nil {
+			b.log.Error("undo failed create", "sandbox_id", spec.ID, "err", derr)
+		}
+		return sandbox.Handle{}, fmt.Errorf("create sandbox %s: network egress: %w", spec.ID, err)
+	}
+	for k, v := range data {
+		h.Data[k] = v
+	}
+	return h, nil
+}
+
+// create is Create without the network.
+func (b *Backend) create(ctx context.Context, spec sandbox.Spec) (h sandbox.Handle, err error) {
 	if _, ok := ctx.Deadline(); !ok {
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithTimeout(ctx, sandbox.DefaultStartTimeout)
@@ -700,6 +742,13 @@ func (b *Backend) Recover(ctx context.Context, h sandbox.Handle) (sandbox.Status
 			return sandbox.StatusStopped, nil
 		}
 	}
+	if b.egress != nil {
+		if err := b.egress.recover(h.ID, h.Data); err != nil {
+			return "", fmt.Errorf("recover sandbox %s: network egress: %w", h.ID, err)
+		}
+	} else if h.Data[dataEgressSlot] != "" {
+		return "", fmt.Errorf("recover sandbox %s: it has network egress, which is disabled on this node (serve --egress-subnet)", h.ID)
+	}
 	if err := b.reattachLog(h, id); err != nil {
 		b.log.Warn("the agent's log is not collected", "sandbox_id", h.ID, "err", err)
 	}
@@ -723,6 +772,11 @@ func (b *Backend) Delete(ctx context.Context, h sandbox.Handle) error {
 		defer cancel()
 	}
 	var errs []error
+	if b.egress != nil {
+		if err := b.egress.detach(h.ID, h.Data); err != nil {
+			errs = append(errs, err)
+		}
+	}
 	if err := b.destroy(ctx, id); err != nil {
 		errs = append(errs, err)
 	}

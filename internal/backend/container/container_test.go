@@ -20,6 +20,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/shoal-sandbox/shoal/internal/netpolicy"
 	"github.com/shoal-sandbox/shoal/internal/sandbox"
 )
 
@@ -517,7 +518,7 @@ func TestFailedCreateLeavesNothing(t *testing.T) {
 		// runc's own words, from the container's log pipe (agentlog.go).
 		{"missing agent", func(s *sandbox.Spec) { s.AgentBinary = "/nonexistent/agent" }, "runc run: exit status 1: "},
 		{"agent not executable", func(s *sandbox.Spec) { s.AgentBinary = notExecutable }, "permission denied"},
-		{"network", func(s *sandbox.Spec) { s.Network = true }, "not supported"},
+		{"network", func(s *sandbox.Spec) { s.Network = &netpolicy.Request{Internet: true} }, "egress is disabled"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			spec := newSpec(t)

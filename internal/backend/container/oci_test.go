@@ -36,7 +36,6 @@ func TestCheckSpec(t *testing.T) {
 		{"relative layer", func(s *sandbox.Spec) { s.Layers[0].MountPath = "layers/aa" }, "not absolute"},
 		{"no agent", func(s *sandbox.Spec) { s.AgentBinary = "" }, "no agent"},
 		{"bad env", func(s *sandbox.Spec) { s.Env = []string{"NOVALUE"} }, "KEY=value"},
-		{"network", func(s *sandbox.Spec) { s.Network = true }, "not supported"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			s := validSpec()

@@ -258,6 +258,9 @@ def create_body(
     envs: Optional[Mapping[str, str]],
     qos: Optional[str],
     client_key: Optional[str],
+    allow_internet_access: bool = False,
+    allow_out: Optional[Sequence[str]] = None,
+    deny_out: Optional[Sequence[str]] = None,
 ) -> Dict[str, Any]:
     if qos is not None:
         raise NotSupported("qos is not part of Shoal's API yet (CreateSandboxRequest has no qos field)")
@@ -293,6 +296,17 @@ def create_body(
         body["env"] = {str(k): str(v) for k, v in envs.items()}
     if client_key:
         body["clientKey"] = client_key
+    if isinstance(allow_out, str) or isinstance(deny_out, str):
+        raise InvalidArgument("allow_out and deny_out are lists of CIDRs")
+    if allow_internet_access or allow_out or deny_out:
+        net: Dict[str, Any] = {}
+        if allow_internet_access:
+            net["internet"] = True
+        if allow_out:
+            net["allowOut"] = [str(x) for x in allow_out]
+        if deny_out:
+            net["denyOut"] = [str(x) for x in deny_out]
+        body["network"] = net
     return body
 
 

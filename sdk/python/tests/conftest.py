@@ -141,7 +141,8 @@ def server(request: pytest.FixtureRequest) -> Iterator[Server]:
     with open(fncall_config, "w") as f:
         f.write('{"languages": [{"name": "sh", "base": "%s", "source": "main.sh", "run": ["sh", "main.sh", "{args}"]}]}' % BASE)
     proc = subprocess.Popen(
-        [os.path.join(bin_dir, "shoal"), "serve", "--data", data, "--listen", f"127.0.0.1:{port}"],
+        [os.path.join(bin_dir, "shoal"), "serve", "--data", data, "--listen", f"127.0.0.1:{port}",
+         "--egress-subnet", "10.%d.0.0/16" % (248 + os.getpid() % 6)],
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,

@@ -123,3 +123,13 @@ def test_ports_helpers(server, sb) -> None:
         assert c.headers["authorization"] == f"Bearer {server.api_key}"
     with pytest.raises(shoal.InvalidArgument):
         sb.get_host(0)
+
+
+def test_network_egress_opt_in(server) -> None:
+    # No network by default: loopback only.
+    with Sandbox.create(base=server.base) as sb:
+        assert sb.commands.run("ip -o link show | grep -v ': lo:' || true").stdout.strip() == ""
+    with Sandbox.create(base=server.base, allow_out=["203.0.113.9:443"]) as sb:
+        assert "inet 10." in sb.commands.run("ip -o -4 addr show eth0").stdout
+    with pytest.raises(shoal.InvalidArgument, match="host names are not supported"):
+        Sandbox.create(base=server.base, allow_out=["example.com"])

@@ -71,6 +71,9 @@ class AsyncSandbox:
         disk: Union[str, int, None] = None,
         qos: Optional[str] = None,
         client_key: Optional[str] = None,
+        allow_internet_access: bool = False,
+        allow_out: Optional[Sequence[str]] = None,
+        deny_out: Optional[Sequence[str]] = None,
         api_key: Optional[str] = None,
         url: Optional[str] = None,
         request_timeout: Optional[float] = None,
@@ -99,6 +102,13 @@ class AsyncSandbox:
             key returns the same sandbox. One is generated per call when not
             given, which makes the create safe to retry after a lost
             connection or a capacity refusal.
+        :param allow_internet_access: network egress to the public IPv4
+            internet (not private ranges, other sandboxes or the host), minus
+            ``deny_out``. Default: no network (loopback only).
+        :param allow_out: network egress to these ``"CIDR"``, ``"IP"``,
+            ``"CIDR:PORT"`` or ``"CIDR:LOW-HIGH"`` (at most 64; may name a
+            private range; wins over ``deny_out``).
+        :param deny_out: CIDRs taken out of ``allow_internet_access``.
         :param api_key: default ``SHOAL_API_KEY``, then ``/var/lib/shoal/admin.key``.
         :param url: default ``SHOAL_URL``, then ``http://127.0.0.1:7480``.
         :param request_timeout: seconds to wait for the server's reply.
@@ -118,6 +128,9 @@ class AsyncSandbox:
             envs=envs,
             qos=qos,
             client_key=client_key or uuid.uuid4().hex,
+            allow_internet_access=allow_internet_access,
+            allow_out=allow_out,
+            deny_out=deny_out,
         )
         r = await t.call("SandboxService", "CreateSandbox", body, idempotent=True, request_timeout=request_timeout)
         return cls(SandboxInfo.from_json(r), t)
