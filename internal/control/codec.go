@@ -14,12 +14,17 @@ import (
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protoreflect"
 	"google.golang.org/protobuf/reflect/protoregistry"
+
+	"github.com/shoal-sandbox/shoal/internal/limits"
 )
 
 // handlerOptions are the options of every connect handler the API serves:
-// JSON requests are decoded strictly (see strictJSONCodec).
+// JSON requests are decoded strictly (see strictJSONCodec), and no message
+// may be larger than limits.MessageBytes (connect refuses a larger one with
+// resource_exhausted before reading it whole).
 func handlerOptions() []connect.HandlerOption {
 	return []connect.HandlerOption{
+		connect.WithReadMaxBytes(limits.MessageBytes),
 		connect.WithCodec(strictJSONCodec{name: "json"}),
 		connect.WithCodec(strictJSONCodec{name: "json; charset=utf-8"}),
 	}

@@ -6,7 +6,6 @@ package control
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"log/slog"
 	"net/http"
@@ -17,6 +16,7 @@ import (
 
 	pb "github.com/shoal-sandbox/shoal/api/shoal/v1"
 	"github.com/shoal-sandbox/shoal/api/shoal/v1/shoalv1connect"
+	"github.com/shoal-sandbox/shoal/internal/limits"
 	"github.com/shoal-sandbox/shoal/internal/node"
 	"github.com/shoal-sandbox/shoal/internal/session"
 )
@@ -66,12 +66,11 @@ func (s *Server) Handler() http.Handler {
 
 func (s *Server) CreateSandbox(ctx context.Context, req *connect.Request[pb.CreateSandboxRequest]) (*connect.Response[pb.Sandbox], error) {
 	r := req.Msg
-	if r.MemoryBytes < 0 || r.Millicpu < 0 || r.TimeoutSeconds < 0 {
-		return nil, connect.NewError(connect.CodeInvalidArgument, errors.New("memory_bytes, millicpu and timeout_seconds must not be negative"))
-	}
+	// Every value is checked by the node (node.Manager.validate), the same
+	// for every API face.
 	rec, err := s.node.Create(ctx, node.CreateRequest{
 		Backend: r.Backend, Template: r.Template, Base: r.Base, Workspaces: r.Workspaces, Toolkits: r.Toolkits,
-		Memory: r.MemoryBytes, MilliCPU: r.Millicpu, Timeout: time.Duration(r.TimeoutSeconds) * time.Second,
+		Memory: r.MemoryBytes, MilliCPU: r.Millicpu, Timeout: limits.Seconds(r.TimeoutSeconds),
 		Metadata: r.Metadata, Env: r.Env, ClientKey: r.ClientKey,
 	})
 	if err != nil {
@@ -104,7 +103,7 @@ func (s *Server) DeleteSandbox(ctx context.Context, req *connect.Request[pb.Dele
 }
 
 func (s *Server) SetTimeout(ctx context.Context, req *connect.Request[pb.SetTimeoutRequest]) (*connect.Response[pb.Sandbox], error) {
-	rec, err := s.node.SetTimeout(req.Msg.Id, time.Duration(req.Msg.TimeoutSeconds)*time.Second)
+	rec, err := s.node.SetTimeout(req.Msg.Id, limits.Seconds(req.Msg.TimeoutSeconds))
 	if err != nil {
 		return nil, toConnect(err)
 	}
