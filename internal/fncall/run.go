@@ -11,8 +11,8 @@ import (
 	"time"
 
 	"github.com/shoal-sandbox/shoal/internal/agent"
-	"github.com/shoal-sandbox/shoal/internal/limits"
 	"github.com/shoal-sandbox/shoal/internal/errdefs"
+	"github.com/shoal-sandbox/shoal/internal/limits"
 )
 
 // Verdict is the judgement of a run or a call.

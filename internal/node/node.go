@@ -37,12 +37,12 @@ var (
 
 // Config configures a Manager.
 type Config struct {
-	DataDir         string        // sandboxes live in DataDir/sandboxes
-	AgentBinary     string        // host path of the static shoal-agent
-	DefaultBackend  string        // "container"
-	DefaultTimeout  time.Duration // idle timeout when a create gives none
-	MaxTimeout      time.Duration
-	DefaultMemory   int64
+	DataDir        string        // sandboxes live in DataDir/sandboxes
+	AgentBinary    string        // host path of the static shoal-agent
+	DefaultBackend string        // "container"
+	DefaultTimeout time.Duration // idle timeout when a create gives none
+	MaxTimeout     time.Duration
+	DefaultMemory  int64
 	// MaxMemory bounds a sandbox's memory; 0 means the host's memory.
 	MaxMemory       int64
 	DefaultMilliCPU int64
