@@ -1,12 +1,15 @@
 package main
 
 import (
+	"context"
 	"encoding/json"
+	"fmt"
 	"os"
 	"time"
 
 	"github.com/spf13/cobra"
 
+	pb "github.com/shoal-sandbox/shoal/api/shoal/v1"
 	"github.com/shoal-sandbox/shoal/internal/bench"
 )
 
@@ -139,7 +142,48 @@ func benchCmd() *cobra.Command {
 	burst.Flags().StringVar(&bo.Runtime, "runtime", "runc", "OCI runtime for the baseline")
 	burst.Flags().IntVar(&bo.BaselineN, "baseline-n", 0, "`runc run`s in the baseline (0: min(N, 200))")
 	burst.Flags().StringVar(&bo.PythonBench, "python-bench", "", "the Python SDK's bench.py: also run the burst from the asyncio SDK")
-	cmd.AddCommand(create, execb, sess, benchLayersCmd(), fnb, burst)
+	var cho bench.ChaosOptions
+	var chaosSandbox bool
+	chaos := &cobra.Command{
+		Use:   "fuzz [-n N] [-c C] [--seed S] [--sandbox]",
+		Short: "Send N random and malformed requests to serve; count 5xx and check it still serves",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := client(cmd)
+			if err != nil {
+				return err
+			}
+			ctx, cancel := cmdContext()
+			defer cancel()
+			cho.URL, cho.APIKey = c.URL(), c.APIKey()
+			if chaosSandbox {
+				sb, err := c.Create(ctx, &pb.CreateSandboxRequest{Base: cho.Base})
+				if err != nil {
+					return err
+				}
+				defer c.Delete(context.Background(), sb.Id)
+				cho.SandboxID = sb.Id
+			}
+			res, err := bench.Chaos(ctx, cho)
+			if err != nil {
+				return err
+			}
+			if err := printResult(res); err != nil {
+				return err
+			}
+			if res.ServerErrors > 0 || !res.HealthyAfter {
+				return fmt.Errorf("%d server errors, healthy after: %v", res.ServerErrors, res.HealthyAfter)
+			}
+			return nil
+		},
+	}
+	chaos.Flags().IntVarP(&cho.N, "number", "n", 10000, "requests to send")
+	chaos.Flags().IntVarP(&cho.Concurrency, "concurrency", "c", 8, "requests in flight")
+	chaos.Flags().Uint64Var(&cho.Seed, "seed", 0, "random seed (0: from the clock; printed)")
+	chaos.Flags().BoolVar(&chaosSandbox, "sandbox", true, "create a sandbox that some requests name (so they reach an agent)")
+	chaos.Flags().StringVar(&cho.Base, "base", "debian:12", "base layer of that sandbox")
+
+	cmd.AddCommand(create, execb, sess, benchLayersCmd(), fnb, burst, chaos)
 	return cmd
 }
 

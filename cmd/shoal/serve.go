@@ -256,15 +256,15 @@ func serve(cfg serveConfig) error {
 		return err
 	}
 	ctr, err := container.New(container.Config{
-		DiskDir:     filepath.Join(cfg.DataDir, "disk"),
-		Nofile:      cfg.Nofile,
-		PidsMax:     pidsMax,
-		PoolSize:    poolSize,
-		PoolMax:     cfg.PoolMax,
-		RuncSeccomp: cfg.RuncSeccomp,
-		Runtime:     cfg.Runtime,
-		StateDir:    filepath.Join(cfg.DataDir, "runc"),
-		Log:         log,
+		DiskDir:      filepath.Join(cfg.DataDir, "disk"),
+		Nofile:       cfg.Nofile,
+		PidsMax:      pidsMax,
+		PoolSize:     poolSize,
+		PoolMax:      cfg.PoolMax,
+		RuncSeccomp:  cfg.RuncSeccomp,
+		Runtime:      cfg.Runtime,
+		StateDir:     filepath.Join(cfg.DataDir, "runc"),
+		Log:          log,
 		EgressSubnet: cfg.EgressSubnet,
 	})
 	if err != nil {

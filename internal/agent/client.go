@@ -151,6 +151,11 @@ func (c *Client) ListDir(ctx context.Context, path string) ([]FileInfo, error) {
 			if err := json.Unmarshal(payload, &batch); err != nil {
 				return nil, cc.protoErr("bad list batch: " + err.Error())
 			}
+			// The agent is inside the sandbox: what it sends is bounded
+			// here, on the host, not by its good will.
+			if len(out)+len(batch) > MaxListEntries {
+				return nil, cc.tooMany()
+			}
 			for _, w := range batch {
 				out = append(out, fromWire(w))
 			}
@@ -366,6 +371,12 @@ func (cc *clientConn) agentErr(payload []byte) error {
 		return cc.protoErr("bad error message: " + err.Error())
 	}
 	return &Error{Op: cc.op.String(), Path: cc.path, Code: w.Code, Msg: w.Msg}
+}
+
+// tooMany is the error of a listing longer than MaxListEntries.
+func (cc *clientConn) tooMany() error {
+	return &Error{Op: cc.op.String(), Path: cc.path, Code: CodeTooMany,
+		Msg: fmt.Sprintf("more than %d entries: list a narrower directory (or a smaller depth)", MaxListEntries)}
 }
 
 func (cc *clientConn) protoErr(msg string) error {

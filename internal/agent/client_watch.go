@@ -110,6 +110,9 @@ func (c *Client) ListTree(ctx context.Context, dir string, depth int) ([]TreeEnt
 			if err := json.Unmarshal(payload, &batch); err != nil {
 				return nil, cc.protoErr("bad list batch: " + err.Error())
 			}
+			if len(out)+len(batch) > MaxListEntries {
+				return nil, cc.tooMany()
+			}
 			for _, w := range batch {
 				rel := w.Name
 				w.Name = path.Base(rel)

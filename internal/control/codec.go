@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net/http"
 	"net/url"
+	"strconv"
 	"strings"
 
 	"connectrpc.com/connect"
@@ -14,13 +15,18 @@ import (
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protoreflect"
 	"google.golang.org/protobuf/reflect/protoregistry"
+
+	"github.com/shoal-sandbox/shoal/internal/limits"
 )
 
 // handlerOptions are the options of every connect handler the API serves:
-// JSON requests are decoded strictly (see strictJSONCodec), and every call
-// is counted (metrics.go).
+// JSON requests are decoded strictly (see strictJSONCodec), no message
+// may be larger than limits.MessageBytes (connect refuses a larger one with
+// resource_exhausted before reading it whole), and every call is counted
+// (metrics.go).
 func (s *Server) handlerOptions() []connect.HandlerOption {
 	return []connect.HandlerOption{
+		connect.WithReadMaxBytes(limits.MessageBytes),
 		connect.WithCodec(strictJSONCodec{name: "json"}),
 		connect.WithCodec(strictJSONCodec{name: "json; charset=utf-8"}),
 		connect.WithInterceptors(metricsInterceptor{s.metrics}),
@@ -97,11 +103,23 @@ func (c strictJSONCodec) Unmarshal(data []byte, message any) error {
 // clients get grpc-status 12 in a trailers-only reply) instead of the
 // plain-text "404 page not found" of ServeMux and of the generated service
 // handlers. Everything else goes to next.
+//
+// A call whose declared Content-Length is over limits.MessageBytes is
+// refused here, before a byte of its body is read (connect's own bound,
+// WithReadMaxBytes, still holds for bodies of unknown length).
 func unknownProcedures(mux *http.ServeMux) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if strings.HasPrefix(r.URL.Path, "/shoal.v1.") && !knownProcedure(mux, r) {
-			writeUnimplemented(w, r)
-			return
+		if strings.HasPrefix(r.URL.Path, "/shoal.v1.") {
+			if !knownProcedure(mux, r) {
+				msg := fmt.Sprintf("this Shoal server does not implement %s (unknown procedure: is the client newer than the server?)", r.URL.Path)
+				writeProtocolError(w, r, connect.CodeUnimplemented, msg)
+				return
+			}
+			if r.ContentLength > limits.MessageBytes {
+				msg := fmt.Sprintf("request body of %d bytes is larger than the maximum of %s", r.ContentLength, limits.Size(limits.MessageBytes))
+				writeProtocolError(w, r, connect.CodeResourceExhausted, msg)
+				return
+			}
 		}
 		mux.ServeHTTP(w, r)
 	})
@@ -126,14 +144,28 @@ func knownProcedure(mux *http.ServeMux, r *http.Request) bool {
 	return pattern != ""
 }
 
-func writeUnimplemented(w http.ResponseWriter, r *http.Request) {
-	msg := fmt.Sprintf("this Shoal server does not implement %s (unknown procedure: is the client newer than the server?)", r.URL.Path)
+// writeProtocolError answers a call with an error before connect sees it:
+// gRPC clients get grpc-status in a trailers-only reply, others Connect's
+// JSON error with the code's HTTP status.
+func writeProtocolError(w http.ResponseWriter, r *http.Request, code connect.Code, msg string) {
 	if strings.HasPrefix(r.Header.Get("Content-Type"), "application/grpc") {
 		w.Header().Set("Content-Type", r.Header.Get("Content-Type"))
-		w.Header().Set("Grpc-Status", "12") // UNIMPLEMENTED
+		w.Header().Set("Grpc-Status", strconv.Itoa(int(code)))
 		w.Header().Set("Grpc-Message", url.PathEscape(msg))
 		w.WriteHeader(http.StatusOK)
 		return
 	}
-	writeHTTPError(w, http.StatusNotFound, connect.CodeUnimplemented.String(), msg)
+	status, ok := httpStatus[code]
+	if !ok {
+		status = http.StatusInternalServerError
+	}
+	if code == connect.CodeUnimplemented {
+		status = http.StatusNotFound // an unknown procedure, as connect answers one
+	}
+	if code == connect.CodeResourceExhausted {
+		// The body is not read: close the connection after the reply
+		// rather than drain it.
+		w.Header().Set("Connection", "close")
+	}
+	writeHTTPError(w, status, code.String(), msg)
 }

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"sort"
 	"strings"
 	"syscall"
 	"time"
@@ -14,6 +13,7 @@ import (
 
 	pb "github.com/shoal-sandbox/shoal/api/shoal/v1"
 	"github.com/shoal-sandbox/shoal/internal/agent"
+	"github.com/shoal-sandbox/shoal/internal/limits"
 	"github.com/shoal-sandbox/shoal/internal/session"
 )
 
@@ -22,38 +22,23 @@ import (
 const keepAlive = 15 * time.Second
 
 func startRequest(r *pb.ExecRequest) (session.StartRequest, error) {
-	if r.TimeoutMs < 0 {
-		return session.StartRequest{}, connect.NewError(connect.CodeInvalidArgument, errors.New("timeout_ms must not be negative"))
-	}
-	env, err := envList(r.Env)
+	// Sizes, counts and the timeout's range are checked by session.Start
+	// (limits), the same for every face.
+	env, err := limits.EnvList("env", r.Env)
 	if err != nil {
-		return session.StartRequest{}, err
+		return session.StartRequest{}, toConnect(err)
 	}
 	sr := session.StartRequest{
 		Args: r.Args, Env: env, Cwd: r.Cwd, Stdin: r.Stdin, StdinOpen: r.StdinOpen,
-		Timeout: time.Duration(r.TimeoutMs) * time.Millisecond, Trajectory: r.TrajectoryId, Step: r.Step,
+		Timeout: limits.Millis(r.TimeoutMs), Trajectory: r.TrajectoryId, Step: r.Step,
 	}
 	if r.Pty != nil {
-		if r.Pty.Rows == 0 || r.Pty.Cols == 0 || r.Pty.Rows > 1000 || r.Pty.Cols > 1000 {
-			return sr, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("pty size %dx%d: rows and cols must be 1-1000", r.Pty.Rows, r.Pty.Cols))
+		if err := limits.Pty(r.Pty.Rows, r.Pty.Cols); err != nil {
+			return sr, toConnect(err)
 		}
 		sr.PTY = &agent.Winsize{Rows: uint16(r.Pty.Rows), Cols: uint16(r.Pty.Cols)}
 	}
 	return sr, nil
-}
-
-// envList turns a request's environment map into sorted KEY=VALUE
-// entries, refusing names a process environment cannot hold.
-func envList(m map[string]string) ([]string, error) {
-	env := make([]string, 0, len(m))
-	for k, v := range m {
-		if k == "" || strings.ContainsAny(k, "=\x00") {
-			return nil, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("bad environment variable name %q", k))
-		}
-		env = append(env, k+"="+v)
-	}
-	sort.Strings(env)
-	return env, nil
 }
 
 func commandPB(in session.Info, replayed bool) *pb.Command {
@@ -168,7 +153,7 @@ func (s *Server) WaitCommand(ctx context.Context, req *connect.Request[pb.WaitCo
 	wctx := ctx
 	if req.Msg.TimeoutMs > 0 {
 		var cancel context.CancelFunc
-		wctx, cancel = context.WithTimeout(ctx, time.Duration(req.Msg.TimeoutMs)*time.Millisecond)
+		wctx, cancel = context.WithTimeout(ctx, limits.Millis(req.Msg.TimeoutMs))
 		defer cancel()
 	}
 	in, err := s.sessions.Wait(wctx, c)
@@ -239,8 +224,11 @@ func (s *Server) SignalCommand(ctx context.Context, req *connect.Request[pb.Sign
 
 func (s *Server) ResizePty(ctx context.Context, req *connect.Request[pb.ResizePtyRequest]) (*connect.Response[pb.ResizePtyResponse], error) {
 	sz := req.Msg.Size
-	if sz == nil || sz.Rows == 0 || sz.Cols == 0 || sz.Rows > 1000 || sz.Cols > 1000 {
-		return nil, connect.NewError(connect.CodeInvalidArgument, errors.New("size: rows and cols must be 1-1000"))
+	if sz == nil {
+		return nil, connect.NewError(connect.CodeInvalidArgument, errors.New("size is required"))
+	}
+	if err := limits.Pty(sz.Rows, sz.Cols); err != nil {
+		return nil, toConnect(err)
 	}
 	c, err := s.command(req.Msg.SandboxId, req.Msg.CommandId)
 	if err != nil {

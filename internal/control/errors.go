@@ -14,6 +14,7 @@ import (
 	"github.com/shoal-sandbox/shoal/internal/agent"
 	"github.com/shoal-sandbox/shoal/internal/errdefs"
 	"github.com/shoal-sandbox/shoal/internal/layer"
+	"github.com/shoal-sandbox/shoal/internal/limits"
 )
 
 // ReasonHeader is the error metadata (a Connect trailer, gRPC trailer or
@@ -141,6 +142,9 @@ func writeConnectError(w http.ResponseWriter, err error) {
 	status, ok := httpStatus[ce.Code()]
 	if !ok {
 		status = http.StatusInternalServerError
+	}
+	if errors.Is(err, limits.ErrTooLarge) {
+		status = http.StatusRequestEntityTooLarge
 	}
 	writeHTTPError(w, status, ce.Code().String(), ce.Message())
 }

@@ -17,6 +17,7 @@ import (
 
 	pb "github.com/shoal-sandbox/shoal/api/shoal/v1"
 	"github.com/shoal-sandbox/shoal/internal/agent"
+	"github.com/shoal-sandbox/shoal/internal/limits"
 )
 
 // checkPath refuses paths the agent would refuse anyway, with a message for
@@ -36,6 +37,9 @@ func checkPath(p string) error {
 	}
 	if strings.IndexByte(p, 0) >= 0 {
 		return fmt.Errorf("path must not contain NUL bytes")
+	}
+	if len(p) > limits.PathBytes {
+		return fmt.Errorf("path is %d bytes, more than the maximum of %d", len(p), limits.PathBytes)
 	}
 	return nil
 }
@@ -96,7 +100,7 @@ func (s *Server) ListDir(ctx context.Context, req *connect.Request[pb.ListDirReq
 	}
 	entries, err := a.ListDir(ctx, req.Msg.Path)
 	if err != nil {
-		return nil, toConnect(err)
+		return nil, agentLimitErr(err)
 	}
 	for _, fi := range entries {
 		out.Entries = append(out.Entries, fileInfoPB(path.Clean(req.Msg.Path), fi))
@@ -194,7 +198,7 @@ func (s *Server) writeFile(w http.ResponseWriter, r *http.Request) {
 		writeConnectError(w, err)
 		return
 	}
-	n, err := a.WriteFile(r.Context(), p, mode, r.Body)
+	n, err := a.WriteFile(r.Context(), p, mode, limits.Reader(r.Body, limits.FileBytes, "file"))
 	if err != nil {
 		writeConnectError(w, toConnect(err))
 		return

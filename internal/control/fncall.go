@@ -15,6 +15,7 @@ import (
 	pb "github.com/shoal-sandbox/shoal/api/shoal/v1"
 	"github.com/shoal-sandbox/shoal/api/shoal/v1/shoalv1connect"
 	"github.com/shoal-sandbox/shoal/internal/fncall"
+	"github.com/shoal-sandbox/shoal/internal/limits"
 )
 
 // FnCallConfigEnv names the JSON file (fncall.ConfigFile) that configures
@@ -177,7 +178,7 @@ func runRequest(r *pb.RunRequest) (*fncall.Request, error) {
 			return nil, errors.New("limits must not be negative")
 		}
 		out.Limits = fncall.Limits{
-			CPUTime: time.Duration(l.CpuTimeMs) * time.Millisecond, WallTime: time.Duration(l.WallTimeMs) * time.Millisecond,
+			CPUTime: limits.Millis(l.CpuTimeMs), WallTime: limits.Millis(l.WallTimeMs),
 			Memory: l.MemoryBytes, Output: l.OutputBytes, Processes: int(l.Processes),
 		}
 	}

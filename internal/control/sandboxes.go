@@ -6,7 +6,6 @@ package control
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"log/slog"
 	"net/http"
@@ -17,6 +16,7 @@ import (
 
 	pb "github.com/shoal-sandbox/shoal/api/shoal/v1"
 	"github.com/shoal-sandbox/shoal/api/shoal/v1/shoalv1connect"
+	"github.com/shoal-sandbox/shoal/internal/limits"
 	"github.com/shoal-sandbox/shoal/internal/metrics"
 	"github.com/shoal-sandbox/shoal/internal/netpolicy"
 	"github.com/shoal-sandbox/shoal/internal/node"
@@ -72,12 +72,11 @@ func (s *Server) Handler() http.Handler {
 
 func (s *Server) CreateSandbox(ctx context.Context, req *connect.Request[pb.CreateSandboxRequest]) (*connect.Response[pb.Sandbox], error) {
 	r := req.Msg
-	if r.MemoryBytes < 0 || r.Millicpu < 0 || r.TimeoutSeconds < 0 || r.DiskBytes < 0 {
-		return nil, connect.NewError(connect.CodeInvalidArgument, errors.New("memory_bytes, millicpu, disk_bytes and timeout_seconds must not be negative"))
-	}
+	// Every value is checked by the node (node.Manager.validate), the same
+	// for every API face.
 	rec, err := s.node.Create(ctx, node.CreateRequest{
 		Backend: r.Backend, Template: r.Template, Base: r.Base, Workspaces: r.Workspaces, Toolkits: r.Toolkits,
-		Memory: r.MemoryBytes, MilliCPU: r.Millicpu, Disk: r.DiskBytes, Timeout: time.Duration(r.TimeoutSeconds) * time.Second,
+		Memory: r.MemoryBytes, MilliCPU: r.Millicpu, Disk: r.DiskBytes, Timeout: limits.Seconds(r.TimeoutSeconds),
 		Metadata: r.Metadata, Env: r.Env, ClientKey: r.ClientKey,
 		Network: networkReq(r.Network),
 	})
@@ -111,7 +110,7 @@ func (s *Server) DeleteSandbox(ctx context.Context, req *connect.Request[pb.Dele
 }
 
 func (s *Server) SetTimeout(ctx context.Context, req *connect.Request[pb.SetTimeoutRequest]) (*connect.Response[pb.Sandbox], error) {
-	rec, err := s.node.SetTimeout(req.Msg.Id, time.Duration(req.Msg.TimeoutSeconds)*time.Second)
+	rec, err := s.node.SetTimeout(req.Msg.Id, limits.Seconds(req.Msg.TimeoutSeconds))
 	if err != nil {
 		return nil, toConnect(err)
 	}

@@ -2,13 +2,12 @@ package control
 
 import (
 	"context"
-	"errors"
-	"time"
 
 	"connectrpc.com/connect"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	pb "github.com/shoal-sandbox/shoal/api/shoal/v1"
+	"github.com/shoal-sandbox/shoal/internal/limits"
 	"github.com/shoal-sandbox/shoal/internal/session"
 )
 
@@ -18,9 +17,9 @@ func shellPB(sh *session.Shell) *pb.Shell {
 
 func (s *Server) CreateShell(ctx context.Context, req *connect.Request[pb.CreateShellRequest]) (*connect.Response[pb.Shell], error) {
 	r := req.Msg
-	env, err := envList(r.Env)
+	env, err := limits.EnvList("env", r.Env)
 	if err != nil {
-		return nil, err
+		return nil, toConnect(err)
 	}
 	sh, err := s.sessions.CreateShell(ctx, r.SandboxId, r.Name, r.Cwd, env, r.Shell)
 	if err != nil {
@@ -30,13 +29,10 @@ func (s *Server) CreateShell(ctx context.Context, req *connect.Request[pb.Create
 }
 
 func (s *Server) RunInShell(ctx context.Context, req *connect.Request[pb.RunInShellRequest]) (*connect.Response[pb.ShellResult], error) {
-	if req.Msg.TimeoutMs < 0 {
-		return nil, connect.NewError(connect.CodeInvalidArgument, errors.New("timeout_ms must not be negative"))
-	}
 	if _, err := s.node.Get(req.Msg.SandboxId); err != nil {
 		return nil, toConnect(err)
 	}
-	res, err := s.sessions.RunInShell(ctx, req.Msg.SandboxId, req.Msg.Name, req.Msg.Command, time.Duration(req.Msg.TimeoutMs)*time.Millisecond)
+	res, err := s.sessions.RunInShell(ctx, req.Msg.SandboxId, req.Msg.Name, req.Msg.Command, limits.Millis(req.Msg.TimeoutMs))
 	if err != nil {
 		return nil, toConnect(err)
 	}

@@ -21,6 +21,7 @@ import (
 
 	"github.com/shoal-sandbox/shoal/internal/errdefs"
 	"github.com/shoal-sandbox/shoal/internal/layer"
+	"github.com/shoal-sandbox/shoal/internal/limits"
 	"github.com/shoal-sandbox/shoal/internal/netpolicy"
 	"github.com/shoal-sandbox/shoal/internal/node"
 )
@@ -137,7 +138,11 @@ type lifecycle struct {
 // --- helpers ---
 
 func decodeBody(w http.ResponseWriter, r *http.Request, v any) bool {
-	b, err := io.ReadAll(io.LimitReader(r.Body, 1<<20))
+	b, err := io.ReadAll(limits.Reader(r.Body, limits.JSONBodyBytes, "request body"))
+	if errors.Is(err, limits.ErrTooLarge) {
+		writeError(w, http.StatusRequestEntityTooLarge, err.Error())
+		return false
+	}
 	if err != nil {
 		writeError(w, http.StatusBadRequest, "read request body: "+err.Error())
 		return false
@@ -307,15 +312,9 @@ func (s *Server) createSandbox(w http.ResponseWriter, r *http.Request) {
 		}
 		public = n.AllowPublicTraffic == nil || *n.AllowPublicTraffic
 	}
-	for k := range in.EnvVars {
-		if k == "" || strings.ContainsAny(k, "=\x00") {
-			badRequest(w, "envVars: bad environment variable name %q", k)
-			return
-		}
-	}
 	timeout := s.cfg.DefaultTimeout
 	if in.Timeout != nil && *in.Timeout > 0 {
-		timeout = time.Duration(*in.Timeout) * time.Second
+		timeout = limits.Seconds(*in.Timeout)
 	}
 	req := node.CreateRequest{Timeout: timeout, Metadata: in.Metadata, Env: in.EnvVars}
 	// Network: E2B's allowInternetAccess (the public internet; unset is
@@ -577,7 +576,11 @@ func (s *Server) setTimeout(w http.ResponseWriter, r *http.Request) {
 	if _, ok := s.lookup(w, id); !ok {
 		return
 	}
-	d := time.Duration(*in.Timeout) * time.Second
+	d := limits.Seconds(*in.Timeout)
+	if err := s.node.CheckTimeout(d); err != nil {
+		writeErr(w, err)
+		return
+	}
 	m, ok := s.store.sandbox(id)
 	if ok && m.Paused {
 		// Applies when the sandbox is resumed.
@@ -635,7 +638,7 @@ func (s *Server) refreshSandbox(w http.ResponseWriter, r *http.Request) {
 	}
 	d := rec.Timeout
 	if in.Duration != nil && *in.Duration > 0 {
-		d = time.Duration(*in.Duration) * time.Second
+		d = limits.Seconds(*in.Duration)
 	}
 	if err := s.extend(rec, d); err != nil {
 		writeErr(w, err)
@@ -720,7 +723,7 @@ func (s *Server) connectSandbox(w http.ResponseWriter, r *http.Request) {
 	}
 	var d time.Duration
 	if in.Timeout != nil && *in.Timeout > 0 {
-		d = time.Duration(*in.Timeout) * time.Second
+		d = limits.Seconds(*in.Timeout)
 	}
 	status := http.StatusOK
 	var err error
@@ -760,7 +763,7 @@ func (s *Server) resumeSandbox(w http.ResponseWriter, r *http.Request) {
 	}
 	var d time.Duration
 	if in.Timeout != nil && *in.Timeout > 0 {
-		d = time.Duration(*in.Timeout) * time.Second
+		d = limits.Seconds(*in.Timeout)
 	}
 	rec, err := s.resume(rec, m, d)
 	if err != nil {

@@ -137,6 +137,7 @@ type Sandboxes interface {
 	List() []node.Record
 	Delete(ctx context.Context, id string) error
 	SetTimeout(id string, d time.Duration) (node.Record, error)
+	CheckTimeout(d time.Duration) error
 	Agent(id string) (*agent.Client, error)
 	Layers() *layer.Store
 }

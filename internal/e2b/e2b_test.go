@@ -16,6 +16,7 @@ import (
 	"net/http/httptest"
 	"net/url"
 	"os"
+	"path"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -25,6 +26,7 @@ import (
 
 	"github.com/shoal-sandbox/shoal/internal/agent"
 	"github.com/shoal-sandbox/shoal/internal/errdefs"
+	"github.com/shoal-sandbox/shoal/internal/limits"
 	"github.com/shoal-sandbox/shoal/internal/node"
 )
 
@@ -323,4 +325,24 @@ func TestPortsPublic(t *testing.T) {
 	if !s.portsPublic("aaaaaaaaaaaaaaaaaaaa") {
 		t.Error("a public E2B sandbox's ports are private")
 	}
+}
+
+// FuzzResolvePath: a path envd's API accepts resolves to a clean absolute
+// path within the length bound, whatever "~", ".." or relative parts it has.
+func FuzzResolvePath(f *testing.F) {
+	for _, s := range []string{"~", "~/a", "a/../../..", "/a/b/../c", "", "\x00", "~/../../etc"} {
+		f.Add(s, "/root")
+	}
+	f.Fuzz(func(t *testing.T, p, home string) {
+		if !strings.HasPrefix(home, "/") {
+			home = "/" + home
+		}
+		got, err := resolvePath(p, home)
+		if err != nil {
+			return
+		}
+		if !strings.HasPrefix(got, "/") || path.Clean(got) != got || strings.IndexByte(got, 0) >= 0 || len(got) > limits.PathBytes {
+			t.Fatalf("resolvePath(%q, %q) = %q", p, home, got)
+		}
+	})
 }

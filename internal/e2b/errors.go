@@ -11,6 +11,7 @@ import (
 	"github.com/shoal-sandbox/shoal/internal/agent"
 	"github.com/shoal-sandbox/shoal/internal/errdefs"
 	"github.com/shoal-sandbox/shoal/internal/layer"
+	"github.com/shoal-sandbox/shoal/internal/limits"
 )
 
 // codeOf maps an internal error to the Connect code envd would answer.
@@ -66,6 +67,9 @@ func toConnect(err error) error {
 // httpStatusOf is the HTTP status for an internal error on the REST faces
 // (the control plane and envd's /files).
 func httpStatusOf(err error) int {
+	if errors.Is(err, limits.ErrTooLarge) {
+		return http.StatusRequestEntityTooLarge
+	}
 	switch codeOf(err) {
 	case connect.CodeInvalidArgument:
 		return http.StatusBadRequest

@@ -28,12 +28,13 @@ import (
 	"github.com/shoal-sandbox/shoal/api/e2b/filesystem/filesystemconnect"
 	"github.com/shoal-sandbox/shoal/api/e2b/process/processconnect"
 	"github.com/shoal-sandbox/shoal/internal/agent"
+	"github.com/shoal-sandbox/shoal/internal/limits"
 )
 
 func (s *Server) envdRoutes() http.Handler {
 	mux := http.NewServeMux()
-	mux.Handle(processconnect.NewProcessHandler(&processService{s: s}))
-	mux.Handle(filesystemconnect.NewFilesystemHandler(&filesystemService{s: s}, connect.WithReadMaxBytes(16<<20)))
+	mux.Handle(processconnect.NewProcessHandler(&processService{s: s}, connect.WithReadMaxBytes(limits.MessageBytes)))
+	mux.Handle(filesystemconnect.NewFilesystemHandler(&filesystemService{s: s}, connect.WithReadMaxBytes(limits.MessageBytes)))
 	mux.HandleFunc("GET /health", func(w http.ResponseWriter, r *http.Request) {
 		if _, err := s.node.Agent(sandboxID(r.Context())); err != nil {
 			writeError(w, http.StatusBadGateway, err.Error())
@@ -193,6 +194,9 @@ type uploadEntry struct {
 	Type string `json:"type"`
 }
 
+// maxUploadFiles bounds the files of one multipart upload.
+const maxUploadFiles = 1000
+
 func (s *Server) uploadFile(w http.ResponseWriter, r *http.Request) {
 	for k := range r.Header {
 		if strings.HasPrefix(http.CanonicalHeaderKey(k), "X-Metadata-") {
@@ -200,7 +204,7 @@ func (s *Server) uploadFile(w http.ResponseWriter, r *http.Request) {
 			return
 		}
 	}
-	body := r.Body
+	var body io.Reader = r.Body
 	switch enc := strings.ToLower(strings.TrimSpace(r.Header.Get("Content-Encoding"))); enc {
 	case "", "identity":
 	case "gzip":
@@ -215,6 +219,9 @@ func (s *Server) uploadFile(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusBadRequest, fmt.Sprintf("Content-Encoding %q: only gzip is supported", enc))
 		return
 	}
+	// Streamed as it comes, but not endless (after decompression: a gzip
+	// bomb stops here too).
+	body = limits.Reader(body, limits.FileBytes, "upload")
 	qpath := r.URL.Query().Get("path")
 	mediaType, params, _ := mime.ParseMediaType(r.Header.Get("Content-Type"))
 	var out []uploadEntry
@@ -260,6 +267,11 @@ func (s *Server) uploadFile(w http.ResponseWriter, r *http.Request) {
 			if target == "" {
 				part.Close()
 				writeError(w, http.StatusBadRequest, "a file part has no file name and the request no path")
+				return
+			}
+			if len(seen) >= maxUploadFiles {
+				part.Close()
+				writeError(w, http.StatusRequestEntityTooLarge, fmt.Sprintf("more than %d files in one upload request: split it", maxUploadFiles))
 				return
 			}
 			if seen[target] {

@@ -12,7 +12,6 @@ import (
 	"errors"
 	"fmt"
 	"path"
-	"sort"
 	"strconv"
 	"strings"
 	"sync"
@@ -26,6 +25,7 @@ import (
 	"github.com/shoal-sandbox/shoal/api/e2b/process/processconnect"
 	"github.com/shoal-sandbox/shoal/internal/agent"
 	"github.com/shoal-sandbox/shoal/internal/errdefs"
+	"github.com/shoal-sandbox/shoal/internal/limits"
 	"github.com/shoal-sandbox/shoal/internal/session"
 )
 
@@ -91,8 +91,8 @@ func resolvePath(p, home string) (string, error) {
 	if p == "" {
 		return "", connect.NewError(connect.CodeInvalidArgument, errors.New("a path is required"))
 	}
-	if strings.IndexByte(p, 0) >= 0 {
-		return "", connect.NewError(connect.CodeInvalidArgument, errors.New("path must not contain NUL bytes"))
+	if err := limits.Path("path", p); err != nil {
+		return "", toConnect(err)
 	}
 	switch {
 	case p == "~":
@@ -102,7 +102,11 @@ func resolvePath(p, home string) (string, error) {
 	case !strings.HasPrefix(p, "/"):
 		p = path.Join(home, p)
 	}
-	return path.Clean(p), nil
+	p = path.Clean(p)
+	if err := limits.Path("path", p); err != nil { // home may be long
+		return "", toConnect(err)
+	}
+	return p, nil
 }
 
 // agentFor returns the agent of the request's sandbox and its home.
@@ -134,7 +138,7 @@ func timeoutOf(h interface{ Get(string) string }) (time.Duration, error) {
 	if err != nil || n < 0 {
 		return 0, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("Connect-Timeout-Ms %q: want milliseconds", v))
 	}
-	return time.Duration(n) * time.Millisecond, nil
+	return limits.Millis(n), nil
 }
 
 func (p *processService) Start(ctx context.Context, req *connect.Request[pp.StartRequest], stream *connect.ServerStream[pp.StartResponse]) error {
@@ -155,14 +159,10 @@ func (p *processService) Start(ctx context.Context, req *connect.Request[pp.Star
 		// bash (busybox, alpine, distroless+sh) gets the same from sh.
 		args[0] = "/bin/sh"
 	}
-	env := make([]string, 0, len(cfg.GetEnvs()))
-	for k, v := range cfg.GetEnvs() {
-		if k == "" || strings.ContainsAny(k, "=\x00") {
-			return connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("bad environment variable name %q", k))
-		}
-		env = append(env, k+"="+v)
+	env, err := limits.EnvList("envs", cfg.GetEnvs())
+	if err != nil {
+		return toConnect(err)
 	}
-	sort.Strings(env)
 	cwd := home
 	if cfg.Cwd != nil && *cfg.Cwd != "" {
 		if cwd, err = resolvePath(*cfg.Cwd, home); err != nil {
@@ -177,8 +177,8 @@ func (p *processService) Start(ctx context.Context, req *connect.Request[pp.Star
 	sr.StdinOpen = m.Stdin == nil || *m.Stdin // envd's default for old clients: open
 	if m.Pty != nil {
 		size := m.Pty.GetSize()
-		if size.GetRows() == 0 || size.GetCols() == 0 || size.GetRows() > 1000 || size.GetCols() > 1000 {
-			return connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("pty size %dx%d: rows and cols must be 1-1000", size.GetRows(), size.GetCols()))
+		if err := limits.Pty(size.GetRows(), size.GetCols()); err != nil {
+			return toConnect(err)
 		}
 		sr.PTY = &agent.Winsize{Rows: uint16(size.GetRows()), Cols: uint16(size.GetCols())}
 		sr.StdinOpen = true
@@ -477,8 +477,8 @@ func (p *processService) Update(ctx context.Context, req *connect.Request[pp.Upd
 		if !in.PTY {
 			return nil, connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf("process %d has no pty to resize", in.Pid))
 		}
-		if size.GetRows() == 0 || size.GetCols() == 0 || size.GetRows() > 1000 || size.GetCols() > 1000 {
-			return nil, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("pty size %dx%d: rows and cols must be 1-1000", size.GetRows(), size.GetCols()))
+		if err := limits.Pty(size.GetRows(), size.GetCols()); err != nil {
+			return nil, toConnect(err)
 		}
 		if err := p.s.sessions.Resize(ctx, c, agent.Winsize{Rows: uint16(size.GetRows()), Cols: uint16(size.GetCols())}); err != nil {
 			return nil, notRunning(err, in)

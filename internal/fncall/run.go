@@ -12,6 +12,7 @@ import (
 
 	"github.com/shoal-sandbox/shoal/internal/agent"
 	"github.com/shoal-sandbox/shoal/internal/errdefs"
+	"github.com/shoal-sandbox/shoal/internal/limits"
 )
 
 // Verdict is the judgement of a run or a call.
@@ -157,10 +158,8 @@ func (e *Engine) check(req *Request) (*plan, error) {
 	if req.FloatTolerance < 0 {
 		return nil, invalid("float tolerance must not be negative")
 	}
-	for _, a := range append(append([]string{}, req.CompileOptions...), req.Args...) {
-		if strings.IndexByte(a, 0) >= 0 {
-			return nil, invalid("an argument or compile option contains a NUL byte")
-		}
+	if err := limits.Argv(append(append([]string{}, req.CompileOptions...), req.Args...), nil); err != nil {
+		return nil, fmt.Errorf("arguments and compile options: %w", err)
 	}
 	if len(req.CompileOptions) > 0 && len(l.Compile) == 0 {
 		return nil, invalid("language %s is not compiled: compile options make no sense", l.Name)

@@ -3,6 +3,7 @@ package layer
 import (
 	"fmt"
 	"os"
+	"strconv"
 	"strings"
 
 	"golang.org/x/sys/unix"
@@ -78,9 +79,21 @@ func overlayFD(lowers []string, upper, work string, volatile bool) (int, error) 
 		return -1, fmt.Errorf("fsopen overlay: %w", err)
 	}
 	defer unix.Close(fsfd)
-	set := func(key, value string) error {
-		if err := unix.FsconfigSetString(fsfd, key, value); err != nil {
-			return fmt.Errorf("overlay %s=%s: %w%s", key, value, err, fsMessages(fsfd))
+	// Each directory is given as /proc/self/fd/N of an O_PATH descriptor
+	// rather than by its host path: overlayfs shows its options as they were
+	// given in /proc/self/mountinfo, which the sandbox can read, and host
+	// paths (the node's data directory, layer digests, the sandbox's own
+	// directory) are none of its business. The kernel resolves the magic
+	// link at fsconfig, so the descriptors can be closed once the overlay
+	// exists.
+	set := func(key, dir string) error {
+		fd, err := unix.Open(dir, unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+		if err != nil {
+			return fmt.Errorf("overlay %s=%s: %w", key, dir, err)
+		}
+		defer unix.Close(fd)
+		if err := unix.FsconfigSetString(fsfd, key, "/proc/self/fd/"+strconv.Itoa(fd)); err != nil {
+			return fmt.Errorf("overlay %s=%s: %w%s", key, dir, err, fsMessages(fsfd))
 		}
 		return nil
 	}

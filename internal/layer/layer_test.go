@@ -749,6 +749,21 @@ func TestCompose(t *testing.T) {
 				t.Fatal(err)
 			}
 			t.Logf("compose of %d lowers: %v", n, time.Since(start))
+			// The sandbox reads its mountinfo: the overlay's options must
+			// not show host paths (the data dir, layer mount points).
+			mi, err := os.ReadFile("/proc/self/mountinfo")
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, line := range strings.Split(string(mi), "\n") {
+				if !strings.Contains(line, " "+target+" ") {
+					continue
+				}
+				_, opts, _ := strings.Cut(line, " - ")
+				if strings.Contains(opts, e.root) || !strings.Contains(opts, "lowerdir+=/proc/self/fd/") {
+					t.Errorf("overlay options show host paths: %s", line)
+				}
+			}
 			if got := readFile(t, filepath.Join(target, "shared")); got != "0" {
 				t.Errorf("shared = %q, want the top lower's 0", got)
 			}

@@ -17,6 +17,7 @@ import (
 
 	"github.com/shoal-sandbox/shoal/internal/errdefs"
 	"github.com/shoal-sandbox/shoal/internal/layer"
+	"github.com/shoal-sandbox/shoal/internal/limits"
 	"github.com/shoal-sandbox/shoal/internal/sandbox"
 )
 
@@ -84,6 +85,9 @@ func (m *Manager) GCLayers(dryRun bool) (layer.GCResult, error) {
 func (m *Manager) applyTemplate(req *CreateRequest) error {
 	if req.Template == "" {
 		return nil
+	}
+	if err := limits.String("template", req.Template, limits.IDBytes); err != nil {
+		return err
 	}
 	if req.Base != "" {
 		return errdefs.New(ErrInvalid, "give a template or a base, not both (environment %s has its own base)", req.Template)

@@ -15,15 +15,16 @@ import (
 	"path/filepath"
 	"runtime"
 	"sort"
-	"strings"
 	"sync"
 	"time"
 
 	"go.etcd.io/bbolt"
+	"golang.org/x/sys/unix"
 
 	"github.com/shoal-sandbox/shoal/internal/agent"
 	"github.com/shoal-sandbox/shoal/internal/errdefs"
 	"github.com/shoal-sandbox/shoal/internal/layer"
+	"github.com/shoal-sandbox/shoal/internal/limits"
 	"github.com/shoal-sandbox/shoal/internal/metrics"
 	"github.com/shoal-sandbox/shoal/internal/netpolicy"
 	"github.com/shoal-sandbox/shoal/internal/sandbox"
@@ -38,12 +39,14 @@ var (
 
 // Config configures a Manager.
 type Config struct {
-	DataDir         string        // sandboxes live in DataDir/sandboxes
-	AgentBinary     string        // host path of the static shoal-agent
-	DefaultBackend  string        // "container"
-	DefaultTimeout  time.Duration // idle timeout when a create gives none
-	MaxTimeout      time.Duration
-	DefaultMemory   int64
+	DataDir        string        // sandboxes live in DataDir/sandboxes
+	AgentBinary    string        // host path of the static shoal-agent
+	DefaultBackend string        // "container"
+	DefaultTimeout time.Duration // idle timeout when a create gives none
+	MaxTimeout     time.Duration
+	DefaultMemory  int64
+	// MaxMemory bounds a sandbox's memory; 0 means the host's memory.
+	MaxMemory       int64
 	DefaultMilliCPU int64
 	PidsLimit       int64
 	// CommitMaxBytes bounds the bytes of files a commit copies from a
@@ -97,6 +100,21 @@ func (c *Config) Validate() error {
 	}
 	if c.DefaultMemory == 0 {
 		c.DefaultMemory = 512 << 20
+	}
+	if c.MaxMemory == 0 {
+		var si unix.Sysinfo_t
+		if err := unix.Sysinfo(&si); err == nil {
+			c.MaxMemory = int64(si.Totalram) * int64(si.Unit)
+		}
+		if c.MaxMemory <= 0 {
+			c.MaxMemory = 1 << 40
+		}
+	}
+	if c.MaxMemory < 32<<20 || c.DefaultMemory > c.MaxMemory {
+		return fmt.Errorf("node config: max memory %d must be at least 32 MiB and the default memory %d", c.MaxMemory, c.DefaultMemory)
+	}
+	if c.MaxTimeout < time.Second || c.DefaultTimeout > c.MaxTimeout {
+		return fmt.Errorf("node config: max timeout %s must be at least 1s and the default timeout %s", c.MaxTimeout, c.DefaultTimeout)
 	}
 	if c.DefaultMilliCPU == 0 {
 		c.DefaultMilliCPU = 1000
@@ -247,16 +265,30 @@ func (m *Manager) validate(req *CreateRequest) error {
 			names = append(names, n)
 		}
 		sort.Strings(names)
+		if len(req.Backend) > 64 {
+			req.Backend = req.Backend[:64] + "..."
+		}
 		return errdefs.New(ErrInvalid, "backend %q is not available on this node (available: %v)", req.Backend, names)
 	}
 	if req.Base == "" {
 		return errdefs.New(ErrInvalid, "a base layer is required (--base NAME:VERSION, or --template NAME)")
 	}
+	if n := 1 + len(req.Workspaces) + len(req.Toolkits); n > limits.Layers {
+		return errdefs.New(ErrInvalid, "%d layers, more than the maximum of %d in one sandbox", n, limits.Layers)
+	}
+	for _, r := range append([]string{req.Base}, append(req.Workspaces, req.Toolkits...)...) {
+		if err := limits.String("layer ref", r, limits.RefBytes); err != nil {
+			return err
+		}
+	}
+	if err := limits.String("client key", req.ClientKey, limits.IDBytes); err != nil {
+		return err
+	}
 	if req.Memory == 0 {
 		req.Memory = m.cfg.DefaultMemory
 	}
-	if req.Memory < 32<<20 {
-		return errdefs.New(ErrInvalid, "memory %d bytes is below the minimum of 32 MiB", req.Memory)
+	if req.Memory < 32<<20 || req.Memory > m.cfg.MaxMemory {
+		return errdefs.New(ErrInvalid, "memory must be between 32 MiB and %s (this node's maximum), got %d bytes", limits.Size(m.cfg.MaxMemory), req.Memory)
 	}
 	if req.MilliCPU == 0 {
 		req.MilliCPU = m.cfg.DefaultMilliCPU
@@ -270,13 +302,11 @@ func (m *Manager) validate(req *CreateRequest) error {
 	if req.Timeout == 0 {
 		req.Timeout = m.cfg.DefaultTimeout
 	}
-	if req.Timeout < time.Second || req.Timeout > m.cfg.MaxTimeout {
-		return errdefs.New(ErrInvalid, "timeout must be between 1s and %s, got %s", m.cfg.MaxTimeout, req.Timeout)
+	if err := m.CheckTimeout(req.Timeout); err != nil {
+		return err
 	}
-	for k := range req.Env {
-		if k == "" || strings.ContainsAny(k, "=\x00") {
-			return errdefs.New(ErrInvalid, "bad environment variable name %q", k)
-		}
+	if err := limits.Map("metadata", req.Metadata, false); err != nil {
+		return err
 	}
 	if _, err := netpolicy.Parse(req.Network); err != nil {
 		return errdefs.New(ErrInvalid, "%s", err)
@@ -284,7 +314,7 @@ func (m *Manager) validate(req *CreateRequest) error {
 	if !req.Network.Egress() {
 		req.Network = nil
 	}
-	return nil
+	return limits.Map("env", req.Env, true)
 }
 
 // resolve turns the requested refs into layers ordered top to bottom
@@ -330,9 +360,6 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (rec Record, er
 		return Record{}, err
 	}
 	if req.ClientKey != "" {
-		if len(req.ClientKey) > 256 {
-			return Record{}, errdefs.New(errdefs.ErrInvalidArgument, "client key longer than 256 bytes")
-		}
 		unlock, err := m.lockKey(ctx, req.ClientKey)
 		if err != nil {
 			return Record{}, err
@@ -558,9 +585,16 @@ func (m *Manager) List() []Record {
 }
 
 // SetTimeout sets a sandbox's idle timeout and restarts its clock.
+// CheckTimeout checks a sandbox's idle timeout against this node's bounds
+// (1 s to --max-timeout); Create and SetTimeout call it, and so does a face
+// that keeps a timeout to apply later.
+func (m *Manager) CheckTimeout(d time.Duration) error {
+	return limits.Duration("timeout", d, time.Second, m.cfg.MaxTimeout)
+}
+
 func (m *Manager) SetTimeout(id string, d time.Duration) (Record, error) {
-	if d < time.Second || d > m.cfg.MaxTimeout {
-		return Record{}, errdefs.New(ErrInvalid, "timeout must be between 1s and %s, got %s", m.cfg.MaxTimeout, d)
+	if err := m.CheckTimeout(d); err != nil {
+		return Record{}, err
 	}
 	m.mu.Lock()
 	e, err := m.lookup(id)

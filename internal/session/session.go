@@ -40,6 +40,7 @@ import (
 
 	"github.com/shoal-sandbox/shoal/internal/agent"
 	"github.com/shoal-sandbox/shoal/internal/errdefs"
+	"github.com/shoal-sandbox/shoal/internal/limits"
 )
 
 // ackEvery is how much log the pump writes between acknowledgements (the
@@ -322,6 +323,9 @@ func (m *Manager) Start(ctx context.Context, sandboxID string, req StartRequest)
 	if len(req.Args) == 0 || req.Args[0] == "" {
 		return nil, false, errdefs.New(errdefs.ErrInvalidArgument, "a command is required")
 	}
+	if err := checkStart(&req); err != nil {
+		return nil, false, err
+	}
 	if (req.Trajectory == "") != (req.Step == 0) {
 		return nil, false, errdefs.New(errdefs.ErrInvalidArgument, "a trajectory step needs both trajectory_id and step (step >= 1)")
 	}
@@ -358,6 +362,26 @@ func (m *Manager) Start(ctx context.Context, sandboxID string, req StartRequest)
 	}
 	c, err = m.start(ctx, sandboxID, req)
 	return c, false, err
+}
+
+// checkStart checks a start's sizes and timeout against limits, whatever
+// face it came through.
+func checkStart(req *StartRequest) error {
+	if err := limits.Argv(req.Args, req.Env); err != nil {
+		return err
+	}
+	for _, e := range req.Env {
+		if k, _, ok := strings.Cut(e, "="); !ok || k == "" {
+			return errdefs.New(errdefs.ErrInvalidArgument, "environment entry %.64q is not KEY=VALUE", e)
+		}
+	}
+	if err := limits.Path("cwd", req.Cwd); err != nil {
+		return err
+	}
+	if err := limits.Bytes("stdin", len(req.Stdin), limits.StdinBytes); err != nil {
+		return err
+	}
+	return limits.Duration("timeout", req.Timeout, 0, limits.CommandTimeout)
 }
 
 func quoteArgs(args []string) string {
@@ -895,6 +919,9 @@ func (m *Manager) running(c *Command) (*agent.Client, string, error) {
 
 // SendStdin writes to a running command's stdin, closing it if close.
 func (m *Manager) SendStdin(ctx context.Context, c *Command, data []byte, close bool) error {
+	if err := limits.Bytes("stdin data", len(data), limits.StdinBytes); err != nil {
+		return err
+	}
 	ag, agentID, err := m.running(c)
 	if err != nil {
 		return err

@@ -17,6 +17,7 @@ import (
 
 	"github.com/shoal-sandbox/shoal/internal/agent"
 	"github.com/shoal-sandbox/shoal/internal/errdefs"
+	"github.com/shoal-sandbox/shoal/internal/limits"
 )
 
 // Shell sessions.
@@ -66,7 +67,13 @@ func (m *Manager) shellsInit() error {
 // CreateShell starts a named shell session.
 func (m *Manager) CreateShell(ctx context.Context, sandboxID, name, cwd string, env []string, shell string) (*Shell, error) {
 	if !shellNameRE.MatchString(name) {
-		return nil, errdefs.New(errdefs.ErrInvalidArgument, "shell name %q must be 1-64 letters, digits, '.', '_' or '-'", name)
+		return nil, errdefs.New(errdefs.ErrInvalidArgument, "shell name %.80q must be 1-64 letters, digits, '.', '_' or '-'", name)
+	}
+	if err := limits.Argv([]string{shell}, env); err != nil {
+		return nil, err
+	}
+	if err := limits.Path("cwd", cwd); err != nil {
+		return nil, err
 	}
 	m.mu.Lock()
 	_, exists := m.shells[string(shellKey(sandboxID, name))]
@@ -145,6 +152,12 @@ func (m *Manager) shell(sandboxID, name string) (*Shell, *Command, error) {
 func (m *Manager) RunInShell(ctx context.Context, sandboxID, name, command string, timeout time.Duration) (ShellResult, error) {
 	if strings.TrimSpace(command) == "" {
 		return ShellResult{}, errdefs.New(errdefs.ErrInvalidArgument, "a command is required")
+	}
+	if err := limits.String("command", command, limits.CommandBytes); err != nil {
+		return ShellResult{}, err
+	}
+	if err := limits.Duration("timeout", timeout, 0, limits.CommandTimeout); err != nil {
+		return ShellResult{}, err
 	}
 	if timeout <= 0 {
 		timeout = DefaultShellTimeout

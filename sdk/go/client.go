@@ -241,3 +241,10 @@ func (c *Client) BuildLayer(ctx context.Context, req *pb.BuildLayerRequest, prog
 	}
 	return nil, errors.New("build stream ended without a layer")
 }
+
+// URL is the server's base URL the client talks to.
+func (c *Client) URL() string { return c.url }
+
+// APIKey is the API key the client sends (from Options, SHOAL_API_KEY or
+// the admin key file).
+func (c *Client) APIKey() string { return c.key }

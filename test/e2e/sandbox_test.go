@@ -330,14 +330,24 @@ func TestDeleteLeavesNothing(t *testing.T) {
 	t.Logf("sandbox %s: pooled %v, runc container %s", id, pooled(id), rid)
 	if pooled(id) {
 		// Its root is mounted in the sandbox's mount namespace only: an
-		// overlay whose upper layer is in the sandbox dir.
+		// overlay, whose options name no host path (its directories are
+		// given to overlayfs as /proc/self/fd/N).
 		procs := sandboxProcs(t, id)
 		if len(procs) == 0 {
 			t.Fatal("no process in the sandbox's cgroup")
 		}
 		mi, _ := os.ReadFile(filepath.Join("/proc", procs[0], "mountinfo"))
-		if !strings.Contains(string(mi), "upperdir="+dir+"/") { // upper, or disk/upper on its disk image
+		root := ""
+		for _, line := range strings.Split(string(mi), "\n") {
+			if f := strings.Fields(line); len(f) > 4 && f[4] == "/" {
+				root = line
+			}
+		}
+		if !strings.Contains(root, " - overlay ") || !strings.Contains(root, "upperdir=/proc/self/fd/") {
 			t.Fatalf("the sandbox's root is not its overlay:\n%s", mi)
+		}
+		if strings.Contains(string(mi), dataDir) {
+			t.Fatalf("the sandbox's mountinfo shows the data dir %s:\n%s", dataDir, mi)
 		}
 	} else if len(mountsUnder(dir)) == 0 {
 		t.Fatal("no rootfs mount while running")
