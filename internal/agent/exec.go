@@ -24,6 +24,9 @@ type command struct {
 	id   string
 	pid  int           // set by reaper.start under reaper.mu, constant after
 	done chan struct{} // closed once the process has been reaped
+	// forker: the agent thread that joined a fncall run's cgroups to fork
+	// it (startFn), 0 otherwise; set and read by the run's goroutine.
+	forker int
 
 	// Guarded by reaper.mu.
 	reaped   bool

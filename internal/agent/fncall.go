@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"net"
 	"os"
 	"path/filepath"
@@ -488,6 +489,11 @@ func (s *Server) fnRun(c net.Conn, req *wireFnRun) {
 	// The command is gone: so is everything it started. Then the pipes
 	// have no writer left and the pumps end.
 	leftover, _ := killUID(req.UID, 5*time.Second)
+	// The thread that forked it joined the run's cgroups and exits with its
+	// goroutine, soon after the fork but not at once on a loaded host: the
+	// run ends when it is gone, so that the cgroups hold nothing of the
+	// agent when the host looks at them.
+	waitThreadGone(cmd.forker, 5*time.Second)
 	pumped := make(chan struct{})
 	go func() { wg.Wait(); close(pumped) }()
 	select {
@@ -636,17 +642,18 @@ func (s *Server) startFn(cmd *command, req *wireFnRun, cgfds []int, pidsMax int)
 		pid, err = fork()
 	} else {
 		type forked struct {
-			pid int
-			err error
+			pid, tid int
+			err      error
 		}
 		ch := make(chan forked, 1)
 		go func() {
 			// Never unlocked: this thread joins the run's cgroups, so it
 			// must not run anything else; it exits with the goroutine.
 			runtime.LockOSThread()
+			tid := unix.Gettid()
 			for _, fd := range cgfds {
 				if _, err := unix.Write(fd, []byte("0")); err != nil {
-					ch <- forked{err: fmt.Errorf("join cgroup: %w", err)}
+					ch <- forked{tid: tid, err: fmt.Errorf("join cgroup: %w", err)}
 					return
 				}
 			}
@@ -657,10 +664,11 @@ func (s *Server) startFn(cmd *command, req *wireFnRun, cgfds []int, pidsMax int)
 					err = fmt.Errorf("set pids.max: %w", werr)
 				}
 			}
-			ch <- forked{pid, err}
+			ch <- forked{pid, tid, err}
 		}()
 		r := <-ch
 		pid, err = r.pid, r.err
+		cmd.forker = r.tid
 	}
 	if err == nil {
 		raiseOOMScore(pid)
@@ -679,4 +687,20 @@ func (s *Server) startFn(cmd *command, req *wireFnRun, cgfds []int, pidsMax int)
 	files[1] = os.NewFile(uintptr(ours[1]), "stdout")
 	files[2] = os.NewFile(uintptr(ours[2]), "stderr")
 	return files, nil
+}
+
+// waitThreadGone waits until the agent's thread tid has exited, or d has
+// passed. tid 0: nothing to wait for.
+func waitThreadGone(tid int, d time.Duration) {
+	if tid == 0 {
+		return
+	}
+	path := "/proc/self/task/" + strconv.Itoa(tid)
+	deadline := time.Now().Add(d)
+	for sleep := 50 * time.Microsecond; time.Now().Before(deadline); sleep = min(2*sleep, 10*time.Millisecond) {
+		if _, err := os.Stat(path); errors.Is(err, fs.ErrNotExist) {
+			return
+		}
+		time.Sleep(sleep)
+	}
 }
