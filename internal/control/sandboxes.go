@@ -17,6 +17,7 @@ import (
 
 	pb "github.com/shoal-sandbox/shoal/api/shoal/v1"
 	"github.com/shoal-sandbox/shoal/api/shoal/v1/shoalv1connect"
+	"github.com/shoal-sandbox/shoal/internal/layer"
 	"github.com/shoal-sandbox/shoal/internal/node"
 	"github.com/shoal-sandbox/shoal/internal/session"
 )
@@ -30,6 +31,7 @@ type Server struct {
 	sessions *session.Manager
 	auth     *Auth
 	log      *slog.Logger
+	builds   BuildPolicy // set before serving (SetBuildPolicy)
 }
 
 var (
@@ -40,7 +42,7 @@ var (
 
 // New returns the API server.
 func New(m *node.Manager, sessions *session.Manager, auth *Auth, log *slog.Logger) *Server {
-	return &Server{node: m, sessions: sessions, auth: auth, log: log}
+	return &Server{node: m, sessions: sessions, auth: auth, log: log, builds: BuildPolicy{UploadMax: layer.DefaultUploadMax}}
 }
 
 // Handler returns the HTTP handler for the whole API.

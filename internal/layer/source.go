@@ -17,7 +17,7 @@ import (
 
 // ErrOutsideBuildRoots marks a build from a server path that is not inside
 // any of the configured build roots (it is also errdefs.ErrPermissionDenied).
-var ErrOutsideBuildRoots = errors.New("server path outside the build roots")
+var ErrOutsideBuildRoots = errors.New("server path not allowed")
 
 // BuildRoots are the directories of the server's machine that builds from a
 // server path may read (serve --build-root). Everything else a client sends
