@@ -5,11 +5,13 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"net/http"
 	"path"
 	"strconv"
 	"strings"
 	"sync"
+	"time"
 	"unicode"
 
 	"connectrpc.com/connect"
@@ -291,6 +293,13 @@ func (s *Server) importLayer(w http.ResponseWriter, r *http.Request) {
 	w.Write(b)
 }
 
+// What the server still reads of an upload it refused as too large, so that
+// the client, done sending, reads the refusal.
+const (
+	uploadDrainBytes = 64 << 20
+	uploadDrainTime  = 10 * time.Second
+)
+
 // buildLayerUpload builds a layer from a source in the request body:
 // POST /v1/layers/build?kind=K&ref=NAME:VER[&compression=C][&image=I][&source=DESC].
 // Bad parameters are answered before the body is read (a client sending
@@ -345,7 +354,7 @@ func (s *Server) buildLayerUpload(w http.ResponseWriter, r *http.Request) {
 		max = layer.DefaultUploadMax
 	}
 	if r.ContentLength > max {
-		writeConnectError(w, errdefs.New(errdefs.ErrResourceExhausted, "the upload (%d bytes) is larger than %d bytes, the most this server takes (shoal serve --build-upload-max)", r.ContentLength, max))
+		refuseUpload(w, r, fmt.Errorf("the upload (%d bytes) is larger than %d bytes, the most this server takes (shoal serve --build-upload-max)", r.ContentLength, max))
 		return
 	}
 	l, err := s.node.Layers().BuildUpload(r.Context(), r.Body, max, layer.BuildOptions{
@@ -365,8 +374,7 @@ func (s *Server) buildLayerUpload(w http.ResponseWriter, r *http.Request) {
 	defer mu.Unlock()
 	if !started {
 		if errors.Is(err, errdefs.ErrResourceExhausted) {
-			// 413, not Connect's 429: nothing to retry later.
-			writeHTTPError(w, http.StatusRequestEntityTooLarge, connect.CodeResourceExhausted.String(), err.Error())
+			refuseUpload(w, r, err)
 			return
 		}
 		writeConnectError(w, err)
@@ -375,6 +383,19 @@ func (s *Server) buildLayerUpload(w http.ResponseWriter, r *http.Request) {
 	ce := toConnect(err).(*connect.Error)
 	b, _ := json.Marshal(map[string]any{"error": map[string]string{"code": ce.Code().String(), "message": ce.Message()}})
 	w.Write(append(b, '\n'))
+}
+
+// refuseUpload answers an upload too large with 413 (not Connect's 429:
+// there is nothing to retry later). Clients that read no reply before
+// their body is sent (httpx, curl) would see a broken pipe instead: unless
+// the client waits for "100 Continue", a little more of the body is read
+// first, bounded in bytes and time, before the connection is cut.
+func refuseUpload(w http.ResponseWriter, r *http.Request, err error) {
+	if !strings.EqualFold(r.Header.Get("Expect"), "100-continue") {
+		http.NewResponseController(w).SetReadDeadline(time.Now().Add(uploadDrainTime))
+		io.CopyN(io.Discard, r.Body, uploadDrainBytes)
+	}
+	writeHTTPError(w, http.StatusRequestEntityTooLarge, connect.CodeResourceExhausted.String(), err.Error())
 }
 
 // --- environments ---
