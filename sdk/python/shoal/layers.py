@@ -394,7 +394,10 @@ def build(
     if server_path:
         body = _build_body(kind, ref, source, compression, image)  # type: ignore[arg-type]
         return _receive(t.stream("LayerService", "BuildLayer", body, idempotent=True, request_timeout=_long(request_timeout, t)), on_progress, "BuildLayer")
-    params = _upload_params(kind, ref, compression, image, _upload_source(source)[0])
+    params = _upload_params(kind, ref, compression, image, "")
+    desc = _upload_source(source)[0]
+    if desc:
+        params["source"] = desc[:256]
     content = _sync_upload(source, on_progress)
     return _receive(t.post_ndjson(BUILD_PATH, params, content, what="layer build", content_type="application/x-tar", request_timeout=_long(request_timeout, t)), on_progress, "layer build")
 
@@ -575,8 +578,10 @@ async def abuild(
     if server_path:
         body = _build_body(kind, ref, source, compression, image)  # type: ignore[arg-type]
         return await _areceive(t.stream("LayerService", "BuildLayer", body, idempotent=True, request_timeout=_long(request_timeout, t)), on_progress, "BuildLayer")
+    params = _upload_params(kind, ref, compression, image, "")
     desc = (await asyncio.to_thread(_upload_source, source))[0]
-    params = _upload_params(kind, ref, compression, image, desc)
+    if desc:
+        params["source"] = desc[:256]
     content = _async_upload(source, on_progress)
     return await _areceive(
         t.post_ndjson(BUILD_PATH, params, content, what="layer build", content_type="application/x-tar", request_timeout=_long(request_timeout, t)), on_progress, "layer build"
