@@ -45,12 +45,20 @@ func contains(ss []string, s string) bool {
 
 func layerBuildCmd() *cobra.Command {
 	var compression, kind, image string
+	var serverPath bool
 	cmd := &cobra.Command{
 		Use:   "build --kind base|workspace|toolkit NAME:VERSION SRC",
 		Short: "Build an EROFS layer (prints NAME@sha256:...)",
-		Long: `Build an EROFS layer from SRC, a path on the server's machine:
-  a directory; a tarball of a root file system (tar, tar.gz, tar.zst);
-  an OCI image layout (directory or tar); a docker-archive (docker save).
+		Long: `Build an EROFS layer from SRC, a path on this machine, which is uploaded:
+  a directory (sent as a tar made on the fly: owners, modes, symlinks,
+  hard links and xattrs kept; it gives the layer a build from the same
+  directory on the server gives); or a file, sent as it is: a tarball of a
+  root file system (tar, tar.gz, tar.zst), an OCI image layout as a tar, a
+  docker-archive (docker save).
+With --server-path, SRC is a path on the server's machine instead, read in
+place (a directory, an OCI layout directory, or any of those files); the
+server allows that only inside the directories it was started with
+--build-root.
 The format is detected from the content. Images are flattened with their
 whiteouts applied; --image picks one image of an archive that holds several.
 Progress goes to stderr (a bar on a terminal); the layer's ref to stdout.`,
@@ -71,7 +79,13 @@ Progress goes to stderr (a bar on a terminal); the layer's ref to stdout.`,
 			ctx, cancel := cmdContext()
 			defer cancel()
 			bar := newProgressBar(os.Stderr)
-			l, err := c.BuildLayerProgress(ctx, &pb.BuildLayerRequest{Kind: k, Ref: args[0], Source: src, Compression: compression, Image: image}, bar.update)
+			req := &pb.BuildLayerRequest{Kind: k, Ref: args[0], Source: src, Compression: compression, Image: image}
+			var l *pb.Layer
+			if serverPath {
+				l, err = c.BuildLayerProgress(ctx, req, bar.update)
+			} else {
+				l, err = c.BuildLayerFrom(ctx, req, src, bar.update)
+			}
 			bar.clear()
 			if err != nil {
 				return err
@@ -83,6 +97,7 @@ Progress goes to stderr (a bar on a terminal); the layer's ref to stdout.`,
 	cmd.Flags().StringVar(&kind, "kind", "", "layer kind: base, workspace or toolkit")
 	cmd.Flags().StringVar(&compression, "compression", "", "none (default), lz4 or lz4hc")
 	cmd.Flags().StringVar(&image, "image", "", "for an image archive with several images: which one (e.g. debian:12)")
+	cmd.Flags().BoolVar(&serverPath, "server-path", false, "SRC is a path on the server, inside one of its --build-root directories (read in place, not uploaded)")
 	cmd.MarkFlagRequired("kind")
 	return cmd
 }

@@ -55,6 +55,13 @@ type serveConfig struct {
 	PidsLimit                                    int64
 	Nofile                                       uint64
 	E2B                                          e2bConfig
+	// BuildRoots: the directories builds from a server path may read
+	// (none: clients upload every source).
+	BuildRoots []string
+	// BuildUploadMax bounds an uploaded build source, in bytes.
+	BuildUploadMax    int64
+	buildUploadMaxArg string
+	buildRoots        *layer.BuildRoots
 }
 
 // e2bConfig configures the E2B-compatible endpoint (internal/e2b).
@@ -89,6 +96,25 @@ func (c *serveConfig) Validate() error {
 	}
 	if c.KeepCommandsFor < 0 {
 		return fmt.Errorf("--command-retention-age %s: want a duration such as 24h, or 0 for no limit", c.KeepCommandsFor)
+	}
+	if c.buildUploadMaxArg != "" {
+		n, err := parseBytes(c.buildUploadMaxArg)
+		if err != nil || n <= 0 {
+			return fmt.Errorf("--build-upload-max %q: want a size such as 32G", c.buildUploadMaxArg)
+		}
+		c.BuildUploadMax = n
+	}
+	if c.buildRoots, err = layer.NewBuildRoots(c.BuildRoots); err != nil {
+		return fmt.Errorf("--build-root: %w", err)
+	}
+	data := c.DataDir
+	if real, err := filepath.EvalSymlinks(data); err == nil {
+		data = real
+	}
+	for _, r := range c.buildRoots.Dirs() {
+		if within(data, r) || within(r, data) {
+			return fmt.Errorf("--build-root %s overlaps the data directory %s (its keys, database and the sandboxes' files): give a directory of build sources", r, c.DataDir)
+		}
 	}
 	if c.Agent == "" {
 		c.Agent = findAgent()
@@ -159,6 +185,12 @@ func (c *serveConfig) nodeConfig() (node.Config, error) {
 	return nc, nc.Validate()
 }
 
+// within reports whether path p is dir or below it (both clean, absolute).
+func within(p, dir string) bool {
+	rel, err := filepath.Rel(dir, p)
+	return err == nil && (rel == "." || filepath.IsLocal(rel))
+}
+
 // findAgent looks for shoal-agent beside this executable, then in the
 // install location.
 func findAgent() string {
@@ -209,6 +241,8 @@ func serveCmd() *cobra.Command {
 	cmd.Flags().IntVar(&cfg.KeepCommands, "command-retention", session.DefaultKeepEnded, "ended commands kept per sandbox (records and output logs; older ones are pruned), besides trajectory steps and shells, which are kept as long as the sandbox lives; -1: no limit")
 	cmd.Flags().DurationVar(&cfg.KeepCommandsFor, "command-retention-age", 0, "also prune ended commands older than this (e.g. 24h); 0: no age limit")
 	cmd.Flags().Int64Var(&cfg.CommitMaxBytes, "commit-max-bytes", layer.DefaultCommitMaxBytes, "bytes of files a layer commit copies from a sandbox at most (a bigger writable layer is refused)")
+	cmd.Flags().StringArrayVar(&cfg.BuildRoots, "build-root", nil, "a directory `layer build --server-path` may read from (repeatable; none by default: clients upload their sources)")
+	cmd.Flags().StringVar(&cfg.buildUploadMaxArg, "build-upload-max", "32G", "largest build source a client may upload (a bigger one is refused with 413)")
 	cmd.Flags().StringVar(&cfg.E2B.Listen, "e2b-listen", "127.0.0.1:7481", "E2B-compatible endpoint (API and sandbox traffic, HTTP and HTTPS on one port); empty disables it")
 	cmd.Flags().StringVar(&cfg.E2B.Domain, "e2b-domain", "", "sandbox domain for E2B clients: getHost(port) is PORT-ID.DOMAIN (default shoal.localhost:<e2b port>)")
 	cmd.Flags().StringVar(&cfg.E2B.DefaultTemplate, "e2b-default-template", "debian:12", "environment or base layer used for E2B's default template \"base\" when none is named base")
@@ -351,13 +385,14 @@ func serve(cfg serveConfig) error {
 	protocols.SetUnencryptedHTTP2(true) // gRPC clients
 	api := control.New(mgr, sessions, auth, log)
 	api.SetMetrics(mt)
+	api.SetBuildPolicy(control.BuildPolicy{Roots: cfg.buildRoots, UploadMax: cfg.BuildUploadMax})
 	srv := &http.Server{
 		Handler:           api.Handler(),
 		Protocols:         &protocols,
 		ReadHeaderTimeout: 10 * time.Second,
 	}
 	log.Info("shoal serving", "listen", ln.Addr().String(), "data", cfg.DataDir,
-		"admin_key", filepath.Join(cfg.DataDir, control.AdminKeyFile))
+		"admin_key", filepath.Join(cfg.DataDir, control.AdminKeyFile), "build_roots", cfg.buildRoots.Dirs())
 	errc := make(chan error, 2)
 	go func() { errc <- srv.Serve(ln) }()
 	if e2bSrv != nil {

@@ -20,8 +20,8 @@ import (
 )
 
 // LayersOptions configure the layer benchmark. Trees are written under
-// WorkDir and built by the server from there: the benchmark runs on the
-// server's machine (as the other benchmarks do).
+// WorkDir and uploaded to the server (as `shoal layer build` does), so the
+// build times include tarring and sending them.
 type LayersOptions struct {
 	N        int // combinations (one workspace each) that use the upgraded toolkit
 	Bases    int // m
@@ -283,7 +283,7 @@ type layerBench struct {
 }
 
 func (b *layerBench) build(ctx context.Context, kind pb.LayerKind, ref, src, compression string) (*pb.Layer, error) {
-	l, err := b.c.BuildLayerProgress(ctx, &pb.BuildLayerRequest{Kind: kind, Ref: ref, Source: src, Compression: compression}, nil)
+	l, err := b.c.BuildLayerFrom(ctx, &pb.BuildLayerRequest{Kind: kind, Ref: ref, Compression: compression}, src, nil)
 	if err != nil {
 		return nil, fmt.Errorf("build %s: %w", ref, err)
 	}

@@ -2,17 +2,24 @@ package control
 
 import (
 	"context"
+	"encoding/json"
+	"errors"
 	"fmt"
+	"io"
 	"net/http"
 	"path"
 	"strconv"
+	"strings"
 	"sync"
+	"time"
+	"unicode"
 
 	"connectrpc.com/connect"
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	pb "github.com/shoal-sandbox/shoal/api/shoal/v1"
+	"github.com/shoal-sandbox/shoal/internal/errdefs"
 	"github.com/shoal-sandbox/shoal/internal/layer"
 )
 
@@ -23,9 +30,30 @@ import (
 //
 //	GET  /v1/layers/export?ref=REF          -> the export tar
 //	POST /v1/layers/import[?tag=NAME:VER]   <- the export tar; -> Layer JSON
+//	POST /v1/layers/build?kind=K&ref=NAME:VER[&compression=C][&image=I][&source=DESC]
+//	                                        <- a tar (plain, gzip, zstd), an OCI
+//	                                           layout tar or a docker-archive;
+//	                                        -> NDJSON BuildLayerResponse events
 func (s *Server) layerRoutes(mux *http.ServeMux) {
 	mux.HandleFunc("GET /v1/layers/export", s.exportLayer)
 	mux.HandleFunc("POST /v1/layers/import", s.importLayer)
+	mux.HandleFunc("POST /v1/layers/build", s.buildLayerUpload)
+}
+
+// BuildPolicy says what layer builds may read: server paths only inside
+// Roots (none by default), uploads of at most UploadMax bytes.
+type BuildPolicy struct {
+	Roots     *layer.BuildRoots
+	UploadMax int64
+}
+
+// SetBuildPolicy replaces the default policy (no server path, uploads up to
+// layer.DefaultUploadMax). Call it before serving.
+func (s *Server) SetBuildPolicy(p BuildPolicy) {
+	if p.UploadMax <= 0 {
+		p.UploadMax = layer.DefaultUploadMax
+	}
+	s.builds = p
 }
 
 func (s *Server) BuildLayer(ctx context.Context, req *connect.Request[pb.BuildLayerRequest], stream *connect.ServerStream[pb.BuildLayerResponse]) error {
@@ -41,9 +69,16 @@ func (s *Server) BuildLayer(ctx context.Context, req *connect.Request[pb.BuildLa
 	if !path.IsAbs(r.Source) {
 		return connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("source %q must be an absolute path on the server", r.Source))
 	}
-	ps := newProgressSender(stream)
+	// Only inside the configured build roots: the key must not read the
+	// whole host (/etc, the data dir) into a layer.
+	src, err := s.builds.Roots.Open(r.Source)
+	if err != nil {
+		return toConnect(err)
+	}
+	defer src.Close()
+	ps := newProgressSender(stream.Send)
 	l, err := s.node.Layers().Build(ctx, layer.BuildOptions{
-		Kind: kind, Name: name, Version: version, Source: r.Source, Image: r.Image,
+		Kind: kind, Name: name, Version: version, Source: r.Source, Opened: src, Image: r.Image,
 		Compression: r.Compression, Progress: ps.send,
 	})
 	if err != nil {
@@ -65,7 +100,7 @@ func (s *Server) CommitLayer(ctx context.Context, req *connect.Request[pb.Commit
 	if err != nil {
 		return connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("layer reference %q must be NAME:VERSION: %w", r.Ref, err))
 	}
-	ps := newProgressSender(stream)
+	ps := newProgressSender(stream.Send)
 	l, err := s.node.CommitLayer(ctx, r.SandboxId, layer.CommitOptions{
 		Kind: kind, Name: name, Version: version, Compression: r.Compression, Progress: ps.send,
 	})
@@ -81,13 +116,13 @@ func (s *Server) CommitLayer(ctx context.Context, req *connect.Request[pb.Commit
 // progressSender turns the layer builder's progress into stream events: a
 // line at each stage, a status for progress bars in between.
 type progressSender struct {
-	stream  *connect.ServerStream[pb.BuildLayerResponse]
+	sendFn  func(*pb.BuildLayerResponse) error
 	mu      sync.Mutex // the builder reports from one goroutine at a time; this guards sendErr
 	sendErr error
 }
 
-func newProgressSender(stream *connect.ServerStream[pb.BuildLayerResponse]) *progressSender {
-	return &progressSender{stream: stream}
+func newProgressSender(send func(*pb.BuildLayerResponse) error) *progressSender {
+	return &progressSender{sendFn: send}
 }
 
 func (p *progressSender) send(pr layer.Progress) {
@@ -98,10 +133,10 @@ func (p *progressSender) send(pr layer.Progress) {
 	}
 	var err error
 	if pr.Message != "" {
-		err = p.stream.Send(&pb.BuildLayerResponse{Event: &pb.BuildLayerResponse_Progress{Progress: pr.Message}})
+		err = p.sendFn(&pb.BuildLayerResponse{Event: &pb.BuildLayerResponse_Progress{Progress: pr.Message}})
 	}
 	if err == nil && (pr.Total > 0 || pr.Message == "") {
-		err = p.stream.Send(&pb.BuildLayerResponse{Event: &pb.BuildLayerResponse_Status{Status: &pb.BuildProgress{
+		err = p.sendFn(&pb.BuildLayerResponse{Event: &pb.BuildLayerResponse_Status{Status: &pb.BuildProgress{
 			Stage: pr.Stage, Done: pr.Done, Total: pr.Total, Unit: pr.Unit,
 		}}})
 	}
@@ -256,6 +291,111 @@ func (s *Server) importLayer(w http.ResponseWriter, r *http.Request) {
 	}
 	w.Header().Set("Content-Type", "application/json")
 	w.Write(b)
+}
+
+// What the server still reads of an upload it refused as too large, so that
+// the client, done sending, reads the refusal.
+const (
+	uploadDrainBytes = 64 << 20
+	uploadDrainTime  = 10 * time.Second
+)
+
+// buildLayerUpload builds a layer from a source in the request body:
+// POST /v1/layers/build?kind=K&ref=NAME:VER[&compression=C][&image=I][&source=DESC].
+// Bad parameters are answered before the body is read (a client sending
+// "Expect: 100-continue" sends none of it); a body over the policy's
+// UploadMax is answered 413. Once the body is in, the answer is 200 and
+// NDJSON: the BuildLayerResponse events of BuildLayer as protojson, one a
+// line, ending with the layer, or with {"error": {"code", "message"}} (the
+// Connect end-of-stream form) if the build fails.
+func (s *Server) buildLayerUpload(w http.ResponseWriter, r *http.Request) {
+	q := r.URL.Query()
+	kind, err := layer.ParseKind(q.Get("kind"))
+	if err != nil {
+		writeConnectError(w, connect.NewError(connect.CodeInvalidArgument, err))
+		return
+	}
+	name, version, err := layer.ParseTag(q.Get("ref"))
+	if err != nil {
+		writeConnectError(w, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("layer reference %q must be NAME:VERSION: %w", q.Get("ref"), err)))
+		return
+	}
+	desc := q.Get("source")
+	if len(desc) > 256 || strings.ContainsFunc(desc, unicode.IsControl) {
+		writeConnectError(w, connect.NewError(connect.CodeInvalidArgument, errors.New("source: a description of at most 256 printable characters")))
+		return
+	}
+	if desc == "" {
+		desc = "upload"
+	} else {
+		desc = "upload of " + desc
+	}
+	var mu sync.Mutex // serializes writes to w: progress comes from the build's goroutines
+	started := false
+	send := func(ev *pb.BuildLayerResponse) error {
+		b, err := protojson.Marshal(ev)
+		if err != nil {
+			return err
+		}
+		mu.Lock()
+		defer mu.Unlock()
+		if !started {
+			w.Header().Set("Content-Type", "application/x-ndjson")
+			started = true
+		}
+		if _, err := w.Write(append(b, '\n')); err != nil {
+			return err
+		}
+		return http.NewResponseController(w).Flush()
+	}
+	ps := newProgressSender(send)
+	max := s.builds.UploadMax
+	if max <= 0 {
+		max = layer.DefaultUploadMax
+	}
+	if r.ContentLength > max {
+		refuseUpload(w, r, fmt.Errorf("the upload (%d bytes) is larger than %d bytes, the most this server takes (shoal serve --build-upload-max)", r.ContentLength, max))
+		return
+	}
+	l, err := s.node.Layers().BuildUpload(r.Context(), r.Body, max, layer.BuildOptions{
+		Kind: kind, Name: name, Version: version, Source: desc, Image: q.Get("image"),
+		Compression: q.Get("compression"), Progress: ps.send,
+	})
+	if err == nil {
+		err = ps.err()
+	}
+	if err == nil {
+		err = send(&pb.BuildLayerResponse{Event: &pb.BuildLayerResponse_Layer{Layer: layerPB(l)}})
+	}
+	if err == nil {
+		return
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if !started {
+		if errors.Is(err, errdefs.ErrResourceExhausted) {
+			refuseUpload(w, r, err)
+			return
+		}
+		writeConnectError(w, err)
+		return
+	}
+	ce := toConnect(err).(*connect.Error)
+	b, _ := json.Marshal(map[string]any{"error": map[string]string{"code": ce.Code().String(), "message": ce.Message()}})
+	w.Write(append(b, '\n'))
+}
+
+// refuseUpload answers an upload too large with 413 (not Connect's 429:
+// there is nothing to retry later). Clients that read no reply before
+// their body is sent (httpx, curl) would see a broken pipe instead: unless
+// the client waits for "100 Continue", a little more of the body is read
+// first, bounded in bytes and time, before the connection is cut.
+func refuseUpload(w http.ResponseWriter, r *http.Request, err error) {
+	if !strings.EqualFold(r.Header.Get("Expect"), "100-continue") {
+		http.NewResponseController(w).SetReadDeadline(time.Now().Add(uploadDrainTime))
+		io.CopyN(io.Discard, r.Body, uploadDrainBytes)
+	}
+	writeHTTPError(w, http.StatusRequestEntityTooLarge, connect.CodeResourceExhausted.String(), err.Error())
 }
 
 // --- environments ---

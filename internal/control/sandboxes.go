@@ -16,6 +16,7 @@ import (
 
 	pb "github.com/shoal-sandbox/shoal/api/shoal/v1"
 	"github.com/shoal-sandbox/shoal/api/shoal/v1/shoalv1connect"
+	"github.com/shoal-sandbox/shoal/internal/layer"
 	"github.com/shoal-sandbox/shoal/internal/limits"
 	"github.com/shoal-sandbox/shoal/internal/metrics"
 	"github.com/shoal-sandbox/shoal/internal/netpolicy"
@@ -33,6 +34,7 @@ type Server struct {
 	auth     *Auth
 	log      *slog.Logger
 	metrics  *metrics.Metrics // nil: not counted, no /metrics
+	builds   BuildPolicy      // set before serving (SetBuildPolicy)
 }
 
 var (
@@ -43,7 +45,7 @@ var (
 
 // New returns the API server.
 func New(m *node.Manager, sessions *session.Manager, auth *Auth, log *slog.Logger) *Server {
-	return &Server{node: m, sessions: sessions, auth: auth, log: log}
+	return &Server{node: m, sessions: sessions, auth: auth, log: log, builds: BuildPolicy{UploadMax: layer.DefaultUploadMax}}
 }
 
 // Handler returns the HTTP handler for the whole API.

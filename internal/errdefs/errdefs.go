@@ -17,6 +17,7 @@ var (
 	ErrNotFound           = errors.New("not found")
 	ErrAlreadyExists      = errors.New("already exists")
 	ErrFailedPrecondition = errors.New("failed precondition")
+	ErrPermissionDenied   = errors.New("permission denied")
 	ErrResourceExhausted  = errors.New("resource exhausted")
 	ErrUnavailable        = errors.New("unavailable")
 	// ErrSandboxKilled: the operation's sandbox was deleted (by a client,

@@ -36,6 +36,11 @@ type BuildOptions struct {
 	// refused; so are tar entries that would land outside the tree or be
 	// written through a symlink.
 	Source string
+	// Opened, if not nil, is the source already opened (O_PATH will do;
+	// see BuildRoots.Open): it is read through its descriptor, never
+	// looked up by path again, and Source only names it in messages and
+	// in the layer's record.
+	Opened *os.File
 	// Image chooses among the images of an image source that holds several:
 	// a tag ("debian:12") or an OCI ref name annotation. Empty for sources
 	// with one image; refused for other sources.
@@ -99,8 +104,16 @@ func (s *Store) build(ctx context.Context, o BuildOptions) (Layer, error) {
 // is a plain directory, else a tree extracted under work. It returns the
 // tree and a description of the source.
 func unpackSource(ctx context.Context, o BuildOptions, work string, rep *reporter) (tree, source string, err error) {
-	fi, err := os.Stat(o.Source)
+	// src is where the source is read; o.Source what it is called.
+	src := o.Source
+	if o.Opened != nil {
+		src = fdPath(o.Opened)
+	}
+	fi, err := os.Stat(src)
 	if err != nil {
+		if o.Opened != nil {
+			return "", "", fmt.Errorf("source %s: %w", o.Source, err)
+		}
 		return "", "", fmt.Errorf("source: %w", err)
 	}
 	root := filepath.Join(work, "root")
@@ -121,11 +134,18 @@ func unpackSource(ctx context.Context, o BuildOptions, work string, rep *reporte
 	}
 	switch {
 	case fi.IsDir():
-		if _, err := os.Stat(filepath.Join(o.Source, "oci-layout")); err == nil {
-			return flatten("oci-layout", o.Source, openLayout)
+		if _, err := os.Stat(filepath.Join(src, "oci-layout")); err == nil {
+			tree, desc, err := flatten("oci-layout", src, openLayout)
+			return tree, strings.Replace(desc, src, o.Source, 1), err
 		}
 		if o.Image != "" {
 			return "", "", fmt.Errorf("--image %q: source %s is a plain directory, not an image", o.Image, o.Source)
+		}
+		if o.Opened != nil {
+			// The directory that was opened (and checked to be inside
+			// a build root), whatever its path leads to now: "/." makes
+			// the walk enter it rather than see the /proc link.
+			return src + "/.", "dir " + o.Source, nil
 		}
 		// The checks walk the tree without following symlinks, mkfs.erofs
 		// follows the one it is given: give both the real directory.
@@ -135,7 +155,7 @@ func unpackSource(ctx context.Context, o BuildOptions, work string, rep *reporte
 		}
 		return dir, "dir " + o.Source, nil
 	case fi.Mode().IsRegular():
-		layout, compression, err := tarLayout(o.Source)
+		layout, compression, err := tarLayout(src)
 		if err != nil {
 			return "", "", fmt.Errorf("source %s: %w: want a directory, a tarball (tar, tar.gz, tar.zst), an OCI image layout or a docker-archive", o.Source, err)
 		}
@@ -145,24 +165,25 @@ func unpackSource(ctx context.Context, o BuildOptions, work string, rep *reporte
 				return "", "", fmt.Errorf("--image %q: source %s is a root file system tarball, not an image", o.Image, o.Source)
 			}
 			rep.start(StageExtract, "bytes", fi.Size(), "extracting %s", o.Source)
-			if err := extractTarball(ctx, o.Source, root, rep); err != nil {
+			if err := extractTarball(ctx, src, root, rep); err != nil {
 				return "", "", fmt.Errorf("extract %s: %w", o.Source, err)
 			}
 			return root, compression + " " + o.Source, nil
 		case layoutDockerArchive:
-			archive := o.Source
+			archive := src
 			if compression != "tar" { // the tarball reader reads the archive once per file
 				rep.start(StageExtract, "bytes", 0, "decompressing %s", o.Source)
 				archive = filepath.Join(work, "image.tar")
-				if err := decompressTar(o.Source, archive); err != nil {
+				if err := decompressTar(src, archive); err != nil {
 					return "", "", err
 				}
 			}
-			return flatten("docker-archive", archive, openDockerArchive)
+			tree, desc, err := flatten("docker-archive", archive, openDockerArchive)
+			return tree, strings.Replace(desc, archive, o.Source, 1), err
 		case layoutOCIArchive:
 			rep.start(StageExtract, "bytes", fi.Size(), "extracting OCI image layout %s", o.Source)
 			dir := filepath.Join(work, "oci")
-			if err := extractTarball(ctx, o.Source, dir, rep); err != nil {
+			if err := extractTarball(ctx, src, dir, rep); err != nil {
 				return "", "", fmt.Errorf("extract %s: %w", o.Source, err)
 			}
 			tree, desc, err := flatten("oci-archive", dir, openLayout)

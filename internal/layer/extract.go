@@ -90,7 +90,7 @@ func openTar(src string, rep *reporter) (*tarFile, error) {
 	block, err := head.Peek(512)
 	if err != nil || !bytes.Equal(block[257:262], []byte("ustar")) {
 		t.Close()
-		return nil, fmt.Errorf("%s is not a tar archive (plain, gzip or zstd compressed)", src)
+		return nil, errors.New("not a tar archive (plain, gzip or zstd compressed)")
 	}
 	t.r = head
 	return t, nil
@@ -148,7 +148,7 @@ func tarLayout(src string) (layout, compression string, err error) {
 	case ociLayout:
 		return layoutOCIArchive, t.compression, nil
 	}
-	return "", "", fmt.Errorf("%s looks like an image archive but has neither manifest.json (docker save) nor oci-layout (OCI image layout)", src)
+	return "", "", errors.New("looks like an image archive but has neither manifest.json (docker save) nor oci-layout (OCI image layout)")
 }
 
 // decompressTar writes the uncompressed tar stream of src to dst.
@@ -191,7 +191,8 @@ func checkTree(ctx context.Context, dir string, whiteouts bool, rep *reporter) (
 			if whiteouts && isWhiteout(p) {
 				return nil
 			}
-			return fmt.Errorf("%s is a %s: device nodes, fifos and sockets are not allowed in a layer", p, typeName(t))
+			rel, _ := filepath.Rel(dir, p)
+			return fmt.Errorf("%s is a %s: device nodes, fifos and sockets are not allowed in a layer", rel, typeName(t))
 		}
 		if d.Type().IsRegular() {
 			fi, err := d.Info()
@@ -321,7 +322,7 @@ func (x *extractor) extract(hdr *tar.Header, r io.Reader) error {
 	case tar.TypeXGlobalHeader:
 		return nil
 	case tar.TypeChar, tar.TypeBlock, tar.TypeFifo:
-		return fmt.Errorf("%s: device nodes and fifos are not allowed in a layer", typeName(hdr.FileInfo().Mode()))
+		return fmt.Errorf("%s is a %s: device nodes and fifos are not allowed in a layer", path.Clean(hdr.Name), typeName(hdr.FileInfo().Mode()))
 	case tar.TypeReg, tar.TypeCont, tar.TypeGNUSparse: // the reader turns TypeRegA into TypeReg
 		typ = tar.TypeReg
 	case tar.TypeDir, tar.TypeSymlink, tar.TypeLink:

@@ -398,7 +398,7 @@ func TestBuild(t *testing.T) {
 		source: func(t *testing.T) string {
 			return writeTree(t, filepath.Join(src, "zip"), map[string]string{"a.zip": "x"}) + "/a.zip"
 		},
-		wantErr: "is not a tar archive (plain, gzip or zstd compressed)",
+		wantErr: "not a tar archive (plain, gzip or zstd compressed)",
 	}, {
 		name:    "bad name",
 		opts:    BuildOptions{Name: "Python"},

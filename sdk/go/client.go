@@ -76,6 +76,9 @@ func New(o Options) (*Client, error) {
 			MaxIdleConns:        1024,
 			MaxIdleConnsPerHost: 1024,
 			IdleConnTimeout:     90 * time.Second,
+			// Uploads ask first (Expect: 100-continue): a refusal does
+			// not cost sending the body.
+			ExpectContinueTimeout: 5 * time.Second,
 		}
 		o.HTTPClient = &http.Client{Transport: tr}
 	}
@@ -218,8 +221,9 @@ func httpError(res *http.Response) error {
 	return connect.NewError(code, errors.New(body.Message))
 }
 
-// BuildLayer builds a layer from a path on the server; progress (may be nil)
-// receives progress lines.
+// BuildLayer builds a layer from a path on the server (inside one of its
+// --build-root directories); progress (may be nil) receives progress lines.
+// BuildLayerFrom uploads a local path instead.
 func (c *Client) BuildLayer(ctx context.Context, req *pb.BuildLayerRequest, progress func(string)) (*pb.Layer, error) {
 	stream, err := c.Layers.BuildLayer(ctx, connect.NewRequest(req))
 	if err != nil {

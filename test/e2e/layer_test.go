@@ -288,7 +288,11 @@ func TestLayerTagsInUseAndGC(t *testing.T) {
 // sandboxes on them.
 func TestLayerSources(t *testing.T) {
 	need(t)
-	dir := t.TempDir()
+	dir, err := os.MkdirTemp(buildRoot, "sources") // also read in place (--server-path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
 	img, err := mutate.AppendLayers(empty.Image,
 		ociLayer(t, tarEnt{name: "opt/", typ: tar.TypeDir}, tarEnt{name: "opt/app/", typ: tar.TypeDir},
 			tarEnt{name: "opt/app/old.py", body: "old"}, tarEnt{name: "opt/app/lib/", typ: tar.TypeDir}, tarEnt{name: "opt/app/lib/x", body: "x"},
@@ -324,15 +328,20 @@ func TestLayerSources(t *testing.T) {
 	zw.Close()
 	zf.Close()
 
-	for _, tt := range []struct{ name, src string }{
-		{"tar.zst", filepath.Join(dir, "rootfs.tar.zst")},
-		{"oci-layout", filepath.Join(dir, "oci")},
-		{"docker-archive", filepath.Join(dir, "docker.tar")},
+	for _, tt := range []struct {
+		name, src, source string
+		extra             []string
+	}{
+		{"tar.zst", filepath.Join(dir, "rootfs.tar.zst"), "tar.zst upload", nil},
+		{"oci-layout", filepath.Join(dir, "oci"), "oci-archive upload", nil}, // the CLI sends the directory as a tar
+		{"oci-layout-in-place", filepath.Join(dir, "oci"), "oci-layout " + filepath.Join(dir, "oci"), []string{"--server-path"}},
+		{"docker-archive", filepath.Join(dir, "docker.tar"), "docker-archive upload", nil},
+		{"docker-archive-in-place", filepath.Join(dir, "docker.tar"), "docker-archive " + filepath.Join(dir, "docker.tar"), []string{"--server-path"}},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			ref := "src-" + strings.ReplaceAll(tt.name, ".", "-") + ":1"
-			buildLayer(t, "toolkit", ref, tt.src, "--compression", "lz4")
-			if l := inspectLayer(t, ref); !strings.HasPrefix(l.Source, tt.name) || l.Compression != "lz4" {
+			buildLayer(t, "toolkit", ref, tt.src, append([]string{"--compression", "lz4"}, tt.extra...)...)
+			if l := inspectLayer(t, ref); !strings.HasPrefix(l.Source, tt.source) || l.Compression != "lz4" {
 				t.Errorf("source %q compression %q", l.Source, l.Compression)
 			}
 			id := createWith(t, "--base", baseRef, "--toolkit", ref)

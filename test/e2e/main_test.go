@@ -25,6 +25,7 @@ var (
 	skipReason string
 	binDir     string // shoal, shoal-agent
 	dataDir    string
+	buildRoot  string // serve --build-root: server-path builds read below it
 	apiURL     string
 	apiKey     string
 	serveCmd   *exec.Cmd
@@ -89,6 +90,9 @@ func setup() error {
 	if dataDir, err = os.MkdirTemp("/tmp", "se"); err != nil {
 		return err
 	}
+	if buildRoot, err = os.MkdirTemp("", "shoal-e2e-build"); err != nil {
+		return err
+	}
 	if err := startServe(); err != nil {
 		return err
 	}
@@ -121,7 +125,7 @@ func startServe() error {
 		return err
 	}
 	serveCmd = exec.Command(filepath.Join(binDir, "shoal"), "serve", "--data", dataDir, "--listen", addr, "--debug", "--e2b-listen=",
-		"--egress-subnet", egressSubnet)
+		"--egress-subnet", egressSubnet, "--build-root", buildRoot)
 	serveCmd.Stdout, serveCmd.Stderr = log, log
 	serveCmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
 	if err := serveCmd.Start(); err != nil {
@@ -179,6 +183,9 @@ func teardown() {
 	}
 	if binDir != "" {
 		os.RemoveAll(binDir)
+	}
+	if buildRoot != "" {
+		os.RemoveAll(buildRoot)
 	}
 }
 

@@ -112,6 +112,21 @@ def decode_message(flags: int, payload: bytes, *, sandbox_call: bool = False, tr
     return msg
 
 
+def decode_ndjson(line: Union[str, bytes]) -> Dict[str, Any]:
+    """One line of an NDJSON reply (the upload build): a message, or the
+    server's error ({"error": {"code", "message"}}, raised)."""
+    try:
+        msg = json.loads(line)
+    except ValueError as e:
+        raise ShoalError(f"bad JSON in a reply line: {e}", code="internal") from None
+    if not isinstance(msg, dict):
+        raise ShoalError(f"bad reply line: {line!r}", code="internal")
+    err = msg.get("error")
+    if err:
+        raise error_for(err.get("code", "unknown"), err.get("message", ""))
+    return msg
+
+
 # --- errors of unary calls and plain HTTP endpoints ---
 
 # What Connect clients assume when an HTTP error carries no Connect error body.

@@ -4,7 +4,7 @@ layers), on the server's node.
 
     from shoal import layers, Sandbox
 
-    ws = layers.build("workspace", "repo:1", "/srv/repo-tree", on_progress=print)
+    ws = layers.build("workspace", "repo:1", "./repo-tree", on_progress=print)   # uploaded
     layers.list()                               # tagged layers; all=True adds untagged images
     layers.get("repo:1").used_by_sandboxes      # who uses it (also .tags, .mounts)
 
@@ -19,9 +19,13 @@ layers), on the server's node.
     layers.import_("repo.shoal-layer.tar", tag="repo:copy")
 
 A reference is ``name:version`` (a tag, which can move), ``name@sha256:...``
-or ``sha256:...`` (one image, which never changes). ``build`` reads its
-source from the *server's* file system: a directory, a tarball (``.tar``,
-``.tar.gz``, ``.tar.zst``), an OCI image layout or a docker-archive.
+or ``sha256:...`` (one image, which never changes). ``build`` uploads its
+source from this machine: a directory (as a tar made on the fly, owners,
+modes, links and xattrs kept), or a file sent as it is: a tarball
+(``.tar``, ``.tar.gz``, ``.tar.zst``), an OCI image layout as a tar or a
+docker-archive. ``server_path=True`` names a path on the server instead,
+allowed only inside the directories the server was given with
+``--build-root``.
 Environments (named stacks of layers, ``Sandbox.create(template=...)``) are
 in :mod:`shoal.environments`.
 
@@ -35,7 +39,10 @@ from __future__ import annotations
 import asyncio
 import inspect as _inspect
 import os
-from typing import IO, Any, AsyncIterator, Awaitable, Callable, Dict, Iterable, Iterator, List, Optional, Union
+import tarfile
+import threading
+import time
+from typing import IO, Any, AsyncIterator, Awaitable, Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 from ._protocol import FILE_CHUNK
 from .exceptions import InvalidArgument, ServerError
@@ -75,6 +82,7 @@ ImportSource = Union[PathArg, bytes, bytearray, memoryview, IO[bytes], Iterable[
 
 EXPORT_PATH = "/v1/layers/export"
 IMPORT_PATH = "/v1/layers/import"
+BUILD_PATH = "/v1/layers/build"
 
 
 # --- requests, shared by the sync and asyncio forms ---
@@ -105,6 +113,152 @@ def _build_body(kind: str, ref: str, source: PathArg, compression: Optional[str]
     if image:
         body["image"] = image
     return body
+
+
+def _upload_params(kind: str, ref: str, compression: Optional[str], image: Optional[str], desc: str) -> Dict[str, str]:
+    params = {"kind": _kind(kind)[len("LAYER_KIND_") :].lower(), "ref": _ref(ref, "layer tag (name:version)")}
+    if compression:
+        params["compression"] = compression
+    if image:
+        params["image"] = image
+    if desc:
+        params["source"] = desc[:256]
+    return params
+
+
+def _write_tar(f: IO[bytes], root: str) -> None:
+    """Write the tree under ``root`` to ``f`` as a PAX tar, as the Go SDK's
+    WriteTar does: the root as ``./``, then every entry in lexical order,
+    with mode (set-id bits too), numeric owner, mtime and xattrs
+    (SCHILY.xattr records); symlinks not followed, files linked twice as
+    hard links, device nodes and fifos as such (the server refuses them).
+    One file at a time; nothing of the tree is held in memory."""
+    with tarfile.open(fileobj=f, mode="w|", format=tarfile.PAX_FORMAT) as tf:
+        stack = [(root, ".")]
+        while stack:
+            path, name = stack.pop()
+            ti = tf.gettarinfo(path, arcname=name)
+            if ti is None:
+                raise InvalidArgument(f"{path} is a socket: a tar cannot hold it")
+            if not ti.issym() and not ti.islnk():
+                _add_xattrs(ti, path)
+            if ti.isreg():
+                with open(path, "rb") as src:
+                    tf.addfile(ti, src)
+            else:
+                tf.addfile(ti)
+            if ti.isdir():
+                for n in sorted(os.listdir(path), reverse=True):  # popped in lexical order
+                    stack.append((os.path.join(path, n), n if name == "." else name + "/" + n))
+
+
+def _add_xattrs(ti: tarfile.TarInfo, path: str) -> None:
+    try:
+        names = os.listxattr(path, follow_symlinks=False)
+    except OSError:
+        return  # a file system without xattrs
+    for attr in names:
+        try:
+            v = os.getxattr(path, attr, follow_symlinks=False)
+        except OSError:
+            continue
+        ti.pax_headers["SCHILY.xattr." + attr] = v.decode("utf-8", "surrogateescape")
+        try:
+            v.decode("utf-8")
+        except UnicodeDecodeError:
+            ti.pax_headers["hdrcharset"] = "BINARY"  # written back byte for byte
+
+
+class _TarPipe:
+    """A tar of a directory, written by a thread into a pipe and read here
+    in chunks: the request body streams while the tree is read."""
+
+    def __init__(self, root: str) -> None:
+        self.r, w = os.pipe()
+        self.error: Optional[BaseException] = None
+
+        def writer() -> None:
+            try:
+                with os.fdopen(w, "wb") as f:
+                    _write_tar(f, root)
+            except BrokenPipeError:
+                pass  # the reader stopped (the request ended first)
+            except BaseException as e:  # noqa: BLE001 - handed to the reader
+                self.error = e
+
+        self.thread = threading.Thread(target=writer, name="shoal-tar", daemon=True)
+        self.thread.start()
+
+    def read(self) -> bytes:
+        return os.read(self.r, FILE_CHUNK)
+
+    def close(self) -> None:
+        if self.r >= 0:
+            os.close(self.r)  # a writer still going gets EPIPE
+            self.r = -1
+        self.thread.join()
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+class _Uploaded:
+    """Counts the bytes sent and reports them as the "upload" stage."""
+
+    def __init__(self, on_progress: Optional[Callable[[BuildProgress], Any]], total: int) -> None:
+        self.cb, self.total, self.n, self.last = on_progress, total, 0, 0.0
+
+    def add(self, n: int, end: bool = False) -> Optional[BuildProgress]:
+        self.n += n
+        now = time.monotonic()
+        if self.cb is None or (now - self.last < 0.1 and not end):
+            return None
+        self.last = now
+        return BuildProgress(stage="upload", done=self.n, total=self.total, unit="bytes")
+
+
+def _upload_source(source: Any) -> Tuple[str, Optional[str], int]:
+    """(description, local path or None, size or 0) of a build source."""
+    if _is_path(source):
+        path = os.path.abspath(os.fspath(source))
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"build source {path} does not exist (give server_path=True for a path on the server)")
+        if os.path.isdir(path):
+            return path, path, 0
+        return path, None, os.path.getsize(path)
+    return "", None, 0
+
+
+def _sync_upload(source: Any, on_progress: Optional[ProgressCallback]) -> Iterator[bytes]:
+    desc, tree, size = _upload_source(source)
+    up = _Uploaded(on_progress, size)
+    if on_progress is not None:
+        on_progress(BuildProgress(message="uploading " + (desc or "the source")))
+    if tree is not None:
+        pipe = _TarPipe(tree)
+        try:
+            while True:
+                b = pipe.read()
+                if not b:
+                    break
+                p = up.add(len(b))
+                if p is not None and on_progress is not None:
+                    on_progress(p)
+                yield b
+        finally:
+            pipe.close()
+        pipe.check()
+    else:
+        c = _sync_content(source)()
+        for b in [c] if isinstance(c, bytes) else c:
+            p = up.add(len(b))
+            if p is not None and on_progress is not None:
+                on_progress(p)
+            yield b
+    p = up.add(0, end=True)
+    if p is not None and on_progress is not None:
+        on_progress(p)
 
 
 def _commit_body(sandbox: Any, kind: str, ref: str, compression: Optional[str]) -> Dict[str, Any]:
@@ -205,31 +359,47 @@ def _receive(stream: Iterator[Dict[str, Any]], on_progress: Optional[ProgressCal
 def build(
     kind: str,
     ref: str,
-    source: PathArg,
+    source: Union[PathArg, ImportSource],
     *,
     compression: Optional[str] = None,
     image: Optional[str] = None,
     on_progress: Optional[ProgressCallback] = None,
+    server_path: bool = False,
     api_key: Optional[str] = None,
     url: Optional[str] = None,
     request_timeout: Optional[float] = None,
 ) -> Layer:
-    """Build a layer from a path on the server and tag it ``ref``.
+    """Build a layer and tag it ``ref``, uploading its source.
 
     :param kind: ``"base"``, ``"workspace"`` or ``"toolkit"``.
     :param ref: the tag, ``name:version``; an existing tag moves to the new image.
-    :param source: an absolute path on the server's machine: a directory, a
-        ``.tar``/``.tar.gz``/``.tar.zst`` of a tree, an OCI image layout
-        (directory or tar) or a ``docker save`` archive.
+    :param source: a path on this machine: a directory (sent as a tar made
+        on the fly, streamed: owners, modes, symlinks, hard links and xattrs
+        kept, so the layer is the one a build of that directory on the
+        server gives), or a file sent as it is: a ``.tar``/``.tar.gz``/
+        ``.tar.zst`` of a tree, an OCI image layout as a tar, or a ``docker
+        save`` archive. Bytes, a binary file object or an iterable of bytes
+        are sent as such a file. With ``server_path=True``: an absolute path
+        on the server's machine (also an OCI layout directory), read in
+        place; the server allows only paths inside its ``--build-root``
+        directories (else :class:`PermissionDenied`).
     :param compression: ``"none"``, ``"lz4"`` or ``"lz4hc"`` (server default if unset).
     :param image: for an image source holding several images, which one.
     :param on_progress: called with each :class:`BuildProgress`: a line per
-        stage, and status updates (``done``/``total``) for a progress bar.
+        stage, and status updates (``done``/``total``) for a progress bar;
+        an upload starts with an ``"upload"`` stage.
     :returns: the :class:`Layer`, whose ``digest`` names exactly this image.
     """
-    body = _build_body(kind, ref, source, compression, image)
     t = _t(api_key, url)
-    return _receive(t.stream("LayerService", "BuildLayer", body, idempotent=True, request_timeout=_long(request_timeout, t)), on_progress, "BuildLayer")
+    if server_path:
+        body = _build_body(kind, ref, source, compression, image)  # type: ignore[arg-type]
+        return _receive(t.stream("LayerService", "BuildLayer", body, idempotent=True, request_timeout=_long(request_timeout, t)), on_progress, "BuildLayer")
+    params = _upload_params(kind, ref, compression, image, "")
+    desc = _upload_source(source)[0]
+    if desc:
+        params["source"] = desc[:256]
+    content = _sync_upload(source, on_progress)
+    return _receive(t.post_ndjson(BUILD_PATH, params, content, what="layer build", content_type="application/x-tar", request_timeout=_long(request_timeout, t)), on_progress, "layer build")
 
 
 def commit(
@@ -393,19 +563,63 @@ async def _areceive(stream: AsyncIterator[Dict[str, Any]], on_progress: Optional
 async def abuild(
     kind: str,
     ref: str,
-    source: PathArg,
+    source: Union[PathArg, ImportSource],
     *,
     compression: Optional[str] = None,
     image: Optional[str] = None,
     on_progress: Optional[ProgressCallback] = None,
+    server_path: bool = False,
     api_key: Optional[str] = None,
     url: Optional[str] = None,
     request_timeout: Optional[float] = None,
 ) -> Layer:
-    """:func:`build` for asyncio."""
-    body = _build_body(kind, ref, source, compression, image)
+    """:func:`build` for asyncio (the tree is read in a thread)."""
     t = _at(api_key, url)
-    return await _areceive(t.stream("LayerService", "BuildLayer", body, idempotent=True, request_timeout=_long(request_timeout, t)), on_progress, "BuildLayer")
+    if server_path:
+        body = _build_body(kind, ref, source, compression, image)  # type: ignore[arg-type]
+        return await _areceive(t.stream("LayerService", "BuildLayer", body, idempotent=True, request_timeout=_long(request_timeout, t)), on_progress, "BuildLayer")
+    params = _upload_params(kind, ref, compression, image, "")
+    desc = (await asyncio.to_thread(_upload_source, source))[0]
+    if desc:
+        params["source"] = desc[:256]
+    content = _async_upload(source, on_progress)
+    return await _areceive(
+        t.post_ndjson(BUILD_PATH, params, content, what="layer build", content_type="application/x-tar", request_timeout=_long(request_timeout, t)), on_progress, "layer build"
+    )
+
+
+async def _async_upload(source: Any, on_progress: Optional[Callable[[BuildProgress], Any]]) -> AsyncIterator[bytes]:
+    desc, tree, size = await asyncio.to_thread(_upload_source, source)
+    up = _Uploaded(on_progress, size)
+    await _call_back(on_progress, BuildProgress(message="uploading " + (desc or "the source")))
+    if tree is not None:
+        pipe = _TarPipe(tree)
+        try:
+            while True:
+                b = await asyncio.to_thread(pipe.read)
+                if not b:
+                    break
+                p = up.add(len(b))
+                if p is not None:
+                    await _call_back(on_progress, p)
+                yield b
+        finally:
+            await asyncio.to_thread(pipe.close)
+        pipe.check()
+    else:
+        c = _async_content(source)()
+        if isinstance(c, bytes):
+            up.add(len(c))
+            yield c
+        else:
+            async for b in c:
+                p = up.add(len(b))
+                if p is not None:
+                    await _call_back(on_progress, p)
+                yield b
+    p = up.add(0, end=True)
+    if p is not None:
+        await _call_back(on_progress, p)
 
 
 async def acommit(

@@ -41,6 +41,7 @@ class Server:
     bin_dir: str
     base: str
     log: str
+    build_root: str = ""  # serve --build-root: layers.build(..., server_path=True) reads below it
 
     def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         env = dict(os.environ, SHOAL_URL=self.url, SHOAL_API_KEY=self.api_key)
@@ -133,6 +134,7 @@ def server(request: pytest.FixtureRequest) -> Iterator[Server]:
         bin_dir = built = tempfile.mkdtemp(prefix="spbin")
         _build(bin_dir)
     data = tempfile.mkdtemp(prefix="sp", dir="/tmp")  # short: unix socket paths live under it
+    build_root = tempfile.mkdtemp(prefix="spbuild")
     port = _free_port()
     log_path = os.path.join(data, "serve.log")
     log = open(log_path, "ab")
@@ -142,7 +144,7 @@ def server(request: pytest.FixtureRequest) -> Iterator[Server]:
         f.write('{"languages": [{"name": "sh", "base": "%s", "source": "main.sh", "run": ["sh", "main.sh", "{args}"]}]}' % BASE)
     proc = subprocess.Popen(
         [os.path.join(bin_dir, "shoal"), "serve", "--data", data, "--listen", f"127.0.0.1:{port}",
-         "--egress-subnet", "10.%d.0.0/16" % (248 + os.getpid() % 6)],
+         "--egress-subnet", "10.%d.0.0/16" % (248 + os.getpid() % 6), "--build-root", build_root],
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
@@ -165,7 +167,7 @@ def server(request: pytest.FixtureRequest) -> Iterator[Server]:
         else:
             raise RuntimeError(f"shoal serve did not become healthy:\n{open(log_path).read()}")
         key = open(os.path.join(data, "admin.key")).read().strip()
-        srv = Server(url=url, api_key=key, data_dir=data, bin_dir=bin_dir, base=BASE, log=log_path)
+        srv = Server(url=url, api_key=key, data_dir=data, bin_dir=bin_dir, base=BASE, log=log_path, build_root=build_root)
         rootfs = _busybox_rootfs()
         try:
             srv.cli("layer", "build", "--kind", "base", BASE, rootfs)
@@ -200,6 +202,7 @@ def server(request: pytest.FixtureRequest) -> Iterator[Server]:
         else:
             _unmount_under(data)
             shutil.rmtree(data, ignore_errors=True)
+        shutil.rmtree(build_root, ignore_errors=True)
         if built:
             shutil.rmtree(built, ignore_errors=True)
 

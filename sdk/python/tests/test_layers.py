@@ -21,7 +21,7 @@ WORKSPACE_FILE = "/work/sdk/hello.txt"
 
 
 def tree(files: Dict[str, str]) -> str:
-    """A directory on this machine, which is the server's (it reads the source)."""
+    """A directory on this machine (uploaded by layers.build)."""
     root = tempfile.mkdtemp(prefix="sdklayer")
     for p, content in files.items():
         path = os.path.join(root, p)
@@ -65,6 +65,8 @@ def test_build_list_inspect(server, src) -> None:
     with pytest.raises(shoal.LayerNotFound):
         layers.get("sdk-nope:1")
     with pytest.raises(shoal.InvalidArgument, match="absolute"):
+        layers.build("workspace", "sdk-ws:2", "relative/dir", server_path=True)
+    with pytest.raises(FileNotFoundError):
         layers.build("workspace", "sdk-ws:2", "relative/dir")
     with pytest.raises(shoal.InvalidArgument):
         layers.build("workspace", "no-version", src)
@@ -241,3 +243,87 @@ def test_asyncio(server, src) -> None:
         assert isinstance(await layers.agc(dry_run=True), shoal.GCResult)
 
     asyncio.run(main())
+
+
+def _rich_tree(root: str) -> bool:
+    """A tree with what an upload must carry; returns whether user.* xattrs were set."""
+    os.makedirs(os.path.join(root, "bin"))
+    os.makedirs(os.path.join(root, "etc"))
+    os.makedirs(os.path.join(root, "empty"))
+    with open(os.path.join(root, "bin", "tool"), "w") as f:
+        f.write("#!/bin/sh\necho tool\n")
+    with open(os.path.join(root, "etc", "conf"), "w") as f:
+        f.write("a=1\n")
+    os.chmod(os.path.join(root, "bin", "tool"), 0o4755)
+    os.chmod(os.path.join(root, "empty"), 0o1733)
+    os.link(os.path.join(root, "bin", "tool"), os.path.join(root, "bin", "tool-hardlink"))
+    os.symlink("/etc/passwd", os.path.join(root, "etc", "passwd-link"))
+    os.symlink("../bin/tool", os.path.join(root, "etc", "tool-link"))
+    if os.geteuid() == 0:
+        os.lchown(os.path.join(root, "etc", "conf"), 1234, 5678)
+        os.lchown(os.path.join(root, "etc", "tool-link"), 99, 98)
+    try:
+        os.setxattr(os.path.join(root, "etc", "conf"), "user.shoal", b"v\x00\xff")
+    except OSError:
+        return False
+    return True
+
+
+def test_upload_same_as_server_path(server) -> None:
+    """A directory uploaded by the SDK gives the image the server builds from
+    the same directory read in place (inside its --build-root); a server
+    path outside the build roots is refused, and a sandbox sees the upload."""
+    root = tempfile.mkdtemp(prefix="tree", dir=server.build_root)
+    try:
+        xattrs = _rich_tree(root)
+        events: List[shoal.BuildProgress] = []
+        up = layers.build("toolkit", "sdk-up:1", root, on_progress=events.append)
+        assert "upload" in up.source and root in up.source
+        assert events[0].message == "uploading " + root and any(e.stage == "upload" for e in events)
+        there = layers.build("toolkit", "sdk-up:server", root, server_path=True)
+        assert there.digest == up.digest, (up.source, there.source)
+        assert asyncio.run(layers.abuild("toolkit", "sdk-up:async", root)).digest == up.digest
+
+        with shoal.Sandbox.create(base=server.base, toolkits=["sdk-up:1"]) as sb:
+            r = sb.commands.run("stat -c '%a %u:%g %h' /bin/tool /etc/conf /empty && readlink /etc/passwd-link && /etc/tool-link")
+            lines = r.stdout.splitlines()
+            owner = "1234:5678" if os.geteuid() == 0 else f"{os.geteuid()}:{os.getegid()}"
+            assert lines[0].startswith("4755 ") and lines[0].endswith(" 2"), lines
+            assert lines[1].split()[1] == owner and lines[2].startswith("1733 "), lines
+            assert lines[3:] == ["/etc/passwd", "tool"], lines
+        if not xattrs:
+            print("no user.* xattrs on this file system: checked without them")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    for path in ("/etc", os.path.join(server.data_dir, "admin.key")):
+        with pytest.raises(shoal.PermissionDenied, match="--build-root"):
+            layers.build("toolkit", "sdk-up:etc", path, server_path=True)
+    link = os.path.join(server.build_root, "etc-link")
+    os.symlink("/etc", link)
+    try:
+        with pytest.raises(shoal.PermissionDenied, match="not inside a build root"):
+            layers.build("toolkit", "sdk-up:etc", link, server_path=True)
+    finally:
+        os.unlink(link)
+
+
+def test_upload_file_and_bytes(server) -> None:
+    """A tarball is sent as it is, from a path, bytes or a file object."""
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tf:
+        data = b"from a tarball\n"
+        ti = tarfile.TarInfo("work/tarball.txt")
+        ti.size = len(data)
+        tf.addfile(ti, io.BytesIO(data))
+    a = layers.build("workspace", "sdk-tgz:1", buf.getvalue())
+    assert a.source.startswith("tar.gz upload")
+    b = asyncio.run(layers.abuild("workspace", "sdk-tgz:2", io.BytesIO(buf.getvalue())))
+    assert a.digest == b.digest
+    with tempfile.NamedTemporaryFile(suffix=".tgz") as f:
+        f.write(buf.getvalue())
+        f.flush()
+        assert layers.build("workspace", "sdk-tgz:3", f.name).digest == a.digest
+    with pytest.raises(shoal.InvalidArgument, match="not a tar archive"):
+        layers.build("workspace", "sdk-tgz:4", b"junk" * 100)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import io
+import os
 import json
 import struct
 from typing import Any, List
@@ -461,6 +463,13 @@ def test_layer_requests(monkeypatch: pytest.MonkeyPatch) -> None:
             body = env(0, {"progress": "copying"}) + env(0, {"status": {"stage": "copy", "done": "1", "total": "2", "unit": "files"}})
             body += env(0, {"layer": {"name": "w", "version": "1", "kind": "LAYER_KIND_WORKSPACE", "digest": "sha256:ab"}}) + env(2, {})
             return httpx.Response(200, stream=httpx.ByteStream(body), headers={"Content-Type": "application/connect+json"})
+        if req.url.path == "/v1/layers/build":
+            body = json.dumps({"progress": "extracting"}) + "\n" + json.dumps({"status": {"stage": "extract", "done": "1", "total": "4", "unit": "bytes"}}) + "\n"
+            if req.url.params["ref"] == "bad:1":
+                body += json.dumps({"error": {"code": "invalid_argument", "message": "not a tar archive"}}) + "\n"
+            else:
+                body += json.dumps({"layer": {"name": "u", "version": "1", "kind": "LAYER_KIND_TOOLKIT", "digest": "sha256:cd"}}) + "\n"
+            return httpx.Response(200, stream=httpx.ByteStream(body.encode()), headers={"Content-Type": "application/x-ndjson"})
         if req.url.path == "/v1/layers/export":
             return httpx.Response(200, stream=httpx.ByteStream(b"TAR" * 1000))
         if req.url.path == "/v1/layers/import":
@@ -471,13 +480,29 @@ def test_layer_requests(monkeypatch: pytest.MonkeyPatch) -> None:
     t = mock_transport(handler)
     monkeypatch.setattr("shoal._sync.transport.transport_for", lambda **kw: t)
     events: List[shoal.BuildProgress] = []
-    l = shoal.layers.build("workspace", "w:1", "/src", compression="lz4", on_progress=events.append)
+    l = shoal.layers.build("workspace", "w:1", "/src", compression="lz4", on_progress=events.append, server_path=True)
     assert l.pinned == "w@sha256:ab" and [e.message for e in events] == ["copying", ""] and events[1].fraction == 0.5
     assert json.loads(seen[-1].content[5:]) == {"kind": "LAYER_KIND_WORKSPACE", "ref": "w:1", "source": "/src", "compression": "lz4"}
+    # Uploads: a directory goes as a tar (read back here), the reply is NDJSON.
+    import tarfile
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        os.makedirs(os.path.join(d, "sub"))
+        with open(os.path.join(d, "sub", "f"), "w") as f:
+            f.write("hello")
+        os.symlink("/etc/passwd", os.path.join(d, "ln"))
+        events.clear()
+        u = shoal.layers.build("toolkit", "u:1", d, on_progress=events.append)
+        assert u.pinned == "u@sha256:cd" and events[0].message == "uploading " + d and "extracting" in [e.message for e in events]
+        assert dict(seen[-1].url.params) == {"kind": "toolkit", "ref": "u:1", "source": d}
+        tf = tarfile.open(fileobj=io.BytesIO(seen[-1].read()))
+        got = {m.name: (m.type, m.linkname) for m in tf.getmembers()}
+        assert got == {".": (tarfile.DIRTYPE, ""), "ln": (tarfile.SYMTYPE, "/etc/passwd"), "sub": (tarfile.DIRTYPE, ""), "sub/f": (tarfile.REGTYPE, "")}, got
+        with pytest.raises(shoal.InvalidArgument, match="not a tar archive"):
+            shoal.layers.build("toolkit", "bad:1", b"junk")
     shoal.layers.gc(dry_run=True)
     assert json.loads(seen[-1].content) == {"dryRun": True}
-    import io
-
     buf = io.BytesIO()
     assert shoal.layers.export("w:1", buf) == 3000 and seen[-1].url.params["ref"] == "w:1"
     assert shoal.layers.import_(buf.getvalue(), tag="w:2").ref == "" and seen[-1].url.params["tag"] == "w:2"

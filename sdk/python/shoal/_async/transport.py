@@ -15,6 +15,7 @@ from .._protocol import (
     StreamEnd,
     backoff,
     decode_message,
+    decode_ndjson,
     metadata_reason,
     envelope,
     http_error,
@@ -229,6 +230,47 @@ class AsyncTransport:
             return r.json() if r.content else {}
 
         return await self._retrying(attempt, idempotent)
+
+    async def post_ndjson(
+        self,
+        url: str,
+        params: Dict[str, str],
+        content: AsyncIterator[bytes],
+        *,
+        what: str,
+        content_type: str = "application/octet-stream",
+        request_timeout: Optional[float] = None,
+    ) -> AsyncIterator[Dict[str, Any]]:
+        """:meth:`shoal._sync.transport.Transport.post_ndjson` for asyncio."""
+        try:
+            try:
+                resp = await self.client.send(
+                    self.client.build_request("POST", url, params=params, content=content, headers={"Content-Type": content_type}, timeout=self._timeout(request_timeout)),
+                    stream=True,
+                )
+            except httpx.WriteError as e:
+                # The server stopped reading the body: it answers a source
+                # over its --build-upload-max so, when the client sends on.
+                raise ConnectionLost(
+                    f"{what}: the server stopped reading the upload ({type(e).__name__}: {e}): it refuses sources larger than its --build-upload-max, or it went away"
+                ) from None
+            except httpx.TransportError as e:
+                raise transport_error(e, self.config.url) from None
+        finally:
+            aclose = getattr(content, "aclose", None)
+            if aclose is not None:
+                await aclose()
+        try:
+            if resp.status_code != 200:
+                await resp.aread()
+                raise http_error(resp.status_code, resp.content, what=what)
+            async for line in resp.aiter_lines():
+                if line.strip():
+                    yield decode_ndjson(line)
+        except httpx.TransportError as e:
+            raise ConnectionLost(f"{what} broke: {type(e).__name__}: {e}") from None
+        finally:
+            await resp.aclose()
 
     # --- file bytes ---
 

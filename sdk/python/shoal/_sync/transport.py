@@ -19,6 +19,7 @@ from .._protocol import (
     StreamEnd,
     backoff,
     decode_message,
+    decode_ndjson,
     metadata_reason,
     envelope,
     http_error,
@@ -335,6 +336,48 @@ class Transport:
             return r.json() if r.content else {}
 
         return self._retrying(attempt, idempotent)
+
+    def post_ndjson(
+        self,
+        url: str,
+        params: Mapping[str, str],
+        content: Iterator[bytes],
+        *,
+        what: str,
+        content_type: str = "application/octet-stream",
+        request_timeout: Optional[float] = None,
+    ) -> Iterator[Dict[str, Any]]:
+        """POST a streamed body (sent once: not retried) and yield the
+        messages of the NDJSON reply; an error line raises."""
+        try:
+            try:
+                resp = self.client.send(
+                    self.client.build_request("POST", url, params=params, content=content, headers={"Content-Type": content_type}, timeout=self._timeout(request_timeout)),
+                    stream=True,
+                )
+            except httpx.WriteError as e:
+                # The server stopped reading the body: it answers a source
+                # over its --build-upload-max so, when the client sends on.
+                raise ConnectionLost(
+                    f"{what}: the server stopped reading the upload ({type(e).__name__}: {e}): it refuses sources larger than its --build-upload-max, or it went away"
+                ) from None
+            except httpx.TransportError as e:
+                raise transport_error(e, self.config.url) from None
+        finally:
+            close = getattr(content, "close", None)  # the server may answer before the body is sent
+            if close is not None:
+                close()
+        try:
+            if resp.status_code != 200:
+                resp.read()
+                raise http_error(resp.status_code, resp.content, what=what)
+            for line in resp.iter_lines():
+                if line.strip():
+                    yield decode_ndjson(line)
+        except httpx.TransportError as e:
+            raise ConnectionLost(f"{what} broke: {type(e).__name__}: {e}") from None
+        finally:
+            resp.close()
 
     # --- file bytes ---
 
