@@ -45,8 +45,11 @@ type serveConfig struct {
 	// PoolMax: how far demand may grow the pool.
 	PoolMax     int
 	RuncSeccomp bool
-	Pprof       string
-	E2B         e2bConfig
+	// UserNS and UserNSBase: container.Config's.
+	UserNS     string
+	UserNSBase uint32
+	Pprof      string
+	E2B        e2bConfig
 }
 
 // e2bConfig configures the E2B-compatible endpoint (internal/e2b).
@@ -132,6 +135,8 @@ func serveCmd() *cobra.Command {
 	cmd.Flags().IntVar(&cfg.PoolSize, "pool-size", container.DefaultPoolSize, "pre-started blank containers kept ready for creates (0: none)")
 	cmd.Flags().IntVar(&cfg.PoolMax, "pool-max", container.DefaultPoolMax, fmt.Sprintf("how many ready containers demand may grow the pool to (each holds about %d MiB)", container.PoolMemberBytes>>20))
 	cmd.Flags().BoolVar(&cfg.RuncSeccomp, "runc-seccomp", false, "let runc compile docker's seccomp profile per container instead of once per node (slower; disables the pool)")
+	cmd.Flags().StringVar(&cfg.UserNS, "userns", container.UserNSAuto, "run each sandbox in a user namespace of its own mapped to an unprivileged host range: auto (when the kernel supports idmapped layers), on (fail to start otherwise) or off (sandbox root is host root)")
+	cmd.Flags().Uint32Var(&cfg.UserNSBase, "userns-base", container.DefaultUserNSBase, "first host uid/gid of the sandboxes' ranges (65536 ids each)")
 	cmd.Flags().StringVar(&cfg.Pprof, "pprof", "", "serve Go profiles (net/http/pprof) on this HOST:PORT, unauthenticated: keep it on localhost")
 	cmd.Flags().Int64Var(&cfg.LogCap, "command-log-cap", session.DefaultLogCap, "bytes of output kept per command (the rest is dropped and reported)")
 	cmd.Flags().IntVar(&cfg.KeepCommands, "command-retention", session.DefaultKeepEnded, "ended commands kept per sandbox (records and output logs; older ones are pruned), besides trajectory steps and shells, which are kept as long as the sandbox lives; -1: no limit")
@@ -178,6 +183,8 @@ func serve(cfg serveConfig) error {
 		PoolSize:    poolSize,
 		PoolMax:     cfg.PoolMax,
 		RuncSeccomp: cfg.RuncSeccomp,
+		UserNS:      cfg.UserNS,
+		UserNSBase:  cfg.UserNSBase,
 		Runtime:     cfg.Runtime,
 		StateDir:    filepath.Join(cfg.DataDir, "runc"),
 		Log:         log,
