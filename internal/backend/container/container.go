@@ -794,6 +794,8 @@ func (b *Backend) Delete(ctx context.Context, h sandbox.Handle) error {
 	var errs []error
 	if err := b.destroy(ctx, id); err != nil {
 		errs = append(errs, err)
+	} else if b.userns != nil {
+		b.userns.releaseRange(id, h.IDMap)
 	}
 	rootfs := h.Data["rootfs"]
 	if rootfs == "" && h.Data["dir"] != "" {

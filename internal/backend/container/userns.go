@@ -125,7 +125,12 @@ func (u *usernsSlots) load() error {
 		}
 		state, id, _ := strings.Cut(strings.TrimSpace(string(data)), "\n")
 		if state != u.stateDir || checkID(id) != nil {
-			continue // another node's
+			// Another node's, unless its state dir is gone (its data was
+			// removed): nobody can run or delete its containers any more.
+			if _, err := os.Stat(state); errors.Is(err, fs.ErrNotExist) && filepath.IsAbs(state) {
+				os.Remove(u.slotFile(slot))
+			}
+			continue
 		}
 		u.owned[id], u.used[slot] = slot, id
 	}
@@ -199,6 +204,25 @@ func (u *usernsSlots) release(runcID string) {
 	delete(u.owned, runcID)
 	delete(u.used, slot)
 	os.Remove(u.slotFile(slot))
+}
+
+// releaseRange frees the slot of range m if runcID holds it, also when
+// this process did not reserve it (a create by an earlier process, in the
+// same state dir, that the caller learnt of from a handle).
+func (u *usernsSlots) releaseRange(runcID string, m *sandbox.IDMap) {
+	u.release(runcID)
+	if m == nil || m.HostUID < u.base || (m.HostUID-u.base)%usernsSize != 0 {
+		return
+	}
+	slot := int((m.HostUID - u.base) / usernsSize)
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	if _, ok := u.used[slot]; ok {
+		return // another container's now
+	}
+	if data, err := os.ReadFile(u.slotFile(slot)); err == nil && string(data) == u.stateDir+"\n"+runcID+"\n" {
+		os.Remove(u.slotFile(slot))
+	}
 }
 
 // nsFD returns a user namespace of slot's mapping (owned by u: do not
