@@ -47,6 +47,9 @@ type serveConfig struct {
 	PoolMax     int
 	RuncSeccomp bool
 	Pprof       string
+	// UserNS and UserNSBase: container.Config's.
+	UserNS     string
+	UserNSBase uint32
 	// EgressSubnet: the sandboxes' links (container.Config.EgressSubnet).
 	EgressSubnet string
 	// Per-sandbox limits and the node's budgets (node.Config); the strings
@@ -236,6 +239,8 @@ func serveCmd() *cobra.Command {
 	cmd.Flags().Int64Var(&cfg.PidsLimit, "pids-limit", container.DefaultPids, "tasks (processes and threads) per sandbox")
 	cmd.Flags().StringVar(&cfg.PidsBudget, "pids-budget", "auto", "how many tasks all sandboxes together may run (pids.max of their parent cgroup; each sandbox also has --pids-limit); \"auto\": 3/4 of the smaller of kernel.pid_max and kernel.threads-max; a number; \"none\"")
 	cmd.Flags().Uint64Var(&cfg.Nofile, "sandbox-nofile", container.DefaultNofile, "RLIMIT_NOFILE (open files per process) in sandboxes")
+	cmd.Flags().StringVar(&cfg.UserNS, "userns", container.UserNSAuto, "run each sandbox in a user namespace of its own mapped to an unprivileged host range: auto (when the kernel supports idmapped layers), on (fail to start otherwise) or off (sandbox root is host root)")
+	cmd.Flags().Uint32Var(&cfg.UserNSBase, "userns-base", container.DefaultUserNSBase, "first host uid/gid of the sandboxes' ranges (65536 ids each)")
 	cmd.Flags().StringVar(&cfg.Pprof, "pprof", "", "serve Go profiles (net/http/pprof) on this HOST:PORT, unauthenticated: keep it on localhost")
 	cmd.Flags().Int64Var(&cfg.LogCap, "command-log-cap", session.DefaultLogCap, "bytes of output kept per command (the rest is dropped and reported)")
 	cmd.Flags().IntVar(&cfg.KeepCommands, "command-retention", session.DefaultKeepEnded, "ended commands kept per sandbox (records and output logs; older ones are pruned), besides trajectory steps and shells, which are kept as long as the sandbox lives; -1: no limit")
@@ -300,6 +305,8 @@ func serve(cfg serveConfig) error {
 		StateDir:     filepath.Join(cfg.DataDir, "runc"),
 		Log:          log,
 		EgressSubnet: cfg.EgressSubnet,
+		UserNS:       cfg.UserNS,
+		UserNSBase:   cfg.UserNSBase,
 	})
 	if err != nil {
 		return err

@@ -22,7 +22,9 @@
 // call at a time, and gives every run its own cgroups (memory, cpuacct,
 // pids) created by the host under the sandbox's cgroup, which the process
 // is born in (internal/agent/fncall.go). Every process of a call runs as an
-// unprivileged uid that owns nothing but the call's box; the box, /tmp,
+// unprivileged uid of its own (the sandbox's calls rotate through CallUIDs
+// uids, and the sandbox's user namespace maps them to a host range no
+// other sandbox has) that owns nothing but the call's box; the box, /tmp,
 // /var/tmp and /run/lock are tmpfs mounts of the sandbox (counted in the
 // writer's memory cgroup, so a call cannot fill a disk), and /dev/shm and
 // /dev/mqueue are emptied between calls. After each run every process of
@@ -118,14 +120,19 @@ type Config struct {
 	// SandboxMemory is the memory limit of each pool sandbox (its cgroup,
 	// above the runs'). Default: the largest run or compile memory + 512 MiB.
 	SandboxMemory int64
-	UID, GID      int    // the calls' uid and gid; default 10001
-	Box           string // the calls' working directory; default /box
+	// UID and GID are the first of the calls' uids and gids (default
+	// 10001): the k-th call of a sandbox runs as UID + k mod CallUIDs.
+	UID, GID int
+	Box      string // the calls' working directory; default /box
 	// CgroupParent is the container backend's cgroup parent (the pool
 	// sandboxes' cgroups are <hierarchy>/<CgroupParent>/<runc id>).
 	CgroupParent string    // default "shoal"
 	Isolation    Isolation // for calls that do not say; default IsolationCgroup
 	Log          *slog.Logger
 }
+
+// CallUIDs is how many uids the calls of one sandbox rotate through.
+const CallUIDs = 1000
 
 // Limits bound one run. Zero fields mean "the default".
 type Limits struct {
@@ -183,6 +190,10 @@ func (c *Config) Validate() error {
 	}
 	if c.UID < 0 || c.GID < 0 {
 		return errors.New("fncall: uid and gid must be positive")
+	}
+	if max(c.UID, c.GID)+CallUIDs > 65534 {
+		// A sandbox's user namespace maps ids 0..65535.
+		return fmt.Errorf("fncall: uid and gid + %d must stay below 65534", CallUIDs)
 	}
 	if c.Box == "" {
 		c.Box = "/box"

@@ -23,12 +23,22 @@ type sbx struct {
 	agent   *agent.Client
 	cg      map[string]string // controller → the sandbox's cgroup on the host
 	uses    int
+	uid     int             // the uid (and gid) of its current or last call; 0 before any
 	release func()          // the node's hold while in use
 	clean   bool            // reset since its last call: nothing to kill or wipe
 	next    chan *runCgroup // cap 1: a run cgroup made ahead during a call, never used
 	spent   []*runCgroup    // run cgroups of the current call, removed after it
 	making  sync.WaitGroup  // makeNextCgroup running in the background
 	e       *Engine
+}
+
+// callUID is the uid (and gid) of the sandbox's next call: each call of a
+// reused sandbox runs under a uid of its own (Config.UID + uses mod
+// CallUIDs), so what a call left behind is not its successor's, and the
+// sandbox's user namespace (its own host range) keeps them apart from
+// every other sandbox's.
+func (s *sbx) callUID() int {
+	return s.e.cfg.UID + s.uses%CallUIDs
 }
 
 // takeCgroup returns fresh cgroups for a run: the ones made ahead if
@@ -329,7 +339,7 @@ func (e *Engine) newSandbox(ctx context.Context, p *pool) (s *sbx, err error) {
 	if err != nil {
 		return nil, err
 	}
-	if err := mountTmpfs(pid, e.cfg.SandboxMemory, []tmpfsMount{
+	if err := mountTmpfs(pid, e.cfg.SandboxMemory, rec.Handle.IDMap, []tmpfsMount{
 		{path: e.cfg.Box, mode: 0o755, create: true},
 		{path: "/tmp", mode: 0o1777, create: true},
 		{path: "/var/tmp", mode: 0o1777},
@@ -386,7 +396,11 @@ var wipeDirs = []string{"/tmp", "/var/tmp", "/run/lock", "/dev/shm", "/dev/mqueu
 // reset empties a sandbox after (or before) a call; an error means it
 // must not be reused.
 func (e *Engine) reset(ctx context.Context, s *sbx) error {
-	res, err := s.agent.FnPrepare(ctx, agent.FnPrepareRequest{Box: e.cfg.Box, Wipe: wipeDirs, UID: e.cfg.UID, GID: e.cfg.GID})
+	uid := s.uid // what the last call ran as: its processes are killed
+	if uid == 0 {
+		uid = e.cfg.UID
+	}
+	res, err := s.agent.FnPrepare(ctx, agent.FnPrepareRequest{Box: e.cfg.Box, Wipe: wipeDirs, UID: uid, GID: uid - e.cfg.UID + e.cfg.GID})
 	if err != nil {
 		return err
 	}
@@ -439,3 +453,6 @@ func (e *Engine) deleteSandbox(id string) {
 		e.log.Warn("delete fncall sandbox", "sandbox_id", id, "err", err)
 	}
 }
+
+// gid is the gid of the sandbox's current call.
+func (s *sbx) gid() int { return s.uid - s.e.cfg.UID + s.e.cfg.GID }

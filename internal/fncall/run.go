@@ -295,7 +295,8 @@ func (e *Engine) Run(ctx context.Context, req *Request) (*Result, error) {
 func (e *Engine) judge(ctx context.Context, s *sbx, p *plan) (res *Result, healthy bool, err error) {
 	// A sandbox reset after its last call only needs its files (the
 	// agent still checks the box is empty).
-	prep, err := s.agent.FnPrepare(ctx, agent.FnPrepareRequest{Box: e.cfg.Box, Wipe: wipeDirs, UID: e.cfg.UID, GID: e.cfg.GID, Files: p.files, Quick: s.clean})
+	s.uid = s.callUID()
+	prep, err := s.agent.FnPrepare(ctx, agent.FnPrepareRequest{Box: e.cfg.Box, Wipe: wipeDirs, UID: s.uid, GID: s.gid(), Files: p.files, Quick: s.clean})
 	if err != nil {
 		return nil, false, fmt.Errorf("prepare sandbox %s: %w", s.id, err)
 	}
@@ -383,7 +384,7 @@ func (e *Engine) execute(ctx context.Context, s *sbx, name string, argv, env []s
 		in = []byte(stdin)
 	}
 	proc, err := s.agent.FnStart(ctx, agent.FnRunRequest{
-		Args: argv, Env: env, Cwd: e.cfg.Box, UID: e.cfg.UID, GID: e.cfg.GID, Stdin: in,
+		Args: argv, Env: env, Cwd: e.cfg.Box, UID: s.uid, GID: s.gid(), Stdin: in,
 		Timeout: lim.WallTime, OutputLimit: lim.Output, StackBytes: lim.Memory, CgroupFDs: cg.tasks,
 		PidsMaxFD: cg.pidsMax, Pids: lim.Processes,
 	})

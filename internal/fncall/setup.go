@@ -11,6 +11,8 @@ import (
 	"strings"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/shoal-sandbox/shoal/internal/sandbox"
 )
 
 // Setting up a pool sandbox: its cgroups on the host, its agent's pid, and
@@ -68,8 +70,10 @@ type tmpfsMount struct {
 // (unshare(CLONE_FS)), enters the sandbox's mount namespace and is thrown
 // away afterwards (never given back to the Go scheduler), so nothing else
 // of this process ever runs in the sandbox's namespace. Paths resolve in
-// the sandbox: setns makes its root the thread's root.
-func mountTmpfs(pid int, size int64, mounts []tmpfsMount) error {
+// the sandbox: setns makes its root the thread's root. owner, if not nil,
+// is the sandbox's user namespace range: the mounts are then its root's
+// (else they would belong to host root, whom the sandbox cannot act for).
+func mountTmpfs(pid int, size int64, owner *sandbox.IDMap, mounts []tmpfsMount) error {
 	errc := make(chan error, 1)
 	go func() {
 		runtime.LockOSThread() // never unlocked: the thread exits with this goroutine
@@ -104,6 +108,9 @@ func mountTmpfs(pid int, size int64, mounts []tmpfsMount) error {
 					return fmt.Errorf("mount point %s is not a directory", m.path)
 				}
 				opts := fmt.Sprintf("size=%d,nr_inodes=65536,mode=%o", size, m.mode)
+				if owner != nil {
+					opts += fmt.Sprintf(",uid=%d,gid=%d", owner.HostUID, owner.HostGID)
+				}
 				if err := unix.Mount("tmpfs", m.path, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, opts); err != nil {
 					return fmt.Errorf("mount tmpfs on %s: %w", m.path, err)
 				}

@@ -14,6 +14,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/shoal-sandbox/shoal/internal/errdefs"
+	"github.com/shoal-sandbox/shoal/internal/sandbox"
 )
 
 // CommitOptions says which overlay upper directory to turn into a layer.
@@ -45,6 +46,12 @@ type CommitOptions struct {
 	MaxEntries int64
 	MaxDepth   int
 	Progress   func(Progress)
+	// IDMap, if not nil, is the host range of the sandbox's user namespace:
+	// the upper holds host ids of that range, which the layer stores as the
+	// sandbox's own (host id HostUID+u as u), so that the layer means the
+	// same in any sandbox; an id outside the range is stored as what the
+	// sandbox saw it as, the overflow id 65534.
+	IDMap *sandbox.IDMap
 }
 
 // Default bounds of a commit (see CommitOptions).
@@ -230,7 +237,7 @@ func copyUpper(ctx context.Context, o CommitOptions, tree string, exclude map[st
 	}
 	defer unix.Close(dst)
 	c := &upperWalker{exclude: exclude, lim: lim, maxPath: maxPath, links: map[[2]uint64]string{},
-		copy: true, dstRoot: dst, rep: rep, total: scan.bytes}
+		copy: true, dstRoot: dst, rep: rep, total: scan.bytes, idmap: o.IDMap}
 	return c.walk(ctx, o.Upper, dst)
 }
 
@@ -244,6 +251,8 @@ type upperWalker struct {
 	// links maps the (dev, ino) of files with several links to the path of
 	// their first link, relative to the root (in the copy, for linkat).
 	links map[[2]uint64]string
+
+	idmap *sandbox.IDMap // see CommitOptions.IDMap
 
 	copy    bool // false: only count and check
 	dstRoot int  // the copy's root directory (copy)
@@ -534,7 +543,11 @@ func (w *upperWalker) metaAt(src xfd, dstDir int, name string, st *unix.Stat_t) 
 // mode st and src have, in that order: a chown clears set-id bits and file
 // capabilities, a mode change does not. A symlink's mode is not changed.
 func (w *upperWalker) meta(src, dst xfd, st *unix.Stat_t) error {
-	if err := unix.Fchownat(dst.fd, "", int(st.Uid), int(st.Gid), unix.AT_EMPTY_PATH|unix.AT_SYMLINK_NOFOLLOW); err != nil {
+	uid, gid := st.Uid, st.Gid
+	if w.idmap != nil {
+		uid, gid = w.idmap.FromHost(uid, gid)
+	}
+	if err := unix.Fchownat(dst.fd, "", int(uid), int(gid), unix.AT_EMPTY_PATH|unix.AT_SYMLINK_NOFOLLOW); err != nil {
 		return fmt.Errorf("chown: %w", err)
 	}
 	if err := copyXattrs(src, dst, st.Mode&unix.S_IFMT == unix.S_IFDIR); err != nil {

@@ -14,6 +14,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/shoal-sandbox/shoal/internal/errdefs"
+	"github.com/shoal-sandbox/shoal/internal/sandbox"
 )
 
 // sandboxRoot composes an overlay like a sandbox's (lowers top first, a
@@ -267,5 +268,42 @@ func getXattr(p, name string) ([]byte, error) {
 			return nil, err
 		}
 		return buf[:n], nil
+	}
+}
+
+// TestCommitIDMap: the upper of a sandbox in a user namespace holds host
+// ids of its range; the layer stores the sandbox's own ids, and an id
+// outside the range as the overflow id the sandbox saw.
+func TestCommitIDMap(t *testing.T) {
+	e := newEnv(t)
+	const base = 1 << 30
+	upper := t.TempDir()
+	for name, uid := range map[string]int{"root-file": base, "user-file": base + 1000, "host-file": 0} {
+		p := filepath.Join(upper, name)
+		must(t, os.WriteFile(p, []byte(name), 0o644))
+		must(t, os.Lchown(p, uid, uid+7))
+	}
+	must(t, os.Mkdir(filepath.Join(upper, "dir"), 0o755))
+	must(t, os.Lchown(filepath.Join(upper, "dir"), base+5, base+5))
+	must(t, os.Symlink("root-file", filepath.Join(upper, "dir/link")))
+	must(t, os.Lchown(filepath.Join(upper, "dir/link"), base+6, base+6))
+	must(t, os.Lchown(upper, base, base))
+	l, err := e.store.Commit(context.Background(), CommitOptions{
+		Kind: KindWorkspace, Name: "mapped", Version: "1", Upper: upper,
+		IDMap: &sandbox.IDMap{HostUID: base, HostGID: base, Size: 65536},
+	})
+	must(t, err)
+	img, err := e.store.Acquire(l.Digest)
+	must(t, err)
+	defer e.store.Release(l.Digest)
+	for name, want := range map[string][2]uint32{
+		"root-file": {0, 7}, "user-file": {1000, 1007}, "host-file": {65534, 65534},
+		"dir": {5, 5}, "dir/link": {6, 6}, ".": {0, 0},
+	} {
+		var st unix.Stat_t
+		must(t, unix.Lstat(filepath.Join(img, name), &st))
+		if st.Uid != want[0] || st.Gid != want[1] {
+			t.Errorf("%s in the layer: %d:%d, want %d:%d", name, st.Uid, st.Gid, want[0], want[1])
+		}
 	}
 }

@@ -33,8 +33,21 @@ func Compose(target string, lowers []string, upper, work string, volatile bool) 
 	return nil
 }
 
+// ComposeMapped is Compose with every lower seen through an idmapped mount
+// of usernsFD's mapping (see ComposeFDMapped).
+func ComposeMapped(target string, lowers []string, usernsFD int, upper, work string, volatile bool) error {
+	if err := composeMapped(target, lowers, usernsFD, upper, work, volatile); err != nil {
+		return fmt.Errorf("compose %s: %w", target, err)
+	}
+	return nil
+}
+
 func compose(target string, lowers []string, upper, work string, volatile bool) error {
-	mfd, err := overlayFD(lowers, upper, work, volatile)
+	return composeMapped(target, lowers, -1, upper, work, volatile)
+}
+
+func composeMapped(target string, lowers []string, usernsFD int, upper, work string, volatile bool) error {
+	mfd, err := overlayFD(lowers, usernsFD, upper, work, volatile)
 	if err != nil {
 		return err
 	}
@@ -57,15 +70,44 @@ func compose(target string, lowers []string, upper, work string, volatile bool) 
 // it is attached nowhere, or when the mount namespace it was attached in
 // goes away. The caller closes the descriptor.
 func ComposeFD(lowers []string, upper, work string, volatile bool) (int, error) {
-	fd, err := overlayFD(lowers, upper, work, volatile)
+	return ComposeFDMapped(lowers, -1, upper, work, volatile)
+}
+
+// ComposeFDMapped is ComposeFD with every lower seen through an idmapped
+// mount (mount_setattr MOUNT_ATTR_IDMAP) of the mapping of the user
+// namespace usernsFD: a file owned by id u in a layer appears owned by the
+// host id u maps to, so that a sandbox in a user namespace of that mapping
+// sees its layers' files with their own owners (root's as its root). The
+// idmapped mounts are private clones of the layers' mounts (open_tree
+// OPEN_TREE_CLONE), handed to overlayfs as descriptors and attached
+// nowhere: the layers' shared mounts are unchanged. The upper is not
+// idmapped: what the sandbox writes is stored with host ids of its range.
+// usernsFD < 0 is ComposeFD.
+func ComposeFDMapped(lowers []string, usernsFD int, upper, work string, volatile bool) (int, error) {
+	fd, err := overlayFD(lowers, usernsFD, upper, work, volatile)
 	if err != nil {
 		return -1, fmt.Errorf("compose overlay: %w", err)
 	}
 	return fd, nil
 }
 
+// idmappedClone returns a detached clone of the mount at path, idmapped by
+// the mapping of the user namespace usernsFD.
+func idmappedClone(path string, usernsFD int) (int, error) {
+	fd, err := unix.OpenTree(unix.AT_FDCWD, path, unix.OPEN_TREE_CLONE|unix.OPEN_TREE_CLOEXEC)
+	if err != nil {
+		return -1, fmt.Errorf("clone mount %s: %w", path, err)
+	}
+	attr := unix.MountAttr{Attr_set: unix.MOUNT_ATTR_IDMAP, Userns_fd: uint64(usernsFD)}
+	if err := unix.MountSetattr(fd, "", unix.AT_EMPTY_PATH, &attr); err != nil {
+		unix.Close(fd)
+		return -1, fmt.Errorf("idmap mount %s: %w", path, err)
+	}
+	return fd, nil
+}
+
 // overlayFD creates the overlay of Compose as a detached mount.
-func overlayFD(lowers []string, upper, work string, volatile bool) (int, error) {
+func overlayFD(lowers []string, usernsFD int, upper, work string, volatile bool) (int, error) {
 	if len(lowers) == 0 || len(lowers) > maxLowers {
 		return -1, fmt.Errorf("%d lower layers: want 1 to %d", len(lowers), maxLowers)
 	}
@@ -98,8 +140,22 @@ func overlayFD(lowers []string, upper, work string, volatile bool) (int, error) 
 		return nil
 	}
 	for _, l := range lowers {
-		if err := set("lowerdir+", l); err != nil {
-			return -1, err
+		if usernsFD < 0 {
+			if err := set("lowerdir+", l); err != nil {
+				return -1, err
+			}
+			continue
+		}
+		lfd, err := idmappedClone(l, usernsFD)
+		if err != nil {
+			return -1, fmt.Errorf("overlay lowerdir+=%s: %w", l, err)
+		}
+		// overlayfs clones the layer's mount privately when the overlay is
+		// created: ours must live until then (closing the last descriptor
+		// of a detached mount unmounts it).
+		defer unix.Close(lfd)
+		if err := unix.FsconfigSetFd(fsfd, "lowerdir+", lfd); err != nil {
+			return -1, fmt.Errorf("overlay lowerdir+=%s (idmapped): %w%s", l, err, fsMessages(fsfd))
 		}
 	}
 	if err := set("upperdir", upper); err != nil {

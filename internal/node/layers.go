@@ -155,6 +155,7 @@ func (m *Manager) CommitLayer(ctx context.Context, id string, o layer.CommitOpti
 	if o.Upper == "" {
 		o.Upper = filepath.Join(dir, upperDirName)
 	}
+	o.IDMap = rec.Handle.IDMap // the upper holds host ids of the sandbox's range
 	o.Exclude = append(slices.Clone(o.Exclude), reservedPaths...)
 	o.Origin = fmt.Sprintf("commit of sandbox %s over %s", id, strings.Join(over, " + "))
 	if o.MaxBytes == 0 {

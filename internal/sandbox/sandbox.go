@@ -77,6 +77,37 @@ type Handle struct {
 	AgentSocket string `json:"agent_socket"`
 	// Data is backend-private state (paths, runtime IDs), opaque to the node.
 	Data map[string]string `json:"data,omitempty"`
+	// IDMap is the host range the sandbox's user namespace maps its ids to,
+	// or nil when it has none (its ids are the host's). A file the sandbox
+	// owns as uid u is owned by HostUID+u on the host, in its writable
+	// layer too: a commit shifts the ids back (layer.CommitOptions.IDMap).
+	IDMap *IDMap `json:"idmap,omitempty"`
+}
+
+// IDMap maps the ids 0..Size-1 of a sandbox to HostUID.. and HostGID.. on
+// the host.
+type IDMap struct {
+	HostUID uint32 `json:"host_uid"`
+	HostGID uint32 `json:"host_gid"`
+	Size    uint32 `json:"size"`
+}
+
+// ToHost returns the host uid and gid of the sandbox's id (uid, gid).
+func (m IDMap) ToHost(uid, gid uint32) (uint32, uint32) {
+	return m.HostUID + uid, m.HostGID + gid
+}
+
+// FromHost returns the sandbox's ids of host ids (uid, gid): an id outside
+// the range is what the sandbox sees it as, the overflow id 65534.
+func (m IDMap) FromHost(uid, gid uint32) (uint32, uint32) {
+	const overflow = 65534
+	shift := func(id, base uint32) uint32 {
+		if id >= base && id-base < m.Size {
+			return id - base
+		}
+		return overflow
+	}
+	return shift(uid, m.HostUID), shift(gid, m.HostGID)
 }
 
 // Capabilities tells the node and placement what a backend can do, so that

@@ -566,3 +566,47 @@ func TestPoolShrinksWhenIdle(t *testing.T) {
 }
 
 var _ = shoal.Options{}
+
+// TestCallUIDs: a call runs in a user namespace mapped to an unprivileged
+// host range (its sandbox's), and two calls served by one sandbox run as
+// different uids.
+func TestCallUIDs(t *testing.T) {
+	need(t)
+	c := sdk(t).FnCall()
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	src := "import os\nprint(os.getuid(), os.getgid(), ' '.join(open('/proc/self/uid_map').read().split()))\n"
+	type seen struct{ sandbox, uid, gid, uidMap string }
+	var calls []seen
+	for i := 0; i < 6; i++ {
+		res, err := c.Run(ctx, &pb.RunRequest{Language: "python", Source: src})
+		if err != nil {
+			t.Fatal(err)
+		}
+		f := strings.Fields(string(res.Tests[0].Stdout))
+		if res.Verdict != pb.Verdict_VERDICT_OK || len(f) != 5 {
+			t.Fatalf("call: %s", describe(res))
+		}
+		calls = append(calls, seen{res.SandboxId, f[0], f[1], strings.Join(f[2:], " ")})
+	}
+	reused := false
+	for i, a := range calls {
+		if strings.HasPrefix(a.uidMap, "0 0 ") || !strings.HasPrefix(a.uidMap, "0 ") {
+			t.Errorf("call %d: uid_map %q, want 0 mapped to an unprivileged host range", i, a.uidMap)
+		}
+		if a.uid == "0" || a.uid != a.gid {
+			t.Errorf("call %d ran as %s:%s", i, a.uid, a.gid)
+		}
+		for _, b := range calls[:i] {
+			if a.sandbox == b.sandbox {
+				reused = true
+				if a.uid == b.uid {
+					t.Errorf("two calls in sandbox %s ran as the same uid %s", a.sandbox, a.uid)
+				}
+			}
+		}
+	}
+	if !reused {
+		t.Logf("no sandbox served two of %d calls: %+v", len(calls), calls)
+	}
+}

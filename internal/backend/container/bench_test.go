@@ -14,6 +14,8 @@ import (
 // answers on its socket) and delete (Delete returns), as p50/p90 in ms.
 //
 //	go test -run '^$' -bench Lifecycle -benchtime 20x ./internal/backend/container/
+//
+// SHOAL_TEST_USERNS=off measures sandboxes without user namespaces.
 func BenchmarkLifecycle(b *testing.B) {
 	requireRoot(b)
 	be := newBackend(b)

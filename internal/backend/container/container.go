@@ -147,6 +147,16 @@ type Config struct {
 	// every container, as before the node compiled it once (seccomp.go).
 	// It disables the pool. For comparison and as a way out.
 	RuncSeccomp bool
+	// UserNS runs every sandbox in a user namespace of its own, mapped to
+	// an unprivileged host range (userns.go): UserNSAuto (the default: on
+	// when the kernel supports idmapped layers), UserNSOn or UserNSOff.
+	UserNS string
+	// UserNSBase is the first host id of the sandboxes' ranges (65536 ids
+	// each); default DefaultUserNSBase.
+	UserNSBase uint32
+	// UserNSDir holds the files that reserve ranges, shared by every node
+	// of the host; default DefaultUserNSDir.
+	UserNSDir string
 	// Log receives the backend's logs; nil discards them.
 	Log *slog.Logger
 }
@@ -158,6 +168,14 @@ func (c Config) Validate() error {
 	}
 	if c.PoolDir != "" && !filepath.IsAbs(c.PoolDir) {
 		return fmt.Errorf("container backend: pool dir %q must be an absolute path", c.PoolDir)
+	}
+	switch c.UserNS {
+	case "", UserNSAuto, UserNSOn, UserNSOff:
+	default:
+		return fmt.Errorf("container backend: user namespaces %q: want auto, on or off", c.UserNS)
+	}
+	if c.UserNSDir != "" && !filepath.IsAbs(c.UserNSDir) {
+		return fmt.Errorf("container backend: user namespace dir %q must be an absolute path", c.UserNSDir)
 	}
 	p := strings.Trim(c.CgroupParent, "/")
 	for _, part := range strings.Split(p, "/") {
@@ -197,6 +215,15 @@ func (c Config) withDefaults() Config {
 	if c.Log == nil {
 		c.Log = slog.New(slog.DiscardHandler)
 	}
+	if c.UserNS == "" {
+		c.UserNS = UserNSAuto
+	}
+	if c.UserNSBase == 0 {
+		c.UserNSBase = DefaultUserNSBase
+	}
+	if c.UserNSDir == "" {
+		c.UserNSDir = DefaultUserNSDir
+	}
 	return c
 }
 
@@ -221,6 +248,11 @@ type Backend struct {
 
 	// egress attaches sandboxes' networks (network.go); nil when disabled.
 	egress *egress
+	// userns allocates the sandboxes' id ranges (userns.go); nil when
+	// sandboxes run without a user namespace.
+	userns *usernsSlots
+	// searchable: directories known to let others search them (traversable).
+	searchable sync.Map
 
 	// drains are the agent log drains running in this process (agentlog.go).
 	drains drains
@@ -293,6 +325,23 @@ func New(cfg Config) (*Backend, error) {
 			b.filter, b.filterProg = f, prog
 		}
 	}
+	if cfg.UserNS != UserNSOff {
+		u, err := newUsernsSlots(cfg.UserNSBase, cfg.UserNSDir, cfg.StateDir)
+		if err == nil {
+			err = u.probe(cfg.StateDir)
+		}
+		if err == nil {
+			err = u.load()
+		}
+		switch {
+		case err == nil:
+			b.userns = u
+		case cfg.UserNS == UserNSOn:
+			return nil, fmt.Errorf("container backend: user namespaces: %w", err)
+		default:
+			cfg.Log.Warn("container backend: sandboxes run without user namespaces (sandbox root is host root)", "err", err)
+		}
+	}
 	if err := b.sweepPool(ctx); err != nil {
 		return nil, fmt.Errorf("container backend: %w", err)
 	}
@@ -311,6 +360,9 @@ func New(cfg Config) (*Backend, error) {
 		}
 		b.egress = e
 	}
+	if b.userns != nil {
+		b.userns.prune(b.hasState)
+	}
 	switch {
 	case cfg.PoolSize < 0:
 	case b.filter == nil:
@@ -327,7 +379,8 @@ func New(cfg Config) (*Backend, error) {
 	}
 	version, _, _ := strings.Cut(string(out), "\n")
 	cfg.Log.Debug("container backend ready", "runtime", bin, "version", version, "state_dir", cfg.StateDir,
-		"seccomp", map[bool]string{true: "compiled once", false: "runc"}[b.filter != nil], "pool", cfg.PoolSize)
+		"seccomp", map[bool]string{true: "compiled once", false: "runc"}[b.filter != nil], "pool", cfg.PoolSize,
+		"userns", b.userns != nil)
 	return b, nil
 }
 
@@ -342,8 +395,14 @@ func (b *Backend) Close(ctx context.Context) error {
 	if b.egress != nil {
 		errs = append(errs, b.egress.close())
 	}
+	if b.userns != nil {
+		b.userns.close()
+	}
 	return errors.Join(errs...)
 }
+
+// UserNS reports whether sandboxes run in user namespaces of their own.
+func (b *Backend) UserNS() bool { return b.userns != nil }
 
 // Name returns "container".
 func (b *Backend) Name() string { return Name }
@@ -494,8 +553,25 @@ func (b *Backend) createCold(ctx context.Context, spec sandbox.Spec, dir string)
 		}
 	}
 
+	// 0. Its user namespace's range, with the upper given to its root.
+	idmap, nsfd, err := b.usernsFor(spec.ID, &undo)
+	if err != nil {
+		return h, fmt.Errorf("create sandbox %s: %w", spec.ID, err)
+	}
+	if idmap != nil {
+		if err := chownToRoot(upper, idmap); err != nil {
+			return h, fmt.Errorf("create sandbox %s: %w", spec.ID, err)
+		}
+		if err := ensureTmpUpper(lowerDirs(spec), upper, idmap); err != nil {
+			return h, fmt.Errorf("create sandbox %s: %w", spec.ID, err)
+		}
+		if err := b.traversable(rootfs); err != nil {
+			return h, fmt.Errorf("create sandbox %s: %w", spec.ID, err)
+		}
+	}
+
 	// 1. The root: overlay of the layers and the private upper.
-	if err := layer.Compose(rootfs, lowerDirs(spec), upper, work, true); err != nil {
+	if err := layer.ComposeMapped(rootfs, lowerDirs(spec), nsfd, upper, work, true); err != nil {
 		return h, fmt.Errorf("create sandbox %s: %w", spec.ID, err)
 	}
 	undo.push("unmount rootfs", func() error { return layer.Unmount(rootfs) })
@@ -513,7 +589,7 @@ func (b *Backend) createCold(ctx context.Context, spec sandbox.Spec, dir string)
 	undo.push("remove agent socket", func() error { return removeIfExists(sock) })
 
 	// 3. The OCI bundle.
-	cfg, err := b.ociSpec(spec, rootfs)
+	cfg, err := b.ociSpec(spec, rootfs, idmap)
 	if err != nil {
 		return h, fmt.Errorf("create sandbox %s: %w", spec.ID, err)
 	}
@@ -539,7 +615,28 @@ func (b *Backend) createCold(ctx context.Context, spec sandbox.Spec, dir string)
 		Backend:     Name,
 		AgentSocket: sock,
 		Data:        handleData(map[string]string{"rootfs": rootfs, "bundle": bundle, "dir": dir, "runc_id": spec.ID}, spec, upper),
+		IDMap:       idmap,
 	}, nil
+}
+
+// usernsFor reserves the id range of the container runcID (undone by
+// undo, and by destroy) and returns it with a user namespace of its
+// mapping, or nil and -1 without user namespaces.
+func (b *Backend) usernsFor(runcID string, undo *undoStack) (*sandbox.IDMap, int, error) {
+	if b.userns == nil {
+		return nil, -1, nil
+	}
+	slot, err := b.userns.alloc(runcID)
+	if err != nil {
+		return nil, -1, err
+	}
+	undo.push("release id range", func() error { b.userns.release(runcID); return nil })
+	fd, err := b.userns.nsFD(slot)
+	if err != nil {
+		return nil, -1, err
+	}
+	m := b.userns.idmap(slot)
+	return &m, fd, nil
 }
 
 // lowerDirs are the overlay's lower directories, top first.
@@ -779,6 +876,8 @@ func (b *Backend) Delete(ctx context.Context, h sandbox.Handle) error {
 	}
 	if err := b.destroy(ctx, id); err != nil {
 		errs = append(errs, err)
+	} else if b.userns != nil {
+		b.userns.releaseRange(id, h.IDMap)
 	}
 	rootfs := h.Data["rootfs"]
 	if rootfs == "" && h.Data["dir"] != "" {
@@ -833,7 +932,14 @@ func (b *Backend) destroy(ctx context.Context, id string) error {
 			return fmt.Errorf("runc delete: %w: %s", err, bytes.TrimSpace(stderr.Bytes()))
 		}
 	}
-	return b.removeCgroups(id)
+	if err := b.removeCgroups(id); err != nil {
+		return err
+	}
+	if b.userns != nil {
+		// No task of the container is left: its range may serve another.
+		b.userns.release(id)
+	}
+	return nil
 }
 
 // hasState reports whether the runtime has state for id.

@@ -127,12 +127,16 @@ func requireRoot(t testing.TB) {
 
 func newBackend(t testing.TB) *Backend {
 	t.Helper()
-	b, err := New(Config{StateDir: t.TempDir(), CgroupParent: testCgroupParent, PoolSize: -1})
+	b, err := New(Config{StateDir: t.TempDir(), CgroupParent: testCgroupParent, PoolSize: -1, UserNS: testUserNS})
 	if err != nil {
 		t.Fatal(err)
 	}
 	return b
 }
+
+// testUserNS is the user namespace mode of the tests' backends:
+// SHOAL_TEST_USERNS=off|on|auto (default auto), to compare (benchmarks).
+var testUserNS = os.Getenv("SHOAL_TEST_USERNS")
 
 func newID(t testing.TB) string {
 	var r [6]byte

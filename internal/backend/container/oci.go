@@ -57,7 +57,7 @@ const (
 // ociSpec returns the runtime configuration of a sandbox whose overlay root
 // is mounted at rootfs (the cold path: runc sets the container up around
 // its final root).
-func (b *Backend) ociSpec(spec sandbox.Spec, rootfs string) (*specs.Spec, error) {
+func (b *Backend) ociSpec(spec sandbox.Spec, rootfs string, idmap *sandbox.IDMap) (*specs.Spec, error) {
 	return b.containerSpec(containerOptions{
 		runcID:   spec.ID,
 		rootfs:   rootfs,
@@ -66,6 +66,7 @@ func (b *Backend) ociSpec(spec sandbox.Spec, rootfs string) (*specs.Spec, error)
 		res:      spec.Resources,
 		agent:    spec.AgentBinary,
 		caps:     dockerCaps,
+		idmap:    idmap,
 	})
 }
 
@@ -96,6 +97,9 @@ type containerOptions struct {
 	caps     []string
 	pooled   bool // a blank pool container (SHOAL_POOL=1)
 	urgent   bool // pooled, started while creates wait: normal CPU weight
+	// idmap, if not nil: a user namespace mapping the container's ids
+	// 0..Size-1 to this host range (userns.go).
+	idmap *sandbox.IDMap
 }
 
 // readyFD is the ready pipe's descriptor number in the agent.
@@ -196,6 +200,11 @@ func (b *Backend) containerSpec(o containerOptions) (*specs.Spec, error) {
 			MaskedPaths:   dockerMaskedPaths,
 			ReadonlyPaths: dockerReadonlyPaths,
 		},
+	}
+	if m := o.idmap; m != nil {
+		s.Linux.Namespaces = append(s.Linux.Namespaces, specs.LinuxNamespace{Type: specs.UserNamespace})
+		s.Linux.UIDMappings = []specs.LinuxIDMapping{{ContainerID: 0, HostID: m.HostUID, Size: m.Size}}
+		s.Linux.GIDMappings = []specs.LinuxIDMapping{{ContainerID: 0, HostID: m.HostGID, Size: m.Size}}
 	}
 	if b.filter != nil {
 		// The agent installs the node's precompiled filter on itself

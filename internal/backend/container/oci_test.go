@@ -58,7 +58,7 @@ func TestOCISpec(t *testing.T) {
 	b := &Backend{cgroupParent: "shoal"}
 	s := validSpec()
 	s.Env = []string{"HOME=/work", "FOO=bar", "SHOAL_AGENT_FD=7", "SHOAL_POOL=1", "SHOAL_SECCOMP_FD=9"}
-	cfg, err := b.ociSpec(s, "/var/lib/shoal/sb-1/rootfs")
+	cfg, err := b.ociSpec(s, "/var/lib/shoal/sb-1/rootfs", nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -123,7 +123,7 @@ func TestOCISpec(t *testing.T) {
 	}
 
 	s.Resources = sandbox.Resources{MemoryBytes: 1 << 30, MilliCPU: 1500, Pids: 64}
-	cfg, err = b.ociSpec(s, "/r")
+	cfg, err = b.ociSpec(s, "/r", nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -132,7 +132,7 @@ func TestOCISpec(t *testing.T) {
 		t.Errorf("resources %+v %+v %+v", r.Memory, r.CPU, r.Pids)
 	}
 	s.Resources.MemoryBytes = -1
-	if _, err := b.ociSpec(s, "/r"); err == nil {
+	if _, err := b.ociSpec(s, "/r", nil); err == nil {
 		t.Error("negative memory accepted")
 	}
 }
@@ -147,7 +147,7 @@ func TestOCISpecCompiledSeccomp(t *testing.T) {
 	}
 	defer f.Close()
 	b := &Backend{cgroupParent: "shoal", filter: f, filterProg: prog}
-	cfg, err := b.ociSpec(validSpec(), "/r")
+	cfg, err := b.ociSpec(validSpec(), "/r", nil)
 	if err != nil {
 		t.Fatal(err)
 	}

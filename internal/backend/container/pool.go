@@ -137,6 +137,11 @@ type member struct {
 	id    string // runc container ID
 	dir   string // PoolDir/ready/<id>
 	agent string // the agent binary it runs
+	// idmap and nsfd: the range of its user namespace, and a user
+	// namespace of the same mapping (the slot's, not to be closed), or nil
+	// and -1 (userns.go).
+	idmap *sandbox.IDMap
+	nsfd  int
 }
 
 // pool keeps between min and max ready containers, sized by demand.
@@ -408,7 +413,7 @@ func (b *Backend) startMember(ctx context.Context, agentBinary string, urgent bo
 	rand.Read(r[:])
 	id := poolPrefix + hex.EncodeToString(r[:])
 	dir := b.readyDir(id)
-	m = &member{id: id, dir: dir, agent: agentBinary}
+	m = &member{id: id, dir: dir, agent: agentBinary, nsfd: -1}
 	defer func() {
 		if err != nil {
 			if rerr := b.removeMember(m); rerr != nil {
@@ -416,6 +421,11 @@ func (b *Backend) startMember(ctx context.Context, agentBinary string, urgent bo
 			}
 		}
 	}()
+	var undo undoStack // the id range; removeMember releases it too
+	if m.idmap, m.nsfd, err = b.usernsFor(id, &undo); err != nil {
+		undo.run(b.log)
+		return m, fmt.Errorf("pool container: %w", err)
+	}
 	root := filepath.Join(dir, blankRoot)
 	bundle := b.memberBundle(id)
 	for _, d := range []string{dir, bundle, root, filepath.Join(root, ".shoal", "newroot")} {
@@ -425,6 +435,18 @@ func (b *Backend) startMember(ctx context.Context, agentBinary string, urgent bo
 	}
 	if err := os.WriteFile(filepath.Join(dir, runcIDFile), []byte(id+"\n"), 0o600); err != nil {
 		return m, fmt.Errorf("pool container: %w", err)
+	}
+	if m.idmap != nil {
+		// runc mounts the blank root, and makes its mount points, as the
+		// container's root.
+		for _, d := range []string{root, filepath.Join(root, ".shoal"), filepath.Join(root, ".shoal", "newroot")} {
+			if err := chownToRoot(d, m.idmap); err != nil {
+				return m, fmt.Errorf("pool container: %w", err)
+			}
+		}
+		if err := b.traversable(root); err != nil {
+			return m, fmt.Errorf("pool container: %w", err)
+		}
 	}
 	caps := append(slices.Clone(dockerCaps), "CAP_SYS_ADMIN")
 	cfg, err := b.containerSpec(containerOptions{
@@ -436,6 +458,7 @@ func (b *Backend) startMember(ctx context.Context, agentBinary string, urgent bo
 		caps:     caps,
 		pooled:   true,
 		urgent:   urgent,
+		idmap:    m.idmap,
 	})
 	if err != nil {
 		return m, fmt.Errorf("pool container: %w", err)
@@ -574,10 +597,18 @@ func (b *Backend) claim(ctx context.Context, spec sandbox.Spec, dir string, m *m
 		return h, fmt.Errorf("claim for sandbox %s: %w", spec.ID, err)
 	}
 	lowers := lowerDirs(spec)
-	if err := ensureTmpUpper(lowers, upper); err != nil {
+	if err := ensureTmpUpper(lowers, upper, m.idmap); err != nil {
 		return h, fmt.Errorf("claim for sandbox %s: %w", spec.ID, err)
 	}
-	mfd, err := layer.ComposeFD(lowers, upper, work, true)
+	if m.idmap != nil {
+		if err := os.MkdirAll(upper, 0o755); err != nil {
+			return h, fmt.Errorf("claim for sandbox %s: %w", spec.ID, err)
+		}
+		if err := chownToRoot(upper, m.idmap); err != nil {
+			return h, fmt.Errorf("claim for sandbox %s: %w", spec.ID, err)
+		}
+	}
+	mfd, err := layer.ComposeFDMapped(lowers, m.nsfd, upper, work, true)
 	if err != nil {
 		return h, fmt.Errorf("claim for sandbox %s: %w", spec.ID, err)
 	}
@@ -607,12 +638,13 @@ func (b *Backend) claim(ctx context.Context, spec sandbox.Spec, dir string, m *m
 			"dir":     dir,
 			"pooled":  "true",
 		}, spec, upper),
+		IDMap: m.idmap,
 	}, nil
 }
 
 // ensureTmpUpper gives the root a world-writable /tmp, in its upper layer,
 // when no lower layer has one (ensureTmp for a root not mounted on the host).
-func ensureTmpUpper(lowers []string, upper string) error {
+func ensureTmpUpper(lowers []string, upper string, idmap *sandbox.IDMap) error {
 	for _, l := range lowers {
 		if _, err := os.Lstat(filepath.Join(l, "tmp")); err == nil {
 			return nil
@@ -628,7 +660,7 @@ func ensureTmpUpper(lowers []string, upper string) error {
 	if err := os.Chmod(p, 0o777|os.ModeSticky); err != nil {
 		return fmt.Errorf("create /tmp: %w", err)
 	}
-	return nil
+	return chownToRoot(p, idmap)
 }
 
 // sweepPool deletes what an earlier process left in PoolDir: every

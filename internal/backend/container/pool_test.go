@@ -25,7 +25,7 @@ import (
 // that is closed when the test ends.
 func newPoolBackend(t testing.TB, stateDir string, size int) *Backend {
 	t.Helper()
-	b, err := New(Config{StateDir: stateDir, CgroupParent: testCgroupParent, PoolSize: size, Log: testLog(t)})
+	b, err := New(Config{StateDir: stateDir, CgroupParent: testCgroupParent, PoolSize: size, Log: testLog(t), UserNS: testUserNS})
 	if err != nil {
 		t.Fatal(err)
 	}
