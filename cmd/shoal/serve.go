@@ -296,6 +296,7 @@ func serve(cfg serveConfig) error {
 	}
 	ctr, err := container.New(container.Config{
 		DiskDir:      filepath.Join(cfg.DataDir, "disk"),
+		PremadeDisk:  max(nodeCfg.DefaultDisk, 0),
 		Nofile:       cfg.Nofile,
 		PidsMax:      pidsMax,
 		PoolSize:     poolSize,

@@ -897,10 +897,7 @@ func TestLayerCommitFreezesSandbox(t *testing.T) {
 		b, _ := os.ReadFile(state)
 		return strings.TrimSpace(string(b))
 	}
-	counterFile := filepath.Join(dataDir, "sandboxes", sb, "upper", "work", "counter")
-	if _, err := os.Stat(filepath.Join(dataDir, "sandboxes", sb, "disk", "upper")); err == nil {
-		counterFile = filepath.Join(dataDir, "sandboxes", sb, "disk", "upper", "work", "counter") // on its disk image
-	}
+	counterFile := filepath.Join(upperOf(t, sb), "work", "counter")
 	counter := func() string {
 		b, _ := os.ReadFile(counterFile)
 		return strings.TrimSpace(string(b))

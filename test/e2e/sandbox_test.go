@@ -271,6 +271,20 @@ func runcID(t *testing.T, id string) string {
 	return strings.TrimSpace(string(b))
 }
 
+// upperOf is where a sandbox's writable layer is on the host (in its dir,
+// on its disk image, or on the disk its pool container brought).
+func upperOf(t *testing.T, id string) string {
+	t.Helper()
+	sb, err := sdk(t).Get(context.Background(), id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if u := sb.Runtime["upper"]; u != "" {
+		return u
+	}
+	return filepath.Join(dataDir, "sandboxes", id, "upper")
+}
+
 // pooled reports whether a sandbox was created from the warm pool.
 func pooled(id string) bool {
 	_, err := os.Stat(filepath.Join(dataDir, "pool", "claimed", id))

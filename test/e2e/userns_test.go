@@ -90,7 +90,7 @@ func TestUserNamespace(t *testing.T) {
 	if got := sh(t, a, "stat -c %u /work/by-api /work/by-exec /work/by-1000"); got != "0\n0\n1000\n" {
 		t.Errorf("owners in the sandbox: %q", got)
 	}
-	upper := filepath.Join(dataDir, "sandboxes", a, "upper")
+	upper := upperOf(t, a)
 	for name, want := range map[string]int{"work/by-api": ha, "work/by-exec": ha, "work/by-1000": ha + 1000, ".": ha} {
 		var st syscall.Stat_t
 		if err := syscall.Lstat(filepath.Join(upper, name), &st); err != nil {

@@ -135,6 +135,9 @@ type Config struct {
 	// sandbox whose Resources.DiskBytes is set gets a writable layer of
 	// that size of its own. Empty: no disk limits (DiskBytes refused).
 	DiskDir string
+	// PremadeDisk: pool containers wait with a disk of this size made and
+	// mounted (the node's default disk size), 0 for none.
+	PremadeDisk int64
 	// Nofile is the RLIMIT_NOFILE (soft and hard) of sandbox processes; 0
 	// means DefaultNofile.
 	Nofile uint64
@@ -273,7 +276,9 @@ type Backend struct {
 
 	disks    *diskimg.Maker // nil: no disk limits (disk.go)
 	diskMode string         // how disks are limited, or why not
-	nofile   uint64         // RLIMIT_NOFILE of sandbox processes
+	// premadeDisk: the size of the disks pool containers wait with.
+	premadeDisk int64
+	nofile      uint64 // RLIMIT_NOFILE of sandbox processes
 }
 
 var (
@@ -302,7 +307,7 @@ func New(cfg Config) (*Backend, error) {
 	if err := os.MkdirAll(cfg.StateDir, 0o700); err != nil {
 		return nil, fmt.Errorf("container backend: create state dir: %w", err)
 	}
-	b := &Backend{runtime: bin, stateDir: cfg.StateDir, cgroupParent: cfg.CgroupParent, poolDir: cfg.PoolDir, log: cfg.Log, nofile: cfg.Nofile}
+	b := &Backend{runtime: bin, stateDir: cfg.StateDir, cgroupParent: cfg.CgroupParent, poolDir: cfg.PoolDir, log: cfg.Log, nofile: cfg.Nofile, premadeDisk: cfg.PremadeDisk}
 	if data, err := os.ReadFile(bin); err != nil {
 		cfg.Log.Warn("container backend: read runtime binary", "err", err)
 	} else if f, err := sealedFile(filepath.Base(bin), data); err != nil {
@@ -543,7 +548,7 @@ func (b *Backend) createCold(ctx context.Context, spec sandbox.Spec, dir string)
 
 	rootfs := filepath.Join(dir, rootfsDir)
 	bundle := filepath.Join(dir, bundleDir)
-	upper, work, err := b.writableLayer(ctx, spec, dir, &undo)
+	upper, work, err := b.writableLayer(ctx, spec, dir, "", &undo)
 	if err != nil {
 		return h, fmt.Errorf("create sandbox %s: %w", spec.ID, err)
 	}
@@ -892,6 +897,9 @@ func (b *Backend) Delete(ctx context.Context, h sandbox.Handle) error {
 		if err := removeDisk(dir); err != nil {
 			errs = append(errs, err)
 		}
+	}
+	if err := removeDisk(b.claimedDir(h.ID)); err != nil { // a disk a pool container brought
+		errs = append(errs, err)
 	}
 	if h.AgentSocket != "" {
 		if err := removeIfExists(h.AgentSocket); err != nil {

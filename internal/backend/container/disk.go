@@ -50,11 +50,18 @@ func (b *Backend) DiskLimits() (bool, string) { return b.disks != nil, b.diskMod
 
 // writableLayer makes the upper and work directories of a sandbox whose
 // state directory is dir, on a disk image of its own when spec asks for a
-// size, and registers their removal with undo.
-func (b *Backend) writableLayer(ctx context.Context, spec sandbox.Spec, dir string, undo *undoStack) (upper, work string, err error) {
+// size, and registers their removal with undo. premade, if not empty, is a
+// directory holding a disk of that size made ahead (premakeDisk): the
+// layer goes there.
+func (b *Backend) writableLayer(ctx context.Context, spec sandbox.Spec, dir, premade string, undo *undoStack) (upper, work string, err error) {
 	size := spec.Resources.DiskBytes
 	if size < 0 {
 		return "", "", fmt.Errorf("negative disk size %d", size)
+	}
+	if premade != "" {
+		undo.push("remove disk", func() error { return removeDisk(premade) })
+		mnt := filepath.Join(premade, diskMountName)
+		return filepath.Join(mnt, upperDir), filepath.Join(mnt, workDir), nil
 	}
 	if size == 0 || b.disks == nil {
 		if size > 0 {
@@ -64,8 +71,15 @@ func (b *Backend) writableLayer(ctx context.Context, spec sandbox.Spec, dir stri
 		undo.push("remove writable layer", func() error { return removeAll(upper, work) })
 		return upper, work, nil
 	}
-	img, mnt := filepath.Join(dir, diskImageName), filepath.Join(dir, diskMountName)
 	undo.push("remove disk", func() error { return removeDisk(dir) })
+	return b.makeDisk(ctx, dir, size)
+}
+
+// makeDisk makes a disk image of size in dir, mounts it at dir/disk and
+// makes the upper and work directories on it. The caller removes it
+// (removeDisk) on failure.
+func (b *Backend) makeDisk(ctx context.Context, dir string, size int64) (upper, work string, err error) {
+	img, mnt := filepath.Join(dir, diskImageName), filepath.Join(dir, diskMountName)
 	if err := b.disks.Make(ctx, img, size); err != nil {
 		return "", "", err
 	}
@@ -82,6 +96,29 @@ func (b *Backend) writableLayer(ctx context.Context, spec sandbox.Spec, dir stri
 		}
 	}
 	return upper, work, nil
+}
+
+// premakeDisk gives a waiting pool container a disk of the size most
+// sandboxes ask (Config.PremadeDisk, the node's default), made and mounted
+// now, off the create path: a claim of that size takes it (the image copy,
+// loop attach and mount cost 15–50 ms on a loaded 2-core host, against a
+// claim's 2–9 ms). Failing is not fatal: the claim makes one.
+func (b *Backend) premakeDisk(ctx context.Context, m *member) {
+	if b.disks == nil || b.premadeDisk <= 0 {
+		return
+	}
+	upper, _, err := b.makeDisk(ctx, m.dir, b.premadeDisk)
+	if err == nil && m.idmap != nil {
+		err = chownToRoot(upper, m.idmap)
+	}
+	if err != nil {
+		b.log.Warn("pool container: no disk made ahead", "runc_id", m.id, "err", err)
+		if err := removeDisk(m.dir); err != nil {
+			b.log.Error("pool container: remove its disk", "runc_id", m.id, "err", err)
+		}
+		return
+	}
+	m.disk = b.premadeDisk
 }
 
 // removeDisk unmounts and removes a sandbox's disk image, if it has one.

@@ -16,13 +16,19 @@ import (
 // diskBackend returns a backend with disk images (and a pool of size, if
 // size > 0), or skips when this host cannot make them.
 func diskBackend(t *testing.T, size int) *Backend {
+	return diskBackendPremade(t, size, 0)
+}
+
+// diskBackendPremade is diskBackend whose pool containers wait with a disk
+// of premade bytes.
+func diskBackendPremade(t *testing.T, size int, premade int64) *Backend {
 	t.Helper()
 	requireRoot(t)
 	if size <= 0 {
 		size = -1
 	}
 	b, err := New(Config{StateDir: t.TempDir(), CgroupParent: testCgroupParent, PoolSize: size,
-		DiskDir: t.TempDir(), Log: testLog(t)})
+		DiskDir: t.TempDir(), PremadeDisk: premade, Log: testLog(t)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -41,12 +47,27 @@ func diskBackend(t *testing.T, size int) *Backend {
 // size, cold and pooled; the host's disk holds no more than that for it;
 // Delete leaves no mount and no image.
 func TestDiskLimit(t *testing.T) {
-	for _, pooled := range []bool{false, true} {
-		t.Run(map[bool]string{false: "cold", true: "pooled"}[pooled], func(t *testing.T) {
-			b := diskBackend(t, map[bool]int{false: -1, true: 1}[pooled])
+	const size = 32 << 20
+	for _, c := range []struct {
+		name    string
+		pooled  bool
+		premade int64 // the pool containers' disk made ahead
+	}{
+		{"cold", false, 0},
+		{"pooled", true, 0},
+		{"premade", true, size},
+		{"premade-other", true, 2 * size},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			pooled := c.pooled
+			b := diskBackendPremade(t, map[bool]int{false: -1, true: 1}[pooled], c.premade)
 			spec := poolSpec(t)
-			const size = 32 << 20
 			spec.Resources.DiskBytes = size
+			// Where the disk is: made ahead, it came with the container.
+			diskDir := spec.Dir
+			if c.premade == size {
+				diskDir = b.claimedDir(spec.ID)
+			}
 			h, err := b.Create(context.Background(), spec)
 			if err != nil {
 				t.Fatal(err)
@@ -54,24 +75,32 @@ func TestDiskLimit(t *testing.T) {
 			if got := h.Data["pooled"] == "true"; got != pooled {
 				t.Fatalf("pooled = %v, want %v", got, pooled)
 			}
-			out, code := run(t, h, "busybox dd if=/dev/zero of=/root/fill bs=1M count=100; echo rc=$?; stat -c %s /root/fill")
+			out, code := run(t, h, "busybox dd if=/dev/zero of=/root/fill bs=1M count=100; echo rc=$?; stat -c size=%s /root/fill")
 			if code != 0 || !strings.Contains(out, "No space left on device") {
 				t.Errorf("writing 100 MiB into a 32 MiB disk: exit %d, output %q; want ENOSPC", code, out)
 			}
-			lines := strings.Split(strings.TrimSpace(out), "\n")
-			n, _ := strconv.ParseInt(lines[len(lines)-1], 10, 64)
+			// stdout and stderr interleave in out: find the size by its name.
+			var n int64
+			for _, l := range strings.Split(out, "\n") {
+				if v, ok := strings.CutPrefix(l, "size="); ok {
+					n, _ = strconv.ParseInt(v, 10, 64)
+				}
+			}
 			if n > size || n < size/2 {
-				t.Errorf("wrote %d bytes before ENOSPC, want about %d", n, size)
+				t.Errorf("wrote %d bytes before ENOSPC, want about %d; output %q", n, size, out)
 			}
 			var st unix.Stat_t
-			if err := unix.Stat(filepath.Join(spec.Dir, diskImageName), &st); err != nil {
+			if err := unix.Stat(filepath.Join(diskDir, diskImageName), &st); err != nil {
 				t.Fatal(err)
 			}
 			if st.Blocks*512 > size {
 				t.Errorf("the host holds %d bytes for a %d-byte disk", st.Blocks*512, size)
 			}
-			if h.Data["upper"] != filepath.Join(spec.Dir, diskMountName, upperDir) {
-				t.Errorf("handle's upper = %q", h.Data["upper"])
+			if h.Data["upper"] != filepath.Join(diskDir, diskMountName, upperDir) {
+				t.Errorf("handle's upper = %q, want it in %s", h.Data["upper"], diskDir)
+			}
+			if c.premade != 0 && c.premade != size && exists(filepath.Join(b.claimedDir(spec.ID), diskImageName)) {
+				t.Error("the disk made ahead of another size is still there")
 			}
 			// Still writable after removing the file.
 			if out, code := run(t, h, "rm /root/fill && echo hi > /root/small && cat /root/small"); code != 0 || out != "hi\n" {
@@ -83,7 +112,7 @@ func TestDiskLimit(t *testing.T) {
 			if left := leftovers(t, b, spec); len(left) > 0 {
 				t.Errorf("left after Delete: %v", left)
 			}
-			if exists(filepath.Join(spec.Dir, diskImageName)) {
+			if exists(filepath.Join(diskDir, diskImageName)) || exists(filepath.Join(b.claimedDir(spec.ID), diskImageName)) {
 				t.Error("disk image left after Delete")
 			}
 		})

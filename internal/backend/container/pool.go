@@ -142,6 +142,10 @@ type member struct {
 	// and -1 (userns.go).
 	idmap *sandbox.IDMap
 	nsfd  int
+	// disk: the size of the disk image made and mounted in dir/disk while
+	// it waits (premakeDisk), 0 for none: a claim asking that size takes
+	// it instead of making one.
+	disk int64
 }
 
 // pool keeps between min and max ready containers, sized by demand.
@@ -485,6 +489,7 @@ func (b *Backend) startMember(ctx context.Context, agentBinary string, urgent bo
 	if err := resetPriority(filepath.Join(dir, pidFileName)); err != nil {
 		return m, fmt.Errorf("pool container %s: %w", id, err)
 	}
+	b.premakeDisk(ctx, m)
 	return m, nil
 }
 
@@ -539,6 +544,9 @@ func (b *Backend) removeMember(m *member) error {
 	if err := b.destroy(ctx, m.id); err != nil {
 		return err
 	}
+	if err := removeDisk(m.dir); err != nil {
+		return err
+	}
 	if err := os.RemoveAll(b.memberBundle(m.id)); err != nil {
 		return err
 	}
@@ -591,8 +599,19 @@ func (b *Backend) claim(ctx context.Context, spec sandbox.Spec, dir string, m *m
 		return h, fmt.Errorf("claim for sandbox %s: %w", spec.ID, err)
 	}
 
-	// 3. The root, as a detached mount handed to the agent.
-	upper, work, err := b.writableLayer(ctx, spec, dir, &undo)
+	// 3. The root, as a detached mount handed to the agent; its writable
+	// layer on the disk the container brought, when it is of the size
+	// asked (it moved here with the container's dir).
+	premade := ""
+	switch {
+	case m.disk > 0 && m.disk == spec.Resources.DiskBytes:
+		premade = claimed
+	case m.disk > 0:
+		if err := removeDisk(claimed); err != nil {
+			return h, fmt.Errorf("claim for sandbox %s: %w", spec.ID, err)
+		}
+	}
+	upper, work, err := b.writableLayer(ctx, spec, dir, premade, &undo)
 	if err != nil {
 		return h, fmt.Errorf("claim for sandbox %s: %w", spec.ID, err)
 	}
@@ -688,6 +707,10 @@ func (b *Backend) sweepPool(ctx context.Context) error {
 		}
 		b.log.Info("deleting a pool container left by an earlier process", "runc_id", id, "dir", dir)
 		if err := b.destroy(ctx, id); err != nil {
+			errs = append(errs, err)
+			return
+		}
+		if err := removeDisk(dir); err != nil {
 			errs = append(errs, err)
 			return
 		}
