@@ -72,7 +72,7 @@ func toConnect(err error) error {
 		code = connect.CodeNotFound
 	case errors.Is(err, errdefs.ErrAlreadyExists), errors.Is(err, fs.ErrExist):
 		code = connect.CodeAlreadyExists
-	case errors.Is(err, fs.ErrPermission):
+	case errors.Is(err, fs.ErrPermission), errors.Is(err, errdefs.ErrPermissionDenied):
 		code = connect.CodePermissionDenied
 	case errors.Is(err, errdefs.ErrFailedPrecondition), errors.Is(err, layer.ErrInUse):
 		code = connect.CodeFailedPrecondition

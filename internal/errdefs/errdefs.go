@@ -19,6 +19,9 @@ var (
 	ErrFailedPrecondition = errors.New("failed precondition")
 	ErrResourceExhausted  = errors.New("resource exhausted")
 	ErrUnavailable        = errors.New("unavailable")
+	// ErrPermissionDenied: the caller's key lacks the scope the operation
+	// needs (the message names it).
+	ErrPermissionDenied = errors.New("permission denied")
 	// ErrSandboxKilled: the operation's sandbox was deleted (by a client,
 	// or by its timeout) while the operation ran, e.g. the command a
 	// stream follows: it did not exit, it was killed with its sandbox. The
@@ -68,6 +71,8 @@ func Code(err error) string {
 		return "resource_exhausted"
 	case errors.Is(err, ErrUnavailable):
 		return "unavailable"
+	case errors.Is(err, ErrPermissionDenied):
+		return "permission_denied"
 	case errors.Is(err, context.Canceled):
 		return "canceled"
 	case errors.Is(err, context.DeadlineExceeded):
