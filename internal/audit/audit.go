@@ -235,3 +235,6 @@ func scan(r io.Reader, fn func(Entry)) error {
 	}
 	return sc.Err()
 }
+
+// Path is the log's file.
+func (l *Log) Path() string { return l.path }
