@@ -215,7 +215,7 @@ func (i authzInterceptor) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc {
 		}
 		res, err := next(ctx, req)
 		var out any
-		if res != nil {
+		if err == nil && res != nil { // on error res may hold a nil *Response
 			out = res.Any()
 		}
 		i.s.auditRPC(ctx, proc, req.Any(), out, err)
