@@ -106,6 +106,7 @@ var routeScopes = map[string][]tenant.Scope{
 	"/v1/sandboxes/{id}/ports/{port}/{path...}": sbx,
 	"GET /v1/layers/export":                     lw,
 	"POST /v1/layers/import":                    lw,
+	"POST /v1/layers/build":                     lw, // the upload route of branch upload: client bytes, no server path
 	"GET /metrics":                              adm,
 	"GET /healthz":                              {},
 }
@@ -136,6 +137,7 @@ var auditActions = map[string]string{
 	"AdminService/SetTenant":            "tenant.set",
 	"PUT /v1/sandboxes/{id}/files":      "file.write",
 	"POST /v1/layers/import":            "layer.import",
+	"POST /v1/layers/build":             "layer.build",
 }
 
 // shortProcedure is "Service/Method" of "/shoal.v1.Service/Method".
