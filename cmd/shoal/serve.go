@@ -18,6 +18,7 @@ import (
 	"github.com/spf13/cobra"
 	"go.etcd.io/bbolt"
 
+	"github.com/shoal-sandbox/shoal/internal/audit"
 	"github.com/shoal-sandbox/shoal/internal/backend/container"
 	"github.com/shoal-sandbox/shoal/internal/control"
 	"github.com/shoal-sandbox/shoal/internal/e2b"
@@ -26,6 +27,7 @@ import (
 	"github.com/shoal-sandbox/shoal/internal/node"
 	"github.com/shoal-sandbox/shoal/internal/sandbox"
 	"github.com/shoal-sandbox/shoal/internal/session"
+	"github.com/shoal-sandbox/shoal/internal/tenant"
 )
 
 // serveConfig is the configuration of the all-in-one server.
@@ -320,6 +322,19 @@ func serve(cfg serveConfig) error {
 	log.Info("sandbox tasks", "pids_limit", nodeCfg.PidsLimit, "pids_budget", pidsMax, "nofile", cfg.Nofile)
 	mt := metrics.New()
 	nodeCfg.Metrics = mt
+	// Tenants' keys and quotas (the admin key stays the admin), and the
+	// audit log of who did what (DATA/audit.log).
+	keys, err := tenant.Open(db)
+	if err != nil {
+		return err
+	}
+	auth.SetKeys(keys)
+	nodeCfg.Quotas = keys
+	auditLog, err := audit.Open(filepath.Join(cfg.DataDir, "audit.log"), 0, log, mt.AuditDropped)
+	if err != nil {
+		return err
+	}
+	defer auditLog.Close()
 	mgr, err := node.New(nodeCfg, db, layers, []sandbox.Backend{ctr}, log)
 	if err != nil {
 		return err
@@ -354,7 +369,7 @@ func serve(cfg serveConfig) error {
 			return err
 		}
 		defer e2bLn.Close()
-		e2bSrv, err = e2b.New(e2b.Config{DataDir: cfg.DataDir, Domain: domain, DefaultTemplate: cfg.E2B.DefaultTemplate, Pause: cfg.E2B.Pause},
+		e2bSrv, err = e2b.New(e2b.Config{DataDir: cfg.DataDir, Domain: domain, DefaultTemplate: cfg.E2B.DefaultTemplate, Pause: cfg.E2B.Pause, Audit: auditLog},
 			db, mgr, sessions, func(h http.Handler) http.Handler { return auth.Middleware(h, "/health") }, log)
 		if err != nil {
 			return err
@@ -394,6 +409,7 @@ func serve(cfg serveConfig) error {
 	api := control.New(mgr, sessions, auth, log)
 	api.SetMetrics(mt)
 	api.SetBuildPolicy(control.BuildPolicy{Roots: cfg.buildRoots, UploadMax: cfg.BuildUploadMax})
+	api.SetTenancy(keys, auditLog)
 	srv := &http.Server{
 		Handler:           api.Handler(),
 		Protocols:         &protocols,

@@ -10,15 +10,36 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+
+	"github.com/shoal-sandbox/shoal/internal/tenant"
 )
 
 // AdminKeyFile is the name of the admin API key file in the data directory.
 const AdminKeyFile = "admin.key"
 
-// Auth checks API keys. Today there is one key, the admin key, written to
-// DATA/admin.key (mode 0600) on first start.
+// Auth checks API keys: the admin key, written to DATA/admin.key (mode
+// 0600) on first start, which is the admin principal; and the tenants' keys
+// of a tenant.Store (SetKeys).
 type Auth struct {
-	key []byte
+	key  []byte
+	keys *tenant.Store // nil: the admin key only
+}
+
+// SetKeys makes the middleware accept the keys of ks too. Call it before
+// serving.
+func (a *Auth) SetKeys(ks *tenant.Store) { a.keys = ks }
+
+// principal resolves a key to its principal, or nil.
+func (a *Auth) principal(key string) *tenant.Principal {
+	if subtle.ConstantTimeCompare([]byte(key), a.key) == 1 {
+		return tenant.Admin()
+	}
+	if a.keys != nil {
+		if k, ok := a.keys.Resolve(key); ok {
+			return k.Principal()
+		}
+	}
+	return nil
 }
 
 // LoadOrCreateAdminKey reads DATA/admin.key, creating it with a fresh random
@@ -56,7 +77,8 @@ func LoadOrCreateAdminKey(dataDir string) (*Auth, error) {
 }
 
 // Middleware lets a request through only with "Authorization: Bearer <key>"
-// (or E2B's "X-API-Key: <key>"); public paths pass without one.
+// (or E2B's "X-API-Key: <key>"), with the key's principal in its context
+// (tenant.FromContext); public paths pass without one (and no principal).
 func (a *Auth) Middleware(next http.Handler, public ...string) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		for _, p := range public {
@@ -73,10 +95,11 @@ func (a *Auth) Middleware(next http.Handler, public ...string) http.Handler {
 			writeHTTPError(w, http.StatusUnauthorized, "unauthenticated", "missing API key: send \"Authorization: Bearer <key>\" (the admin key is in DATA/admin.key)")
 			return
 		}
-		if subtle.ConstantTimeCompare([]byte(got), a.key) != 1 {
+		p := a.principal(got)
+		if p == nil {
 			writeHTTPError(w, http.StatusUnauthorized, "unauthenticated", "invalid API key")
 			return
 		}
-		next.ServeHTTP(w, r)
+		next.ServeHTTP(w, r.WithContext(tenant.WithPrincipal(r.Context(), p)))
 	})
 }

@@ -23,13 +23,13 @@ import (
 // JSON requests are decoded strictly (see strictJSONCodec), no message
 // may be larger than limits.MessageBytes (connect refuses a larger one with
 // resource_exhausted before reading it whole), and every call is counted
-// (metrics.go).
+// (metrics.go), authorized and audited (authz.go).
 func (s *Server) handlerOptions() []connect.HandlerOption {
 	return []connect.HandlerOption{
 		connect.WithReadMaxBytes(limits.MessageBytes),
 		connect.WithCodec(strictJSONCodec{name: "json"}),
 		connect.WithCodec(strictJSONCodec{name: "json; charset=utf-8"}),
-		connect.WithInterceptors(metricsInterceptor{s.metrics}),
+		connect.WithInterceptors(metricsInterceptor{s.metrics}, authzInterceptor{s}), // authz.go
 	}
 }
 

@@ -199,7 +199,11 @@ func (s *Server) GetLayer(ctx context.Context, req *connect.Request[pb.GetLayerR
 	if err != nil {
 		return nil, toConnect(err)
 	}
-	out.UsedBySandboxes = usage[l.Digest]
+	for _, id := range usage[l.Digest] {
+		if _, err := s.sandboxFor(ctx, id); err == nil { // another tenant's: not shown
+			out.UsedBySandboxes = append(out.UsedBySandboxes, id)
+		}
+	}
 	envs, err := store.Envs()
 	if err != nil {
 		return nil, toConnect(err)

@@ -67,7 +67,7 @@ func (s *Server) portRoutes(mux *http.ServeMux) {
 		Transport:    tr,
 		ErrorHandler: p.proxyError,
 	}
-	mux.HandleFunc("/v1/sandboxes/{id}/ports/{port}/{path...}", p.serve)
+	s.sandboxRoute(mux, "/v1/sandboxes/{id}/ports/{port}/{path...}", p.serve) // authz.go
 }
 
 // portOf parses and checks the {port} path value.

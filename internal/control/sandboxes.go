@@ -16,12 +16,14 @@ import (
 
 	pb "github.com/shoal-sandbox/shoal/api/shoal/v1"
 	"github.com/shoal-sandbox/shoal/api/shoal/v1/shoalv1connect"
+	"github.com/shoal-sandbox/shoal/internal/audit"
 	"github.com/shoal-sandbox/shoal/internal/layer"
 	"github.com/shoal-sandbox/shoal/internal/limits"
 	"github.com/shoal-sandbox/shoal/internal/metrics"
 	"github.com/shoal-sandbox/shoal/internal/netpolicy"
 	"github.com/shoal-sandbox/shoal/internal/node"
 	"github.com/shoal-sandbox/shoal/internal/session"
+	"github.com/shoal-sandbox/shoal/internal/tenant"
 )
 
 // Server implements the API on top of one node's manager.
@@ -35,12 +37,18 @@ type Server struct {
 	log      *slog.Logger
 	metrics  *metrics.Metrics // nil: not counted, no /metrics
 	builds   BuildPolicy      // set before serving (SetBuildPolicy)
+	keys     *tenant.Store    // nil: only the admin key (AdminService refuses)
+	audit    *audit.Log       // nil: nothing audited
+	// sandboxRoutes are the patterns registered through sandboxRoute
+	// (authz.go). Written by Handler only.
+	sandboxRoutes map[string]bool
 }
 
 var (
 	_ shoalv1connect.SandboxServiceHandler = (*Server)(nil)
 	_ shoalv1connect.CommandServiceHandler = (*Server)(nil)
 	_ shoalv1connect.LayerServiceHandler   = (*Server)(nil)
+	_ shoalv1connect.AdminServiceHandler   = (*Server)(nil)
 )
 
 // New returns the API server.
@@ -61,13 +69,16 @@ func (s *Server) Handler() http.Handler {
 	mux.Handle(shoalv1connect.NewSandboxServiceHandler(s, s.handlerOptions()...)) // strict JSON (codec.go)
 	mux.Handle(shoalv1connect.NewLayerServiceHandler(s, s.handlerOptions()...))
 	mux.Handle(shoalv1connect.NewCommandServiceHandler(s, s.handlerOptions()...))
-	mux.HandleFunc("GET /v1/sandboxes/{id}/files", s.readFile)
-	mux.HandleFunc("PUT /v1/sandboxes/{id}/files", s.writeFile)
+	mux.Handle(shoalv1connect.NewAdminServiceHandler(s, s.handlerOptions()...)) // admin.go
+	s.sandboxRoute(mux, "GET /v1/sandboxes/{id}/files", s.readFile)             // authz.go: {id} resolved for the key
+	s.sandboxRoute(mux, "PUT /v1/sandboxes/{id}/files", s.writeFile)
 	s.portRoutes(mux) // /v1/sandboxes/{id}/ports/{port}/... (ports.go)
 	s.layerRoutes(mux)
 	s.fncallRoutes(mux) // FnCallService, CreateSandbox of backend "fncall" (fncall.go)
 	// A /shoal.v1.* procedure not served here: unimplemented (codec.go).
-	return s.auth.Middleware(s.countRoutes(unknownProcedures(mux)), "/healthz")
+	// Every request: authenticated (the key's principal in its context),
+	// then authorized: RPCs by authzInterceptor, routes by routeGate.
+	return s.auth.Middleware(s.countRoutes(s.routeGate(mux, unknownProcedures(mux))), "/healthz")
 }
 
 // --- sandboxes ---
@@ -81,11 +92,12 @@ func (s *Server) CreateSandbox(ctx context.Context, req *connect.Request[pb.Crea
 		Memory: r.MemoryBytes, MilliCPU: r.Millicpu, Disk: r.DiskBytes, Timeout: limits.Seconds(r.TimeoutSeconds),
 		Metadata: r.Metadata, Env: r.Env, ClientKey: r.ClientKey,
 		Network: networkReq(r.Network),
+		Tenant:  tenant.FromContext(ctx).Tenant,
 	})
 	if err != nil {
 		return nil, toConnect(err)
 	}
-	return connect.NewResponse(sandboxPB(rec)), nil
+	return connect.NewResponse(s.sandboxOut(ctx, rec)), nil
 }
 
 func (s *Server) GetSandbox(ctx context.Context, req *connect.Request[pb.GetSandboxRequest]) (*connect.Response[pb.Sandbox], error) {
@@ -93,13 +105,17 @@ func (s *Server) GetSandbox(ctx context.Context, req *connect.Request[pb.GetSand
 	if err != nil {
 		return nil, toConnect(err)
 	}
-	return connect.NewResponse(sandboxPB(rec)), nil
+	return connect.NewResponse(s.sandboxOut(ctx, rec)), nil
 }
 
 func (s *Server) ListSandboxes(ctx context.Context, req *connect.Request[pb.ListSandboxesRequest]) (*connect.Response[pb.ListSandboxesResponse], error) {
 	out := &pb.ListSandboxesResponse{}
+	p := tenant.FromContext(ctx)
 	for _, rec := range s.node.List() {
-		out.Sandboxes = append(out.Sandboxes, sandboxPB(rec))
+		if !p.Sees(rec.Tenant) {
+			continue
+		}
+		out.Sandboxes = append(out.Sandboxes, s.sandboxOut(ctx, rec))
 	}
 	return connect.NewResponse(out), nil
 }
@@ -116,7 +132,7 @@ func (s *Server) SetTimeout(ctx context.Context, req *connect.Request[pb.SetTime
 	if err != nil {
 		return nil, toConnect(err)
 	}
-	return connect.NewResponse(sandboxPB(rec)), nil
+	return connect.NewResponse(s.sandboxOut(ctx, rec)), nil
 }
 
 // networkReq is a create's network policy; nil: none.
@@ -132,7 +148,7 @@ func sandboxPB(r node.Record) *pb.Sandbox {
 		Id: r.ID, Backend: r.Backend, MemoryBytes: r.Resources.MemoryBytes, Millicpu: r.Resources.MilliCPU, DiskBytes: r.Resources.DiskBytes,
 		PidsLimit: r.Resources.Pids, TimeoutSeconds: int64(r.Timeout / time.Second),
 		CreatedAt: timestamppb.New(r.Created), ExpiresAt: timestamppb.New(r.Expires),
-		Metadata: r.Metadata, Error: r.Error,
+		Metadata: r.Metadata, Error: r.Error, Tenant: r.Tenant,
 	}
 	switch r.State {
 	case node.StateCreating:
@@ -161,6 +177,16 @@ func sandboxPB(r node.Record) *pb.Sandbox {
 	}
 	if out.Runtime["runc_id"] == "" && r.Backend == "container" {
 		out.Runtime["runc_id"] = r.ID
+	}
+	return out
+}
+
+// sandboxOut is a sandbox as the principal of ctx sees it: the runtime
+// (host paths, runtime IDs) is for admin keys only.
+func (s *Server) sandboxOut(ctx context.Context, r node.Record) *pb.Sandbox {
+	out := sandboxPB(r)
+	if !tenant.FromContext(ctx).IsAdmin() {
+		out.Runtime = nil
 	}
 	return out
 }

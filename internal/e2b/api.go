@@ -24,6 +24,7 @@ import (
 	"github.com/shoal-sandbox/shoal/internal/limits"
 	"github.com/shoal-sandbox/shoal/internal/netpolicy"
 	"github.com/shoal-sandbox/shoal/internal/node"
+	"github.com/shoal-sandbox/shoal/internal/tenant"
 )
 
 const (
@@ -37,19 +38,25 @@ func (s *Server) apiRoutes() http.Handler {
 	mux.HandleFunc("GET /health", func(w http.ResponseWriter, r *http.Request) {
 		writeJSON(w, http.StatusOK, map[string]string{"message": "Health check successful"})
 	})
-	mux.HandleFunc("POST /sandboxes", s.createSandbox)
-	mux.HandleFunc("POST /v2/sandboxes", s.createSandbox)
-	mux.HandleFunc("GET /sandboxes", s.listSandboxesV1)
-	mux.HandleFunc("GET /v2/sandboxes", s.listSandboxes)
-	mux.HandleFunc("GET /sandboxes/{id}", s.getSandbox)
-	mux.HandleFunc("DELETE /sandboxes/{id}", s.killSandbox)
-	mux.HandleFunc("POST /sandboxes/{id}/timeout", s.setTimeout)
-	mux.HandleFunc("POST /sandboxes/{id}/refreshes", s.refreshSandbox)
-	mux.HandleFunc("POST /sandboxes/{id}/pause", s.pauseSandbox)
-	mux.HandleFunc("POST /sandboxes/{id}/resume", s.resumeSandbox)
-	mux.HandleFunc("POST /sandboxes/{id}/connect", s.connectSandbox)
-	mux.HandleFunc("POST /v2/sandboxes/{id}/connect", s.connectSandbox)
-	mux.HandleFunc("GET /sandboxes/{id}/metrics", func(w http.ResponseWriter, r *http.Request) {
+	// Every route but /health needs a key with the sandboxes scope
+	// (scoped); a route of one sandbox is registered through sandbox,
+	// which answers 404 for another tenant's sandbox as for a missing one.
+	sandboxes := []tenant.Scope{tenant.ScopeSandboxes}
+	create := []tenant.Scope{tenant.ScopeSandboxes, tenant.ScopeLayersRead}
+	sandbox := func(pattern string, h http.HandlerFunc) { mux.HandleFunc(pattern, s.scoped(sandboxes, s.owned(h))) }
+	mux.HandleFunc("POST /sandboxes", s.scoped(create, s.createSandbox))
+	mux.HandleFunc("POST /v2/sandboxes", s.scoped(create, s.createSandbox))
+	mux.HandleFunc("GET /sandboxes", s.scoped(sandboxes, s.listSandboxesV1))
+	mux.HandleFunc("GET /v2/sandboxes", s.scoped(sandboxes, s.listSandboxes))
+	sandbox("GET /sandboxes/{id}", s.getSandbox)
+	sandbox("DELETE /sandboxes/{id}", s.killSandbox)
+	sandbox("POST /sandboxes/{id}/timeout", s.setTimeout)
+	sandbox("POST /sandboxes/{id}/refreshes", s.refreshSandbox)
+	sandbox("POST /sandboxes/{id}/pause", s.pauseSandbox)
+	sandbox("POST /sandboxes/{id}/resume", s.resumeSandbox)
+	sandbox("POST /sandboxes/{id}/connect", s.connectSandbox)
+	sandbox("POST /v2/sandboxes/{id}/connect", s.connectSandbox)
+	sandbox("GET /sandboxes/{id}/metrics", func(w http.ResponseWriter, r *http.Request) {
 		if _, ok := s.lookup(w, r.PathValue("id")); ok {
 			writeJSON(w, http.StatusOK, []any{}) // Shoal keeps no metrics history yet
 		}
@@ -155,6 +162,32 @@ func decodeBody(w http.ResponseWriter, r *http.Request, v any) bool {
 		return false
 	}
 	return true
+}
+
+// scoped serves h only to a key with scopes (permission_denied, 403,
+// naming the missing one, otherwise).
+func (s *Server) scoped(scopes []tenant.Scope, h http.HandlerFunc) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		if err := tenant.FromContext(r.Context()).Require(r.Pattern, scopes...); err != nil {
+			writeErr(w, err)
+			return
+		}
+		h(w, r)
+	}
+}
+
+// owned serves h only for a sandbox {id} the key's tenant owns (or for an
+// admin key); any other is answered as a missing sandbox is (404). Every
+// route of one sandbox goes through it (apiRoutes).
+func (s *Server) owned(h http.HandlerFunc) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		id := r.PathValue("id")
+		if rec, err := s.node.Get(id); err == nil && !tenant.FromContext(r.Context()).Sees(rec.Tenant) {
+			writeError(w, http.StatusNotFound, fmt.Sprintf("sandbox %q not found", id))
+			return
+		}
+		h(w, r)
+	}
 }
 
 // lookup finds a sandbox or answers 404 in E2B's shape (the SDK tests
@@ -316,7 +349,7 @@ func (s *Server) createSandbox(w http.ResponseWriter, r *http.Request) {
 	if in.Timeout != nil && *in.Timeout > 0 {
 		timeout = limits.Seconds(*in.Timeout)
 	}
-	req := node.CreateRequest{Timeout: timeout, Metadata: in.Metadata, Env: in.EnvVars}
+	req := node.CreateRequest{Timeout: timeout, Metadata: in.Metadata, Env: in.EnvVars, Tenant: tenant.FromContext(r.Context()).Tenant}
 	// Network: E2B's allowInternetAccess (the public internet; unset is
 	// false here: Shoal sandboxes have no network unless asked), denyOut
 	// taken out of it, allowOut allowed whatever denyOut says.
@@ -331,6 +364,7 @@ func (s *Server) createSandbox(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	rec, err := s.node.Create(r.Context(), req)
+	s.record(r.Context(), "sandbox.create", rec.ID, "template "+in.TemplateID, err)
 	if err != nil {
 		writeErr(w, err)
 		return
@@ -361,7 +395,9 @@ func (s *Server) killSandbox(w http.ResponseWriter, r *http.Request) {
 	// A delete is not abandoned half way when the client goes away.
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(r.Context()), 2*time.Minute)
 	defer cancel()
-	if err := s.node.Delete(ctx, id); err != nil {
+	err := s.node.Delete(ctx, id)
+	s.record(r.Context(), "sandbox.delete", id, "", err)
+	if err != nil {
 		if errors.Is(err, errdefs.ErrNotFound) {
 			writeError(w, http.StatusNotFound, fmt.Sprintf("sandbox %q not found", id))
 			return
@@ -485,7 +521,7 @@ func (s *Server) listSandboxes(w http.ResponseWriter, r *http.Request) {
 		badRequest(w, "order %q: want asc or desc", q.Get("order"))
 		return
 	}
-	recs := s.node.List() // oldest first
+	recs := s.visible(r) // oldest first
 	if desc {
 		sort.SliceStable(recs, func(i, j int) bool { return !before(recs[i], recs[j]) })
 	}
@@ -533,6 +569,20 @@ func (s *Server) listSandboxes(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusOK, out)
 }
 
+// visible lists the sandboxes the key of r sees (its tenant's; every one
+// for an admin key), oldest first.
+func (s *Server) visible(r *http.Request) []node.Record {
+	p := tenant.FromContext(r.Context())
+	all := s.node.List()
+	out := all[:0]
+	for _, rec := range all {
+		if p.Sees(rec.Tenant) {
+			out = append(out, rec)
+		}
+	}
+	return out
+}
+
 // before orders sandboxes by creation time, then ID (node.List's order).
 func before(a, b node.Record) bool {
 	if !a.Created.Equal(b.Created) {
@@ -550,7 +600,7 @@ func (s *Server) listSandboxesV1(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	out := []listedSandbox{}
-	for _, rec := range s.node.List() {
+	for _, rec := range s.visible(r) {
 		if rec.State != node.StateRunning {
 			continue
 		}

@@ -51,10 +51,12 @@ import (
 	"go.etcd.io/bbolt"
 
 	"github.com/shoal-sandbox/shoal/internal/agent"
+	"github.com/shoal-sandbox/shoal/internal/audit"
 	"github.com/shoal-sandbox/shoal/internal/errdefs"
 	"github.com/shoal-sandbox/shoal/internal/layer"
 	"github.com/shoal-sandbox/shoal/internal/node"
 	"github.com/shoal-sandbox/shoal/internal/session"
+	"github.com/shoal-sandbox/shoal/internal/tenant"
 )
 
 // EnvdPort is the port of E2B's in-sandbox daemon; requests for it are
@@ -100,6 +102,8 @@ type Config struct {
 	PausedTimeout time.Duration
 	// Pause is PauseKeepRunning (default) or PauseRefuse.
 	Pause string
+	// Audit records creates, kills and process starts (nil: not audited).
+	Audit *audit.Log
 }
 
 // Validate fills defaults and checks the configuration.
@@ -391,6 +395,22 @@ func (s *Server) sandboxTraffic(w http.ResponseWriter, r *http.Request, id strin
 		return
 	}
 	s.envd.ServeHTTP(w, r.WithContext(context.WithValue(r.Context(), sandboxKey{}, id)))
+}
+
+// record writes an audit entry for an action of the key of ctx (or, for
+// envd's calls, which carry the sandbox's access token and no key, "envd"
+// with the sandbox's tenant).
+func (s *Server) record(ctx context.Context, action, sandboxID, detail string, err error) {
+	if s.cfg.Audit == nil {
+		return
+	}
+	e := audit.Entry{Key: "envd", Action: "e2b." + action, Object: sandboxID, Detail: detail, Result: errdefs.Code(err)}
+	if p := tenant.FromContext(ctx); p != nil {
+		e.Key, e.Tenant = p.Key, p.Tenant
+	} else if rec, gerr := s.node.Get(sandboxID); gerr == nil {
+		e.Tenant = rec.Tenant
+	}
+	s.cfg.Audit.Record(e)
 }
 
 // envdAuthorized checks a request's X-Access-Token, or a signed /files URL.

@@ -39,7 +39,7 @@ func codeOf(err error) connect.Code {
 		return connect.CodeNotFound
 	case errors.Is(err, errdefs.ErrAlreadyExists), errors.Is(err, fs.ErrExist):
 		return connect.CodeAlreadyExists
-	case errors.Is(err, fs.ErrPermission):
+	case errors.Is(err, fs.ErrPermission), errors.Is(err, errdefs.ErrPermissionDenied):
 		return connect.CodePermissionDenied
 	case errors.Is(err, errdefs.ErrFailedPrecondition):
 		return connect.CodeFailedPrecondition

@@ -187,6 +187,7 @@ func (p *processService) Start(ctx context.Context, req *connect.Request[pp.Star
 	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
 	c, _, err := s.sessions.Start(sctx, id, sr)
 	cancel()
+	s.record(ctx, "command.start", id, strings.Join(args, " "), err)
 	if err != nil {
 		return toConnect(err)
 	}

@@ -17,9 +17,12 @@ var (
 	ErrNotFound           = errors.New("not found")
 	ErrAlreadyExists      = errors.New("already exists")
 	ErrFailedPrecondition = errors.New("failed precondition")
-	ErrPermissionDenied   = errors.New("permission denied")
 	ErrResourceExhausted  = errors.New("resource exhausted")
 	ErrUnavailable        = errors.New("unavailable")
+	// ErrPermissionDenied: the caller may not do this: its key lacks the
+	// scope the operation needs, or a server path is outside the build
+	// roots (the message says which).
+	ErrPermissionDenied = errors.New("permission denied")
 	// ErrSandboxKilled: the operation's sandbox was deleted (by a client,
 	// or by its timeout) while the operation ran, e.g. the command a
 	// stream follows: it did not exit, it was killed with its sandbox. The
@@ -69,6 +72,8 @@ func Code(err error) string {
 		return "resource_exhausted"
 	case errors.Is(err, ErrUnavailable):
 		return "unavailable"
+	case errors.Is(err, ErrPermissionDenied):
+		return "permission_denied"
 	case errors.Is(err, context.Canceled):
 		return "canceled"
 	case errors.Is(err, context.DeadlineExceeded):

@@ -25,6 +25,7 @@ type Metrics struct {
 	deletes        *prometheus.CounterVec
 	requests       *prometheus.CounterVec
 	requestSeconds *prometheus.HistogramVec
+	auditDropped   prometheus.Counter
 }
 
 // Latency buckets from 1 ms (a pooled create, an exec) to a minute (a cold
@@ -58,8 +59,12 @@ func New() *Metrics {
 			Help:    "API request latency by procedure (or route); a stream counts until it ends.",
 			Buckets: buckets,
 		}, []string{"procedure"}),
+		auditDropped: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "shoal_audit_dropped_total",
+			Help: "Audit log entries dropped because the audit writer's queue was full (or the log was closed or could not be reopened).",
+		}),
 	}
-	m.reg.MustRegister(m.creates, m.createSeconds, m.deletes, m.requests, m.requestSeconds,
+	m.reg.MustRegister(m.creates, m.createSeconds, m.deletes, m.requests, m.requestSeconds, m.auditDropped,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }
@@ -96,6 +101,14 @@ func (m *Metrics) Request(procedure, code string, took time.Duration) {
 	}
 	m.requests.WithLabelValues(procedure, code).Inc()
 	m.requestSeconds.WithLabelValues(procedure).Observe(took.Seconds())
+}
+
+// AuditDropped counts one dropped audit log entry.
+func (m *Metrics) AuditDropped() {
+	if m == nil {
+		return
+	}
+	m.auditDropped.Inc()
 }
 
 // Gauge is one value of a gauge read at scrape time.

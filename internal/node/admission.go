@@ -13,6 +13,14 @@ package node
 //
 // A sandbox counts from its admission until its delete; one in error still
 // counts (its disk is still there).
+//
+// Tenants: a create for a tenant with a quota (Config.Quotas) is refused,
+// resource_exhausted with the quota named, when the tenant's sandboxes
+// (admitted, running, in error or being deleted) would exceed its number of
+// sandboxes, total memory or total CPU, or when its create-rate token
+// bucket is empty. Admission comes before anything of the sandbox exists,
+// so a refused create leaves nothing; a create repeated with its client key
+// returns the sandbox already made without being admitted again.
 
 import (
 	"fmt"
@@ -21,11 +29,13 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"time"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/shoal-sandbox/shoal/internal/errdefs"
 	"github.com/shoal-sandbox/shoal/internal/sandbox"
+	"github.com/shoal-sandbox/shoal/internal/tenant"
 )
 
 // validateDisk fills and checks req.Disk for the backend of req.
@@ -50,24 +60,73 @@ func (m *Manager) validateDisk(req *CreateRequest) error {
 	return nil
 }
 
-// admit counts r for the create of sandbox id, or refuses it with
-// resource_exhausted when it would not fit in the node's budgets.
-func (m *Manager) admit(id string, r sandbox.Resources) error {
+// Quotas gives the quota of a tenant (*tenant.Store).
+type Quotas interface {
+	Quota(tenant string) tenant.Quota
+}
+
+// admission is what a create in flight was admitted with.
+type admission struct {
+	tenant string
+	res    sandbox.Resources
+}
+
+// admit counts r for the create of sandbox id for tenant t, or refuses it
+// with resource_exhausted when it would not fit in the node's budgets or in
+// the tenant's quota.
+func (m *Manager) admit(id, t string, r sandbox.Resources) error {
+	var q tenant.Quota
+	if m.cfg.Quotas != nil && t != "" {
+		q = m.cfg.Quotas.Quota(t)
+	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	var disk int64
-	for _, e := range m.sandboxes {
-		disk = satAdd(disk, e.rec.Resources.DiskBytes)
+	var mine struct{ n, mem, cpu int64 }
+	count := func(owner string, res sandbox.Resources) {
+		disk = satAdd(disk, res.DiskBytes)
+		if owner == t {
+			mine.n++
+			mine.mem = satAdd(mine.mem, res.MemoryBytes)
+			mine.cpu = satAdd(mine.cpu, res.MilliCPU)
+		}
 	}
-	for _, r := range m.admitting {
-		disk = satAdd(disk, r.DiskBytes)
+	for _, e := range m.sandboxes {
+		count(e.rec.Tenant, e.rec.Resources)
+	}
+	for _, a := range m.admitting {
+		count(a.tenant, a.res)
 	}
 	if b := m.cfg.DiskBudget; b > 0 && satAdd(disk, r.DiskBytes) > b {
 		return errdefs.New(errdefs.ErrResourceExhausted,
 			"node disk budget: its sandboxes' disks add up to %d MiB of %d MiB (serve --disk-budget), and this one asks %d MiB: delete sandboxes or ask a smaller disk",
 			disk>>20, b>>20, r.DiskBytes>>20)
 	}
-	m.admitting[id] = r
+	switch {
+	case q.MaxSandboxes > 0 && mine.n+1 > q.MaxSandboxes:
+		return errdefs.New(errdefs.ErrResourceExhausted,
+			"tenant %s quota max-sandboxes: it has %d sandboxes of %d: delete one first", t, mine.n, q.MaxSandboxes)
+	case q.MaxMemory > 0 && satAdd(mine.mem, r.MemoryBytes) > q.MaxMemory:
+		return errdefs.New(errdefs.ErrResourceExhausted,
+			"tenant %s quota max-memory: its sandboxes have %d MiB of %d MiB, and this one asks %d MiB", t, mine.mem>>20, q.MaxMemory>>20, r.MemoryBytes>>20)
+	case q.MaxMilliCPU > 0 && satAdd(mine.cpu, r.MilliCPU) > q.MaxMilliCPU:
+		return errdefs.New(errdefs.ErrResourceExhausted,
+			"tenant %s quota max-cpus: its sandboxes have %.3f cpus of %.3f, and this one asks %.3f", t, float64(mine.cpu)/1000, float64(q.MaxMilliCPU)/1000, float64(r.MilliCPU)/1000)
+	}
+	if q.CreatesPerSecond > 0 {
+		b := m.buckets[t]
+		if b == nil || !b.Same(q.CreatesPerSecond, q.Burst) {
+			b = tenant.NewBucket(q.CreatesPerSecond, q.Burst, time.Now())
+			m.buckets[t] = b
+		}
+		if !b.Take(time.Now()) {
+			return errdefs.New(errdefs.ErrResourceExhausted,
+				"tenant %s quota creates-per-second: more than %g creates a second (burst %d): retry later", t, q.CreatesPerSecond, q.Burst)
+		}
+	} else {
+		delete(m.buckets, t)
+	}
+	m.admitting[id] = admission{tenant: t, res: r}
 	return nil
 }
 

@@ -2,11 +2,14 @@ package node
 
 import (
 	"errors"
+	"fmt"
 	"math"
+	"strings"
 	"testing"
 
 	"github.com/shoal-sandbox/shoal/internal/errdefs"
 	"github.com/shoal-sandbox/shoal/internal/sandbox"
+	"github.com/shoal-sandbox/shoal/internal/tenant"
 )
 
 // diskBackend is a fake backend that bounds disks (or says why it cannot).
@@ -57,31 +60,31 @@ func TestAdmission(t *testing.T) {
 	m, _, _ := newTestManager(t)
 	m.cfg.DiskBudget = 3 << 30
 	r := sandbox.Resources{Pids: 1024, DiskBytes: 1 << 30}
-	if err := m.admit("a", r); err != nil {
+	if err := m.admit("a", "", r); err != nil {
 		t.Fatal(err)
 	}
 	m.sandboxes["b"] = &entry{rec: Record{ID: "b", Resources: r}} // a running one
-	if err := m.admit("c", sandbox.Resources{Pids: 900, DiskBytes: 1<<30 + 1}); !errors.Is(err, errdefs.ErrResourceExhausted) {
+	if err := m.admit("c", "", sandbox.Resources{Pids: 900, DiskBytes: 1<<30 + 1}); !errors.Is(err, errdefs.ErrResourceExhausted) {
 		t.Fatalf("over the disk budget: %v, want resource_exhausted", err)
 	}
-	if err := m.admit("c", r); err != nil {
+	if err := m.admit("c", "", r); err != nil {
 		t.Fatalf("within the budget: %v", err)
 	}
-	if err := m.admit("d", r); !errors.Is(err, errdefs.ErrResourceExhausted) {
+	if err := m.admit("d", "", r); !errors.Is(err, errdefs.ErrResourceExhausted) {
 		t.Fatalf("fourth disk over the budget: %v, want resource_exhausted", err)
 	}
 	// A failed create gives its share back; so does a deleted sandbox.
 	m.admitted("c")
 	delete(m.sandboxes, "b")
-	if err := m.admit("d", r); err != nil {
+	if err := m.admit("d", "", r); err != nil {
 		t.Fatal(err)
 	}
-	if err := m.admit("e", sandbox.Resources{DiskBytes: math.MaxInt64}); !errors.Is(err, errdefs.ErrResourceExhausted) {
+	if err := m.admit("e", "", sandbox.Resources{DiskBytes: math.MaxInt64}); !errors.Is(err, errdefs.ErrResourceExhausted) {
 		t.Fatalf("max int disk: %v, want resource_exhausted", err)
 	}
 	// No budget: anything goes.
 	m.cfg.DiskBudget = 0
-	if err := m.admit("f", sandbox.Resources{Pids: math.MaxInt64, DiskBytes: math.MaxInt64}); err != nil {
+	if err := m.admit("f", "", sandbox.Resources{Pids: math.MaxInt64, DiskBytes: math.MaxInt64}); err != nil {
 		t.Fatal(err)
 	}
 }
@@ -94,5 +97,57 @@ func TestHostPidsBudget(t *testing.T) {
 	pidMax, _ := readSysctl("/proc/sys/kernel/pid_max")
 	if b <= 0 || b > pidMax {
 		t.Errorf("pids budget %d, pid_max %d", b, pidMax)
+	}
+}
+
+type quotaMap map[string]tenant.Quota
+
+func (q quotaMap) Quota(t string) tenant.Quota { return q[t] }
+
+func TestTenantQuota(t *testing.T) {
+	m, _, _ := newTestManager(t)
+	quotas := quotaMap{"a": {MaxSandboxes: 2, MaxMemory: 3 << 30, MaxMilliCPU: 3000}}
+	m.cfg.Quotas = quotas
+	r := sandbox.Resources{MemoryBytes: 1 << 30, MilliCPU: 1000}
+	exhausted := func(err error, quota string) {
+		t.Helper()
+		if !errors.Is(err, errdefs.ErrResourceExhausted) || !strings.Contains(err.Error(), "quota "+quota) {
+			t.Fatalf("%v, want resource_exhausted naming quota %s", err, quota)
+		}
+	}
+	if err := m.admit("a1", "a", r); err != nil {
+		t.Fatal(err)
+	}
+	m.sandboxes["a2"] = &entry{rec: Record{ID: "a2", Tenant: "a", Resources: r}}
+	exhausted(m.admit("a3", "a", r), "max-sandboxes")
+	// Another tenant, and the admin, are not counted against a.
+	if err := m.admit("b1", "b", r); err != nil {
+		t.Fatal(err)
+	}
+	if err := m.admit("x1", "", r); err != nil {
+		t.Fatal(err)
+	}
+	m.admitted("a1") // a failed create gives its share back
+	if err := m.admit("a3", "a", r); err != nil {
+		t.Fatalf("after a failed create: %v", err)
+	}
+	m.admitted("a3")
+	exhausted(m.admit("a4", "a", sandbox.Resources{MemoryBytes: 2<<30 + 1, MilliCPU: 10}), "max-memory")
+	exhausted(m.admit("a4", "a", sandbox.Resources{MemoryBytes: 1 << 20, MilliCPU: 2001}), "max-cpus")
+	if err := m.admit("a4", "a", sandbox.Resources{MemoryBytes: 2 << 30, MilliCPU: 2000}); err != nil {
+		t.Fatalf("exactly at the quota: %v", err)
+	}
+	// Creates per second: a burst of 2, then refused until refilled.
+	quotas["c"] = tenant.Quota{CreatesPerSecond: 0.001, Burst: 2}
+	for i := 0; i < 2; i++ {
+		if err := m.admit(fmt.Sprint("c", i), "c", r); err != nil {
+			t.Fatalf("burst create %d: %v", i, err)
+		}
+	}
+	exhausted(m.admit("c2", "c", r), "creates-per-second")
+	// A raised rate takes effect at once.
+	quotas["c"] = tenant.Quota{CreatesPerSecond: 1000, Burst: 5}
+	if err := m.admit("c2", "c", r); err != nil {
+		t.Fatalf("after raising the rate: %v", err)
 	}
 }

@@ -28,6 +28,7 @@ import (
 	"github.com/shoal-sandbox/shoal/internal/metrics"
 	"github.com/shoal-sandbox/shoal/internal/netpolicy"
 	"github.com/shoal-sandbox/shoal/internal/sandbox"
+	"github.com/shoal-sandbox/shoal/internal/tenant"
 )
 
 // Errors returned by the manager; the API edge maps them to status codes.
@@ -64,6 +65,9 @@ type Config struct {
 	DiskBudget int64
 	// Metrics counts creates and deletes (nil: not counted).
 	Metrics *metrics.Metrics
+	// Quotas gives each tenant's quota, enforced at admission
+	// (admission.go); nil: none.
+	Quotas Quotas
 }
 
 // Disk sizes.
@@ -157,8 +161,11 @@ type Manager struct {
 	keyLocks map[string]chan struct{} // guarded by mu: creates in flight per client key
 	// admitting holds what the creates in flight were admitted with
 	// (admission.go), until their entry is in sandboxes. Guarded by mu.
-	admitting map[string]sandbox.Resources
+	admitting map[string]admission
 	onDelete  []func(id string) // set before serving; called after each delete
+	// buckets are the tenants' create-rate token buckets (admission.go).
+	// Guarded by mu.
+	buckets map[string]*tenant.Bucket
 }
 
 // entry is the in-memory state of one sandbox. Its fields are guarded by
@@ -219,7 +226,8 @@ func New(cfg Config, db *bbolt.DB, layers *layer.Store, backends []sandbox.Backe
 		return nil, fmt.Errorf("open sandbox store: %w", err)
 	}
 	m.keyLocks = map[string]chan struct{}{}
-	m.admitting = map[string]sandbox.Resources{}
+	m.admitting = map[string]admission{}
+	m.buckets = map[string]*tenant.Bucket{}
 	for _, b := range backends {
 		m.backends[b.Name()] = b
 	}
@@ -253,6 +261,9 @@ type CreateRequest struct {
 	ClientKey string
 	// Network: nil is loopback only; see internal/netpolicy.
 	Network *netpolicy.Request
+	// Tenant will own the sandbox ("": the admin); its quota applies
+	// (admission.go) and its client keys are its own.
+	Tenant string
 }
 
 func (m *Manager) validate(req *CreateRequest) error {
@@ -360,18 +371,19 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (rec Record, er
 		return Record{}, err
 	}
 	if req.ClientKey != "" {
-		unlock, err := m.lockKey(ctx, req.ClientKey)
+		ck := clientKeyOf(req.Tenant, req.ClientKey)
+		unlock, err := m.lockKey(ctx, ck)
 		if err != nil {
 			return Record{}, err
 		}
 		defer unlock()
 		var id string
 		m.db.View(func(tx *bbolt.Tx) error {
-			id = string(tx.Bucket(bucketClientKeys).Get([]byte(req.ClientKey)))
+			id = string(tx.Bucket(bucketClientKeys).Get([]byte(ck)))
 			return nil
 		})
 		if id != "" {
-			if rec, err := m.Get(id); err == nil {
+			if rec, err := m.Get(id); err == nil && rec.Tenant == req.Tenant {
 				return rec, nil
 			}
 		}
@@ -405,6 +417,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (rec Record, er
 		Metadata: req.Metadata,
 		Env:      req.Env,
 		Network:  req.Network,
+		Tenant:   req.Tenant,
 		// A provisional handle: enough for the backend to clean up after a
 		// crash in the middle of this create.
 		Handle: sandbox.Handle{ID: id, Backend: req.Backend, Data: map[string]string{"dir": dir}},
@@ -419,7 +432,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (rec Record, er
 		}
 	}()
 
-	if err := m.admit(id, rec.Resources); err != nil {
+	if err := m.admit(id, req.Tenant, rec.Resources); err != nil {
 		return Record{}, err
 	}
 	undo = append(undo, func() { m.admitted(id) })
@@ -477,7 +490,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (rec Record, er
 	rec.ClientKey = req.ClientKey
 	if err := m.db.Batch(func(tx *bbolt.Tx) error {
 		if rec.ClientKey != "" {
-			if err := tx.Bucket(bucketClientKeys).Put([]byte(rec.ClientKey), []byte(id)); err != nil {
+			if err := tx.Bucket(bucketClientKeys).Put([]byte(clientKeyOf(rec.Tenant, rec.ClientKey)), []byte(id)); err != nil {
 				return err
 			}
 		}
@@ -535,8 +548,8 @@ func (m *Manager) forget(id string) {
 		var rec Record
 		if v := b.Get([]byte(id)); v != nil && json.Unmarshal(v, &rec) == nil && rec.ClientKey != "" {
 			keys := tx.Bucket(bucketClientKeys)
-			if string(keys.Get([]byte(rec.ClientKey))) == id {
-				keys.Delete([]byte(rec.ClientKey))
+			if ck := []byte(clientKeyOf(rec.Tenant, rec.ClientKey)); string(keys.Get(ck)) == id {
+				keys.Delete(ck)
 			}
 		}
 		return b.Delete([]byte(id))
@@ -546,14 +559,21 @@ func (m *Manager) forget(id string) {
 }
 
 func (m *Manager) lookup(id string) (*entry, error) {
-	if !validID(id) {
-		return nil, errdefs.New(ErrNotFound, "%q is not a sandbox ID", id)
-	}
 	e, ok := m.sandboxes[id]
 	if !ok {
-		return nil, errdefs.New(ErrNotFound, "no sandbox %s on this node", id)
+		return nil, NotFound(id)
 	}
 	return e, nil
+}
+
+// NotFound is the error for a sandbox ID that names no sandbox here. The API
+// faces answer the same for a sandbox another tenant owns (no existence
+// oracle).
+func NotFound(id string) error {
+	if !validID(id) {
+		return errdefs.New(ErrNotFound, "%q is not a sandbox ID", id)
+	}
+	return errdefs.New(ErrNotFound, "no sandbox %s on this node", id)
 }
 
 // Get returns a sandbox's record.

@@ -51,6 +51,9 @@ type Record struct {
 	ClientKey string            `json:"client_key,omitempty"`
 	// Network is the egress asked for; nil: loopback only.
 	Network *netpolicy.Request `json:"network,omitempty"`
+	// Tenant owns the sandbox ("": the admin's, as every sandbox made
+	// before tenants existed); only its keys and admin keys see it.
+	Tenant string `json:"tenant,omitempty"`
 }
 
 var (
@@ -80,6 +83,16 @@ func validID(s string) bool {
 		}
 	}
 	return true
+}
+
+// clientKeyOf is the key of a create's client key in bucketClientKeys:
+// client keys are per tenant, so that one tenant's key never returns
+// another's sandbox ("" keeps the format from before tenants).
+func clientKeyOf(tenant, key string) string {
+	if tenant == "" {
+		return key
+	}
+	return tenant + "\x00" + key
 }
 
 func putRecord(tx *bbolt.Tx, r *Record) error {

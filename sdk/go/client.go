@@ -47,6 +47,9 @@ type Client struct {
 	Sandboxes shoalv1connect.SandboxServiceClient
 	Layers    shoalv1connect.LayerServiceClient
 	Commands  shoalv1connect.CommandServiceClient
+	// Admin: keys, tenants' quotas, the audit log (admin keys), and
+	// WhoAmI (any key); see admin.go.
+	Admin shoalv1connect.AdminServiceClient
 }
 
 // New returns a client.
@@ -91,6 +94,7 @@ func New(o Options) (*Client, error) {
 	c.Sandboxes = shoalv1connect.NewSandboxServiceClient(c.hc, c.url, noGzip)
 	c.Layers = shoalv1connect.NewLayerServiceClient(c.hc, c.url, noGzip)
 	c.Commands = shoalv1connect.NewCommandServiceClient(c.hc, c.url, noGzip)
+	c.Admin = shoalv1connect.NewAdminServiceClient(c.hc, c.url, noGzip)
 	return c, nil
 }
 

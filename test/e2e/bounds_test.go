@@ -106,6 +106,9 @@ func TestRequestValuesBounded(t *testing.T) {
 		big[fmt.Sprint("k", i)] = "v"
 	}
 	metadata, _ := jsonString(big)
+	// Requests that name a sandbox name a real one: the sandbox is
+	// resolved for the key before the values are checked (authz.go).
+	id := create(t)
 	for _, c := range []struct {
 		what, procedure, body, code, msg string
 	}{
@@ -117,15 +120,14 @@ func TestRequestValuesBounded(t *testing.T) {
 		{"2000 metadata entries", "/shoal.v1.SandboxService/CreateSandbox", `{"base":"` + baseRef + `","metadata":` + metadata + `}`, "invalid_argument", "more than the maximum of 1024"},
 		{"200 toolkits", "/shoal.v1.SandboxService/CreateSandbox", `{"base":"` + baseRef + `","toolkits":[` + strings.Repeat(`"t:1",`, 199) + `"t:1"]}`, "invalid_argument", "more than the maximum of 128"},
 		{"a long client key", "/shoal.v1.SandboxService/CreateSandbox", `{"base":"` + baseRef + `","clientKey":"` + strings.Repeat("k", 300) + `"}`, "invalid_argument", "client key is 300 bytes"},
-		{"SetTimeout that overflows", "/shoal.v1.SandboxService/SetTimeout", `{"id":"x","timeoutSeconds":"18446744075"}`, "invalid_argument", "overflow"},
-		{"a path of 5000 bytes", "/shoal.v1.SandboxService/StatFile", `{"sandboxId":"x","path":"/` + strings.Repeat("a", 5000) + `"}`, "invalid_argument", "maximum of 4096"},
+		{"SetTimeout that overflows", "/shoal.v1.SandboxService/SetTimeout", `{"id":"` + id + `","timeoutSeconds":"18446744075"}`, "invalid_argument", "overflow"},
+		{"a path of 5000 bytes", "/shoal.v1.SandboxService/StatFile", `{"sandboxId":"` + id + `","path":"/` + strings.Repeat("a", 5000) + `"}`, "invalid_argument", "maximum of 4096"},
 	} {
 		status, body, _ := postJSON(t, c.procedure, c.body)
 		wantError(t, c.what, status, body, http.StatusBadRequest, c.code, c.msg)
 	}
 
 	// Command values, checked by the session layer for every face.
-	id := create(t)
 	for _, c := range []struct{ what, body, msg string }{
 		{"exec timeout that overflows", `{"sandboxId":"` + id + `","args":["true"],"timeoutMs":"9223372036854775807"}`, "overflow"},
 		{"exec timeout over the maximum", `{"sandboxId":"` + id + `","args":["true"],"timeoutMs":"1000000000000"}`, "timeout must be between 0s and 168h0m0s"},

@@ -468,8 +468,11 @@ type Sandbox struct {
 	Runtime map[string]string `protobuf:"bytes,13,rep,name=runtime,proto3" json:"runtime,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
 	// disk_bytes: the size of its writable layer; 0 = not limited (a node
 	// that cannot limit disks).
-	DiskBytes     int64          `protobuf:"varint,14,opt,name=disk_bytes,json=diskBytes,proto3" json:"disk_bytes,omitempty"`
-	Network       *NetworkPolicy `protobuf:"bytes,20,opt,name=network,proto3" json:"network,omitempty"` // as created; unset: loopback only
+	DiskBytes int64          `protobuf:"varint,14,opt,name=disk_bytes,json=diskBytes,proto3" json:"disk_bytes,omitempty"`
+	Network   *NetworkPolicy `protobuf:"bytes,20,opt,name=network,proto3" json:"network,omitempty"` // as created; unset: loopback only
+	// The tenant that owns it (that of the key that created it; "": an
+	// admin key's). Only its keys and admin keys see it.
+	Tenant        string `protobuf:"bytes,21,opt,name=tenant,proto3" json:"tenant,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -607,6 +610,13 @@ func (x *Sandbox) GetNetwork() *NetworkPolicy {
 		return x.Network
 	}
 	return nil
+}
+
+func (x *Sandbox) GetTenant() string {
+	if x != nil {
+		return x.Tenant
+	}
+	return ""
 }
 
 type GetSandboxRequest struct {
@@ -1480,7 +1490,7 @@ const file_shoal_v1_sandbox_proto_rawDesc = "" +
 	"\rNetworkPolicy\x12\x1a\n" +
 	"\binternet\x18\x01 \x01(\bR\binternet\x12\x1b\n" +
 	"\tallow_out\x18\x02 \x03(\tR\ballowOut\x12\x19\n" +
-	"\bdeny_out\x18\x03 \x03(\tR\adenyOut\"\xe2\x05\n" +
+	"\bdeny_out\x18\x03 \x03(\tR\adenyOut\"\xfa\x05\n" +
 	"\aSandbox\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x18\n" +
 	"\abackend\x18\x02 \x01(\tR\abackend\x12,\n" +
@@ -1501,7 +1511,8 @@ const file_shoal_v1_sandbox_proto_rawDesc = "" +
 	"\aruntime\x18\r \x03(\v2\x1e.shoal.v1.Sandbox.RuntimeEntryR\aruntime\x12\x1d\n" +
 	"\n" +
 	"disk_bytes\x18\x0e \x01(\x03R\tdiskBytes\x121\n" +
-	"\anetwork\x18\x14 \x01(\v2\x17.shoal.v1.NetworkPolicyR\anetwork\x1a;\n" +
+	"\anetwork\x18\x14 \x01(\v2\x17.shoal.v1.NetworkPolicyR\anetwork\x12\x16\n" +
+	"\x06tenant\x18\x15 \x01(\tR\x06tenant\x1a;\n" +
 	"\rMetadataEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1a:\n" +
