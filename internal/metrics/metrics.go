@@ -25,6 +25,7 @@ type Metrics struct {
 	deletes        *prometheus.CounterVec
 	requests       *prometheus.CounterVec
 	requestSeconds *prometheus.HistogramVec
+	lazyFetch      prometheus.Histogram
 }
 
 // Latency buckets from 1 ms (a pooled create, an exec) to a minute (a cold
@@ -58,8 +59,13 @@ func New() *Metrics {
 			Help:    "API request latency by procedure (or route); a stream counts until it ends.",
 			Buckets: buckets,
 		}, []string{"procedure"}),
+		lazyFetch: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "shoal_layer_lazy_chunk_fetch_seconds",
+			Help:    "Latency of chunk fetches from the layer store by the lazy loader (retries included).",
+			Buckets: buckets,
+		}),
 	}
-	m.reg.MustRegister(m.creates, m.createSeconds, m.deletes, m.requests, m.requestSeconds,
+	m.reg.MustRegister(m.creates, m.createSeconds, m.deletes, m.requests, m.requestSeconds, m.lazyFetch,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }
@@ -96,6 +102,14 @@ func (m *Metrics) Request(procedure, code string, took time.Duration) {
 	}
 	m.requests.WithLabelValues(procedure, code).Inc()
 	m.requestSeconds.WithLabelValues(procedure).Observe(took.Seconds())
+}
+
+// LazyFetch records one chunk fetched by the lazy layer loader.
+func (m *Metrics) LazyFetch(took time.Duration) {
+	if m == nil {
+		return
+	}
+	m.lazyFetch.Observe(took.Seconds())
 }
 
 // Gauge is one value of a gauge read at scrape time.

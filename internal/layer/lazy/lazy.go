@@ -119,6 +119,9 @@ type Config struct {
 	Readahead    int           // chunks fetched ahead of a sequential miss (default 4)
 	TraceChunks  int           // chunks a trace records at most (default 65536)
 	NoPrefetch   bool          // record traces but never prefetch (benchmarks)
+	// OnFetch, if set, is called after each chunk fetched from the store
+	// (metrics); it must not block.
+	OnFetch func(bytes int, took time.Duration)
 }
 
 func (c *Config) fill() {
@@ -143,16 +146,15 @@ func (c *Config) fill() {
 
 // Stats are an FS's counters since it was mounted.
 type Stats struct {
-	BytesFetched   int64 // from the store
-	ChunksFetched  int64
-	FetchErrors    int64 // failed attempts (retried or not)
-	CacheHits      int64 // chunk reads served from the cache
-	CacheMisses    int64 // chunk reads that waited on a fetch
-	CacheBytes     int64 // bytes of chunks in the cache now
-	Evictions      int64
-	Prefetched     int64 // chunks fetched by trace prefetch
-	FetchSeconds   float64
-	FetchLatencies []time.Duration // recent fetch latencies (for histograms), drained by TakeLatencies
+	BytesFetched  int64 // from the store
+	ChunksFetched int64
+	FetchErrors   int64 // failed attempts (retried or not)
+	CacheHits     int64 // chunk reads served from the cache
+	CacheMisses   int64 // chunk reads that waited on a fetch
+	CacheBytes    int64 // bytes of chunks in the cache now
+	Evictions     int64
+	Prefetched    int64   // chunks fetched by trace prefetch
+	FetchSeconds  float64 // summed over fetches
 }
 
 // ImageStats are the counters of one open image.
@@ -310,16 +312,6 @@ func (f *FS) Stats() Stats {
 		Prefetched:    f.prefetched.Load(),
 		FetchSeconds:  time.Duration(f.fetchNanos.Load()).Seconds(),
 	}
-}
-
-// TakeLatencies returns the chunk fetch latencies recorded since the last
-// call (at most 4096 are kept between calls).
-func (f *FS) TakeLatencies() []time.Duration {
-	f.latMu.Lock()
-	defer f.latMu.Unlock()
-	l := f.lat
-	f.lat = nil
-	return l
 }
 
 // ImageStats returns the counters of an open image; ok is false if it is
@@ -527,11 +519,9 @@ func (im *image) fetch(i int, c *call) {
 			f.bytesFetched.Add(int64(n))
 			f.chunksFetched.Add(1)
 			f.fetchNanos.Add(int64(took))
-			f.latMu.Lock()
-			if len(f.lat) < 4096 {
-				f.lat = append(f.lat, took)
+			if f.cfg.OnFetch != nil {
+				f.cfg.OnFetch(n, took)
 			}
-			f.latMu.Unlock()
 			im.mu.Lock()
 			im.bytesFetched += int64(n)
 			im.mu.Unlock()
