@@ -319,3 +319,86 @@ func TestS3LazyServerKilled(t *testing.T) {
 		t.Fatal("release hangs")
 	}
 }
+
+// TestS3LazyTracePrefetch: the first mount of a layer records which chunks
+// were read; a cold start with that trace prefetches them, so the same
+// reads then wait on no fetch.
+func TestS3LazyTracePrefetch(t *testing.T) {
+	needLazy(t)
+	srv := s3server.Start(t, t.TempDir(), "shoal", 0)
+	st := s3Store(t, srv)
+	a := newEnv(t)
+	a.store.SetRemote(RemoteConfig{Store: st, ChunkSize: 64 << 10})
+	src := filepath.Join(a.root, "src")
+	files := randomTree(t, src, 30, 200<<10)
+	l, err := a.store.Build(context.Background(), BuildOptions{Kind: KindBase, Name: "base", Version: "1", Source: src, Compression: "none"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := a.store.Push(context.Background(), "base:1"); err != nil {
+		t.Fatal(err)
+	}
+	workload := []string{"data/fac", "data/fbb", "data/fad"}
+	run := func(n *lazyNode) {
+		t.Helper()
+		n.env.store.Resolve(l.Digest)
+		dir, err := n.env.store.Acquire(l.Digest)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, name := range workload {
+			if got, err := os.ReadFile(filepath.Join(dir, name)); err != nil || !bytes.Equal(got, files[name]) {
+				t.Fatalf("%s differs from the source (%v)", name, err)
+			}
+		}
+		if err := n.env.store.Release(l.Digest); err != nil {
+			t.Fatal(err)
+		}
+	}
+	cache1 := filepath.Join(t.TempDir(), "cache")
+	first := newLazyNode(t, st, cache1, lazy.Config{Readahead: -1})
+	run(first)
+	first.fs.Unmount()
+	traces, _ := filepath.Glob(filepath.Join(cache1, "traces", "*.json"))
+	if len(traces) != 1 {
+		t.Fatalf("traces after the first run: %v", traces)
+	}
+
+	// A cold node (no chunks) with the trace.
+	cache2 := filepath.Join(t.TempDir(), "cache")
+	if err := os.MkdirAll(filepath.Join(cache2, "traces"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	b, _ := os.ReadFile(traces[0])
+	os.WriteFile(filepath.Join(cache2, "traces", filepath.Base(traces[0])), b, 0o644)
+	second := newLazyNode(t, st, cache2, lazy.Config{Readahead: -1})
+	second.env.store.Resolve(l.Digest)
+	dir, err := second.env.store.Acquire(l.Digest)
+	if err != nil {
+		t.Fatal(err)
+	}
+	hexd := strings.TrimPrefix(l.Digest, "sha256:")
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		st, _ := second.fs.ImageStats(hexd)
+		if !st.Prefetching && st.ChunksCached >= st.TraceChunks {
+			t.Logf("prefetched %d of %d traced chunks", st.Prefetched, st.TraceChunks)
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("prefetch not done after 30s: %+v", st)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	before := second.fs.Stats()
+	for _, name := range workload {
+		if got, err := os.ReadFile(filepath.Join(dir, name)); err != nil || !bytes.Equal(got, files[name]) {
+			t.Fatalf("%s differs from the source (%v)", name, err)
+		}
+	}
+	after := second.fs.Stats()
+	if after.CacheMisses != before.CacheMisses || after.Prefetched == 0 {
+		t.Fatalf("after prefetch the workload still missed %d chunks (prefetched %d)", after.CacheMisses-before.CacheMisses, after.Prefetched)
+	}
+	second.env.store.Release(l.Digest)
+}
