@@ -283,7 +283,7 @@ func serveCmd() *cobra.Command {
 	cmd.Flags().BoolVar(&cfg.LayerStore.Lazy, "lazy", true, "load s3:// images on demand through FUSE (false: pull a whole image on its first use)")
 	cmd.Flags().StringVar(&cfg.LayerStore.CacheMaxArg, "lazy-cache-max", "20G", "bytes of lazily fetched chunks kept on disk (DATA/layers/lazy-cache, LRU)")
 	cmd.Flags().DurationVar(&cfg.LayerStore.FetchTimeout, "lazy-fetch-timeout", 30*time.Second, "a chunk the store does not deliver within this (retries included) fails its read with EIO")
-	cmd.Flags().StringVar(&cfg.LayerStore.ChunkSizeArg, "lazy-chunk-size", "256K", "chunk size of the digest lists push writes (lazy fetches use the size a layer was pushed with)")
+	cmd.Flags().StringVar(&cfg.LayerStore.ChunkSizeArg, "lazy-chunk-size", "64K", "chunk size of the digest lists push writes (lazy fetches use the size a layer was pushed with)")
 	cmd.Flags().StringVar(&cfg.E2B.Listen, "e2b-listen", "127.0.0.1:7481", "E2B-compatible endpoint (API and sandbox traffic, HTTP and HTTPS on one port); empty disables it")
 	cmd.Flags().StringVar(&cfg.E2B.Domain, "e2b-domain", "", "sandbox domain for E2B clients: getHost(port) is PORT-ID.DOMAIN (default shoal.localhost:<e2b port>)")
 	cmd.Flags().StringVar(&cfg.E2B.DefaultTemplate, "e2b-default-template", "debian:12", "environment or base layer used for E2B's default template \"base\" when none is named base")

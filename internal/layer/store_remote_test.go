@@ -1,6 +1,7 @@
 package layer
 
 import (
+	"log/slog"
 	"bytes"
 	"context"
 	"errors"
@@ -130,7 +131,11 @@ func newLazyNode(t *testing.T, st remote.Store, cache string, cfg lazy.Config) *
 	t.Helper()
 	e := newEnv(t)
 	cfg.CacheDir = cache
-	fsys, err := lazy.Mount(filepath.Join(e.dir, "lazy"), st, cfg, nil)
+	var log *slog.Logger
+	if testing.Verbose() {
+		log = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	}
+	fsys, err := lazy.Mount(filepath.Join(e.dir, "lazy"), st, cfg, log)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -149,7 +154,7 @@ func s3Store(t testing.TB, srv *s3server.Server) remote.Store {
 
 func TestS3Lazy(t *testing.T) {
 	needLazy(t)
-	srv := s3server.Start(t, t.TempDir(), "shoal", 0)
+	srv := s3server.Start(t, t.TempDir(), "shoal", 50<<20)
 	st := s3Store(t, srv)
 
 	a := newEnv(t)

@@ -46,11 +46,12 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// DefaultChunkSize is the chunk size push writes digest lists for. It was
-// chosen by measurement (README, "Lazy loading"): 256 KiB fetched about
-// 1.3× the bytes a workload read off a Debian base where 64 KiB needed 4×
-// the requests for a few percent fewer bytes.
-const DefaultChunkSize = 256 << 10
+// DefaultChunkSize is the chunk size push writes digest lists for, chosen
+// by measurement (README, "Layer stores and lazy loading"): reading every
+// 10th file of /usr/lib/python3 fetched 6.8x the bytes read at 64 KiB,
+// 9.3x at 256 KiB and the whole image at 1 MiB, and was fastest cold at
+// 64 KiB.
+const DefaultChunkSize = 64 << 10
 
 // Limits on what a chunk list may say.
 const (

@@ -99,7 +99,7 @@ func (s *S3) Put(ctx context.Context, key string, r io.Reader, size int64) error
 	if err != nil {
 		return err
 	}
-	if _, err := s.c.PutObject(ctx, s.bucket, k, r, size, minio.PutObjectOptions{ContentType: "application/octet-stream"}); err != nil {
+	if _, err := s.c.PutObject(ctx, s.bucket, k, r, size, minio.PutObjectOptions{ContentType: "application/octet-stream", DisableMultipart: size <= 5<<30}); err != nil {
 		return fmt.Errorf("put %s: %w", s.url+key, s3err(err))
 	}
 	return nil
