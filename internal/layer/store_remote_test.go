@@ -1,10 +1,10 @@
 package layer
 
 import (
-	"log/slog"
 	"bytes"
 	"context"
 	"errors"
+	"log/slog"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
