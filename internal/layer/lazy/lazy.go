@@ -265,16 +265,16 @@ func (f *FS) Open(hexDigest, key string, m Manifest) (string, error) {
 	}
 	im := &image{fs: f, hex: hexDigest, key: key, m: m, opens: 1, inflight: map[int]*call{}, touched: map[int32]bool{}, done: make(chan struct{})}
 	im.loadTrace()
+	prefetch := len(im.trace) > 0 && !f.cfg.NoPrefetch
+	im.recording = !prefetch // decided before the file is visible: reads see it set
 	ctx := context.Background()
 	ch := f.root.NewPersistentInode(ctx, &fileNode{im: im}, fs.StableAttr{Mode: syscall.S_IFREG})
 	if !f.root.AddChild(hexDigest, ch, true) {
 		return "", fmt.Errorf("lazy open %s: cannot add the file", hexDigest)
 	}
 	f.images[hexDigest] = im
-	if len(im.trace) > 0 && !f.cfg.NoPrefetch {
+	if prefetch {
 		go im.prefetch()
-	} else {
-		im.recording = true
 	}
 	go im.flushLoop()
 	return filepath.Join(f.mnt, hexDigest), nil
