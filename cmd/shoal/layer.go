@@ -19,7 +19,7 @@ import (
 func layerCmd() *cobra.Command {
 	cmd := &cobra.Command{Use: "layer", Short: "Build, tag, list, commit, export, import and remove layers"}
 	cmd.AddCommand(layerBuildCmd(), layerCommitCmd(), layerLsCmd(), layerInspectCmd(), layerTagCmd(),
-		layerRmCmd(), layerGCCmd(), layerExportCmd(), layerImportCmd())
+		layerRmCmd(), layerGCCmd(), layerExportCmd(), layerImportCmd(), layerPushCmd(), layerPullCmd())
 	return cmd
 }
 
@@ -192,6 +192,54 @@ func layerInspectCmd() *cobra.Command {
 			ctx, cancel := cmdContext()
 			defer cancel()
 			res, err := c.Layers.GetLayer(ctx, connect.NewRequest(&pb.GetLayerRequest{Ref: args[0]}))
+			if err != nil {
+				return err
+			}
+			printJSON(res.Msg)
+			return nil
+		},
+	}
+}
+
+func layerPushCmd() *cobra.Command {
+	return &cobra.Command{
+		Use:   "push REF [STORE]",
+		Short: "Copy a layer to the server's layer store (shoal serve --layer-store); STORE, if given, must be that store's URL",
+		Args:  cobra.RangeArgs(1, 2),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := client(cmd)
+			if err != nil {
+				return err
+			}
+			req := &pb.PushLayerRequest{Ref: args[0]}
+			if len(args) == 2 {
+				req.Store = args[1]
+			}
+			ctx, cancel := cmdContext()
+			defer cancel()
+			res, err := c.Layers.PushLayer(ctx, connect.NewRequest(req))
+			if err != nil {
+				return err
+			}
+			printJSON(res.Msg)
+			return nil
+		},
+	}
+}
+
+func layerPullCmd() *cobra.Command {
+	return &cobra.Command{
+		Use:   "pull REF",
+		Short: "Copy a layer whole from the server's layer store to the server, and tag it there",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := client(cmd)
+			if err != nil {
+				return err
+			}
+			ctx, cancel := cmdContext()
+			defer cancel()
+			res, err := c.Layers.PullLayer(ctx, connect.NewRequest(&pb.PullLayerRequest{Ref: args[0]}))
 			if err != nil {
 				return err
 			}

@@ -23,6 +23,8 @@ import (
 	"github.com/shoal-sandbox/shoal/internal/control"
 	"github.com/shoal-sandbox/shoal/internal/e2b"
 	"github.com/shoal-sandbox/shoal/internal/layer"
+	"github.com/shoal-sandbox/shoal/internal/layer/lazy"
+	"github.com/shoal-sandbox/shoal/internal/layer/remote"
 	"github.com/shoal-sandbox/shoal/internal/metrics"
 	"github.com/shoal-sandbox/shoal/internal/node"
 	"github.com/shoal-sandbox/shoal/internal/sandbox"
@@ -67,6 +69,22 @@ type serveConfig struct {
 	BuildUploadMax    int64
 	buildUploadMaxArg string
 	buildRoots        *layer.BuildRoots
+	// LayerStore: where layers live beyond this node (file:///dir or
+	// s3://bucket/prefix; "" none) and how to reach and cache it.
+	LayerStore layerStoreConfig
+}
+
+// layerStoreConfig configures the node's layer store and lazy loader.
+type layerStoreConfig struct {
+	URL          string
+	S3           remote.Options
+	WriteThrough bool
+	Lazy         bool // s3://: load images on demand (else pull whole on first use)
+	CacheMaxArg  string
+	CacheMax     int64
+	FetchTimeout time.Duration
+	ChunkSizeArg string
+	ChunkSize    int64
 }
 
 // e2bConfig configures the E2B-compatible endpoint (internal/e2b).
@@ -108,6 +126,20 @@ func (c *serveConfig) Validate() error {
 			return fmt.Errorf("--build-upload-max %q: want a size such as 32G", c.buildUploadMaxArg)
 		}
 		c.BuildUploadMax = n
+	}
+	if c.LayerStore.URL != "" {
+		n, err := parseBytes(c.LayerStore.CacheMaxArg)
+		if err != nil || n < 1<<20 {
+			return fmt.Errorf("--lazy-cache-max %q: want a size of at least 1M, such as 20G", c.LayerStore.CacheMaxArg)
+		}
+		c.LayerStore.CacheMax = n
+		if n, err = parseBytes(c.LayerStore.ChunkSizeArg); err != nil || n < lazy.MinChunkSize || n > lazy.MaxChunkSize || n&(n-1) != 0 {
+			return fmt.Errorf("--lazy-chunk-size %q: want a power of two from 4K to 16M", c.LayerStore.ChunkSizeArg)
+		}
+		c.LayerStore.ChunkSize = n
+		if c.LayerStore.FetchTimeout < time.Second || c.LayerStore.FetchTimeout > 10*time.Minute {
+			return fmt.Errorf("--lazy-fetch-timeout %s: want 1s to 10m", c.LayerStore.FetchTimeout)
+		}
 	}
 	if c.buildRoots, err = layer.NewBuildRoots(c.BuildRoots); err != nil {
 		return fmt.Errorf("--build-root: %w", err)
@@ -250,6 +282,15 @@ func serveCmd() *cobra.Command {
 	cmd.Flags().Int64Var(&cfg.CommitMaxBytes, "commit-max-bytes", layer.DefaultCommitMaxBytes, "bytes of files a layer commit copies from a sandbox at most (a bigger writable layer is refused)")
 	cmd.Flags().StringArrayVar(&cfg.BuildRoots, "build-root", nil, "a directory `layer build --server-path` may read from (repeatable; none by default: clients upload their sources)")
 	cmd.Flags().StringVar(&cfg.buildUploadMaxArg, "build-upload-max", "32G", "largest build source a client may upload (a bigger one is refused with 413)")
+	cmd.Flags().StringVar(&cfg.LayerStore.URL, "layer-store", "", "layer store shared by nodes: file:///dir (a local or shared file system: images are mounted straight from it) or s3://bucket/prefix (loaded lazily); a node resolves layers it does not hold from it. S3 credentials from AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY")
+	cmd.Flags().StringVar(&cfg.LayerStore.S3.Endpoint, "s3-endpoint", "", "S3 endpoint, http(s)://host:port or host:port (default $SHOAL_S3_ENDPOINT, else s3.amazonaws.com)")
+	cmd.Flags().StringVar(&cfg.LayerStore.S3.Region, "s3-region", "", "S3 region (default $AWS_REGION)")
+	cmd.Flags().BoolVar(&cfg.LayerStore.S3.PathStyle, "s3-path-style", false, "S3 path-style requests (bucket in the path; most on-premise servers)")
+	cmd.Flags().BoolVar(&cfg.LayerStore.WriteThrough, "layer-store-write-through", false, "push every layer built, committed or imported to the layer store")
+	cmd.Flags().BoolVar(&cfg.LayerStore.Lazy, "lazy", true, "load s3:// images on demand through FUSE (false: pull a whole image on its first use)")
+	cmd.Flags().StringVar(&cfg.LayerStore.CacheMaxArg, "lazy-cache-max", "20G", "bytes of lazily fetched chunks kept on disk (DATA/layers/lazy-cache, LRU)")
+	cmd.Flags().DurationVar(&cfg.LayerStore.FetchTimeout, "lazy-fetch-timeout", 30*time.Second, "a chunk the store does not deliver within this (retries included) fails its read with EIO")
+	cmd.Flags().StringVar(&cfg.LayerStore.ChunkSizeArg, "lazy-chunk-size", "64K", "chunk size of the digest lists push writes (lazy fetches use the size a layer was pushed with)")
 	cmd.Flags().StringVar(&cfg.E2B.Listen, "e2b-listen", "127.0.0.1:7481", "E2B-compatible endpoint (API and sandbox traffic, HTTP and HTTPS on one port); empty disables it")
 	cmd.Flags().StringVar(&cfg.E2B.Domain, "e2b-domain", "", "sandbox domain for E2B clients: getHost(port) is PORT-ID.DOMAIN (default shoal.localhost:<e2b port>)")
 	cmd.Flags().StringVar(&cfg.E2B.DefaultTemplate, "e2b-default-template", "debian:12", "environment or base layer used for E2B's default template \"base\" when none is named base")
@@ -282,6 +323,16 @@ func serve(cfg serveConfig) error {
 	layers, err := layer.Open(filepath.Join(cfg.DataDir, "layers"), db, log)
 	if err != nil {
 		return err
+	}
+	mt := metrics.New()
+	if cfg.LayerStore.URL != "" {
+		lz, err := openLayerStore(cfg, layers, mt, log)
+		if err != nil {
+			return err
+		}
+		if lz != nil {
+			defer lz.Unmount()
+		}
 	}
 	poolSize := cfg.PoolSize
 	if poolSize == 0 {
@@ -320,7 +371,6 @@ func serve(cfg serveConfig) error {
 		log.Error("sandbox disks: NOT limited: a sandbox can fill the host's disk", "why", how)
 	}
 	log.Info("sandbox tasks", "pids_limit", nodeCfg.PidsLimit, "pids_budget", pidsMax, "nofile", cfg.Nofile)
-	mt := metrics.New()
 	nodeCfg.Metrics = mt
 	// Tenants' keys and quotas (the admin key stays the admin), and the
 	// audit log of who did what (DATA/audit.log).

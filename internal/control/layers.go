@@ -219,7 +219,43 @@ func (s *Server) GetLayer(ctx context.Context, req *connect.Request[pb.GetLayerR
 		}
 	}
 	out.Mounts = int32(store.Refs(l.Digest))
+	if lz := store.Lazy(); lz != nil {
+		if st, ok := lz.ImageStats(strings.TrimPrefix(l.Digest, "sha256:")); ok {
+			out.Lazy = &pb.LazyLayerStats{
+				ChunkSize: st.ChunkSize, Chunks: int64(st.Chunks), ChunksCached: int64(st.ChunksCached),
+				BytesFetched: st.BytesFetched, BytesRead: st.BytesRead, CacheHits: st.CacheHits, CacheMisses: st.CacheMisses,
+				TraceChunks: int64(st.TraceChunks), Prefetched: st.Prefetched, Prefetching: st.Prefetching,
+			}
+		}
+	}
 	return connect.NewResponse(out), nil
+}
+
+func (s *Server) PushLayer(ctx context.Context, req *connect.Request[pb.PushLayerRequest]) (*connect.Response[pb.PushLayerResponse], error) {
+	store := s.node.Layers()
+	if want := req.Msg.Store; want != "" {
+		rs := store.RemoteStore()
+		if rs == nil || strings.TrimSuffix(want, "/") != strings.TrimSuffix(rs.URL(), "/") {
+			have := "none"
+			if rs != nil {
+				have = rs.URL()
+			}
+			return nil, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("store %q: this node pushes only to its own layer store (%s; shoal serve --layer-store)", want, have))
+		}
+	}
+	l, res, err := store.Push(ctx, req.Msg.Ref)
+	if err != nil {
+		return nil, toConnect(err)
+	}
+	return connect.NewResponse(&pb.PushLayerResponse{Layer: layerPB(l), Store: res.Store, UploadedBytes: res.UploadedBytes}), nil
+}
+
+func (s *Server) PullLayer(ctx context.Context, req *connect.Request[pb.PullLayerRequest]) (*connect.Response[pb.Layer], error) {
+	l, err := s.node.Layers().Pull(ctx, req.Msg.Ref)
+	if err != nil {
+		return nil, toConnect(err)
+	}
+	return connect.NewResponse(layerPB(l)), nil
 }
 
 func (s *Server) TagLayer(ctx context.Context, req *connect.Request[pb.TagLayerRequest]) (*connect.Response[pb.TagLayerResponse], error) {
@@ -480,7 +516,7 @@ func layerPB(l layer.Layer) *pb.Layer {
 	out := &pb.Layer{
 		Name: l.Name, Version: l.Version, Kind: kindPB(string(l.Kind)), Digest: l.Digest,
 		Size: l.Size, Compression: l.Compression, CreatedAt: timestamppb.New(l.Created), Ref: l.Ref(),
-		Source: l.Source, Files: l.Files, ContentBytes: l.ContentBytes,
+		Source: l.Source, Files: l.Files, ContentBytes: l.ContentBytes, Remote: l.Remote,
 	}
 	if l.Name == "" {
 		out.Ref = ""

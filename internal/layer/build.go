@@ -359,6 +359,9 @@ func (s *Store) installAndTag(img string, l Layer) (Layer, error) {
 	if err != nil {
 		return Layer{}, fmt.Errorf("tag: %w", err)
 	}
+	if err := s.pushAfterInstall(tagged); err != nil {
+		return Layer{}, err
+	}
 	switch old {
 	case "":
 		s.log.Info("layer built", "layer", tagged.Ref(), "digest", tagged.Digest, "size", tagged.Size, "source", l.Source)

@@ -352,7 +352,9 @@ func (s *Store) deleteImages(ls []Layer) (freed int64, err error) {
 			errs = append(errs, err)
 			continue
 		}
-		freed += l.Size
+		if l.Remote == "" {
+			freed += l.Size
+		}
 		s.log.Info("layer image removed", "digest", l.Digest, "name", l.Name, "size", l.Size)
 	}
 	if len(del) > 0 {

@@ -84,6 +84,10 @@ type Layer struct {
 	// (not counting the root) and the bytes of its regular files.
 	Files        int64 `json:"files,omitempty"`
 	ContentBytes int64 `json:"content_bytes,omitempty"`
+	// Remote is the layer store the image is read from when this node
+	// holds no copy of it (resolved from the store, not pulled); "" for a
+	// local image.
+	Remote string `json:"remote,omitempty"`
 }
 
 // Ref returns the layer's tag, "name:version".

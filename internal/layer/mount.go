@@ -37,15 +37,30 @@ func (s *Store) Acquire(digest string) (mountPath string, err error) {
 			return "", fmt.Errorf("acquire layer %s: mount point %s is taken by %s", digest, dir, other)
 		}
 	}
+	var release func()
 	if _, err := os.Stat(img); err != nil {
-		if errors.Is(err, fs.ErrNotExist) {
-			return "", fmt.Errorf("acquire layer %s: no image: %w", digest, ErrNotFound)
+		if !errors.Is(err, fs.ErrNotExist) {
+			return "", fmt.Errorf("acquire layer %s: %w", digest, err)
 		}
-		return "", fmt.Errorf("acquire layer %s: %w", digest, err)
+		// Not on this node: from the layer store.
+		if img, release, err = s.remoteImage(digest); err != nil {
+			return "", fmt.Errorf("acquire layer %s: %w", digest, err)
+		}
+		if release != nil {
+			// A loop device is new each time: what an earlier process
+			// left here was served by its FUSE server, now gone.
+			if err := unmountAll(dir); err != nil {
+				release()
+				return "", fmt.Errorf("acquire layer %s: %w", digest, err)
+			}
+		}
 	}
 
 	adopted, err := adoptable(dir, img)
 	if err != nil {
+		if release != nil {
+			release()
+		}
 		return "", fmt.Errorf("acquire layer %s: %w", digest, err)
 	}
 	if adopted {
@@ -56,11 +71,14 @@ func (s *Store) Acquire(digest string) (mountPath string, err error) {
 		}
 		if err := unix.Mount(img, dir, "erofs", layerMountFlags, ""); err != nil {
 			os.Remove(dir)
+			if release != nil {
+				release()
+			}
 			return "", fmt.Errorf("acquire layer %s: mount %s: %w", digest, img, err)
 		}
-		s.log.Debug("layer mounted", "digest", digest, "path", dir)
+		s.log.Debug("layer mounted", "digest", digest, "path", dir, "source", img)
 	}
-	s.mounts[digest] = &mount{path: dir, refs: 1}
+	s.mounts[digest] = &mount{path: dir, refs: 1, release: release}
 	return dir, nil
 }
 
@@ -103,7 +121,11 @@ func (s *Store) Release(digest string) error {
 		return nil
 	}
 	delete(s.mounts, digest)
-	if err := unmountDir(m.path); err != nil {
+	err := unmountDir(m.path)
+	if m.release != nil {
+		m.release()
+	}
+	if err != nil {
 		return fmt.Errorf("release layer %s: %w", digest, err)
 	}
 	s.log.Debug("layer unmounted", "digest", digest, "path", m.path)

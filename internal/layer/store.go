@@ -45,14 +45,17 @@ type Store struct {
 
 	gcMu sync.RWMutex
 
+	remote *RemoteConfig // set by SetRemote before serving; nil: no layer store
+
 	mu     sync.Mutex
 	mounts map[string]*mount // by digest; guarded by mu; only entries with refs > 0
 }
 
 // mount is one mounted image.
 type mount struct {
-	path string
-	refs int
+	path    string
+	refs    int
+	release func() // after unmounting (a lazily loaded image's loop device and FUSE file); may be nil
 }
 
 // Open opens the layer store rooted at dir (DATA/layers), creating its
@@ -154,6 +157,9 @@ func (s *Store) Resolve(ref string) (Layer, error) {
 		return Layer{}, fmt.Errorf("resolve layer %s: %w", ref, err)
 	}
 	if !found {
+		if s.remote != nil {
+			return s.resolveRemote(ref)
+		}
 		return Layer{}, fmt.Errorf("resolve layer %s: %w", ref, ErrNotFound)
 	}
 	return l, nil

@@ -26,6 +26,7 @@ type Metrics struct {
 	requests       *prometheus.CounterVec
 	requestSeconds *prometheus.HistogramVec
 	auditDropped   prometheus.Counter
+	lazyFetch      prometheus.Histogram
 }
 
 // Latency buckets from 1 ms (a pooled create, an exec) to a minute (a cold
@@ -63,8 +64,13 @@ func New() *Metrics {
 			Name: "shoal_audit_dropped_total",
 			Help: "Audit log entries dropped because the audit writer's queue was full (or the log was closed or could not be reopened).",
 		}),
+		lazyFetch: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "shoal_layer_lazy_chunk_fetch_seconds",
+			Help:    "Latency of chunk fetches from the layer store by the lazy loader (retries included).",
+			Buckets: buckets,
+		}),
 	}
-	m.reg.MustRegister(m.creates, m.createSeconds, m.deletes, m.requests, m.requestSeconds, m.auditDropped,
+	m.reg.MustRegister(m.creates, m.createSeconds, m.deletes, m.requests, m.requestSeconds, m.auditDropped, m.lazyFetch,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }
@@ -109,6 +115,14 @@ func (m *Metrics) AuditDropped() {
 		return
 	}
 	m.auditDropped.Inc()
+}
+
+// LazyFetch records one chunk fetched by the lazy layer loader.
+func (m *Metrics) LazyFetch(took time.Duration) {
+	if m == nil {
+		return
+	}
+	m.lazyFetch.Observe(took.Seconds())
 }
 
 // Gauge is one value of a gauge read at scrape time.

@@ -108,8 +108,13 @@ type Layer struct {
 	UsedBySandboxes    []string `protobuf:"bytes,13,rep,name=used_by_sandboxes,json=usedBySandboxes,proto3" json:"used_by_sandboxes,omitempty"`
 	UsedByEnvironments []string `protobuf:"bytes,14,rep,name=used_by_environments,json=usedByEnvironments,proto3" json:"used_by_environments,omitempty"`
 	Mounts             int32    `protobuf:"varint,15,opt,name=mounts,proto3" json:"mounts,omitempty"`
-	unknownFields      protoimpl.UnknownFields
-	sizeCache          protoimpl.SizeCache
+	// The layer store this node reads the image from, when it holds no copy
+	// ("" for a local image).
+	Remote string `protobuf:"bytes,16,opt,name=remote,proto3" json:"remote,omitempty"`
+	// Filled by GetLayer for an image loaded lazily and mounted now.
+	Lazy          *LazyLayerStats `protobuf:"bytes,17,opt,name=lazy,proto3" json:"lazy,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Layer) Reset() {
@@ -247,6 +252,295 @@ func (x *Layer) GetMounts() int32 {
 	return 0
 }
 
+func (x *Layer) GetRemote() string {
+	if x != nil {
+		return x.Remote
+	}
+	return ""
+}
+
+func (x *Layer) GetLazy() *LazyLayerStats {
+	if x != nil {
+		return x.Lazy
+	}
+	return nil
+}
+
+// LazyLayerStats are the lazy loader's counters for one mounted image.
+type LazyLayerStats struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	ChunkSize     int64                  `protobuf:"varint,1,opt,name=chunk_size,json=chunkSize,proto3" json:"chunk_size,omitempty"`
+	Chunks        int64                  `protobuf:"varint,2,opt,name=chunks,proto3" json:"chunks,omitempty"`
+	ChunksCached  int64                  `protobuf:"varint,3,opt,name=chunks_cached,json=chunksCached,proto3" json:"chunks_cached,omitempty"`
+	BytesFetched  int64                  `protobuf:"varint,4,opt,name=bytes_fetched,json=bytesFetched,proto3" json:"bytes_fetched,omitempty"` // from the store, since mounted
+	BytesRead     int64                  `protobuf:"varint,5,opt,name=bytes_read,json=bytesRead,proto3" json:"bytes_read,omitempty"`          // asked for by the kernel
+	CacheHits     int64                  `protobuf:"varint,6,opt,name=cache_hits,json=cacheHits,proto3" json:"cache_hits,omitempty"`
+	CacheMisses   int64                  `protobuf:"varint,7,opt,name=cache_misses,json=cacheMisses,proto3" json:"cache_misses,omitempty"`
+	TraceChunks   int64                  `protobuf:"varint,8,opt,name=trace_chunks,json=traceChunks,proto3" json:"trace_chunks,omitempty"` // chunks in the recorded access trace
+	Prefetched    int64                  `protobuf:"varint,9,opt,name=prefetched,proto3" json:"prefetched,omitempty"`                      // chunks fetched ahead by the trace
+	Prefetching   bool                   `protobuf:"varint,10,opt,name=prefetching,proto3" json:"prefetching,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *LazyLayerStats) Reset() {
+	*x = LazyLayerStats{}
+	mi := &file_shoal_v1_layer_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *LazyLayerStats) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*LazyLayerStats) ProtoMessage() {}
+
+func (x *LazyLayerStats) ProtoReflect() protoreflect.Message {
+	mi := &file_shoal_v1_layer_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use LazyLayerStats.ProtoReflect.Descriptor instead.
+func (*LazyLayerStats) Descriptor() ([]byte, []int) {
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *LazyLayerStats) GetChunkSize() int64 {
+	if x != nil {
+		return x.ChunkSize
+	}
+	return 0
+}
+
+func (x *LazyLayerStats) GetChunks() int64 {
+	if x != nil {
+		return x.Chunks
+	}
+	return 0
+}
+
+func (x *LazyLayerStats) GetChunksCached() int64 {
+	if x != nil {
+		return x.ChunksCached
+	}
+	return 0
+}
+
+func (x *LazyLayerStats) GetBytesFetched() int64 {
+	if x != nil {
+		return x.BytesFetched
+	}
+	return 0
+}
+
+func (x *LazyLayerStats) GetBytesRead() int64 {
+	if x != nil {
+		return x.BytesRead
+	}
+	return 0
+}
+
+func (x *LazyLayerStats) GetCacheHits() int64 {
+	if x != nil {
+		return x.CacheHits
+	}
+	return 0
+}
+
+func (x *LazyLayerStats) GetCacheMisses() int64 {
+	if x != nil {
+		return x.CacheMisses
+	}
+	return 0
+}
+
+func (x *LazyLayerStats) GetTraceChunks() int64 {
+	if x != nil {
+		return x.TraceChunks
+	}
+	return 0
+}
+
+func (x *LazyLayerStats) GetPrefetched() int64 {
+	if x != nil {
+		return x.Prefetched
+	}
+	return 0
+}
+
+func (x *LazyLayerStats) GetPrefetching() bool {
+	if x != nil {
+		return x.Prefetching
+	}
+	return false
+}
+
+type PushLayerRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Ref   string                 `protobuf:"bytes,1,opt,name=ref,proto3" json:"ref,omitempty"`
+	// The store to push to: empty, or the node's own store URL (a node
+	// pushes only to the store it was configured with).
+	Store         string `protobuf:"bytes,2,opt,name=store,proto3" json:"store,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PushLayerRequest) Reset() {
+	*x = PushLayerRequest{}
+	mi := &file_shoal_v1_layer_proto_msgTypes[2]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PushLayerRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PushLayerRequest) ProtoMessage() {}
+
+func (x *PushLayerRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_shoal_v1_layer_proto_msgTypes[2]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PushLayerRequest.ProtoReflect.Descriptor instead.
+func (*PushLayerRequest) Descriptor() ([]byte, []int) {
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{2}
+}
+
+func (x *PushLayerRequest) GetRef() string {
+	if x != nil {
+		return x.Ref
+	}
+	return ""
+}
+
+func (x *PushLayerRequest) GetStore() string {
+	if x != nil {
+		return x.Store
+	}
+	return ""
+}
+
+type PushLayerResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Layer         *Layer                 `protobuf:"bytes,1,opt,name=layer,proto3" json:"layer,omitempty"`
+	Store         string                 `protobuf:"bytes,2,opt,name=store,proto3" json:"store,omitempty"`
+	UploadedBytes int64                  `protobuf:"varint,3,opt,name=uploaded_bytes,json=uploadedBytes,proto3" json:"uploaded_bytes,omitempty"` // 0 if the store already had the image
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PushLayerResponse) Reset() {
+	*x = PushLayerResponse{}
+	mi := &file_shoal_v1_layer_proto_msgTypes[3]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PushLayerResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PushLayerResponse) ProtoMessage() {}
+
+func (x *PushLayerResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_shoal_v1_layer_proto_msgTypes[3]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PushLayerResponse.ProtoReflect.Descriptor instead.
+func (*PushLayerResponse) Descriptor() ([]byte, []int) {
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{3}
+}
+
+func (x *PushLayerResponse) GetLayer() *Layer {
+	if x != nil {
+		return x.Layer
+	}
+	return nil
+}
+
+func (x *PushLayerResponse) GetStore() string {
+	if x != nil {
+		return x.Store
+	}
+	return ""
+}
+
+func (x *PushLayerResponse) GetUploadedBytes() int64 {
+	if x != nil {
+		return x.UploadedBytes
+	}
+	return 0
+}
+
+type PullLayerRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Ref           string                 `protobuf:"bytes,1,opt,name=ref,proto3" json:"ref,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PullLayerRequest) Reset() {
+	*x = PullLayerRequest{}
+	mi := &file_shoal_v1_layer_proto_msgTypes[4]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PullLayerRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PullLayerRequest) ProtoMessage() {}
+
+func (x *PullLayerRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_shoal_v1_layer_proto_msgTypes[4]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PullLayerRequest.ProtoReflect.Descriptor instead.
+func (*PullLayerRequest) Descriptor() ([]byte, []int) {
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{4}
+}
+
+func (x *PullLayerRequest) GetRef() string {
+	if x != nil {
+		return x.Ref
+	}
+	return ""
+}
+
 type BuildLayerRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	Kind  LayerKind              `protobuf:"varint,1,opt,name=kind,proto3,enum=shoal.v1.LayerKind" json:"kind,omitempty"`
@@ -266,7 +560,7 @@ type BuildLayerRequest struct {
 
 func (x *BuildLayerRequest) Reset() {
 	*x = BuildLayerRequest{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[1]
+	mi := &file_shoal_v1_layer_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -278,7 +572,7 @@ func (x *BuildLayerRequest) String() string {
 func (*BuildLayerRequest) ProtoMessage() {}
 
 func (x *BuildLayerRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[1]
+	mi := &file_shoal_v1_layer_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -291,7 +585,7 @@ func (x *BuildLayerRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BuildLayerRequest.ProtoReflect.Descriptor instead.
 func (*BuildLayerRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{1}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *BuildLayerRequest) GetKind() LayerKind {
@@ -341,7 +635,7 @@ type CommitLayerRequest struct {
 
 func (x *CommitLayerRequest) Reset() {
 	*x = CommitLayerRequest{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[2]
+	mi := &file_shoal_v1_layer_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -353,7 +647,7 @@ func (x *CommitLayerRequest) String() string {
 func (*CommitLayerRequest) ProtoMessage() {}
 
 func (x *CommitLayerRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[2]
+	mi := &file_shoal_v1_layer_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -366,7 +660,7 @@ func (x *CommitLayerRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CommitLayerRequest.ProtoReflect.Descriptor instead.
 func (*CommitLayerRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{2}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *CommitLayerRequest) GetSandboxId() string {
@@ -411,7 +705,7 @@ type BuildLayerResponse struct {
 
 func (x *BuildLayerResponse) Reset() {
 	*x = BuildLayerResponse{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[3]
+	mi := &file_shoal_v1_layer_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -423,7 +717,7 @@ func (x *BuildLayerResponse) String() string {
 func (*BuildLayerResponse) ProtoMessage() {}
 
 func (x *BuildLayerResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[3]
+	mi := &file_shoal_v1_layer_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -436,7 +730,7 @@ func (x *BuildLayerResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BuildLayerResponse.ProtoReflect.Descriptor instead.
 func (*BuildLayerResponse) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{3}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *BuildLayerResponse) GetEvent() isBuildLayerResponse_Event {
@@ -508,7 +802,7 @@ type BuildProgress struct {
 
 func (x *BuildProgress) Reset() {
 	*x = BuildProgress{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[4]
+	mi := &file_shoal_v1_layer_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -520,7 +814,7 @@ func (x *BuildProgress) String() string {
 func (*BuildProgress) ProtoMessage() {}
 
 func (x *BuildProgress) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[4]
+	mi := &file_shoal_v1_layer_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -533,7 +827,7 @@ func (x *BuildProgress) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BuildProgress.ProtoReflect.Descriptor instead.
 func (*BuildProgress) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{4}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *BuildProgress) GetStage() string {
@@ -575,7 +869,7 @@ type ListLayersRequest struct {
 
 func (x *ListLayersRequest) Reset() {
 	*x = ListLayersRequest{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[5]
+	mi := &file_shoal_v1_layer_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -587,7 +881,7 @@ func (x *ListLayersRequest) String() string {
 func (*ListLayersRequest) ProtoMessage() {}
 
 func (x *ListLayersRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[5]
+	mi := &file_shoal_v1_layer_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -600,7 +894,7 @@ func (x *ListLayersRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListLayersRequest.ProtoReflect.Descriptor instead.
 func (*ListLayersRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{5}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *ListLayersRequest) GetAll() bool {
@@ -619,7 +913,7 @@ type ListLayersResponse struct {
 
 func (x *ListLayersResponse) Reset() {
 	*x = ListLayersResponse{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[6]
+	mi := &file_shoal_v1_layer_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -631,7 +925,7 @@ func (x *ListLayersResponse) String() string {
 func (*ListLayersResponse) ProtoMessage() {}
 
 func (x *ListLayersResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[6]
+	mi := &file_shoal_v1_layer_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -644,7 +938,7 @@ func (x *ListLayersResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListLayersResponse.ProtoReflect.Descriptor instead.
 func (*ListLayersResponse) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{6}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *ListLayersResponse) GetLayers() []*Layer {
@@ -663,7 +957,7 @@ type GetLayerRequest struct {
 
 func (x *GetLayerRequest) Reset() {
 	*x = GetLayerRequest{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[7]
+	mi := &file_shoal_v1_layer_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -675,7 +969,7 @@ func (x *GetLayerRequest) String() string {
 func (*GetLayerRequest) ProtoMessage() {}
 
 func (x *GetLayerRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[7]
+	mi := &file_shoal_v1_layer_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -688,7 +982,7 @@ func (x *GetLayerRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetLayerRequest.ProtoReflect.Descriptor instead.
 func (*GetLayerRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{7}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *GetLayerRequest) GetRef() string {
@@ -708,7 +1002,7 @@ type TagLayerRequest struct {
 
 func (x *TagLayerRequest) Reset() {
 	*x = TagLayerRequest{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[8]
+	mi := &file_shoal_v1_layer_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -720,7 +1014,7 @@ func (x *TagLayerRequest) String() string {
 func (*TagLayerRequest) ProtoMessage() {}
 
 func (x *TagLayerRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[8]
+	mi := &file_shoal_v1_layer_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -733,7 +1027,7 @@ func (x *TagLayerRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TagLayerRequest.ProtoReflect.Descriptor instead.
 func (*TagLayerRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{8}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *TagLayerRequest) GetSource() string {
@@ -760,7 +1054,7 @@ type TagLayerResponse struct {
 
 func (x *TagLayerResponse) Reset() {
 	*x = TagLayerResponse{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[9]
+	mi := &file_shoal_v1_layer_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -772,7 +1066,7 @@ func (x *TagLayerResponse) String() string {
 func (*TagLayerResponse) ProtoMessage() {}
 
 func (x *TagLayerResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[9]
+	mi := &file_shoal_v1_layer_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -785,7 +1079,7 @@ func (x *TagLayerResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TagLayerResponse.ProtoReflect.Descriptor instead.
 func (*TagLayerResponse) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{9}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *TagLayerResponse) GetLayer() *Layer {
@@ -811,7 +1105,7 @@ type DeleteLayerRequest struct {
 
 func (x *DeleteLayerRequest) Reset() {
 	*x = DeleteLayerRequest{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[10]
+	mi := &file_shoal_v1_layer_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -823,7 +1117,7 @@ func (x *DeleteLayerRequest) String() string {
 func (*DeleteLayerRequest) ProtoMessage() {}
 
 func (x *DeleteLayerRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[10]
+	mi := &file_shoal_v1_layer_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -836,7 +1130,7 @@ func (x *DeleteLayerRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteLayerRequest.ProtoReflect.Descriptor instead.
 func (*DeleteLayerRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{10}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *DeleteLayerRequest) GetRef() string {
@@ -857,7 +1151,7 @@ type DeleteLayerResponse struct {
 
 func (x *DeleteLayerResponse) Reset() {
 	*x = DeleteLayerResponse{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[11]
+	mi := &file_shoal_v1_layer_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -869,7 +1163,7 @@ func (x *DeleteLayerResponse) String() string {
 func (*DeleteLayerResponse) ProtoMessage() {}
 
 func (x *DeleteLayerResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[11]
+	mi := &file_shoal_v1_layer_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -882,7 +1176,7 @@ func (x *DeleteLayerResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteLayerResponse.ProtoReflect.Descriptor instead.
 func (*DeleteLayerResponse) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{11}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *DeleteLayerResponse) GetUntagged() []string {
@@ -915,7 +1209,7 @@ type GarbageCollectLayersRequest struct {
 
 func (x *GarbageCollectLayersRequest) Reset() {
 	*x = GarbageCollectLayersRequest{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[12]
+	mi := &file_shoal_v1_layer_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -927,7 +1221,7 @@ func (x *GarbageCollectLayersRequest) String() string {
 func (*GarbageCollectLayersRequest) ProtoMessage() {}
 
 func (x *GarbageCollectLayersRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[12]
+	mi := &file_shoal_v1_layer_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -940,7 +1234,7 @@ func (x *GarbageCollectLayersRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GarbageCollectLayersRequest.ProtoReflect.Descriptor instead.
 func (*GarbageCollectLayersRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{12}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *GarbageCollectLayersRequest) GetDryRun() bool {
@@ -961,7 +1255,7 @@ type GarbageCollectLayersResponse struct {
 
 func (x *GarbageCollectLayersResponse) Reset() {
 	*x = GarbageCollectLayersResponse{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[13]
+	mi := &file_shoal_v1_layer_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -973,7 +1267,7 @@ func (x *GarbageCollectLayersResponse) String() string {
 func (*GarbageCollectLayersResponse) ProtoMessage() {}
 
 func (x *GarbageCollectLayersResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[13]
+	mi := &file_shoal_v1_layer_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -986,7 +1280,7 @@ func (x *GarbageCollectLayersResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GarbageCollectLayersResponse.ProtoReflect.Descriptor instead.
 func (*GarbageCollectLayersResponse) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{13}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *GarbageCollectLayersResponse) GetRemoved() []*Layer {
@@ -1030,7 +1324,7 @@ type Environment struct {
 
 func (x *Environment) Reset() {
 	*x = Environment{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[14]
+	mi := &file_shoal_v1_layer_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1042,7 +1336,7 @@ func (x *Environment) String() string {
 func (*Environment) ProtoMessage() {}
 
 func (x *Environment) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[14]
+	mi := &file_shoal_v1_layer_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1055,7 +1349,7 @@ func (x *Environment) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Environment.ProtoReflect.Descriptor instead.
 func (*Environment) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{14}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *Environment) GetName() string {
@@ -1113,7 +1407,7 @@ type CreateEnvironmentRequest struct {
 
 func (x *CreateEnvironmentRequest) Reset() {
 	*x = CreateEnvironmentRequest{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[15]
+	mi := &file_shoal_v1_layer_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1125,7 +1419,7 @@ func (x *CreateEnvironmentRequest) String() string {
 func (*CreateEnvironmentRequest) ProtoMessage() {}
 
 func (x *CreateEnvironmentRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[15]
+	mi := &file_shoal_v1_layer_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1138,7 +1432,7 @@ func (x *CreateEnvironmentRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateEnvironmentRequest.ProtoReflect.Descriptor instead.
 func (*CreateEnvironmentRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{15}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *CreateEnvironmentRequest) GetName() string {
@@ -1185,7 +1479,7 @@ type GetEnvironmentRequest struct {
 
 func (x *GetEnvironmentRequest) Reset() {
 	*x = GetEnvironmentRequest{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[16]
+	mi := &file_shoal_v1_layer_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1197,7 +1491,7 @@ func (x *GetEnvironmentRequest) String() string {
 func (*GetEnvironmentRequest) ProtoMessage() {}
 
 func (x *GetEnvironmentRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[16]
+	mi := &file_shoal_v1_layer_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1210,7 +1504,7 @@ func (x *GetEnvironmentRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetEnvironmentRequest.ProtoReflect.Descriptor instead.
 func (*GetEnvironmentRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{16}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *GetEnvironmentRequest) GetName() string {
@@ -1228,7 +1522,7 @@ type ListEnvironmentsRequest struct {
 
 func (x *ListEnvironmentsRequest) Reset() {
 	*x = ListEnvironmentsRequest{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[17]
+	mi := &file_shoal_v1_layer_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1240,7 +1534,7 @@ func (x *ListEnvironmentsRequest) String() string {
 func (*ListEnvironmentsRequest) ProtoMessage() {}
 
 func (x *ListEnvironmentsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[17]
+	mi := &file_shoal_v1_layer_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1253,7 +1547,7 @@ func (x *ListEnvironmentsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListEnvironmentsRequest.ProtoReflect.Descriptor instead.
 func (*ListEnvironmentsRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{17}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{21}
 }
 
 type ListEnvironmentsResponse struct {
@@ -1265,7 +1559,7 @@ type ListEnvironmentsResponse struct {
 
 func (x *ListEnvironmentsResponse) Reset() {
 	*x = ListEnvironmentsResponse{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[18]
+	mi := &file_shoal_v1_layer_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1277,7 +1571,7 @@ func (x *ListEnvironmentsResponse) String() string {
 func (*ListEnvironmentsResponse) ProtoMessage() {}
 
 func (x *ListEnvironmentsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[18]
+	mi := &file_shoal_v1_layer_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1290,7 +1584,7 @@ func (x *ListEnvironmentsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListEnvironmentsResponse.ProtoReflect.Descriptor instead.
 func (*ListEnvironmentsResponse) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{18}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *ListEnvironmentsResponse) GetEnvironments() []*Environment {
@@ -1309,7 +1603,7 @@ type DeleteEnvironmentRequest struct {
 
 func (x *DeleteEnvironmentRequest) Reset() {
 	*x = DeleteEnvironmentRequest{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[19]
+	mi := &file_shoal_v1_layer_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1321,7 +1615,7 @@ func (x *DeleteEnvironmentRequest) String() string {
 func (*DeleteEnvironmentRequest) ProtoMessage() {}
 
 func (x *DeleteEnvironmentRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[19]
+	mi := &file_shoal_v1_layer_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1334,7 +1628,7 @@ func (x *DeleteEnvironmentRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteEnvironmentRequest.ProtoReflect.Descriptor instead.
 func (*DeleteEnvironmentRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{19}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *DeleteEnvironmentRequest) GetName() string {
@@ -1352,7 +1646,7 @@ type DeleteEnvironmentResponse struct {
 
 func (x *DeleteEnvironmentResponse) Reset() {
 	*x = DeleteEnvironmentResponse{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[20]
+	mi := &file_shoal_v1_layer_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1364,7 +1658,7 @@ func (x *DeleteEnvironmentResponse) String() string {
 func (*DeleteEnvironmentResponse) ProtoMessage() {}
 
 func (x *DeleteEnvironmentResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[20]
+	mi := &file_shoal_v1_layer_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1377,14 +1671,14 @@ func (x *DeleteEnvironmentResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteEnvironmentResponse.ProtoReflect.Descriptor instead.
 func (*DeleteEnvironmentResponse) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{20}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{24}
 }
 
 var File_shoal_v1_layer_proto protoreflect.FileDescriptor
 
 const file_shoal_v1_layer_proto_rawDesc = "" +
 	"\n" +
-	"\x14shoal/v1/layer.proto\x12\bshoal.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xd6\x03\n" +
+	"\x14shoal/v1/layer.proto\x12\bshoal.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\x9c\x04\n" +
 	"\x05Layer\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x18\n" +
 	"\aversion\x18\x02 \x01(\tR\aversion\x12'\n" +
@@ -1402,7 +1696,35 @@ const file_shoal_v1_layer_proto_rawDesc = "" +
 	"\x04tags\x18\f \x03(\tR\x04tags\x12*\n" +
 	"\x11used_by_sandboxes\x18\r \x03(\tR\x0fusedBySandboxes\x120\n" +
 	"\x14used_by_environments\x18\x0e \x03(\tR\x12usedByEnvironments\x12\x16\n" +
-	"\x06mounts\x18\x0f \x01(\x05R\x06mounts\"\x9e\x01\n" +
+	"\x06mounts\x18\x0f \x01(\x05R\x06mounts\x12\x16\n" +
+	"\x06remote\x18\x10 \x01(\tR\x06remote\x12,\n" +
+	"\x04lazy\x18\x11 \x01(\v2\x18.shoal.v1.LazyLayerStatsR\x04lazy\"\xd7\x02\n" +
+	"\x0eLazyLayerStats\x12\x1d\n" +
+	"\n" +
+	"chunk_size\x18\x01 \x01(\x03R\tchunkSize\x12\x16\n" +
+	"\x06chunks\x18\x02 \x01(\x03R\x06chunks\x12#\n" +
+	"\rchunks_cached\x18\x03 \x01(\x03R\fchunksCached\x12#\n" +
+	"\rbytes_fetched\x18\x04 \x01(\x03R\fbytesFetched\x12\x1d\n" +
+	"\n" +
+	"bytes_read\x18\x05 \x01(\x03R\tbytesRead\x12\x1d\n" +
+	"\n" +
+	"cache_hits\x18\x06 \x01(\x03R\tcacheHits\x12!\n" +
+	"\fcache_misses\x18\a \x01(\x03R\vcacheMisses\x12!\n" +
+	"\ftrace_chunks\x18\b \x01(\x03R\vtraceChunks\x12\x1e\n" +
+	"\n" +
+	"prefetched\x18\t \x01(\x03R\n" +
+	"prefetched\x12 \n" +
+	"\vprefetching\x18\n" +
+	" \x01(\bR\vprefetching\":\n" +
+	"\x10PushLayerRequest\x12\x10\n" +
+	"\x03ref\x18\x01 \x01(\tR\x03ref\x12\x14\n" +
+	"\x05store\x18\x02 \x01(\tR\x05store\"w\n" +
+	"\x11PushLayerResponse\x12%\n" +
+	"\x05layer\x18\x01 \x01(\v2\x0f.shoal.v1.LayerR\x05layer\x12\x14\n" +
+	"\x05store\x18\x02 \x01(\tR\x05store\x12%\n" +
+	"\x0euploaded_bytes\x18\x03 \x01(\x03R\ruploadedBytes\"$\n" +
+	"\x10PullLayerRequest\x12\x10\n" +
+	"\x03ref\x18\x01 \x01(\tR\x03ref\"\x9e\x01\n" +
 	"\x11BuildLayerRequest\x12'\n" +
 	"\x04kind\x18\x01 \x01(\x0e2\x13.shoal.v1.LayerKindR\x04kind\x12\x10\n" +
 	"\x03ref\x18\x02 \x01(\tR\x03ref\x12\x16\n" +
@@ -1481,7 +1803,7 @@ const file_shoal_v1_layer_proto_rawDesc = "" +
 	"\x16LAYER_KIND_UNSPECIFIED\x10\x00\x12\x13\n" +
 	"\x0fLAYER_KIND_BASE\x10\x01\x12\x18\n" +
 	"\x14LAYER_KIND_WORKSPACE\x10\x02\x12\x16\n" +
-	"\x12LAYER_KIND_TOOLKIT\x10\x032\xf0\x06\n" +
+	"\x12LAYER_KIND_TOOLKIT\x10\x032\xf0\a\n" +
 	"\fLayerService\x12I\n" +
 	"\n" +
 	"BuildLayer\x12\x1b.shoal.v1.BuildLayerRequest\x1a\x1c.shoal.v1.BuildLayerResponse0\x01\x12K\n" +
@@ -1491,7 +1813,9 @@ const file_shoal_v1_layer_proto_rawDesc = "" +
 	"\bGetLayer\x12\x19.shoal.v1.GetLayerRequest\x1a\x0f.shoal.v1.Layer\x12A\n" +
 	"\bTagLayer\x12\x19.shoal.v1.TagLayerRequest\x1a\x1a.shoal.v1.TagLayerResponse\x12J\n" +
 	"\vDeleteLayer\x12\x1c.shoal.v1.DeleteLayerRequest\x1a\x1d.shoal.v1.DeleteLayerResponse\x12e\n" +
-	"\x14GarbageCollectLayers\x12%.shoal.v1.GarbageCollectLayersRequest\x1a&.shoal.v1.GarbageCollectLayersResponse\x12N\n" +
+	"\x14GarbageCollectLayers\x12%.shoal.v1.GarbageCollectLayersRequest\x1a&.shoal.v1.GarbageCollectLayersResponse\x12D\n" +
+	"\tPushLayer\x12\x1a.shoal.v1.PushLayerRequest\x1a\x1b.shoal.v1.PushLayerResponse\x128\n" +
+	"\tPullLayer\x12\x1a.shoal.v1.PullLayerRequest\x1a\x0f.shoal.v1.Layer\x12N\n" +
 	"\x11CreateEnvironment\x12\".shoal.v1.CreateEnvironmentRequest\x1a\x15.shoal.v1.Environment\x12H\n" +
 	"\x0eGetEnvironment\x12\x1f.shoal.v1.GetEnvironmentRequest\x1a\x15.shoal.v1.Environment\x12Y\n" +
 	"\x10ListEnvironments\x12!.shoal.v1.ListEnvironmentsRequest\x1a\".shoal.v1.ListEnvironmentsResponse\x12\\\n" +
@@ -1510,73 +1834,83 @@ func file_shoal_v1_layer_proto_rawDescGZIP() []byte {
 }
 
 var file_shoal_v1_layer_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_shoal_v1_layer_proto_msgTypes = make([]protoimpl.MessageInfo, 21)
+var file_shoal_v1_layer_proto_msgTypes = make([]protoimpl.MessageInfo, 25)
 var file_shoal_v1_layer_proto_goTypes = []any{
 	(LayerKind)(0),                       // 0: shoal.v1.LayerKind
 	(*Layer)(nil),                        // 1: shoal.v1.Layer
-	(*BuildLayerRequest)(nil),            // 2: shoal.v1.BuildLayerRequest
-	(*CommitLayerRequest)(nil),           // 3: shoal.v1.CommitLayerRequest
-	(*BuildLayerResponse)(nil),           // 4: shoal.v1.BuildLayerResponse
-	(*BuildProgress)(nil),                // 5: shoal.v1.BuildProgress
-	(*ListLayersRequest)(nil),            // 6: shoal.v1.ListLayersRequest
-	(*ListLayersResponse)(nil),           // 7: shoal.v1.ListLayersResponse
-	(*GetLayerRequest)(nil),              // 8: shoal.v1.GetLayerRequest
-	(*TagLayerRequest)(nil),              // 9: shoal.v1.TagLayerRequest
-	(*TagLayerResponse)(nil),             // 10: shoal.v1.TagLayerResponse
-	(*DeleteLayerRequest)(nil),           // 11: shoal.v1.DeleteLayerRequest
-	(*DeleteLayerResponse)(nil),          // 12: shoal.v1.DeleteLayerResponse
-	(*GarbageCollectLayersRequest)(nil),  // 13: shoal.v1.GarbageCollectLayersRequest
-	(*GarbageCollectLayersResponse)(nil), // 14: shoal.v1.GarbageCollectLayersResponse
-	(*Environment)(nil),                  // 15: shoal.v1.Environment
-	(*CreateEnvironmentRequest)(nil),     // 16: shoal.v1.CreateEnvironmentRequest
-	(*GetEnvironmentRequest)(nil),        // 17: shoal.v1.GetEnvironmentRequest
-	(*ListEnvironmentsRequest)(nil),      // 18: shoal.v1.ListEnvironmentsRequest
-	(*ListEnvironmentsResponse)(nil),     // 19: shoal.v1.ListEnvironmentsResponse
-	(*DeleteEnvironmentRequest)(nil),     // 20: shoal.v1.DeleteEnvironmentRequest
-	(*DeleteEnvironmentResponse)(nil),    // 21: shoal.v1.DeleteEnvironmentResponse
-	(*timestamppb.Timestamp)(nil),        // 22: google.protobuf.Timestamp
+	(*LazyLayerStats)(nil),               // 2: shoal.v1.LazyLayerStats
+	(*PushLayerRequest)(nil),             // 3: shoal.v1.PushLayerRequest
+	(*PushLayerResponse)(nil),            // 4: shoal.v1.PushLayerResponse
+	(*PullLayerRequest)(nil),             // 5: shoal.v1.PullLayerRequest
+	(*BuildLayerRequest)(nil),            // 6: shoal.v1.BuildLayerRequest
+	(*CommitLayerRequest)(nil),           // 7: shoal.v1.CommitLayerRequest
+	(*BuildLayerResponse)(nil),           // 8: shoal.v1.BuildLayerResponse
+	(*BuildProgress)(nil),                // 9: shoal.v1.BuildProgress
+	(*ListLayersRequest)(nil),            // 10: shoal.v1.ListLayersRequest
+	(*ListLayersResponse)(nil),           // 11: shoal.v1.ListLayersResponse
+	(*GetLayerRequest)(nil),              // 12: shoal.v1.GetLayerRequest
+	(*TagLayerRequest)(nil),              // 13: shoal.v1.TagLayerRequest
+	(*TagLayerResponse)(nil),             // 14: shoal.v1.TagLayerResponse
+	(*DeleteLayerRequest)(nil),           // 15: shoal.v1.DeleteLayerRequest
+	(*DeleteLayerResponse)(nil),          // 16: shoal.v1.DeleteLayerResponse
+	(*GarbageCollectLayersRequest)(nil),  // 17: shoal.v1.GarbageCollectLayersRequest
+	(*GarbageCollectLayersResponse)(nil), // 18: shoal.v1.GarbageCollectLayersResponse
+	(*Environment)(nil),                  // 19: shoal.v1.Environment
+	(*CreateEnvironmentRequest)(nil),     // 20: shoal.v1.CreateEnvironmentRequest
+	(*GetEnvironmentRequest)(nil),        // 21: shoal.v1.GetEnvironmentRequest
+	(*ListEnvironmentsRequest)(nil),      // 22: shoal.v1.ListEnvironmentsRequest
+	(*ListEnvironmentsResponse)(nil),     // 23: shoal.v1.ListEnvironmentsResponse
+	(*DeleteEnvironmentRequest)(nil),     // 24: shoal.v1.DeleteEnvironmentRequest
+	(*DeleteEnvironmentResponse)(nil),    // 25: shoal.v1.DeleteEnvironmentResponse
+	(*timestamppb.Timestamp)(nil),        // 26: google.protobuf.Timestamp
 }
 var file_shoal_v1_layer_proto_depIdxs = []int32{
 	0,  // 0: shoal.v1.Layer.kind:type_name -> shoal.v1.LayerKind
-	22, // 1: shoal.v1.Layer.created_at:type_name -> google.protobuf.Timestamp
-	0,  // 2: shoal.v1.BuildLayerRequest.kind:type_name -> shoal.v1.LayerKind
-	0,  // 3: shoal.v1.CommitLayerRequest.kind:type_name -> shoal.v1.LayerKind
-	1,  // 4: shoal.v1.BuildLayerResponse.layer:type_name -> shoal.v1.Layer
-	5,  // 5: shoal.v1.BuildLayerResponse.status:type_name -> shoal.v1.BuildProgress
-	1,  // 6: shoal.v1.ListLayersResponse.layers:type_name -> shoal.v1.Layer
-	1,  // 7: shoal.v1.TagLayerResponse.layer:type_name -> shoal.v1.Layer
-	1,  // 8: shoal.v1.DeleteLayerResponse.removed:type_name -> shoal.v1.Layer
-	1,  // 9: shoal.v1.GarbageCollectLayersResponse.removed:type_name -> shoal.v1.Layer
-	22, // 10: shoal.v1.Environment.created_at:type_name -> google.protobuf.Timestamp
-	1,  // 11: shoal.v1.Environment.resolved:type_name -> shoal.v1.Layer
-	15, // 12: shoal.v1.ListEnvironmentsResponse.environments:type_name -> shoal.v1.Environment
-	2,  // 13: shoal.v1.LayerService.BuildLayer:input_type -> shoal.v1.BuildLayerRequest
-	3,  // 14: shoal.v1.LayerService.CommitLayer:input_type -> shoal.v1.CommitLayerRequest
-	6,  // 15: shoal.v1.LayerService.ListLayers:input_type -> shoal.v1.ListLayersRequest
-	8,  // 16: shoal.v1.LayerService.GetLayer:input_type -> shoal.v1.GetLayerRequest
-	9,  // 17: shoal.v1.LayerService.TagLayer:input_type -> shoal.v1.TagLayerRequest
-	11, // 18: shoal.v1.LayerService.DeleteLayer:input_type -> shoal.v1.DeleteLayerRequest
-	13, // 19: shoal.v1.LayerService.GarbageCollectLayers:input_type -> shoal.v1.GarbageCollectLayersRequest
-	16, // 20: shoal.v1.LayerService.CreateEnvironment:input_type -> shoal.v1.CreateEnvironmentRequest
-	17, // 21: shoal.v1.LayerService.GetEnvironment:input_type -> shoal.v1.GetEnvironmentRequest
-	18, // 22: shoal.v1.LayerService.ListEnvironments:input_type -> shoal.v1.ListEnvironmentsRequest
-	20, // 23: shoal.v1.LayerService.DeleteEnvironment:input_type -> shoal.v1.DeleteEnvironmentRequest
-	4,  // 24: shoal.v1.LayerService.BuildLayer:output_type -> shoal.v1.BuildLayerResponse
-	4,  // 25: shoal.v1.LayerService.CommitLayer:output_type -> shoal.v1.BuildLayerResponse
-	7,  // 26: shoal.v1.LayerService.ListLayers:output_type -> shoal.v1.ListLayersResponse
-	1,  // 27: shoal.v1.LayerService.GetLayer:output_type -> shoal.v1.Layer
-	10, // 28: shoal.v1.LayerService.TagLayer:output_type -> shoal.v1.TagLayerResponse
-	12, // 29: shoal.v1.LayerService.DeleteLayer:output_type -> shoal.v1.DeleteLayerResponse
-	14, // 30: shoal.v1.LayerService.GarbageCollectLayers:output_type -> shoal.v1.GarbageCollectLayersResponse
-	15, // 31: shoal.v1.LayerService.CreateEnvironment:output_type -> shoal.v1.Environment
-	15, // 32: shoal.v1.LayerService.GetEnvironment:output_type -> shoal.v1.Environment
-	19, // 33: shoal.v1.LayerService.ListEnvironments:output_type -> shoal.v1.ListEnvironmentsResponse
-	21, // 34: shoal.v1.LayerService.DeleteEnvironment:output_type -> shoal.v1.DeleteEnvironmentResponse
-	24, // [24:35] is the sub-list for method output_type
-	13, // [13:24] is the sub-list for method input_type
-	13, // [13:13] is the sub-list for extension type_name
-	13, // [13:13] is the sub-list for extension extendee
-	0,  // [0:13] is the sub-list for field type_name
+	26, // 1: shoal.v1.Layer.created_at:type_name -> google.protobuf.Timestamp
+	2,  // 2: shoal.v1.Layer.lazy:type_name -> shoal.v1.LazyLayerStats
+	1,  // 3: shoal.v1.PushLayerResponse.layer:type_name -> shoal.v1.Layer
+	0,  // 4: shoal.v1.BuildLayerRequest.kind:type_name -> shoal.v1.LayerKind
+	0,  // 5: shoal.v1.CommitLayerRequest.kind:type_name -> shoal.v1.LayerKind
+	1,  // 6: shoal.v1.BuildLayerResponse.layer:type_name -> shoal.v1.Layer
+	9,  // 7: shoal.v1.BuildLayerResponse.status:type_name -> shoal.v1.BuildProgress
+	1,  // 8: shoal.v1.ListLayersResponse.layers:type_name -> shoal.v1.Layer
+	1,  // 9: shoal.v1.TagLayerResponse.layer:type_name -> shoal.v1.Layer
+	1,  // 10: shoal.v1.DeleteLayerResponse.removed:type_name -> shoal.v1.Layer
+	1,  // 11: shoal.v1.GarbageCollectLayersResponse.removed:type_name -> shoal.v1.Layer
+	26, // 12: shoal.v1.Environment.created_at:type_name -> google.protobuf.Timestamp
+	1,  // 13: shoal.v1.Environment.resolved:type_name -> shoal.v1.Layer
+	19, // 14: shoal.v1.ListEnvironmentsResponse.environments:type_name -> shoal.v1.Environment
+	6,  // 15: shoal.v1.LayerService.BuildLayer:input_type -> shoal.v1.BuildLayerRequest
+	7,  // 16: shoal.v1.LayerService.CommitLayer:input_type -> shoal.v1.CommitLayerRequest
+	10, // 17: shoal.v1.LayerService.ListLayers:input_type -> shoal.v1.ListLayersRequest
+	12, // 18: shoal.v1.LayerService.GetLayer:input_type -> shoal.v1.GetLayerRequest
+	13, // 19: shoal.v1.LayerService.TagLayer:input_type -> shoal.v1.TagLayerRequest
+	15, // 20: shoal.v1.LayerService.DeleteLayer:input_type -> shoal.v1.DeleteLayerRequest
+	17, // 21: shoal.v1.LayerService.GarbageCollectLayers:input_type -> shoal.v1.GarbageCollectLayersRequest
+	3,  // 22: shoal.v1.LayerService.PushLayer:input_type -> shoal.v1.PushLayerRequest
+	5,  // 23: shoal.v1.LayerService.PullLayer:input_type -> shoal.v1.PullLayerRequest
+	20, // 24: shoal.v1.LayerService.CreateEnvironment:input_type -> shoal.v1.CreateEnvironmentRequest
+	21, // 25: shoal.v1.LayerService.GetEnvironment:input_type -> shoal.v1.GetEnvironmentRequest
+	22, // 26: shoal.v1.LayerService.ListEnvironments:input_type -> shoal.v1.ListEnvironmentsRequest
+	24, // 27: shoal.v1.LayerService.DeleteEnvironment:input_type -> shoal.v1.DeleteEnvironmentRequest
+	8,  // 28: shoal.v1.LayerService.BuildLayer:output_type -> shoal.v1.BuildLayerResponse
+	8,  // 29: shoal.v1.LayerService.CommitLayer:output_type -> shoal.v1.BuildLayerResponse
+	11, // 30: shoal.v1.LayerService.ListLayers:output_type -> shoal.v1.ListLayersResponse
+	1,  // 31: shoal.v1.LayerService.GetLayer:output_type -> shoal.v1.Layer
+	14, // 32: shoal.v1.LayerService.TagLayer:output_type -> shoal.v1.TagLayerResponse
+	16, // 33: shoal.v1.LayerService.DeleteLayer:output_type -> shoal.v1.DeleteLayerResponse
+	18, // 34: shoal.v1.LayerService.GarbageCollectLayers:output_type -> shoal.v1.GarbageCollectLayersResponse
+	4,  // 35: shoal.v1.LayerService.PushLayer:output_type -> shoal.v1.PushLayerResponse
+	1,  // 36: shoal.v1.LayerService.PullLayer:output_type -> shoal.v1.Layer
+	19, // 37: shoal.v1.LayerService.CreateEnvironment:output_type -> shoal.v1.Environment
+	19, // 38: shoal.v1.LayerService.GetEnvironment:output_type -> shoal.v1.Environment
+	23, // 39: shoal.v1.LayerService.ListEnvironments:output_type -> shoal.v1.ListEnvironmentsResponse
+	25, // 40: shoal.v1.LayerService.DeleteEnvironment:output_type -> shoal.v1.DeleteEnvironmentResponse
+	28, // [28:41] is the sub-list for method output_type
+	15, // [15:28] is the sub-list for method input_type
+	15, // [15:15] is the sub-list for extension type_name
+	15, // [15:15] is the sub-list for extension extendee
+	0,  // [0:15] is the sub-list for field type_name
 }
 
 func init() { file_shoal_v1_layer_proto_init() }
@@ -1584,7 +1918,7 @@ func file_shoal_v1_layer_proto_init() {
 	if File_shoal_v1_layer_proto != nil {
 		return
 	}
-	file_shoal_v1_layer_proto_msgTypes[3].OneofWrappers = []any{
+	file_shoal_v1_layer_proto_msgTypes[7].OneofWrappers = []any{
 		(*BuildLayerResponse_Progress)(nil),
 		(*BuildLayerResponse_Layer)(nil),
 		(*BuildLayerResponse_Status)(nil),
@@ -1595,7 +1929,7 @@ func file_shoal_v1_layer_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_shoal_v1_layer_proto_rawDesc), len(file_shoal_v1_layer_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   21,
+			NumMessages:   25,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -46,7 +46,7 @@ from typing import IO, Any, AsyncIterator, Awaitable, Callable, Dict, Iterable, 
 
 from ._protocol import FILE_CHUNK
 from .exceptions import InvalidArgument, ServerError
-from .models import BuildProgress, GCResult, Layer, RemoveResult, TagResult
+from .models import BuildProgress, GCResult, Layer, PushResult, RemoveResult, TagResult
 
 __all__ = [
     "KINDS",
@@ -61,6 +61,8 @@ __all__ = [
     "gc",
     "export",
     "import_",
+    "push",
+    "pull",
     "abuild",
     "acommit",
     "alist",
@@ -72,6 +74,8 @@ __all__ = [
     "agc",
     "aexport",
     "aimport_",
+    "apush",
+    "apull",
 ]
 
 KINDS = ("base", "workspace", "toolkit")
@@ -459,6 +463,25 @@ def tag(source: str, target: str, api_key: Optional[str] = None, url: Optional[s
     return TagResult.from_json(_t(api_key, url).call("LayerService", "TagLayer", body, idempotent=True, request_timeout=request_timeout))
 
 
+def push(ref: str, store: Optional[str] = None, api_key: Optional[str] = None, url: Optional[str] = None, request_timeout: Optional[float] = None) -> PushResult:
+    """Copy a layer of the server to its layer store (``shoal serve
+    --layer-store URL``): the image and its chunk list unless the store has
+    them, then the tag. ``store``, if given, must be that store's URL."""
+    body: Dict[str, Any] = {"ref": _ref(ref)}
+    if store:
+        body["store"] = store
+    t = _t(api_key, url)
+    return PushResult.from_json(t.call("LayerService", "PushLayer", body, idempotent=True, request_timeout=_long(request_timeout, t)))
+
+
+def pull(ref: str, api_key: Optional[str] = None, url: Optional[str] = None, request_timeout: Optional[float] = None) -> Layer:
+    """Copy a layer whole from the server's layer store to the server and
+    tag it there (a server with a store also runs layers it does not hold,
+    from the store, without a pull)."""
+    t = _t(api_key, url)
+    return Layer.from_json(t.call("LayerService", "PullLayer", {"ref": _ref(ref)}, idempotent=True, request_timeout=_long(request_timeout, t)))
+
+
 def rm(ref: str, api_key: Optional[str] = None, url: Optional[str] = None, request_timeout: Optional[float] = None) -> RemoveResult:
     """Remove a tag, and its image if nothing else uses it (or an untagged
     image by digest). Raises :class:`~shoal.LayerInUse` for an image a
@@ -661,6 +684,21 @@ async def atag(source: str, target: str, api_key: Optional[str] = None, url: Opt
     """:func:`tag` for asyncio."""
     body = {"source": _ref(source), "target": _ref(target, "tag (name:version)")}
     return TagResult.from_json(await _at(api_key, url).call("LayerService", "TagLayer", body, idempotent=True, request_timeout=request_timeout))
+
+
+async def apush(ref: str, store: Optional[str] = None, api_key: Optional[str] = None, url: Optional[str] = None, request_timeout: Optional[float] = None) -> PushResult:
+    """:func:`push` for asyncio."""
+    body: Dict[str, Any] = {"ref": _ref(ref)}
+    if store:
+        body["store"] = store
+    t = _at(api_key, url)
+    return PushResult.from_json(await t.call("LayerService", "PushLayer", body, idempotent=True, request_timeout=_long(request_timeout, t)))
+
+
+async def apull(ref: str, api_key: Optional[str] = None, url: Optional[str] = None, request_timeout: Optional[float] = None) -> Layer:
+    """:func:`pull` for asyncio."""
+    t = _at(api_key, url)
+    return Layer.from_json(await t.call("LayerService", "PullLayer", {"ref": _ref(ref)}, idempotent=True, request_timeout=_long(request_timeout, t)))
 
 
 async def arm(ref: str, api_key: Optional[str] = None, url: Optional[str] = None, request_timeout: Optional[float] = None) -> RemoveResult:

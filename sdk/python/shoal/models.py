@@ -452,6 +452,8 @@ class Layer:
     used_by_sandboxes: List[str] = field(default_factory=list)
     used_by_environments: List[str] = field(default_factory=list)
     mounts: int = 0
+    remote: str = ""  # the layer store the node reads the image from when it holds no copy
+    lazy: Dict[str, Any] = field(default_factory=dict)  # lazy loader counters of a mounted s3:// image (layers.get())
     raw: Dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -484,6 +486,8 @@ class Layer:
             used_by_sandboxes=list(_get(d, "usedBySandboxes", "used_by_sandboxes") or []),
             used_by_environments=list(_get(d, "usedByEnvironments", "used_by_environments") or []),
             mounts=_int(d.get("mounts")),
+            remote=d.get("remote", ""),
+            lazy=dict(d.get("lazy") or {}),
             raw=dict(d),
         )
 
@@ -532,6 +536,20 @@ class TagResult:
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> "TagResult":
         return cls(layer=Layer.from_json(d.get("layer") or {}), previous_digest=d.get("previousDigest", ""))
+
+
+@dataclass
+class PushResult:
+    """What ``layers.push()`` did: the layer, the store it went to, and the
+    bytes of image uploaded (0 if the store already had the image)."""
+
+    layer: Layer
+    store: str = ""
+    uploaded_bytes: int = 0
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "PushResult":
+        return cls(layer=Layer.from_json(d.get("layer") or {}), store=d.get("store", ""), uploaded_bytes=_int(_get(d, "uploadedBytes", "uploaded_bytes")))
 
 
 @dataclass

@@ -144,7 +144,8 @@ def server(request: pytest.FixtureRequest) -> Iterator[Server]:
         f.write('{"languages": [{"name": "sh", "base": "%s", "source": "main.sh", "run": ["sh", "main.sh", "{args}"]}]}' % BASE)
     proc = subprocess.Popen(
         [os.path.join(bin_dir, "shoal"), "serve", "--data", data, "--listen", f"127.0.0.1:{port}",
-         "--egress-subnet", "10.%d.0.0/16" % (248 + os.getpid() % 6), "--build-root", build_root],
+         "--egress-subnet", "10.%d.0.0/16" % (248 + os.getpid() % 6), "--build-root", build_root,
+         "--layer-store", "file://" + os.path.join(data, "layer-store")],
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,

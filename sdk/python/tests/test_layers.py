@@ -327,3 +327,27 @@ def test_upload_file_and_bytes(server) -> None:
         assert layers.build("workspace", "sdk-tgz:3", f.name).digest == a.digest
     with pytest.raises(shoal.InvalidArgument, match="not a tar archive"):
         layers.build("workspace", "sdk-tgz:4", b"junk" * 100)
+
+
+def test_push_pull_layer_store(server, src) -> None:
+    """The test server runs with a file:// layer store: a pushed layer
+    removed from the node still runs (mounted from the store), and pull
+    brings it back whole."""
+    l = layers.build("workspace", "sdk-store:1", src)
+    pushed = layers.push("sdk-store:1")
+    assert pushed.store.startswith("file://") and pushed.uploaded_bytes == l.size and pushed.layer.digest == l.digest
+    assert layers.push("sdk-store:1").uploaded_bytes == 0  # the store has it
+    with pytest.raises(shoal.InvalidArgument):
+        layers.push("sdk-store:1", store="s3://elsewhere/x")
+
+    layers.rm("sdk-store:1")
+    from_store = layers.get("sdk-store:1")  # resolved from the store
+    assert from_store.digest == l.digest and from_store.remote == pushed.store
+    with shoal.Sandbox.create(base=server.base, workspaces=["sdk-store:1"], timeout=120) as sb:
+        assert read(sb, WORKSPACE_FILE) == "hello from a layer\n"
+
+    pulled = layers.pull("sdk-store:1")
+    assert pulled.digest == l.digest and pulled.remote == ""
+    assert "sdk-store:1" in layers.get("sdk-store:1").tags
+    with pytest.raises(shoal.LayerNotFound):
+        layers.pull("sdk-store:404")

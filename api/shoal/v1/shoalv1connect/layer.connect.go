@@ -63,6 +63,10 @@ const (
 	// LayerServiceGarbageCollectLayersProcedure is the fully-qualified name of the LayerService's
 	// GarbageCollectLayers RPC.
 	LayerServiceGarbageCollectLayersProcedure = "/shoal.v1.LayerService/GarbageCollectLayers"
+	// LayerServicePushLayerProcedure is the fully-qualified name of the LayerService's PushLayer RPC.
+	LayerServicePushLayerProcedure = "/shoal.v1.LayerService/PushLayer"
+	// LayerServicePullLayerProcedure is the fully-qualified name of the LayerService's PullLayer RPC.
+	LayerServicePullLayerProcedure = "/shoal.v1.LayerService/PullLayer"
 	// LayerServiceCreateEnvironmentProcedure is the fully-qualified name of the LayerService's
 	// CreateEnvironment RPC.
 	LayerServiceCreateEnvironmentProcedure = "/shoal.v1.LayerService/CreateEnvironment"
@@ -102,6 +106,15 @@ type LayerServiceClient interface {
 	// GarbageCollectLayers removes every image that no tag, environment or
 	// sandbox references and that is not mounted.
 	GarbageCollectLayers(context.Context, *connect.Request[v1.GarbageCollectLayersRequest]) (*connect.Response[v1.GarbageCollectLayersResponse], error)
+	// PushLayer copies a layer of this node to the node's layer store
+	// (shoal serve --layer-store URL): its image and chunk digest list unless
+	// the store has them, its metadata, then its tag.
+	PushLayer(context.Context, *connect.Request[v1.PushLayerRequest]) (*connect.Response[v1.PushLayerResponse], error)
+	// PullLayer copies a layer from the layer store to this node, whole
+	// (its digest checked), and tags it here. A node with a store does not
+	// need it to run a layer: it resolves references it does not hold from
+	// the store and mounts them from there (file://) or lazily (s3://).
+	PullLayer(context.Context, *connect.Request[v1.PullLayerRequest]) (*connect.Response[v1.Layer], error)
 	CreateEnvironment(context.Context, *connect.Request[v1.CreateEnvironmentRequest]) (*connect.Response[v1.Environment], error)
 	GetEnvironment(context.Context, *connect.Request[v1.GetEnvironmentRequest]) (*connect.Response[v1.Environment], error)
 	ListEnvironments(context.Context, *connect.Request[v1.ListEnvironmentsRequest]) (*connect.Response[v1.ListEnvironmentsResponse], error)
@@ -161,6 +174,18 @@ func NewLayerServiceClient(httpClient connect.HTTPClient, baseURL string, opts .
 			connect.WithSchema(layerServiceMethods.ByName("GarbageCollectLayers")),
 			connect.WithClientOptions(opts...),
 		),
+		pushLayer: connect.NewClient[v1.PushLayerRequest, v1.PushLayerResponse](
+			httpClient,
+			baseURL+LayerServicePushLayerProcedure,
+			connect.WithSchema(layerServiceMethods.ByName("PushLayer")),
+			connect.WithClientOptions(opts...),
+		),
+		pullLayer: connect.NewClient[v1.PullLayerRequest, v1.Layer](
+			httpClient,
+			baseURL+LayerServicePullLayerProcedure,
+			connect.WithSchema(layerServiceMethods.ByName("PullLayer")),
+			connect.WithClientOptions(opts...),
+		),
 		createEnvironment: connect.NewClient[v1.CreateEnvironmentRequest, v1.Environment](
 			httpClient,
 			baseURL+LayerServiceCreateEnvironmentProcedure,
@@ -197,6 +222,8 @@ type layerServiceClient struct {
 	tagLayer             *connect.Client[v1.TagLayerRequest, v1.TagLayerResponse]
 	deleteLayer          *connect.Client[v1.DeleteLayerRequest, v1.DeleteLayerResponse]
 	garbageCollectLayers *connect.Client[v1.GarbageCollectLayersRequest, v1.GarbageCollectLayersResponse]
+	pushLayer            *connect.Client[v1.PushLayerRequest, v1.PushLayerResponse]
+	pullLayer            *connect.Client[v1.PullLayerRequest, v1.Layer]
 	createEnvironment    *connect.Client[v1.CreateEnvironmentRequest, v1.Environment]
 	getEnvironment       *connect.Client[v1.GetEnvironmentRequest, v1.Environment]
 	listEnvironments     *connect.Client[v1.ListEnvironmentsRequest, v1.ListEnvironmentsResponse]
@@ -236,6 +263,16 @@ func (c *layerServiceClient) DeleteLayer(ctx context.Context, req *connect.Reque
 // GarbageCollectLayers calls shoal.v1.LayerService.GarbageCollectLayers.
 func (c *layerServiceClient) GarbageCollectLayers(ctx context.Context, req *connect.Request[v1.GarbageCollectLayersRequest]) (*connect.Response[v1.GarbageCollectLayersResponse], error) {
 	return c.garbageCollectLayers.CallUnary(ctx, req)
+}
+
+// PushLayer calls shoal.v1.LayerService.PushLayer.
+func (c *layerServiceClient) PushLayer(ctx context.Context, req *connect.Request[v1.PushLayerRequest]) (*connect.Response[v1.PushLayerResponse], error) {
+	return c.pushLayer.CallUnary(ctx, req)
+}
+
+// PullLayer calls shoal.v1.LayerService.PullLayer.
+func (c *layerServiceClient) PullLayer(ctx context.Context, req *connect.Request[v1.PullLayerRequest]) (*connect.Response[v1.Layer], error) {
+	return c.pullLayer.CallUnary(ctx, req)
 }
 
 // CreateEnvironment calls shoal.v1.LayerService.CreateEnvironment.
@@ -283,6 +320,15 @@ type LayerServiceHandler interface {
 	// GarbageCollectLayers removes every image that no tag, environment or
 	// sandbox references and that is not mounted.
 	GarbageCollectLayers(context.Context, *connect.Request[v1.GarbageCollectLayersRequest]) (*connect.Response[v1.GarbageCollectLayersResponse], error)
+	// PushLayer copies a layer of this node to the node's layer store
+	// (shoal serve --layer-store URL): its image and chunk digest list unless
+	// the store has them, its metadata, then its tag.
+	PushLayer(context.Context, *connect.Request[v1.PushLayerRequest]) (*connect.Response[v1.PushLayerResponse], error)
+	// PullLayer copies a layer from the layer store to this node, whole
+	// (its digest checked), and tags it here. A node with a store does not
+	// need it to run a layer: it resolves references it does not hold from
+	// the store and mounts them from there (file://) or lazily (s3://).
+	PullLayer(context.Context, *connect.Request[v1.PullLayerRequest]) (*connect.Response[v1.Layer], error)
 	CreateEnvironment(context.Context, *connect.Request[v1.CreateEnvironmentRequest]) (*connect.Response[v1.Environment], error)
 	GetEnvironment(context.Context, *connect.Request[v1.GetEnvironmentRequest]) (*connect.Response[v1.Environment], error)
 	ListEnvironments(context.Context, *connect.Request[v1.ListEnvironmentsRequest]) (*connect.Response[v1.ListEnvironmentsResponse], error)
@@ -338,6 +384,18 @@ func NewLayerServiceHandler(svc LayerServiceHandler, opts ...connect.HandlerOpti
 		connect.WithSchema(layerServiceMethods.ByName("GarbageCollectLayers")),
 		connect.WithHandlerOptions(opts...),
 	)
+	layerServicePushLayerHandler := connect.NewUnaryHandler(
+		LayerServicePushLayerProcedure,
+		svc.PushLayer,
+		connect.WithSchema(layerServiceMethods.ByName("PushLayer")),
+		connect.WithHandlerOptions(opts...),
+	)
+	layerServicePullLayerHandler := connect.NewUnaryHandler(
+		LayerServicePullLayerProcedure,
+		svc.PullLayer,
+		connect.WithSchema(layerServiceMethods.ByName("PullLayer")),
+		connect.WithHandlerOptions(opts...),
+	)
 	layerServiceCreateEnvironmentHandler := connect.NewUnaryHandler(
 		LayerServiceCreateEnvironmentProcedure,
 		svc.CreateEnvironment,
@@ -378,6 +436,10 @@ func NewLayerServiceHandler(svc LayerServiceHandler, opts ...connect.HandlerOpti
 			layerServiceDeleteLayerHandler.ServeHTTP(w, r)
 		case LayerServiceGarbageCollectLayersProcedure:
 			layerServiceGarbageCollectLayersHandler.ServeHTTP(w, r)
+		case LayerServicePushLayerProcedure:
+			layerServicePushLayerHandler.ServeHTTP(w, r)
+		case LayerServicePullLayerProcedure:
+			layerServicePullLayerHandler.ServeHTTP(w, r)
 		case LayerServiceCreateEnvironmentProcedure:
 			layerServiceCreateEnvironmentHandler.ServeHTTP(w, r)
 		case LayerServiceGetEnvironmentProcedure:
@@ -421,6 +483,14 @@ func (UnimplementedLayerServiceHandler) DeleteLayer(context.Context, *connect.Re
 
 func (UnimplementedLayerServiceHandler) GarbageCollectLayers(context.Context, *connect.Request[v1.GarbageCollectLayersRequest]) (*connect.Response[v1.GarbageCollectLayersResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("shoal.v1.LayerService.GarbageCollectLayers is not implemented"))
+}
+
+func (UnimplementedLayerServiceHandler) PushLayer(context.Context, *connect.Request[v1.PushLayerRequest]) (*connect.Response[v1.PushLayerResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("shoal.v1.LayerService.PushLayer is not implemented"))
+}
+
+func (UnimplementedLayerServiceHandler) PullLayer(context.Context, *connect.Request[v1.PullLayerRequest]) (*connect.Response[v1.Layer], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("shoal.v1.LayerService.PullLayer is not implemented"))
 }
 
 func (UnimplementedLayerServiceHandler) CreateEnvironment(context.Context, *connect.Request[v1.CreateEnvironmentRequest]) (*connect.Response[v1.Environment], error) {

@@ -1,0 +1,57 @@
+package layer
+
+import (
+	"errors"
+	"fmt"
+	"os"
+
+	"golang.org/x/sys/unix"
+)
+
+// loopDev is a read-only loop device over a file, set to detach itself
+// when its last user (the EROFS mount) goes.
+type loopDev struct {
+	path string
+	f    *os.File
+}
+
+// Close drops this process's handle; the device stays while mounted.
+func (d *loopDev) Close() { d.f.Close() }
+
+// attachLoop sets up a free loop device over backing, read-only with
+// autoclear. Used for images on a FUSE file, which the kernel's
+// file-backed EROFS mount refuses ("block device required").
+func attachLoop(backing string) (*loopDev, error) {
+	bf, err := os.Open(backing)
+	if err != nil {
+		return nil, fmt.Errorf("loop device: %w", err)
+	}
+	defer bf.Close()
+	ctl, err := os.OpenFile("/dev/loop-control", os.O_RDWR, 0)
+	if err != nil {
+		return nil, fmt.Errorf("loop device: %w", err)
+	}
+	defer ctl.Close()
+	for range 16 { // another process may take the free device first
+		n, err := unix.IoctlRetInt(int(ctl.Fd()), unix.LOOP_CTL_GET_FREE)
+		if err != nil {
+			return nil, fmt.Errorf("loop device: get free: %w", err)
+		}
+		path := fmt.Sprintf("/dev/loop%d", n)
+		f, err := os.OpenFile(path, os.O_RDONLY, 0)
+		if err != nil {
+			return nil, fmt.Errorf("loop device: %w", err)
+		}
+		cfg := unix.LoopConfig{Fd: uint32(bf.Fd())}
+		cfg.Info.Flags = unix.LO_FLAGS_READ_ONLY | unix.LO_FLAGS_AUTOCLEAR
+		if err := unix.IoctlLoopConfigure(int(f.Fd()), &cfg); err != nil {
+			f.Close()
+			if errors.Is(err, unix.EBUSY) {
+				continue
+			}
+			return nil, fmt.Errorf("loop device %s: configure: %w", path, err)
+		}
+		return &loopDev{path: path, f: f}, nil
+	}
+	return nil, errors.New("loop device: every free device was taken by someone else")
+}

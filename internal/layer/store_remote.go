@@ -1,0 +1,388 @@
+package layer
+
+// A node's layer store (remote.Store): push and pull of whole layers,
+// resolution of references this node does not hold, and mounts straight
+// from the store (file://) or lazily through FUSE (s3://).
+//
+// Layout of a store (keys):
+//
+//	blobs/sha256/<hex>          the EROFS image
+//	blobs/sha256/<hex>.chunks   its chunk digest list (lazy.Manifest, JSON)
+//	blobs/sha256/<hex>.json     the Layer as pushed (JSON)
+//	tags/<name>/<version>       the Layer the tag points at (JSON), written last
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"os"
+	"strings"
+	"time"
+
+	"go.etcd.io/bbolt"
+
+	"github.com/shoal-sandbox/shoal/internal/errdefs"
+	"github.com/shoal-sandbox/shoal/internal/layer/lazy"
+	"github.com/shoal-sandbox/shoal/internal/layer/remote"
+)
+
+// RemoteConfig attaches a layer store to a Store.
+type RemoteConfig struct {
+	Store remote.Store
+	// Lazy serves images of a store with no LocalPath (s3://) on demand;
+	// without it such an image is pulled whole on first use.
+	Lazy *lazy.FS
+	// WriteThrough pushes every layer built, committed or imported.
+	WriteThrough bool
+	// ChunkSize of the chunk lists push writes (lazy.DefaultChunkSize if 0).
+	ChunkSize int64
+}
+
+// remoteTimeout bounds a metadata request to the store.
+const remoteTimeout = 30 * time.Second
+
+// SetRemote attaches a layer store. Call it before serving.
+func (s *Store) SetRemote(c RemoteConfig) {
+	if c.ChunkSize == 0 {
+		c.ChunkSize = lazy.DefaultChunkSize
+	}
+	s.remote = &c
+}
+
+// RemoteStore returns the attached layer store, or nil.
+func (s *Store) RemoteStore() remote.Store {
+	if s.remote == nil {
+		return nil
+	}
+	return s.remote.Store
+}
+
+// Lazy returns the lazy loader, or nil.
+func (s *Store) Lazy() *lazy.FS {
+	if s.remote == nil {
+		return nil
+	}
+	return s.remote.Lazy
+}
+
+func blobKey(digest string) string   { return "blobs/sha256/" + strings.TrimPrefix(digest, "sha256:") }
+func chunksKey(digest string) string { return blobKey(digest) + ".chunks" }
+func metaKey(digest string) string   { return blobKey(digest) + ".json" }
+func tagKey(name, version string) string {
+	return "tags/" + name + "/" + version
+}
+
+// ErrNoStore: the node has no layer store configured.
+var ErrNoStore = errdefs.Mark(errdefs.ErrFailedPrecondition, errors.New("no layer store configured (shoal serve --layer-store URL)"))
+
+// PushResult says what a push sent.
+type PushResult struct {
+	Store         string
+	UploadedBytes int64 // 0 if the store already had the image
+}
+
+// Push copies the layer ref names to the layer store: its image and chunk
+// list (unless the store has them), its metadata, then its tag.
+func (s *Store) Push(ctx context.Context, ref string) (Layer, PushResult, error) {
+	if s.remote == nil {
+		return Layer{}, PushResult{}, fmt.Errorf("push layer %s: %w", ref, ErrNoStore)
+	}
+	l, f, err := s.OpenExport(ref)
+	if err != nil {
+		return Layer{}, PushResult{}, fmt.Errorf("push layer %s: %w", ref, err)
+	}
+	defer f.Close()
+	res, err := s.push(ctx, l, f)
+	if err != nil {
+		return Layer{}, PushResult{}, fmt.Errorf("push layer %s to %s: %w", ref, s.remote.Store.URL(), err)
+	}
+	s.log.Info("layer pushed", "layer", l.Ref(), "digest", l.Digest, "store", res.Store, "uploaded", res.UploadedBytes)
+	return l, res, nil
+}
+
+func (s *Store) push(ctx context.Context, l Layer, img *os.File) (PushResult, error) {
+	st := s.remote.Store
+	res := PushResult{Store: st.URL()}
+	size, err := st.Stat(ctx, blobKey(l.Digest))
+	have := err == nil && size == l.Size
+	if err != nil && !errors.Is(err, errdefs.ErrNotFound) {
+		return res, err
+	}
+	if !have {
+		if err := st.Put(ctx, blobKey(l.Digest), io.NewSectionReader(img, 0, l.Size), l.Size); err != nil {
+			return res, err
+		}
+		res.UploadedBytes = l.Size
+	}
+	if _, err := st.Stat(ctx, chunksKey(l.Digest)); !have || err != nil {
+		m, err := lazy.BuildManifest(io.NewSectionReader(img, 0, l.Size), s.remote.ChunkSize)
+		if err != nil {
+			return res, fmt.Errorf("chunk list: %w", err)
+		}
+		b, _ := json.Marshal(m)
+		if err := st.Put(ctx, chunksKey(l.Digest), bytes.NewReader(b), int64(len(b))); err != nil {
+			return res, err
+		}
+	}
+	pushed := l
+	pushed.Remote = ""
+	b, err := json.Marshal(pushed)
+	if err != nil {
+		return res, err
+	}
+	if err := st.Put(ctx, metaKey(l.Digest), bytes.NewReader(b), int64(len(b))); err != nil {
+		return res, err
+	}
+	if err := st.Put(ctx, tagKey(l.Name, l.Version), bytes.NewReader(b), int64(len(b))); err != nil {
+		return res, err
+	}
+	return res, nil
+}
+
+// pushAfterInstall is the write-through push of a layer just installed.
+func (s *Store) pushAfterInstall(l Layer) error {
+	if s.remote == nil || !s.remote.WriteThrough {
+		return nil
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Hour)
+	defer cancel()
+	f, err := os.Open(s.ImagePath(l.Digest))
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	if _, err := s.push(ctx, l, f); err != nil {
+		return fmt.Errorf("write-through push to %s: %w", s.remote.Store.URL(), err)
+	}
+	return nil
+}
+
+// Pull copies the layer ref names from the layer store to this node (the
+// whole image, its digest checked) and tags it here.
+func (s *Store) Pull(ctx context.Context, ref string) (Layer, error) {
+	if s.remote == nil {
+		return Layer{}, fmt.Errorf("pull layer %s: %w", ref, ErrNoStore)
+	}
+	l, err := s.remoteLayer(ctx, ref)
+	if err != nil {
+		return Layer{}, fmt.Errorf("pull layer %s: %w", ref, err)
+	}
+	if err := s.download(ctx, l); err != nil {
+		return Layer{}, fmt.Errorf("pull layer %s from %s: %w", ref, s.remote.Store.URL(), err)
+	}
+	l.Remote = ""
+	s.gcMu.RLock()
+	tagged, _, err := s.tag(l)
+	s.gcMu.RUnlock()
+	if err != nil {
+		return Layer{}, fmt.Errorf("pull layer %s: tag: %w", ref, err)
+	}
+	return tagged, nil
+}
+
+// download fetches l's whole image into blobs (nothing if it is there).
+func (s *Store) download(ctx context.Context, l Layer) error {
+	if _, err := os.Stat(s.ImagePath(l.Digest)); err == nil {
+		return nil
+	}
+	rc, size, err := s.remote.Store.Get(ctx, blobKey(l.Digest))
+	if err != nil {
+		return err
+	}
+	defer rc.Close()
+	if size != l.Size {
+		return errdefs.New(errdefs.ErrFailedPrecondition, "the store's image of %s has %d bytes, its record says %d", l.Digest, size, l.Size)
+	}
+	f, err := os.CreateTemp(s.tmp, "pull-*.erofs")
+	if err != nil {
+		return err
+	}
+	defer os.Remove(f.Name())
+	defer f.Close()
+	h := sha256.New()
+	if _, err := io.Copy(io.MultiWriter(f, h), ctxReader{ctx, io.LimitReader(rc, l.Size)}); err != nil {
+		return err
+	}
+	if got := "sha256:" + hex.EncodeToString(h.Sum(nil)); got != l.Digest {
+		return errdefs.New(errdefs.ErrFailedPrecondition, "the store's image of %s hashes to %s: it is corrupt", l.Digest, got)
+	}
+	if err := f.Sync(); err != nil {
+		return err
+	}
+	if err := f.Close(); err != nil {
+		return err
+	}
+	s.gcMu.RLock()
+	defer s.gcMu.RUnlock()
+	return s.install(f.Name(), l.Digest)
+}
+
+// remoteLayer reads the record of ref (a tag or a digest) from the store.
+func (s *Store) remoteLayer(ctx context.Context, ref string) (Layer, error) {
+	p, err := parseRef(ref)
+	if err != nil {
+		return Layer{}, err
+	}
+	key := metaKey(p.digest)
+	if p.version != "" {
+		key = tagKey(p.name, p.version)
+	}
+	rc, size, err := s.remote.Store.Get(ctx, key)
+	if err != nil {
+		if errors.Is(err, errdefs.ErrNotFound) {
+			return Layer{}, fmt.Errorf("%s: %w (not here, not in %s)", ref, ErrNotFound, s.remote.Store.URL())
+		}
+		return Layer{}, err
+	}
+	defer rc.Close()
+	if size > maxExportMeta {
+		return Layer{}, errdefs.New(errdefs.ErrFailedPrecondition, "record %s in the store is %d bytes", key, size)
+	}
+	raw, err := io.ReadAll(io.LimitReader(rc, maxExportMeta))
+	if err != nil {
+		return Layer{}, err
+	}
+	var l Layer
+	if err := json.Unmarshal(raw, &l); err != nil {
+		return Layer{}, errdefs.New(errdefs.ErrFailedPrecondition, "record %s in the store: %v", key, err)
+	}
+	if _, err := newSpec(l.Kind, l.Name, l.Version, l.Compression); err != nil {
+		return Layer{}, errdefs.Mark(errdefs.ErrFailedPrecondition, fmt.Errorf("record %s in the store: %w", key, err))
+	}
+	if err := validateDigest(l.Digest); err != nil || (p.digest != "" && l.Digest != p.digest) || (p.name != "" && l.Name != p.name) {
+		return Layer{}, fmt.Errorf("%s: %w (the store's record %s does not match)", ref, ErrNotFound, key)
+	}
+	if l.Size <= 0 {
+		return Layer{}, errdefs.New(errdefs.ErrFailedPrecondition, "record %s in the store: size %d", key, l.Size)
+	}
+	return l, nil
+}
+
+// resolveRemote resolves a reference this node does not hold from the
+// store and records the layer by digest (marked Remote), so that the
+// digest resolves here from now on, and its image is mounted from the
+// store when a sandbox uses it.
+func (s *Store) resolveRemote(ref string) (Layer, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), remoteTimeout)
+	defer cancel()
+	l, err := s.remoteLayer(ctx, ref)
+	if err != nil {
+		return Layer{}, fmt.Errorf("resolve layer %s: %w", ref, err)
+	}
+	l.Remote = s.remote.Store.URL()
+	v, err := json.Marshal(l)
+	if err != nil {
+		return Layer{}, err
+	}
+	err = s.db.Update(func(tx *bbolt.Tx) error {
+		b := tx.Bucket(blobsBucket)
+		if b.Get([]byte(l.Digest)) != nil {
+			return nil // a local record wins
+		}
+		return b.Put([]byte(l.Digest), v)
+	})
+	if err != nil {
+		return Layer{}, fmt.Errorf("resolve layer %s: record: %w", ref, err)
+	}
+	return l, nil
+}
+
+// blobRecord returns the record of digest.
+func (s *Store) blobRecord(digest string) (Layer, bool, error) {
+	var l Layer
+	var found bool
+	err := s.db.View(func(tx *bbolt.Tx) error {
+		var err error
+		found, err = get(tx.Bucket(blobsBucket), digest, &l)
+		return err
+	})
+	return l, found, err
+}
+
+// remoteImage returns what to mount for an image this node holds no copy
+// of: the store's own file (file://), or a loop device over the lazy FUSE
+// file (s3://), and what to undo after unmounting. Called with s.mu held.
+func (s *Store) remoteImage(digest string) (src string, release func(), err error) {
+	if s.remote == nil {
+		return "", nil, fmt.Errorf("no image: %w", ErrNotFound)
+	}
+	l, found, err := s.blobRecord(digest)
+	if err != nil {
+		return "", nil, err
+	}
+	if !found {
+		ctx, cancel := context.WithTimeout(context.Background(), remoteTimeout)
+		defer cancel()
+		if l, err = s.remoteLayer(ctx, digest); err != nil {
+			return "", nil, err
+		}
+	}
+	st := s.remote.Store
+	if p := st.LocalPath(blobKey(digest)); p != "" {
+		fi, err := os.Stat(p)
+		if err != nil {
+			if errors.Is(err, fs.ErrNotExist) {
+				return "", nil, fmt.Errorf("no image here or in %s: %w", st.URL(), ErrNotFound)
+			}
+			return "", nil, err
+		}
+		if fi.Size() != l.Size {
+			return "", nil, errdefs.New(errdefs.ErrFailedPrecondition, "%s holds %d bytes for %s, its record says %d", p, fi.Size(), digest, l.Size)
+		}
+		return p, nil, nil
+	}
+	if s.remote.Lazy == nil {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Hour)
+		defer cancel()
+		if err := s.download(ctx, l); err != nil {
+			return "", nil, err
+		}
+		return s.ImagePath(digest), nil, nil
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), remoteTimeout)
+	defer cancel()
+	m, err := s.manifest(ctx, digest, l.Size)
+	if err != nil {
+		return "", nil, err
+	}
+	hexd := strings.TrimPrefix(digest, "sha256:")
+	file, err := s.remote.Lazy.Open(hexd, blobKey(digest), m)
+	if err != nil {
+		return "", nil, err
+	}
+	dev, err := attachLoop(file)
+	if err != nil {
+		s.remote.Lazy.Close(hexd)
+		return "", nil, err
+	}
+	return dev.path, func() {
+		dev.Close()
+		s.remote.Lazy.Close(hexd)
+	}, nil
+}
+
+// manifest reads and checks the chunk list of digest.
+func (s *Store) manifest(ctx context.Context, digest string, size int64) (lazy.Manifest, error) {
+	rc, n, err := s.remote.Store.Get(ctx, chunksKey(digest))
+	if err != nil {
+		return lazy.Manifest{}, fmt.Errorf("chunk list of %s: %w", digest, err)
+	}
+	defer rc.Close()
+	if n > lazy.MaxManifestBytes {
+		return lazy.Manifest{}, errdefs.New(errdefs.ErrFailedPrecondition, "chunk list of %s has %d bytes", digest, n)
+	}
+	var m lazy.Manifest
+	if err := json.NewDecoder(io.LimitReader(rc, lazy.MaxManifestBytes)).Decode(&m); err != nil {
+		return lazy.Manifest{}, errdefs.New(errdefs.ErrFailedPrecondition, "chunk list of %s: %v", digest, err)
+	}
+	if err := m.Validate(size); err != nil {
+		return lazy.Manifest{}, errdefs.New(errdefs.ErrFailedPrecondition, "chunk list of %s: %v", digest, err)
+	}
+	return m, nil
+}

@@ -1,0 +1,409 @@
+package layer
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"log/slog"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/shoal-sandbox/shoal/internal/layer/lazy"
+	"github.com/shoal-sandbox/shoal/internal/layer/remote"
+	"github.com/shoal-sandbox/shoal/internal/layer/remote/s3server"
+)
+
+// randomTree writes n files of size bytes of random data (incompressible,
+// so that chunks map to files) and returns their contents by name.
+func randomTree(t testing.TB, dir string, n, size int) map[string][]byte {
+	t.Helper()
+	r := rand.New(rand.NewPCG(1, 2))
+	files := map[string][]byte{}
+	for i := range n {
+		b := make([]byte, size+i*97)
+		for k := range b {
+			b[k] = byte(r.Uint32())
+		}
+		name := filepath.Join("data", "f"+string(rune('a'+i/26))+string(rune('a'+i%26)))
+		files[name] = b
+		p := filepath.Join(dir, name)
+		if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(p, b, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return files
+}
+
+func TestFileStorePushResolveMountPull(t *testing.T) {
+	a := newEnv(t)
+	storeDir := filepath.Join(a.root, "store")
+	st, err := remote.Open("file://"+storeDir, remote.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	a.store.SetRemote(RemoteConfig{Store: st})
+	src := writeTree(t, filepath.Join(a.root, "src"), map[string]string{"etc/os-release": "shoal\n", "big": strings.Repeat("x", 1<<20)})
+	l := a.build(t, "base", "1", src)
+	if _, res, err := a.store.Push(context.Background(), "base:1"); err != nil || res.UploadedBytes != l.Size {
+		t.Fatalf("push: %+v %v", res, err)
+	}
+	// Pushed again: nothing uploaded.
+	if _, res, err := a.store.Push(context.Background(), "base:1"); err != nil || res.UploadedBytes != 0 {
+		t.Fatalf("second push: %+v %v", res, err)
+	}
+
+	// Another node, same store: resolves the tag it does not hold and
+	// mounts the image straight from the store's file.
+	b := newEnv(t)
+	b.store.SetRemote(RemoteConfig{Store: st})
+	got, err := b.store.Resolve("base:1")
+	if err != nil || got.Digest != l.Digest || got.Remote != st.URL() {
+		t.Fatalf("resolve from store: %+v %v", got, err)
+	}
+	if _, err := b.store.Resolve("base:2"); !errors.Is(err, ErrNotFound) {
+		t.Fatalf("resolve of a tag nowhere: %v, want not found", err)
+	}
+	dir, err := b.store.Acquire(l.Digest)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := readFile(t, filepath.Join(dir, "etc/os-release")); got != "shoal\n" {
+		t.Fatalf("read %q", got)
+	}
+	ms, _ := readMountinfo()
+	var source string
+	for _, m := range ms {
+		if m.point == dir {
+			source = m.source
+		}
+	}
+	if want := st.LocalPath(blobKey(l.Digest)); source != want {
+		t.Fatalf("mounted from %q, want the store's file %q (no copy)", source, want)
+	}
+	if _, err := os.Stat(b.store.ImagePath(l.Digest)); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("the image was copied to the node: %v", err)
+	}
+	if err := b.store.Release(l.Digest); err != nil {
+		t.Fatal(err)
+	}
+
+	// Pull copies it whole and tags it here.
+	c := newEnv(t)
+	c.store.SetRemote(RemoteConfig{Store: st})
+	pulled, err := c.store.Pull(context.Background(), "base:1")
+	if err != nil || pulled.Digest != l.Digest || pulled.Remote != "" {
+		t.Fatalf("pull: %+v %v", pulled, err)
+	}
+	if fi, err := os.Stat(c.store.ImagePath(l.Digest)); err != nil || fi.Size() != l.Size {
+		t.Fatalf("pulled image: %v", err)
+	}
+	if ls, _ := c.store.List(); len(ls) != 1 || ls[0].Ref() != "base:1" {
+		t.Fatalf("tags after pull: %+v", ls)
+	}
+}
+
+func needLazy(t testing.TB) {
+	t.Helper()
+	needRoot(t)
+	for _, p := range []string{"/dev/fuse", "/dev/loop-control"} {
+		if _, err := os.Stat(p); err != nil {
+			t.Skipf("needs %s for lazy layers: %v", p, err)
+		}
+	}
+}
+
+// lazyNode is a node's Store over an s3:// layer store with a lazy FS.
+type lazyNode struct {
+	env   *testEnv
+	fs    *lazy.FS
+	cache string
+}
+
+func newLazyNode(t *testing.T, st remote.Store, cache string, cfg lazy.Config) *lazyNode {
+	t.Helper()
+	e := newEnv(t)
+	cfg.CacheDir = cache
+	var log *slog.Logger
+	if testing.Verbose() {
+		log = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	}
+	fsys, err := lazy.Mount(filepath.Join(e.dir, "lazy"), st, cfg, log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { fsys.Unmount() })
+	e.store.SetRemote(RemoteConfig{Store: st, Lazy: fsys})
+	return &lazyNode{env: e, fs: fsys, cache: cache}
+}
+
+func s3Store(t testing.TB, srv *s3server.Server) remote.Store {
+	st, err := remote.Open("s3://"+srv.Bucket+"/layers", remote.Options{Endpoint: "http://" + srv.Addr, AccessKey: "test", SecretKey: "test", Region: "us-east-1", PathStyle: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return st
+}
+
+func TestS3Lazy(t *testing.T) {
+	needLazy(t)
+	srv := s3server.Start(t, t.TempDir(), "shoal", 50<<20)
+	st := s3Store(t, srv)
+
+	a := newEnv(t)
+	a.store.SetRemote(RemoteConfig{Store: st, ChunkSize: 64 << 10})
+	src := filepath.Join(a.root, "src")
+	files := randomTree(t, src, 40, 200<<10) // ~8 MB of random data
+	l, err := a.store.Build(context.Background(), BuildOptions{Kind: KindBase, Name: "base", Version: "1", Source: src, Compression: "none"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := a.store.Push(context.Background(), "base:1"); err != nil {
+		t.Fatal(err)
+	}
+
+	cache := filepath.Join(t.TempDir(), "cache")
+	n := newLazyNode(t, st, cache, lazy.Config{})
+	if _, err := n.env.store.Resolve("base:1"); err != nil {
+		t.Fatal(err)
+	}
+	dir, err := n.env.store.Acquire(l.Digest)
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	// Only touched chunks are fetched.
+	touched := int64(0)
+	for _, name := range []string{"data/fab", "data/fba"} {
+		got, err := os.ReadFile(filepath.Join(dir, name))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(got, files[name]) {
+			t.Fatalf("%s differs from the source", name)
+		}
+		touched += int64(len(got))
+	}
+	fetched := n.fs.Stats().BytesFetched
+	t.Logf("image %d bytes, touched %d, fetched %d (%.2fx)", l.Size, touched, fetched, float64(fetched)/float64(touched))
+	if fetched < touched || fetched > l.Size/3 {
+		t.Fatalf("fetched %d bytes of a %d-byte image to read %d: want only the touched chunks", fetched, l.Size, touched)
+	}
+
+	// Every file byte for byte.
+	for name, want := range files {
+		got, err := os.ReadFile(filepath.Join(dir, name))
+		if err != nil || !bytes.Equal(got, want) {
+			t.Fatalf("%s differs from the source (%v)", name, err)
+		}
+	}
+	total := n.fs.Stats().BytesFetched
+	if err := n.env.store.Release(l.Digest); err != nil {
+		t.Fatal(err)
+	}
+	if err := n.fs.Unmount(); err != nil {
+		t.Fatal(err)
+	}
+
+	// A restart over the same cache fetches nothing again.
+	n2 := newLazyNode(t, st, cache, lazy.Config{NoPrefetch: true})
+	if _, err := n2.env.store.Resolve(l.Digest); err != nil {
+		t.Fatal(err)
+	}
+	dir, err = n2.env.store.Acquire(l.Digest)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for name, want := range files {
+		got, err := os.ReadFile(filepath.Join(dir, name))
+		if err != nil || !bytes.Equal(got, want) {
+			t.Fatalf("after restart: %s differs from the source (%v)", name, err)
+		}
+	}
+	if s := n2.fs.Stats(); s.BytesFetched != 0 || s.CacheHits == 0 {
+		t.Fatalf("after restart with a warm cache (%d bytes): fetched %d bytes, %d hits; want 0 fetched", total, s.BytesFetched, s.CacheHits)
+	}
+	if err := n2.env.store.Release(l.Digest); err != nil {
+		t.Fatal(err)
+	}
+
+	// Under a cap smaller than the image, the cache evicts and stays
+	// under it; reads are still right.
+	const capBytes = 1 << 20
+	n3 := newLazyNode(t, st, filepath.Join(t.TempDir(), "small"), lazy.Config{CacheMax: capBytes})
+	n3.env.store.Resolve(l.Digest)
+	dir, err = n3.env.store.Acquire(l.Digest)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for name, want := range files {
+		got, err := os.ReadFile(filepath.Join(dir, name))
+		if err != nil || !bytes.Equal(got, want) {
+			t.Fatalf("small cache: %s differs from the source (%v)", name, err)
+		}
+	}
+	s := n3.fs.Stats()
+	if s.CacheBytes > capBytes || s.Evictions == 0 {
+		t.Fatalf("cache of %d bytes (cap %d), %d evictions", s.CacheBytes, capBytes, s.Evictions)
+	}
+	var onDisk int64
+	filepath.Walk(filepath.Join(n3.cache, "chunks"), func(p string, fi os.FileInfo, err error) error {
+		if err == nil && fi.Mode().IsRegular() {
+			onDisk += fi.Size()
+		}
+		return nil
+	})
+	if onDisk > capBytes {
+		t.Fatalf("%d bytes of chunks on disk, cap %d", onDisk, capBytes)
+	}
+	n3.env.store.Release(l.Digest)
+}
+
+func TestS3LazyServerKilled(t *testing.T) {
+	needLazy(t)
+	srv := s3server.Start(t, t.TempDir(), "shoal", 0)
+	st := s3Store(t, srv)
+	a := newEnv(t)
+	a.store.SetRemote(RemoteConfig{Store: st, ChunkSize: 64 << 10})
+	src := filepath.Join(a.root, "src")
+	files := randomTree(t, src, 20, 200<<10)
+	l, err := a.store.Build(context.Background(), BuildOptions{Kind: KindBase, Name: "base", Version: "1", Source: src, Compression: "none"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := a.store.Push(context.Background(), "base:1"); err != nil {
+		t.Fatal(err)
+	}
+	const bound = 2 * time.Second
+	n := newLazyNode(t, st, filepath.Join(t.TempDir(), "cache"), lazy.Config{FetchTimeout: bound, Readahead: -1})
+	n.env.store.Resolve("base:1")
+	dir, err := n.env.store.Acquire(l.Digest)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, err := os.ReadFile(filepath.Join(dir, "data/faa")); err != nil || !bytes.Equal(got, files["data/faa"]) {
+		t.Fatalf("read before the kill: %v", err)
+	}
+	srv.Kill()
+	start := time.Now()
+	done := make(chan error, 1)
+	go func() {
+		_, err := os.ReadFile(filepath.Join(dir, "data/fat"))
+		done <- err
+	}()
+	select {
+	case err := <-done:
+		if !errors.Is(err, syscall.EIO) {
+			t.Fatalf("read with the store gone: %v, want EIO", err)
+		}
+		t.Logf("EIO after %v (bound %v)", time.Since(start), bound)
+	case <-time.After(10 * bound): // a hang detector, not a timing assert
+		t.Fatalf("read still hanging %v after the store went away", 10*bound)
+	}
+	// The node is fine: the layer unmounts, and reads work again once the
+	// store is back.
+	srv.Restart()
+	if got, err := os.ReadFile(filepath.Join(dir, "data/fat")); err != nil || !bytes.Equal(got, files["data/fat"]) {
+		t.Fatalf("read after the store came back: %v", err)
+	}
+	released := make(chan error, 1)
+	go func() { released <- n.env.store.Release(l.Digest) }()
+	select {
+	case err := <-released:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("release hangs")
+	}
+}
+
+// TestS3LazyTracePrefetch: the first mount of a layer records which chunks
+// were read; a cold start with that trace prefetches them, so the same
+// reads then wait on no fetch.
+func TestS3LazyTracePrefetch(t *testing.T) {
+	needLazy(t)
+	srv := s3server.Start(t, t.TempDir(), "shoal", 0)
+	st := s3Store(t, srv)
+	a := newEnv(t)
+	a.store.SetRemote(RemoteConfig{Store: st, ChunkSize: 64 << 10})
+	src := filepath.Join(a.root, "src")
+	files := randomTree(t, src, 30, 200<<10)
+	l, err := a.store.Build(context.Background(), BuildOptions{Kind: KindBase, Name: "base", Version: "1", Source: src, Compression: "none"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := a.store.Push(context.Background(), "base:1"); err != nil {
+		t.Fatal(err)
+	}
+	workload := []string{"data/fac", "data/fbb", "data/fad"}
+	run := func(n *lazyNode) {
+		t.Helper()
+		n.env.store.Resolve(l.Digest)
+		dir, err := n.env.store.Acquire(l.Digest)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, name := range workload {
+			if got, err := os.ReadFile(filepath.Join(dir, name)); err != nil || !bytes.Equal(got, files[name]) {
+				t.Fatalf("%s differs from the source (%v)", name, err)
+			}
+		}
+		if err := n.env.store.Release(l.Digest); err != nil {
+			t.Fatal(err)
+		}
+	}
+	cache1 := filepath.Join(t.TempDir(), "cache")
+	first := newLazyNode(t, st, cache1, lazy.Config{Readahead: -1})
+	run(first)
+	first.fs.Unmount()
+	traces, _ := filepath.Glob(filepath.Join(cache1, "traces", "*.json"))
+	if len(traces) != 1 {
+		t.Fatalf("traces after the first run: %v", traces)
+	}
+
+	// A cold node (no chunks) with the trace.
+	cache2 := filepath.Join(t.TempDir(), "cache")
+	if err := os.MkdirAll(filepath.Join(cache2, "traces"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	b, _ := os.ReadFile(traces[0])
+	os.WriteFile(filepath.Join(cache2, "traces", filepath.Base(traces[0])), b, 0o644)
+	second := newLazyNode(t, st, cache2, lazy.Config{Readahead: -1})
+	second.env.store.Resolve(l.Digest)
+	dir, err := second.env.store.Acquire(l.Digest)
+	if err != nil {
+		t.Fatal(err)
+	}
+	hexd := strings.TrimPrefix(l.Digest, "sha256:")
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		st, _ := second.fs.ImageStats(hexd)
+		if !st.Prefetching && st.ChunksCached >= st.TraceChunks {
+			t.Logf("prefetched %d of %d traced chunks", st.Prefetched, st.TraceChunks)
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("prefetch not done after 30s: %+v", st)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	before := second.fs.Stats()
+	for _, name := range workload {
+		if got, err := os.ReadFile(filepath.Join(dir, name)); err != nil || !bytes.Equal(got, files[name]) {
+			t.Fatalf("%s differs from the source (%v)", name, err)
+		}
+	}
+	after := second.fs.Stats()
+	if after.CacheMisses != before.CacheMisses || after.Prefetched == 0 {
+		t.Fatalf("after prefetch the workload still missed %d chunks (prefetched %d)", after.CacheMisses-before.CacheMisses, after.Prefetched)
+	}
+	second.env.store.Release(l.Digest)
+}
