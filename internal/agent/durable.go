@@ -67,6 +67,7 @@ type durable struct {
 	mu        sync.Mutex
 	changed   chan struct{} // closed and replaced on every change
 	recs      []outRec      // unacknowledged records, oldest first
+	waiting   int           // readers waiting in add for the node to acknowledge
 	base      int64         // log offset of recs[0]
 	end       int64         // log offset just past the last record
 	unacked   int           // data bytes in recs
@@ -138,9 +139,11 @@ func (d *durable) add(typ byte, data []byte) {
 	}
 	for d.unacked >= maxUnacked {
 		ch := d.changed
+		d.waiting++
 		d.mu.Unlock()
 		<-ch
 		d.mu.Lock()
+		d.waiting--
 	}
 	d.appendLocked(outRec{typ: typ, data: append([]byte(nil), data...)})
 }
@@ -243,14 +246,32 @@ func (s *Server) collect(d *durable, files [3]*os.File) {
 	<-d.cmd.done
 	// Background processes may hold the output open forever: give them
 	// OutputGrace, then stop reading (as the non-durable exec does).
+	// The pipes are closed only once they are drained: time spent waiting
+	// for the node to acknowledge (it is slow, or restarting, or its disk
+	// is full) does not count, and what is still in a pipe is the
+	// command's output, which closing it would lose.
 	grace := time.NewTimer(s.cfg.OutputGrace)
-	select {
-	case <-pumped:
-	case <-grace.C:
-		for _, o := range outs {
-			o.f.Close()
+	for stop := false; !stop; {
+		select {
+		case <-pumped:
+			stop = true
+		case <-grace.C:
+			d.mu.Lock()
+			waiting := d.waiting > 0
+			d.mu.Unlock()
+			for _, o := range outs {
+				waiting = waiting || pending(o.f) > 0
+			}
+			if waiting {
+				grace.Reset(s.cfg.OutputGrace)
+				continue
+			}
+			for _, o := range outs {
+				o.f.Close()
+			}
+			<-pumped
+			stop = true
 		}
-		<-pumped
 	}
 	grace.Stop()
 	for _, o := range outs {
@@ -590,4 +611,16 @@ func setWinsize(f *os.File, size wireWinsize) error {
 		ierr = unix.IoctlSetWinsize(int(fd), unix.TIOCSWINSZ, &unix.Winsize{Row: size.Rows, Col: size.Cols})
 	})
 	return ierr
+}
+
+// pending is how many bytes wait in pipe f to be read (FIONREAD, which
+// x/sys names TIOCINQ on Linux), 0 when it cannot tell.
+func pending(f *os.File) int {
+	rc, err := f.SyscallConn()
+	if err != nil {
+		return 0
+	}
+	n := 0
+	rc.Control(func(fd uintptr) { n, _ = unix.IoctlGetInt(int(fd), unix.TIOCINQ) })
+	return n
 }

@@ -21,7 +21,7 @@ const (
 	CodeInvalid     ErrorCode = "invalid"     // bad request; unwraps to fs.ErrInvalid
 	CodeNotDir      ErrorCode = "not_dir"     // a path element is not a directory; unwraps to fs.ErrInvalid
 	CodeIsDir       ErrorCode = "is_dir"      // a directory where a file is needed; unwraps to fs.ErrInvalid
-	CodeNoSpace     ErrorCode = "no_space"    // ENOSPC / EDQUOT
+	CodeNoSpace     ErrorCode = "no_space"    // ENOSPC / EDQUOT; unwraps to errdefs.ErrResourceExhausted
 	CodeIO          ErrorCode = "io"          // any other OS error
 	CodeUnsupported ErrorCode = "unsupported" // op unknown to this agent version
 	CodeProtocol    ErrorCode = "protocol"    // malformed frame or message

@@ -8,6 +8,7 @@ import (
 	"io/fs"
 	"net/http"
 	"strings"
+	"syscall"
 
 	"connectrpc.com/connect"
 
@@ -76,7 +77,7 @@ func toConnect(err error) error {
 		code = connect.CodePermissionDenied
 	case errors.Is(err, errdefs.ErrFailedPrecondition), errors.Is(err, layer.ErrInUse):
 		code = connect.CodeFailedPrecondition
-	case errors.Is(err, errdefs.ErrResourceExhausted):
+	case errors.Is(err, errdefs.ErrResourceExhausted), errors.Is(err, syscall.ENOSPC), errors.Is(err, syscall.EDQUOT):
 		code = connect.CodeResourceExhausted
 	case errors.Is(err, errdefs.ErrUnavailable):
 		code = connect.CodeUnavailable

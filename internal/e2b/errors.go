@@ -5,6 +5,7 @@ import (
 	"errors"
 	"io/fs"
 	"net/http"
+	"syscall"
 
 	"connectrpc.com/connect"
 
@@ -43,7 +44,7 @@ func codeOf(err error) connect.Code {
 		return connect.CodePermissionDenied
 	case errors.Is(err, errdefs.ErrFailedPrecondition):
 		return connect.CodeFailedPrecondition
-	case errors.Is(err, errdefs.ErrResourceExhausted):
+	case errors.Is(err, errdefs.ErrResourceExhausted), errors.Is(err, syscall.ENOSPC), errors.Is(err, syscall.EDQUOT):
 		return connect.CodeResourceExhausted
 	case errors.Is(err, errdefs.ErrUnavailable):
 		return connect.CodeUnavailable

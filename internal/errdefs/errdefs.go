@@ -9,6 +9,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"syscall"
 )
 
 // Kinds of error.
@@ -68,7 +69,7 @@ func Code(err error) string {
 		return "already_exists"
 	case errors.Is(err, ErrFailedPrecondition):
 		return "failed_precondition"
-	case errors.Is(err, ErrResourceExhausted):
+	case errors.Is(err, ErrResourceExhausted), errors.Is(err, syscall.ENOSPC), errors.Is(err, syscall.EDQUOT):
 		return "resource_exhausted"
 	case errors.Is(err, ErrUnavailable):
 		return "unavailable"

@@ -561,7 +561,11 @@ func (m *Manager) pump(ctx context.Context, c *Command, ag *agent.Client, att *a
 		var hdr [agent.LogRecordHeader]byte
 		hdr[0] = byte(r.Kind)
 		binary.BigEndian.PutUint32(hdr[1:], uint32(len(r.Data)))
-		if _, err := unix.Writev(int(f.Fd()), [][]byte{hdr[:], r.Data}); err != nil {
+		if err := m.writeRecord(ctx, c, f, hdr[:], r.Data); err != nil {
+			if ctx.Err() != nil {
+				att.Close()
+				return
+			}
 			log.Error("write command log", "err", err)
 			m.finish(c, nil, "writing its log failed: "+err.Error())
 			ag.SignalCommand(context.Background(), c.rec.AgentID, int(syscall.SIGKILL))
@@ -575,6 +579,59 @@ func (m *Manager) pump(ctx context.Context, c *Command, ag *agent.Client, att *a
 		if r.End-acked >= ackEvery {
 			att.Ack(r.End)
 			acked = r.End
+		}
+	}
+}
+
+// writeRecord appends one record to a command's log. When the host's disk
+// is full (ENOSPC, EDQUOT, or a short write) it takes back what it wrote of
+// the record and
+// tries again, with back-off, until there is room, the node stops, or the
+// sandbox is deleted: meanwhile nothing more is received, so the agent
+// keeps the command's output (it holds what is not acknowledged, and past
+// its bound the command waits on its pipe), and nothing is lost. Any other
+// error is returned.
+func (m *Manager) writeRecord(ctx context.Context, c *Command, f *os.File, hdr, data []byte) error {
+	start, err := f.Seek(0, io.SeekCurrent)
+	if err != nil {
+		return err
+	}
+	logged := false
+	for wait := 50 * time.Millisecond; ; wait = min(2*wait, 2*time.Second) {
+		n, err := unix.Writev(int(f.Fd()), [][]byte{hdr, data})
+		if err == nil && n < len(hdr)+len(data) {
+			// A short write: the disk filled in the middle of the record
+			// (the next write would say ENOSPC).
+			err = syscall.ENOSPC
+		}
+		if err == nil {
+			if logged {
+				m.log.Info("command log: room again on the host's disk", "sandbox_id", c.rec.SandboxID, "command", c.rec.ID)
+			}
+			return nil
+		}
+		if !errors.Is(err, syscall.ENOSPC) && !errors.Is(err, syscall.EDQUOT) {
+			return err
+		}
+		// A part of the record may be written: take it back.
+		if terr := f.Truncate(start); terr != nil {
+			return errors.Join(err, terr)
+		}
+		if _, serr := f.Seek(start, io.SeekStart); serr != nil {
+			return errors.Join(err, serr)
+		}
+		if !logged {
+			m.log.Error("command log: the host's disk is full; the command's output waits in its sandbox until there is room",
+				"sandbox_id", c.rec.SandboxID, "command", c.rec.ID, "err", err)
+			logged = true
+		}
+		if m.sb.Deleting(c.rec.SandboxID) {
+			return err
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(wait):
 		}
 	}
 }
