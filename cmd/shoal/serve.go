@@ -279,7 +279,7 @@ func serveCmd() *cobra.Command {
 	cmd.Flags().StringVar(&cfg.E2B.Listen, "e2b-listen", "127.0.0.1:7481", "E2B-compatible endpoint (API and sandbox traffic, HTTP and HTTPS on one port); empty disables it")
 	cmd.Flags().StringVar(&cfg.E2B.Domain, "e2b-domain", "", "sandbox domain for E2B clients: getHost(port) is PORT-ID.DOMAIN (default shoal.localhost:<e2b port>)")
 	cmd.Flags().StringVar(&cfg.E2B.DefaultTemplate, "e2b-default-template", "debian:12", "environment or base layer used for E2B's default template \"base\" when none is named base")
-	cmd.Flags().StringVar(&cfg.E2B.Pause, "e2b-pause", e2b.PauseKeepRunning, "E2B pause: keep-running (accepted, the sandbox keeps running until connect) or refuse (501)")
+	cmd.Flags().StringVar(&cfg.E2B.Pause, "e2b-pause", e2b.PauseOn, "E2B pause: on (pauses the sandbox for real; connect resumes it) or refuse (501)")
 	return cmd
 }
 

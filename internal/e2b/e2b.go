@@ -68,9 +68,11 @@ const EnvdVersion = "0.6.4"
 
 // Pause modes (Config.Pause).
 const (
-	// PauseKeepRunning: pause is accepted and recorded (the sandbox reads
-	// "paused" and its timeout is suspended until connect), but the sandbox
-	// keeps running: Shoal cannot freeze one yet.
+	// PauseOn: pause pauses the sandbox (node.Manager.Pause: its
+	// processes frozen, its memory reclaimed); connect resumes it.
+	PauseOn = "on"
+	// PauseKeepRunning is the old name of PauseOn, accepted still (it
+	// once kept the sandbox running, when Shoal could not pause).
 	PauseKeepRunning = "keep-running"
 	// PauseRefuse: pause answers 501 Not Implemented.
 	PauseRefuse = "refuse"
@@ -95,10 +97,8 @@ type Config struct {
 	// DefaultTimeout is a sandbox's timeout when a create or connect gives
 	// none (E2B's default: 300 s).
 	DefaultTimeout time.Duration
-	// PausedTimeout is the idle timeout a paused sandbox gets (it is kept
-	// until connect or kill, up to this long).
-	PausedTimeout time.Duration
-	// Pause is PauseKeepRunning (default) or PauseRefuse.
+	// Pause is PauseOn (default) or PauseRefuse. How long a paused
+	// sandbox is kept is the node's (serve --paused-timeout).
 	Pause string
 }
 
@@ -116,15 +116,12 @@ func (c *Config) Validate() error {
 	if c.DefaultTimeout == 0 {
 		c.DefaultTimeout = 300 * time.Second
 	}
-	if c.PausedTimeout == 0 {
-		c.PausedTimeout = 24 * time.Hour
-	}
 	switch c.Pause {
-	case "":
-		c.Pause = PauseKeepRunning
-	case PauseKeepRunning, PauseRefuse:
+	case "", PauseKeepRunning:
+		c.Pause = PauseOn
+	case PauseOn, PauseRefuse:
 	default:
-		return fmt.Errorf("e2b config: pause mode %q: want %s or %s", c.Pause, PauseKeepRunning, PauseRefuse)
+		return fmt.Errorf("e2b config: pause mode %q: want %s or %s", c.Pause, PauseOn, PauseRefuse)
 	}
 	return nil
 }
@@ -139,6 +136,8 @@ type Sandboxes interface {
 	SetTimeout(id string, d time.Duration) (node.Record, error)
 	CheckTimeout(d time.Duration) error
 	Agent(id string) (*agent.Client, error)
+	Pause(ctx context.Context, id string) (node.Record, bool, error)
+	Resume(ctx context.Context, id string) (node.Record, bool, error)
 	Layers() *layer.Store
 }
 
