@@ -43,6 +43,11 @@ type PauseResult struct {
 	ResumeBackend Dist `json:"resume_backend"`
 	// ExecRunning: the same exec on the running sandbox, for comparison.
 	ExecRunning Dist `json:"exec_running"`
+	// ResumeTouchAll: a command sent to a paused sandbox that has its
+	// shell read all its memory (back from swap), until it is done;
+	// TouchAllRunning: the same on the running sandbox (memory resident).
+	ResumeTouchAll  Dist `json:"resume_touch_all"`
+	TouchAllRunning Dist `json:"touch_all_running"`
 }
 
 // Pause measures pause+reclaim time and resume→first exec latency over N
@@ -62,7 +67,9 @@ func Pause(ctx context.Context, c *shoal.Client, o PauseOptions) (*PauseResult, 
 		})
 	}()
 	zero := int64(0)
-	script := fmt.Sprintf(`x=$(head -c %d /dev/urandom | base64 | tr -d '\n'); echo ready >/tmp/ready; while :; do sleep 3600; done`, o.MiB<<20)
+	// The shell holds the data; each line written to /tmp/f makes it read
+	// all of it (${#x}) and write its length to /tmp/len.
+	script := fmt.Sprintf(`x=$(head -c %d /dev/urandom | base64 | tr -d '\n'); mkfifo /tmp/f; echo ready >/tmp/ready; while :; do read l </tmp/f; echo ${#x} >/tmp/len; done`, o.MiB<<20)
 	parallel(o.N, o.Concurrency, func(i int) {
 		sb, err := c.Create(ctx, &pb.CreateSandboxRequest{Base: o.Base, TimeoutSeconds: 3600,
 			MemoryBytes: int64(4*o.MiB+128) << 20, AutoPauseSeconds: &zero})
@@ -137,6 +144,32 @@ func Pause(ctx context.Context, c *shoal.Client, o PauseOptions) (*PauseResult, 
 			backend = append(backend, time.Duration(sb.Pause.ResumeSeconds*float64(time.Second)))
 		}
 	}
+	// Pause them all again, then resume each by a command that makes its
+	// shell read all its memory back.
+	for _, id := range ids {
+		if _, _, err := c.Pause(ctx, id); err != nil {
+			return nil, err
+		}
+	}
+	var touches []time.Duration
+	touch := []string{"sh", "-c", "rm -f /tmp/len; echo go >/tmp/f; while [ ! -s /tmp/len ]; do :; done"}
+	for _, id := range ids {
+		t := time.Now()
+		if _, err := c.Exec(ctx, id, shoal.ExecOptions{Args: touch}); err != nil {
+			return nil, err
+		}
+		touches = append(touches, time.Since(t))
+	}
+	// The same on running sandboxes, memory resident.
+	var touchesRunning []time.Duration
+	for _, id := range ids {
+		t := time.Now()
+		if _, err := c.Exec(ctx, id, shoal.ExecOptions{Args: touch}); err != nil {
+			return nil, err
+		}
+		touchesRunning = append(touchesRunning, time.Since(t))
+	}
+	res.ResumeTouchAll, res.TouchAllRunning = dist(touches), dist(touchesRunning)
 	res.Pause, res.Freeze, res.Reclaim = dist(pauses), dist(freezes), dist(reclaims)
 	res.ResumeFirstExec, res.ResumeBackend, res.ExecRunning = dist(resumes), dist(backend), dist(running)
 	return res, nil
