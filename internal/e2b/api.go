@@ -510,7 +510,7 @@ func (s *Server) listSandboxes(w http.ResponseWriter, r *http.Request) {
 	var last node.Record
 	more := false
 	for i, rec := range recs {
-		if rec.State != node.StateRunning {
+		if rec.State != node.StateRunning && rec.State != node.StatePaused {
 			continue
 		}
 		l := s.listed(rec)

@@ -375,7 +375,9 @@ func sandboxID(ctx context.Context) string {
 // itself, or a TCP port inside the sandbox.
 func (s *Server) sandboxTraffic(w http.ResponseWriter, r *http.Request, id string, port int) {
 	rec, err := s.node.Get(id)
-	if err != nil || rec.State != node.StateRunning {
+	// A paused sandbox's traffic resumes it (node.Manager.Agent), except
+	// envd's /health: isRunning() is false for a paused sandbox.
+	if err != nil || (rec.State != node.StateRunning && rec.State != node.StatePaused) {
 		// What E2B's edge answers for a sandbox that is gone: the SDK
 		// reports it as not running (isRunning() == false).
 		writeError(w, http.StatusBadGateway, fmt.Sprintf("The sandbox %s was not found or is not running", id))

@@ -148,6 +148,12 @@ describe('sandboxes', () => {
       assert.equal((await again.commands.run('echo after')).stdout, 'after\n')
       // Connecting to a running sandbox is fine too.
       await Sandbox.connect(sbx.sandboxId)
+      // Unlike E2B, a call into a paused sandbox resumes it (as Shoal's
+      // own API does) instead of failing.
+      assert.equal(await again.pause(), true)
+      assert.equal(await again.isRunning(), false)
+      assert.equal((await again.commands.run('echo resumed')).stdout, 'resumed\n')
+      assert.equal(await again.isRunning(), true)
     } finally {
       await sbx.kill()
     }
