@@ -138,6 +138,7 @@ type Sandboxes interface {
 	Agent(id string) (*agent.Client, error)
 	Pause(ctx context.Context, id string) (node.Record, bool, error)
 	Resume(ctx context.Context, id string) (node.Record, bool, error)
+	Hold(id string) (release func(), err error)
 	Layers() *layer.Store
 }
 
