@@ -159,6 +159,13 @@ func TestPauseResume(t *testing.T) {
 	}
 	frozen(t, id)
 	memholdOK(t, id)
+
+	// A paused sandbox is deleted like any other (its frozen tasks die).
+	shoalOK(t, "pause", id)
+	shoalOK(t, "rm", id)
+	if _, stderr, code := run3(nil, "inspect", id); code == 0 || !strings.Contains(stderr, "no sandbox") {
+		t.Fatalf("inspect after rm of a paused sandbox: exit %d, %s", code, stderr)
+	}
 }
 
 // TestAutoPause: a sandbox created with --auto-pause is paused after that
