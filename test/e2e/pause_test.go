@@ -37,7 +37,11 @@ func getSandbox(t *testing.T, c *shoal.Client, id string) *pb.Sandbox {
 // hostFile reads a file of a sandbox's writable layer from the host,
 // without going through (and so without resuming) the sandbox.
 func hostFile(id, path string) string {
-	b, _ := os.ReadFile(filepath.Join(dataDir, "sandboxes", id, "upper", path))
+	upper := filepath.Join(dataDir, "sandboxes", id, "upper")
+	if _, err := os.Stat(filepath.Join(dataDir, "sandboxes", id, "disk", "upper")); err == nil {
+		upper = filepath.Join(dataDir, "sandboxes", id, "disk", "upper") // on its disk image
+	}
+	b, _ := os.ReadFile(filepath.Join(upper, path))
 	return strings.TrimSpace(string(b))
 }
 
