@@ -14,15 +14,6 @@ import (
 	shoal "github.com/shoal-sandbox/shoal/sdk/go"
 )
 
-func sdkClient(t *testing.T) *shoal.Client {
-	t.Helper()
-	c, err := shoal.New(shoal.Options{URL: apiURL, APIKey: apiKey})
-	if err != nil {
-		t.Fatal(err)
-	}
-	return c
-}
-
 func getSandbox(t *testing.T, c *shoal.Client, id string) *pb.Sandbox {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
@@ -36,12 +27,8 @@ func getSandbox(t *testing.T, c *shoal.Client, id string) *pb.Sandbox {
 
 // hostFile reads a file of a sandbox's writable layer from the host,
 // without going through (and so without resuming) the sandbox.
-func hostFile(id, path string) string {
-	upper := filepath.Join(dataDir, "sandboxes", id, "upper")
-	if _, err := os.Stat(filepath.Join(dataDir, "sandboxes", id, "disk", "upper")); err == nil {
-		upper = filepath.Join(dataDir, "sandboxes", id, "disk", "upper") // on its disk image
-	}
-	b, _ := os.ReadFile(filepath.Join(upper, path))
+func hostFile(t *testing.T, id, path string) string {
+	b, _ := os.ReadFile(filepath.Join(upperOf(t, id), path))
 	return strings.TrimSpace(string(b))
 }
 
@@ -64,9 +51,9 @@ func hostHasSwap() bool {
 // sandbox's processes are stopped).
 func frozen(t *testing.T, id string) {
 	t.Helper()
-	before := hostFile(id, "work/m/tick")
+	before := hostFile(t, id, "work/m/tick")
 	time.Sleep(500 * time.Millisecond) // memhold ticks every 20 ms
-	if after := hostFile(id, "work/m/tick"); after != before {
+	if after := hostFile(t, id, "work/m/tick"); after != before {
 		t.Fatalf("a paused sandbox ran: memhold's tick moved %s -> %s", before, after)
 	}
 }
@@ -75,11 +62,11 @@ func frozen(t *testing.T, id string) {
 // connection, and checks both are as before the pause.
 func memholdOK(t *testing.T, id string) {
 	t.Helper()
-	sum0 := hostFile(id, "work/m/sum0")
+	sum0 := hostFile(t, id, "work/m/sum0")
 	sh(t, id, "rm -f /work/m/out; touch /work/m/go") // resumes a paused sandbox
 	var out string
 	waitFor(t, 30*time.Second, "memhold's answer", func() bool {
-		out = hostFile(id, "work/m/out")
+		out = hostFile(t, id, "work/m/out")
 		return out != ""
 	})
 	if want := sum0 + " echoed"; out != want {
@@ -95,11 +82,11 @@ func memholdOK(t *testing.T, id string) {
 // a restarted serve keeps a paused sandbox paused and resumable.
 func TestPauseResume(t *testing.T) {
 	need(t)
-	c := sdkClient(t)
+	c := sdk(t)
 	id := create(t, "--memory", "512M", "--auto-pause", "0")
 	sh(t, id, "mkdir -p /work/m && echo kept > /work/file")
 	startInSandbox(t, id, "memhold", "96", "/work/m")
-	waitFor(t, 60*time.Second, "memhold to fill its memory", func() bool { return hostFile(id, "work/m/sum0") != "" })
+	waitFor(t, 60*time.Second, "memhold to fill its memory", func() bool { return hostFile(t, id, "work/m/sum0") != "" })
 	// A command that runs across the pause: 40 lines, 50 ms apart.
 	cmdID := strings.TrimSpace(shoalOK(t, "exec", "-d", id, "--", "sh", "-c", "i=0; while [ $i -lt 40 ]; do i=$((i+1)); echo line $i; sleep 0.05; done"))
 	var want strings.Builder
@@ -157,7 +144,7 @@ func TestPauseResume(t *testing.T) {
 	if err := startServe(); err != nil {
 		t.Fatal(err)
 	}
-	c = sdkClient(t)
+	c = sdk(t)
 	if sb := getSandbox(t, c, id); sb.State != pb.SandboxState_SANDBOX_STATE_PAUSED {
 		t.Fatalf("after a restart of serve: %s, want paused", sb.State)
 	}
@@ -176,12 +163,12 @@ func TestPauseResume(t *testing.T) {
 // long idle, not while a command runs in it, and an exec resumes it.
 func TestAutoPause(t *testing.T) {
 	need(t)
-	c := sdkClient(t)
+	c := sdk(t)
 	id := create(t, "--auto-pause", "1s")
 	// memhold in the background, left by a command that ended: not a
 	// running command.
 	sh(t, id, "mkdir -p /work/m; memhold 8 /work/m >/dev/null 2>&1 &")
-	waitFor(t, 30*time.Second, "memhold to start", func() bool { return hostFile(id, "work/m/tick") != "" })
+	waitFor(t, 30*time.Second, "memhold to start", func() bool { return hostFile(t, id, "work/m/tick") != "" })
 	// While a command runs, it is not idle.
 	shoalOK(t, "exec", "-d", id, "--", "sleep", "3")
 	time.Sleep(2 * time.Second) // past its auto-pause, with the command running
