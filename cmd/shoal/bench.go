@@ -183,7 +183,30 @@ func benchCmd() *cobra.Command {
 	chaos.Flags().BoolVar(&chaosSandbox, "sandbox", true, "create a sandbox that some requests name (so they reach an agent)")
 	chaos.Flags().StringVar(&cho.Base, "base", "debian:12", "base layer of that sandbox")
 
-	cmd.AddCommand(create, execb, sess, benchLayersCmd(), fnb, burst, chaos)
+	var po bench.PauseOptions
+	pauseb := &cobra.Command{
+		Use:   "pause [-n N] [--mib M] [--base REF]",
+		Short: "Pause+reclaim time per GiB and resume→first exec latency over N sandboxes each holding M MiB",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := client(cmd)
+			if err != nil {
+				return err
+			}
+			ctx, cancel := cmdContext()
+			defer cancel()
+			res, err := bench.Pause(ctx, c, po)
+			if err != nil {
+				return err
+			}
+			return printResult(res)
+		},
+	}
+	pauseb.Flags().IntVarP(&po.N, "number", "n", 50, "sandboxes")
+	pauseb.Flags().IntVar(&po.MiB, "mib", 32, "random MiB each sandbox's resident shell holds (as base64 text)")
+	pauseb.Flags().IntVarP(&po.Concurrency, "concurrency", "c", 2, "creates in flight while setting up")
+	pauseb.Flags().StringVar(&po.Base, "base", "debian:12", "base layer (needs sh, head, base64, tr)")
+	cmd.AddCommand(create, execb, sess, benchLayersCmd(), fnb, burst, chaos, pauseb)
 	return cmd
 }
 

@@ -104,6 +104,7 @@ func createCmd() *cobra.Command {
 		metadata, envVars []string
 		internet          bool
 		allowOut, denyOut []string
+		autoPause         time.Duration
 	)
 	cmd := &cobra.Command{
 		Use:   "create (--base REF | --template ENV) [--workspace REF]... [--toolkit REF]... [--internet] [--allow-out CIDR[:PORT]]... [--deny-out CIDR]...",
@@ -129,6 +130,13 @@ func createCmd() *cobra.Command {
 			req.TimeoutSeconds = int64(timeout / time.Second)
 			if timeout > 0 && req.TimeoutSeconds == 0 {
 				return errors.New("--timeout must be at least 1s")
+			}
+			if cmd.Flags().Changed("auto-pause") {
+				if autoPause < 0 || autoPause > 0 && autoPause < time.Second {
+					return errors.New("--auto-pause must be 0 (never) or at least 1s")
+				}
+				n := int64(autoPause / time.Second)
+				req.AutoPauseSeconds = &n
 			}
 			if req.Metadata, err = keyValues(metadata, "--metadata"); err != nil {
 				return err
@@ -165,6 +173,7 @@ func createCmd() *cobra.Command {
 	f.BoolVar(&internet, "internet", false, "network egress to the public IPv4 internet (not private ranges, other sandboxes or the host); default: no network")
 	f.StringArrayVar(&allowOut, "allow-out", nil, "network egress to CIDR, IP, CIDR:PORT or CIDR:LOW-HIGH (repeatable; may name a private range)")
 	f.StringArrayVar(&denyOut, "deny-out", nil, "CIDR taken out of --internet (repeatable)")
+	f.DurationVar(&autoPause, "auto-pause", 0, "pause the sandbox after this long with no request and no running command (0 = never; default: the server's --auto-pause)")
 	cmd.MarkFlagsOneRequired("base", "template")
 	cmd.MarkFlagsMutuallyExclusive("base", "template")
 	return cmd
@@ -313,6 +322,63 @@ func inspectCmd() *cobra.Command {
 				return err
 			}
 			printJSON(sb)
+			return nil
+		},
+	}
+}
+
+func pauseCmd() *cobra.Command {
+	return &cobra.Command{
+		Use:   "pause ID",
+		Short: "Pause a sandbox: stop its processes in place and reclaim its memory",
+		Long: "Pause a sandbox: its processes stop where they are and its memory is reclaimed\n" +
+			"(into swap where the server has some). The next request that needs it (exec,\n" +
+			"cp, files, ports, ...) resumes it, or shoal resume does. Prints what was reclaimed.",
+		Args: cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := client(cmd)
+			if err != nil {
+				return err
+			}
+			ctx, cancel := cmdContext()
+			defer cancel()
+			sb, paused, err := c.Pause(ctx, args[0])
+			if err != nil {
+				return err
+			}
+			if !paused {
+				fmt.Fprintf(os.Stderr, "shoal: sandbox %s was paused already\n", sb.Id)
+			}
+			if p := sb.Pause; p != nil {
+				fmt.Printf("%s paused: memory %s -> %s (%s), freeze %.1f ms, reclaim %.1f ms\n", sb.Id,
+					humanBytes(p.MemoryBeforeBytes), humanBytes(p.MemoryAfterBytes), p.Method,
+					p.FreezeSeconds*1000, p.ReclaimSeconds*1000)
+			}
+			return nil
+		},
+	}
+}
+
+func resumeCmd() *cobra.Command {
+	return &cobra.Command{
+		Use:   "resume ID",
+		Short: "Resume a paused sandbox",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := client(cmd)
+			if err != nil {
+				return err
+			}
+			ctx, cancel := cmdContext()
+			defer cancel()
+			sb, resumed, err := c.Resume(ctx, args[0])
+			if err != nil {
+				return err
+			}
+			if !resumed {
+				fmt.Fprintf(os.Stderr, "shoal: sandbox %s was not paused\n", sb.Id)
+			}
+			fmt.Println(sb.Id)
 			return nil
 		},
 	}

@@ -12,6 +12,7 @@ import (
 	"os/signal"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"syscall"
 	"time"
 
@@ -30,6 +31,7 @@ import (
 	"github.com/shoal-sandbox/shoal/internal/sandbox"
 	"github.com/shoal-sandbox/shoal/internal/session"
 	"github.com/shoal-sandbox/shoal/internal/tenant"
+	"github.com/shoal-sandbox/shoal/internal/zram"
 )
 
 // serveConfig is the configuration of the all-in-one server.
@@ -69,6 +71,16 @@ type serveConfig struct {
 	BuildUploadMax    int64
 	buildUploadMaxArg string
 	buildRoots        *layer.BuildRoots
+	// AutoPause: sandboxes idle this long are paused (0: never), unless
+	// their create says otherwise.
+	AutoPause time.Duration
+	// PausedTimeout: a sandbox paused this long is deleted.
+	PausedTimeout time.Duration
+	// ZramSize: the zram swap Shoal sets up for paused sandboxes' memory
+	// ("" or "0": leave the host's swap alone).
+	ZramSize string
+	// ResumePrefetch: MADV_WILLNEED before thawing (measured slower).
+	ResumePrefetch bool
 	// LayerStore: where layers live beyond this node (file:///dir or
 	// s3://bucket/prefix; "" none) and how to reach and cache it.
 	LayerStore layerStoreConfig
@@ -153,6 +165,17 @@ func (c *serveConfig) Validate() error {
 			return fmt.Errorf("--build-root %s overlaps the data directory %s (its keys, database and the sandboxes' files): give a directory of build sources", r, c.DataDir)
 		}
 	}
+	if c.AutoPause < 0 {
+		return fmt.Errorf("--auto-pause %s: want 0 (off) or a duration such as 60s", c.AutoPause)
+	}
+	if c.PausedTimeout < 0 {
+		return fmt.Errorf("--paused-timeout %s: want a duration such as 24h", c.PausedTimeout)
+	}
+	if c.ZramSize != "" {
+		if _, err := parseBytes(c.ZramSize); err != nil {
+			return fmt.Errorf("--zram-size %q: %w", c.ZramSize, err)
+		}
+	}
 	if c.Agent == "" {
 		c.Agent = findAgent()
 	}
@@ -188,7 +211,8 @@ func (c *serveConfig) pidsMax() (int64, error) {
 // nodeConfig is the node manager's configuration: limits and budgets
 // parsed, "auto" budgets computed from the host.
 func (c *serveConfig) nodeConfig() (node.Config, error) {
-	nc := node.Config{DataDir: c.DataDir, AgentBinary: c.Agent, CommitMaxBytes: c.CommitMaxBytes, PidsLimit: c.PidsLimit}
+	nc := node.Config{DataDir: c.DataDir, AgentBinary: c.Agent, CommitMaxBytes: c.CommitMaxBytes, PidsLimit: c.PidsLimit,
+		AutoPause: c.AutoPause, PausedTimeout: c.PausedTimeout}
 	if c.PidsLimit < 1 || c.PidsLimit > 1<<22 {
 		return nc, fmt.Errorf("--pids-limit %d: want 1 to %d", c.PidsLimit, 1<<22)
 	}
@@ -291,10 +315,14 @@ func serveCmd() *cobra.Command {
 	cmd.Flags().StringVar(&cfg.LayerStore.CacheMaxArg, "lazy-cache-max", "20G", "bytes of lazily fetched chunks kept on disk (DATA/layers/lazy-cache, LRU)")
 	cmd.Flags().DurationVar(&cfg.LayerStore.FetchTimeout, "lazy-fetch-timeout", 30*time.Second, "a chunk the store does not deliver within this (retries included) fails its read with EIO")
 	cmd.Flags().StringVar(&cfg.LayerStore.ChunkSizeArg, "lazy-chunk-size", "64K", "chunk size of the digest lists push writes (lazy fetches use the size a layer was pushed with)")
+	cmd.Flags().DurationVar(&cfg.AutoPause, "auto-pause", 0, "pause sandboxes idle this long (no request, no running command) and reclaim their memory; 0: never; a create's auto_pause_seconds overrides it")
+	cmd.Flags().DurationVar(&cfg.PausedTimeout, "paused-timeout", 24*time.Hour, "delete sandboxes paused this long (a paused sandbox's idle timeout is suspended)")
+	cmd.Flags().StringVar(&cfg.ZramSize, "zram-size", "0", "set up a zram swap device of this size (e.g. 8GiB) for the memory of paused sandboxes, unless a zram swap is active already; 0: leave the host's swap alone")
+	cmd.Flags().BoolVar(&cfg.ResumePrefetch, "resume-prefetch", false, "before thawing a paused sandbox, ask the kernel to read its swapped-out memory back (MADV_WILLNEED); measured slower")
 	cmd.Flags().StringVar(&cfg.E2B.Listen, "e2b-listen", "127.0.0.1:7481", "E2B-compatible endpoint (API and sandbox traffic, HTTP and HTTPS on one port); empty disables it")
 	cmd.Flags().StringVar(&cfg.E2B.Domain, "e2b-domain", "", "sandbox domain for E2B clients: getHost(port) is PORT-ID.DOMAIN (default shoal.localhost:<e2b port>)")
 	cmd.Flags().StringVar(&cfg.E2B.DefaultTemplate, "e2b-default-template", "debian:12", "environment or base layer used for E2B's default template \"base\" when none is named base")
-	cmd.Flags().StringVar(&cfg.E2B.Pause, "e2b-pause", e2b.PauseKeepRunning, "E2B pause: keep-running (accepted, the sandbox keeps running until connect) or refuse (501)")
+	cmd.Flags().StringVar(&cfg.E2B.Pause, "e2b-pause", e2b.PauseOn, "E2B pause: on (pauses the sandbox for real; connect resumes it) or refuse (501)")
 	return cmd
 }
 
@@ -334,6 +362,7 @@ func serve(cfg serveConfig) error {
 			defer lz.Unmount()
 		}
 	}
+	setUpSwap(cfg, log)
 	poolSize := cfg.PoolSize
 	if poolSize == 0 {
 		poolSize = -1 // container.Config: 0 means its default, -1 none
@@ -348,19 +377,20 @@ func serve(cfg serveConfig) error {
 		return err
 	}
 	ctr, err := container.New(container.Config{
-		DiskDir:      filepath.Join(cfg.DataDir, "disk"),
-		PremadeDisk:  max(nodeCfg.DefaultDisk, 0),
-		Nofile:       cfg.Nofile,
-		PidsMax:      pidsMax,
-		PoolSize:     poolSize,
-		PoolMax:      cfg.PoolMax,
-		RuncSeccomp:  cfg.RuncSeccomp,
-		Runtime:      cfg.Runtime,
-		StateDir:     filepath.Join(cfg.DataDir, "runc"),
-		Log:          log,
-		EgressSubnet: cfg.EgressSubnet,
-		UserNS:       cfg.UserNS,
-		UserNSBase:   cfg.UserNSBase,
+		DiskDir:        filepath.Join(cfg.DataDir, "disk"),
+		PremadeDisk:    max(nodeCfg.DefaultDisk, 0),
+		Nofile:         cfg.Nofile,
+		PidsMax:        pidsMax,
+		PoolSize:       poolSize,
+		PoolMax:        cfg.PoolMax,
+		RuncSeccomp:    cfg.RuncSeccomp,
+		ResumePrefetch: cfg.ResumePrefetch,
+		Runtime:        cfg.Runtime,
+		StateDir:       filepath.Join(cfg.DataDir, "runc"),
+		Log:            log,
+		EgressSubnet:   cfg.EgressSubnet,
+		UserNS:         cfg.UserNS,
+		UserNSBase:     cfg.UserNSBase,
 	})
 	if err != nil {
 		return err
@@ -521,4 +551,26 @@ func registerGauges(mt *metrics.Metrics, mgr *node.Manager, ctr *container.Backe
 			{Labels: []string{"started"}, Value: float64(st.Started)}, {Labels: []string{"shrunk"}, Value: float64(st.Shrunk)},
 		}
 	})
+}
+
+// setUpSwap sets up the zram swap that paused sandboxes' memory goes to
+// (--zram-size), and says how much reclaim a pause can do without it.
+func setUpSwap(cfg serveConfig, log *slog.Logger) {
+	size, _ := parseBytes(cfg.ZramSize) // checked by Validate
+	if size > 0 {
+		dev, err := zram.Ensure(size)
+		switch {
+		case err != nil:
+			log.Warn("no zram swap: a pause reclaims only file pages, not anonymous memory", "err", err)
+		case dev.Created:
+			log.Info("zram swap set up for paused sandboxes (undo: swapoff /dev/"+dev.Name+"; echo "+strings.TrimPrefix(dev.Name, "zram")+" > /sys/class/zram-control/hot_remove)",
+				"device", dev.Name, "size", dev.Size)
+		default:
+			log.Info("zram swap already active: kept", "device", dev.Name, "size", dev.Size)
+		}
+		return
+	}
+	if data, err := os.ReadFile("/proc/swaps"); err == nil && len(strings.Split(strings.TrimSpace(string(data)), "\n")) < 2 {
+		log.Info("the host has no swap: pausing a sandbox stops it but reclaims only file pages (set --zram-size to reclaim its anonymous memory)")
+	}
 }

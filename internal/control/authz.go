@@ -58,6 +58,8 @@ var procedureScopes = map[string][]tenant.Scope{
 	"SandboxService/ListDir":       sbx,
 	"SandboxService/MakeDir":       sbx,
 	"SandboxService/RemoveFile":    sbx,
+	"SandboxService/PauseSandbox":  sbx,
+	"SandboxService/ResumeSandbox": sbx,
 	"SandboxService/WatchDir":      sbx,
 
 	"CommandService/Exec":             sbx,

@@ -85,12 +85,17 @@ func (s *Server) Handler() http.Handler {
 
 func (s *Server) CreateSandbox(ctx context.Context, req *connect.Request[pb.CreateSandboxRequest]) (*connect.Response[pb.Sandbox], error) {
 	r := req.Msg
+	var autoPause *time.Duration
+	if r.AutoPauseSeconds != nil {
+		d := limits.Seconds(*r.AutoPauseSeconds) // the node checks the range
+		autoPause = &d
+	}
 	// Every value is checked by the node (node.Manager.validate), the same
 	// for every API face.
 	rec, err := s.node.Create(ctx, node.CreateRequest{
 		Backend: r.Backend, Template: r.Template, Base: r.Base, Workspaces: r.Workspaces, Toolkits: r.Toolkits,
 		Memory: r.MemoryBytes, MilliCPU: r.Millicpu, Disk: r.DiskBytes, Timeout: limits.Seconds(r.TimeoutSeconds),
-		Metadata: r.Metadata, Env: r.Env, ClientKey: r.ClientKey,
+		Metadata: r.Metadata, Env: r.Env, ClientKey: r.ClientKey, AutoPause: autoPause,
 		Network: networkReq(r.Network),
 		Tenant:  tenant.FromContext(ctx).Tenant,
 	})
@@ -143,12 +148,45 @@ func networkReq(n *pb.NetworkPolicy) *netpolicy.Request {
 	return &netpolicy.Request{Internet: n.Internet, AllowOut: n.AllowOut, DenyOut: n.DenyOut}
 }
 
+func (s *Server) PauseSandbox(ctx context.Context, req *connect.Request[pb.PauseSandboxRequest]) (*connect.Response[pb.PauseSandboxResponse], error) {
+	rec, paused, err := s.node.Pause(ctx, req.Msg.Id)
+	if err != nil {
+		return nil, toConnect(err)
+	}
+	return connect.NewResponse(&pb.PauseSandboxResponse{Sandbox: sandboxPB(rec), Paused: paused}), nil
+}
+
+func (s *Server) ResumeSandbox(ctx context.Context, req *connect.Request[pb.ResumeSandboxRequest]) (*connect.Response[pb.ResumeSandboxResponse], error) {
+	rec, resumed, err := s.node.Resume(ctx, req.Msg.Id)
+	if err != nil {
+		return nil, toConnect(err)
+	}
+	return connect.NewResponse(&pb.ResumeSandboxResponse{Sandbox: sandboxPB(rec), Resumed: resumed}), nil
+}
+
+func pausePB(p *node.PauseInfo) *pb.PauseInfo {
+	if p == nil {
+		return nil
+	}
+	out := &pb.PauseInfo{
+		PausedAt: timestamppb.New(p.At), Auto: p.Auto,
+		MemoryBeforeBytes: p.Stats.MemoryBefore, MemoryAfterBytes: p.Stats.MemoryAfter, SwappedOutBytes: p.Stats.SwappedOut,
+		Method: p.Stats.Method, FreezeSeconds: p.Stats.FreezeTook.Seconds(), ReclaimSeconds: p.Stats.ReclaimTook.Seconds(),
+		ResumeSeconds: p.ResumeTook.Seconds(),
+	}
+	if !p.ResumedAt.IsZero() {
+		out.ResumedAt = timestamppb.New(p.ResumedAt)
+	}
+	return out
+}
+
 func sandboxPB(r node.Record) *pb.Sandbox {
 	out := &pb.Sandbox{
 		Id: r.ID, Backend: r.Backend, MemoryBytes: r.Resources.MemoryBytes, Millicpu: r.Resources.MilliCPU, DiskBytes: r.Resources.DiskBytes,
 		PidsLimit: r.Resources.Pids, TimeoutSeconds: int64(r.Timeout / time.Second),
 		CreatedAt: timestamppb.New(r.Created), ExpiresAt: timestamppb.New(r.Expires),
 		Metadata: r.Metadata, Error: r.Error, Tenant: r.Tenant,
+		AutoPauseSeconds: int64(r.AutoPause / time.Second), Pause: pausePB(r.Pause),
 	}
 	switch r.State {
 	case node.StateCreating:
@@ -159,6 +197,8 @@ func sandboxPB(r node.Record) *pb.Sandbox {
 		out.State = pb.SandboxState_SANDBOX_STATE_DELETING
 	case node.StateError:
 		out.State = pb.SandboxState_SANDBOX_STATE_ERROR
+	case node.StatePaused:
+		out.State = pb.SandboxState_SANDBOX_STATE_PAUSED
 	}
 	for _, l := range r.Layers {
 		out.Layers = append(out.Layers, &pb.LayerRef{Kind: kindPB(l.Kind), Ref: l.Ref, Digest: l.Digest})

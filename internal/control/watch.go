@@ -31,6 +31,10 @@ func (s *Server) WatchDir(ctx context.Context, req *connect.Request[pb.WatchDirR
 	if err != nil {
 		return err
 	}
+	// Not idle (auto-pause) while the watch lasts.
+	if release, err := s.node.Hold(req.Msg.SandboxId); err == nil {
+		defer release()
+	}
 	w, err := a.Watch(ctx, req.Msg.Path, req.Msg.Recursive)
 	if err != nil {
 		return agentLimitErr(err)

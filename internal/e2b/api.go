@@ -247,11 +247,12 @@ func (s *Server) sandboxJSON(rec node.Record) sandboxJSON {
 func (s *Server) listed(rec node.Record) listedSandbox {
 	m, _ := s.store.sandbox(rec.ID)
 	state := "running"
-	switch {
-	case rec.State != node.StateRunning:
-		state = string(rec.State) // creating, deleting, error: Shoal's own words
-	case m.Paused:
+	switch rec.State {
+	case node.StateRunning:
+	case node.StatePaused:
 		state = "paused"
+	default:
+		state = string(rec.State) // creating, deleting, error: Shoal's own words
 	}
 	md := rec.Metadata
 	if md == nil {
@@ -259,7 +260,7 @@ func (s *Server) listed(rec node.Record) listedSandbox {
 	}
 	t := s.templateOf(rec)
 	end := rec.Expires
-	if !m.Deadline.IsZero() && !m.Paused {
+	if !m.Deadline.IsZero() && rec.State != node.StatePaused {
 		end = m.Deadline
 	}
 	return listedSandbox{
@@ -545,7 +546,7 @@ func (s *Server) listSandboxes(w http.ResponseWriter, r *http.Request) {
 	var last node.Record
 	more := false
 	for i, rec := range recs {
-		if rec.State != node.StateRunning {
+		if rec.State != node.StateRunning && rec.State != node.StatePaused {
 			continue
 		}
 		l := s.listed(rec)
@@ -709,35 +710,45 @@ func (s *Server) pauseSandbox(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	if s.cfg.Pause == PauseRefuse {
-		writeError(w, http.StatusNotImplemented, "pause is not supported by Shoal yet (serve runs with --e2b-pause=refuse); keep the sandbox running, or kill it")
+		writeError(w, http.StatusNotImplemented, "pause is turned off on this server (serve runs with --e2b-pause=refuse); keep the sandbox running, or kill it")
 		return
 	}
+	if in.Memory != nil && !*in.Memory {
+		badRequest(w, "pause without memory (keepMemory: false, a file-system-only snapshot) is not supported by Shoal: a pause keeps the sandbox's processes and memory")
+		return
+	}
+	// The timeout it gets back on connect (E2B: a connect without timeout
+	// restores the one it had).
 	m, _ := s.store.sandbox(rec.ID)
-	if m.Paused {
+	resumeTimeout := rec.Timeout
+	if !m.Deadline.IsZero() {
+		resumeTimeout = max(time.Until(m.Deadline), time.Second)
+	}
+	rec, paused, err := s.node.Pause(r.Context(), rec.ID)
+	if err != nil {
+		writeErr(w, err)
+		return
+	}
+	if !paused {
 		writeError(w, http.StatusConflict, fmt.Sprintf("sandbox %s is already paused", rec.ID))
 		return
 	}
-	// Shoal cannot freeze a sandbox yet: the sandbox keeps running, its
-	// processes too, and is kept (its idle timeout suspended) until a
-	// connect resumes it or a kill ends it, as a paused E2B sandbox would be.
-	m.Paused, m.ResumeTimeout = true, rec.Timeout
-	if !m.Deadline.IsZero() {
-		m.ResumeTimeout = max(time.Until(m.Deadline), time.Second)
-	}
+	m, _ = s.store.sandbox(rec.ID)
+	m.Paused, m.ResumeTimeout = true, resumeTimeout
 	if err := s.store.putSandbox(rec.ID, m); err != nil {
 		writeErr(w, err)
 		return
 	}
-	if _, err := s.node.SetTimeout(rec.ID, s.cfg.PausedTimeout); err != nil {
-		s.log.Warn("e2b: pause: suspend timeout", "sandbox_id", rec.ID, "err", err)
-	}
-	s.log.Info("e2b: sandbox paused (kept running)", "sandbox_id", rec.ID)
+	s.log.Info("e2b: sandbox paused", "sandbox_id", rec.ID)
 	w.WriteHeader(http.StatusNoContent)
 }
 
-// resume marks a paused sandbox running again with timeout d (0: its
-// timeout before the pause).
-func (s *Server) resume(rec node.Record, m sandboxMeta, d time.Duration) (node.Record, error) {
+// resume resumes a paused sandbox (if it still is: a request may have
+// resumed it) and gives it timeout d (0: its timeout before the pause).
+func (s *Server) resume(ctx context.Context, rec node.Record, m sandboxMeta, d time.Duration) (node.Record, error) {
+	if _, _, err := s.node.Resume(ctx, rec.ID); err != nil {
+		return rec, err
+	}
 	if d <= 0 {
 		d = m.ResumeTimeout
 	}
@@ -777,9 +788,9 @@ func (s *Server) connectSandbox(w http.ResponseWriter, r *http.Request) {
 	}
 	status := http.StatusOK
 	var err error
-	if m, _ := s.store.sandbox(rec.ID); m.Paused {
+	if m, _ := s.store.sandbox(rec.ID); m.Paused || rec.State == node.StatePaused {
 		status = http.StatusCreated
-		rec, err = s.resume(rec, m, d)
+		rec, err = s.resume(r.Context(), rec, m, d)
 	} else {
 		if d == 0 {
 			d = s.cfg.DefaultTimeout
@@ -807,7 +818,7 @@ func (s *Server) resumeSandbox(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	m, _ := s.store.sandbox(rec.ID)
-	if !m.Paused {
+	if !m.Paused && rec.State != node.StatePaused {
 		writeError(w, http.StatusConflict, fmt.Sprintf("sandbox %s is already running", rec.ID))
 		return
 	}
@@ -815,7 +826,7 @@ func (s *Server) resumeSandbox(w http.ResponseWriter, r *http.Request) {
 	if in.Timeout != nil && *in.Timeout > 0 {
 		d = limits.Seconds(*in.Timeout)
 	}
-	rec, err := s.resume(rec, m, d)
+	rec, err := s.resume(r.Context(), rec, m, d)
 	if err != nil {
 		writeErr(w, err)
 		return

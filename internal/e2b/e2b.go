@@ -70,9 +70,11 @@ const EnvdVersion = "0.6.4"
 
 // Pause modes (Config.Pause).
 const (
-	// PauseKeepRunning: pause is accepted and recorded (the sandbox reads
-	// "paused" and its timeout is suspended until connect), but the sandbox
-	// keeps running: Shoal cannot freeze one yet.
+	// PauseOn: pause pauses the sandbox (node.Manager.Pause: its
+	// processes frozen, its memory reclaimed); connect resumes it.
+	PauseOn = "on"
+	// PauseKeepRunning is the old name of PauseOn, accepted still (it
+	// once kept the sandbox running, when Shoal could not pause).
 	PauseKeepRunning = "keep-running"
 	// PauseRefuse: pause answers 501 Not Implemented.
 	PauseRefuse = "refuse"
@@ -97,10 +99,8 @@ type Config struct {
 	// DefaultTimeout is a sandbox's timeout when a create or connect gives
 	// none (E2B's default: 300 s).
 	DefaultTimeout time.Duration
-	// PausedTimeout is the idle timeout a paused sandbox gets (it is kept
-	// until connect or kill, up to this long).
-	PausedTimeout time.Duration
-	// Pause is PauseKeepRunning (default) or PauseRefuse.
+	// Pause is PauseOn (default) or PauseRefuse. How long a paused
+	// sandbox is kept is the node's (serve --paused-timeout).
 	Pause string
 	// Audit records creates, kills and process starts (nil: not audited).
 	Audit *audit.Log
@@ -120,15 +120,12 @@ func (c *Config) Validate() error {
 	if c.DefaultTimeout == 0 {
 		c.DefaultTimeout = 300 * time.Second
 	}
-	if c.PausedTimeout == 0 {
-		c.PausedTimeout = 24 * time.Hour
-	}
 	switch c.Pause {
-	case "":
-		c.Pause = PauseKeepRunning
-	case PauseKeepRunning, PauseRefuse:
+	case "", PauseKeepRunning:
+		c.Pause = PauseOn
+	case PauseOn, PauseRefuse:
 	default:
-		return fmt.Errorf("e2b config: pause mode %q: want %s or %s", c.Pause, PauseKeepRunning, PauseRefuse)
+		return fmt.Errorf("e2b config: pause mode %q: want %s or %s", c.Pause, PauseOn, PauseRefuse)
 	}
 	return nil
 }
@@ -143,6 +140,9 @@ type Sandboxes interface {
 	SetTimeout(id string, d time.Duration) (node.Record, error)
 	CheckTimeout(d time.Duration) error
 	Agent(id string) (*agent.Client, error)
+	Pause(ctx context.Context, id string) (node.Record, bool, error)
+	Resume(ctx context.Context, id string) (node.Record, bool, error)
+	Hold(id string) (release func(), err error)
 	Layers() *layer.Store
 }
 
@@ -380,7 +380,9 @@ func sandboxID(ctx context.Context) string {
 // itself, or a TCP port inside the sandbox.
 func (s *Server) sandboxTraffic(w http.ResponseWriter, r *http.Request, id string, port int) {
 	rec, err := s.node.Get(id)
-	if err != nil || rec.State != node.StateRunning {
+	// A paused sandbox's traffic resumes it (node.Manager.Agent), except
+	// envd's /health: isRunning() is false for a paused sandbox.
+	if err != nil || (rec.State != node.StateRunning && rec.State != node.StatePaused) {
 		// What E2B's edge answers for a sandbox that is gone: the SDK
 		// reports it as not running (isRunning() == false).
 		writeError(w, http.StatusBadGateway, fmt.Sprintf("The sandbox %s was not found or is not running", id))

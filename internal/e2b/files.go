@@ -29,6 +29,7 @@ import (
 	"github.com/shoal-sandbox/shoal/api/e2b/process/processconnect"
 	"github.com/shoal-sandbox/shoal/internal/agent"
 	"github.com/shoal-sandbox/shoal/internal/limits"
+	"github.com/shoal-sandbox/shoal/internal/node"
 )
 
 func (s *Server) envdRoutes() http.Handler {
@@ -36,6 +37,12 @@ func (s *Server) envdRoutes() http.Handler {
 	mux.Handle(processconnect.NewProcessHandler(&processService{s: s}, connect.WithReadMaxBytes(limits.MessageBytes)))
 	mux.Handle(filesystemconnect.NewFilesystemHandler(&filesystemService{s: s}, connect.WithReadMaxBytes(limits.MessageBytes)))
 	mux.HandleFunc("GET /health", func(w http.ResponseWriter, r *http.Request) {
+		// A paused sandbox is not running to E2B's SDK (isRunning() is
+		// false): its health does not resume it.
+		if rec, err := s.node.Get(sandboxID(r.Context())); err == nil && rec.State == node.StatePaused {
+			writeError(w, http.StatusBadGateway, fmt.Sprintf("sandbox %s is paused", rec.ID))
+			return
+		}
 		if _, err := s.node.Agent(sandboxID(r.Context())); err != nil {
 			writeError(w, http.StatusBadGateway, err.Error())
 			return

@@ -83,6 +83,10 @@ func (p *portProxy) serve(w http.ResponseWriter, r *http.Request, rec node.Recor
 			return
 		}
 	}
+	// Not idle (auto-pause) while the request or tunnel lasts.
+	if release, err := p.s.node.Hold(rec.ID); err == nil {
+		defer release()
+	}
 	rp := &httputil.ReverseProxy{
 		Rewrite: func(pr *httputil.ProxyRequest) {
 			pr.Out.URL.Scheme = "http"

@@ -318,6 +318,9 @@ func (e *Engine) newSandbox(ctx context.Context, p *pool) (s *sbx, err error) {
 		Backend: "container", Base: p.env.base, Workspaces: p.env.workspaces, Toolkits: p.env.toolkits,
 		Memory: e.cfg.SandboxMemory, MilliCPU: int64(runtime.NumCPU()) * 1000, Timeout: sandboxTimeout,
 		Metadata: map[string]string{MetadataKey: p.name},
+		// A warm pool member waits for work: pausing it would only put a
+		// resume on the next call's path.
+		AutoPause: new(time.Duration),
 	})
 	if err != nil {
 		return nil, fmt.Errorf("create fncall sandbox: %w", err)

@@ -111,6 +111,10 @@ func (m *Manager) applyTemplate(req *CreateRequest) error {
 // of one sandbox run one at a time. The commit counts as activity for its
 // idle timeout.
 func (m *Manager) CommitLayer(ctx context.Context, id string, o layer.CommitOptions) (layer.Layer, error) {
+	// A paused sandbox is resumed first, like for any request.
+	if _, _, err := m.Resume(ctx, id); err != nil {
+		return layer.Layer{}, err
+	}
 	m.mu.Lock()
 	e, err := m.lookup(id)
 	if err != nil {
@@ -146,6 +150,13 @@ func (m *Manager) CommitLayer(ctx context.Context, id string, o layer.CommitOpti
 		defer func() { <-commit }()
 	case <-ctx.Done():
 		return layer.Layer{}, fmt.Errorf("commit sandbox %s: waiting for its other commit: %w", id, ctx.Err())
+	}
+	// A pause (which holds the same slot) may have come first.
+	m.mu.Lock()
+	st := e.rec.State
+	m.mu.Unlock()
+	if st != StateRunning {
+		return layer.Layer{}, errdefs.New(ErrNotRunning, "commit sandbox %s: it was %s meanwhile; try again", id, st)
 	}
 	var over []string
 	for _, l := range rec.Layers {

@@ -16,6 +16,7 @@ import (
 	"runtime"
 	"sort"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"go.etcd.io/bbolt"
@@ -68,6 +69,11 @@ type Config struct {
 	// Quotas gives each tenant's quota, enforced at admission
 	// (admission.go); nil: none.
 	Quotas Quotas
+	// AutoPause is the idle time after which a sandbox is paused when its
+	// create does not say; 0 = never (the default).
+	AutoPause time.Duration
+	// PausedTimeout: a sandbox paused this long is deleted (default 24 h).
+	PausedTimeout time.Duration
 }
 
 // Disk sizes.
@@ -141,6 +147,12 @@ func (c *Config) Validate() error {
 	if c.DiskBudget < 0 {
 		return errors.New("node config: negative disk or pids budget")
 	}
+	if c.PausedTimeout == 0 {
+		c.PausedTimeout = 24 * time.Hour
+	}
+	if c.AutoPause < 0 || c.AutoPause > c.MaxTimeout {
+		return fmt.Errorf("node config: auto-pause %s: want 0 (off) up to %s", c.AutoPause, c.MaxTimeout)
+	}
 	if c.CommitMaxBytes < 0 {
 		return fmt.Errorf("node config: commit max bytes %d is negative", c.CommitMaxBytes)
 	}
@@ -166,10 +178,13 @@ type Manager struct {
 	// buckets are the tenants' create-rate token buckets (admission.go).
 	// Guarded by mu.
 	buckets map[string]*tenant.Bucket
+
+	autoPausing atomic.Bool // an autoPause round is running
 }
 
 // entry is the in-memory state of one sandbox. Its fields are guarded by
-// Manager.mu; rec.ID and rec.Handle never change after creation.
+// Manager.mu; rec.ID never changes after creation, rec.Handle only on a
+// resume (a backend may give a new one).
 type entry struct {
 	rec      Record
 	agent    *agent.Client
@@ -185,6 +200,12 @@ type entry struct {
 	// The sandbox shows as in error, but is persisted as running and
 	// returns to running as soon as its agent answers (checkAgent).
 	unresponsive bool
+	// trans is closed when the pause or resume in flight ends; nil when
+	// none is (see pause.go).
+	trans chan struct{}
+	// lastActive: the last request or command activity (the auto-pause
+	// clock).
+	lastActive time.Time
 }
 
 // persisted is what the store keeps of e: an unresponsive sandbox is still
@@ -264,6 +285,9 @@ type CreateRequest struct {
 	// Tenant will own the sandbox ("": the admin); its quota applies
 	// (admission.go) and its client keys are its own.
 	Tenant string
+	// AutoPause: pause after this long idle; nil = the node's default, 0 =
+	// never.
+	AutoPause *time.Duration
 }
 
 func (m *Manager) validate(req *CreateRequest) error {
@@ -315,6 +339,13 @@ func (m *Manager) validate(req *CreateRequest) error {
 	}
 	if err := m.CheckTimeout(req.Timeout); err != nil {
 		return err
+	}
+	if req.AutoPause == nil {
+		d := m.cfg.AutoPause
+		req.AutoPause = &d
+	}
+	if d := *req.AutoPause; d != 0 && (d < time.Second || d > m.cfg.MaxTimeout) {
+		return errdefs.New(ErrInvalid, "auto-pause must be 0 (never) or between 1s and %s, got %s", m.cfg.MaxTimeout, d)
 	}
 	if err := limits.Map("metadata", req.Metadata, false); err != nil {
 		return err
@@ -411,13 +442,14 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (rec Record, er
 			Pids:        m.cfg.PidsLimit,
 			DiskBytes:   max(req.Disk, 0),
 		},
-		Timeout:  req.Timeout,
-		Created:  now,
-		Expires:  now.Add(req.Timeout),
-		Metadata: req.Metadata,
-		Env:      req.Env,
-		Network:  req.Network,
-		Tenant:   req.Tenant,
+		Timeout:   req.Timeout,
+		Created:   now,
+		Expires:   now.Add(req.Timeout),
+		Metadata:  req.Metadata,
+		Env:       req.Env,
+		Network:   req.Network,
+		Tenant:    req.Tenant,
+		AutoPause: *req.AutoPause,
 		// A provisional handle: enough for the backend to clean up after a
 		// crash in the middle of this create.
 		Handle: sandbox.Handle{ID: id, Backend: req.Backend, Data: map[string]string{"dir": dir}},
@@ -499,7 +531,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (rec Record, er
 		return Record{}, fmt.Errorf("persist sandbox %s: %w", id, err)
 	}
 	m.mu.Lock()
-	m.sandboxes[id] = &entry{rec: rec, agent: agent.NewClient(h.AgentSocket), acquired: hostMounts}
+	m.sandboxes[id] = &entry{rec: rec, agent: agent.NewClient(h.AgentSocket), acquired: hostMounts, lastActive: time.Now()}
 	delete(m.admitting, id) // counted by its entry from now on
 	m.mu.Unlock()
 	m.log.Info("sandbox created", "sandbox_id", id, "backend", req.Backend, "base", req.Base,
@@ -632,26 +664,41 @@ func (m *Manager) SetTimeout(id string, d time.Duration) (Record, error) {
 }
 
 // Agent returns the guest agent client of a running sandbox and counts the
-// call as activity (it pushes the idle timeout back).
+// call as activity (it pushes the idle timeout back). A paused sandbox is
+// resumed first (concurrent callers share one resume), and a sandbox being
+// paused or resumed is waited for: this is the one place where requests
+// that need the agent (exec, files, ports, watch, shells) get it.
 func (m *Manager) Agent(id string) (*agent.Client, error) {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	e, err := m.lookup(id)
-	if err != nil {
-		return nil, err
-	}
-	if e.rec.State != StateRunning {
-		if e.rec.Error != "" {
-			return nil, errdefs.New(ErrNotRunning, "sandbox %s is %s: %s", id, e.rec.State, e.rec.Error)
+	for {
+		m.mu.Lock()
+		e, err := m.lookup(id)
+		if err != nil {
+			m.mu.Unlock()
+			return nil, err
 		}
-		return nil, errdefs.New(ErrNotRunning, "sandbox %s is %s", id, e.rec.State)
+		paused := e.rec.State == StatePaused && e.deleted == nil
+		if e.trans == nil && !paused {
+			defer m.mu.Unlock()
+			if e.rec.State != StateRunning {
+				return nil, notRunning(e)
+			}
+			m.touchLocked(e)
+			return e.agent, nil
+		}
+		m.mu.Unlock()
+		// Resume waits for a pause in flight too.
+		if _, _, err := m.Resume(context.Background(), id); err != nil {
+			return nil, err
+		}
 	}
-	m.touchLocked(e)
-	return e.agent, nil
 }
 
 func (m *Manager) touchLocked(e *entry) {
-	e.rec.Expires = time.Now().UTC().Add(e.rec.Timeout)
+	e.lastActive = time.Now()
+	if e.rec.State == StatePaused {
+		return // its idle timeout is suspended (pause.go)
+	}
+	e.rec.Expires = e.lastActive.UTC().Add(e.rec.Timeout)
 	e.dirty = true
 }
 
@@ -827,6 +874,25 @@ func (m *Manager) Recover(ctx context.Context) error {
 			} else {
 				continue
 			}
+		case rec.State == StatePaused:
+			cctx, cancel := context.WithTimeout(ctx, recoverTimeout)
+			st, err := be.Recover(cctx, rec.Handle)
+			cancel()
+			switch {
+			case err != nil:
+				rec.State, rec.Error = StateError, "recover: "+err.Error()
+			case st != sandbox.StatusRunning:
+				rec.State, rec.Error = StateError, "its runtime is "+string(st)
+			default:
+				// A node that died during a resume may have thawed it:
+				// paused in the store is paused (its memory stays where
+				// the pause put it).
+				if f, ok := be.(sandbox.Freezer); ok {
+					if err := f.Freeze(ctx, rec.Handle); err != nil {
+						log.Error("freeze paused sandbox", "err", err)
+					}
+				}
+			}
 		case rec.State == StateRunning:
 			cctx, cancel := context.WithTimeout(ctx, recoverTimeout)
 			st, err := be.Recover(cctx, rec.Handle)
@@ -846,8 +912,8 @@ func (m *Manager) Recover(ctx context.Context) error {
 				}
 			}
 		}
-		e := &entry{rec: *rec, agent: agent.NewClient(rec.Handle.AgentSocket), recovered: rec.State == StateRunning}
-		if rec.State == StateRunning && be.Capabilities().HostLayerMounts {
+		e := &entry{rec: *rec, agent: agent.NewClient(rec.Handle.AgentSocket), recovered: rec.State == StateRunning, lastActive: time.Now()}
+		if (rec.State == StateRunning || rec.State == StatePaused) && be.Capabilities().HostLayerMounts {
 			for _, l := range rec.Layers {
 				if _, err := m.layers.Acquire(l.Digest); err != nil {
 					log.Error("re-acquire layer", "layer", l.Digest, "err", err)
@@ -958,7 +1024,11 @@ func (m *Manager) Run(ctx context.Context) {
 			m.flush()
 			return
 		case now := <-tick.C:
-			for _, id := range m.expired(now) {
+			expired, idle := m.expired(now)
+			if len(idle) > 0 {
+				go m.autoPause(idle)
+			}
+			for _, id := range expired {
 				go func(id string) {
 					dctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 					defer cancel()
@@ -977,20 +1047,31 @@ func (m *Manager) Run(ctx context.Context) {
 	}
 }
 
-func (m *Manager) expired(now time.Time) []string {
+// expired returns the sandboxes whose idle timeout expired (to delete), and
+// those idle for their AutoPause (to pause). A paused sandbox's timeout is
+// the PausedTimeout its pause set.
+func (m *Manager) expired(now time.Time) (expired, idle []string) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	var ids []string
 	for id, e := range m.sandboxes {
-		if e.running > 0 {
+		if e.deleted != nil || e.trans != nil || e.rec.State == StateCreating {
+			continue
+		}
+		if e.running > 0 && e.rec.State != StatePaused {
 			m.touchLocked(e)
 			continue
 		}
-		if e.deleted == nil && e.rec.State != StateCreating && now.After(e.rec.Expires) {
-			ids = append(ids, id)
+		if now.After(e.rec.Expires) {
+			expired = append(expired, id)
+			continue
+		}
+		if e.rec.State == StateRunning && !e.unresponsive && e.rec.AutoPause > 0 && now.Sub(e.lastActive) >= e.rec.AutoPause {
+			if _, ok := m.backends[e.rec.Backend].(sandbox.Pauser); ok {
+				idle = append(idle, id)
+			}
 		}
 	}
-	return ids
+	return expired, idle
 }
 
 // probe marks running sandboxes whose init (the guest agent) is gone as in

@@ -35,6 +35,13 @@ func (fakeBackend) Delete(context.Context, sandbox.Handle) error { return nil }
 // and persists a running sandbox record for each socket.
 func newTestManager(t *testing.T, sockets ...string) (*Manager, *bbolt.DB, []string) {
 	t.Helper()
+	return newTestManagerWith(t, fakeBackend{}, Config{}, sockets...)
+}
+
+// newTestManagerWith is newTestManager with backend be (named "fake") and
+// cfg (DataDir, AgentBinary and DefaultBackend are filled in).
+func newTestManagerWith(t *testing.T, be sandbox.Backend, cfg Config, sockets ...string) (*Manager, *bbolt.DB, []string) {
+	t.Helper()
 	dir := t.TempDir()
 	db, err := bbolt.Open(filepath.Join(dir, "shoal.db"), 0o600, nil)
 	if err != nil {
@@ -48,7 +55,8 @@ func newTestManager(t *testing.T, sockets ...string) (*Manager, *bbolt.DB, []str
 	}
 	agentBin := filepath.Join(dir, "shoal-agent")
 	os.WriteFile(agentBin, nil, 0o755)
-	m, err := New(Config{DataDir: dir, AgentBinary: agentBin, DefaultBackend: "fake"}, db, layers, []sandbox.Backend{fakeBackend{}}, log)
+	cfg.DataDir, cfg.AgentBinary, cfg.DefaultBackend = dir, agentBin, "fake"
+	m, err := New(cfg, db, layers, []sandbox.Backend{be}, log)
 	if err != nil {
 		t.Fatal(err)
 	}

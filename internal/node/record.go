@@ -21,6 +21,10 @@ const (
 	StateCreating State = "creating"
 	StateRunning  State = "running"
 	StateDeleting State = "deleting"
+	// StatePaused: the sandbox's processes are stopped in place and its
+	// memory reclaimed (sandbox.Pauser); the next request that needs its
+	// guest agent resumes it (Manager.Agent), or Manager.Resume does.
+	StatePaused State = "paused"
 	// StateError: the sandbox's runtime is gone (for example its init died
 	// or the host rebooted); the only thing left to do is delete it.
 	StateError State = "error"
@@ -54,6 +58,22 @@ type Record struct {
 	// Tenant owns the sandbox ("": the admin's, as every sandbox made
 	// before tenants existed); only its keys and admin keys see it.
 	Tenant string `json:"tenant,omitempty"`
+	// AutoPause: paused after this long without a request and without a
+	// running command; 0 = never.
+	AutoPause time.Duration `json:"auto_pause,omitempty"`
+	// Pause describes the last pause (set while paused, kept after resume
+	// until the next pause).
+	Pause *PauseInfo `json:"pause,omitempty"`
+}
+
+// PauseInfo is what the node knows of a sandbox's last pause.
+type PauseInfo struct {
+	At    time.Time          `json:"at"`
+	Auto  bool               `json:"auto,omitempty"` // by the idle policy
+	Stats sandbox.PauseStats `json:"stats"`
+	// ResumedAt and ResumeTook: the resume that ended it (zero while paused).
+	ResumedAt  time.Time     `json:"resumed_at,omitempty"`
+	ResumeTook time.Duration `json:"resume_took,omitempty"`
 }
 
 var (

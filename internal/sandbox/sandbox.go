@@ -179,5 +179,37 @@ type DiskLimiter interface {
 	DiskLimits() (ok bool, how string)
 }
 
+// Pauser is implemented by backends that can pause a sandbox: stop every
+// process in place and give back (most of) its memory, so that an idle
+// sandbox costs little, and later resume it where it stopped. Its
+// processes, their memory, its files and its open connections (inside the
+// sandbox) are as they were after Resume; only time has passed.
+//
+// Pause returns once the sandbox is stopped; what it reclaimed is reported
+// in the PauseStats, and a sandbox whose memory could not be reclaimed is
+// still paused (Pause fails only when the sandbox could not be stopped, and
+// then leaves it running). Resume returns once the sandbox runs again and
+// its guest agent can be reached through the handle it returns, which may
+// differ from h (a VM restored from a snapshot is a new process; the node
+// persists the new handle). Resume of a sandbox that is not paused
+// succeeds. Calls for one sandbox are serialized by the caller, and never
+// overlap a Freezer call.
+type Pauser interface {
+	Pause(ctx context.Context, h Handle) (PauseStats, error)
+	Resume(ctx context.Context, h Handle) (Handle, error)
+}
+
+// PauseStats says what a Pause did. Memory figures are the sandbox's
+// resident memory as its backend counts it (a container's memory cgroup
+// usage), -1 when unknown.
+type PauseStats struct {
+	MemoryBefore int64         `json:"memory_before"`
+	MemoryAfter  int64         `json:"memory_after"`
+	SwappedOut   int64         `json:"swapped_out,omitempty"` // bytes written to swap, if known
+	Method       string        `json:"method,omitempty"`      // how memory was reclaimed ("process_madvise", "memory.reclaim", "none: ...")
+	FreezeTook   time.Duration `json:"freeze_took"`
+	ReclaimTook  time.Duration `json:"reclaim_took"`
+}
+
 // Timeouts used by backends when the caller's context has none.
 const DefaultStartTimeout = 30 * time.Second

@@ -19,10 +19,12 @@ type stuckSandboxes struct {
 	id, dir, sock string
 }
 
-func (f *stuckSandboxes) Agent(id string) (*agent.Client, error) { return agent.NewClient(f.sock), nil }
-func (f *stuckSandboxes) SandboxDir(id string) (string, error)   { return f.dir, nil }
-func (f *stuckSandboxes) Hold(id string) (func(), error)         { return func() {}, nil }
-func (f *stuckSandboxes) Deleting(id string) bool                { return false }
+func (f *stuckSandboxes) Agent(id string) (*agent.Client, error)  { return agent.NewClient(f.sock), nil }
+func (f *stuckSandboxes) SandboxDir(id string) (string, error)    { return f.dir, nil }
+func (f *stuckSandboxes) Hold(id string) (func(), error)          { return func() {}, nil }
+func (f *stuckSandboxes) Deleting(id string) bool                 { return false }
+func (f *stuckSandboxes) Client(id string) (*agent.Client, error) { return f.Agent(id) }
+func (f *stuckSandboxes) Paused(id string) bool                   { return false }
 
 // TestRecoverDoesNotWaitForAgents: a sandbox whose agent does not answer
 // (its socket accepts nothing, as a stopped or traced agent's) does not

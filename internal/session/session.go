@@ -60,7 +60,18 @@ type Sandboxes interface {
 	Hold(id string) (release func(), err error)
 	// Deleting reports whether the sandbox is being deleted, or is gone.
 	Deleting(id string) bool
+	// Client returns the agent client of a running or paused sandbox
+	// without resuming it or counting activity (pumps and recovery: a
+	// paused sandbox stays paused).
+	Client(id string) (*agent.Client, error)
+	// Paused reports whether the sandbox is paused (or being paused or
+	// resumed): its agent does not answer until it is resumed.
+	Paused(id string) bool
 }
+
+// pausedPoll is how often a pump whose sandbox is paused looks whether it
+// was resumed.
+const pausedPoll = 50 * time.Millisecond
 
 // Config configures a Manager.
 type Config struct {
@@ -523,6 +534,17 @@ func (m *Manager) pump(ctx context.Context, c *Command, ag *agent.Client, att *a
 				if m.sb.Deleting(c.rec.SandboxID) {
 					m.finish(c, nil, whyDeleted)
 					return
+				}
+				if m.sb.Paused(c.rec.SandboxID) {
+					// Its agent answers after the resume: wait for it,
+					// however long the pause.
+					attempt = 0
+					select {
+					case <-ctx.Done():
+						return
+					case <-time.After(pausedPoll):
+					}
+					continue
 				}
 				attempt++
 				if attempt > 50 {
@@ -1103,7 +1125,7 @@ func (m *Manager) Recover(ctx context.Context) error {
 			known[r.SandboxID] = map[string]bool{}
 		}
 		known[r.SandboxID][r.AgentID] = true
-		ag, err := m.sb.Agent(r.SandboxID)
+		ag, err := m.sb.Client(r.SandboxID) // a paused sandbox stays paused
 		if err != nil {
 			m.finish(c, nil, "its sandbox is not running: "+err.Error())
 			continue
@@ -1127,7 +1149,7 @@ func (m *Manager) Recover(ctx context.Context) error {
 	// In the background: an agent that does not answer (stopped, traced,
 	// wedged) must not keep the node from serving.
 	for sandboxID, ids := range known {
-		ag, err := m.sb.Agent(sandboxID)
+		ag, err := m.sb.Client(sandboxID)
 		if err != nil {
 			continue
 		}

@@ -204,6 +204,9 @@ func (f *fakeSandboxes) Hold(id string) (func(), error) {
 	}, nil
 }
 
+func (f *fakeSandboxes) Client(id string) (*agent.Client, error) { return f.Agent(id) }
+func (f *fakeSandboxes) Paused(id string) bool                   { return false }
+
 func (f *fakeSandboxes) Deleting(id string) bool {
 	f.mu.Lock()
 	defer f.mu.Unlock()

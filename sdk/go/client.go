@@ -160,6 +160,26 @@ func (c *Client) SetTimeout(ctx context.Context, id string, d time.Duration) (*p
 	return res.Msg, nil
 }
 
+// Pause pauses a sandbox: its processes stop where they are and its memory
+// is reclaimed; paused is false when it was paused already. The next
+// request that needs the sandbox resumes it, or Resume does.
+func (c *Client) Pause(ctx context.Context, id string) (sb *pb.Sandbox, paused bool, err error) {
+	res, err := c.Sandboxes.PauseSandbox(ctx, connect.NewRequest(&pb.PauseSandboxRequest{Id: id}))
+	if err != nil {
+		return nil, false, err
+	}
+	return res.Msg.Sandbox, res.Msg.Paused, nil
+}
+
+// Resume resumes a paused sandbox; resumed is false when it was not paused.
+func (c *Client) Resume(ctx context.Context, id string) (sb *pb.Sandbox, resumed bool, err error) {
+	res, err := c.Sandboxes.ResumeSandbox(ctx, connect.NewRequest(&pb.ResumeSandboxRequest{Id: id}))
+	if err != nil {
+		return nil, false, err
+	}
+	return res.Msg.Sandbox, res.Msg.Resumed, nil
+}
+
 func (c *Client) fileURL(id, path string, q url.Values) string {
 	if q == nil {
 		q = url.Values{}

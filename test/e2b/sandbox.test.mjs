@@ -131,20 +131,29 @@ describe('sandboxes', () => {
     try {
       await sbx.files.write('/work/state.txt', 'before pause')
       const bg = await sbx.commands.run('while true; do sleep 1; done', { background: true })
+      await assert.rejects(sbx.pause({ keepMemory: false }), /keepMemory/, 'a pause without memory is refused')
       assert.equal(await sbx.pause(), true)
       assert.equal((await sbx.getInfo()).state, 'paused')
+      assert.equal(await sbx.isRunning(), false, 'a paused sandbox is not running')
       assert.equal(await Sandbox.pause(sbx.sandboxId), false, 'pausing a paused sandbox answers false')
       const paused = await Sandbox.list({ query: { state: ['paused'] } }).nextItems()
       assert.ok(paused.some((s) => s.sandboxId === sbx.sandboxId))
 
       const again = await Sandbox.connect(sbx.sandboxId, { timeoutMs: 120_000 })
       assert.equal((await again.getInfo()).state, 'running')
+      assert.equal(await again.isRunning(), true)
       assert.equal(await again.files.read('/work/state.txt'), 'before pause')
-      // Documented: Shoal keeps a paused sandbox running, processes too.
+      // Its processes were stopped, not killed: they go on.
       assert.ok((await again.commands.list()).some((p) => p.pid === bg.pid))
       assert.equal((await again.commands.run('echo after')).stdout, 'after\n')
       // Connecting to a running sandbox is fine too.
       await Sandbox.connect(sbx.sandboxId)
+      // Unlike E2B, a call into a paused sandbox resumes it (as Shoal's
+      // own API does) instead of failing.
+      assert.equal(await again.pause(), true)
+      assert.equal(await again.isRunning(), false)
+      assert.equal((await again.commands.run('echo resumed')).stdout, 'resumed\n')
+      assert.equal(await again.isRunning(), true)
     } finally {
       await sbx.kill()
     }

@@ -18,6 +18,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/shoal-sandbox/shoal/internal/zram"
 	shoal "github.com/shoal-sandbox/shoal/sdk/go"
 )
 
@@ -56,7 +57,12 @@ func need(t *testing.T) {
 	}
 }
 
+// zramBefore: the zram swap devices active before the tests (teardown
+// removes the others, made by serve --zram-size).
+var zramBefore []zram.Device
+
 func setup() error {
+	zramBefore, _ = zram.Active()
 	if os.Geteuid() != 0 {
 		skipReason = "needs root (runc, mounts, cgroups)"
 		return fmt.Errorf("%s", skipReason)
@@ -78,6 +84,7 @@ func setup() error {
 		{"go", "build", "-o", filepath.Join(binDir, "portsrv"), "./testdata/portsrv"},
 		{"go", "build", "-o", filepath.Join(binDir, "escape"), "./testdata/escape"},
 		{"go", "build", "-o", filepath.Join(binDir, "swapper"), "./testdata/swapper"},
+		{"go", "build", "-o", filepath.Join(binDir, "memhold"), "./testdata/memhold"},
 	}
 	for _, b := range builds {
 		cmd := exec.Command(b[0], b[1:]...)
@@ -124,8 +131,11 @@ func startServe() error {
 	if err != nil {
 		return err
 	}
+	// --zram-size: a zram swap for paused sandboxes' memory, unless the
+	// host has one (teardown removes one this run made).
 	serveCmd = exec.Command(filepath.Join(binDir, "shoal"), "serve", "--data", dataDir, "--listen", addr, "--debug", "--e2b-listen=",
-		"--egress-subnet", egressSubnet, "--build-root", buildRoot)
+		"--egress-subnet", egressSubnet, "--build-root", buildRoot,
+		"--zram-size", "1GiB")
 	serveCmd.Stdout, serveCmd.Stderr = log, log
 	serveCmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
 	if err := serveCmd.Start(); err != nil {
@@ -187,6 +197,13 @@ func teardown() {
 	if buildRoot != "" {
 		os.RemoveAll(buildRoot)
 	}
+	if now, err := zram.Active(); err == nil && len(now) > 0 && len(zramBefore) == 0 && os.Getenv("SHOAL_E2E_KEEP") == "" {
+		for _, d := range now {
+			if err := zram.Remove(d.Name); err != nil {
+				fmt.Fprintln(os.Stderr, "remove the zram swap serve set up:", err)
+			}
+		}
+	}
 }
 
 // unmountUnder lazily unmounts everything mounted under dir (deepest first).
@@ -229,7 +246,7 @@ func busyboxRootfs() (string, error) {
 	if err := copyFile(bb, filepath.Join(root, "bin", "busybox"), 0o755); err != nil {
 		return "", err
 	}
-	for _, prog := range []string{"hog", "portsrv", "escape", "swapper"} {
+	for _, prog := range []string{"hog", "portsrv", "escape", "swapper", "memhold"} {
 		if err := copyFile(filepath.Join(binDir, prog), filepath.Join(root, "bin", prog), 0o755); err != nil {
 			return "", err
 		}

@@ -43,6 +43,9 @@ const (
 	SandboxState_SANDBOX_STATE_RUNNING     SandboxState = 2
 	SandboxState_SANDBOX_STATE_DELETING    SandboxState = 3
 	SandboxState_SANDBOX_STATE_ERROR       SandboxState = 4 // its runtime is gone; delete it
+	// Its processes are stopped and its memory reclaimed; the next request
+	// that needs it resumes it.
+	SandboxState_SANDBOX_STATE_PAUSED SandboxState = 5
 )
 
 // Enum value maps for SandboxState.
@@ -53,6 +56,7 @@ var (
 		2: "SANDBOX_STATE_RUNNING",
 		3: "SANDBOX_STATE_DELETING",
 		4: "SANDBOX_STATE_ERROR",
+		5: "SANDBOX_STATE_PAUSED",
 	}
 	SandboxState_value = map[string]int32{
 		"SANDBOX_STATE_UNSPECIFIED": 0,
@@ -60,6 +64,7 @@ var (
 		"SANDBOX_STATE_RUNNING":     2,
 		"SANDBOX_STATE_DELETING":    3,
 		"SANDBOX_STATE_ERROR":       4,
+		"SANDBOX_STATE_PAUSED":      5,
 	}
 )
 
@@ -161,7 +166,7 @@ func (x WatchDirEvent_Op) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use WatchDirEvent_Op.Descriptor instead.
 func (WatchDirEvent_Op) EnumDescriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{19, 0}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{24, 0}
 }
 
 // LayerRef is one layer of a sandbox as resolved at creation: the digest is
@@ -250,9 +255,13 @@ type CreateSandboxRequest struct {
 	// in the sandbox. 0 = the node's default (serve --default-disk, 1 GiB).
 	DiskBytes int64 `protobuf:"varint,12,opt,name=disk_bytes,json=diskBytes,proto3" json:"disk_bytes,omitempty"`
 	// network: none (loopback only) unless set; see NetworkPolicy.
-	Network       *NetworkPolicy `protobuf:"bytes,20,opt,name=network,proto3" json:"network,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Network *NetworkPolicy `protobuf:"bytes,20,opt,name=network,proto3" json:"network,omitempty"`
+	// auto_pause_seconds: the sandbox is paused after this long with no
+	// request and no running command. Unset: the server's default (serve
+	// --auto-pause); 0: never.
+	AutoPauseSeconds *int64 `protobuf:"varint,30,opt,name=auto_pause_seconds,json=autoPauseSeconds,proto3,oneof" json:"auto_pause_seconds,omitempty"`
+	unknownFields    protoimpl.UnknownFields
+	sizeCache        protoimpl.SizeCache
 }
 
 func (x *CreateSandboxRequest) Reset() {
@@ -376,6 +385,13 @@ func (x *CreateSandboxRequest) GetNetwork() *NetworkPolicy {
 	return nil
 }
 
+func (x *CreateSandboxRequest) GetAutoPauseSeconds() int64 {
+	if x != nil && x.AutoPauseSeconds != nil {
+		return *x.AutoPauseSeconds
+	}
+	return 0
+}
+
 // NetworkPolicy is a sandbox's network egress (README "Network"). Egress is
 // given when internet is true or allow_out is not empty: the sandbox gets
 // eth0 with an address of the node's egress subnet, and its packets may go
@@ -472,7 +488,12 @@ type Sandbox struct {
 	Network   *NetworkPolicy `protobuf:"bytes,20,opt,name=network,proto3" json:"network,omitempty"` // as created; unset: loopback only
 	// The tenant that owns it (that of the key that created it; "": an
 	// admin key's). Only its keys and admin keys see it.
-	Tenant        string `protobuf:"bytes,21,opt,name=tenant,proto3" json:"tenant,omitempty"`
+	Tenant string `protobuf:"bytes,21,opt,name=tenant,proto3" json:"tenant,omitempty"`
+	// auto_pause_seconds: paused after this long idle; 0 = never.
+	AutoPauseSeconds int64 `protobuf:"varint,30,opt,name=auto_pause_seconds,json=autoPauseSeconds,proto3" json:"auto_pause_seconds,omitempty"`
+	// pause: the last pause (while paused, and after its resume until the
+	// next one); unset if it was never paused.
+	Pause         *PauseInfo `protobuf:"bytes,31,opt,name=pause,proto3" json:"pause,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -619,6 +640,329 @@ func (x *Sandbox) GetTenant() string {
 	return ""
 }
 
+func (x *Sandbox) GetAutoPauseSeconds() int64 {
+	if x != nil {
+		return x.AutoPauseSeconds
+	}
+	return 0
+}
+
+func (x *Sandbox) GetPause() *PauseInfo {
+	if x != nil {
+		return x.Pause
+	}
+	return nil
+}
+
+// PauseInfo says what a pause did and how long its resume took.
+type PauseInfo struct {
+	state             protoimpl.MessageState `protogen:"open.v1"`
+	PausedAt          *timestamppb.Timestamp `protobuf:"bytes,1,opt,name=paused_at,json=pausedAt,proto3" json:"paused_at,omitempty"`
+	Auto              bool                   `protobuf:"varint,2,opt,name=auto,proto3" json:"auto,omitempty"`                                                      // by the idle policy (auto-pause)
+	MemoryBeforeBytes int64                  `protobuf:"varint,3,opt,name=memory_before_bytes,json=memoryBeforeBytes,proto3" json:"memory_before_bytes,omitempty"` // resident (memory cgroup usage) before
+	MemoryAfterBytes  int64                  `protobuf:"varint,4,opt,name=memory_after_bytes,json=memoryAfterBytes,proto3" json:"memory_after_bytes,omitempty"`    // and after the reclaim; -1 unknown
+	SwappedOutBytes   int64                  `protobuf:"varint,5,opt,name=swapped_out_bytes,json=swappedOutBytes,proto3" json:"swapped_out_bytes,omitempty"`       // in swap after the pause; -1 unknown
+	Method            string                 `protobuf:"bytes,6,opt,name=method,proto3" json:"method,omitempty"`                                                   // how memory was reclaimed, and any error
+	FreezeSeconds     float64                `protobuf:"fixed64,7,opt,name=freeze_seconds,json=freezeSeconds,proto3" json:"freeze_seconds,omitempty"`
+	ReclaimSeconds    float64                `protobuf:"fixed64,8,opt,name=reclaim_seconds,json=reclaimSeconds,proto3" json:"reclaim_seconds,omitempty"`
+	ResumedAt         *timestamppb.Timestamp `protobuf:"bytes,9,opt,name=resumed_at,json=resumedAt,proto3" json:"resumed_at,omitempty"` // unset while paused
+	ResumeSeconds     float64                `protobuf:"fixed64,10,opt,name=resume_seconds,json=resumeSeconds,proto3" json:"resume_seconds,omitempty"`
+	unknownFields     protoimpl.UnknownFields
+	sizeCache         protoimpl.SizeCache
+}
+
+func (x *PauseInfo) Reset() {
+	*x = PauseInfo{}
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[4]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PauseInfo) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PauseInfo) ProtoMessage() {}
+
+func (x *PauseInfo) ProtoReflect() protoreflect.Message {
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[4]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PauseInfo.ProtoReflect.Descriptor instead.
+func (*PauseInfo) Descriptor() ([]byte, []int) {
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{4}
+}
+
+func (x *PauseInfo) GetPausedAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.PausedAt
+	}
+	return nil
+}
+
+func (x *PauseInfo) GetAuto() bool {
+	if x != nil {
+		return x.Auto
+	}
+	return false
+}
+
+func (x *PauseInfo) GetMemoryBeforeBytes() int64 {
+	if x != nil {
+		return x.MemoryBeforeBytes
+	}
+	return 0
+}
+
+func (x *PauseInfo) GetMemoryAfterBytes() int64 {
+	if x != nil {
+		return x.MemoryAfterBytes
+	}
+	return 0
+}
+
+func (x *PauseInfo) GetSwappedOutBytes() int64 {
+	if x != nil {
+		return x.SwappedOutBytes
+	}
+	return 0
+}
+
+func (x *PauseInfo) GetMethod() string {
+	if x != nil {
+		return x.Method
+	}
+	return ""
+}
+
+func (x *PauseInfo) GetFreezeSeconds() float64 {
+	if x != nil {
+		return x.FreezeSeconds
+	}
+	return 0
+}
+
+func (x *PauseInfo) GetReclaimSeconds() float64 {
+	if x != nil {
+		return x.ReclaimSeconds
+	}
+	return 0
+}
+
+func (x *PauseInfo) GetResumedAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.ResumedAt
+	}
+	return nil
+}
+
+func (x *PauseInfo) GetResumeSeconds() float64 {
+	if x != nil {
+		return x.ResumeSeconds
+	}
+	return 0
+}
+
+type PauseSandboxRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Id            string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PauseSandboxRequest) Reset() {
+	*x = PauseSandboxRequest{}
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[5]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PauseSandboxRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PauseSandboxRequest) ProtoMessage() {}
+
+func (x *PauseSandboxRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[5]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PauseSandboxRequest.ProtoReflect.Descriptor instead.
+func (*PauseSandboxRequest) Descriptor() ([]byte, []int) {
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{5}
+}
+
+func (x *PauseSandboxRequest) GetId() string {
+	if x != nil {
+		return x.Id
+	}
+	return ""
+}
+
+type PauseSandboxResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Sandbox       *Sandbox               `protobuf:"bytes,1,opt,name=sandbox,proto3" json:"sandbox,omitempty"`
+	Paused        bool                   `protobuf:"varint,2,opt,name=paused,proto3" json:"paused,omitempty"` // false: it was paused already
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PauseSandboxResponse) Reset() {
+	*x = PauseSandboxResponse{}
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[6]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PauseSandboxResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PauseSandboxResponse) ProtoMessage() {}
+
+func (x *PauseSandboxResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[6]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PauseSandboxResponse.ProtoReflect.Descriptor instead.
+func (*PauseSandboxResponse) Descriptor() ([]byte, []int) {
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{6}
+}
+
+func (x *PauseSandboxResponse) GetSandbox() *Sandbox {
+	if x != nil {
+		return x.Sandbox
+	}
+	return nil
+}
+
+func (x *PauseSandboxResponse) GetPaused() bool {
+	if x != nil {
+		return x.Paused
+	}
+	return false
+}
+
+type ResumeSandboxRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Id            string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ResumeSandboxRequest) Reset() {
+	*x = ResumeSandboxRequest{}
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[7]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ResumeSandboxRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ResumeSandboxRequest) ProtoMessage() {}
+
+func (x *ResumeSandboxRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[7]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ResumeSandboxRequest.ProtoReflect.Descriptor instead.
+func (*ResumeSandboxRequest) Descriptor() ([]byte, []int) {
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{7}
+}
+
+func (x *ResumeSandboxRequest) GetId() string {
+	if x != nil {
+		return x.Id
+	}
+	return ""
+}
+
+type ResumeSandboxResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Sandbox       *Sandbox               `protobuf:"bytes,1,opt,name=sandbox,proto3" json:"sandbox,omitempty"`
+	Resumed       bool                   `protobuf:"varint,2,opt,name=resumed,proto3" json:"resumed,omitempty"` // false: it was not paused
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ResumeSandboxResponse) Reset() {
+	*x = ResumeSandboxResponse{}
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[8]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ResumeSandboxResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ResumeSandboxResponse) ProtoMessage() {}
+
+func (x *ResumeSandboxResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[8]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ResumeSandboxResponse.ProtoReflect.Descriptor instead.
+func (*ResumeSandboxResponse) Descriptor() ([]byte, []int) {
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{8}
+}
+
+func (x *ResumeSandboxResponse) GetSandbox() *Sandbox {
+	if x != nil {
+		return x.Sandbox
+	}
+	return nil
+}
+
+func (x *ResumeSandboxResponse) GetResumed() bool {
+	if x != nil {
+		return x.Resumed
+	}
+	return false
+}
+
 type GetSandboxRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Id            string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
@@ -628,7 +972,7 @@ type GetSandboxRequest struct {
 
 func (x *GetSandboxRequest) Reset() {
 	*x = GetSandboxRequest{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[4]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -640,7 +984,7 @@ func (x *GetSandboxRequest) String() string {
 func (*GetSandboxRequest) ProtoMessage() {}
 
 func (x *GetSandboxRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[4]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -653,7 +997,7 @@ func (x *GetSandboxRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetSandboxRequest.ProtoReflect.Descriptor instead.
 func (*GetSandboxRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{4}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *GetSandboxRequest) GetId() string {
@@ -671,7 +1015,7 @@ type ListSandboxesRequest struct {
 
 func (x *ListSandboxesRequest) Reset() {
 	*x = ListSandboxesRequest{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[5]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -683,7 +1027,7 @@ func (x *ListSandboxesRequest) String() string {
 func (*ListSandboxesRequest) ProtoMessage() {}
 
 func (x *ListSandboxesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[5]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -696,7 +1040,7 @@ func (x *ListSandboxesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSandboxesRequest.ProtoReflect.Descriptor instead.
 func (*ListSandboxesRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{5}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{10}
 }
 
 type ListSandboxesResponse struct {
@@ -708,7 +1052,7 @@ type ListSandboxesResponse struct {
 
 func (x *ListSandboxesResponse) Reset() {
 	*x = ListSandboxesResponse{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[6]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -720,7 +1064,7 @@ func (x *ListSandboxesResponse) String() string {
 func (*ListSandboxesResponse) ProtoMessage() {}
 
 func (x *ListSandboxesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[6]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -733,7 +1077,7 @@ func (x *ListSandboxesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSandboxesResponse.ProtoReflect.Descriptor instead.
 func (*ListSandboxesResponse) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{6}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *ListSandboxesResponse) GetSandboxes() []*Sandbox {
@@ -752,7 +1096,7 @@ type DeleteSandboxRequest struct {
 
 func (x *DeleteSandboxRequest) Reset() {
 	*x = DeleteSandboxRequest{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[7]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -764,7 +1108,7 @@ func (x *DeleteSandboxRequest) String() string {
 func (*DeleteSandboxRequest) ProtoMessage() {}
 
 func (x *DeleteSandboxRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[7]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -777,7 +1121,7 @@ func (x *DeleteSandboxRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteSandboxRequest.ProtoReflect.Descriptor instead.
 func (*DeleteSandboxRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{7}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *DeleteSandboxRequest) GetId() string {
@@ -795,7 +1139,7 @@ type DeleteSandboxResponse struct {
 
 func (x *DeleteSandboxResponse) Reset() {
 	*x = DeleteSandboxResponse{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[8]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -807,7 +1151,7 @@ func (x *DeleteSandboxResponse) String() string {
 func (*DeleteSandboxResponse) ProtoMessage() {}
 
 func (x *DeleteSandboxResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[8]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -820,7 +1164,7 @@ func (x *DeleteSandboxResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteSandboxResponse.ProtoReflect.Descriptor instead.
 func (*DeleteSandboxResponse) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{8}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{13}
 }
 
 type SetTimeoutRequest struct {
@@ -833,7 +1177,7 @@ type SetTimeoutRequest struct {
 
 func (x *SetTimeoutRequest) Reset() {
 	*x = SetTimeoutRequest{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[9]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -845,7 +1189,7 @@ func (x *SetTimeoutRequest) String() string {
 func (*SetTimeoutRequest) ProtoMessage() {}
 
 func (x *SetTimeoutRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[9]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -858,7 +1202,7 @@ func (x *SetTimeoutRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetTimeoutRequest.ProtoReflect.Descriptor instead.
 func (*SetTimeoutRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{9}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *SetTimeoutRequest) GetId() string {
@@ -890,7 +1234,7 @@ type FileInfo struct {
 
 func (x *FileInfo) Reset() {
 	*x = FileInfo{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[10]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -902,7 +1246,7 @@ func (x *FileInfo) String() string {
 func (*FileInfo) ProtoMessage() {}
 
 func (x *FileInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[10]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -915,7 +1259,7 @@ func (x *FileInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FileInfo.ProtoReflect.Descriptor instead.
 func (*FileInfo) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{10}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *FileInfo) GetName() string {
@@ -977,7 +1321,7 @@ type StatFileRequest struct {
 
 func (x *StatFileRequest) Reset() {
 	*x = StatFileRequest{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[11]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -989,7 +1333,7 @@ func (x *StatFileRequest) String() string {
 func (*StatFileRequest) ProtoMessage() {}
 
 func (x *StatFileRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[11]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1002,7 +1346,7 @@ func (x *StatFileRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatFileRequest.ProtoReflect.Descriptor instead.
 func (*StatFileRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{11}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *StatFileRequest) GetSandboxId() string {
@@ -1036,7 +1380,7 @@ type ListDirRequest struct {
 
 func (x *ListDirRequest) Reset() {
 	*x = ListDirRequest{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[12]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1048,7 +1392,7 @@ func (x *ListDirRequest) String() string {
 func (*ListDirRequest) ProtoMessage() {}
 
 func (x *ListDirRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[12]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1061,7 +1405,7 @@ func (x *ListDirRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListDirRequest.ProtoReflect.Descriptor instead.
 func (*ListDirRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{12}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *ListDirRequest) GetSandboxId() string {
@@ -1094,7 +1438,7 @@ type ListDirResponse struct {
 
 func (x *ListDirResponse) Reset() {
 	*x = ListDirResponse{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[13]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1106,7 +1450,7 @@ func (x *ListDirResponse) String() string {
 func (*ListDirResponse) ProtoMessage() {}
 
 func (x *ListDirResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[13]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1119,7 +1463,7 @@ func (x *ListDirResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListDirResponse.ProtoReflect.Descriptor instead.
 func (*ListDirResponse) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{13}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *ListDirResponse) GetEntries() []*FileInfo {
@@ -1139,7 +1483,7 @@ type MakeDirRequest struct {
 
 func (x *MakeDirRequest) Reset() {
 	*x = MakeDirRequest{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[14]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1151,7 +1495,7 @@ func (x *MakeDirRequest) String() string {
 func (*MakeDirRequest) ProtoMessage() {}
 
 func (x *MakeDirRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[14]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1164,7 +1508,7 @@ func (x *MakeDirRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MakeDirRequest.ProtoReflect.Descriptor instead.
 func (*MakeDirRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{14}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *MakeDirRequest) GetSandboxId() string {
@@ -1189,7 +1533,7 @@ type MakeDirResponse struct {
 
 func (x *MakeDirResponse) Reset() {
 	*x = MakeDirResponse{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[15]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1201,7 +1545,7 @@ func (x *MakeDirResponse) String() string {
 func (*MakeDirResponse) ProtoMessage() {}
 
 func (x *MakeDirResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[15]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1214,7 +1558,7 @@ func (x *MakeDirResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MakeDirResponse.ProtoReflect.Descriptor instead.
 func (*MakeDirResponse) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{15}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{20}
 }
 
 type RemoveFileRequest struct {
@@ -1228,7 +1572,7 @@ type RemoveFileRequest struct {
 
 func (x *RemoveFileRequest) Reset() {
 	*x = RemoveFileRequest{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[16]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1240,7 +1584,7 @@ func (x *RemoveFileRequest) String() string {
 func (*RemoveFileRequest) ProtoMessage() {}
 
 func (x *RemoveFileRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[16]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1253,7 +1597,7 @@ func (x *RemoveFileRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RemoveFileRequest.ProtoReflect.Descriptor instead.
 func (*RemoveFileRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{16}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *RemoveFileRequest) GetSandboxId() string {
@@ -1285,7 +1629,7 @@ type RemoveFileResponse struct {
 
 func (x *RemoveFileResponse) Reset() {
 	*x = RemoveFileResponse{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[17]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1297,7 +1641,7 @@ func (x *RemoveFileResponse) String() string {
 func (*RemoveFileResponse) ProtoMessage() {}
 
 func (x *RemoveFileResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[17]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1310,7 +1654,7 @@ func (x *RemoveFileResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RemoveFileResponse.ProtoReflect.Descriptor instead.
 func (*RemoveFileResponse) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{17}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{22}
 }
 
 // WatchDir's stream sends its response headers, with the header
@@ -1336,7 +1680,7 @@ type WatchDirRequest struct {
 
 func (x *WatchDirRequest) Reset() {
 	*x = WatchDirRequest{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[18]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1348,7 +1692,7 @@ func (x *WatchDirRequest) String() string {
 func (*WatchDirRequest) ProtoMessage() {}
 
 func (x *WatchDirRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[18]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1361,7 +1705,7 @@ func (x *WatchDirRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchDirRequest.ProtoReflect.Descriptor instead.
 func (*WatchDirRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{18}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *WatchDirRequest) GetSandboxId() string {
@@ -1397,7 +1741,7 @@ type WatchDirEvent struct {
 
 func (x *WatchDirEvent) Reset() {
 	*x = WatchDirEvent{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[19]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1409,7 +1753,7 @@ func (x *WatchDirEvent) String() string {
 func (*WatchDirEvent) ProtoMessage() {}
 
 func (x *WatchDirEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[19]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1422,7 +1766,7 @@ func (x *WatchDirEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchDirEvent.ProtoReflect.Descriptor instead.
 func (*WatchDirEvent) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{19}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *WatchDirEvent) GetOp() WatchDirEvent_Op {
@@ -1461,7 +1805,7 @@ const file_shoal_v1_sandbox_proto_rawDesc = "" +
 	"\bLayerRef\x12'\n" +
 	"\x04kind\x18\x01 \x01(\x0e2\x13.shoal.v1.LayerKindR\x04kind\x12\x10\n" +
 	"\x03ref\x18\x02 \x01(\tR\x03ref\x12\x16\n" +
-	"\x06digest\x18\x03 \x01(\tR\x06digest\"\xef\x04\n" +
+	"\x06digest\x18\x03 \x01(\tR\x06digest\"\xb9\x05\n" +
 	"\x14CreateSandboxRequest\x12\x18\n" +
 	"\abackend\x18\x01 \x01(\tR\abackend\x12\x12\n" +
 	"\x04base\x18\x02 \x01(\tR\x04base\x12\x1e\n" +
@@ -1480,17 +1824,19 @@ const file_shoal_v1_sandbox_proto_rawDesc = "" +
 	"client_key\x18\v \x01(\tR\tclientKey\x12\x1d\n" +
 	"\n" +
 	"disk_bytes\x18\f \x01(\x03R\tdiskBytes\x121\n" +
-	"\anetwork\x18\x14 \x01(\v2\x17.shoal.v1.NetworkPolicyR\anetwork\x1a;\n" +
+	"\anetwork\x18\x14 \x01(\v2\x17.shoal.v1.NetworkPolicyR\anetwork\x121\n" +
+	"\x12auto_pause_seconds\x18\x1e \x01(\x03H\x00R\x10autoPauseSeconds\x88\x01\x01\x1a;\n" +
 	"\rMetadataEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1a6\n" +
 	"\bEnvEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"c\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01B\x15\n" +
+	"\x13_auto_pause_seconds\"c\n" +
 	"\rNetworkPolicy\x12\x1a\n" +
 	"\binternet\x18\x01 \x01(\bR\binternet\x12\x1b\n" +
 	"\tallow_out\x18\x02 \x03(\tR\ballowOut\x12\x19\n" +
-	"\bdeny_out\x18\x03 \x03(\tR\adenyOut\"\xfa\x05\n" +
+	"\bdeny_out\x18\x03 \x03(\tR\adenyOut\"\xd3\x06\n" +
 	"\aSandbox\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x18\n" +
 	"\abackend\x18\x02 \x01(\tR\abackend\x12,\n" +
@@ -1512,13 +1858,38 @@ const file_shoal_v1_sandbox_proto_rawDesc = "" +
 	"\n" +
 	"disk_bytes\x18\x0e \x01(\x03R\tdiskBytes\x121\n" +
 	"\anetwork\x18\x14 \x01(\v2\x17.shoal.v1.NetworkPolicyR\anetwork\x12\x16\n" +
-	"\x06tenant\x18\x15 \x01(\tR\x06tenant\x1a;\n" +
+	"\x06tenant\x18\x15 \x01(\tR\x06tenant\x12,\n" +
+	"\x12auto_pause_seconds\x18\x1e \x01(\x03R\x10autoPauseSeconds\x12)\n" +
+	"\x05pause\x18\x1f \x01(\v2\x13.shoal.v1.PauseInfoR\x05pause\x1a;\n" +
 	"\rMetadataEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1a:\n" +
 	"\fRuntimeEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"#\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xac\x03\n" +
+	"\tPauseInfo\x127\n" +
+	"\tpaused_at\x18\x01 \x01(\v2\x1a.google.protobuf.TimestampR\bpausedAt\x12\x12\n" +
+	"\x04auto\x18\x02 \x01(\bR\x04auto\x12.\n" +
+	"\x13memory_before_bytes\x18\x03 \x01(\x03R\x11memoryBeforeBytes\x12,\n" +
+	"\x12memory_after_bytes\x18\x04 \x01(\x03R\x10memoryAfterBytes\x12*\n" +
+	"\x11swapped_out_bytes\x18\x05 \x01(\x03R\x0fswappedOutBytes\x12\x16\n" +
+	"\x06method\x18\x06 \x01(\tR\x06method\x12%\n" +
+	"\x0efreeze_seconds\x18\a \x01(\x01R\rfreezeSeconds\x12'\n" +
+	"\x0freclaim_seconds\x18\b \x01(\x01R\x0ereclaimSeconds\x129\n" +
+	"\n" +
+	"resumed_at\x18\t \x01(\v2\x1a.google.protobuf.TimestampR\tresumedAt\x12%\n" +
+	"\x0eresume_seconds\x18\n" +
+	" \x01(\x01R\rresumeSeconds\"%\n" +
+	"\x13PauseSandboxRequest\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\tR\x02id\"[\n" +
+	"\x14PauseSandboxResponse\x12+\n" +
+	"\asandbox\x18\x01 \x01(\v2\x11.shoal.v1.SandboxR\asandbox\x12\x16\n" +
+	"\x06paused\x18\x02 \x01(\bR\x06paused\"&\n" +
+	"\x14ResumeSandboxRequest\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\tR\x02id\"^\n" +
+	"\x15ResumeSandboxResponse\x12+\n" +
+	"\asandbox\x18\x01 \x01(\v2\x11.shoal.v1.SandboxR\asandbox\x12\x18\n" +
+	"\aresumed\x18\x02 \x01(\bR\aresumed\"#\n" +
 	"\x11GetSandboxRequest\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\"\x16\n" +
 	"\x14ListSandboxesRequest\"H\n" +
@@ -1578,13 +1949,14 @@ const file_shoal_v1_sandbox_proto_rawDesc = "" +
 	"\tOP_REMOVE\x10\x03\x12\r\n" +
 	"\tOP_RENAME\x10\x04\x12\f\n" +
 	"\bOP_CHMOD\x10\x05\x12\x0f\n" +
-	"\vOP_OVERFLOW\x10\x06*\x99\x01\n" +
+	"\vOP_OVERFLOW\x10\x06*\xb3\x01\n" +
 	"\fSandboxState\x12\x1d\n" +
 	"\x19SANDBOX_STATE_UNSPECIFIED\x10\x00\x12\x1a\n" +
 	"\x16SANDBOX_STATE_CREATING\x10\x01\x12\x19\n" +
 	"\x15SANDBOX_STATE_RUNNING\x10\x02\x12\x1a\n" +
 	"\x16SANDBOX_STATE_DELETING\x10\x03\x12\x17\n" +
-	"\x13SANDBOX_STATE_ERROR\x10\x042\xba\x05\n" +
+	"\x13SANDBOX_STATE_ERROR\x10\x04\x12\x18\n" +
+	"\x14SANDBOX_STATE_PAUSED\x10\x052\xdb\x06\n" +
 	"\x0eSandboxService\x12B\n" +
 	"\rCreateSandbox\x12\x1e.shoal.v1.CreateSandboxRequest\x1a\x11.shoal.v1.Sandbox\x12<\n" +
 	"\n" +
@@ -1592,7 +1964,9 @@ const file_shoal_v1_sandbox_proto_rawDesc = "" +
 	"\rListSandboxes\x12\x1e.shoal.v1.ListSandboxesRequest\x1a\x1f.shoal.v1.ListSandboxesResponse\x12P\n" +
 	"\rDeleteSandbox\x12\x1e.shoal.v1.DeleteSandboxRequest\x1a\x1f.shoal.v1.DeleteSandboxResponse\x12<\n" +
 	"\n" +
-	"SetTimeout\x12\x1b.shoal.v1.SetTimeoutRequest\x1a\x11.shoal.v1.Sandbox\x129\n" +
+	"SetTimeout\x12\x1b.shoal.v1.SetTimeoutRequest\x1a\x11.shoal.v1.Sandbox\x12M\n" +
+	"\fPauseSandbox\x12\x1d.shoal.v1.PauseSandboxRequest\x1a\x1e.shoal.v1.PauseSandboxResponse\x12P\n" +
+	"\rResumeSandbox\x12\x1e.shoal.v1.ResumeSandboxRequest\x1a\x1f.shoal.v1.ResumeSandboxResponse\x129\n" +
 	"\bStatFile\x12\x19.shoal.v1.StatFileRequest\x1a\x12.shoal.v1.FileInfo\x12>\n" +
 	"\aListDir\x12\x18.shoal.v1.ListDirRequest\x1a\x19.shoal.v1.ListDirResponse\x12>\n" +
 	"\aMakeDir\x12\x18.shoal.v1.MakeDirRequest\x1a\x19.shoal.v1.MakeDirResponse\x12G\n" +
@@ -1613,7 +1987,7 @@ func file_shoal_v1_sandbox_proto_rawDescGZIP() []byte {
 }
 
 var file_shoal_v1_sandbox_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_shoal_v1_sandbox_proto_msgTypes = make([]protoimpl.MessageInfo, 24)
+var file_shoal_v1_sandbox_proto_msgTypes = make([]protoimpl.MessageInfo, 29)
 var file_shoal_v1_sandbox_proto_goTypes = []any{
 	(SandboxState)(0),             // 0: shoal.v1.SandboxState
 	(WatchDirEvent_Op)(0),         // 1: shoal.v1.WatchDirEvent.Op
@@ -1621,70 +1995,84 @@ var file_shoal_v1_sandbox_proto_goTypes = []any{
 	(*CreateSandboxRequest)(nil),  // 3: shoal.v1.CreateSandboxRequest
 	(*NetworkPolicy)(nil),         // 4: shoal.v1.NetworkPolicy
 	(*Sandbox)(nil),               // 5: shoal.v1.Sandbox
-	(*GetSandboxRequest)(nil),     // 6: shoal.v1.GetSandboxRequest
-	(*ListSandboxesRequest)(nil),  // 7: shoal.v1.ListSandboxesRequest
-	(*ListSandboxesResponse)(nil), // 8: shoal.v1.ListSandboxesResponse
-	(*DeleteSandboxRequest)(nil),  // 9: shoal.v1.DeleteSandboxRequest
-	(*DeleteSandboxResponse)(nil), // 10: shoal.v1.DeleteSandboxResponse
-	(*SetTimeoutRequest)(nil),     // 11: shoal.v1.SetTimeoutRequest
-	(*FileInfo)(nil),              // 12: shoal.v1.FileInfo
-	(*StatFileRequest)(nil),       // 13: shoal.v1.StatFileRequest
-	(*ListDirRequest)(nil),        // 14: shoal.v1.ListDirRequest
-	(*ListDirResponse)(nil),       // 15: shoal.v1.ListDirResponse
-	(*MakeDirRequest)(nil),        // 16: shoal.v1.MakeDirRequest
-	(*MakeDirResponse)(nil),       // 17: shoal.v1.MakeDirResponse
-	(*RemoveFileRequest)(nil),     // 18: shoal.v1.RemoveFileRequest
-	(*RemoveFileResponse)(nil),    // 19: shoal.v1.RemoveFileResponse
-	(*WatchDirRequest)(nil),       // 20: shoal.v1.WatchDirRequest
-	(*WatchDirEvent)(nil),         // 21: shoal.v1.WatchDirEvent
-	nil,                           // 22: shoal.v1.CreateSandboxRequest.MetadataEntry
-	nil,                           // 23: shoal.v1.CreateSandboxRequest.EnvEntry
-	nil,                           // 24: shoal.v1.Sandbox.MetadataEntry
-	nil,                           // 25: shoal.v1.Sandbox.RuntimeEntry
-	(LayerKind)(0),                // 26: shoal.v1.LayerKind
-	(*timestamppb.Timestamp)(nil), // 27: google.protobuf.Timestamp
+	(*PauseInfo)(nil),             // 6: shoal.v1.PauseInfo
+	(*PauseSandboxRequest)(nil),   // 7: shoal.v1.PauseSandboxRequest
+	(*PauseSandboxResponse)(nil),  // 8: shoal.v1.PauseSandboxResponse
+	(*ResumeSandboxRequest)(nil),  // 9: shoal.v1.ResumeSandboxRequest
+	(*ResumeSandboxResponse)(nil), // 10: shoal.v1.ResumeSandboxResponse
+	(*GetSandboxRequest)(nil),     // 11: shoal.v1.GetSandboxRequest
+	(*ListSandboxesRequest)(nil),  // 12: shoal.v1.ListSandboxesRequest
+	(*ListSandboxesResponse)(nil), // 13: shoal.v1.ListSandboxesResponse
+	(*DeleteSandboxRequest)(nil),  // 14: shoal.v1.DeleteSandboxRequest
+	(*DeleteSandboxResponse)(nil), // 15: shoal.v1.DeleteSandboxResponse
+	(*SetTimeoutRequest)(nil),     // 16: shoal.v1.SetTimeoutRequest
+	(*FileInfo)(nil),              // 17: shoal.v1.FileInfo
+	(*StatFileRequest)(nil),       // 18: shoal.v1.StatFileRequest
+	(*ListDirRequest)(nil),        // 19: shoal.v1.ListDirRequest
+	(*ListDirResponse)(nil),       // 20: shoal.v1.ListDirResponse
+	(*MakeDirRequest)(nil),        // 21: shoal.v1.MakeDirRequest
+	(*MakeDirResponse)(nil),       // 22: shoal.v1.MakeDirResponse
+	(*RemoveFileRequest)(nil),     // 23: shoal.v1.RemoveFileRequest
+	(*RemoveFileResponse)(nil),    // 24: shoal.v1.RemoveFileResponse
+	(*WatchDirRequest)(nil),       // 25: shoal.v1.WatchDirRequest
+	(*WatchDirEvent)(nil),         // 26: shoal.v1.WatchDirEvent
+	nil,                           // 27: shoal.v1.CreateSandboxRequest.MetadataEntry
+	nil,                           // 28: shoal.v1.CreateSandboxRequest.EnvEntry
+	nil,                           // 29: shoal.v1.Sandbox.MetadataEntry
+	nil,                           // 30: shoal.v1.Sandbox.RuntimeEntry
+	(LayerKind)(0),                // 31: shoal.v1.LayerKind
+	(*timestamppb.Timestamp)(nil), // 32: google.protobuf.Timestamp
 }
 var file_shoal_v1_sandbox_proto_depIdxs = []int32{
-	26, // 0: shoal.v1.LayerRef.kind:type_name -> shoal.v1.LayerKind
-	22, // 1: shoal.v1.CreateSandboxRequest.metadata:type_name -> shoal.v1.CreateSandboxRequest.MetadataEntry
-	23, // 2: shoal.v1.CreateSandboxRequest.env:type_name -> shoal.v1.CreateSandboxRequest.EnvEntry
+	31, // 0: shoal.v1.LayerRef.kind:type_name -> shoal.v1.LayerKind
+	27, // 1: shoal.v1.CreateSandboxRequest.metadata:type_name -> shoal.v1.CreateSandboxRequest.MetadataEntry
+	28, // 2: shoal.v1.CreateSandboxRequest.env:type_name -> shoal.v1.CreateSandboxRequest.EnvEntry
 	4,  // 3: shoal.v1.CreateSandboxRequest.network:type_name -> shoal.v1.NetworkPolicy
 	0,  // 4: shoal.v1.Sandbox.state:type_name -> shoal.v1.SandboxState
 	2,  // 5: shoal.v1.Sandbox.layers:type_name -> shoal.v1.LayerRef
-	27, // 6: shoal.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
-	27, // 7: shoal.v1.Sandbox.expires_at:type_name -> google.protobuf.Timestamp
-	24, // 8: shoal.v1.Sandbox.metadata:type_name -> shoal.v1.Sandbox.MetadataEntry
-	25, // 9: shoal.v1.Sandbox.runtime:type_name -> shoal.v1.Sandbox.RuntimeEntry
+	32, // 6: shoal.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
+	32, // 7: shoal.v1.Sandbox.expires_at:type_name -> google.protobuf.Timestamp
+	29, // 8: shoal.v1.Sandbox.metadata:type_name -> shoal.v1.Sandbox.MetadataEntry
+	30, // 9: shoal.v1.Sandbox.runtime:type_name -> shoal.v1.Sandbox.RuntimeEntry
 	4,  // 10: shoal.v1.Sandbox.network:type_name -> shoal.v1.NetworkPolicy
-	5,  // 11: shoal.v1.ListSandboxesResponse.sandboxes:type_name -> shoal.v1.Sandbox
-	27, // 12: shoal.v1.FileInfo.modified_at:type_name -> google.protobuf.Timestamp
-	12, // 13: shoal.v1.ListDirResponse.entries:type_name -> shoal.v1.FileInfo
-	1,  // 14: shoal.v1.WatchDirEvent.op:type_name -> shoal.v1.WatchDirEvent.Op
-	3,  // 15: shoal.v1.SandboxService.CreateSandbox:input_type -> shoal.v1.CreateSandboxRequest
-	6,  // 16: shoal.v1.SandboxService.GetSandbox:input_type -> shoal.v1.GetSandboxRequest
-	7,  // 17: shoal.v1.SandboxService.ListSandboxes:input_type -> shoal.v1.ListSandboxesRequest
-	9,  // 18: shoal.v1.SandboxService.DeleteSandbox:input_type -> shoal.v1.DeleteSandboxRequest
-	11, // 19: shoal.v1.SandboxService.SetTimeout:input_type -> shoal.v1.SetTimeoutRequest
-	13, // 20: shoal.v1.SandboxService.StatFile:input_type -> shoal.v1.StatFileRequest
-	14, // 21: shoal.v1.SandboxService.ListDir:input_type -> shoal.v1.ListDirRequest
-	16, // 22: shoal.v1.SandboxService.MakeDir:input_type -> shoal.v1.MakeDirRequest
-	18, // 23: shoal.v1.SandboxService.RemoveFile:input_type -> shoal.v1.RemoveFileRequest
-	20, // 24: shoal.v1.SandboxService.WatchDir:input_type -> shoal.v1.WatchDirRequest
-	5,  // 25: shoal.v1.SandboxService.CreateSandbox:output_type -> shoal.v1.Sandbox
-	5,  // 26: shoal.v1.SandboxService.GetSandbox:output_type -> shoal.v1.Sandbox
-	8,  // 27: shoal.v1.SandboxService.ListSandboxes:output_type -> shoal.v1.ListSandboxesResponse
-	10, // 28: shoal.v1.SandboxService.DeleteSandbox:output_type -> shoal.v1.DeleteSandboxResponse
-	5,  // 29: shoal.v1.SandboxService.SetTimeout:output_type -> shoal.v1.Sandbox
-	12, // 30: shoal.v1.SandboxService.StatFile:output_type -> shoal.v1.FileInfo
-	15, // 31: shoal.v1.SandboxService.ListDir:output_type -> shoal.v1.ListDirResponse
-	17, // 32: shoal.v1.SandboxService.MakeDir:output_type -> shoal.v1.MakeDirResponse
-	19, // 33: shoal.v1.SandboxService.RemoveFile:output_type -> shoal.v1.RemoveFileResponse
-	21, // 34: shoal.v1.SandboxService.WatchDir:output_type -> shoal.v1.WatchDirEvent
-	25, // [25:35] is the sub-list for method output_type
-	15, // [15:25] is the sub-list for method input_type
-	15, // [15:15] is the sub-list for extension type_name
-	15, // [15:15] is the sub-list for extension extendee
-	0,  // [0:15] is the sub-list for field type_name
+	6,  // 11: shoal.v1.Sandbox.pause:type_name -> shoal.v1.PauseInfo
+	32, // 12: shoal.v1.PauseInfo.paused_at:type_name -> google.protobuf.Timestamp
+	32, // 13: shoal.v1.PauseInfo.resumed_at:type_name -> google.protobuf.Timestamp
+	5,  // 14: shoal.v1.PauseSandboxResponse.sandbox:type_name -> shoal.v1.Sandbox
+	5,  // 15: shoal.v1.ResumeSandboxResponse.sandbox:type_name -> shoal.v1.Sandbox
+	5,  // 16: shoal.v1.ListSandboxesResponse.sandboxes:type_name -> shoal.v1.Sandbox
+	32, // 17: shoal.v1.FileInfo.modified_at:type_name -> google.protobuf.Timestamp
+	17, // 18: shoal.v1.ListDirResponse.entries:type_name -> shoal.v1.FileInfo
+	1,  // 19: shoal.v1.WatchDirEvent.op:type_name -> shoal.v1.WatchDirEvent.Op
+	3,  // 20: shoal.v1.SandboxService.CreateSandbox:input_type -> shoal.v1.CreateSandboxRequest
+	11, // 21: shoal.v1.SandboxService.GetSandbox:input_type -> shoal.v1.GetSandboxRequest
+	12, // 22: shoal.v1.SandboxService.ListSandboxes:input_type -> shoal.v1.ListSandboxesRequest
+	14, // 23: shoal.v1.SandboxService.DeleteSandbox:input_type -> shoal.v1.DeleteSandboxRequest
+	16, // 24: shoal.v1.SandboxService.SetTimeout:input_type -> shoal.v1.SetTimeoutRequest
+	7,  // 25: shoal.v1.SandboxService.PauseSandbox:input_type -> shoal.v1.PauseSandboxRequest
+	9,  // 26: shoal.v1.SandboxService.ResumeSandbox:input_type -> shoal.v1.ResumeSandboxRequest
+	18, // 27: shoal.v1.SandboxService.StatFile:input_type -> shoal.v1.StatFileRequest
+	19, // 28: shoal.v1.SandboxService.ListDir:input_type -> shoal.v1.ListDirRequest
+	21, // 29: shoal.v1.SandboxService.MakeDir:input_type -> shoal.v1.MakeDirRequest
+	23, // 30: shoal.v1.SandboxService.RemoveFile:input_type -> shoal.v1.RemoveFileRequest
+	25, // 31: shoal.v1.SandboxService.WatchDir:input_type -> shoal.v1.WatchDirRequest
+	5,  // 32: shoal.v1.SandboxService.CreateSandbox:output_type -> shoal.v1.Sandbox
+	5,  // 33: shoal.v1.SandboxService.GetSandbox:output_type -> shoal.v1.Sandbox
+	13, // 34: shoal.v1.SandboxService.ListSandboxes:output_type -> shoal.v1.ListSandboxesResponse
+	15, // 35: shoal.v1.SandboxService.DeleteSandbox:output_type -> shoal.v1.DeleteSandboxResponse
+	5,  // 36: shoal.v1.SandboxService.SetTimeout:output_type -> shoal.v1.Sandbox
+	8,  // 37: shoal.v1.SandboxService.PauseSandbox:output_type -> shoal.v1.PauseSandboxResponse
+	10, // 38: shoal.v1.SandboxService.ResumeSandbox:output_type -> shoal.v1.ResumeSandboxResponse
+	17, // 39: shoal.v1.SandboxService.StatFile:output_type -> shoal.v1.FileInfo
+	20, // 40: shoal.v1.SandboxService.ListDir:output_type -> shoal.v1.ListDirResponse
+	22, // 41: shoal.v1.SandboxService.MakeDir:output_type -> shoal.v1.MakeDirResponse
+	24, // 42: shoal.v1.SandboxService.RemoveFile:output_type -> shoal.v1.RemoveFileResponse
+	26, // 43: shoal.v1.SandboxService.WatchDir:output_type -> shoal.v1.WatchDirEvent
+	32, // [32:44] is the sub-list for method output_type
+	20, // [20:32] is the sub-list for method input_type
+	20, // [20:20] is the sub-list for extension type_name
+	20, // [20:20] is the sub-list for extension extendee
+	0,  // [0:20] is the sub-list for field type_name
 }
 
 func init() { file_shoal_v1_sandbox_proto_init() }
@@ -1693,13 +2081,14 @@ func file_shoal_v1_sandbox_proto_init() {
 		return
 	}
 	file_shoal_v1_layer_proto_init()
+	file_shoal_v1_sandbox_proto_msgTypes[1].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_shoal_v1_sandbox_proto_rawDesc), len(file_shoal_v1_sandbox_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   24,
+			NumMessages:   29,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

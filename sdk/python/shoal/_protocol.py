@@ -276,6 +276,7 @@ def create_body(
     allow_internet_access: bool = False,
     allow_out: Optional[Sequence[str]] = None,
     deny_out: Optional[Sequence[str]] = None,
+    auto_pause: Union[int, float, timedelta, None] = None,
 ) -> Dict[str, Any]:
     if qos is not None:
         raise NotSupported("qos is not part of Shoal's API yet (CreateSandboxRequest has no qos field)")
@@ -322,6 +323,11 @@ def create_body(
         if deny_out:
             net["denyOut"] = [str(x) for x in deny_out]
         body["network"] = net
+    if auto_pause is not None:
+        a = seconds(auto_pause, "auto_pause")
+        if a and a < 1:
+            raise InvalidArgument("auto_pause must be 0 (never) or at least 1 second")
+        body["autoPauseSeconds"] = str(int(a))
     return body
 
 

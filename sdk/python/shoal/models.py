@@ -103,6 +103,8 @@ class SandboxInfo:
     template: str = ""
     client_key: str = ""
     disk_bytes: int = 0  # size of the writable layer; 0: not limited
+    auto_pause: int = 0  # seconds idle before it is paused; 0 = never
+    pause: Optional["PauseInfo"] = None  # the last pause, if any
     raw: Dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -151,7 +153,40 @@ class SandboxInfo:
             error=d.get("error", ""),
             template=d.get("template", ""),
             client_key=d.get("clientKey", ""),
+            auto_pause=_int(d.get("autoPauseSeconds")),
+            pause=PauseInfo.from_json(d["pause"]) if d.get("pause") else None,
             raw=dict(d),
+        )
+
+
+@dataclass
+class PauseInfo:
+    """What a sandbox's last pause did (memory in bytes, -1 if unknown)."""
+
+    paused_at: Optional[datetime]
+    auto: bool  # by the idle policy (auto-pause)
+    memory_before: int
+    memory_after: int
+    swapped_out: int
+    method: str  # how memory was reclaimed, and any error
+    freeze_seconds: float
+    reclaim_seconds: float
+    resumed_at: Optional[datetime]  # None while paused
+    resume_seconds: float
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "PauseInfo":
+        return cls(
+            paused_at=_time(d.get("pausedAt")),
+            auto=bool(d.get("auto", False)),
+            memory_before=_int(d.get("memoryBeforeBytes")),
+            memory_after=_int(d.get("memoryAfterBytes")),
+            swapped_out=_int(d.get("swappedOutBytes")),
+            method=d.get("method", ""),
+            freeze_seconds=float(d.get("freezeSeconds", 0) or 0),
+            reclaim_seconds=float(d.get("reclaimSeconds", 0) or 0),
+            resumed_at=_time(d.get("resumedAt")),
+            resume_seconds=float(d.get("resumeSeconds", 0) or 0),
         )
 
 

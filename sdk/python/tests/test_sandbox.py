@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -85,18 +86,63 @@ def test_idle_timeout_deletes_the_sandbox(server) -> None:
         sb.get_info()
 
 
-def test_pause_resume_or_not_supported(server, sb) -> None:
-    """Pause is not in the server yet: the SDK says so clearly. When it lands,
-    this checks that a paused sandbox resumes with its files."""
+def test_pause_resume(server, container_sb) -> None:
+    """A paused sandbox is paused (not running), keeps its files and its
+    processes, and resumes by resume() or by the next call."""
+    sb = container_sb
     sb.files.write("/work/keep.txt", "kept")
-    try:
-        info = sb.pause()
-    except shoal.NotSupported as e:
-        assert "PauseSandbox" in str(e) and e.code == "unimplemented"
-        return
+    h = sb.commands.run("i=0; while :; do i=$((i+1)); echo $i > /work/n; sleep 0.05; done", background=True)
+    info = sb.pause()
     assert info.state == "paused"
-    assert sb.resume().state == "running"
+    assert info.pause is not None and info.pause.memory_before > 0 and info.pause.resumed_at is None
+    assert not sb.is_running()
+    assert sb.pause().state == "paused"  # a second pause changes nothing
+    info = sb.resume()
+    assert info.state == "running" and info.pause.resumed_at is not None
     assert sb.files.read("/work/keep.txt") == "kept"
+    # The loop that ran before the pause runs on after it.
+    sb.pause()
+    before = sb.get_info()
+    assert before.state == "paused"
+    n1 = int(sb.files.read("/work/n") or 0)  # transparent resume
+    assert sb.get_info().state == "running"
+    deadline = time.monotonic() + 20
+    while int(sb.files.read("/work/n") or 0) <= n1:
+        assert time.monotonic() < deadline, "the loop started before the pause does not run after it"
+        time.sleep(0.05)
+    h.kill()
+
+
+def test_async_pause_resume(server) -> None:
+    async def main() -> None:
+        sb = await shoal.AsyncSandbox.create(base=server.base, timeout=600, auto_pause=0)
+        try:
+            assert (await sb.get_info()).auto_pause == 0
+            await sb.files.write("/work/a.txt", "a")
+            assert (await sb.pause()).state == "paused"
+            assert not await sb.is_running()
+            assert (await sb.resume()).state == "running"
+            assert await sb.files.read("/work/a.txt") == "a"
+        finally:
+            await sb.kill()
+
+    asyncio.run(main())
+
+
+def test_auto_pause(server) -> None:
+    """auto_pause=1: idle for a second, the sandbox is paused; a call resumes it."""
+    sb = Sandbox.create(base=server.base, timeout=600, auto_pause=1)
+    try:
+        assert sb.get_info().auto_pause == 1
+        deadline = time.monotonic() + 30
+        while sb.get_info().state != "paused":
+            assert time.monotonic() < deadline, "not auto-paused after 30 s idle"
+            time.sleep(0.2)
+        assert sb.get_info().pause.auto
+        assert sb.commands.run("echo hi").stdout == "hi\n"
+        assert sb.get_info().state == "running"
+    finally:
+        sb.kill()
 
 
 def test_unknown_backend_is_refused_with_the_servers_reason(server) -> None:

@@ -61,6 +61,12 @@ const (
 	// SandboxServiceSetTimeoutProcedure is the fully-qualified name of the SandboxService's SetTimeout
 	// RPC.
 	SandboxServiceSetTimeoutProcedure = "/shoal.v1.SandboxService/SetTimeout"
+	// SandboxServicePauseSandboxProcedure is the fully-qualified name of the SandboxService's
+	// PauseSandbox RPC.
+	SandboxServicePauseSandboxProcedure = "/shoal.v1.SandboxService/PauseSandbox"
+	// SandboxServiceResumeSandboxProcedure is the fully-qualified name of the SandboxService's
+	// ResumeSandbox RPC.
+	SandboxServiceResumeSandboxProcedure = "/shoal.v1.SandboxService/ResumeSandbox"
 	// SandboxServiceStatFileProcedure is the fully-qualified name of the SandboxService's StatFile RPC.
 	SandboxServiceStatFileProcedure = "/shoal.v1.SandboxService/StatFile"
 	// SandboxServiceListDirProcedure is the fully-qualified name of the SandboxService's ListDir RPC.
@@ -82,6 +88,14 @@ type SandboxServiceClient interface {
 	DeleteSandbox(context.Context, *connect.Request[v1.DeleteSandboxRequest]) (*connect.Response[v1.DeleteSandboxResponse], error)
 	// SetTimeout sets the idle timeout and restarts its clock.
 	SetTimeout(context.Context, *connect.Request[v1.SetTimeoutRequest]) (*connect.Response[v1.Sandbox], error)
+	// PauseSandbox stops every process of the sandbox in place and reclaims
+	// its memory (into swap where the node has some); it is resumed by
+	// ResumeSandbox or, transparently, by the next request that needs it
+	// (exec, files, ports, ...). Pausing a paused sandbox changes nothing.
+	PauseSandbox(context.Context, *connect.Request[v1.PauseSandboxRequest]) (*connect.Response[v1.PauseSandboxResponse], error)
+	// ResumeSandbox lets a paused sandbox run again; a running one is left
+	// as it is.
+	ResumeSandbox(context.Context, *connect.Request[v1.ResumeSandboxRequest]) (*connect.Response[v1.ResumeSandboxResponse], error)
 	StatFile(context.Context, *connect.Request[v1.StatFileRequest]) (*connect.Response[v1.FileInfo], error)
 	ListDir(context.Context, *connect.Request[v1.ListDirRequest]) (*connect.Response[v1.ListDirResponse], error)
 	MakeDir(context.Context, *connect.Request[v1.MakeDirRequest]) (*connect.Response[v1.MakeDirResponse], error)
@@ -132,6 +146,18 @@ func NewSandboxServiceClient(httpClient connect.HTTPClient, baseURL string, opts
 			connect.WithSchema(sandboxServiceMethods.ByName("SetTimeout")),
 			connect.WithClientOptions(opts...),
 		),
+		pauseSandbox: connect.NewClient[v1.PauseSandboxRequest, v1.PauseSandboxResponse](
+			httpClient,
+			baseURL+SandboxServicePauseSandboxProcedure,
+			connect.WithSchema(sandboxServiceMethods.ByName("PauseSandbox")),
+			connect.WithClientOptions(opts...),
+		),
+		resumeSandbox: connect.NewClient[v1.ResumeSandboxRequest, v1.ResumeSandboxResponse](
+			httpClient,
+			baseURL+SandboxServiceResumeSandboxProcedure,
+			connect.WithSchema(sandboxServiceMethods.ByName("ResumeSandbox")),
+			connect.WithClientOptions(opts...),
+		),
 		statFile: connect.NewClient[v1.StatFileRequest, v1.FileInfo](
 			httpClient,
 			baseURL+SandboxServiceStatFileProcedure,
@@ -172,6 +198,8 @@ type sandboxServiceClient struct {
 	listSandboxes *connect.Client[v1.ListSandboxesRequest, v1.ListSandboxesResponse]
 	deleteSandbox *connect.Client[v1.DeleteSandboxRequest, v1.DeleteSandboxResponse]
 	setTimeout    *connect.Client[v1.SetTimeoutRequest, v1.Sandbox]
+	pauseSandbox  *connect.Client[v1.PauseSandboxRequest, v1.PauseSandboxResponse]
+	resumeSandbox *connect.Client[v1.ResumeSandboxRequest, v1.ResumeSandboxResponse]
 	statFile      *connect.Client[v1.StatFileRequest, v1.FileInfo]
 	listDir       *connect.Client[v1.ListDirRequest, v1.ListDirResponse]
 	makeDir       *connect.Client[v1.MakeDirRequest, v1.MakeDirResponse]
@@ -202,6 +230,16 @@ func (c *sandboxServiceClient) DeleteSandbox(ctx context.Context, req *connect.R
 // SetTimeout calls shoal.v1.SandboxService.SetTimeout.
 func (c *sandboxServiceClient) SetTimeout(ctx context.Context, req *connect.Request[v1.SetTimeoutRequest]) (*connect.Response[v1.Sandbox], error) {
 	return c.setTimeout.CallUnary(ctx, req)
+}
+
+// PauseSandbox calls shoal.v1.SandboxService.PauseSandbox.
+func (c *sandboxServiceClient) PauseSandbox(ctx context.Context, req *connect.Request[v1.PauseSandboxRequest]) (*connect.Response[v1.PauseSandboxResponse], error) {
+	return c.pauseSandbox.CallUnary(ctx, req)
+}
+
+// ResumeSandbox calls shoal.v1.SandboxService.ResumeSandbox.
+func (c *sandboxServiceClient) ResumeSandbox(ctx context.Context, req *connect.Request[v1.ResumeSandboxRequest]) (*connect.Response[v1.ResumeSandboxResponse], error) {
+	return c.resumeSandbox.CallUnary(ctx, req)
 }
 
 // StatFile calls shoal.v1.SandboxService.StatFile.
@@ -237,6 +275,14 @@ type SandboxServiceHandler interface {
 	DeleteSandbox(context.Context, *connect.Request[v1.DeleteSandboxRequest]) (*connect.Response[v1.DeleteSandboxResponse], error)
 	// SetTimeout sets the idle timeout and restarts its clock.
 	SetTimeout(context.Context, *connect.Request[v1.SetTimeoutRequest]) (*connect.Response[v1.Sandbox], error)
+	// PauseSandbox stops every process of the sandbox in place and reclaims
+	// its memory (into swap where the node has some); it is resumed by
+	// ResumeSandbox or, transparently, by the next request that needs it
+	// (exec, files, ports, ...). Pausing a paused sandbox changes nothing.
+	PauseSandbox(context.Context, *connect.Request[v1.PauseSandboxRequest]) (*connect.Response[v1.PauseSandboxResponse], error)
+	// ResumeSandbox lets a paused sandbox run again; a running one is left
+	// as it is.
+	ResumeSandbox(context.Context, *connect.Request[v1.ResumeSandboxRequest]) (*connect.Response[v1.ResumeSandboxResponse], error)
 	StatFile(context.Context, *connect.Request[v1.StatFileRequest]) (*connect.Response[v1.FileInfo], error)
 	ListDir(context.Context, *connect.Request[v1.ListDirRequest]) (*connect.Response[v1.ListDirResponse], error)
 	MakeDir(context.Context, *connect.Request[v1.MakeDirRequest]) (*connect.Response[v1.MakeDirResponse], error)
@@ -283,6 +329,18 @@ func NewSandboxServiceHandler(svc SandboxServiceHandler, opts ...connect.Handler
 		connect.WithSchema(sandboxServiceMethods.ByName("SetTimeout")),
 		connect.WithHandlerOptions(opts...),
 	)
+	sandboxServicePauseSandboxHandler := connect.NewUnaryHandler(
+		SandboxServicePauseSandboxProcedure,
+		svc.PauseSandbox,
+		connect.WithSchema(sandboxServiceMethods.ByName("PauseSandbox")),
+		connect.WithHandlerOptions(opts...),
+	)
+	sandboxServiceResumeSandboxHandler := connect.NewUnaryHandler(
+		SandboxServiceResumeSandboxProcedure,
+		svc.ResumeSandbox,
+		connect.WithSchema(sandboxServiceMethods.ByName("ResumeSandbox")),
+		connect.WithHandlerOptions(opts...),
+	)
 	sandboxServiceStatFileHandler := connect.NewUnaryHandler(
 		SandboxServiceStatFileProcedure,
 		svc.StatFile,
@@ -325,6 +383,10 @@ func NewSandboxServiceHandler(svc SandboxServiceHandler, opts ...connect.Handler
 			sandboxServiceDeleteSandboxHandler.ServeHTTP(w, r)
 		case SandboxServiceSetTimeoutProcedure:
 			sandboxServiceSetTimeoutHandler.ServeHTTP(w, r)
+		case SandboxServicePauseSandboxProcedure:
+			sandboxServicePauseSandboxHandler.ServeHTTP(w, r)
+		case SandboxServiceResumeSandboxProcedure:
+			sandboxServiceResumeSandboxHandler.ServeHTTP(w, r)
 		case SandboxServiceStatFileProcedure:
 			sandboxServiceStatFileHandler.ServeHTTP(w, r)
 		case SandboxServiceListDirProcedure:
@@ -362,6 +424,14 @@ func (UnimplementedSandboxServiceHandler) DeleteSandbox(context.Context, *connec
 
 func (UnimplementedSandboxServiceHandler) SetTimeout(context.Context, *connect.Request[v1.SetTimeoutRequest]) (*connect.Response[v1.Sandbox], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("shoal.v1.SandboxService.SetTimeout is not implemented"))
+}
+
+func (UnimplementedSandboxServiceHandler) PauseSandbox(context.Context, *connect.Request[v1.PauseSandboxRequest]) (*connect.Response[v1.PauseSandboxResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("shoal.v1.SandboxService.PauseSandbox is not implemented"))
+}
+
+func (UnimplementedSandboxServiceHandler) ResumeSandbox(context.Context, *connect.Request[v1.ResumeSandboxRequest]) (*connect.Response[v1.ResumeSandboxResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("shoal.v1.SandboxService.ResumeSandbox is not implemented"))
 }
 
 func (UnimplementedSandboxServiceHandler) StatFile(context.Context, *connect.Request[v1.StatFileRequest]) (*connect.Response[v1.FileInfo], error) {

@@ -74,6 +74,7 @@ class AsyncSandbox:
         allow_internet_access: bool = False,
         allow_out: Optional[Sequence[str]] = None,
         deny_out: Optional[Sequence[str]] = None,
+        auto_pause: Union[int, float, timedelta, None] = None,
         api_key: Optional[str] = None,
         url: Optional[str] = None,
         request_timeout: Optional[float] = None,
@@ -98,6 +99,9 @@ class AsyncSandbox:
             such as ``"4G"`` (default: the server's, 1 GiB): a file system of
             its own, on which writes past it fail with ENOSPC.
         :param qos: reserved (``"ls"``/``"be"``); not in the API yet.
+        :param auto_pause: pause the sandbox (and reclaim its memory) after
+            this many seconds without a call or a running command; 0: never;
+            default: the server's ``--auto-pause``. Any call resumes it.
         :param client_key: idempotency key: repeating a create with the same
             key returns the same sandbox. One is generated per call when not
             given, which makes the create safe to retry after a lost
@@ -131,6 +135,7 @@ class AsyncSandbox:
             allow_internet_access=allow_internet_access,
             allow_out=allow_out,
             deny_out=deny_out,
+            auto_pause=auto_pause,
         )
         r = await t.call("SandboxService", "CreateSandbox", body, idempotent=True, request_timeout=request_timeout)
         return cls(SandboxInfo.from_json(r), t)
@@ -241,17 +246,18 @@ class AsyncSandbox:
             return False
 
     async def pause(self, request_timeout: Optional[float] = None) -> SandboxInfo:
-        """Freeze the sandbox and let the node reclaim its memory; any later
-        call (or :meth:`resume`) wakes it. Raises NotSupported on servers
-        without pause."""
+        """Pause the sandbox: its processes stop where they are and the node
+        reclaims its memory (``info.pause`` says how much). Any later call
+        that needs it (commands, files, ports) resumes it, or :meth:`resume`
+        does. Pausing a paused sandbox changes nothing."""
         r = await self._call("PauseSandbox", {"id": self.sandbox_id}, request_timeout)
-        self._info = SandboxInfo.from_json(r) if r.get("id") else self._info
+        self._info = SandboxInfo.from_json(r.get("sandbox") or {}) if (r.get("sandbox") or {}).get("id") else self._info
         return self._info
 
     async def resume(self, request_timeout: Optional[float] = None) -> SandboxInfo:
-        """Wake a paused sandbox. Raises NotSupported on servers without pause."""
+        """Resume a paused sandbox (a running one is left as it is)."""
         r = await self._call("ResumeSandbox", {"id": self.sandbox_id}, request_timeout)
-        self._info = SandboxInfo.from_json(r) if r.get("id") else self._info
+        self._info = SandboxInfo.from_json(r.get("sandbox") or {}) if (r.get("sandbox") or {}).get("id") else self._info
         return self._info
 
     async def _call(self, method: str, body: Dict[str, Any], request_timeout: Optional[float]) -> Dict[str, Any]:

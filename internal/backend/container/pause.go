@@ -1,0 +1,331 @@
+package container
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/shoal-sandbox/shoal/internal/sandbox"
+)
+
+var _ sandbox.Pauser = (*Backend)(nil)
+
+// Pause freezes the sandbox's cgroup (see Freeze) and then reclaims its
+// memory while it is frozen: with cgroup v2's memory.reclaim where the
+// sandbox has a v2 memory controller, else (cgroup v1) by
+// process_madvise(MADV_PAGEOUT) over the private mappings of each of its
+// processes, which the kernel pages out to swap (anonymous pages) or drops
+// (clean file pages) as far as it can: pages shared with other processes,
+// such as the guest agent's binary, stay. Without swap only file pages
+// go. A reclaim that fails is logged and reported in the stats; the
+// sandbox stays paused.
+func (b *Backend) Pause(ctx context.Context, h sandbox.Handle) (sandbox.PauseStats, error) {
+	st := sandbox.PauseStats{MemoryBefore: -1, MemoryAfter: -1}
+	id, err := b.runcID(h)
+	if err != nil {
+		return st, err
+	}
+	mem := b.memoryCgroup(id)
+	st.MemoryBefore = mem.usage()
+	t := time.Now()
+	if err := b.Freeze(ctx, h); err != nil {
+		return st, err
+	}
+	st.FreezeTook = time.Since(t)
+	t = time.Now()
+	method, err := b.reclaim(ctx, id, mem)
+	st.ReclaimTook = time.Since(t)
+	st.Method = method
+	if err != nil {
+		st.Method = method + ": " + err.Error()
+		b.log.Warn("reclaim the memory of a paused sandbox", "sandbox_id", h.ID, "err", err)
+	}
+	st.MemoryAfter = mem.usage()
+	st.SwappedOut = mem.swap()
+	return st, nil
+}
+
+// Resume thaws the sandbox; with Config.ResumePrefetch, it first asks the
+// kernel to read its swapped-out pages back (MADV_WILLNEED). The handle
+// does not change.
+func (b *Backend) Resume(ctx context.Context, h sandbox.Handle) (sandbox.Handle, error) {
+	id, err := b.runcID(h)
+	if err != nil {
+		return h, err
+	}
+	if b.prefetch {
+		if _, err := b.adviseCgroup(ctx, id, madvWillneed); err != nil {
+			b.log.Warn("prefetch the memory of a paused sandbox", "sandbox_id", h.ID, "err", err)
+		}
+	}
+	if err := b.Thaw(ctx, h); err != nil {
+		return h, err
+	}
+	if mem := b.memoryCgroup(id); mem.v2 {
+		// Swap was opened for the pause only (reclaim); what is swapped
+		// out stays until touched, nothing more goes.
+		writeIfExists(filepath.Join(mem.dir, "memory.swap.max"), "0")
+	}
+	return h, nil
+}
+
+// memCgroup is a sandbox's memory cgroup directory ("" if none).
+type memCgroup struct {
+	dir string
+	v2  bool
+}
+
+func (b *Backend) memoryCgroup(runcID string) memCgroup {
+	mounts, err := b.cgroupMounts()
+	if err != nil {
+		return memCgroup{}
+	}
+	for _, m := range mounts {
+		dir := filepath.Join(m.dir, b.cgroupParent, runcID)
+		if !m.v2 && slices.Contains(m.options, "memory") {
+			return memCgroup{dir: dir}
+		}
+		if m.v2 && exists(filepath.Join(dir, "memory.current")) {
+			return memCgroup{dir: dir, v2: true}
+		}
+	}
+	return memCgroup{}
+}
+
+func readInt(path string) int64 {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return -1
+	}
+	n, err := strconv.ParseInt(strings.TrimSpace(string(data)), 10, 64)
+	if err != nil {
+		return -1
+	}
+	return n
+}
+
+// usage is the cgroup's charged memory (page cache included), -1 if unknown.
+func (c memCgroup) usage() int64 {
+	switch {
+	case c.dir == "":
+		return -1
+	case c.v2:
+		return readInt(filepath.Join(c.dir, "memory.current"))
+	}
+	return readInt(filepath.Join(c.dir, "memory.usage_in_bytes"))
+}
+
+// swap is the cgroup's swapped-out memory, -1 if unknown.
+func (c memCgroup) swap() int64 {
+	switch {
+	case c.dir == "":
+		return -1
+	case c.v2:
+		return readInt(filepath.Join(c.dir, "memory.swap.current"))
+	}
+	sw := readInt(filepath.Join(c.dir, "memory.memsw.usage_in_bytes"))
+	if sw < 0 {
+		return -1
+	}
+	return sw - c.usage()
+}
+
+// reclaim reclaims the memory of the frozen sandbox runcID.
+func (b *Backend) reclaim(ctx context.Context, runcID string, mem memCgroup) (method string, err error) {
+	if mem.v2 && exists(filepath.Join(mem.dir, "memory.reclaim")) {
+		// The sandbox has no swap (memory.swap.max 0, see setLimits):
+		// open it up to its memory limit for the pause, so that anonymous
+		// pages can go too; Resume closes it again.
+		if max, err := os.ReadFile(filepath.Join(mem.dir, "memory.max")); err == nil {
+			writeIfExists(filepath.Join(mem.dir, "memory.swap.max"), strings.TrimSpace(string(max)))
+		}
+		u := mem.usage()
+		if u <= 0 {
+			return "memory.reclaim", nil
+		}
+		// The kernel gives up with EAGAIN when it reclaimed less than
+		// asked: that is the end, not an error.
+		if err := writeCgroup(filepath.Join(mem.dir, "memory.reclaim"), strconv.FormatInt(u, 10)); err != nil && !errors.Is(err, syscall.EAGAIN) {
+			return "memory.reclaim", err
+		}
+		return "memory.reclaim", nil
+	}
+	_, err = b.adviseCgroup(ctx, runcID, madvPageout)
+	return "process_madvise", err
+}
+
+const (
+	madvWillneed = unix.MADV_WILLNEED // 3
+	madvPageout  = 21                 // MADV_PAGEOUT (Linux 5.4)
+	// iovMax is the kernel's UIO_MAXIOV: iovecs per process_madvise.
+	iovMax = 1024
+	// adviseChunk bounds the bytes of one process_madvise (the kernel
+	// caps a call at MAX_RW_COUNT, just under 2 GiB).
+	adviseChunk = 1 << 30
+)
+
+// cgroupPids lists the processes (thread group leaders) of the sandbox.
+func (b *Backend) cgroupPids(runcID string) ([]int, error) {
+	dirs, err := b.cgroupDirs(runcID)
+	if err != nil {
+		return nil, err
+	}
+	for _, dir := range dirs {
+		data, err := os.ReadFile(filepath.Join(dir, "cgroup.procs"))
+		if err != nil {
+			continue
+		}
+		var pids []int
+		for _, f := range strings.Fields(string(data)) {
+			if pid, err := strconv.Atoi(f); err == nil {
+				pids = append(pids, pid)
+			}
+		}
+		return pids, nil
+	}
+	return nil, fmt.Errorf("no cgroup.procs for container %s: %w", runcID, sandbox.ErrNotFound)
+}
+
+// adviseCgroup gives advice (MADV_PAGEOUT, MADV_WILLNEED) on the private
+// mappings of every process of the sandbox, through pidfds (a pid reused
+// meanwhile is not advised: the pidfd of the process read from the
+// cgroup is checked to still be in it). It returns the bytes advised.
+func (b *Backend) adviseCgroup(ctx context.Context, runcID string, advice int) (int64, error) {
+	pids, err := b.cgroupPids(runcID)
+	if err != nil {
+		return 0, err
+	}
+	var total int64
+	var errs []error
+	for _, pid := range pids {
+		if ctx.Err() != nil {
+			return total, ctx.Err()
+		}
+		n, err := adviseProcess(pid, advice)
+		total += n
+		if err != nil && !errors.Is(err, unix.ESRCH) {
+			errs = append(errs, fmt.Errorf("pid %d: %w", pid, err))
+		}
+	}
+	return total, errors.Join(errs...)
+}
+
+// adviseProcess gives advice on every private mapping of pid.
+func adviseProcess(pid, advice int) (int64, error) {
+	pidfd, err := unix.PidfdOpen(pid, 0)
+	if err != nil {
+		return 0, fmt.Errorf("pidfd_open: %w", err)
+	}
+	defer unix.Close(pidfd)
+	// Read the maps after the pidfd is open: if the pid was reused before
+	// the open, the maps are another process's (of the same frozen
+	// sandbox, since the freezer stops forks); the advice is harmless.
+	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/maps", pid))
+	if err != nil {
+		return 0, err
+	}
+	ranges := privateMappings(data)
+	var done int64
+	for len(ranges) > 0 {
+		batch, size := ranges, int64(0)
+		for i, r := range ranges {
+			if i == iovMax || size+int64(r.Len) > adviseChunk && i > 0 {
+				batch = ranges[:i]
+				break
+			}
+			size += int64(r.Len)
+		}
+		n, err := processMadvise(pidfd, batch, advice)
+		done += n
+		if err != nil && n == 0 {
+			if errors.Is(err, unix.ESRCH) {
+				return done, err
+			}
+			// EINVAL/ENOMEM on the first range (locked, special, or
+			// unmapped since): skip it and go on.
+			ranges = ranges[1:]
+			continue
+		}
+		// Skip what was advised, and the range the kernel stopped at
+		// when it stopped early.
+		ranges = skipAdvised(ranges, n, len(batch))
+	}
+	return done, nil
+}
+
+// skipAdvised drops the first n bytes' worth of ranges (of a batch of k
+// ranges); a partly advised range is dropped too.
+func skipAdvised(ranges []iovec, n int64, k int) []iovec {
+	i := 0
+	for i < k && n >= int64(ranges[i].Len) {
+		n -= int64(ranges[i].Len)
+		i++
+	}
+	if i < k {
+		i++ // the kernel stopped inside (or at) this one: skip it
+	}
+	return ranges[i:]
+}
+
+// iovec is struct iovec with the base as a number: an address in another
+// process, never dereferenced here.
+type iovec struct {
+	Base uintptr
+	Len  uint64
+}
+
+func processMadvise(pidfd int, iov []iovec, advice int) (int64, error) {
+	if len(iov) == 0 {
+		return 0, nil
+	}
+	n, _, errno := unix.Syscall6(unix.SYS_PROCESS_MADVISE, uintptr(pidfd), uintptr(unsafe.Pointer(&iov[0])), uintptr(len(iov)), uintptr(advice), 0, 0)
+	if errno != 0 {
+		return 0, errno
+	}
+	return int64(n), nil
+}
+
+// privateMappings parses /proc/PID/maps into iovecs over its private
+// mappings (anonymous or not), leaving out the kernel's special ones.
+func privateMappings(maps []byte) []iovec {
+	var out []iovec
+	sc := bufio.NewScanner(bytes.NewReader(maps))
+	sc.Buffer(make([]byte, 64<<10), 1<<20)
+	for sc.Scan() {
+		// 7f0c1c000000-7f0c1c021000 rw-p 00000000 00:00 0     [heap]
+		f := strings.Fields(sc.Text())
+		if len(f) < 5 || len(f[1]) != 4 || f[1][3] != 'p' {
+			continue
+		}
+		if len(f) >= 6 && (f[5] == "[vvar]" || f[5] == "[vdso]" || f[5] == "[vsyscall]" || f[5] == "[vvar_vclock]") {
+			continue
+		}
+		lo, hi, ok := strings.Cut(f[0], "-")
+		if !ok {
+			continue
+		}
+		start, err1 := strconv.ParseUint(lo, 16, 64)
+		end, err2 := strconv.ParseUint(hi, 16, 64)
+		if err1 != nil || err2 != nil || end <= start {
+			continue
+		}
+		for start < end {
+			n := min(end-start, adviseChunk)
+			out = append(out, iovec{Base: uintptr(start), Len: n})
+			start += n
+		}
+	}
+	return out
+}
