@@ -49,10 +49,18 @@ func TestDataDiskFull(t *testing.T) {
 	addr := ln.Addr().String()
 	ln.Close()
 	url := "http://" + addr
-	var slog bytes.Buffer
+	// serve's log, in a file (a buffer would be written by exec's copying
+	// goroutine while the test reads it).
+	logPath := filepath.Join(t.TempDir(), "serve.log")
+	logFile, err := os.Create(logPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer logFile.Close()
+	slog := func() string { b, _ := os.ReadFile(logPath); return string(b) }
 	serve := exec.Command(filepath.Join(binDir, "shoal"), "serve", "--data", data, "--listen", addr, "--e2b-listen=",
 		"--egress-subnet=", "--default-disk", "none", "--pool-size", "0")
-	serve.Stdout, serve.Stderr = &slog, &slog
+	serve.Stdout, serve.Stderr = logFile, logFile
 	if err := serve.Start(); err != nil {
 		t.Fatal(err)
 	}
@@ -70,7 +78,7 @@ func TestDataDiskFull(t *testing.T) {
 		serve.Process.Signal(syscall.SIGTERM)
 		serve.Wait()
 		if t.Failed() {
-			t.Logf("serve's log:\n%s", slog.String())
+			t.Logf("serve's log:\n%s", slog())
 		}
 	})
 	healthy := func() bool {
@@ -84,7 +92,7 @@ func TestDataDiskFull(t *testing.T) {
 	deadline := time.Now().Add(60 * time.Second)
 	for !healthy() {
 		if time.Now().After(deadline) {
-			t.Fatalf("serve did not start:\n%s", slog.String())
+			t.Fatalf("serve did not start:\n%s", slog())
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
@@ -204,7 +212,7 @@ func TestDataDiskFull(t *testing.T) {
 		t.Fatalf("the command's log has %d bytes, want %d (first difference at byte %d); exit %+v; attached again: %d bytes, %+v, %v",
 			len(got), want.Len(), firstDiff(got, want.String()), st, again.Len(), st2, err2)
 	}
-	if !strings.Contains(slog.String(), "the host's disk is full") {
+	if !strings.Contains(slog(), "the host's disk is full") {
 		t.Error("the disk never filled under the command's log (the test did not test it)")
 	}
 }
