@@ -874,7 +874,7 @@ func (m *Manager) Recover(ctx context.Context) error {
 			} else {
 				continue
 			}
-		case rec.State == StatePaused:
+		case rec.State == StatePaused, rec.State == StateRunning:
 			cctx, cancel := context.WithTimeout(ctx, recoverTimeout)
 			st, err := be.Recover(cctx, rec.Handle)
 			cancel()
@@ -884,30 +884,17 @@ func (m *Manager) Recover(ctx context.Context) error {
 			case st != sandbox.StatusRunning:
 				rec.State, rec.Error = StateError, "its runtime is "+string(st)
 			default:
-				// A node that died during a resume may have thawed it:
-				// paused in the store is paused (its memory stays where
-				// the pause put it).
+				// A running sandbox is frozen only during a commit: a node
+				// that died meanwhile left it so. A node that died during a
+				// resume may have thawed a paused one: paused in the store
+				// is paused (its memory stays where the pause put it).
 				if f, ok := be.(sandbox.Freezer); ok {
-					if err := f.Freeze(ctx, rec.Handle); err != nil {
-						log.Error("freeze paused sandbox", "err", err)
+					fix, what := f.Thaw, "thaw sandbox"
+					if rec.State == StatePaused {
+						fix, what = f.Freeze, "freeze paused sandbox"
 					}
-				}
-			}
-		case rec.State == StateRunning:
-			cctx, cancel := context.WithTimeout(ctx, recoverTimeout)
-			st, err := be.Recover(cctx, rec.Handle)
-			cancel()
-			switch {
-			case err != nil:
-				rec.State, rec.Error = StateError, "recover: "+err.Error()
-			case st != sandbox.StatusRunning:
-				rec.State, rec.Error = StateError, "its runtime is "+string(st)
-			default:
-				// Frozen only during a commit: a node that died meanwhile
-				// left it so.
-				if f, ok := be.(sandbox.Freezer); ok {
-					if err := f.Thaw(ctx, rec.Handle); err != nil {
-						log.Error("thaw sandbox", "err", err)
+					if err := fix(ctx, rec.Handle); err != nil {
+						log.Error(what, "err", err)
 					}
 				}
 			}
