@@ -61,9 +61,12 @@ type serveConfig struct {
 	// Per-sandbox limits and the node's budgets (node.Config); the strings
 	// are sizes or counts as given, parsed by Validate.
 	DefaultDisk, MaxDisk, DiskBudget, PidsBudget string
-	PidsLimit                                    int64
-	Nofile                                       uint64
-	E2B                                          e2bConfig
+	// Capacity: node.Capacity's ratios, and --min-available as given.
+	MemoryOvercommit, CPUOvercommit float64
+	MinAvailable                    string
+	PidsLimit                       int64
+	Nofile                          uint64
+	E2B                             e2bConfig
 	// BuildRoots: the directories builds from a server path may read
 	// (none: clients upload every source).
 	BuildRoots []string
@@ -213,6 +216,25 @@ func (c *serveConfig) pidsMax() (int64, error) {
 func (c *serveConfig) nodeConfig() (node.Config, error) {
 	nc := node.Config{DataDir: c.DataDir, AgentBinary: c.Agent, CommitMaxBytes: c.CommitMaxBytes, PidsLimit: c.PidsLimit,
 		AutoPause: c.AutoPause, PausedTimeout: c.PausedTimeout}
+	if c.MemoryOvercommit < 0 || c.CPUOvercommit < 0 {
+		return nc, fmt.Errorf("--memory-overcommit and --cpu-overcommit must not be negative")
+	}
+	nc.Capacity = node.Capacity{MemoryOvercommit: c.MemoryOvercommit, CPUOvercommit: c.CPUOvercommit}
+	switch c.MinAvailable {
+	case "none", "0":
+	case "auto", "":
+		// 5% of the host's memory, at least 512 MiB.
+		nc.Capacity.MinAvailable = 512 << 20
+		if total, _, _, err := node.HostCapacity(); err == nil {
+			nc.Capacity.MinAvailable = max(nc.Capacity.MinAvailable, total/20)
+		}
+	default:
+		n, err := parseBytes(c.MinAvailable)
+		if err != nil || n < 0 {
+			return nc, fmt.Errorf("--min-available %q: want auto, none or a size such as 2G", c.MinAvailable)
+		}
+		nc.Capacity.MinAvailable = n
+	}
 	if c.PidsLimit < 1 || c.PidsLimit > 1<<22 {
 		return nc, fmt.Errorf("--pids-limit %d: want 1 to %d", c.PidsLimit, 1<<22)
 	}
@@ -295,6 +317,9 @@ func serveCmd() *cobra.Command {
 	cmd.Flags().StringVar(&cfg.MaxDisk, "max-disk", "1T", "largest disk a create may ask for")
 	cmd.Flags().StringVar(&cfg.DiskBudget, "disk-budget", "auto", "the sum of the sandboxes' disk sizes this node admits; \"auto\": 4 x the data dir's free space less a reserve (a tenth of the file system, at least 1 GiB); a size (e.g. the free space) to guarantee it; \"none\"")
 	cmd.Flags().Int64Var(&cfg.PidsLimit, "pids-limit", container.DefaultPids, "tasks (processes and threads) per sandbox")
+	cmd.Flags().Float64Var(&cfg.MemoryOvercommit, "memory-overcommit", 0, "admit sandboxes whose memory limits add up to this many times the host's memory (paused ones count nothing); 0: no bound (--min-available guards the real memory)")
+	cmd.Flags().Float64Var(&cfg.CPUOvercommit, "cpu-overcommit", 0, "admit sandboxes whose CPU limits add up to this many times the host's CPUs (paused ones count nothing); 0: no bound")
+	cmd.Flags().StringVar(&cfg.MinAvailable, "min-available", "auto", "refuse creates (unavailable: node full) while the host's MemAvailable is below this; \"auto\": 5% of its memory, at least 512 MiB; \"none\"")
 	cmd.Flags().StringVar(&cfg.PidsBudget, "pids-budget", "auto", "how many tasks all sandboxes together may run (pids.max of their parent cgroup; each sandbox also has --pids-limit); \"auto\": 3/4 of the smaller of kernel.pid_max and kernel.threads-max; a number; \"none\"")
 	cmd.Flags().Uint64Var(&cfg.Nofile, "sandbox-nofile", container.DefaultNofile, "RLIMIT_NOFILE (open files per process) in sandboxes")
 	cmd.Flags().StringVar(&cfg.UserNS, "userns", container.UserNSAuto, "run each sandbox in a user namespace of its own mapped to an unprivileged host range: auto (when the kernel supports idmapped layers), on (fail to start otherwise) or off (sandbox root is host root)")

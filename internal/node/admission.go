@@ -27,6 +27,7 @@ import (
 	"log/slog"
 	"math"
 	"os"
+	"runtime"
 	"strconv"
 	"strings"
 	"time"
@@ -81,10 +82,14 @@ func (m *Manager) admit(id, t string, r sandbox.Resources) error {
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	var disk int64
+	var disk, mem, cpu int64
 	var mine struct{ n, mem, cpu int64 }
-	count := func(owner string, res sandbox.Resources) {
+	count := func(owner string, res sandbox.Resources, paused bool) {
 		disk = satAdd(disk, res.DiskBytes)
+		if !paused { // a paused sandbox's memory is reclaimed, its CPU idle
+			mem = satAdd(mem, res.MemoryBytes)
+			cpu = satAdd(cpu, res.MilliCPU)
+		}
 		if owner == t {
 			mine.n++
 			mine.mem = satAdd(mine.mem, res.MemoryBytes)
@@ -92,10 +97,13 @@ func (m *Manager) admit(id, t string, r sandbox.Resources) error {
 		}
 	}
 	for _, e := range m.sandboxes {
-		count(e.rec.Tenant, e.rec.Resources)
+		count(e.rec.Tenant, e.rec.Resources, e.rec.State == StatePaused)
 	}
 	for _, a := range m.admitting {
-		count(a.tenant, a.res)
+		count(a.tenant, a.res, false)
+	}
+	if err := m.cfg.Capacity.check(mem, cpu, r); err != nil {
+		return err
 	}
 	if b := m.cfg.DiskBudget; b > 0 && satAdd(disk, r.DiskBytes) > b {
 		return errdefs.New(errdefs.ErrResourceExhausted,
@@ -128,6 +136,87 @@ func (m *Manager) admit(id, t string, r sandbox.Resources) error {
 	}
 	m.admitting[id] = admission{tenant: t, res: r}
 	return nil
+}
+
+// Capacity is what a node admits beyond the sandboxes' own limits: their
+// memory and CPU limits may add up to a multiple of the host's (sandboxes
+// idle most of the time: DSec's use under 5% of their CPU), while the
+// host's real available memory stays above a floor. A create past either
+// is refused with unavailable ("node full"), which says: this node, not
+// the request, is the problem; retry later or elsewhere (the cluster
+// places it on another node). Paused sandboxes count neither memory nor
+// CPU (their memory is reclaimed).
+type Capacity struct {
+	MemoryOvercommit float64 // memory limits may add up to this × MemTotal; 0: no bound
+	CPUOvercommit    float64 // CPU limits may add up to this × the host's CPUs; 0: no bound
+	MinAvailable     int64   // refuse while MemAvailable is below this; 0: no floor
+
+	// Host: MemTotal and MemAvailable (bytes) and CPUs; /proc/meminfo and
+	// runtime.NumCPU when nil (tests set it).
+	Host func() (total, available int64, cpus int, err error)
+}
+
+// check refuses a create of r onto sandboxes whose limits add up to mem
+// and cpu.
+func (c Capacity) check(mem, cpu int64, r sandbox.Resources) error {
+	if c.MemoryOvercommit <= 0 && c.CPUOvercommit <= 0 && c.MinAvailable <= 0 {
+		return nil
+	}
+	host := c.Host
+	if host == nil {
+		host = HostCapacity
+	}
+	total, avail, cpus, err := host()
+	if err != nil {
+		return nil // cannot tell: admit
+	}
+	full := func(format string, args ...any) error {
+		return errdefs.New(errdefs.ErrUnavailable, "node full: "+format+": retry later or on another node", args...)
+	}
+	if c.MinAvailable > 0 && avail < c.MinAvailable {
+		return full("the host has %d MiB of memory available, below the floor of %d MiB (serve --min-available)", avail>>20, c.MinAvailable>>20)
+	}
+	if c.MemoryOvercommit > 0 {
+		limit := int64(c.MemoryOvercommit * float64(total))
+		if satAdd(mem, r.MemoryBytes) > limit {
+			return full("its running sandboxes' memory limits add up to %d MiB, and this one asks %d MiB, past %g × the host's %d MiB (serve --memory-overcommit)",
+				mem>>20, r.MemoryBytes>>20, c.MemoryOvercommit, total>>20)
+		}
+	}
+	if c.CPUOvercommit > 0 {
+		limit := int64(c.CPUOvercommit * float64(cpus) * 1000)
+		if satAdd(cpu, r.MilliCPU) > limit {
+			return full("its running sandboxes' CPU limits add up to %.1f CPUs, and this one asks %.1f, past %g × the host's %d (serve --cpu-overcommit)",
+				float64(cpu)/1000, float64(r.MilliCPU)/1000, c.CPUOvercommit, cpus)
+		}
+	}
+	return nil
+}
+
+// HostCapacity reads MemTotal and MemAvailable from /proc/meminfo, and
+// the CPUs this process may use.
+func HostCapacity() (total, available int64, cpus int, err error) {
+	b, err := os.ReadFile("/proc/meminfo")
+	if err != nil {
+		return 0, 0, 0, err
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		f := strings.Fields(line)
+		if len(f) < 2 {
+			continue
+		}
+		n, _ := strconv.ParseInt(f[1], 10, 64)
+		switch f[0] {
+		case "MemTotal:":
+			total = n << 10
+		case "MemAvailable:":
+			available = n << 10
+		}
+	}
+	if total == 0 {
+		return 0, 0, 0, fmt.Errorf("no MemTotal in /proc/meminfo")
+	}
+	return total, available, runtime.NumCPU(), nil
 }
 
 // admitted forgets the admission of a create that failed.

@@ -151,3 +151,53 @@ func TestTenantQuota(t *testing.T) {
 		t.Fatalf("after raising the rate: %v", err)
 	}
 }
+
+// The node admits memory and CPU limits up to a multiple of the host's,
+// counts paused sandboxes as neither, keeps the host's available memory
+// above a floor, and refuses past them with unavailable ("node full"),
+// not resource_exhausted (a tenant's quota).
+func TestCapacity(t *testing.T) {
+	m, _, _ := newTestManager(t)
+	avail := int64(8 << 30)
+	m.cfg.Capacity = Capacity{MemoryOvercommit: 2, CPUOvercommit: 4, MinAvailable: 1 << 30,
+		Host: func() (int64, int64, int, error) { return 4 << 30, avail, 2, nil }}
+	r := sandbox.Resources{MemoryBytes: 3 << 30, MilliCPU: 3000}
+	m.sandboxes["a"] = &entry{rec: Record{ID: "a", State: StateRunning, Resources: r}}
+	m.sandboxes["b"] = &entry{rec: Record{ID: "b", State: StatePaused, Resources: r}} // counts nothing
+	if err := m.admit("c", "", sandbox.Resources{MemoryBytes: 5 << 30, MilliCPU: 1000}); err != nil {
+		t.Fatalf("3 + 5 GiB of 2 × 4 GiB: %v", err)
+	}
+	m.admitted("c")
+	err := m.admit("c", "", sandbox.Resources{MemoryBytes: 5<<30 + 1, MilliCPU: 1000})
+	if !errors.Is(err, errdefs.ErrUnavailable) || !strings.Contains(err.Error(), "node full") || !strings.Contains(err.Error(), "--memory-overcommit") {
+		t.Fatalf("past the memory overcommit: %v", err)
+	}
+	if err := m.admit("c", "", sandbox.Resources{MemoryBytes: 1 << 20, MilliCPU: 5001}); !errors.Is(err, errdefs.ErrUnavailable) || !strings.Contains(err.Error(), "--cpu-overcommit") {
+		t.Fatalf("3 + 5.001 CPUs of 4 × 2: %v", err)
+	}
+	avail = 512 << 20
+	if err := m.admit("c", "", sandbox.Resources{MemoryBytes: 1 << 20}); !errors.Is(err, errdefs.ErrUnavailable) || !strings.Contains(err.Error(), "--min-available") {
+		t.Fatalf("below the available floor: %v", err)
+	}
+	avail = 8 << 30
+	// Deleting a running sandbox makes room.
+	delete(m.sandboxes, "a")
+	if err := m.admit("c", "", sandbox.Resources{MemoryBytes: 8 << 30, MilliCPU: 8000}); err != nil {
+		t.Fatalf("after a delete: %v", err)
+	}
+	m.admitted("c")
+	m.cfg.Capacity = Capacity{}
+	if err := m.admit("d", "", sandbox.Resources{MemoryBytes: math.MaxInt64, MilliCPU: math.MaxInt64}); err != nil {
+		t.Fatalf("no capacity bounds: %v", err)
+	}
+}
+
+func TestHostCapacity(t *testing.T) {
+	total, avail, cpus, err := HostCapacity()
+	if err != nil {
+		t.Skip(err)
+	}
+	if total <= 0 || avail <= 0 || avail > total || cpus < 1 {
+		t.Errorf("host capacity %d %d %d", total, avail, cpus)
+	}
+}

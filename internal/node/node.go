@@ -66,6 +66,9 @@ type Config struct {
 	DiskBudget int64
 	// Metrics counts creates and deletes (nil: not counted).
 	Metrics *metrics.Metrics
+	// Capacity: how far the node oversubscribes memory and CPU, and the
+	// floor of the host's available memory (admission.go); zero: no bound.
+	Capacity Capacity
 	// Quotas gives each tenant's quota, enforced at admission
 	// (admission.go); nil: none.
 	Quotas Quotas
