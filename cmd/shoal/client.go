@@ -98,7 +98,7 @@ func parseBytes(s string) (int64, error) {
 func createCmd() *cobra.Command {
 	var (
 		req               pb.CreateSandboxRequest
-		memory, disk      string
+		memory, disk, qos string
 		cpus              float64
 		timeout           time.Duration
 		metadata, envVars []string
@@ -118,6 +118,7 @@ func createCmd() *cobra.Command {
 			if req.MemoryBytes, err = parseBytes(memory); err != nil {
 				return fmt.Errorf("--memory: %w", err)
 			}
+			req.Qos = qos
 			if disk != "" {
 				if req.DiskBytes, err = parseBytes(disk); err != nil {
 					return fmt.Errorf("--disk: %w", err)
@@ -164,6 +165,7 @@ func createCmd() *cobra.Command {
 	f.StringArrayVar(&req.Workspaces, "workspace", nil, "workspace layer ref (repeatable)")
 	f.StringArrayVar(&req.Toolkits, "toolkit", nil, "toolkit layer ref (repeatable)")
 	f.StringVar(&memory, "memory", "512M", "memory limit")
+	f.StringVar(&qos, "qos", "", "CPU class: ls (latency-sensitive, default) or be (best effort: the lowest CPU weight, processes under SCHED_IDLE)")
 	f.StringVar(&disk, "disk", "", "size of the writable layer, e.g. 4G (ENOSPC in the sandbox when full; default: the server's, 1G)")
 	f.Float64Var(&cpus, "cpus", 1, "CPU limit in cores")
 	f.DurationVar(&timeout, "timeout", 30*time.Minute, "idle timeout (refreshed by activity)")

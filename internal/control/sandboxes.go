@@ -94,7 +94,7 @@ func (s *Server) CreateSandbox(ctx context.Context, req *connect.Request[pb.Crea
 	// for every API face.
 	rec, err := s.node.Create(ctx, node.CreateRequest{
 		Backend: r.Backend, Template: r.Template, Base: r.Base, Workspaces: r.Workspaces, Toolkits: r.Toolkits,
-		Memory: r.MemoryBytes, MilliCPU: r.Millicpu, Disk: r.DiskBytes, Timeout: limits.Seconds(r.TimeoutSeconds),
+		Memory: r.MemoryBytes, MilliCPU: r.Millicpu, Disk: r.DiskBytes, QoS: r.Qos, Timeout: limits.Seconds(r.TimeoutSeconds),
 		Metadata: r.Metadata, Env: r.Env, ClientKey: r.ClientKey, AutoPause: autoPause,
 		Network: networkReq(r.Network),
 		Tenant:  tenant.FromContext(ctx).Tenant,
@@ -185,8 +185,11 @@ func sandboxPB(r node.Record) *pb.Sandbox {
 		Id: r.ID, Backend: r.Backend, MemoryBytes: r.Resources.MemoryBytes, Millicpu: r.Resources.MilliCPU, DiskBytes: r.Resources.DiskBytes,
 		PidsLimit: r.Resources.Pids, TimeoutSeconds: int64(r.Timeout / time.Second),
 		CreatedAt: timestamppb.New(r.Created), ExpiresAt: timestamppb.New(r.Expires),
-		Metadata: r.Metadata, Error: r.Error, Tenant: r.Tenant,
+		Metadata: r.Metadata, Error: r.Error, Tenant: r.Tenant, Qos: node.QoSLatencySensitive,
 		AutoPauseSeconds: int64(r.AutoPause / time.Second), Pause: pausePB(r.Pause),
+	}
+	if r.Resources.BestEffort {
+		out.Qos = node.QoSBestEffort
 	}
 	switch r.State {
 	case node.StateCreating:

@@ -264,9 +264,18 @@ func New(cfg Config, db *bbolt.DB, layers *layer.Store, backends []sandbox.Backe
 // Layers is the node's layer store.
 func (m *Manager) Layers() *layer.Store { return m.layers }
 
+// CPU classes of a sandbox (CreateRequest.QoS).
+const (
+	QoSLatencySensitive = "ls"
+	QoSBestEffort       = "be"
+)
+
 // CreateRequest asks for one sandbox.
 type CreateRequest struct {
 	Backend string
+	// QoS: "ls" (latency-sensitive, the default; "" too) or "be" (best
+	// effort: sandbox.Resources.BestEffort).
+	QoS string
 	// Template names an environment (layer.Env) to take the layers from,
 	// resolved now; see applyTemplate in layers.go. Exclusive with Base.
 	Template   string
@@ -296,6 +305,11 @@ type CreateRequest struct {
 func (m *Manager) validate(req *CreateRequest) error {
 	if req.Backend == "" {
 		req.Backend = m.cfg.DefaultBackend
+	}
+	switch req.QoS {
+	case "", QoSLatencySensitive, QoSBestEffort:
+	default:
+		return errdefs.New(ErrInvalid, "qos %q: want %q (latency-sensitive, the default) or %q (best effort)", req.QoS, QoSLatencySensitive, QoSBestEffort)
 	}
 	if _, ok := m.backends[req.Backend]; !ok {
 		names := make([]string, 0, len(m.backends))
@@ -444,6 +458,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (rec Record, er
 			MilliCPU:    req.MilliCPU,
 			Pids:        m.cfg.PidsLimit,
 			DiskBytes:   max(req.Disk, 0),
+			BestEffort:  req.QoS == QoSBestEffort,
 		},
 		Timeout:   req.Timeout,
 		Created:   now,

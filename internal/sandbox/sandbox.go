@@ -34,6 +34,9 @@ type Resources struct {
 	// but the host's disk. A backend that cannot bound it refuses a
 	// non-zero value with ErrUnsupported.
 	DiskBytes int64 `json:",omitempty"`
+	// BestEffort: the sandbox gets the CPU others leave (qos "be"): the
+	// lowest CPU weight, and its processes under SCHED_IDLE.
+	BestEffort bool `json:",omitempty"`
 }
 
 // Layer is one read-only layer of a sandbox's root, as the backend sees it.

@@ -260,8 +260,12 @@ type CreateSandboxRequest struct {
 	// request and no running command. Unset: the server's default (serve
 	// --auto-pause); 0: never.
 	AutoPauseSeconds *int64 `protobuf:"varint,30,opt,name=auto_pause_seconds,json=autoPauseSeconds,proto3,oneof" json:"auto_pause_seconds,omitempty"`
-	unknownFields    protoimpl.UnknownFields
-	sizeCache        protoimpl.SizeCache
+	// qos: "ls" (latency-sensitive, the default) or "be" (best effort: the
+	// lowest CPU weight, and its processes under SCHED_IDLE: it gets the CPU
+	// that latency-sensitive sandboxes leave).
+	Qos           string `protobuf:"bytes,32,opt,name=qos,proto3" json:"qos,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *CreateSandboxRequest) Reset() {
@@ -392,6 +396,13 @@ func (x *CreateSandboxRequest) GetAutoPauseSeconds() int64 {
 	return 0
 }
 
+func (x *CreateSandboxRequest) GetQos() string {
+	if x != nil {
+		return x.Qos
+	}
+	return ""
+}
+
 // NetworkPolicy is a sandbox's network egress (README "Network"). Egress is
 // given when internet is true or allow_out is not empty: the sandbox gets
 // eth0 with an address of the node's egress subnet, and its packets may go
@@ -494,6 +505,7 @@ type Sandbox struct {
 	// pause: the last pause (while paused, and after its resume until the
 	// next one); unset if it was never paused.
 	Pause         *PauseInfo `protobuf:"bytes,31,opt,name=pause,proto3" json:"pause,omitempty"`
+	Qos           string     `protobuf:"bytes,32,opt,name=qos,proto3" json:"qos,omitempty"` // "ls" or "be"
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -652,6 +664,13 @@ func (x *Sandbox) GetPause() *PauseInfo {
 		return x.Pause
 	}
 	return nil
+}
+
+func (x *Sandbox) GetQos() string {
+	if x != nil {
+		return x.Qos
+	}
+	return ""
 }
 
 // PauseInfo says what a pause did and how long its resume took.
@@ -1805,7 +1824,7 @@ const file_shoal_v1_sandbox_proto_rawDesc = "" +
 	"\bLayerRef\x12'\n" +
 	"\x04kind\x18\x01 \x01(\x0e2\x13.shoal.v1.LayerKindR\x04kind\x12\x10\n" +
 	"\x03ref\x18\x02 \x01(\tR\x03ref\x12\x16\n" +
-	"\x06digest\x18\x03 \x01(\tR\x06digest\"\xb9\x05\n" +
+	"\x06digest\x18\x03 \x01(\tR\x06digest\"\xcb\x05\n" +
 	"\x14CreateSandboxRequest\x12\x18\n" +
 	"\abackend\x18\x01 \x01(\tR\abackend\x12\x12\n" +
 	"\x04base\x18\x02 \x01(\tR\x04base\x12\x1e\n" +
@@ -1825,7 +1844,8 @@ const file_shoal_v1_sandbox_proto_rawDesc = "" +
 	"\n" +
 	"disk_bytes\x18\f \x01(\x03R\tdiskBytes\x121\n" +
 	"\anetwork\x18\x14 \x01(\v2\x17.shoal.v1.NetworkPolicyR\anetwork\x121\n" +
-	"\x12auto_pause_seconds\x18\x1e \x01(\x03H\x00R\x10autoPauseSeconds\x88\x01\x01\x1a;\n" +
+	"\x12auto_pause_seconds\x18\x1e \x01(\x03H\x00R\x10autoPauseSeconds\x88\x01\x01\x12\x10\n" +
+	"\x03qos\x18  \x01(\tR\x03qos\x1a;\n" +
 	"\rMetadataEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1a6\n" +
@@ -1836,7 +1856,7 @@ const file_shoal_v1_sandbox_proto_rawDesc = "" +
 	"\rNetworkPolicy\x12\x1a\n" +
 	"\binternet\x18\x01 \x01(\bR\binternet\x12\x1b\n" +
 	"\tallow_out\x18\x02 \x03(\tR\ballowOut\x12\x19\n" +
-	"\bdeny_out\x18\x03 \x03(\tR\adenyOut\"\xd3\x06\n" +
+	"\bdeny_out\x18\x03 \x03(\tR\adenyOut\"\xe5\x06\n" +
 	"\aSandbox\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x18\n" +
 	"\abackend\x18\x02 \x01(\tR\abackend\x12,\n" +
@@ -1860,7 +1880,8 @@ const file_shoal_v1_sandbox_proto_rawDesc = "" +
 	"\anetwork\x18\x14 \x01(\v2\x17.shoal.v1.NetworkPolicyR\anetwork\x12\x16\n" +
 	"\x06tenant\x18\x15 \x01(\tR\x06tenant\x12,\n" +
 	"\x12auto_pause_seconds\x18\x1e \x01(\x03R\x10autoPauseSeconds\x12)\n" +
-	"\x05pause\x18\x1f \x01(\v2\x13.shoal.v1.PauseInfoR\x05pause\x1a;\n" +
+	"\x05pause\x18\x1f \x01(\v2\x13.shoal.v1.PauseInfoR\x05pause\x12\x10\n" +
+	"\x03qos\x18  \x01(\tR\x03qos\x1a;\n" +
 	"\rMetadataEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1a:\n" +

@@ -618,6 +618,11 @@ func (b *Backend) createCold(ctx context.Context, spec sandbox.Spec, dir string)
 	if err := b.startContainer(ctx, spec.ID, bundle, dir, lnFile, false, 0); err != nil {
 		return h, fmt.Errorf("create sandbox %s: %w", spec.ID, err)
 	}
+	if spec.Resources.BestEffort {
+		if err := setSchedIdle(filepath.Join(dir, pidFileName)); err != nil {
+			return h, fmt.Errorf("create sandbox %s: %w", spec.ID, err)
+		}
+	}
 
 	log.Debug("sandbox created cold", "rootfs", rootfs, "took", time.Since(start))
 	return sandbox.Handle{

@@ -9,6 +9,8 @@ import (
 	"strconv"
 	"strings"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/shoal-sandbox/shoal/internal/sandbox"
 )
 
@@ -17,6 +19,7 @@ import (
 const (
 	poolCPUShares    = 2
 	defaultCPUShares = 1024
+	beCPUShares      = 2 // a best-effort sandbox's
 )
 
 // setLimits writes a sandbox's resource limits into the cgroups of the
@@ -58,7 +61,7 @@ func (b *Backend) setLimits(runcID string, r sandbox.Resources) error {
 				{"memory.swap.max", "0"},
 				{"pids.max", pidsStr},
 				{"cpu.max", cpuMax(quota)},
-				{"cpu.weight", "100"},
+				{"cpu.weight", map[bool]string{false: "100", true: "1"}[r.BestEffort]},
 			} {
 				if err := writeIfExists(filepath.Join(dir, w.file), w.value); err != nil {
 					return err
@@ -77,7 +80,11 @@ func (b *Backend) setLimits(runcID string, r sandbox.Resources) error {
 			}
 		}
 		if has("cpu") {
-			if err := writeCgroup(filepath.Join(dir, "cpu.shares"), strconv.Itoa(defaultCPUShares)); err != nil {
+			shares := defaultCPUShares
+			if r.BestEffort {
+				shares = beCPUShares
+			}
+			if err := writeCgroup(filepath.Join(dir, "cpu.shares"), strconv.Itoa(shares)); err != nil {
 				return err
 			}
 			if err := writeCgroup(filepath.Join(dir, "cpu.cfs_period_us"), strconv.Itoa(cpuPeriod)); err != nil {
@@ -150,4 +157,49 @@ func writeIfExists(path, value string) error {
 		return nil
 	}
 	return err
+}
+
+// setSchedIdle puts every thread of the process whose pid is in pidFile
+// (a best-effort sandbox's agent) under SCHED_IDLE, which what it starts
+// inherits: they run when nothing else wants the CPU. A thread inherits its
+// creator's policy, so once a pass finds every thread idle, none can
+// appear with another (the sandbox has no CAP_SYS_NICE over the host).
+func setSchedIdle(pidFile string) error {
+	data, err := os.ReadFile(pidFile)
+	if err != nil {
+		return err
+	}
+	pid := string(trimSpace(data))
+	for range 10 {
+		ents, err := os.ReadDir("/proc/" + pid + "/task")
+		if err != nil {
+			return fmt.Errorf("SCHED_IDLE: %w", err)
+		}
+		clean := true
+		for _, e := range ents {
+			tid, err := strconv.Atoi(e.Name())
+			if err != nil {
+				continue
+			}
+			attr, err := unix.SchedGetAttr(tid, 0)
+			if errors.Is(err, unix.ESRCH) {
+				continue
+			}
+			if err != nil {
+				return fmt.Errorf("SCHED_IDLE: %w", err)
+			}
+			if attr.Policy == unix.SCHED_IDLE {
+				continue
+			}
+			clean = false
+			err = unix.SchedSetAttr(tid, &unix.SchedAttr{Size: unix.SizeofSchedAttr, Policy: unix.SCHED_IDLE}, 0)
+			if err != nil && !errors.Is(err, unix.ESRCH) {
+				return fmt.Errorf("SCHED_IDLE: %w", err)
+			}
+		}
+		if clean {
+			return nil
+		}
+	}
+	return errors.New("SCHED_IDLE: threads keep appearing")
 }

@@ -133,6 +133,13 @@ func (b *Backend) containerSpec(o containerOptions) (*specs.Spec, error) {
 		quota, period := m*cpuPeriod/1000, uint64(cpuPeriod)
 		res.CPU = &specs.LinuxCPU{Quota: &quota, Period: &period}
 	}
+	if o.res.BestEffort {
+		shares := uint64(beCPUShares)
+		if res.CPU == nil {
+			res.CPU = &specs.LinuxCPU{}
+		}
+		res.CPU.Shares = &shares
+	}
 	if o.pooled && !o.urgent {
 		// A pool container starts at the lowest CPU weight, so that filling
 		// the pool yields to the sandboxes (and claims) that run; the claim

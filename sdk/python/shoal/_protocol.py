@@ -278,8 +278,8 @@ def create_body(
     deny_out: Optional[Sequence[str]] = None,
     auto_pause: Union[int, float, timedelta, None] = None,
 ) -> Dict[str, Any]:
-    if qos is not None:
-        raise NotSupported("qos is not part of Shoal's API yet (CreateSandboxRequest has no qos field)")
+    if qos is not None and qos not in ("ls", "be"):
+        raise InvalidArgument(f"qos {qos!r}: want 'ls' (latency-sensitive, the default) or 'be' (best effort)")
     if isinstance(workspaces, str) or isinstance(toolkits, str):
         raise InvalidArgument("workspaces and toolkits are lists of layer refs")
     body: Dict[str, Any] = {}
@@ -310,6 +310,8 @@ def create_body(
         body["metadata"] = {str(k): str(v) for k, v in metadata.items()}
     if envs:
         body["env"] = {str(k): str(v) for k, v in envs.items()}
+    if qos:
+        body["qos"] = qos
     if client_key:
         body["clientKey"] = client_key
     if isinstance(allow_out, str) or isinstance(deny_out, str):

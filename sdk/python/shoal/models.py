@@ -103,6 +103,7 @@ class SandboxInfo:
     template: str = ""
     client_key: str = ""
     disk_bytes: int = 0  # size of the writable layer; 0: not limited
+    qos: str = "ls"  # CPU class: "ls" or "be"
     auto_pause: int = 0  # seconds idle before it is paused; 0 = never
     pause: Optional["PauseInfo"] = None  # the last pause, if any
     raw: Dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
@@ -146,6 +147,7 @@ class SandboxInfo:
             cpus=_int(d.get("millicpu")) / 1000.0,
             pids_limit=_int(d.get("pidsLimit")),
             disk_bytes=_int(d.get("diskBytes")),
+            qos=d.get("qos") or "ls",
             timeout=_int(d.get("timeoutSeconds")),
             created_at=_time(d.get("createdAt")),
             expires_at=_time(d.get("expiresAt")),

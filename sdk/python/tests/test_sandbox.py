@@ -179,3 +179,16 @@ def test_network_egress_opt_in(server) -> None:
         assert "inet 10." in sb.commands.run("ip -o -4 addr show eth0").stdout
     with pytest.raises(shoal.InvalidArgument, match="host names are not supported"):
         Sandbox.create(base=server.base, allow_out=["example.com"])
+
+
+def test_best_effort_qos(server) -> None:
+    # A best-effort sandbox's processes run under SCHED_IDLE (policy 5 in
+    # field 41 of /proc/PID/stat), inherited by everything they start; a
+    # latency-sensitive one's under SCHED_OTHER (0).
+    with Sandbox.create(base=server.base, qos="be") as be, Sandbox.create(base=server.base) as ls:
+        assert be.info.qos == "be" and ls.info.qos == "ls"
+        assert be.commands.run("cut -d' ' -f41 /proc/self/stat").stdout.strip() == "5"
+        assert be.commands.run("sh -c 'sleep 0 & cut -d\" \" -f41 /proc/self/stat'").stdout.strip() == "5"
+        assert ls.commands.run("cut -d' ' -f41 /proc/self/stat").stdout.strip() == "0"
+    with pytest.raises(shoal.InvalidArgument):
+        Sandbox.create(base=server.base, qos="fast")

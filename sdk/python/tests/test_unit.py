@@ -141,8 +141,10 @@ def test_create_body() -> None:
     }  # fmt: skip
     with pytest.raises(shoal.InvalidArgument):
         proto.create_body(template=None, base="b", workspaces="w:1", toolkits=None, backend=None, cpus=None, memory=None, timeout=None, metadata=None, envs=None, qos=None, client_key=None)
-    with pytest.raises(shoal.NotSupported):
-        proto.create_body(template=None, base="b", workspaces=None, toolkits=None, backend=None, cpus=None, memory=None, timeout=None, metadata=None, envs=None, qos="be", client_key=None)
+    with pytest.raises(shoal.InvalidArgument):
+        proto.create_body(template=None, base="b", workspaces=None, toolkits=None, backend=None, cpus=None, memory=None, timeout=None, metadata=None, envs=None, qos="fast", client_key=None)
+    b = proto.create_body(template=None, base="b", workspaces=None, toolkits=None, backend=None, cpus=None, memory=None, timeout=None, metadata=None, envs=None, qos="be", client_key=None)
+    assert b["qos"] == "be"
 
 
 def test_argv_and_stdin() -> None:

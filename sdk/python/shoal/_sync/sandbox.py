@@ -96,7 +96,9 @@ class Sandbox:
         :param disk: size of the sandbox's writable layer, bytes or a size
             such as ``"4G"`` (default: the server's, 1 GiB): a file system of
             its own, on which writes past it fail with ENOSPC.
-        :param qos: reserved (``"ls"``/``"be"``); not in the API yet.
+        :param qos: CPU class: ``"ls"`` (latency-sensitive, the default) or
+            ``"be"`` (best effort: the lowest CPU weight, its processes under
+            SCHED_IDLE; it gets the CPU latency-sensitive sandboxes leave).
         :param auto_pause: pause the sandbox (and reclaim its memory) after
             this many seconds without a call or a running command; 0: never;
             default: the server's ``--auto-pause``. Any call resumes it.
