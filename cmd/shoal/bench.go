@@ -67,6 +67,29 @@ func benchCmd() *cobra.Command {
 	execb.Flags().StringVar(&eo.Base, "base", "debian:12", "base layer")
 	execb.Flags().StringVar(&eo.DataDir, "data", "/var/lib/shoal", "the server's data dir")
 	execb.Flags().StringVar(&eo.Runtime, "runtime", "runc", "OCI runtime for the baseline")
+	var qo bench.QoSOptions
+	qosb := &cobra.Command{
+		Use:   "qos [-n N] [--burners B] [--duration D] [--base REF]",
+		Short: "Exec latency of a latency-sensitive sandbox while best-effort (then latency-sensitive) sandboxes burn every CPU",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := client(cmd)
+			if err != nil {
+				return err
+			}
+			ctx, cancel := cmdContext()
+			defer cancel()
+			res, err := bench.QoS(ctx, c, qo)
+			if err != nil {
+				return err
+			}
+			return printResult(res)
+		},
+	}
+	qosb.Flags().IntVarP(&qo.N, "number", "n", 100, "execs of true per phase")
+	qosb.Flags().IntVar(&qo.Burners, "burners", 0, "sandboxes burning CPU (default: 2 per CPU)")
+	qosb.Flags().DurationVar(&qo.Duration, "duration", 10*time.Second, "how long the burners burn per phase")
+	qosb.Flags().StringVar(&qo.Base, "base", "debian:12", "base layer")
 	var so bench.SessionOptions
 	sess := &cobra.Command{
 		Use:   "session [--base REF]",
@@ -206,7 +229,7 @@ func benchCmd() *cobra.Command {
 	pauseb.Flags().IntVar(&po.MiB, "mib", 32, "random MiB each sandbox's resident shell holds (as base64 text)")
 	pauseb.Flags().IntVarP(&po.Concurrency, "concurrency", "c", 2, "creates in flight while setting up")
 	pauseb.Flags().StringVar(&po.Base, "base", "debian:12", "base layer (needs sh, head, base64, tr)")
-	cmd.AddCommand(create, execb, sess, benchLayersCmd(), fnb, burst, chaos, pauseb)
+	cmd.AddCommand(create, execb, qosb, sess, benchLayersCmd(), fnb, burst, chaos, pauseb)
 	return cmd
 }
 
