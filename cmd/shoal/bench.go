@@ -11,6 +11,7 @@ import (
 
 	pb "github.com/shoal-sandbox/shoal/api/shoal/v1"
 	"github.com/shoal-sandbox/shoal/internal/bench"
+	shoal "github.com/shoal-sandbox/shoal/sdk/go"
 )
 
 func benchCmd() *cobra.Command {
@@ -23,19 +24,7 @@ func benchCmd() *cobra.Command {
 		Use:   "create [-n N] [-c C] [--base REF]",
 		Short: "Create→first exec latency and creates/s, against plain `runc run`",
 		Args:  cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, args []string) error {
-			c, err := client(cmd)
-			if err != nil {
-				return err
-			}
-			ctx, cancel := cmdContext()
-			defer cancel()
-			res, err := bench.Create(ctx, c, co)
-			if err != nil {
-				return err
-			}
-			return printResult(res)
-		},
+		RunE:  runBench(func(ctx context.Context, c *shoal.Client) (any, error) { return bench.Create(ctx, c, co) }),
 	}
 	create.Flags().IntVarP(&co.N, "number", "n", 100, "sandboxes to create")
 	create.Flags().IntVarP(&co.Concurrency, "concurrency", "c", 4, "creates in flight")
@@ -49,19 +38,7 @@ func benchCmd() *cobra.Command {
 		Use:   "exec [-n N] [--base REF]",
 		Short: "Exec round trip through the API and the agent, against `runc exec`",
 		Args:  cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, args []string) error {
-			c, err := client(cmd)
-			if err != nil {
-				return err
-			}
-			ctx, cancel := cmdContext()
-			defer cancel()
-			res, err := bench.Exec(ctx, c, eo)
-			if err != nil {
-				return err
-			}
-			return printResult(res)
-		},
+		RunE:  runBench(func(ctx context.Context, c *shoal.Client) (any, error) { return bench.Exec(ctx, c, eo) }),
 	}
 	execb.Flags().IntVarP(&eo.N, "number", "n", 200, "commands to run")
 	execb.Flags().StringVar(&eo.Base, "base", "debian:12", "base layer")
@@ -72,19 +49,7 @@ func benchCmd() *cobra.Command {
 		Use:   "qos [-n N] [--burners B] [--duration D] [--base REF]",
 		Short: "Exec latency of a latency-sensitive sandbox while best-effort (then latency-sensitive) sandboxes burn every CPU",
 		Args:  cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, args []string) error {
-			c, err := client(cmd)
-			if err != nil {
-				return err
-			}
-			ctx, cancel := cmdContext()
-			defer cancel()
-			res, err := bench.QoS(ctx, c, qo)
-			if err != nil {
-				return err
-			}
-			return printResult(res)
-		},
+		RunE:  runBench(func(ctx context.Context, c *shoal.Client) (any, error) { return bench.QoS(ctx, c, qo) }),
 	}
 	qosb.Flags().IntVarP(&qo.N, "number", "n", 100, "execs of true per phase")
 	qosb.Flags().IntVar(&qo.Burners, "burners", 0, "sandboxes burning CPU (default: 2 per CPU)")
@@ -95,19 +60,7 @@ func benchCmd() *cobra.Command {
 		Use:   "session [--base REF]",
 		Short: "Output streaming throughput, re-attach latency, trajectory fast-forward",
 		Args:  cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, args []string) error {
-			c, err := client(cmd)
-			if err != nil {
-				return err
-			}
-			ctx, cancel := cmdContext()
-			defer cancel()
-			res, err := bench.Session(ctx, c, so)
-			if err != nil {
-				return err
-			}
-			return printResult(res)
-		},
+		RunE:  runBench(func(ctx context.Context, c *shoal.Client) (any, error) { return bench.Session(ctx, c, so) }),
 	}
 	sess.Flags().StringVar(&so.Base, "base", "debian:12", "base layer")
 	sess.Flags().Int64Var(&so.StreamBytes, "bytes", 48<<20, "output bytes of the streaming run (keep it under the server's --command-log-cap)")
@@ -118,19 +71,7 @@ func benchCmd() *cobra.Command {
 		Use:   "fncall [-n N] [--batch N] [--isolation cgroup|sandbox|both]",
 		Short: "FnCall latency (python print(1), C++ hello) against bare runs on the host, and batch calls/s",
 		Args:  cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, args []string) error {
-			c, err := client(cmd)
-			if err != nil {
-				return err
-			}
-			ctx, cancel := cmdContext()
-			defer cancel()
-			res, err := bench.FnCall(ctx, c, fo)
-			if err != nil {
-				return err
-			}
-			return printResult(res)
-		},
+		RunE:  runBench(func(ctx context.Context, c *shoal.Client) (any, error) { return bench.FnCall(ctx, c, fo) }),
 	}
 	fnb.Flags().IntVarP(&fo.N, "number", "n", 200, "latency samples (python; C++ gets a quarter)")
 	fnb.Flags().IntVar(&fo.BatchN, "batch", 2000, "calls in the throughput batch (0: none)")
@@ -143,19 +84,7 @@ func benchCmd() *cobra.Command {
 		Use:   "burst [-n N] [-c C] [--base REF] [--python-bench bench.py]",
 		Short: "Rollouts (create, one command, delete) in a burst: failures, hangs, create→first exec, creates/s, pool vs cold, against `runc run` at the same concurrency",
 		Args:  cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, args []string) error {
-			c, err := client(cmd)
-			if err != nil {
-				return err
-			}
-			ctx, cancel := cmdContext()
-			defer cancel()
-			res, err := bench.Burst(ctx, c, bo)
-			if err != nil {
-				return err
-			}
-			return printResult(res)
-		},
+		RunE:  runBench(func(ctx context.Context, c *shoal.Client) (any, error) { return bench.Burst(ctx, c, bo) }),
 	}
 	burst.Flags().IntVarP(&bo.N, "number", "n", 1000, "rollouts")
 	burst.Flags().IntVarP(&bo.Concurrency, "concurrency", "c", 64, "rollouts in flight")
@@ -211,19 +140,7 @@ func benchCmd() *cobra.Command {
 		Use:   "pause [-n N] [--mib M] [--base REF]",
 		Short: "Pause+reclaim time per GiB and resume→first exec latency over N sandboxes each holding M MiB",
 		Args:  cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, args []string) error {
-			c, err := client(cmd)
-			if err != nil {
-				return err
-			}
-			ctx, cancel := cmdContext()
-			defer cancel()
-			res, err := bench.Pause(ctx, c, po)
-			if err != nil {
-				return err
-			}
-			return printResult(res)
-		},
+		RunE:  runBench(func(ctx context.Context, c *shoal.Client) (any, error) { return bench.Pause(ctx, c, po) }),
 	}
 	pauseb.Flags().IntVarP(&po.N, "number", "n", 50, "sandboxes")
 	pauseb.Flags().IntVar(&po.MiB, "mib", 32, "random MiB each sandbox's resident shell holds (as base64 text)")
@@ -231,6 +148,24 @@ func benchCmd() *cobra.Command {
 	pauseb.Flags().StringVar(&po.Base, "base", "debian:12", "base layer (needs sh, head, base64, tr)")
 	cmd.AddCommand(create, execb, qosb, sess, benchLayersCmd(), fnb, burst, chaos, pauseb)
 	return cmd
+}
+
+// runBench is the RunE of a benchmark against the API: it runs run with a
+// client and a context cancelled by Ctrl-C, and prints its result as JSON.
+func runBench(run func(context.Context, *shoal.Client) (any, error)) func(*cobra.Command, []string) error {
+	return func(cmd *cobra.Command, args []string) error {
+		c, err := client(cmd)
+		if err != nil {
+			return err
+		}
+		ctx, cancel := cmdContext()
+		defer cancel()
+		res, err := run(ctx, c)
+		if err != nil {
+			return err
+		}
+		return printResult(res)
+	}
 }
 
 func printResult(v any) error {
