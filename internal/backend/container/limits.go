@@ -161,45 +161,14 @@ func writeIfExists(path, value string) error {
 
 // setSchedIdle puts every thread of the process whose pid is in pidFile
 // (a best-effort sandbox's agent) under SCHED_IDLE, which what it starts
-// inherits: they run when nothing else wants the CPU. A thread inherits its
-// creator's policy, so once a pass finds every thread idle, none can
-// appear with another (the sandbox has no CAP_SYS_NICE over the host).
+// inherits: they run when nothing else wants the CPU (see eachThread; the
+// sandbox has no CAP_SYS_NICE over the host to leave it).
 func setSchedIdle(pidFile string) error {
-	data, err := os.ReadFile(pidFile)
-	if err != nil {
-		return err
-	}
-	pid := string(trimSpace(data))
-	for range 10 {
-		ents, err := os.ReadDir("/proc/" + pid + "/task")
-		if err != nil {
-			return fmt.Errorf("SCHED_IDLE: %w", err)
+	return eachThread(pidFile, "SCHED_IDLE", func(tid int) (bool, error) {
+		attr, err := unix.SchedGetAttr(tid, 0)
+		if err != nil || attr.Policy == unix.SCHED_IDLE {
+			return true, err
 		}
-		clean := true
-		for _, e := range ents {
-			tid, err := strconv.Atoi(e.Name())
-			if err != nil {
-				continue
-			}
-			attr, err := unix.SchedGetAttr(tid, 0)
-			if errors.Is(err, unix.ESRCH) {
-				continue
-			}
-			if err != nil {
-				return fmt.Errorf("SCHED_IDLE: %w", err)
-			}
-			if attr.Policy == unix.SCHED_IDLE {
-				continue
-			}
-			clean = false
-			err = unix.SchedSetAttr(tid, &unix.SchedAttr{Size: unix.SizeofSchedAttr, Policy: unix.SCHED_IDLE}, 0)
-			if err != nil && !errors.Is(err, unix.ESRCH) {
-				return fmt.Errorf("SCHED_IDLE: %w", err)
-			}
-		}
-		if clean {
-			return nil
-		}
-	}
-	return errors.New("SCHED_IDLE: threads keep appearing")
+		return false, unix.SchedSetAttr(tid, &unix.SchedAttr{Size: unix.SizeofSchedAttr, Policy: unix.SCHED_IDLE}, 0)
+	})
 }

@@ -494,10 +494,26 @@ func (b *Backend) startMember(ctx context.Context, agentBinary string, urgent bo
 }
 
 // resetPriority sets the nice value of every thread of the process whose
-// pid is in pidFile back to 0. A thread inherits its creator's value, so
-// once a pass finds every thread at 0, no thread can appear with another
-// (the agent could only raise its value, and does not).
+// pid is in pidFile back to 0 (see eachThread: the agent could only raise
+// its value, and does not).
 func resetPriority(pidFile string) error {
+	return eachThread(pidFile, "reset priority", func(tid int) (bool, error) {
+		// getpriority returns 20-nice.
+		prio, err := unix.Getpriority(unix.PRIO_PROCESS, tid)
+		if err != nil || prio == 20 {
+			return true, err
+		}
+		return false, unix.Setpriority(unix.PRIO_PROCESS, tid, 0)
+	})
+}
+
+// eachThread applies fix to every thread of the process whose pid is in
+// pidFile until a pass finds every thread as wanted: fix reports whether
+// tid already was (and sets it when not). A thread inherits its creator's
+// scheduling attributes, so once every thread is as wanted, none can appear
+// otherwise. A thread gone meanwhile (ESRCH) is skipped; what is an error
+// is named by what.
+func eachThread(pidFile, what string, fix func(tid int) (ok bool, err error)) error {
 	data, err := os.ReadFile(pidFile)
 	if err != nil {
 		return err
@@ -506,7 +522,7 @@ func resetPriority(pidFile string) error {
 	for range 10 {
 		ents, err := os.ReadDir("/proc/" + pid + "/task")
 		if err != nil {
-			return fmt.Errorf("reset priority: %w", err)
+			return fmt.Errorf("%s: %w", what, err)
 		}
 		clean := true
 		for _, e := range ents {
@@ -514,27 +530,17 @@ func resetPriority(pidFile string) error {
 			if err != nil {
 				continue
 			}
-			// getpriority returns 20-nice.
-			prio, err := unix.Getpriority(unix.PRIO_PROCESS, tid)
-			if errors.Is(err, unix.ESRCH) {
-				continue
+			ok, err := fix(tid)
+			if err != nil && !errors.Is(err, unix.ESRCH) {
+				return fmt.Errorf("%s: %w", what, err)
 			}
-			if err != nil {
-				return fmt.Errorf("reset priority: %w", err)
-			}
-			if prio == 20 {
-				continue
-			}
-			clean = false
-			if err := unix.Setpriority(unix.PRIO_PROCESS, tid, 0); err != nil && !errors.Is(err, unix.ESRCH) {
-				return fmt.Errorf("reset priority: %w", err)
-			}
+			clean = clean && ok
 		}
 		if clean {
 			return nil
 		}
 	}
-	return errors.New("reset priority: threads keep appearing")
+	return fmt.Errorf("%s: threads keep appearing", what)
 }
 
 // removeMember destroys an unclaimed pool container and removes its dir.
