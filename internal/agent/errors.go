@@ -62,6 +62,8 @@ func (e *Error) Unwrap() error {
 		return fs.ErrInvalid
 	case CodeVersion:
 		return errdefs.ErrFailedPrecondition
+	case CodeNoSpace:
+		return errdefs.ErrResourceExhausted
 	case CodeTooMany:
 		return errdefs.ErrResourceExhausted
 	}

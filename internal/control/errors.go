@@ -1,20 +1,16 @@
 package control
 
 import (
-	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io/fs"
 	"net/http"
 	"strings"
-	"syscall"
 
 	"connectrpc.com/connect"
 
 	"github.com/shoal-sandbox/shoal/internal/agent"
 	"github.com/shoal-sandbox/shoal/internal/errdefs"
-	"github.com/shoal-sandbox/shoal/internal/layer"
 	"github.com/shoal-sandbox/shoal/internal/limits"
 )
 
@@ -65,28 +61,17 @@ func toConnect(err error) error {
 		}
 		return connect.NewError(connect.CodeFailedPrecondition, err)
 	}
-	code := connect.CodeInternal
-	switch {
-	case errors.Is(err, errdefs.ErrInvalidArgument), errors.Is(err, layer.ErrInvalidRef), errors.Is(err, fs.ErrInvalid):
-		code = connect.CodeInvalidArgument
-	case errors.Is(err, errdefs.ErrNotFound), errors.Is(err, layer.ErrNotFound), errors.Is(err, fs.ErrNotExist):
-		code = connect.CodeNotFound
-	case errors.Is(err, errdefs.ErrAlreadyExists), errors.Is(err, fs.ErrExist):
-		code = connect.CodeAlreadyExists
-	case errors.Is(err, errdefs.ErrPermissionDenied), errors.Is(err, fs.ErrPermission):
-		code = connect.CodePermissionDenied
-	case errors.Is(err, errdefs.ErrFailedPrecondition), errors.Is(err, layer.ErrInUse):
-		code = connect.CodeFailedPrecondition
-	case errors.Is(err, errdefs.ErrResourceExhausted), errors.Is(err, syscall.ENOSPC), errors.Is(err, syscall.EDQUOT):
-		code = connect.CodeResourceExhausted
-	case errors.Is(err, errdefs.ErrUnavailable):
-		code = connect.CodeUnavailable
-	case errors.Is(err, context.Canceled):
-		code = connect.CodeCanceled
-	case errors.Is(err, context.DeadlineExceeded):
-		code = connect.CodeDeadlineExceeded
+	return connect.NewError(connectCode(err), err)
+}
+
+// connectCode is the Connect code of err's kind (errdefs.Code, the one
+// classification of errors).
+func connectCode(err error) connect.Code {
+	var c connect.Code
+	if c.UnmarshalText([]byte(errdefs.Code(err))) != nil {
+		return connect.CodeInternal
 	}
-	return connect.NewError(code, err)
+	return c
 }
 
 // execError names the agent's refusal to start a command's executable, or

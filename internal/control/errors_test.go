@@ -1,14 +1,17 @@
 package control
 
 import (
+	"context"
 	"errors"
 	"fmt"
+	"syscall"
 	"testing"
 
 	"connectrpc.com/connect"
 
 	"github.com/shoal-sandbox/shoal/internal/agent"
 	"github.com/shoal-sandbox/shoal/internal/errdefs"
+	"github.com/shoal-sandbox/shoal/internal/layer"
 )
 
 // A sandbox killed under an operation maps to NotFound (the sandbox is
@@ -48,6 +51,36 @@ func TestToConnectExecReasons(t *testing.T) {
 		ce := toConnect(c.err).(*connect.Error)
 		if ce.Code() != c.code || ce.Meta().Get(ReasonHeader) != c.reason {
 			t.Errorf("toConnect(%v) = %v reason %q, want %v reason %q", c.err, ce.Code(), ce.Meta().Get(ReasonHeader), c.code, c.reason)
+		}
+	}
+}
+
+// Every kind of error maps to its code through errdefs.Code: the errdefs
+// kinds, the layer store's errors (which carry kinds), the fs sentinels the
+// agent's errors unwrap to, a full disk, and context errors.
+func TestToConnectKinds(t *testing.T) {
+	for _, c := range []struct {
+		err  error
+		code connect.Code
+	}{
+		{errdefs.New(errdefs.ErrInvalidArgument, "x"), connect.CodeInvalidArgument},
+		{fmt.Errorf("resolve: %w", layer.ErrInvalidRef), connect.CodeInvalidArgument},
+		{fmt.Errorf("resolve: %w", layer.ErrNotFound), connect.CodeNotFound},
+		{fmt.Errorf("rm: %w", layer.ErrInUse), connect.CodeFailedPrecondition},
+		{&agent.Error{Op: "read", Code: agent.CodeNotExist, Msg: "x"}, connect.CodeNotFound},
+		{&agent.Error{Op: "mkdir", Code: agent.CodeExist, Msg: "x"}, connect.CodeAlreadyExists},
+		{&agent.Error{Op: "write", Code: agent.CodePermission, Msg: "x"}, connect.CodePermissionDenied},
+		{&agent.Error{Op: "write", Code: agent.CodeIsDir, Msg: "x"}, connect.CodeInvalidArgument},
+		{&agent.Error{Op: "write", Code: agent.CodeNoSpace, Msg: "x"}, connect.CodeResourceExhausted},
+		{fmt.Errorf("persist: %w", syscall.ENOSPC), connect.CodeResourceExhausted},
+		{errdefs.New(errdefs.ErrPermissionDenied, "x"), connect.CodePermissionDenied},
+		{errdefs.New(errdefs.ErrUnavailable, "node full"), connect.CodeUnavailable},
+		{fmt.Errorf("x: %w", context.DeadlineExceeded), connect.CodeDeadlineExceeded},
+		{context.Canceled, connect.CodeCanceled},
+		{errors.New("something else"), connect.CodeInternal},
+	} {
+		if got := toConnect(c.err).(*connect.Error).Code(); got != c.code {
+			t.Errorf("toConnect(%v) = %v, want %v", c.err, got, c.code)
 		}
 	}
 }

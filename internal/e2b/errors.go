@@ -1,17 +1,13 @@
 package e2b
 
 import (
-	"context"
 	"errors"
-	"io/fs"
 	"net/http"
-	"syscall"
 
 	"connectrpc.com/connect"
 
 	"github.com/shoal-sandbox/shoal/internal/agent"
 	"github.com/shoal-sandbox/shoal/internal/errdefs"
-	"github.com/shoal-sandbox/shoal/internal/layer"
 	"github.com/shoal-sandbox/shoal/internal/limits"
 )
 
@@ -30,30 +26,16 @@ func codeOf(err error) connect.Code {
 			return connect.CodeUnimplemented
 		}
 	}
-	switch {
-	case errors.Is(err, errdefs.ErrSandboxKilled):
+	if errors.Is(err, errdefs.ErrSandboxKilled) {
 		// What E2B's edge answers once a sandbox is gone (502: unavailable).
 		return connect.CodeUnavailable
-	case errors.Is(err, errdefs.ErrInvalidArgument), errors.Is(err, layer.ErrInvalidRef), errors.Is(err, fs.ErrInvalid):
-		return connect.CodeInvalidArgument
-	case errors.Is(err, errdefs.ErrNotFound), errors.Is(err, layer.ErrNotFound), errors.Is(err, fs.ErrNotExist):
-		return connect.CodeNotFound
-	case errors.Is(err, errdefs.ErrAlreadyExists), errors.Is(err, fs.ErrExist):
-		return connect.CodeAlreadyExists
-	case errors.Is(err, fs.ErrPermission), errors.Is(err, errdefs.ErrPermissionDenied):
-		return connect.CodePermissionDenied
-	case errors.Is(err, errdefs.ErrFailedPrecondition):
-		return connect.CodeFailedPrecondition
-	case errors.Is(err, errdefs.ErrResourceExhausted), errors.Is(err, syscall.ENOSPC), errors.Is(err, syscall.EDQUOT):
-		return connect.CodeResourceExhausted
-	case errors.Is(err, errdefs.ErrUnavailable):
-		return connect.CodeUnavailable
-	case errors.Is(err, context.Canceled):
-		return connect.CodeCanceled
-	case errors.Is(err, context.DeadlineExceeded):
-		return connect.CodeDeadlineExceeded
 	}
-	return connect.CodeInternal
+	// Every other kind as Shoal's own API maps it (errdefs.Code).
+	var c connect.Code
+	if c.UnmarshalText([]byte(errdefs.Code(err))) != nil {
+		return connect.CodeInternal
+	}
+	return c
 }
 
 // toConnect turns an internal error into a Connect error for the envd RPCs.

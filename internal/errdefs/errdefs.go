@@ -9,6 +9,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io/fs"
 	"syscall"
 )
 
@@ -55,26 +56,29 @@ func New(kind error, format string, args ...any) error {
 }
 
 // Code names err's kind in the words of the wire codes ("ok" for nil,
-// "internal" for an error of no kind), for logs and metrics labels. The
-// API's mapping to wire codes stays in internal/control.
+// "internal" for an error of no kind): the one classification of errors
+// that every API face maps to its status (internal/control, internal/e2b)
+// and that logs and metrics label with. The fs sentinels (which the guest
+// agent's errors unwrap to) and a full disk count as kinds; the first
+// match in this order wins.
 func Code(err error) string {
 	switch {
 	case err == nil:
 		return "ok"
-	case errors.Is(err, ErrInvalidArgument):
+	case errors.Is(err, ErrInvalidArgument), errors.Is(err, fs.ErrInvalid):
 		return "invalid_argument"
-	case errors.Is(err, ErrNotFound), errors.Is(err, ErrSandboxKilled):
+	case errors.Is(err, ErrNotFound), errors.Is(err, ErrSandboxKilled), errors.Is(err, fs.ErrNotExist):
 		return "not_found"
-	case errors.Is(err, ErrAlreadyExists):
+	case errors.Is(err, ErrAlreadyExists), errors.Is(err, fs.ErrExist):
 		return "already_exists"
+	case errors.Is(err, ErrPermissionDenied), errors.Is(err, fs.ErrPermission):
+		return "permission_denied"
 	case errors.Is(err, ErrFailedPrecondition):
 		return "failed_precondition"
 	case errors.Is(err, ErrResourceExhausted), errors.Is(err, syscall.ENOSPC), errors.Is(err, syscall.EDQUOT):
 		return "resource_exhausted"
 	case errors.Is(err, ErrUnavailable):
 		return "unavailable"
-	case errors.Is(err, ErrPermissionDenied):
-		return "permission_denied"
 	case errors.Is(err, context.Canceled):
 		return "canceled"
 	case errors.Is(err, context.DeadlineExceeded):
