@@ -218,8 +218,11 @@ func TestForkBombStoppedByPidsLimit(t *testing.T) {
 	var out bytes.Buffer
 	st, err := c.Exec(context.Background(), id, shoal.ExecOptions{
 		// The leader stays (a busy loop needs no fork) so that the timeout
-		// kills its whole process group, bomb included.
-		Args:    []string{"sh", "-c", "bomb() { bomb | bomb & }; bomb; while :; do :; done"},
+		// kills its whole process group, bomb included. Its one fork comes
+		// before any bombing: had it forked the pipeline's members itself,
+		// its second fork could meet the full pids limit and end the command
+		// (exit 2) before its timeout, leaving the bomb behind.
+		Args:    []string{"sh", "-c", "(bomb() { bomb | bomb & }; bomb) & while :; do :; done"},
 		Stdout:  &out,
 		Stderr:  &out,
 		Timeout: 5 * time.Second,
