@@ -394,7 +394,7 @@ func (s *Server) buildLayerUpload(w http.ResponseWriter, r *http.Request) {
 		max = layer.DefaultUploadMax
 	}
 	if r.ContentLength > max {
-		refuseUpload(w, r, fmt.Errorf("the upload (%d bytes) is larger than %d bytes, the most this server takes (shoal serve --build-upload-max)", r.ContentLength, max))
+		refuseUpload(w, r, false, fmt.Errorf("the upload (%d bytes) is larger than %d bytes, the most this server takes (shoal serve --build-upload-max)", r.ContentLength, max))
 		return
 	}
 	l, err := s.node.Layers().BuildUpload(r.Context(), r.Body, max, layer.BuildOptions{
@@ -414,7 +414,9 @@ func (s *Server) buildLayerUpload(w http.ResponseWriter, r *http.Request) {
 	defer mu.Unlock()
 	if !started {
 		if errors.Is(err, errdefs.ErrResourceExhausted) {
-			refuseUpload(w, r, err)
+			// The body was being read: a client that asked for "100
+			// Continue" got it and is sending the rest.
+			refuseUpload(w, r, true, err)
 			return
 		}
 		writeConnectError(w, err)
@@ -426,12 +428,14 @@ func (s *Server) buildLayerUpload(w http.ResponseWriter, r *http.Request) {
 }
 
 // refuseUpload answers an upload too large with 413 (not Connect's 429:
-// there is nothing to retry later). Clients that read no reply before
-// their body is sent (httpx, curl) would see a broken pipe instead: unless
-// the client waits for "100 Continue", a little more of the body is read
-// first, bounded in bytes and time, before the connection is cut.
-func refuseUpload(w http.ResponseWriter, r *http.Request, err error) {
-	if !strings.EqualFold(r.Header.Get("Expect"), "100-continue") {
+// there is nothing to retry later). A client still sending its body when
+// the server answers and closes would see a broken pipe or a reset instead
+// of the answer (a race in Go's transport; always for httpx and curl): so
+// unless the client is still waiting for "100 Continue" (reading has not
+// begun), the rest of the body is read first, bounded in bytes and time,
+// before the connection is cut.
+func refuseUpload(w http.ResponseWriter, r *http.Request, reading bool, err error) {
+	if reading || !strings.EqualFold(r.Header.Get("Expect"), "100-continue") {
 		http.NewResponseController(w).SetReadDeadline(time.Now().Add(uploadDrainTime))
 		io.CopyN(io.Discard, r.Body, uploadDrainBytes)
 	}
