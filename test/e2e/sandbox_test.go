@@ -330,7 +330,7 @@ func TestNoNetworkByDefault(t *testing.T) {
 		t.Fatalf("routes present: %q", stdout)
 	}
 	// Loopback works inside.
-	stdout, _, code := run3(nil, "exec", id, "--", "sh", "-c", "nc -l -p 8080 -e echo pong & sleep 0.3; nc 127.0.0.1 8080 </dev/null")
+	stdout, _, code := run3(nil, "exec", id, "--", "sh", "-c", "nc -l -p 8080 -e echo pong & i=0; until out=$(nc 127.0.0.1 8080 </dev/null) && [ -n \"$out\" ]; do i=$((i+1)); [ $i -gt 400 ] && exit 1; sleep 0.05; done; echo \"$out\"")
 	if code != 0 || !strings.Contains(stdout, "pong") {
 		t.Fatalf("loopback: %d %q", code, stdout)
 	}
