@@ -89,7 +89,7 @@ func TestDataDiskFull(t *testing.T) {
 		res.Body.Close()
 		return res.StatusCode == http.StatusOK
 	}
-	deadline := time.Now().Add(60 * time.Second)
+	deadline := time.Now().Add(2 * time.Minute)
 	for !healthy() {
 		if time.Now().After(deadline) {
 			t.Fatalf("serve did not start:\n%s", slog())

@@ -160,7 +160,7 @@ func TestLayerUploadBounded(t *testing.T) {
 	}
 	defer func() { srv.Process.Signal(syscall.SIGTERM); srv.Wait() }()
 	url := "http://" + addr
-	waitFor(t, 30*time.Second, "the second serve", func() bool {
+	waitFor(t, 2*time.Minute, "the second serve", func() bool {
 		res, err := http.Get(url + "/healthz")
 		if err == nil {
 			res.Body.Close()

@@ -265,12 +265,16 @@ func startServe() error {
 		return err
 	}
 	log.Close()
-	for i := 0; i < 200; i++ {
+	// A generous deadline: a loaded host may take a while to recover the
+	// sandboxes before serve listens; a serve that exited is seen at once.
+	for deadline := time.Now().Add(2 * time.Minute); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
 		if res, err := http.Get(apiURL + "/healthz"); err == nil {
 			res.Body.Close()
 			return nil
 		}
-		time.Sleep(50 * time.Millisecond)
+		if syscall.Kill(serveCmd.Process.Pid, 0) != nil || procZombie(serveCmd.Process.Pid) {
+			break
+		}
 	}
 	b, _ := os.ReadFile(filepath.Join(dataDir, "serve.log"))
 	return fmt.Errorf("shoal serve did not become healthy:\n%s", b)
@@ -353,4 +357,15 @@ func sdk(t *testing.T) *shoal.Client {
 		t.Fatal(err)
 	}
 	return c
+}
+
+// procZombie reports whether pid has exited and waits to be reaped.
+func procZombie(pid int) bool {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return true
+	}
+	s := string(b)
+	i := strings.LastIndexByte(s, ')')
+	return i < 0 || i+2 >= len(s) || s[i+2] == 'Z'
 }
