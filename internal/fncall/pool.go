@@ -354,10 +354,12 @@ func (e *Engine) newSandbox(ctx context.Context, p *pool) (s *sbx, err error) {
 	if err != nil {
 		return nil, err
 	}
-	s = &sbx{id: rec.ID, agent: ag, cg: cg, e: e, next: make(chan *runCgroup, 1)}
+	made := &sbx{id: rec.ID, agent: ag, cg: cg, e: e, next: make(chan *runCgroup, 1)}
+	s = made
 	defer func() {
+		// made, not s: "return nil, err" has set s to nil by now.
 		if err != nil {
-			s.disposeCgroups(true)
+			made.disposeCgroups(true)
 		}
 	}()
 	if err := e.reset(ctx, s); err != nil {
@@ -371,6 +373,15 @@ func (e *Engine) newSandbox(ctx context.Context, p *pool) (s *sbx, err error) {
 		proc, err := ag.FnStart(wctx, agent.FnRunRequest{
 			Args: w, Env: e.runEnv(nil), Cwd: e.cfg.Box, UID: e.cfg.UID, GID: e.cfg.GID, Timeout: time.Minute, OutputLimit: 4 << 10,
 		})
+		var ae *agent.Error
+		if errors.As(err, &ae) && (ae.Code == agent.CodeNotExist || ae.Code == agent.CodePermission || ae.Code == agent.CodeIsDir) {
+			// The agent answered: the warm-up command is wrong (the pool
+			// is shared by every language on the environment), not the
+			// sandbox. A warm-up only saves time: say so, go on.
+			e.log.Warn("fncall warm-up command could not start", "sandbox_id", rec.ID, "cmd", w, "err", err)
+			cancel()
+			continue
+		}
 		if err == nil {
 			var r agent.FnRunResult
 			r, err = proc.Wait()

@@ -143,6 +143,9 @@ func TestVerdictsEveryLanguage(t *testing.T) {
 }
 
 func describe(res *pb.RunResult) string {
+	if res == nil {
+		return "no result"
+	}
 	var b strings.Builder
 	fmt.Fprintf(&b, "verdict %s error %q", res.Verdict, res.Error)
 	if x := res.Compile; x != nil {
@@ -251,6 +254,23 @@ print("procs", procs)
 		}
 		if time.Now().After(deadline) {
 			t.Fatalf("the dirty call's sandbox, 15 s after the call, still has %q:\n%s", left, got)
+		}
+	}
+}
+
+// A warm-up command that cannot start (the pool is shared by the languages
+// of an environment) is logged and skipped: calls of every language on it
+// go on. (Such a failure once made the sandbox's clean-up use the nil
+// newSandbox returned, and crashed serve.)
+func TestWarmUpCannotStart(t *testing.T) {
+	need(t)
+	c := sdk(t).FnCall()
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	for _, lang := range []string{"brokenwarm", "bash"} {
+		res, err := c.Run(ctx, &pb.RunRequest{Language: lang, Source: "echo fine"})
+		if err != nil || res.Verdict != pb.Verdict_VERDICT_OK || string(res.Tests[0].Stdout) != "fine\n" {
+			t.Fatalf("%s with a warm-up that cannot start: %v %s", lang, err, describe(res))
 		}
 	}
 }

@@ -27,6 +27,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strings"
 	"syscall"
@@ -151,6 +152,10 @@ func writeConfig(path string) error {
 	for i := range langs {
 		langs[i].Base, langs[i].Toolkits = testBase, nil
 	}
+	// A language whose pool cannot warm a sandbox up (TestWarmUpFails).
+	broken := langs[slices.IndexFunc(langs, func(l fncall.Language) bool { return l.Name == "bash" })]
+	broken.Name, broken.Warm = "brokenwarm", []string{"/no/such/warm-up"}
+	langs = append(langs, broken)
 	b, err := json.MarshalIndent(fncall.ConfigFile{
 		MaxConcurrent: 2, IdleTimeout: fncall.Duration(3 * time.Second), ReplaceDefaults: true, Languages: langs,
 	}, "", "  ")
