@@ -37,11 +37,10 @@ func TestExec(t *testing.T) {
 	}{
 		{name: "stdout", req: ExecRequest{Args: []string{"echo", "hello"}}, stdout: "hello\n"},
 		{
-			name: "stdout and stderr separate and ordered",
+			name: "stdout and stderr separate",
 			req: ExecRequest{Args: []string{"sh", "-c",
-				"echo out1; sleep 0.05; echo err1 >&2; sleep 0.05; echo out2; sleep 0.05; echo err2 >&2"}},
+				"echo out1; echo err1 >&2; echo out2; echo err2 >&2"}},
 			stdout: "out1\nout2\n", stderr: "err1\nerr2\n",
-			order: "O:out1\nE:err1\nO:out2\nE:err2\n",
 		},
 		{name: "exit code", req: ExecRequest{Args: []string{"sh", "-c", "exit 3"}}, exit: ExitStatus{Code: 3}},
 		{name: "exit code with output", req: ExecRequest{Args: []string{"sh", "-c", "echo x; exit 255"}}, stdout: "x\n", exit: ExitStatus{Code: 255}},
@@ -185,6 +184,44 @@ func TestExecCloseWhileStdinBlocked(t *testing.T) {
 	p.Close()
 	<-done
 	waitDead(t, pid, "command with blocked stdin")
+}
+
+// Output of the two streams arrives in the order it was written when each
+// write is read before the next is made: the command waits for the test to
+// have seen each event (two pipes promise no order otherwise; a 50 ms pause
+// between writes did not hold at load 88).
+func TestExecOrderAcrossStreams(t *testing.T) {
+	c := startAgent(t)
+	p, err := c.Exec(context.Background(), ExecRequest{Stdin: true, Args: []string{"sh", "-c",
+		"echo out1; read x; echo err1 >&2; read x; echo out2; read x; echo err2 >&2"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	var order strings.Builder
+	for {
+		ev, err := p.Recv()
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		switch ev.Kind {
+		case EventStdout:
+			order.WriteString("O:" + string(ev.Data))
+		case EventStderr:
+			order.WriteString("E:" + string(ev.Data))
+		}
+		if (ev.Kind == EventStdout || ev.Kind == EventStderr) && strings.Count(order.String(), "\n") < 4 {
+			if err := p.WriteStdin([]byte("\n")); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	if want := "O:out1\nE:err1\nO:out2\nE:err2\n"; order.String() != want {
+		t.Fatalf("event order = %q, want %q", order.String(), want)
+	}
 }
 
 func TestExecTimeoutKillsProcessGroup(t *testing.T) {
