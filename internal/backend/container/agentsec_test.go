@@ -15,6 +15,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/shoal-sandbox/shoal/internal/errdefs"
 	"github.com/shoal-sandbox/shoal/internal/sandbox"
 )
 
@@ -164,6 +165,37 @@ func scriptAgent(t *testing.T, script string) string {
 		t.Fatal(err)
 	}
 	return p
+}
+
+// TestCreateOutOfTime: a create that runs out of time says so, as
+// unavailable (retryable), and leaves nothing behind; its steps alone would
+// report "signal: killed" (runc killed by the context) as an internal error.
+func TestCreateOutOfTime(t *testing.T) {
+	requireRoot(t)
+	b := newBackend(t)
+	checked := 0
+	for _, d := range []time.Duration{5 * time.Millisecond, 20 * time.Millisecond, 60 * time.Millisecond, 150 * time.Millisecond} {
+		spec := newSpec(t)
+		ctx, cancel := context.WithTimeout(context.Background(), d)
+		h, err := b.Create(ctx, spec)
+		cancel()
+		if err == nil {
+			if err := b.Delete(context.Background(), h); err != nil {
+				t.Fatal(err)
+			}
+			continue
+		}
+		checked++
+		if !errors.Is(err, errdefs.ErrUnavailable) || !strings.Contains(err.Error(), "ran out of time") {
+			t.Fatalf("Create within %s: %v; want unavailable, saying it ran out of time", d, err)
+		}
+		if left := leftovers(t, b, spec); len(left) > 0 {
+			t.Errorf("left after a create out of time (%s): %v", d, left)
+		}
+	}
+	if checked == 0 {
+		t.Skip("every create finished within its time: nothing to check")
+	}
 }
 
 // TestAgentStartupErrorReported: what an agent that dies at start-up wrote

@@ -502,6 +502,15 @@ func (b *Backend) create(ctx context.Context, spec sandbox.Spec) (h sandbox.Hand
 		ctx, cancel = context.WithTimeout(ctx, sandbox.DefaultStartTimeout)
 		defer cancel()
 	}
+	start := time.Now()
+	defer func() {
+		// Out of time (its steps report only "signal: killed" or a
+		// context error): say so, as retryable, since a busy host
+		// is the likely cause.
+		if err != nil && errors.Is(ctx.Err(), context.DeadlineExceeded) && !errors.Is(err, errdefs.ErrUnavailable) {
+			err = fmt.Errorf("%w (the create ran out of time after %s: is the host overloaded?)%.0w", err, time.Since(start).Round(time.Millisecond), errdefs.ErrUnavailable)
+		}
+	}()
 	dir, err := filepath.Abs(spec.Dir)
 	if err != nil {
 		return h, fmt.Errorf("container backend: %w", err)
@@ -949,6 +958,10 @@ func (b *Backend) destroy(ctx context.Context, id string) error {
 		if err := cmd.Run(); err != nil && b.hasState(id) {
 			return fmt.Errorf("runc delete: %w: %s", err, bytes.TrimSpace(stderr.Bytes()))
 		}
+	} else if err := os.RemoveAll(filepath.Join(b.stateDir, id)); err != nil {
+		// A runc run killed before it wrote its state leaves its
+		// directory (an exec.fifo at most): runc delete does not know it.
+		return fmt.Errorf("remove runc state: %w", err)
 	}
 	if err := b.removeCgroups(id); err != nil {
 		return err
