@@ -241,12 +241,13 @@ func TestRestartKeepsPaused(t *testing.T) {
 func TestAutoPause(t *testing.T) {
 	be := newPauseBackend()
 	m, db, ids := newTestManagerWith(t, be, Config{}, "/nonexistent/a", "/nonexistent/b")
-	// Both sandboxes: auto-pause 1 s, and an idle timeout of 2 s.
+	// Both sandboxes: auto-pause 1 s; an idle timeout far enough that
+	// a slow recovery does not see them expired.
 	for _, id := range ids {
 		recs, _ := loadRecords(db)
 		for _, r := range recs {
 			if r.ID == id {
-				r.AutoPause, r.Timeout, r.Expires = time.Second, 2*time.Second, time.Now().Add(2*time.Second)
+				r.AutoPause, r.Timeout, r.Expires = time.Second, time.Minute, time.Now().Add(time.Minute)
 				db.Update(func(tx *bbolt.Tx) error { return putRecord(tx, r) })
 			}
 		}
@@ -262,17 +263,20 @@ func TestAutoPause(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer release()
+	// The first's idle timeout: 5 s from now, to be passed while paused.
+	rec, err := m.SetTimeout(ids[0], 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	go m.Run(ctx)
 	waitState(t, m, ids[0], StatePaused, 20*time.Second)
-	rec, _ := m.Get(ids[0])
-	if !rec.Pause.Auto {
+	if rec, _ := m.Get(ids[0]); !rec.Pause.Auto {
 		t.Fatal("pause not marked auto")
 	}
-	// Past its idle timeout (2 s), paused, it is still there.
-	deadline := time.Now().Add(3 * time.Second)
-	for time.Now().Before(deadline) {
+	// Past its idle timeout, paused, it is still there.
+	for time.Now().Before(rec.Expires.Add(2 * time.Second)) {
 		if _, err := m.Get(ids[0]); err != nil {
 			t.Fatalf("paused sandbox deleted by its idle timeout: %v", err)
 		}
