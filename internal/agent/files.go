@@ -48,7 +48,7 @@ func permBits(mode uint32, def fs.FileMode) fs.FileMode {
 	return m
 }
 
-func toWire(fi fs.FileInfo, path string) wireFileInfo {
+func toWire(fi fs.FileInfo, path string, names *idNames) wireFileInfo {
 	w := wireFileInfo{
 		Name:    fi.Name(),
 		Size:    fi.Size(),
@@ -57,6 +57,11 @@ func toWire(fi fs.FileInfo, path string) wireFileInfo {
 	}
 	if fi.Mode()&fs.ModeSymlink != 0 {
 		w.Link, _ = os.Readlink(path)
+	}
+	if st, ok := fi.Sys().(*syscall.Stat_t); ok {
+		uid, gid := st.Uid, st.Gid
+		w.UID, w.GID = &uid, &gid
+		names.fill(&w)
 	}
 	return w
 }
@@ -67,7 +72,7 @@ func stat(c net.Conn, path string) {
 		sendOSError(c, err, path)
 		return
 	}
-	writeJSONFrame(c, FrameReply, toWire(fi, path))
+	writeJSONFrame(c, FrameReply, toWire(fi, path, &idNames{}))
 }
 
 // readFile streams a regular file: R(fileinfo), D*, F; an error while
@@ -94,7 +99,7 @@ func readFile(c net.Conn, path string) {
 		sendError(c, CodeInvalid, "not a regular file")
 		return
 	}
-	if writeJSONFrame(c, FrameReply, toWire(fi, path)) != nil {
+	if writeJSONFrame(c, FrameReply, toWire(fi, path, &idNames{})) != nil {
 		return
 	}
 	bp := bufPool.Get().(*[]byte)
@@ -217,6 +222,7 @@ func listDir(c net.Conn, path string) {
 		sendError(c, CodeNotDir, "not a directory")
 		return
 	}
+	names := &idNames{}
 	for {
 		ents, rerr := f.ReadDir(256)
 		batch := make([]wireFileInfo, 0, len(ents))
@@ -225,7 +231,7 @@ func listDir(c net.Conn, path string) {
 			if err != nil {
 				continue // removed meanwhile
 			}
-			batch = append(batch, toWire(fi, filepath.Join(path, e.Name())))
+			batch = append(batch, toWire(fi, filepath.Join(path, e.Name()), names))
 		}
 		if len(batch) > 0 {
 			if writeJSONFrame(c, FrameData, batch) != nil {

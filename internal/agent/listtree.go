@@ -18,6 +18,7 @@ const MaxListEntries = 10000
 type wireListRequest struct {
 	Path  string `json:"path"`
 	Depth int    `json:"depth,omitempty"`
+	User  string `json:"user,omitempty"` // list as this user (users.go)
 }
 
 func listOp(c net.Conn, req *wireListRequest) {
@@ -65,6 +66,7 @@ type treeLister struct {
 	count int
 	batch []wireFileInfo
 	werr  error
+	names idNames
 }
 
 // walk lists dir (at level, 1 being the listed directory), then descends
@@ -97,7 +99,7 @@ func (t *treeLister) walk(dir, rel string, level int) error {
 				name = rel + "/" + name
 			}
 			p := joinPath(dir, e.Name())
-			w := toWire(fi, p)
+			w := toWire(fi, p, &t.names)
 			w.Name = name
 			t.batch = append(t.batch, w)
 			if len(t.batch) >= 256 {
