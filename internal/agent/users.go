@@ -12,7 +12,7 @@ package agent
 //
 // The files are the workload's: /etc/passwd may be huge, malformed, a fifo,
 // or a symlink to /proc or /dev. They are opened without blocking, must be
-// regular files on the root's own file system (so not /proc, /sys or /dev),
+// regular files and not of the kernel's pseudo file systems (/proc, /sys),
 // are read up to maxUserDB bytes (a larger file is refused, not cut), and
 // malformed lines are skipped.
 
@@ -54,12 +54,10 @@ type wireUserRequest struct {
 	User string `json:"user"`
 }
 
-// The files users are read from, and the root whose file system they must
-// be on (variables for the tests).
+// The files users are read from (variables for the tests).
 var (
 	passwdPath = "/etc/passwd"
 	groupPath  = "/etc/group"
-	userDBRoot = "/"
 )
 
 // lookupUser resolves name in the sandbox's passwd and group files. A name
@@ -96,9 +94,17 @@ func truncName(s string) string {
 	return s
 }
 
-// errUserDB is a passwd or group file that is not a plain file of the
-// sandbox's root file system.
-var errUserDB = errors.New("not a regular file on the root file system")
+// errUserDB is a passwd or group file that is not a plain file.
+var errUserDB = errors.New("not a regular file (a device, a fifo, a directory, or a file of /proc or /sys)")
+
+// pseudoFS are the kernel's file systems whose "regular" files are not
+// files (their content is made when read, their size says nothing).
+var pseudoFS = map[int64]bool{
+	unix.PROC_SUPER_MAGIC: true, unix.SYSFS_MAGIC: true, unix.CGROUP_SUPER_MAGIC: true,
+	unix.CGROUP2_SUPER_MAGIC: true, unix.DEBUGFS_MAGIC: true, unix.SECURITYFS_MAGIC: true,
+	unix.TRACEFS_MAGIC: true, unix.BPF_FS_MAGIC: true, unix.DEVPTS_SUPER_MAGIC: true,
+	unix.EFIVARFS_MAGIC: true, unix.PSTOREFS_MAGIC: true,
+}
 
 // readUserDB reads a passwd-format file, bounded (see the package comment
 // above).
@@ -108,14 +114,15 @@ func readUserDB(path string) ([]byte, error) {
 		return nil, err
 	}
 	defer f.Close()
-	var st, root unix.Stat_t
+	var st unix.Stat_t
 	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
 		return nil, err
 	}
-	if err := unix.Stat(userDBRoot, &root); err != nil {
+	var sfs unix.Statfs_t
+	if err := unix.Fstatfs(int(f.Fd()), &sfs); err != nil {
 		return nil, err
 	}
-	if st.Mode&unix.S_IFMT != unix.S_IFREG || st.Dev != root.Dev {
+	if st.Mode&unix.S_IFMT != unix.S_IFREG || pseudoFS[int64(sfs.Type)] {
 		return nil, errUserDB
 	}
 	if st.Size > maxUserDB {

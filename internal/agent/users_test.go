@@ -28,9 +28,9 @@ func userDB(t *testing.T, passwd, group string) string {
 	if group != "" {
 		os.WriteFile(filepath.Join(dir, "group"), []byte(group), 0o644)
 	}
-	op, og, or := passwdPath, groupPath, userDBRoot
-	passwdPath, groupPath, userDBRoot = filepath.Join(dir, "passwd"), filepath.Join(dir, "group"), dir
-	t.Cleanup(func() { passwdPath, groupPath, userDBRoot = op, og, or })
+	op, og := passwdPath, groupPath
+	passwdPath, groupPath = filepath.Join(dir, "passwd"), filepath.Join(dir, "group")
+	t.Cleanup(func() { passwdPath, groupPath = op, og })
 	return dir
 }
 
@@ -81,7 +81,7 @@ func equalU32(a, b []uint32) bool {
 // TestLookupUserHostile: the sandbox's /etc/passwd is the workload's; a huge
 // one, a fifo, a device or a symlink into /proc is refused, quickly.
 func TestLookupUserHostile(t *testing.T) {
-	notFile := "not a regular file on the root file system"
+	notFile := "not a regular file"
 	cases := map[string]struct {
 		mk   func(p string) error
 		want string // in the error
@@ -96,6 +96,7 @@ func TestLookupUserHostile(t *testing.T) {
 		}, "larger than 4 MiB"},
 		"fifo":      {func(p string) error { return syscall.Mkfifo(p, 0o644) }, notFile},
 		"proc":      {func(p string) error { return os.Symlink("/proc/self/environ", p) }, notFile},
+		"sys":       {func(p string) error { return os.Symlink("/sys/kernel/uevent_seqnum", p) }, notFile},
 		"dev-zero":  {func(p string) error { return os.Symlink("/dev/zero", p) }, notFile},
 		"directory": {func(p string) error { return os.Mkdir(p, 0o755) }, notFile},
 		"self-loop": {func(p string) error { return os.Symlink(p, p) }, "too many levels"},
