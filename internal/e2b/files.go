@@ -28,6 +28,7 @@ import (
 	"github.com/shoal-sandbox/shoal/api/e2b/filesystem/filesystemconnect"
 	"github.com/shoal-sandbox/shoal/api/e2b/process/processconnect"
 	"github.com/shoal-sandbox/shoal/internal/agent"
+	"github.com/shoal-sandbox/shoal/internal/errdefs"
 	"github.com/shoal-sandbox/shoal/internal/limits"
 	"github.com/shoal-sandbox/shoal/internal/node"
 )
@@ -104,9 +105,12 @@ func (s *Server) fileTarget(r *http.Request, p string) (string, *agent.Client, e
 	if err != nil {
 		return "", nil, err
 	}
-	_, home := s.sandboxFacts(id, ag)
+	uag, _, home, err := s.actAs(r.Context(), id, ag)
+	if err != nil {
+		return "", nil, err
+	}
 	abs, err := resolvePath(p, home)
-	return abs, ag, err
+	return abs, uag, err
 }
 
 func (s *Server) downloadFile(w http.ResponseWriter, r *http.Request) {
@@ -153,6 +157,57 @@ func (s *Server) downloadFile(w http.ResponseWriter, r *http.Request) {
 }
 
 var errLimit = errors.New("file grew while it was read")
+
+// A gzip request body may expand to gzipFloor bytes, and past that to
+// gzipRatio times what has been read of it compressed: a gzip bomb (deflate
+// reaches ~1000:1 on zeros) is refused early, before it fills the
+// sandbox's disk, with a message that says so; legitimate data rarely
+// compresses past 256:1 (one that does is uploaded without gzip).
+// Variables for the tests.
+var (
+	gzipFloor int64 = 64 << 20
+	gzipRatio int64 = 256
+)
+
+// gunzip decompresses a request body within the bounds above.
+type gunzip struct {
+	gz       *gzip.Reader
+	in       *countingReader
+	out, max int64
+}
+
+type countingReader struct {
+	r io.Reader
+	n int64
+}
+
+func (c *countingReader) Read(p []byte) (int, error) {
+	n, err := c.r.Read(p)
+	c.n += int64(n)
+	return n, err
+}
+
+func newGunzip(r io.Reader) (*gunzip, error) {
+	in := &countingReader{r: r}
+	gz, err := gzip.NewReader(in)
+	if err != nil {
+		return nil, err
+	}
+	return &gunzip{gz: gz, in: in}, nil
+}
+
+func (g *gunzip) Read(p []byte) (int, error) {
+	n, err := g.gz.Read(p)
+	g.out += int64(n)
+	if g.out > gzipFloor && g.out > gzipRatio*g.in.n {
+		return n, errdefs.Mark(errdefs.ErrResourceExhausted, fmt.Errorf(
+			"the gzip request body expands to more than %d times its compressed size (%s from %s so far): refused as a gzip bomb; "+
+				"upload it without Content-Encoding: gzip: %w", gzipRatio, limits.Size(g.out), limits.Size(g.in.n), limits.ErrTooLarge))
+	}
+	return n, err
+}
+
+func (g *gunzip) Close() error { return g.gz.Close() }
 
 // limitWriter writes at most n bytes (the Content-Length already sent).
 type limitWriter struct {
@@ -215,7 +270,7 @@ func (s *Server) uploadFile(w http.ResponseWriter, r *http.Request) {
 	switch enc := strings.ToLower(strings.TrimSpace(r.Header.Get("Content-Encoding"))); enc {
 	case "", "identity":
 	case "gzip":
-		gz, err := gzip.NewReader(r.Body)
+		gz, err := newGunzip(r.Body)
 		if err != nil {
 			writeError(w, http.StatusBadRequest, "error decompressing request body: "+err.Error())
 			return

@@ -208,10 +208,11 @@ describe('commands', () => {
     assert.equal(r.stderr, 'two\n')
     assert.equal(out.join(''), 'one\nthree\n')
     assert.equal(err.join(''), 'two\n')
+    // This template has no "user" account: E2B's default user falls back
+    // to root, whose home is /root (users.test.mjs has one).
     assert.equal((await sbx.commands.run('pwd')).stdout, '/root\n', 'commands start in the home directory')
     assert.equal((await sbx.commands.run('pwd', { cwd: '/tmp' })).stdout, '/tmp\n')
     assert.equal((await sbx.commands.run('echo $A-$B', { envs: { A: 'x', B: 'y' } })).stdout, 'x-y\n')
-    // Shoal runs everything as root: a user option is accepted and ignored.
     assert.equal((await sbx.commands.run('whoami', { user: 'root' })).stdout, 'root\n')
   })
 
