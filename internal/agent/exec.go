@@ -267,7 +267,7 @@ func (s *Server) startCommand(cmd *command, req *wireExecRequest) ([3]*os.File, 
 		// request's own env entries and cwd still win.
 		u, werr := lookupUser(req.User)
 		if werr != nil {
-			return files, werr
+			return files, requestUserErr(werr)
 		}
 		cred = u.credential()
 		over = append(u.env(), req.Env...)

@@ -87,6 +87,16 @@ func lookupUser(name string) (*userInfo, *wireError) {
 	return u, nil
 }
 
+// requestUserErr is the error of a command or file operation whose user
+// does not exist: the request is invalid (a not_exist would read as the
+// command's or the file's absence).
+func requestUserErr(werr *wireError) *wireError {
+	if werr.Code == CodeNotExist {
+		return &wireError{Code: CodeInvalid, Msg: werr.Msg}
+	}
+	return werr
+}
+
 func truncName(s string) string {
 	if len(s) > 64 {
 		return s[:64] + "…"
@@ -224,7 +234,7 @@ func asUser(c net.Conn, user string, fn func()) {
 	}
 	u, werr := lookupUser(user)
 	if werr != nil {
-		writeJSONFrame(c, FrameError, werr)
+		writeJSONFrame(c, FrameError, requestUserErr(werr))
 		return
 	}
 	runtime.LockOSThread()

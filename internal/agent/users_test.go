@@ -202,7 +202,7 @@ func TestExecAsUser(t *testing.T) {
 	if r := collect(t, p); r.stdout != "0\n" {
 		t.Fatalf("default user: %q", r.stdout)
 	}
-	if _, err := c.AsUser("nosuchuser").Exec(ctx, ExecRequest{Args: []string{"true"}}); !errors.Is(err, fs.ErrNotExist) {
+	if _, err := c.AsUser("nosuchuser").Exec(ctx, ExecRequest{Args: []string{"true"}}); !errors.Is(err, fs.ErrInvalid) || !strings.Contains(err.Error(), "no such user") {
 		t.Fatalf("unknown user: %v", err)
 	}
 }
@@ -275,5 +275,22 @@ func TestFilesAsUser(t *testing.T) {
 		if e.Owner != "tuser" {
 			t.Fatalf("tree entry %s owned by %q", e.Path, e.Owner)
 		}
+	}
+}
+
+func TestLookupUserOp(t *testing.T) {
+	home, _ := userFixture(t)
+	c := startAgent(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	u, err := c.LookupUser(ctx, "tuser")
+	if err != nil || u.UID != 4242 || u.Home != home || len(u.Groups) != 2 {
+		t.Fatalf("LookupUser: %+v %v", u, err)
+	}
+	if _, err := c.LookupUser(ctx, "nosuch"); !errors.Is(err, fs.ErrNotExist) {
+		t.Fatalf("LookupUser(nosuch): %v", err)
+	}
+	if _, err := c.AsUser("nosuch").Stat(ctx, "/"); !errors.Is(err, fs.ErrInvalid) {
+		t.Fatalf("Stat as nosuch: %v", err)
 	}
 }
