@@ -270,6 +270,19 @@ func (s *Server) expire() {
 					}()
 					ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 					defer cancel()
+					if m, _ := s.store.sandbox(id); m.AutoPause {
+						// onTimeout: 'pause': paused, not killed; a connect
+						// resumes it with the timeout it was created with.
+						s.log.Info("e2b: sandbox timeout: auto-pause", "sandbox_id", id)
+						d := s.cfg.DefaultTimeout
+						if rec, err := s.node.Get(id); err == nil && rec.Timeout > autoPauseMargin {
+							d = rec.Timeout - autoPauseMargin // the E2B timeout (nodeTimeout)
+						}
+						if _, err := s.pause(ctx, id, d); err != nil && !errors.Is(err, errdefs.ErrNotFound) {
+							s.log.Error("e2b: auto-pause expired sandbox", "sandbox_id", id, "err", err)
+						}
+						return
+					}
 					s.log.Info("e2b: sandbox timeout", "sandbox_id", id)
 					err := s.node.Delete(ctx, id)
 					switch {
