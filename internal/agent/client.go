@@ -35,15 +35,19 @@ type Client struct {
 	// user: the sandbox user this client's commands and file operations
 	// act as ("" = the agent's own identity, root); see AsUser.
 	user string
+	// xattrs: Stat, ListDir and ListTree read user.* extended attributes
+	// (see WithXattrs).
+	xattrs bool
 }
 
 // clientState is what every user's view of one agent shares.
 type clientState struct {
-	path    string
-	dialer  net.Dialer
-	checked atomic.Bool  // the agent's protocol matched
-	wrong   atomic.Value // string: why the agent is refused, once known
-	users   atomic.Bool  // the agent acts as named users (wirePingReply.Users)
+	path     string
+	dialer   net.Dialer
+	checked  atomic.Bool  // the agent's protocol matched
+	wrong    atomic.Value // string: why the agent is refused, once known
+	users    atomic.Bool  // the agent acts as named users (wirePingReply.Users)
+	xattrsOK atomic.Bool  // the agent sets and reads xattrs (wirePingReply.Xattrs)
 }
 
 // NewClient returns a client for the agent listening at socketPath.
@@ -58,7 +62,14 @@ func NewClient(socketPath string) *Client {
 // what they create belongs to it. "" is the agent's own identity (root).
 // An ExecRequest's own User overrides it.
 func (c *Client) AsUser(user string) *Client {
-	return &Client{clientState: c.clientState, user: user}
+	return &Client{clientState: c.clientState, user: user, xattrs: c.xattrs}
+}
+
+// WithXattrs returns a client of the same agent (and user) whose Stat,
+// ListDir and ListTree entries carry the files' user.* extended attributes
+// (FileInfo.Xattrs).
+func (c *Client) WithXattrs() *Client {
+	return &Client{clientState: c.clientState, user: c.user, xattrs: true}
 }
 
 // User is the user c acts as ("" = root, the agent's identity).
@@ -92,6 +103,7 @@ type Info struct {
 	Pid      int   // the agent's pid in its own pid namespace (1 in a sandbox)
 	RSSBytes int64 // the agent's resident set size (VmRSS)
 	Users    bool  // the agent acts as named users (Client.AsUser)
+	Xattrs   bool  // the agent sets and reads user.* xattrs (Client.WithXattrs)
 }
 
 // FileInfo describes a file as seen by lstat inside the sandbox.
@@ -101,17 +113,18 @@ type FileInfo struct {
 	Mode    fs.FileMode
 	ModTime time.Time
 	IsDir   bool
-	Symlink string // link target if it is a symlink
-	UID     int64  // owner's uid in the sandbox; -1 if the agent did not say
-	GID     int64  // group's gid; -1 if the agent did not say
-	Owner   string // the uid's name in the sandbox's /etc/passwd, else the number
-	Group   string // the gid's name in its /etc/group, else the number
+	Symlink string            // link target if it is a symlink
+	UID     int64             // owner's uid in the sandbox; -1 if the agent did not say
+	GID     int64             // group's gid; -1 if the agent did not say
+	Owner   string            // the uid's name in the sandbox's /etc/passwd, else the number
+	Group   string            // the gid's name in its /etc/group, else the number
+	Xattrs  map[string]string // user.* extended attributes, without "user." (Client.WithXattrs)
 }
 
 func fromWire(w wireFileInfo) FileInfo {
 	m := fs.FileMode(w.Mode)
 	fi := FileInfo{Name: w.Name, Size: w.Size, Mode: m, ModTime: time.Unix(0, w.MTimeNs), IsDir: m.IsDir(), Symlink: w.Link,
-		UID: -1, GID: -1, Owner: w.Owner, Group: w.Group}
+		UID: -1, GID: -1, Owner: w.Owner, Group: w.Group, Xattrs: w.Xattrs}
 	if w.UID != nil {
 		fi.UID = int64(*w.UID)
 	}
@@ -140,7 +153,7 @@ func (c *Client) ping(ctx context.Context, release bool) (Info, error) {
 	if err := c.unary(ctx, OpPing, "", wirePingRequest{Release: release}, &rep); err != nil {
 		return Info{}, err
 	}
-	return Info{Version: rep.Version, Protocol: rep.Protocol, Pid: rep.Pid, RSSBytes: rep.RSS, Users: rep.Users}, nil
+	return Info{Version: rep.Version, Protocol: rep.Protocol, Pid: rep.Pid, RSSBytes: rep.RSS, Users: rep.Users, Xattrs: rep.Xattrs}, nil
 }
 
 // checkProtocol pings the agent once per Client and compares its protocol
@@ -163,6 +176,7 @@ func (c *Client) checkProtocol(ctx context.Context) error {
 		return &Error{Op: "connect", Code: CodeVersion, Msg: why}
 	}
 	c.users.Store(info.Users)
+	c.xattrsOK.Store(info.Xattrs)
 	c.checked.Store(true)
 	return nil
 }
@@ -177,10 +191,20 @@ func (c *Client) checkUser(op Op, path, user string) error {
 		Msg: "the sandbox's agent predates users and cannot act as " + strconv.Quote(user) + ": create a new sandbox"}
 }
 
+// checkXattrs refuses to set extended attributes through an agent that
+// would ignore them.
+func (c *Client) checkXattrs(op Op, path string, req any) error {
+	if r, ok := req.(wirePathRequest); !ok || len(r.Xattrs) == 0 || c.xattrsOK.Load() {
+		return nil
+	}
+	return &Error{Op: op.String(), Path: path, Code: CodeUnsupported,
+		Msg: "the sandbox's agent predates extended attributes: create a new sandbox"}
+}
+
 // Stat returns information about path without following a final symlink.
 func (c *Client) Stat(ctx context.Context, path string) (FileInfo, error) {
 	var w wireFileInfo
-	if err := c.unary(ctx, OpStat, path, wirePathRequest{Path: path, User: c.user}, &w); err != nil {
+	if err := c.unary(ctx, OpStat, path, wirePathRequest{Path: path, User: c.user, WithXattrs: c.xattrs}, &w); err != nil {
 		return FileInfo{}, err
 	}
 	return fromWire(w), nil
@@ -202,7 +226,7 @@ func (c *Client) Remove(ctx context.Context, path string, recursive bool) error 
 
 // ListDir returns the entries of a directory sorted by name (lstat info).
 func (c *Client) ListDir(ctx context.Context, path string) ([]FileInfo, error) {
-	cc, err := c.open(ctx, OpListDir, path, wirePathRequest{Path: path, User: c.user})
+	cc, err := c.open(ctx, OpListDir, path, wireListRequest{Path: path, User: c.user, WithXattrs: c.xattrs})
 	if err != nil {
 		return nil, err
 	}
@@ -324,7 +348,14 @@ func (r *fileReader) Close() error {
 // reading r fails or the connection breaks, the temp file is removed and
 // path is untouched. It returns the number of bytes written.
 func (c *Client) WriteFile(ctx context.Context, path string, mode fs.FileMode, r io.Reader) (int64, error) {
-	cc, err := c.open(ctx, OpWriteFile, path, wirePathRequest{Path: path, Mode: uint32(mode), User: c.user})
+	return c.WriteFileXattrs(ctx, path, mode, r, nil)
+}
+
+// WriteFileXattrs is WriteFile that also sets user.NAME=VALUE extended
+// attributes (names without "user.") on the file: at most 64, names of at
+// most 250 bytes, values of at most 4096, 64 KiB in all.
+func (c *Client) WriteFileXattrs(ctx context.Context, path string, mode fs.FileMode, r io.Reader, xattrs map[string]string) (int64, error) {
+	cc, err := c.open(ctx, OpWriteFile, path, wirePathRequest{Path: path, Mode: uint32(mode), User: c.user, Xattrs: xattrs})
 	if err != nil {
 		return 0, err
 	}
@@ -384,6 +415,9 @@ func (c *Client) open(ctx context.Context, op Op, path string, req any) (*client
 		if err := c.checkUser(op, path, u); err != nil {
 			return nil, err
 		}
+	}
+	if err := c.checkXattrs(op, path, req); err != nil {
+		return nil, err
 	}
 	body, err := json.Marshal(req)
 	if err != nil {

@@ -58,6 +58,9 @@ func toWire(fi fs.FileInfo, path string, names *idNames) wireFileInfo {
 	if fi.Mode()&fs.ModeSymlink != 0 {
 		w.Link, _ = os.Readlink(path)
 	}
+	if names != nil && names.xattrs {
+		w.Xattrs = readXattrs(path)
+	}
 	if st, ok := fi.Sys().(*syscall.Stat_t); ok {
 		uid, gid := st.Uid, st.Gid
 		w.UID, w.GID = &uid, &gid
@@ -66,13 +69,13 @@ func toWire(fi fs.FileInfo, path string, names *idNames) wireFileInfo {
 	return w
 }
 
-func stat(c net.Conn, path string) {
+func stat(c net.Conn, path string, xattrs bool) {
 	fi, err := os.Lstat(path)
 	if err != nil {
 		sendOSError(c, err, path)
 		return
 	}
-	writeJSONFrame(c, FrameReply, toWire(fi, path, &idNames{}))
+	writeJSONFrame(c, FrameReply, toWire(fi, path, &idNames{xattrs: xattrs}))
 }
 
 // readFile streams a regular file: R(fileinfo), D*, F; an error while
@@ -127,7 +130,11 @@ func readFile(c net.Conn, path string) {
 // directory, fsyncs it, renames it over path and fsyncs the directory. If
 // the stream ends any other way than with F, the temp file is removed and
 // path is untouched. The mode is applied exactly (no umask).
-func writeFile(c net.Conn, path string, mode uint32) {
+func writeFile(c net.Conn, path string, mode uint32, xattrs map[string]string) {
+	if werr := checkXattrs(xattrs); werr != nil {
+		writeJSONFrame(c, FrameError, werr)
+		return
+	}
 	if fi, err := os.Lstat(path); err == nil && fi.IsDir() {
 		sendError(c, CodeIsDir, "is a directory")
 		return
@@ -154,6 +161,10 @@ func writeFile(c net.Conn, path string, mode uint32) {
 		}
 	}()
 	if err := tmp.Chmod(permBits(mode, 0o644)); err != nil {
+		sendOSError(c, err, path)
+		return
+	}
+	if err := setXattrs(tmp, xattrs); err != nil {
 		sendOSError(c, err, path)
 		return
 	}
@@ -208,7 +219,7 @@ func writeFile(c net.Conn, path string, mode uint32) {
 
 // listDir streams entries in batches (D frames holding JSON arrays), then F,
 // so that a huge directory never becomes one huge message.
-func listDir(c net.Conn, path string) {
+func listDir(c net.Conn, path string, xattrs bool) {
 	f, err := os.Open(path)
 	if err != nil {
 		sendOSError(c, err, path)
@@ -222,7 +233,7 @@ func listDir(c net.Conn, path string) {
 		sendError(c, CodeNotDir, "not a directory")
 		return
 	}
-	names := &idNames{}
+	names := &idNames{xattrs: xattrs}
 	for {
 		ents, rerr := f.ReadDir(256)
 		batch := make([]wireFileInfo, 0, len(ents))

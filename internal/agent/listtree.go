@@ -19,6 +19,8 @@ type wireListRequest struct {
 	Path  string `json:"path"`
 	Depth int    `json:"depth,omitempty"`
 	User  string `json:"user,omitempty"` // list as this user (users.go)
+	// WithXattrs: entries carry their user.* extended attributes.
+	WithXattrs bool `json:"with_xattrs,omitempty"`
 }
 
 func listOp(c net.Conn, req *wireListRequest) {
@@ -32,7 +34,7 @@ func listOp(c net.Conn, req *wireListRequest) {
 		return
 	}
 	if req.Depth <= 1 {
-		listDir(c, path)
+		listDir(c, path, req.WithXattrs)
 		return
 	}
 	fi, err := os.Stat(path)
@@ -44,7 +46,7 @@ func listOp(c net.Conn, req *wireListRequest) {
 		sendError(c, CodeNotDir, "not a directory")
 		return
 	}
-	t := &treeLister{c: c, depth: req.Depth}
+	t := &treeLister{c: c, depth: req.Depth, names: idNames{xattrs: req.WithXattrs}}
 	if err := t.walk(path, "", 1); err != nil {
 		if err == errTooManyEntries {
 			sendError(c, CodeTooMany, fmt.Sprintf("more than %d entries within depth %d: list a narrower directory or a smaller depth", MaxListEntries, req.Depth))

@@ -204,6 +204,9 @@ type wirePingReply struct {
 	// user (wireExecRequest.User, wirePathRequest.User, OpUser); an older
 	// agent would ignore the field and act as root, so clients check this.
 	Users bool `json:"users,omitempty"`
+	// Xattrs: the agent sets and reads user.* extended attributes
+	// (wirePathRequest.Xattrs, WithXattrs).
+	Xattrs bool `json:"xattrs,omitempty"`
 }
 
 type wireExecRequest struct {
@@ -271,6 +274,10 @@ type wirePathRequest struct {
 	Mode      uint32 `json:"mode,omitempty"` // fs.FileMode bits (write, mkdir)
 	Recursive bool   `json:"recursive,omitempty"`
 	User      string `json:"user,omitempty"` // act as this user (users.go)
+	// Xattrs: write sets these user.* extended attributes (names without
+	// "user.") on the file; WithXattrs: stat reads them (xattrs.go).
+	Xattrs     map[string]string `json:"xattrs,omitempty"`
+	WithXattrs bool              `json:"with_xattrs,omitempty"`
 }
 
 type wireFileInfo struct {
@@ -283,6 +290,9 @@ type wireFileInfo struct {
 	GID     *uint32 `json:"gid,omitempty"`
 	Owner   string  `json:"owner,omitempty"` // the uid's name in the sandbox's /etc/passwd, else the number
 	Group   string  `json:"group,omitempty"` // the gid's name in its /etc/group, else the number
+	// Xattrs: its user.* extended attributes, names without "user." (only
+	// when asked: WithXattrs).
+	Xattrs map[string]string `json:"xattrs,omitempty"`
 }
 
 type wireWriteReply struct {

@@ -304,11 +304,11 @@ func (s *Server) serveConn(c net.Conn) {
 		asUser(c, req.User, func() {
 			switch op {
 			case OpStat:
-				stat(c, path)
+				stat(c, path, req.WithXattrs)
 			case OpReadFile:
 				readFile(c, path)
 			case OpWriteFile:
-				writeFile(c, path, req.Mode)
+				writeFile(c, path, req.Mode, req.Xattrs)
 			case OpMakeDir:
 				makeDir(c, path, req.Mode)
 			case OpRemove:
@@ -341,7 +341,7 @@ func (s *Server) ping(c net.Conn, release bool) {
 		s.releaseMemory()
 	}
 	writeJSONFrame(c, FrameReply, wirePingReply{
-		Version: Version, Protocol: ProtocolVersion, Pid: os.Getpid(), RSS: selfRSS(), Users: true,
+		Version: Version, Protocol: ProtocolVersion, Pid: os.Getpid(), RSS: selfRSS(), Users: true, Xattrs: true,
 	})
 }
 

@@ -289,7 +289,10 @@ func asUser(c net.Conn, user string, fn func()) {
 // idNames maps uids and gids to names for one listing or stat, reading the
 // sandbox's passwd and group files (bounded as above) the first time an id
 // is looked up. Not safe for concurrent use.
+//
+// xattrs: entries also carry their user.* extended attributes (xattrs.go).
 type idNames struct {
+	xattrs bool
 	loaded bool
 	users  map[uint32]string
 	groups map[uint32]string

@@ -251,20 +251,70 @@ func wantsGzip(h string) bool {
 
 // uploadEntry is envd's EntryInfo of the /files upload answer.
 type uploadEntry struct {
-	Path string `json:"path"`
-	Name string `json:"name"`
-	Type string `json:"type"`
+	Path     string            `json:"path"`
+	Name     string            `json:"name"`
+	Type     string            `json:"type"`
+	Metadata map[string]string `json:"metadata,omitempty"`
+}
+
+// metadataXattr is where envd keeps a file's metadata: user.e2b.KEY (the
+// agent adds "user.").
+const metadataXattr = "e2b."
+
+// uploadMetadata reads an upload's X-Metadata-KEY: VALUE headers (the SDK's
+// files.write(..., { metadata })). HTTP header names are case-insensitive,
+// so keys are kept in lower case. The agent bounds their number and size.
+func uploadMetadata(h http.Header) (map[string]string, error) {
+	var meta map[string]string
+	for k, vs := range h {
+		key, ok := strings.CutPrefix(http.CanonicalHeaderKey(k), "X-Metadata-")
+		if !ok {
+			continue
+		}
+		if key == "" || len(vs) != 1 {
+			return nil, fmt.Errorf("metadata header %q: want one X-Metadata-KEY: VALUE", k)
+		}
+		if meta == nil {
+			meta = map[string]string{}
+		}
+		meta[strings.ToLower(key)] = vs[0]
+	}
+	return meta, nil
+}
+
+// xattrsOf is metadata as the agent's extended attributes, and back.
+func xattrsOf(meta map[string]string) map[string]string {
+	if len(meta) == 0 {
+		return nil
+	}
+	x := make(map[string]string, len(meta))
+	for k, v := range meta {
+		x[metadataXattr+k] = v
+	}
+	return x
+}
+
+func metadataOf(xattrs map[string]string) map[string]string {
+	var meta map[string]string
+	for k, v := range xattrs {
+		if key, ok := strings.CutPrefix(k, metadataXattr); ok && key != "" {
+			if meta == nil {
+				meta = map[string]string{}
+			}
+			meta[key] = v
+		}
+	}
+	return meta
 }
 
 // maxUploadFiles bounds the files of one multipart upload.
 const maxUploadFiles = 1000
 
 func (s *Server) uploadFile(w http.ResponseWriter, r *http.Request) {
-	for k := range r.Header {
-		if strings.HasPrefix(http.CanonicalHeaderKey(k), "X-Metadata-") {
-			writeError(w, http.StatusBadRequest, "file metadata (X-Metadata-* headers, stored as xattrs by envd) is not supported by Shoal's E2B endpoint yet")
-			return
-		}
+	meta, err := uploadMetadata(r.Header)
+	if err != nil {
+		writeError(w, http.StatusBadRequest, err.Error())
+		return
 	}
 	var body io.Reader = r.Body
 	switch enc := strings.ToLower(strings.TrimSpace(r.Header.Get("Content-Encoding"))); enc {
@@ -293,7 +343,7 @@ func (s *Server) uploadFile(w http.ResponseWriter, r *http.Request) {
 			writeError(w, http.StatusBadRequest, "path query parameter is required for raw body upload")
 			return
 		}
-		e, status, err := s.writeOne(r, qpath, body)
+		e, status, err := s.writeOne(r, qpath, body, meta)
 		if err != nil {
 			writeError(w, status, err.Error())
 			return
@@ -342,7 +392,7 @@ func (s *Server) uploadFile(w http.ResponseWriter, r *http.Request) {
 				return
 			}
 			seen[target] = true
-			e, status, err := s.writeOne(r, target, part)
+			e, status, err := s.writeOne(r, target, part, meta)
 			part.Close()
 			if err != nil {
 				writeError(w, status, err.Error())
@@ -361,7 +411,7 @@ func (s *Server) uploadFile(w http.ResponseWriter, r *http.Request) {
 }
 
 // writeOne writes one uploaded file (atomically, creating its parents).
-func (s *Server) writeOne(r *http.Request, target string, src io.Reader) (uploadEntry, int, error) {
+func (s *Server) writeOne(r *http.Request, target string, src io.Reader, meta map[string]string) (uploadEntry, int, error) {
 	p, ag, err := s.fileTarget(r, target)
 	if err != nil {
 		return uploadEntry{}, httpStatusOf(err), err
@@ -369,8 +419,8 @@ func (s *Server) writeOne(r *http.Request, target string, src io.Reader) (upload
 	if fi, err := ag.Stat(r.Context(), p); err == nil && fi.IsDir {
 		return uploadEntry{}, http.StatusBadRequest, fmt.Errorf("path is a directory: %s", p)
 	}
-	if _, err := ag.WriteFile(r.Context(), p, 0o644, src); err != nil {
+	if _, err := ag.WriteFileXattrs(r.Context(), p, 0o644, src, xattrsOf(meta)); err != nil {
 		return uploadEntry{}, httpStatusOf(err), err
 	}
-	return uploadEntry{Path: p, Name: path.Base(p), Type: "file"}, http.StatusOK, nil
+	return uploadEntry{Path: p, Name: path.Base(p), Type: "file", Metadata: meta}, http.StatusOK, nil
 }

@@ -37,7 +37,7 @@ func entryInfo(p string, fi agent.FileInfo) *fsp.EntryInfo {
 	e := &fsp.EntryInfo{
 		Name: path.Base(p), Path: p, Size: fi.Size, Mode: uint32(fi.Mode.Perm()),
 		Permissions: fi.Mode.String(), ModifiedTime: timestamppb.New(fi.ModTime),
-		Owner: fi.Owner, Group: fi.Group,
+		Owner: fi.Owner, Group: fi.Group, Metadata: metadataOf(fi.Xattrs),
 	}
 	switch {
 	case fi.Mode&fs.ModeSymlink != 0 || fi.Symlink != "":

@@ -74,7 +74,7 @@ func (s *Server) actAs(ctx context.Context, id string, ag *agent.Client) (*agent
 		name = s.defaultUser(ctx, id, ag, in)
 		if name == "" {
 			_, home := s.sandboxFacts(id, ag)
-			return ag, "", home, nil
+			return ag.WithXattrs(), "", home, nil
 		}
 	}
 	u, err := s.lookupUser(ctx, ag, in, name)
@@ -84,7 +84,7 @@ func (s *Server) actAs(ctx context.Context, id string, ag *agent.Client) (*agent
 		}
 		return nil, "", "", toConnect(err)
 	}
-	return ag.AsUser(name), name, u.Home, nil
+	return ag.AsUser(name).WithXattrs(), name, u.Home, nil // entries carry their metadata
 }
 
 // info returns the sandbox's facts record.

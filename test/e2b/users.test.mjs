@@ -74,6 +74,15 @@ describe('users', () => {
     await assert.rejects(sbx.files.read('x', { user: 'nosuchuser' }), /nosuchuser/)
   })
 
+  test('file metadata (kept as user.e2b.* xattrs, as envd does)', async () => {
+    const w = await sbx.files.write('meta.txt', 'm', { metadata: { author: 'model-7', step: '3' } })
+    assert.deepEqual(w.metadata, { author: 'model-7', step: '3' })
+    assert.deepEqual((await sbx.files.getInfo('meta.txt')).metadata, { author: 'model-7', step: '3' })
+    const e = (await sbx.files.list('.')).find((x) => x.name === 'meta.txt')
+    assert.deepEqual(e.metadata, { author: 'model-7', step: '3' })
+    assert.equal((await sbx.files.getInfo('solution.sh')).metadata, undefined)
+  })
+
   test('gzip uploads and downloads; a gzip bomb is refused', async () => {
     await sbx.files.write('gz.txt', 'gzipped\n'.repeat(1000), { gzip: true })
     assert.equal(await sbx.files.read('gz.txt', { gzip: true }), 'gzipped\n'.repeat(1000))
