@@ -154,9 +154,13 @@ var errTooLarge = errors.New("larger than 4 MiB")
 func findPasswd(db []byte, name string) *userInfo {
 	sc := bufio.NewScanner(bytes.NewReader(db))
 	sc.Buffer(make([]byte, 0, 4096), maxUserDB)
+	prefix := []byte(name + ":")
 	for sc.Scan() {
+		if !bytes.HasPrefix(sc.Bytes(), prefix) {
+			continue
+		}
 		f := strings.Split(sc.Text(), ":")
-		if len(f) < 7 || f[0] != name {
+		if len(f) < 7 {
 			continue
 		}
 		uid, err1 := strconv.ParseUint(f[2], 10, 32)
@@ -180,7 +184,11 @@ func findGroups(db []byte, name string, gid uint32) []uint32 {
 	seen := map[uint32]bool{gid: true}
 	sc := bufio.NewScanner(bytes.NewReader(db))
 	sc.Buffer(make([]byte, 0, 4096), maxUserDB)
+	nb := []byte(name)
 	for sc.Scan() && len(out) < maxGroups {
+		if !bytes.Contains(sc.Bytes(), nb) {
+			continue // not a member: the cheap test first
+		}
 		f := strings.Split(sc.Text(), ":")
 		if len(f) < 4 {
 			continue
