@@ -206,7 +206,7 @@ func remotePath(s string) (id, path string, ok bool) {
 }
 
 func cpCmd() *cobra.Command {
-	var mode string
+	var mode, user string
 	cmd := &cobra.Command{
 		Use:   "cp SRC DST",
 		Short: "Copy a file into or out of a sandbox (one side is ID:PATH; - is stdin/stdout)",
@@ -233,7 +233,7 @@ func cpCmd() *cobra.Command {
 					defer f.Close()
 					w = f
 				}
-				_, err := c.ReadFile(ctx, sid, spath, w)
+				_, err := c.ReadFileAs(ctx, sid, spath, user, w)
 				return err
 			case dremote:
 				var r io.Reader = os.Stdin
@@ -259,13 +259,14 @@ func cpCmd() *cobra.Command {
 					}
 					perm = os.FileMode(v)
 				}
-				_, err := c.WriteFile(ctx, did, dpath, perm, r)
+				_, err := c.WriteFileAs(ctx, did, dpath, user, perm, r)
 				return err
 			}
 			return errors.New("one side must be ID:PATH")
 		},
 	}
 	cmd.Flags().StringVar(&mode, "mode", "", "permission bits of the file written into a sandbox (default: the source's)")
+	cmd.Flags().StringVarP(&user, "user", "u", "", "read or write as this sandbox user: its permissions, and it owns what is written (default root)")
 	return cmd
 }
 

@@ -26,9 +26,10 @@ func execCmd() *cobra.Command {
 		timeout    time.Duration
 		trajectory string
 		step       int64
+		user       string
 	)
 	cmd := &cobra.Command{
-		Use:   "exec [--cwd DIR] [--env K=V]... [-i] [-t] [-d] ID -- CMD [ARG...]",
+		Use:   "exec [--cwd DIR] [--env K=V]... [--user U] [-i] [-t] [-d] ID -- CMD [ARG...]",
 		Short: "Run a command in a sandbox, streaming its output; exits with its exit code",
 		Long: `Run a command in a sandbox. Its output streams to this terminal and shoal
 exits with the command's exit code. The command is a server-side object: if
@@ -55,7 +56,7 @@ trajectory step: re-running a recorded step replays its result instead.`,
 			}
 			ctx, cancel := cmdContext()
 			defer cancel()
-			req := &pb.ExecRequest{SandboxId: args[0], Args: argv, Env: env, Cwd: cwd, TimeoutMs: timeout.Milliseconds(), TrajectoryId: trajectory, Step: step}
+			req := &pb.ExecRequest{SandboxId: args[0], Args: argv, Env: env, Cwd: cwd, TimeoutMs: timeout.Milliseconds(), TrajectoryId: trajectory, Step: step, User: user}
 			if detach {
 				req.StdinOpen = stdin
 				cm, err := c.Start(ctx, req)
@@ -69,7 +70,7 @@ trajectory step: re-running a recorded step replays its result instead.`,
 				return interactive(cmd, c, req)
 			}
 			o := shoal.ExecOptions{Args: argv, Env: env, Cwd: cwd, Stdout: os.Stdout, Stderr: os.Stderr,
-				Timeout: timeout, Trajectory: trajectory, Step: step}
+				Timeout: timeout, Trajectory: trajectory, Step: step, User: user}
 			if stdin {
 				o.Stdin = os.Stdin
 			}
@@ -82,7 +83,8 @@ trajectory step: re-running a recorded step replays its result instead.`,
 	}
 	f := cmd.Flags()
 	f.SetInterspersed(false)
-	f.StringVar(&cwd, "cwd", "", "working directory (default /)")
+	f.StringVar(&cwd, "cwd", "", "working directory (default /, or the --user's home)")
+	f.StringVarP(&user, "user", "u", "", "run as this sandbox user (a name in its /etc/passwd, or a uid; default root)")
 	f.StringArrayVar(&envVars, "env", nil, "KEY=VALUE (repeatable)")
 	f.BoolVarP(&stdin, "interactive", "i", false, "pass stdin to the command")
 	f.BoolVarP(&tty, "tty", "t", false, "run under a terminal (with -i: an interactive shell)")

@@ -28,6 +28,7 @@ func filesCmd() *cobra.Command {
 func filesLsCmd() *cobra.Command {
 	var (
 		depth  int
+		user   string
 		asJSON bool
 	)
 	cmd := &cobra.Command{
@@ -44,7 +45,7 @@ func filesLsCmd() *cobra.Command {
 			}
 			ctx, cancel := cmdContext()
 			defer cancel()
-			ents, err := c.ListDir(ctx, args[0], args[1], depth)
+			ents, err := c.ListDirAs(ctx, args[0], args[1], user, depth)
 			if err != nil {
 				return err
 			}
@@ -71,12 +72,13 @@ func filesLsCmd() *cobra.Command {
 				case e.Symlink != "":
 					mode |= fs.ModeSymlink
 				}
-				fmt.Fprintf(tw, "%s\t%d\t%s\t%s\n", mode, e.Size, e.ModifiedAt.AsTime().Local().Format(time.DateTime), name)
+				fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%s\t%s\n", mode, e.Owner, e.Group, e.Size, e.ModifiedAt.AsTime().Local().Format(time.DateTime), name)
 			}
 			return tw.Flush()
 		},
 	}
 	cmd.Flags().IntVar(&depth, "depth", 1, "levels to list (1: the directory's own entries)")
+	cmd.Flags().StringVarP(&user, "user", "u", "", "list as this sandbox user (default root)")
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
 	return cmd
 }

@@ -109,6 +109,8 @@ type e2bConfig struct {
 	Domain          string // default shoal.localhost:<port of Listen>
 	DefaultTemplate string
 	Pause           string
+	User            string   // default sandbox user of E2B requests
+	TemplateUsers   []string // TEMPLATE=USER
 }
 
 // Validate fills defaults and checks the configuration.
@@ -347,6 +349,8 @@ func serveCmd() *cobra.Command {
 	cmd.Flags().StringVar(&cfg.E2B.Listen, "e2b-listen", "127.0.0.1:7481", "E2B-compatible endpoint (API and sandbox traffic, HTTP and HTTPS on one port); empty disables it")
 	cmd.Flags().StringVar(&cfg.E2B.Domain, "e2b-domain", "", "sandbox domain for E2B clients: getHost(port) is PORT-ID.DOMAIN (default shoal.localhost:<e2b port>)")
 	cmd.Flags().StringVar(&cfg.E2B.DefaultTemplate, "e2b-default-template", "debian:12", "environment or base layer used for E2B's default template \"base\" when none is named base")
+	cmd.Flags().StringVar(&cfg.E2B.User, "e2b-user", "user", "sandbox user of E2B requests that name none (root when a sandbox has no such user)")
+	cmd.Flags().StringArrayVar(&cfg.E2B.TemplateUsers, "e2b-template-user", nil, "TEMPLATE=USER: the default E2B user of sandboxes of that template (repeatable)")
 	cmd.Flags().StringVar(&cfg.E2B.Pause, "e2b-pause", e2b.PauseOn, "E2B pause: on (pauses the sandbox for real; connect resumes it) or refuse (501)")
 	return cmd
 }
@@ -474,7 +478,12 @@ func serve(cfg serveConfig) error {
 			return err
 		}
 		defer e2bLn.Close()
-		e2bSrv, err = e2b.New(e2b.Config{DataDir: cfg.DataDir, Domain: domain, DefaultTemplate: cfg.E2B.DefaultTemplate, Pause: cfg.E2B.Pause, Audit: auditLog},
+		tusers, err := keyValues(cfg.E2B.TemplateUsers, "--e2b-template-user")
+		if err != nil {
+			return err
+		}
+		e2bSrv, err = e2b.New(e2b.Config{DataDir: cfg.DataDir, Domain: domain, DefaultTemplate: cfg.E2B.DefaultTemplate, Pause: cfg.E2B.Pause, Audit: auditLog,
+			DefaultUser: cfg.E2B.User, TemplateUsers: tusers},
 			db, mgr, sessions, func(h http.Handler) http.Handler { return auth.Middleware(h, "/health") }, log)
 		if err != nil {
 			return err

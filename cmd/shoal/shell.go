@@ -19,11 +19,11 @@ func shellCmd() *cobra.Command {
 		Short: "Named persistent shell sessions (cwd, env and variables carry over)",
 	}
 	var (
-		cwd, shell string
-		envVars    []string
+		cwd, shell, user string
+		envVars          []string
 	)
 	create := &cobra.Command{
-		Use:   "create [--cwd DIR] [--env K=V]... ID NAME",
+		Use:   "create [--cwd DIR] [--env K=V]... [--user U] ID NAME",
 		Short: "Start a shell session",
 		Args:  cobra.ExactArgs(2),
 		RunE: func(cmd *cobra.Command, args []string) error {
@@ -38,12 +38,13 @@ func shellCmd() *cobra.Command {
 			ctx, cancel := cmdContext()
 			defer cancel()
 			_, err = c.Commands.CreateShell(ctx, connect.NewRequest(&pb.CreateShellRequest{
-				SandboxId: args[0], Name: args[1], Cwd: cwd, Env: env, Shell: shell,
+				SandboxId: args[0], Name: args[1], Cwd: cwd, Env: env, Shell: shell, User: user,
 			}))
 			return err
 		},
 	}
 	create.Flags().StringVar(&cwd, "cwd", "", "starting directory")
+	create.Flags().StringVarP(&user, "user", "u", "", "run the shell as this sandbox user (default root)")
 	create.Flags().StringArrayVar(&envVars, "env", nil, "KEY=VALUE (repeatable)")
 	create.Flags().StringVar(&shell, "shell", "", "bash or sh (default: bash if the sandbox has it)")
 

@@ -9,6 +9,7 @@ import (
 	"io/fs"
 	"net"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -30,15 +31,69 @@ import (
 // agent that speaks another protocol fails that call and every later one
 // with a CodeVersion error saying so, instead of being misunderstood.
 type Client struct {
-	path    string
-	dialer  net.Dialer
-	checked atomic.Bool  // the agent's protocol matched
-	wrong   atomic.Value // string: why the agent is refused, once known
+	*clientState
+	// user: the sandbox user this client's commands and file operations
+	// act as ("" = the agent's own identity, root); see AsUser.
+	user string
+	// xattrs: Stat, ListDir and ListTree read user.* extended attributes
+	// (see WithXattrs).
+	xattrs bool
+}
+
+// clientState is what every user's view of one agent shares.
+type clientState struct {
+	path     string
+	dialer   net.Dialer
+	checked  atomic.Bool  // the agent's protocol matched
+	wrong    atomic.Value // string: why the agent is refused, once known
+	users    atomic.Bool  // the agent acts as named users (wirePingReply.Users)
+	xattrsOK atomic.Bool  // the agent sets and reads xattrs (wirePingReply.Xattrs)
 }
 
 // NewClient returns a client for the agent listening at socketPath.
 func NewClient(socketPath string) *Client {
-	return &Client{path: socketPath}
+	return &Client{clientState: &clientState{path: socketPath}}
+}
+
+// AsUser returns a client of the same agent whose commands and file
+// operations act as user, a user of the sandbox (its /etc/passwd): commands
+// run with its uid, gid, groups, HOME, USER and LOGNAME, in its home unless
+// given a cwd; file operations are checked against its permissions and
+// what they create belongs to it. "" is the agent's own identity (root).
+// An ExecRequest's own User overrides it.
+func (c *Client) AsUser(user string) *Client {
+	return &Client{clientState: c.clientState, user: user, xattrs: c.xattrs}
+}
+
+// WithXattrs returns a client of the same agent (and user) whose Stat,
+// ListDir and ListTree entries carry the files' user.* extended attributes
+// (FileInfo.Xattrs).
+func (c *Client) WithXattrs() *Client {
+	return &Client{clientState: c.clientState, user: c.user, xattrs: true}
+}
+
+// User is the user c acts as ("" = root, the agent's identity).
+func (c *Client) User() string { return c.user }
+
+// UserInfo describes a user of the sandbox.
+type UserInfo struct {
+	Name   string
+	UID    uint32
+	GID    uint32
+	Home   string
+	Shell  string
+	Groups []uint32 // supplementary groups, the primary one included
+}
+
+// LookupUser resolves a user name (or a numeric uid) in the sandbox's own
+// /etc/passwd and /etc/group. An unknown user is an *Error wrapping
+// fs.ErrNotExist.
+func (c *Client) LookupUser(ctx context.Context, name string) (UserInfo, error) {
+	var w userInfo
+	if err := c.unary(ctx, OpUser, name, wireUserRequest{User: name}, &w); err != nil {
+		return UserInfo{}, err
+	}
+	return UserInfo{Name: w.Name, UID: w.UID, GID: w.GID, Home: w.Home, Shell: w.Shell, Groups: w.Groups}, nil
 }
 
 // Info describes the agent process.
@@ -47,6 +102,8 @@ type Info struct {
 	Protocol int   // ProtocolVersion of the agent's build
 	Pid      int   // the agent's pid in its own pid namespace (1 in a sandbox)
 	RSSBytes int64 // the agent's resident set size (VmRSS)
+	Users    bool  // the agent acts as named users (Client.AsUser)
+	Xattrs   bool  // the agent sets and reads user.* xattrs (Client.WithXattrs)
 }
 
 // FileInfo describes a file as seen by lstat inside the sandbox.
@@ -56,12 +113,25 @@ type FileInfo struct {
 	Mode    fs.FileMode
 	ModTime time.Time
 	IsDir   bool
-	Symlink string // link target if it is a symlink
+	Symlink string            // link target if it is a symlink
+	UID     int64             // owner's uid in the sandbox; -1 if the agent did not say
+	GID     int64             // group's gid; -1 if the agent did not say
+	Owner   string            // the uid's name in the sandbox's /etc/passwd, else the number
+	Group   string            // the gid's name in its /etc/group, else the number
+	Xattrs  map[string]string // user.* extended attributes, without "user." (Client.WithXattrs)
 }
 
 func fromWire(w wireFileInfo) FileInfo {
 	m := fs.FileMode(w.Mode)
-	return FileInfo{Name: w.Name, Size: w.Size, Mode: m, ModTime: time.Unix(0, w.MTimeNs), IsDir: m.IsDir(), Symlink: w.Link}
+	fi := FileInfo{Name: w.Name, Size: w.Size, Mode: m, ModTime: time.Unix(0, w.MTimeNs), IsDir: m.IsDir(), Symlink: w.Link,
+		UID: -1, GID: -1, Owner: w.Owner, Group: w.Group, Xattrs: w.Xattrs}
+	if w.UID != nil {
+		fi.UID = int64(*w.UID)
+	}
+	if w.GID != nil {
+		fi.GID = int64(*w.GID)
+	}
+	return fi
 }
 
 // Ping checks that the agent answers and reports its version and memory.
@@ -83,7 +153,7 @@ func (c *Client) ping(ctx context.Context, release bool) (Info, error) {
 	if err := c.unary(ctx, OpPing, "", wirePingRequest{Release: release}, &rep); err != nil {
 		return Info{}, err
 	}
-	return Info{Version: rep.Version, Protocol: rep.Protocol, Pid: rep.Pid, RSSBytes: rep.RSS}, nil
+	return Info{Version: rep.Version, Protocol: rep.Protocol, Pid: rep.Pid, RSSBytes: rep.RSS, Users: rep.Users, Xattrs: rep.Xattrs}, nil
 }
 
 // checkProtocol pings the agent once per Client and compares its protocol
@@ -105,14 +175,36 @@ func (c *Client) checkProtocol(ctx context.Context) error {
 		c.wrong.Store(why)
 		return &Error{Op: "connect", Code: CodeVersion, Msg: why}
 	}
+	c.users.Store(info.Users)
+	c.xattrsOK.Store(info.Xattrs)
 	c.checked.Store(true)
 	return nil
+}
+
+// checkUser refuses to act as a user through an agent that predates users
+// (it would ignore the user and act as root).
+func (c *Client) checkUser(op Op, path, user string) error {
+	if user == "" || c.users.Load() {
+		return nil
+	}
+	return &Error{Op: op.String(), Path: path, Code: CodeUnsupported,
+		Msg: "the sandbox's agent predates users and cannot act as " + strconv.Quote(user) + ": create a new sandbox"}
+}
+
+// checkXattrs refuses to set extended attributes through an agent that
+// would ignore them.
+func (c *Client) checkXattrs(op Op, path string, req any) error {
+	if r, ok := req.(wirePathRequest); !ok || len(r.Xattrs) == 0 || c.xattrsOK.Load() {
+		return nil
+	}
+	return &Error{Op: op.String(), Path: path, Code: CodeUnsupported,
+		Msg: "the sandbox's agent predates extended attributes: create a new sandbox"}
 }
 
 // Stat returns information about path without following a final symlink.
 func (c *Client) Stat(ctx context.Context, path string) (FileInfo, error) {
 	var w wireFileInfo
-	if err := c.unary(ctx, OpStat, path, wirePathRequest{Path: path}, &w); err != nil {
+	if err := c.unary(ctx, OpStat, path, wirePathRequest{Path: path, User: c.user, WithXattrs: c.xattrs}, &w); err != nil {
 		return FileInfo{}, err
 	}
 	return fromWire(w), nil
@@ -122,19 +214,19 @@ func (c *Client) Stat(ctx context.Context, path string) (FileInfo, error) {
 // 0755; the sandbox's umask applies). It fails with an error wrapping
 // fs.ErrExist if path exists and is not a directory.
 func (c *Client) MakeDir(ctx context.Context, path string, mode fs.FileMode) error {
-	return c.unary(ctx, OpMakeDir, path, wirePathRequest{Path: path, Mode: uint32(mode)}, nil)
+	return c.unary(ctx, OpMakeDir, path, wirePathRequest{Path: path, Mode: uint32(mode), User: c.user}, nil)
 }
 
 // Remove removes a file, a symlink or an empty directory; with recursive, a
 // whole tree. A missing path is an error wrapping fs.ErrNotExist (callers
 // that want rm -f semantics check for it).
 func (c *Client) Remove(ctx context.Context, path string, recursive bool) error {
-	return c.unary(ctx, OpRemove, path, wirePathRequest{Path: path, Recursive: recursive}, nil)
+	return c.unary(ctx, OpRemove, path, wirePathRequest{Path: path, Recursive: recursive, User: c.user}, nil)
 }
 
 // ListDir returns the entries of a directory sorted by name (lstat info).
 func (c *Client) ListDir(ctx context.Context, path string) ([]FileInfo, error) {
-	cc, err := c.open(ctx, OpListDir, path, wirePathRequest{Path: path})
+	cc, err := c.open(ctx, OpListDir, path, wireListRequest{Path: path, User: c.user, WithXattrs: c.xattrs})
 	if err != nil {
 		return nil, err
 	}
@@ -175,7 +267,7 @@ func (c *Client) ListDir(ctx context.Context, path string) ([]FileInfo, error) {
 // buffers. Only regular files can be read. The caller must Close the reader;
 // an error from the agent in mid-stream is returned by Read.
 func (c *Client) ReadFile(ctx context.Context, path string) (io.ReadCloser, FileInfo, error) {
-	cc, err := c.open(ctx, OpReadFile, path, wirePathRequest{Path: path})
+	cc, err := c.open(ctx, OpReadFile, path, wirePathRequest{Path: path, User: c.user})
 	if err != nil {
 		return nil, FileInfo{}, err
 	}
@@ -256,7 +348,14 @@ func (r *fileReader) Close() error {
 // reading r fails or the connection breaks, the temp file is removed and
 // path is untouched. It returns the number of bytes written.
 func (c *Client) WriteFile(ctx context.Context, path string, mode fs.FileMode, r io.Reader) (int64, error) {
-	cc, err := c.open(ctx, OpWriteFile, path, wirePathRequest{Path: path, Mode: uint32(mode)})
+	return c.WriteFileXattrs(ctx, path, mode, r, nil)
+}
+
+// WriteFileXattrs is WriteFile that also sets user.NAME=VALUE extended
+// attributes (names without "user.") on the file: at most 64, names of at
+// most 250 bytes, values of at most 4096, 64 KiB in all.
+func (c *Client) WriteFileXattrs(ctx context.Context, path string, mode fs.FileMode, r io.Reader, xattrs map[string]string) (int64, error) {
+	cc, err := c.open(ctx, OpWriteFile, path, wirePathRequest{Path: path, Mode: uint32(mode), User: c.user, Xattrs: xattrs})
 	if err != nil {
 		return 0, err
 	}
@@ -312,6 +411,14 @@ func (c *Client) open(ctx context.Context, op Op, path string, req any) (*client
 		}
 	}
 	cc := &clientConn{ctx: ctx, op: op, path: path}
+	if u := requestUser(req); u != "" {
+		if err := c.checkUser(op, path, u); err != nil {
+			return nil, err
+		}
+	}
+	if err := c.checkXattrs(op, path, req); err != nil {
+		return nil, err
+	}
 	body, err := json.Marshal(req)
 	if err != nil {
 		return nil, cc.wrapErr(err)
@@ -340,6 +447,19 @@ func (c *Client) open(ctx context.Context, op Op, path string, req any) (*client
 		return nil, cc.wrapErr(err)
 	}
 	return cc, nil
+}
+
+// requestUser is the user a request acts as.
+func requestUser(req any) string {
+	switch r := req.(type) {
+	case wirePathRequest:
+		return r.User
+	case wireExecRequest:
+		return r.User
+	case wireListRequest:
+		return r.User
+	}
+	return ""
 }
 
 func (cc *clientConn) close() {

@@ -77,7 +77,7 @@ func (c *Client) Start(ctx context.Context, req StartRequest) (*Attachment, erro
 	}
 	w := wireExecRequest{
 		Args: req.Args, Env: req.Env, Cwd: req.Cwd, Stdin: req.Stdin, TimeoutNs: int64(req.Timeout),
-		Durable: true, LogCap: req.LogCap,
+		Durable: true, LogCap: req.LogCap, User: c.userOf(&req.ExecRequest),
 	}
 	if req.PTY != nil {
 		w.PTY = &wireWinsize{Rows: req.PTY.Rows, Cols: req.PTY.Cols}

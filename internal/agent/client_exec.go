@@ -19,6 +19,16 @@ type ExecRequest struct {
 	Cwd     string        // default "/"
 	Stdin   bool          // true: stdin is a pipe fed by WriteStdin/CloseStdin; false: /dev/null
 	Timeout time.Duration // 0 = none; on expiry the process group gets SIGKILL and Exit.TimedOut is set
+	// User: run as this user of the sandbox (see Client.AsUser); "" = the
+	// client's user.
+	User string
+}
+
+func (c *Client) userOf(req *ExecRequest) string {
+	if req.User != "" {
+		return req.User
+	}
+	return c.user
 }
 
 // EventKind says what an Event carries.
@@ -83,6 +93,7 @@ func (c *Client) Exec(ctx context.Context, req ExecRequest) (*Process, error) {
 	}
 	cc, err := c.open(ctx, OpExec, name, wireExecRequest{
 		Args: req.Args, Env: req.Env, Cwd: req.Cwd, Stdin: req.Stdin, TimeoutNs: int64(req.Timeout),
+		User: c.userOf(&req),
 	})
 	if err != nil {
 		return nil, err

@@ -92,7 +92,7 @@ type TreeEntry struct {
 // (each directory right before its entries). Past MaxListEntries entries it
 // fails with an *Error of Code CodeTooMany.
 func (c *Client) ListTree(ctx context.Context, dir string, depth int) ([]TreeEntry, error) {
-	cc, err := c.open(ctx, OpListDir, dir, wireListRequest{Path: dir, Depth: depth})
+	cc, err := c.open(ctx, OpListDir, dir, wireListRequest{Path: dir, Depth: depth, User: c.user, WithXattrs: c.xattrs})
 	if err != nil {
 		return nil, err
 	}

@@ -260,11 +260,27 @@ func (s *Server) startCommand(cmd *command, req *wireExecRequest) ([3]*os.File, 
 			return fail(CodeInvalid, "argument contains a NUL byte")
 		}
 	}
-	env, err := mergeEnv(s.env, req.Env)
+	var cred *syscall.Credential
+	over, cwd := req.Env, req.Cwd
+	if req.User != "" {
+		// The user's identity, environment and home (users.go); the
+		// request's own env entries and cwd still win.
+		u, werr := lookupUser(req.User)
+		if werr != nil {
+			return files, requestUserErr(werr)
+		}
+		cred = u.credential()
+		over = append(u.env(), req.Env...)
+		if cwd == "" {
+			if fi, err := os.Stat(u.Home); err == nil && fi.IsDir() {
+				cwd = u.Home
+			}
+		}
+	}
+	env, err := mergeEnv(s.env, over)
 	if err != nil {
 		return fail(CodeInvalid, err.Error())
 	}
-	cwd := req.Cwd
 	if cwd == "" {
 		cwd = "/"
 	}
@@ -282,7 +298,7 @@ func (s *Server) startCommand(cmd *command, req *wireExecRequest) ([3]*os.File, 
 	}
 
 	if req.PTY != nil {
-		return s.startPTY(cmd, req, path, cwd, env)
+		return s.startPTY(cmd, req, path, cwd, env, cred)
 	}
 	// Our ends are non-blocking (pollable *os.File, so reads and writes can
 	// be interrupted by Close and deadlines); the child's ends stay blocking.
@@ -335,7 +351,7 @@ func (s *Server) startCommand(cmd *command, req *wireExecRequest) ([3]*os.File, 
 		Dir:   cwd,
 		Env:   env,
 		Files: []uintptr{uintptr(child[0]), uintptr(child[1]), uintptr(child[2])},
-		Sys:   &syscall.SysProcAttr{Setpgid: true},
+		Sys:   &syscall.SysProcAttr{Setpgid: true, Credential: cred},
 	}
 	pid, err := s.reaper.start(cmd, func() (int, error) {
 		return syscall.ForkExec(path, req.Args, attr)
@@ -365,18 +381,21 @@ func (s *Server) startCommand(cmd *command, req *wireExecRequest) ([3]*os.File, 
 // a new pseudo-terminal, in a session of its own with that terminal as its
 // controlling tty. Our end (the master) is returned as both files[0] and
 // files[1]; files[2] is nil (a terminal merges the two streams).
-func (s *Server) startPTY(cmd *command, req *wireExecRequest, path, cwd string, env []string) ([3]*os.File, *wireError) {
+func (s *Server) startPTY(cmd *command, req *wireExecRequest, path, cwd string, env []string, cred *syscall.Credential) ([3]*os.File, *wireError) {
 	var files [3]*os.File
 	master, slave, err := openPTY(*req.PTY)
 	if err != nil {
 		return files, &wireError{Code: codeOf(err), Msg: "open pty: " + reason(err)}
+	}
+	if cred != nil {
+		syscall.Fchown(slave, int(cred.Uid), -1) // the user's terminal, as login gives it
 	}
 	cmd.id = s.nextID()
 	attr := &syscall.ProcAttr{
 		Dir:   cwd,
 		Env:   env,
 		Files: []uintptr{uintptr(slave), uintptr(slave), uintptr(slave)},
-		Sys:   &syscall.SysProcAttr{Setsid: true, Setctty: true, Ctty: 0},
+		Sys:   &syscall.SysProcAttr{Setsid: true, Setctty: true, Ctty: 0, Credential: cred},
 	}
 	pid, err := s.reaper.start(cmd, func() (int, error) {
 		return syscall.ForkExec(path, req.Args, attr)

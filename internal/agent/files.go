@@ -48,7 +48,7 @@ func permBits(mode uint32, def fs.FileMode) fs.FileMode {
 	return m
 }
 
-func toWire(fi fs.FileInfo, path string) wireFileInfo {
+func toWire(fi fs.FileInfo, path string, names *idNames) wireFileInfo {
 	w := wireFileInfo{
 		Name:    fi.Name(),
 		Size:    fi.Size(),
@@ -58,16 +58,24 @@ func toWire(fi fs.FileInfo, path string) wireFileInfo {
 	if fi.Mode()&fs.ModeSymlink != 0 {
 		w.Link, _ = os.Readlink(path)
 	}
+	if names != nil && names.xattrs {
+		w.Xattrs = readXattrs(path)
+	}
+	if st, ok := fi.Sys().(*syscall.Stat_t); ok {
+		uid, gid := st.Uid, st.Gid
+		w.UID, w.GID = &uid, &gid
+		names.fill(&w)
+	}
 	return w
 }
 
-func stat(c net.Conn, path string) {
+func stat(c net.Conn, path string, xattrs bool) {
 	fi, err := os.Lstat(path)
 	if err != nil {
 		sendOSError(c, err, path)
 		return
 	}
-	writeJSONFrame(c, FrameReply, toWire(fi, path))
+	writeJSONFrame(c, FrameReply, toWire(fi, path, &idNames{xattrs: xattrs}))
 }
 
 // readFile streams a regular file: R(fileinfo), D*, F; an error while
@@ -94,7 +102,7 @@ func readFile(c net.Conn, path string) {
 		sendError(c, CodeInvalid, "not a regular file")
 		return
 	}
-	if writeJSONFrame(c, FrameReply, toWire(fi, path)) != nil {
+	if writeJSONFrame(c, FrameReply, toWire(fi, path, &idNames{})) != nil {
 		return
 	}
 	bp := bufPool.Get().(*[]byte)
@@ -122,7 +130,11 @@ func readFile(c net.Conn, path string) {
 // directory, fsyncs it, renames it over path and fsyncs the directory. If
 // the stream ends any other way than with F, the temp file is removed and
 // path is untouched. The mode is applied exactly (no umask).
-func writeFile(c net.Conn, path string, mode uint32) {
+func writeFile(c net.Conn, path string, mode uint32, xattrs map[string]string) {
+	if werr := checkXattrs(xattrs); werr != nil {
+		writeJSONFrame(c, FrameError, werr)
+		return
+	}
 	if fi, err := os.Lstat(path); err == nil && fi.IsDir() {
 		sendError(c, CodeIsDir, "is a directory")
 		return
@@ -149,6 +161,10 @@ func writeFile(c net.Conn, path string, mode uint32) {
 		}
 	}()
 	if err := tmp.Chmod(permBits(mode, 0o644)); err != nil {
+		sendOSError(c, err, path)
+		return
+	}
+	if err := setXattrs(tmp, xattrs); err != nil {
 		sendOSError(c, err, path)
 		return
 	}
@@ -203,7 +219,7 @@ func writeFile(c net.Conn, path string, mode uint32) {
 
 // listDir streams entries in batches (D frames holding JSON arrays), then F,
 // so that a huge directory never becomes one huge message.
-func listDir(c net.Conn, path string) {
+func listDir(c net.Conn, path string, xattrs bool) {
 	f, err := os.Open(path)
 	if err != nil {
 		sendOSError(c, err, path)
@@ -217,6 +233,7 @@ func listDir(c net.Conn, path string) {
 		sendError(c, CodeNotDir, "not a directory")
 		return
 	}
+	names := &idNames{xattrs: xattrs}
 	for {
 		ents, rerr := f.ReadDir(256)
 		batch := make([]wireFileInfo, 0, len(ents))
@@ -225,7 +242,7 @@ func listDir(c net.Conn, path string) {
 			if err != nil {
 				continue // removed meanwhile
 			}
-			batch = append(batch, toWire(fi, filepath.Join(path, e.Name())))
+			batch = append(batch, toWire(fi, filepath.Join(path, e.Name()), names))
 		}
 		if len(batch) > 0 {
 			if writeJSONFrame(c, FrameData, batch) != nil {

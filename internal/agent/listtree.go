@@ -18,6 +18,9 @@ const MaxListEntries = 10000
 type wireListRequest struct {
 	Path  string `json:"path"`
 	Depth int    `json:"depth,omitempty"`
+	User  string `json:"user,omitempty"` // list as this user (users.go)
+	// WithXattrs: entries carry their user.* extended attributes.
+	WithXattrs bool `json:"with_xattrs,omitempty"`
 }
 
 func listOp(c net.Conn, req *wireListRequest) {
@@ -31,7 +34,7 @@ func listOp(c net.Conn, req *wireListRequest) {
 		return
 	}
 	if req.Depth <= 1 {
-		listDir(c, path)
+		listDir(c, path, req.WithXattrs)
 		return
 	}
 	fi, err := os.Stat(path)
@@ -43,7 +46,7 @@ func listOp(c net.Conn, req *wireListRequest) {
 		sendError(c, CodeNotDir, "not a directory")
 		return
 	}
-	t := &treeLister{c: c, depth: req.Depth}
+	t := &treeLister{c: c, depth: req.Depth, names: idNames{xattrs: req.WithXattrs}}
 	if err := t.walk(path, "", 1); err != nil {
 		if err == errTooManyEntries {
 			sendError(c, CodeTooMany, fmt.Sprintf("more than %d entries within depth %d: list a narrower directory or a smaller depth", MaxListEntries, req.Depth))
@@ -65,6 +68,7 @@ type treeLister struct {
 	count int
 	batch []wireFileInfo
 	werr  error
+	names idNames
 }
 
 // walk lists dir (at level, 1 being the listed directory), then descends
@@ -97,7 +101,7 @@ func (t *treeLister) walk(dir, rel string, level int) error {
 				name = rel + "/" + name
 			}
 			p := joinPath(dir, e.Name())
-			w := toWire(fi, p)
+			w := toWire(fi, p, &t.names)
 			w.Name = name
 			t.batch = append(t.batch, w)
 			if len(t.batch) >= 256 {

@@ -86,6 +86,7 @@ const (
 	OpCommands    Op = 14 // list the durable commands the agent holds
 	OpResize      Op = 15 // set the window size of a durable command's pty
 	OpWatch       Op = 16 // stream inotify events under a path (see watch.go)
+	OpUser        Op = 17 // resolve a user of the sandbox (see users.go)
 	OpFnPrepare   Op = 20 // fncall: reset a call's box and write its files (see fncall.go)
 	OpFnRun       Op = 21 // fncall: run one process of a call in given cgroups (see fncall.go)
 )
@@ -96,7 +97,7 @@ var opNames = [...]string{
 	OpMakeDir: "mkdir", OpRemove: "remove", OpAttach: "attach",
 	OpPortForward: "portforward", OpClaim: "claim", OpStdin: "stdin",
 	OpCommands: "commands", OpResize: "resize", OpWatch: "watch",
-	OpFnPrepare: "fnprepare", OpFnRun: "fnrun",
+	OpFnPrepare: "fnprepare", OpFnRun: "fnrun", OpUser: "user",
 }
 
 func (o Op) String() string {
@@ -199,6 +200,13 @@ type wirePingReply struct {
 	Protocol int    `json:"proto"`
 	Pid      int    `json:"pid"`
 	RSS      int64  `json:"rss"`
+	// Users: the agent runs commands and file operations as a named
+	// user (wireExecRequest.User, wirePathRequest.User, OpUser); an older
+	// agent would ignore the field and act as root, so clients check this.
+	Users bool `json:"users,omitempty"`
+	// Xattrs: the agent sets and reads user.* extended attributes
+	// (wirePathRequest.Xattrs, WithXattrs).
+	Xattrs bool `json:"xattrs,omitempty"`
 }
 
 type wireExecRequest struct {
@@ -211,6 +219,9 @@ type wireExecRequest struct {
 	Durable bool         `json:"durable,omitempty"`
 	LogCap  int64        `json:"log_cap,omitempty"` // durable: output log bytes kept; 0 = no cap
 	PTY     *wireWinsize `json:"pty,omitempty"`     // durable: run under a pseudo-terminal
+	// User: run as this user of the sandbox (users.go); "" = the agent's
+	// own identity (root). Agents that know it say so in their ping reply.
+	User string `json:"user,omitempty"`
 }
 
 type wireWinsize struct {
@@ -262,14 +273,26 @@ type wirePathRequest struct {
 	Path      string `json:"path"`
 	Mode      uint32 `json:"mode,omitempty"` // fs.FileMode bits (write, mkdir)
 	Recursive bool   `json:"recursive,omitempty"`
+	User      string `json:"user,omitempty"` // act as this user (users.go)
+	// Xattrs: write sets these user.* extended attributes (names without
+	// "user.") on the file; WithXattrs: stat reads them (xattrs.go).
+	Xattrs     map[string]string `json:"xattrs,omitempty"`
+	WithXattrs bool              `json:"with_xattrs,omitempty"`
 }
 
 type wireFileInfo struct {
-	Name    string `json:"name"`
-	Size    int64  `json:"size"`
-	Mode    uint32 `json:"mode"` // fs.FileMode bits, not unix st_mode
-	MTimeNs int64  `json:"mtime_ns"`
-	Link    string `json:"link,omitempty"`
+	Name    string  `json:"name"`
+	Size    int64   `json:"size"`
+	Mode    uint32  `json:"mode"` // fs.FileMode bits, not unix st_mode
+	MTimeNs int64   `json:"mtime_ns"`
+	Link    string  `json:"link,omitempty"`
+	UID     *uint32 `json:"uid,omitempty"` // owner (absent from older agents)
+	GID     *uint32 `json:"gid,omitempty"`
+	Owner   string  `json:"owner,omitempty"` // the uid's name in the sandbox's /etc/passwd, else the number
+	Group   string  `json:"group,omitempty"` // the gid's name in its /etc/group, else the number
+	// Xattrs: its user.* extended attributes, names without "user." (only
+	// when asked: WithXattrs).
+	Xattrs map[string]string `json:"xattrs,omitempty"`
 }
 
 type wireWriteReply struct {

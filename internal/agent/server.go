@@ -284,7 +284,12 @@ func (s *Server) serveConn(c net.Conn) {
 	case OpListDir:
 		var req wireListRequest
 		if decode(c, body, &req) {
-			listOp(c, &req)
+			asUser(c, req.User, func() { listOp(c, &req) })
+		}
+	case OpUser:
+		var req wireUserRequest
+		if decode(c, body, &req) {
+			lookupUserOp(c, &req)
 		}
 	case OpStat, OpReadFile, OpWriteFile, OpMakeDir, OpRemove:
 		var req wirePathRequest
@@ -296,18 +301,20 @@ func (s *Server) serveConn(c net.Conn) {
 			sendError(c, CodeInvalid, errBadPath)
 			return
 		}
-		switch op {
-		case OpStat:
-			stat(c, path)
-		case OpReadFile:
-			readFile(c, path)
-		case OpWriteFile:
-			writeFile(c, path, req.Mode)
-		case OpMakeDir:
-			makeDir(c, path, req.Mode)
-		case OpRemove:
-			remove(c, path, req.Recursive)
-		}
+		asUser(c, req.User, func() {
+			switch op {
+			case OpStat:
+				stat(c, path, req.WithXattrs)
+			case OpReadFile:
+				readFile(c, path)
+			case OpWriteFile:
+				writeFile(c, path, req.Mode, req.Xattrs)
+			case OpMakeDir:
+				makeDir(c, path, req.Mode)
+			case OpRemove:
+				remove(c, path, req.Recursive)
+			}
+		})
 	default:
 		sendError(c, CodeUnsupported, fmt.Sprintf("op %s not supported by agent %s", op, Version))
 	}
@@ -334,7 +341,7 @@ func (s *Server) ping(c net.Conn, release bool) {
 		s.releaseMemory()
 	}
 	writeJSONFrame(c, FrameReply, wirePingReply{
-		Version: Version, Protocol: ProtocolVersion, Pid: os.Getpid(), RSS: selfRSS(),
+		Version: Version, Protocol: ProtocolVersion, Pid: os.Getpid(), RSS: selfRSS(), Users: true, Xattrs: true,
 	})
 }
 

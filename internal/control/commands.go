@@ -30,7 +30,7 @@ func startRequest(r *pb.ExecRequest) (session.StartRequest, error) {
 	}
 	sr := session.StartRequest{
 		Args: r.Args, Env: env, Cwd: r.Cwd, Stdin: r.Stdin, StdinOpen: r.StdinOpen,
-		Timeout: limits.Millis(r.TimeoutMs), Trajectory: r.TrajectoryId, Step: r.Step,
+		Timeout: limits.Millis(r.TimeoutMs), Trajectory: r.TrajectoryId, Step: r.Step, User: r.User,
 	}
 	if r.Pty != nil {
 		if err := limits.Pty(r.Pty.Rows, r.Pty.Cols); err != nil {
@@ -45,7 +45,7 @@ func commandPB(in session.Info, replayed bool) *pb.Command {
 	out := &pb.Command{
 		Id: in.ID, SandboxId: in.SandboxID, Args: in.Args, Cwd: in.Cwd, Pid: int64(in.Pid),
 		StartedAt: timestamppb.New(in.Started), LogBytes: in.LogBytes, Pty: in.PTY,
-		TrajectoryId: in.Trajectory, Step: in.Step, Replayed: replayed,
+		TrajectoryId: in.Trajectory, Step: in.Step, Replayed: replayed, User: in.User,
 	}
 	switch in.State {
 	case session.StateRunning:

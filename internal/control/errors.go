@@ -77,8 +77,8 @@ func connectCode(err error) connect.Code {
 // execError names the agent's refusal to start a command's executable, or
 // returns nil for another failure of an exec.
 func execError(err error, ae *agent.Error) *connect.Error {
-	if strings.HasPrefix(ae.Msg, "cwd ") {
-		return nil // the working directory, not the executable (agent/exec.go)
+	if strings.HasPrefix(ae.Msg, "cwd ") || strings.HasPrefix(ae.Msg, "user ") {
+		return nil // the working directory or the user, not the executable (agent/exec.go, users.go)
 	}
 	var code connect.Code
 	var reason string

@@ -44,6 +44,7 @@ func TestToConnectExecReasons(t *testing.T) {
 		{wrap(&agent.Error{Op: "exec", Path: "/tmp", Code: agent.CodePermission, Msg: "exec /tmp: permission denied"}), connect.CodePermissionDenied, ReasonCommandNotExecutable},
 		{wrap(&agent.Error{Op: "exec", Path: "/x", Code: agent.CodeIO, Msg: "exec /x: exec format error"}), connect.CodeInvalidArgument, ReasonCommandNotExecutable},
 		{wrap(&agent.Error{Op: "exec", Path: "ls", Code: agent.CodeNotExist, Msg: "cwd /nope: no such file or directory"}), connect.CodeNotFound, ""},
+		{wrap(&agent.Error{Op: "exec", Path: "ls", Code: agent.CodeInvalid, Msg: "user nosuch: no such user in the sandbox's /etc/passwd"}), connect.CodeInvalidArgument, ""},
 		{wrap(&agent.Error{Op: "exec", Path: "ls", Code: agent.CodeIO, Msg: "too many open files"}), connect.CodeInternal, ""},
 		{&agent.Error{Op: "read", Path: "/x", Code: agent.CodeNotExist, Msg: "no such file"}, connect.CodeNotFound, ""},
 		{errdefs.New(errdefs.ErrNotFound, "no sandbox abc"), connect.CodeNotFound, ""},

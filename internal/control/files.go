@@ -44,26 +44,31 @@ func checkPath(p string) error {
 	return nil
 }
 
-func (s *Server) agentFor(id, p string) (*agent.Client, error) {
+// agentFor returns the agent of sandbox id, acting as user ("" = root).
+func (s *Server) agentFor(id, p, user string) (*agent.Client, error) {
 	if err := checkPath(p); err != nil {
 		return nil, connect.NewError(connect.CodeInvalidArgument, err)
+	}
+	if err := limits.User("user", user); err != nil {
+		return nil, toConnect(err)
 	}
 	a, err := s.node.Agent(id)
 	if err != nil {
 		return nil, toConnect(err)
 	}
-	return a, nil
+	return a.AsUser(user), nil
 }
 
 func fileInfoPB(dir string, fi agent.FileInfo) *pb.FileInfo {
 	return &pb.FileInfo{
 		Name: fi.Name, Path: path.Join(dir, fi.Name), Size: fi.Size, Mode: uint32(fi.Mode.Perm()),
 		IsDir: fi.IsDir, Symlink: fi.Symlink, ModifiedAt: timestamppb.New(fi.ModTime),
+		Owner: fi.Owner, Group: fi.Group, Uid: fi.UID, Gid: fi.GID,
 	}
 }
 
 func (s *Server) StatFile(ctx context.Context, req *connect.Request[pb.StatFileRequest]) (*connect.Response[pb.FileInfo], error) {
-	a, err := s.agentFor(req.Msg.SandboxId, req.Msg.Path)
+	a, err := s.agentFor(req.Msg.SandboxId, req.Msg.Path, req.Msg.User)
 	if err != nil {
 		return nil, err
 	}
@@ -80,7 +85,7 @@ func (s *Server) ListDir(ctx context.Context, req *connect.Request[pb.ListDirReq
 	if req.Msg.Depth < 0 {
 		return nil, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("depth %d must not be negative", req.Msg.Depth))
 	}
-	a, err := s.agentFor(req.Msg.SandboxId, req.Msg.Path)
+	a, err := s.agentFor(req.Msg.SandboxId, req.Msg.Path, req.Msg.User)
 	if err != nil {
 		return nil, err
 	}
@@ -119,7 +124,7 @@ func agentLimitErr(err error) error {
 }
 
 func (s *Server) MakeDir(ctx context.Context, req *connect.Request[pb.MakeDirRequest]) (*connect.Response[pb.MakeDirResponse], error) {
-	a, err := s.agentFor(req.Msg.SandboxId, req.Msg.Path)
+	a, err := s.agentFor(req.Msg.SandboxId, req.Msg.Path, req.Msg.User)
 	if err != nil {
 		return nil, err
 	}
@@ -133,7 +138,7 @@ func (s *Server) RemoveFile(ctx context.Context, req *connect.Request[pb.RemoveF
 	if path.Clean(req.Msg.Path) == "/" {
 		return nil, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("refusing to remove /"))
 	}
-	a, err := s.agentFor(req.Msg.SandboxId, req.Msg.Path)
+	a, err := s.agentFor(req.Msg.SandboxId, req.Msg.Path, req.Msg.User)
 	if err != nil {
 		return nil, err
 	}
@@ -146,7 +151,7 @@ func (s *Server) RemoveFile(ctx context.Context, req *connect.Request[pb.RemoveF
 // readFile streams a file out of a sandbox: GET /v1/sandboxes/{id}/files?path=.
 func (s *Server) readFile(w http.ResponseWriter, r *http.Request) {
 	p := r.URL.Query().Get("path")
-	a, err := s.agentFor(r.PathValue("id"), p)
+	a, err := s.agentFor(r.PathValue("id"), p, r.URL.Query().Get("user"))
 	if err != nil {
 		writeConnectError(w, err)
 		return
@@ -193,7 +198,7 @@ func (s *Server) writeFile(w http.ResponseWriter, r *http.Request) {
 		}
 		mode = fs.FileMode(v)
 	}
-	a, err := s.agentFor(r.PathValue("id"), p)
+	a, err := s.agentFor(r.PathValue("id"), p, r.URL.Query().Get("user"))
 	if err != nil {
 		writeConnectError(w, err)
 		return

@@ -21,7 +21,7 @@ func (s *Server) CreateShell(ctx context.Context, req *connect.Request[pb.Create
 	if err != nil {
 		return nil, toConnect(err)
 	}
-	sh, err := s.sessions.CreateShell(ctx, r.SandboxId, r.Name, r.Cwd, env, r.Shell)
+	sh, err := s.sessions.CreateShell(ctx, r.SandboxId, r.Name, r.Cwd, env, r.Shell, r.User)
 	if err != nil {
 		return nil, toConnect(err)
 	}

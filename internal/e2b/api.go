@@ -318,11 +318,14 @@ func (s *Server) createSandbox(w http.ResponseWriter, r *http.Request) {
 	}
 	// Refuse what Shoal cannot honour rather than pretend.
 	switch {
-	case in.AutoPause != nil && *in.AutoPause:
-		badRequest(w, "autoPause (lifecycle onTimeout: 'pause') is not supported by Shoal yet: a sandbox is deleted when its timeout expires")
+	case in.AutoPause != nil && *in.AutoPause && s.cfg.Pause == PauseRefuse:
+		badRequest(w, "autoPause (lifecycle onTimeout: 'pause') needs pause, which is turned off on this server (serve runs with --e2b-pause=refuse)")
 		return
-	case in.AutoResume != nil && in.AutoResume.Enabled:
-		badRequest(w, "autoResume is not supported by Shoal yet")
+	case in.AutoPause != nil && *in.AutoPause && in.AutoPauseMemory != nil && !*in.AutoPauseMemory:
+		badRequest(w, "autoPause without memory (onTimeout keepMemory: false, a file-system-only snapshot) is not supported by Shoal: a pause keeps the sandbox's processes and memory")
+		return
+	case in.AutoResume != nil && in.AutoResume.Enabled && (in.AutoPause == nil || !*in.AutoPause):
+		badRequest(w, "autoResume needs autoPause (lifecycle onTimeout: 'pause')")
 		return
 	case len(in.VolumeMounts) > 0:
 		badRequest(w, "volumeMounts are not supported by Shoal yet")
@@ -350,7 +353,8 @@ func (s *Server) createSandbox(w http.ResponseWriter, r *http.Request) {
 	if in.Timeout != nil && *in.Timeout > 0 {
 		timeout = limits.Seconds(*in.Timeout)
 	}
-	req := node.CreateRequest{Timeout: timeout, Metadata: in.Metadata, Env: in.EnvVars, Tenant: tenant.FromContext(r.Context()).Tenant}
+	autoPause := in.AutoPause != nil && *in.AutoPause
+	req := node.CreateRequest{Timeout: s.nodeTimeout(autoPause, timeout), Metadata: in.Metadata, Env: in.EnvVars, Tenant: tenant.FromContext(r.Context()).Tenant}
 	// Network: E2B's allowInternetAccess (the public internet; unset is
 	// false here: Shoal sandboxes have no network unless asked), denyOut
 	// taken out of it, allowOut allowed whatever denyOut says.
@@ -370,7 +374,8 @@ func (s *Server) createSandbox(w http.ResponseWriter, r *http.Request) {
 		writeErr(w, err)
 		return
 	}
-	if err := s.store.putSandbox(rec.ID, sandboxMeta{Template: in.TemplateID, Public: &public, Deadline: rec.Created.Add(timeout)}); err != nil {
+	meta := sandboxMeta{Template: in.TemplateID, Public: &public, Deadline: rec.Created.Add(timeout), AutoPause: autoPause}
+	if err := s.store.putSandbox(rec.ID, meta); err != nil {
 		s.log.Warn("e2b: record sandbox", "sandbox_id", rec.ID, "err", err)
 	}
 	s.log.Info("e2b: sandbox created", "sandbox_id", rec.ID, "template", in.TemplateID)
@@ -384,8 +389,31 @@ func (s *Server) getSandbox(w http.ResponseWriter, r *http.Request) {
 	}
 	writeJSON(w, http.StatusOK, sandboxDetail{
 		listedSandbox: s.listed(rec), EnvdAccessToken: s.envdToken(rec.ID), Domain: s.domain(),
-		Lifecycle: lifecycle{OnTimeout: "kill"},
+		Lifecycle: s.lifecycleOf(rec.ID),
 	})
+}
+
+// autoPauseMargin is how much longer than its E2B timeout the node's own
+// idle timeout of an auto-pausing sandbox is: E2B's deadline (checked every
+// second) must come first, so that the sandbox is paused, not deleted.
+const autoPauseMargin = time.Minute
+
+// nodeTimeout is the node's idle timeout for an E2B timeout d.
+func (s *Server) nodeTimeout(autoPause bool, d time.Duration) time.Duration {
+	if autoPause && s.node.CheckTimeout(d+autoPauseMargin) == nil {
+		return d + autoPauseMargin
+	}
+	return d
+}
+
+// lifecycleOf is E2B's lifecycle of a sandbox: killed or paused at its
+// timeout; a paused sandbox is resumed by any traffic (autoResume), which
+// Shoal does for every paused sandbox.
+func (s *Server) lifecycleOf(id string) lifecycle {
+	if m, _ := s.store.sandbox(id); m.AutoPause {
+		return lifecycle{OnTimeout: "pause", AutoResume: true}
+	}
+	return lifecycle{OnTimeout: "kill"}
 }
 
 func (s *Server) killSandbox(w http.ResponseWriter, r *http.Request) {
@@ -643,7 +671,7 @@ func (s *Server) setTimeout(w http.ResponseWriter, r *http.Request) {
 		w.WriteHeader(http.StatusNoContent)
 		return
 	}
-	if _, err := s.node.SetTimeout(id, d); err != nil {
+	if _, err := s.node.SetTimeout(id, s.nodeTimeout(m.AutoPause, d)); err != nil {
 		writeErr(w, err)
 		return
 	}
@@ -665,7 +693,8 @@ func (s *Server) extend(rec node.Record, d time.Duration) error {
 	}
 	until := time.Now().Add(d)
 	if until.After(rec.Expires) {
-		if _, err := s.node.SetTimeout(rec.ID, max(d, rec.Timeout)); err != nil {
+		m, _ := s.store.sandbox(rec.ID)
+		if _, err := s.node.SetTimeout(rec.ID, max(s.nodeTimeout(m.AutoPause, d), rec.Timeout)); err != nil {
 			return err
 		}
 	}
@@ -724,7 +753,7 @@ func (s *Server) pauseSandbox(w http.ResponseWriter, r *http.Request) {
 	if !m.Deadline.IsZero() {
 		resumeTimeout = max(time.Until(m.Deadline), time.Second)
 	}
-	rec, paused, err := s.node.Pause(r.Context(), rec.ID)
+	paused, err := s.pause(r.Context(), rec.ID, resumeTimeout)
 	if err != nil {
 		writeErr(w, err)
 		return
@@ -733,14 +762,23 @@ func (s *Server) pauseSandbox(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusConflict, fmt.Sprintf("sandbox %s is already paused", rec.ID))
 		return
 	}
-	m, _ = s.store.sandbox(rec.ID)
+	w.WriteHeader(http.StatusNoContent)
+}
+
+// pause pauses a sandbox (false: it was paused already) and records that
+// a connect gives it resumeTimeout.
+func (s *Server) pause(ctx context.Context, id string, resumeTimeout time.Duration) (bool, error) {
+	rec, paused, err := s.node.Pause(ctx, id)
+	if err != nil || !paused {
+		return paused, err
+	}
+	m, _ := s.store.sandbox(rec.ID)
 	m.Paused, m.ResumeTimeout = true, resumeTimeout
 	if err := s.store.putSandbox(rec.ID, m); err != nil {
-		writeErr(w, err)
-		return
+		return true, err
 	}
 	s.log.Info("e2b: sandbox paused", "sandbox_id", rec.ID)
-	w.WriteHeader(http.StatusNoContent)
+	return true, nil
 }
 
 // resume resumes a paused sandbox (if it still is: a request may have
@@ -763,7 +801,7 @@ func (s *Server) resume(ctx context.Context, rec node.Record, m sandboxMeta, d t
 		return rec, err
 	}
 	s.log.Info("e2b: sandbox resumed", "sandbox_id", rec.ID)
-	return s.node.SetTimeout(rec.ID, d)
+	return s.node.SetTimeout(rec.ID, s.nodeTimeout(m.AutoPause, d))
 }
 
 func (s *Server) connectSandbox(w http.ResponseWriter, r *http.Request) {

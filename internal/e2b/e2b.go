@@ -93,9 +93,17 @@ type Config struct {
 	// no environment or layer is named "base" (a Shoal environment name or
 	// a base layer reference). Empty: "base" must exist.
 	DefaultTemplate string
-	// HomeDir is where relative paths resolve and where commands start
-	// without a cwd (E2B's user home), when it exists in the sandbox.
+	// HomeDir is root's home: where relative paths resolve and where
+	// commands start without a cwd when they act as root, if it exists in
+	// the sandbox (a user's own home is in the sandbox's /etc/passwd).
 	HomeDir string
+	// DefaultUser is the sandbox user of requests that name none (E2B's
+	// templates have "user"; see users.go); root when the sandbox has no
+	// such user. Default "user"; "root": root.
+	DefaultUser string
+	// TemplateUsers overrides DefaultUser per template (the name given to
+	// create).
+	TemplateUsers map[string]string
 	// DefaultTimeout is a sandbox's timeout when a create or connect gives
 	// none (E2B's default: 300 s).
 	DefaultTimeout time.Duration
@@ -113,6 +121,9 @@ func (c *Config) Validate() error {
 	}
 	if c.HomeDir == "" {
 		c.HomeDir = "/root"
+	}
+	if c.DefaultUser == "" {
+		c.DefaultUser = "user"
 	}
 	if !strings.HasPrefix(c.HomeDir, "/") {
 		return fmt.Errorf("e2b config: home dir %q must be absolute", c.HomeDir)
@@ -259,6 +270,19 @@ func (s *Server) expire() {
 					}()
 					ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 					defer cancel()
+					if m, _ := s.store.sandbox(id); m.AutoPause {
+						// onTimeout: 'pause': paused, not killed; a connect
+						// resumes it with the timeout it was created with.
+						s.log.Info("e2b: sandbox timeout: auto-pause", "sandbox_id", id)
+						d := s.cfg.DefaultTimeout
+						if rec, err := s.node.Get(id); err == nil && rec.Timeout > autoPauseMargin {
+							d = rec.Timeout - autoPauseMargin // the E2B timeout (nodeTimeout)
+						}
+						if _, err := s.pause(ctx, id, d); err != nil && !errors.Is(err, errdefs.ErrNotFound) {
+							s.log.Error("e2b: auto-pause expired sandbox", "sandbox_id", id, "err", err)
+						}
+						return
+					}
 					s.log.Info("e2b: sandbox timeout", "sandbox_id", id)
 					err := s.node.Delete(ctx, id)
 					switch {
@@ -396,7 +420,12 @@ func (s *Server) sandboxTraffic(w http.ResponseWriter, r *http.Request, id strin
 		writeError(w, http.StatusUnauthorized, "missing or invalid X-Access-Token for this sandbox (it is returned with the sandbox by create and connect)")
 		return
 	}
-	s.envd.ServeHTTP(w, r.WithContext(context.WithValue(r.Context(), sandboxKey{}, id)))
+	user, err := requestUser(r)
+	if err != nil {
+		writeError(w, http.StatusBadRequest, err.Error())
+		return
+	}
+	s.envd.ServeHTTP(w, r.WithContext(withUser(context.WithValue(r.Context(), sandboxKey{}, id), user)))
 }
 
 // record writes an audit entry for an action of the key of ctx (or, for

@@ -4,11 +4,15 @@ package e2b
 // the whole face against a real `shoal serve` in test/e2b.
 
 import (
+	"bytes"
+	"compress/gzip"
 	"context"
+	"crypto/rand"
 	"crypto/sha256"
 	"crypto/tls"
 	"crypto/x509"
 	"encoding/base64"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -345,4 +349,45 @@ func FuzzResolvePath(f *testing.F) {
 			t.Fatalf("resolvePath(%q, %q) = %q", p, home, got)
 		}
 	})
+}
+
+// TestGunzipBound: a gzip bomb is refused once it expands past the floor
+// at more than gzipRatio:1, with ErrTooLarge (413); ordinary compressed
+// data, and highly compressible data below the floor, pass.
+func TestGunzipBound(t *testing.T) {
+	defer func(f int64) { gzipFloor = f }(gzipFloor)
+	gzipFloor = 1 << 20 // small, for the race detector's sake
+	compress := func(b []byte) []byte {
+		var out bytes.Buffer
+		gz, _ := gzip.NewWriterLevel(&out, gzip.BestSpeed)
+		gz.Write(b)
+		gz.Close()
+		return out.Bytes()
+	}
+	read := func(body []byte) (int64, error) {
+		g, err := newGunzip(bytes.NewReader(body))
+		if err != nil {
+			return 0, err
+		}
+		defer g.Close()
+		return io.Copy(io.Discard, g)
+	}
+	// 1 GiB of zeros: 1024 gzip members of 1 MiB each (~1 KiB apiece).
+	bomb := bytes.Repeat(compress(make([]byte, 1<<20)), 1024)
+	n, err := read(bomb)
+	if !errors.Is(err, limits.ErrTooLarge) || !strings.Contains(err.Error(), "gzip bomb") {
+		t.Fatalf("1 GiB of zeros from %d bytes: read %d, err %v", len(bomb), n, err)
+	}
+	if n > 4*gzipFloor {
+		t.Fatalf("the bomb was read to %d bytes before it was refused", n)
+	}
+	if n, err := read(compress(make([]byte, gzipFloor))); err != nil || n != gzipFloor {
+		t.Fatalf("zeros up to the floor: %d %v", n, err)
+	}
+	// Past the floor, data that does not compress that much passes.
+	big := make([]byte, 3*gzipFloor)
+	rand.Read(big)
+	if n, err := read(compress(big)); err != nil || n != int64(len(big)) {
+		t.Fatalf("random data past the floor: %d %v", n, err)
+	}
 }

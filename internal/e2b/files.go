@@ -28,6 +28,7 @@ import (
 	"github.com/shoal-sandbox/shoal/api/e2b/filesystem/filesystemconnect"
 	"github.com/shoal-sandbox/shoal/api/e2b/process/processconnect"
 	"github.com/shoal-sandbox/shoal/internal/agent"
+	"github.com/shoal-sandbox/shoal/internal/errdefs"
 	"github.com/shoal-sandbox/shoal/internal/limits"
 	"github.com/shoal-sandbox/shoal/internal/node"
 )
@@ -104,9 +105,12 @@ func (s *Server) fileTarget(r *http.Request, p string) (string, *agent.Client, e
 	if err != nil {
 		return "", nil, err
 	}
-	_, home := s.sandboxFacts(id, ag)
+	uag, _, home, err := s.actAs(r.Context(), id, ag)
+	if err != nil {
+		return "", nil, err
+	}
 	abs, err := resolvePath(p, home)
-	return abs, ag, err
+	return abs, uag, err
 }
 
 func (s *Server) downloadFile(w http.ResponseWriter, r *http.Request) {
@@ -154,6 +158,57 @@ func (s *Server) downloadFile(w http.ResponseWriter, r *http.Request) {
 
 var errLimit = errors.New("file grew while it was read")
 
+// A gzip request body may expand to gzipFloor bytes, and past that to
+// gzipRatio times what has been read of it compressed: a gzip bomb (deflate
+// reaches ~1000:1 on zeros) is refused early, before it fills the
+// sandbox's disk, with a message that says so; legitimate data rarely
+// compresses past 256:1 (one that does is uploaded without gzip).
+// Variables for the tests.
+var (
+	gzipFloor int64 = 64 << 20
+	gzipRatio int64 = 256
+)
+
+// gunzip decompresses a request body within the bounds above.
+type gunzip struct {
+	gz       *gzip.Reader
+	in       *countingReader
+	out, max int64
+}
+
+type countingReader struct {
+	r io.Reader
+	n int64
+}
+
+func (c *countingReader) Read(p []byte) (int, error) {
+	n, err := c.r.Read(p)
+	c.n += int64(n)
+	return n, err
+}
+
+func newGunzip(r io.Reader) (*gunzip, error) {
+	in := &countingReader{r: r}
+	gz, err := gzip.NewReader(in)
+	if err != nil {
+		return nil, err
+	}
+	return &gunzip{gz: gz, in: in}, nil
+}
+
+func (g *gunzip) Read(p []byte) (int, error) {
+	n, err := g.gz.Read(p)
+	g.out += int64(n)
+	if g.out > gzipFloor && g.out > gzipRatio*g.in.n {
+		return n, errdefs.Mark(errdefs.ErrResourceExhausted, fmt.Errorf(
+			"the gzip request body expands to more than %d times its compressed size (%s from %s so far): refused as a gzip bomb; "+
+				"upload it without Content-Encoding: gzip: %w", gzipRatio, limits.Size(g.out), limits.Size(g.in.n), limits.ErrTooLarge))
+	}
+	return n, err
+}
+
+func (g *gunzip) Close() error { return g.gz.Close() }
+
 // limitWriter writes at most n bytes (the Content-Length already sent).
 type limitWriter struct {
 	w io.Writer
@@ -196,26 +251,76 @@ func wantsGzip(h string) bool {
 
 // uploadEntry is envd's EntryInfo of the /files upload answer.
 type uploadEntry struct {
-	Path string `json:"path"`
-	Name string `json:"name"`
-	Type string `json:"type"`
+	Path     string            `json:"path"`
+	Name     string            `json:"name"`
+	Type     string            `json:"type"`
+	Metadata map[string]string `json:"metadata,omitempty"`
+}
+
+// metadataXattr is where envd keeps a file's metadata: user.e2b.KEY (the
+// agent adds "user.").
+const metadataXattr = "e2b."
+
+// uploadMetadata reads an upload's X-Metadata-KEY: VALUE headers (the SDK's
+// files.write(..., { metadata })). HTTP header names are case-insensitive,
+// so keys are kept in lower case. The agent bounds their number and size.
+func uploadMetadata(h http.Header) (map[string]string, error) {
+	var meta map[string]string
+	for k, vs := range h {
+		key, ok := strings.CutPrefix(http.CanonicalHeaderKey(k), "X-Metadata-")
+		if !ok {
+			continue
+		}
+		if key == "" || len(vs) != 1 {
+			return nil, fmt.Errorf("metadata header %q: want one X-Metadata-KEY: VALUE", k)
+		}
+		if meta == nil {
+			meta = map[string]string{}
+		}
+		meta[strings.ToLower(key)] = vs[0]
+	}
+	return meta, nil
+}
+
+// xattrsOf is metadata as the agent's extended attributes, and back.
+func xattrsOf(meta map[string]string) map[string]string {
+	if len(meta) == 0 {
+		return nil
+	}
+	x := make(map[string]string, len(meta))
+	for k, v := range meta {
+		x[metadataXattr+k] = v
+	}
+	return x
+}
+
+func metadataOf(xattrs map[string]string) map[string]string {
+	var meta map[string]string
+	for k, v := range xattrs {
+		if key, ok := strings.CutPrefix(k, metadataXattr); ok && key != "" {
+			if meta == nil {
+				meta = map[string]string{}
+			}
+			meta[key] = v
+		}
+	}
+	return meta
 }
 
 // maxUploadFiles bounds the files of one multipart upload.
 const maxUploadFiles = 1000
 
 func (s *Server) uploadFile(w http.ResponseWriter, r *http.Request) {
-	for k := range r.Header {
-		if strings.HasPrefix(http.CanonicalHeaderKey(k), "X-Metadata-") {
-			writeError(w, http.StatusBadRequest, "file metadata (X-Metadata-* headers, stored as xattrs by envd) is not supported by Shoal's E2B endpoint yet")
-			return
-		}
+	meta, err := uploadMetadata(r.Header)
+	if err != nil {
+		writeError(w, http.StatusBadRequest, err.Error())
+		return
 	}
 	var body io.Reader = r.Body
 	switch enc := strings.ToLower(strings.TrimSpace(r.Header.Get("Content-Encoding"))); enc {
 	case "", "identity":
 	case "gzip":
-		gz, err := gzip.NewReader(r.Body)
+		gz, err := newGunzip(r.Body)
 		if err != nil {
 			writeError(w, http.StatusBadRequest, "error decompressing request body: "+err.Error())
 			return
@@ -238,7 +343,7 @@ func (s *Server) uploadFile(w http.ResponseWriter, r *http.Request) {
 			writeError(w, http.StatusBadRequest, "path query parameter is required for raw body upload")
 			return
 		}
-		e, status, err := s.writeOne(r, qpath, body)
+		e, status, err := s.writeOne(r, qpath, body, meta)
 		if err != nil {
 			writeError(w, status, err.Error())
 			return
@@ -287,7 +392,7 @@ func (s *Server) uploadFile(w http.ResponseWriter, r *http.Request) {
 				return
 			}
 			seen[target] = true
-			e, status, err := s.writeOne(r, target, part)
+			e, status, err := s.writeOne(r, target, part, meta)
 			part.Close()
 			if err != nil {
 				writeError(w, status, err.Error())
@@ -306,7 +411,7 @@ func (s *Server) uploadFile(w http.ResponseWriter, r *http.Request) {
 }
 
 // writeOne writes one uploaded file (atomically, creating its parents).
-func (s *Server) writeOne(r *http.Request, target string, src io.Reader) (uploadEntry, int, error) {
+func (s *Server) writeOne(r *http.Request, target string, src io.Reader, meta map[string]string) (uploadEntry, int, error) {
 	p, ag, err := s.fileTarget(r, target)
 	if err != nil {
 		return uploadEntry{}, httpStatusOf(err), err
@@ -314,8 +419,8 @@ func (s *Server) writeOne(r *http.Request, target string, src io.Reader) (upload
 	if fi, err := ag.Stat(r.Context(), p); err == nil && fi.IsDir {
 		return uploadEntry{}, http.StatusBadRequest, fmt.Errorf("path is a directory: %s", p)
 	}
-	if _, err := ag.WriteFile(r.Context(), p, 0o644, src); err != nil {
+	if _, err := ag.WriteFileXattrs(r.Context(), p, 0o644, src, xattrsOf(meta)); err != nil {
 		return uploadEntry{}, httpStatusOf(err), err
 	}
-	return uploadEntry{Path: p, Name: path.Base(p), Type: "file"}, http.StatusOK, nil
+	return uploadEntry{Path: p, Name: path.Base(p), Type: "file", Metadata: meta}, http.StatusOK, nil
 }

@@ -31,12 +31,13 @@ type filesystemService struct {
 
 var _ filesystemconnect.FilesystemHandler = (*filesystemService)(nil)
 
-// entryInfo is envd's EntryInfo for the file at p. Owner and group are
-// left empty: the agent does not report them.
+// entryInfo is envd's EntryInfo for the file at p: owner and group by name
+// (from the sandbox's /etc/passwd and /etc/group, else the number).
 func entryInfo(p string, fi agent.FileInfo) *fsp.EntryInfo {
 	e := &fsp.EntryInfo{
 		Name: path.Base(p), Path: p, Size: fi.Size, Mode: uint32(fi.Mode.Perm()),
 		Permissions: fi.Mode.String(), ModifiedTime: timestamppb.New(fi.ModTime),
+		Owner: fi.Owner, Group: fi.Group, Metadata: metadataOf(fi.Xattrs),
 	}
 	switch {
 	case fi.Mode&fs.ModeSymlink != 0 || fi.Symlink != "":
@@ -60,12 +61,15 @@ func (f *filesystemService) fsTarget(ctx context.Context, p string) (string, *ag
 	if err != nil {
 		return "", nil, err
 	}
-	_, home := f.s.sandboxFacts(id, ag)
+	uag, _, home, err := f.s.actAs(ctx, id, ag)
+	if err != nil {
+		return "", nil, err
+	}
 	abs, err := resolvePath(p, home)
 	if err != nil {
 		return "", nil, err
 	}
-	return abs, ag, nil
+	return abs, uag, nil
 }
 
 func (f *filesystemService) Stat(ctx context.Context, req *connect.Request[fsp.StatRequest]) (*connect.Response[fsp.StatResponse], error) {
@@ -456,7 +460,7 @@ func (f *filesystemService) CreateWatcher(ctx context.Context, req *connect.Requ
 	sandbox := sandboxID(ctx)
 	// The watch outlives this request (it ends with RemoveWatcher, the
 	// sandbox, or nobody polling it); the request bounds only its start.
-	wctx, cancel := context.WithCancel(context.WithValue(context.Background(), sandboxKey{}, sandbox))
+	wctx, cancel := context.WithCancel(withUser(context.WithValue(context.Background(), sandboxKey{}, sandbox), userOf(ctx)))
 	stop := context.AfterFunc(ctx, cancel)
 	dir, ag, w, err := f.startWatch(wctx, req.Msg.GetPath(), req.Msg.GetRecursive())
 	if !stop() {

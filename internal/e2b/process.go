@@ -46,19 +46,18 @@ type sbInfo struct {
 	mu      sync.Mutex // guards the fields below
 	known   bool
 	hasBash bool   // /bin/bash exists (else E2B's "/bin/bash -l -c" runs /bin/sh)
-	home    string // Config.HomeDir if it is a directory, else "/"
+	home    string // root's home: Config.HomeDir if it is a directory, else "/"
+	// Users (users.go): homes of the users looked up (at most
+	// maxCachedUsers), and the default user once known ("" = root).
+	users    map[string]agent.UserInfo
+	defUser  string
+	defKnown bool
 }
 
 // sandboxFacts returns (learning them on first use) the facts about a
 // sandbox's root that E2B's defaults depend on.
 func (s *Server) sandboxFacts(id string, ag *agent.Client) (hasBash bool, home string) {
-	s.mu.Lock()
-	in := s.sandboxes[id]
-	if in == nil {
-		in = &sbInfo{}
-		s.sandboxes[id] = in
-	}
-	s.mu.Unlock()
+	in := s.info(id)
 	in.mu.Lock()
 	defer in.mu.Unlock()
 	if in.known {
@@ -152,7 +151,11 @@ func (p *processService) Start(ctx context.Context, req *connect.Request[pp.Star
 	if cfg.GetCmd() == "" {
 		return connect.NewError(connect.CodeInvalidArgument, errors.New("process.cmd is required"))
 	}
-	hasBash, home := s.sandboxFacts(id, ag)
+	hasBash, _ := s.sandboxFacts(id, ag)
+	_, user, home, err := s.actAs(ctx, id, ag)
+	if err != nil {
+		return err
+	}
 	args := append([]string{cfg.GetCmd()}, cfg.GetArgs()...)
 	if (args[0] == "/bin/bash" || args[0] == "bash") && !hasBash {
 		// The SDK runs every command as /bin/bash -l -c CMD; a root without
@@ -173,7 +176,7 @@ func (p *processService) Start(ctx context.Context, req *connect.Request[pp.Star
 	if err != nil {
 		return err
 	}
-	sr := session.StartRequest{Args: args, Env: env, Cwd: cwd, Timeout: timeout}
+	sr := session.StartRequest{Args: args, Env: env, Cwd: cwd, Timeout: timeout, User: user}
 	sr.StdinOpen = m.Stdin == nil || *m.Stdin // envd's default for old clients: open
 	if m.Pty != nil {
 		size := m.Pty.GetSize()

@@ -28,6 +28,9 @@ type sandboxMeta struct {
 	// sandbox made through Shoal's own API, or a paused one).
 	Deadline time.Time `json:"deadline,omitzero"`
 	Paused   bool      `json:"paused,omitempty"`
+	// AutoPause: at its deadline the sandbox is paused, not killed (E2B's
+	// lifecycle onTimeout: 'pause', the create's autoPause).
+	AutoPause bool `json:"auto_pause,omitempty"`
 	// ResumeTimeout is the sandbox's timeout before it was paused.
 	ResumeTimeout time.Duration `json:"resume_timeout,omitempty"`
 	// Public: its ports are served to anyone who knows the sandbox's

@@ -57,6 +57,8 @@ const (
 	ArgvBytes = 2 << 20
 	// PathBytes bounds a path in a sandbox (the kernel's PATH_MAX).
 	PathBytes = 4096
+	// UserBytes bounds a sandbox user's name in a request.
+	UserBytes = 256
 	// StdinBytes bounds the stdin given with a start or one SendStdin.
 	StdinBytes = 8 << 20
 	// CommandBytes bounds a shell session's command line.
@@ -122,6 +124,9 @@ func String(field, s string, max int) error {
 	}
 	return nil
 }
+
+// User checks the name of a sandbox user.
+func User(field, u string) error { return String(field, u, UserBytes) }
 
 // Path checks a path in a sandbox.
 func Path(field, p string) error { return String(field, p, PathBytes) }

@@ -106,6 +106,7 @@ type record struct {
 	AgentID    string            `json:"agent_id"`
 	Args       []string          `json:"args"`
 	Cwd        string            `json:"cwd,omitempty"`
+	User       string            `json:"user,omitempty"`
 	PTY        bool              `json:"pty,omitempty"`
 	Pid        int               `json:"pid"`
 	State      State             `json:"state"`
@@ -137,6 +138,7 @@ type Info struct {
 	ID, SandboxID string
 	Args          []string
 	Cwd           string
+	User          string // the sandbox user it runs as ("" = root)
 	PTY           bool
 	Pid           int
 	State         State
@@ -158,7 +160,7 @@ func (c *Command) Info() Info {
 	defer c.mu.Unlock()
 	r := c.rec
 	return Info{
-		ID: r.ID, SandboxID: r.SandboxID, Args: r.Args, Cwd: r.Cwd, PTY: r.PTY, Pid: r.Pid,
+		ID: r.ID, SandboxID: r.SandboxID, Args: r.Args, Cwd: r.Cwd, User: r.User, PTY: r.PTY, Pid: r.Pid,
 		State: r.State, Exit: r.Exit, Started: r.Started, Ended: r.Ended, LogBytes: c.size,
 		Trajectory: r.Trajectory, Step: r.Step, Digest: r.Digest, Killed: r.Killed,
 	}
@@ -301,6 +303,9 @@ type StartRequest struct {
 	StdinOpen bool   // keep stdin open for SendStdin
 	Timeout   time.Duration
 	PTY       *agent.Winsize
+	// User: the sandbox user (its /etc/passwd) to run as, with its ids,
+	// groups, HOME, USER, LOGNAME and, without Cwd, in its home; "" = root.
+	User string
 	// Trajectory step (both set, or neither).
 	Trajectory string
 	Step       int64
@@ -312,7 +317,11 @@ func (r *StartRequest) digest() string {
 	enc := json.NewEncoder(h)
 	env := append([]string(nil), r.Env...)
 	sort.Strings(env)
-	enc.Encode([]any{r.Args, env, r.Cwd, r.Stdin, r.StdinOpen, r.Timeout, r.PTY})
+	fields := []any{r.Args, env, r.Cwd, r.Stdin, r.StdinOpen, r.Timeout, r.PTY}
+	if r.User != "" { // steps recorded before users keep their digest
+		fields = append(fields, r.User)
+	}
+	enc.Encode(fields)
 	return "sha256:" + hex.EncodeToString(h.Sum(nil))
 }
 
@@ -389,6 +398,9 @@ func checkStart(req *StartRequest) error {
 	if err := limits.Path("cwd", req.Cwd); err != nil {
 		return err
 	}
+	if err := limits.User("user", req.User); err != nil {
+		return err
+	}
 	if err := limits.Bytes("stdin", len(req.Stdin), limits.StdinBytes); err != nil {
 		return err
 	}
@@ -428,7 +440,7 @@ func (m *Manager) start(ctx context.Context, sandboxID string, req StartRequest)
 	sreq := agent.StartRequest{
 		ExecRequest: agent.ExecRequest{
 			Args: req.Args, Env: req.Env, Cwd: req.Cwd, Timeout: req.Timeout,
-			Stdin: req.StdinOpen || len(req.Stdin) > 0,
+			Stdin: req.StdinOpen || len(req.Stdin) > 0, User: req.User,
 		},
 		LogCap: m.cfg.LogCap,
 		PTY:    req.PTY,
@@ -461,7 +473,7 @@ func (m *Manager) start(ctx context.Context, sandboxID string, req StartRequest)
 		return nil, fmt.Errorf("start %s in sandbox %s: %w", quoteArgs(req.Args), sandboxID, err)
 	}
 	c.rec = record{
-		ID: id, SandboxID: sandboxID, AgentID: agentID, Args: req.Args, Cwd: req.Cwd, PTY: req.PTY != nil,
+		ID: id, SandboxID: sandboxID, AgentID: agentID, Args: req.Args, Cwd: req.Cwd, User: req.User, PTY: req.PTY != nil,
 		Pid: pid, State: StateRunning, Started: time.Now().UTC(),
 		Trajectory: req.Trajectory, Step: req.Step,
 	}

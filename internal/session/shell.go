@@ -65,7 +65,8 @@ func (m *Manager) shellsInit() error {
 }
 
 // CreateShell starts a named shell session.
-func (m *Manager) CreateShell(ctx context.Context, sandboxID, name, cwd string, env []string, shell string) (*Shell, error) {
+// user is the sandbox user the shell runs as ("" = root).
+func (m *Manager) CreateShell(ctx context.Context, sandboxID, name, cwd string, env []string, shell, user string) (*Shell, error) {
 	if !shellNameRE.MatchString(name) {
 		return nil, errdefs.New(errdefs.ErrInvalidArgument, "shell name %.80q must be 1-64 letters, digits, '.', '_' or '-'", name)
 	}
@@ -102,7 +103,7 @@ func (m *Manager) CreateShell(ctx context.Context, sandboxID, name, cwd string, 
 	}
 	env = append(append([]string(nil), env...), "PS1=", "PS2=", "PS4=", "TERM=dumb", "HISTFILE=/dev/null", "PAGER=cat", "GIT_PAGER=cat")
 	c, _, err := m.Start(ctx, sandboxID, StartRequest{
-		Args: args, Env: env, Cwd: cwd, StdinOpen: true,
+		Args: args, Env: env, Cwd: cwd, StdinOpen: true, User: user,
 		PTY: &agent.Winsize{Rows: 50, Cols: 250},
 	})
 	if err != nil {

@@ -190,7 +190,17 @@ func (c *Client) fileURL(id, path string, q url.Values) string {
 
 // ReadFile streams a sandbox file into w.
 func (c *Client) ReadFile(ctx context.Context, id, path string, w io.Writer) (int64, error) {
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, c.fileURL(id, path, nil), nil)
+	return c.ReadFileAs(ctx, id, path, "", w)
+}
+
+// ReadFileAs is ReadFile as a sandbox user: the user's permissions are
+// checked ("" = root).
+func (c *Client) ReadFileAs(ctx context.Context, id, path, user string, w io.Writer) (int64, error) {
+	var q url.Values
+	if user != "" {
+		q = url.Values{"user": {user}}
+	}
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, c.fileURL(id, path, q), nil)
 	if err != nil {
 		return 0, err
 	}
@@ -207,7 +217,17 @@ func (c *Client) ReadFile(ctx context.Context, id, path string, w io.Writer) (in
 
 // WriteFile streams r into a sandbox file (atomically replaced) with mode.
 func (c *Client) WriteFile(ctx context.Context, id, path string, mode fs.FileMode, r io.Reader) (int64, error) {
+	return c.WriteFileAs(ctx, id, path, "", mode, r)
+}
+
+// WriteFileAs is WriteFile as a sandbox user: the user's permissions are
+// checked, and the file (and any directory made for it) belongs to the
+// user ("" = root).
+func (c *Client) WriteFileAs(ctx context.Context, id, path, user string, mode fs.FileMode, r io.Reader) (int64, error) {
 	q := url.Values{"mode": {fmt.Sprintf("%04o", mode.Perm())}}
+	if user != "" {
+		q.Set("user", user)
+	}
 	req, err := http.NewRequestWithContext(ctx, http.MethodPut, c.fileURL(id, path, q), r)
 	if err != nil {
 		return 0, err

@@ -33,6 +33,10 @@ type ExecOptions struct {
 	Step       int64
 	// OnStart, if set, is called with the command ID once it runs.
 	OnStart func(commandID string)
+	// User runs the command as this sandbox user (a name in its
+	// /etc/passwd, or a uid): its ids, groups, HOME, USER, LOGNAME, and
+	// its home as the cwd when Cwd is empty. Empty: root.
+	User string
 }
 
 // ExitStatus is how a command ended.
@@ -57,7 +61,7 @@ const inlineStdin = 1 << 20
 func (c *Client) Exec(ctx context.Context, sandboxID string, o ExecOptions) (ExitStatus, error) {
 	req := &pb.ExecRequest{
 		SandboxId: sandboxID, Args: o.Args, Env: o.Env, Cwd: o.Cwd, TimeoutMs: o.Timeout.Milliseconds(),
-		Pty: o.PTY, StdinOpen: o.StdinOpen, TrajectoryId: o.Trajectory, Step: o.Step,
+		Pty: o.PTY, StdinOpen: o.StdinOpen, TrajectoryId: o.Trajectory, Step: o.Step, User: o.User,
 	}
 	stdin := o.Stdin
 	if stdin != nil {

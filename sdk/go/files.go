@@ -13,7 +13,14 @@ import (
 // levels of subdirectories (at most 10,000 entries: past that the error has
 // code ResourceExhausted). Entries carry their full path, sorted by path.
 func (c *Client) ListDir(ctx context.Context, sandboxID, path string, depth int) ([]*pb.FileInfo, error) {
-	res, err := c.Sandboxes.ListDir(ctx, connect.NewRequest(&pb.ListDirRequest{SandboxId: sandboxID, Path: path, Depth: int32(depth)}))
+	return c.ListDirAs(ctx, sandboxID, path, "", depth)
+}
+
+// ListDirAs is ListDir as a sandbox user: its permissions are checked ("" =
+// root). Entries carry owner and group (names from the sandbox's
+// /etc/passwd and /etc/group).
+func (c *Client) ListDirAs(ctx context.Context, sandboxID, path, user string, depth int) ([]*pb.FileInfo, error) {
+	res, err := c.Sandboxes.ListDir(ctx, connect.NewRequest(&pb.ListDirRequest{SandboxId: sandboxID, Path: path, Depth: int32(depth), User: user}))
 	if err != nil {
 		return nil, err
 	}

@@ -32,6 +32,10 @@ import (
 const (
 	template = "e2b-test"  // a Shoal environment
 	baseRef  = "busybox:1" // a base layer
+	// An E2B-style template: the same busybox with a "user" account
+	// (1000:1000, home /home/user), the default user of E2B requests.
+	userTemplate = "e2b-users"
+	userBaseRef  = "busybox-users:1"
 )
 
 func TestE2BSDK(t *testing.T) {
@@ -132,6 +136,9 @@ func TestE2BSDK(t *testing.T) {
 	}
 	cli("layer", "build", "--kind", "base", baseRef, rootfs)
 	cli("env", "create", template, "--base", baseRef)
+	addUser(t, rootfs)
+	cli("layer", "build", "--kind", "base", userBaseRef, rootfs)
+	cli("env", "create", userTemplate, "--base", userBaseRef)
 
 	files, err := filepath.Glob("*.test.mjs")
 	if err != nil || len(files) == 0 {
@@ -147,6 +154,7 @@ func TestE2BSDK(t *testing.T) {
 		// For the tests' own checks.
 		"SHOAL_URL="+apiURL,
 		"SHOAL_E2B_TEMPLATE="+template,
+		"SHOAL_E2B_USER_TEMPLATE="+userTemplate,
 		"SHOAL_E2B_BASE="+baseRef,
 	)
 	nodeRun := func(args ...string) (string, error) {
@@ -272,6 +280,30 @@ func lastLines(s string, n int) string {
 		lines = lines[len(lines)-n:]
 	}
 	return strings.Join(lines, "\n")
+}
+
+// addUser gives a root made by busyboxRootfs E2B's "user" account: a
+// passwd and group entry (also in group "users") and /home/user.
+func addUser(t *testing.T, root string) {
+	t.Helper()
+	for p, line := range map[string]string{
+		"etc/passwd": "user:x:1000:1000:user:/home/user:/bin/sh\n",
+		"etc/group":  "user:x:1000:\nusers:x:100:user\n",
+	} {
+		f, err := os.OpenFile(filepath.Join(root, p), os.O_APPEND|os.O_WRONLY, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		f.WriteString(line)
+		f.Close()
+	}
+	home := filepath.Join(root, "home", "user")
+	if err := os.MkdirAll(home, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chown(home, 1000, 1000); err != nil {
+		t.Fatal(err)
+	}
 }
 
 // busyboxRootfs makes a minimal root: busybox and its applets (sh, httpd,

@@ -13,6 +13,8 @@ function need(name) {
 // the wrapper from a busybox root.
 export const TEMPLATE = need('SHOAL_E2B_TEMPLATE')
 export const BASE_REF = need('SHOAL_E2B_BASE')
+// An environment whose base has E2B's "user" account (/home/user).
+export const USER_TEMPLATE = need('SHOAL_E2B_USER_TEMPLATE')
 export const SHOAL_URL = need('SHOAL_URL')
 export const SHOAL_API_KEY = need('E2B_API_KEY')
 export const E2B_URL = need('E2B_API_URL')

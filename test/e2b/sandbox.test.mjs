@@ -159,6 +159,24 @@ describe('sandboxes', () => {
     }
   })
 
+  test('autoPause: paused, not killed, at its timeout; connect resumes it', async () => {
+    const sbx = await Sandbox.create(TEMPLATE, { timeoutMs: 3000, lifecycle: { onTimeout: 'pause', autoResume: true } })
+    try {
+      const info = await sbx.getInfo()
+      assert.deepEqual(info.lifecycle, { onTimeout: 'pause', autoResume: true })
+      await sbx.files.write('/work/state.txt', 'kept')
+      const bg = await sbx.commands.run('while true; do sleep 1; done', { background: true })
+      await waitFor(async () => (await sbx.getInfo()).state === 'paused', { timeout: 30000, what: 'the auto-pause' })
+      assert.equal(await sbx.isRunning(), false)
+      const again = await Sandbox.connect(sbx.sandboxId, { timeoutMs: 120_000 })
+      assert.equal((await again.getInfo()).state, 'running')
+      assert.equal(await again.files.read('/work/state.txt'), 'kept')
+      assert.ok((await again.commands.list()).some((p) => p.pid === bg.pid), 'its processes go on')
+    } finally {
+      await sbx.kill()
+    }
+  })
+
   test('kill', async () => {
     const sbx = await Sandbox.create(TEMPLATE)
     assert.equal(await sbx.kill(), true)
@@ -208,10 +226,11 @@ describe('commands', () => {
     assert.equal(r.stderr, 'two\n')
     assert.equal(out.join(''), 'one\nthree\n')
     assert.equal(err.join(''), 'two\n')
+    // This template has no "user" account: E2B's default user falls back
+    // to root, whose home is /root (users.test.mjs has one).
     assert.equal((await sbx.commands.run('pwd')).stdout, '/root\n', 'commands start in the home directory')
     assert.equal((await sbx.commands.run('pwd', { cwd: '/tmp' })).stdout, '/tmp\n')
     assert.equal((await sbx.commands.run('echo $A-$B', { envs: { A: 'x', B: 'y' } })).stdout, 'x-y\n')
-    // Shoal runs everything as root: a user option is accepted and ignored.
     assert.equal((await sbx.commands.run('whoami', { user: 'root' })).stdout, 'root\n')
   })
 
@@ -620,5 +639,5 @@ test('allowInternetAccess gives the sandbox a link out; none by default', async 
 
 test('unsupported create options are refused, not ignored', async () => {
   await assert.rejects(Sandbox.create(TEMPLATE, { network: { allowOut: ['example.com'] } }), /host names are not supported/)
-  await assert.rejects(Sandbox.create(TEMPLATE, { lifecycle: { onTimeout: 'pause' } }), /autoPause/)
+  await assert.rejects(Sandbox.create(TEMPLATE, { lifecycle: { onTimeout: { action: 'pause', keepMemory: false } } }), /keepMemory/)
 })

@@ -230,8 +230,8 @@ func mountsUnder(dir string) []string {
 }
 
 // busyboxRootfs makes a minimal root file system: busybox with its applets,
-// the hog, portsrv, escape and swapper test programs, /etc/passwd and the
-// usual directories.
+// the hog, portsrv, escape and swapper test programs, /etc/passwd (root,
+// nobody and user, whose home is /home/user) and the usual directories.
 func busyboxRootfs() (string, error) {
 	root, err := os.MkdirTemp("", "shoal-e2e-rootfs")
 	if err != nil {
@@ -266,14 +266,21 @@ func busyboxRootfs() (string, error) {
 		os.Symlink("busybox", filepath.Join(root, "bin", applet))
 	}
 	files := map[string]string{
-		"etc/passwd":   "root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/false\n",
-		"etc/group":    "root:x:0:\nnogroup:x:65534:\n",
+		"etc/passwd":   "root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/false\nuser:x:1000:1000:user:/home/user:/bin/sh\n",
+		"etc/group":    "root:x:0:\nnogroup:x:65534:\nuser:x:1000:\nusers:x:100:user\n",
 		"etc/hostname": "layer-hostname\n",
 	}
 	for p, content := range files {
 		if err := os.WriteFile(filepath.Join(root, p), []byte(content), 0o644); err != nil {
 			return "", err
 		}
+	}
+	// A user account with a home of its own, as E2B's templates have.
+	if err := os.MkdirAll(filepath.Join(root, "home", "user"), 0o755); err != nil {
+		return "", err
+	}
+	if err := os.Chown(filepath.Join(root, "home", "user"), 1000, 1000); err != nil {
+		return "", err
 	}
 	return root, nil
 }

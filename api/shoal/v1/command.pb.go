@@ -146,8 +146,12 @@ type ExecRequest struct {
 	// Trajectory step: re-sending a recorded step with the same request
 	// returns the recorded command (events marked replayed) without running
 	// it again; a different request at a recorded step is refused.
-	TrajectoryId  string `protobuf:"bytes,9,opt,name=trajectory_id,json=trajectoryId,proto3" json:"trajectory_id,omitempty"`
-	Step          int64  `protobuf:"varint,10,opt,name=step,proto3" json:"step,omitempty"`
+	TrajectoryId string `protobuf:"bytes,9,opt,name=trajectory_id,json=trajectoryId,proto3" json:"trajectory_id,omitempty"`
+	Step         int64  `protobuf:"varint,10,opt,name=step,proto3" json:"step,omitempty"`
+	// The sandbox user to run as (a name in its /etc/passwd, or a uid): its
+	// uid, gid, groups, HOME, USER, LOGNAME and, without cwd, its home.
+	// Empty: root.
+	User          string `protobuf:"bytes,11,opt,name=user,proto3" json:"user,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -252,6 +256,13 @@ func (x *ExecRequest) GetStep() int64 {
 	return 0
 }
 
+func (x *ExecRequest) GetUser() string {
+	if x != nil {
+		return x.User
+	}
+	return ""
+}
+
 type ExitStatus struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Code          int32                  `protobuf:"varint,1,opt,name=code,proto3" json:"code,omitempty"`    // exit code, or 128+signal number
@@ -329,6 +340,7 @@ type Command struct {
 	TrajectoryId  string                 `protobuf:"bytes,13,opt,name=trajectory_id,json=trajectoryId,proto3" json:"trajectory_id,omitempty"`
 	Step          int64                  `protobuf:"varint,14,opt,name=step,proto3" json:"step,omitempty"`
 	Replayed      bool                   `protobuf:"varint,15,opt,name=replayed,proto3" json:"replayed,omitempty"` // this reply is a replay of a recorded step
+	User          string                 `protobuf:"bytes,16,opt,name=user,proto3" json:"user,omitempty"`          // the sandbox user it runs as (empty: root)
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -466,6 +478,13 @@ func (x *Command) GetReplayed() bool {
 		return x.Replayed
 	}
 	return false
+}
+
+func (x *Command) GetUser() string {
+	if x != nil {
+		return x.User
+	}
+	return ""
 }
 
 type CommandEvent struct {
@@ -1531,6 +1550,7 @@ type CreateShellRequest struct {
 	Cwd           string                 `protobuf:"bytes,3,opt,name=cwd,proto3" json:"cwd,omitempty"`
 	Env           map[string]string      `protobuf:"bytes,4,rep,name=env,proto3" json:"env,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
 	Shell         string                 `protobuf:"bytes,5,opt,name=shell,proto3" json:"shell,omitempty"` // default: bash if present, else sh
+	User          string                 `protobuf:"bytes,6,opt,name=user,proto3" json:"user,omitempty"`   // the sandbox user the shell runs as (empty: root)
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1596,6 +1616,13 @@ func (x *CreateShellRequest) GetEnv() map[string]string {
 func (x *CreateShellRequest) GetShell() string {
 	if x != nil {
 		return x.Shell
+	}
+	return ""
+}
+
+func (x *CreateShellRequest) GetUser() string {
+	if x != nil {
+		return x.User
 	}
 	return ""
 }
@@ -2120,7 +2147,7 @@ const file_shoal_v1_command_proto_rawDesc = "" +
 	"\x16shoal/v1/command.proto\x12\bshoal.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"-\n" +
 	"\x03Pty\x12\x12\n" +
 	"\x04rows\x18\x01 \x01(\rR\x04rows\x12\x12\n" +
-	"\x04cols\x18\x02 \x01(\rR\x04cols\"\xea\x02\n" +
+	"\x04cols\x18\x02 \x01(\rR\x04cols\"\xfe\x02\n" +
 	"\vExecRequest\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x12\n" +
@@ -2135,7 +2162,8 @@ const file_shoal_v1_command_proto_rawDesc = "" +
 	"\x03pty\x18\b \x01(\v2\r.shoal.v1.PtyR\x03pty\x12#\n" +
 	"\rtrajectory_id\x18\t \x01(\tR\ftrajectoryId\x12\x12\n" +
 	"\x04step\x18\n" +
-	" \x01(\x03R\x04step\x1a6\n" +
+	" \x01(\x03R\x04step\x12\x12\n" +
+	"\x04user\x18\v \x01(\tR\x04user\x1a6\n" +
 	"\bEnvEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"U\n" +
@@ -2143,7 +2171,7 @@ const file_shoal_v1_command_proto_rawDesc = "" +
 	"ExitStatus\x12\x12\n" +
 	"\x04code\x18\x01 \x01(\x05R\x04code\x12\x16\n" +
 	"\x06signal\x18\x02 \x01(\tR\x06signal\x12\x1b\n" +
-	"\ttimed_out\x18\x03 \x01(\bR\btimedOut\"\xe3\x03\n" +
+	"\ttimed_out\x18\x03 \x01(\bR\btimedOut\"\xf7\x03\n" +
 	"\aCommand\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x1d\n" +
 	"\n" +
@@ -2162,7 +2190,8 @@ const file_shoal_v1_command_proto_rawDesc = "" +
 	"\x03pty\x18\f \x01(\bR\x03pty\x12#\n" +
 	"\rtrajectory_id\x18\r \x01(\tR\ftrajectoryId\x12\x12\n" +
 	"\x04step\x18\x0e \x01(\x03R\x04step\x12\x1a\n" +
-	"\breplayed\x18\x0f \x01(\bR\breplayed\"\xcc\x04\n" +
+	"\breplayed\x18\x0f \x01(\bR\breplayed\x12\x12\n" +
+	"\x04user\x18\x10 \x01(\tR\x04user\"\xcc\x04\n" +
 	"\fCommandEvent\x12\x16\n" +
 	"\x06offset\x18\x01 \x01(\x03R\x06offset\x12:\n" +
 	"\astarted\x18\x02 \x01(\v2\x1e.shoal.v1.CommandEvent.StartedH\x00R\astarted\x12\x18\n" +
@@ -2259,14 +2288,15 @@ const file_shoal_v1_command_proto_rawDesc = "" +
 	"\n" +
 	"command_id\x18\x03 \x01(\tR\tcommandId\x129\n" +
 	"\n" +
-	"created_at\x18\x04 \x01(\v2\x1a.google.protobuf.TimestampR\tcreatedAt\"\xe0\x01\n" +
+	"created_at\x18\x04 \x01(\v2\x1a.google.protobuf.TimestampR\tcreatedAt\"\xf4\x01\n" +
 	"\x12CreateShellRequest\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x12\n" +
 	"\x04name\x18\x02 \x01(\tR\x04name\x12\x10\n" +
 	"\x03cwd\x18\x03 \x01(\tR\x03cwd\x127\n" +
 	"\x03env\x18\x04 \x03(\v2%.shoal.v1.CreateShellRequest.EnvEntryR\x03env\x12\x14\n" +
-	"\x05shell\x18\x05 \x01(\tR\x05shell\x1a6\n" +
+	"\x05shell\x18\x05 \x01(\tR\x05shell\x12\x12\n" +
+	"\x04user\x18\x06 \x01(\tR\x04user\x1a6\n" +
 	"\bEnvEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x7f\n" +

@@ -1247,6 +1247,10 @@ type FileInfo struct {
 	IsDir         bool                   `protobuf:"varint,5,opt,name=is_dir,json=isDir,proto3" json:"is_dir,omitempty"`
 	Symlink       string                 `protobuf:"bytes,6,opt,name=symlink,proto3" json:"symlink,omitempty"`
 	ModifiedAt    *timestamppb.Timestamp `protobuf:"bytes,7,opt,name=modified_at,json=modifiedAt,proto3" json:"modified_at,omitempty"`
+	Owner         string                 `protobuf:"bytes,8,opt,name=owner,proto3" json:"owner,omitempty"` // the owner's name in the sandbox's /etc/passwd, else its uid
+	Group         string                 `protobuf:"bytes,9,opt,name=group,proto3" json:"group,omitempty"` // the group's name in the sandbox's /etc/group, else its gid
+	Uid           int64                  `protobuf:"varint,10,opt,name=uid,proto3" json:"uid,omitempty"`   // -1 when unknown (an older agent)
+	Gid           int64                  `protobuf:"varint,11,opt,name=gid,proto3" json:"gid,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1330,10 +1334,42 @@ func (x *FileInfo) GetModifiedAt() *timestamppb.Timestamp {
 	return nil
 }
 
+func (x *FileInfo) GetOwner() string {
+	if x != nil {
+		return x.Owner
+	}
+	return ""
+}
+
+func (x *FileInfo) GetGroup() string {
+	if x != nil {
+		return x.Group
+	}
+	return ""
+}
+
+func (x *FileInfo) GetUid() int64 {
+	if x != nil {
+		return x.Uid
+	}
+	return 0
+}
+
+func (x *FileInfo) GetGid() int64 {
+	if x != nil {
+		return x.Gid
+	}
+	return 0
+}
+
 type StatFileRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	SandboxId     string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
-	Path          string                 `protobuf:"bytes,2,opt,name=path,proto3" json:"path,omitempty"`
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	SandboxId string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
+	Path      string                 `protobuf:"bytes,2,opt,name=path,proto3" json:"path,omitempty"`
+	// File requests may name a sandbox user (its /etc/passwd, or a uid): the
+	// operation is checked against that user's permissions, and what it
+	// creates belongs to the user. Empty: root.
+	User          string `protobuf:"bytes,3,opt,name=user,proto3" json:"user,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1382,6 +1418,13 @@ func (x *StatFileRequest) GetPath() string {
 	return ""
 }
 
+func (x *StatFileRequest) GetUser() string {
+	if x != nil {
+		return x.User
+	}
+	return ""
+}
+
 type ListDirRequest struct {
 	state     protoimpl.MessageState `protogen:"open.v1"`
 	SandboxId string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
@@ -1392,7 +1435,8 @@ type ListDirRequest struct {
 	// the listed path). A recursive list returns at most 10,000 entries: past
 	// that it fails with RESOURCE_EXHAUSTED (list a narrower directory or use
 	// a smaller depth). Entries are sorted by path.
-	Depth         int32 `protobuf:"varint,3,opt,name=depth,proto3" json:"depth,omitempty"`
+	Depth         int32  `protobuf:"varint,3,opt,name=depth,proto3" json:"depth,omitempty"`
+	User          string `protobuf:"bytes,4,opt,name=user,proto3" json:"user,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1448,6 +1492,13 @@ func (x *ListDirRequest) GetDepth() int32 {
 	return 0
 }
 
+func (x *ListDirRequest) GetUser() string {
+	if x != nil {
+		return x.User
+	}
+	return ""
+}
+
 type ListDirResponse struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Entries       []*FileInfo            `protobuf:"bytes,1,rep,name=entries,proto3" json:"entries,omitempty"`
@@ -1496,6 +1547,7 @@ type MakeDirRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	SandboxId     string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
 	Path          string                 `protobuf:"bytes,2,opt,name=path,proto3" json:"path,omitempty"`
+	User          string                 `protobuf:"bytes,3,opt,name=user,proto3" json:"user,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1544,6 +1596,13 @@ func (x *MakeDirRequest) GetPath() string {
 	return ""
 }
 
+func (x *MakeDirRequest) GetUser() string {
+	if x != nil {
+		return x.User
+	}
+	return ""
+}
+
 type MakeDirResponse struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	unknownFields protoimpl.UnknownFields
@@ -1585,6 +1644,7 @@ type RemoveFileRequest struct {
 	SandboxId     string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
 	Path          string                 `protobuf:"bytes,2,opt,name=path,proto3" json:"path,omitempty"`
 	Recursive     bool                   `protobuf:"varint,3,opt,name=recursive,proto3" json:"recursive,omitempty"`
+	User          string                 `protobuf:"bytes,4,opt,name=user,proto3" json:"user,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1638,6 +1698,13 @@ func (x *RemoveFileRequest) GetRecursive() bool {
 		return x.Recursive
 	}
 	return false
+}
+
+func (x *RemoveFileRequest) GetUser() string {
+	if x != nil {
+		return x.User
+	}
+	return ""
 }
 
 type RemoveFileResponse struct {
@@ -1921,7 +1988,7 @@ const file_shoal_v1_sandbox_proto_rawDesc = "" +
 	"\x15DeleteSandboxResponse\"L\n" +
 	"\x11SetTimeoutRequest\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12'\n" +
-	"\x0ftimeout_seconds\x18\x02 \x01(\x03R\x0etimeoutSeconds\"\xc8\x01\n" +
+	"\x0ftimeout_seconds\x18\x02 \x01(\x03R\x0etimeoutSeconds\"\x98\x02\n" +
 	"\bFileInfo\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x12\n" +
 	"\x04path\x18\x02 \x01(\tR\x04path\x12\x12\n" +
@@ -1930,28 +1997,37 @@ const file_shoal_v1_sandbox_proto_rawDesc = "" +
 	"\x06is_dir\x18\x05 \x01(\bR\x05isDir\x12\x18\n" +
 	"\asymlink\x18\x06 \x01(\tR\asymlink\x12;\n" +
 	"\vmodified_at\x18\a \x01(\v2\x1a.google.protobuf.TimestampR\n" +
-	"modifiedAt\"D\n" +
+	"modifiedAt\x12\x14\n" +
+	"\x05owner\x18\b \x01(\tR\x05owner\x12\x14\n" +
+	"\x05group\x18\t \x01(\tR\x05group\x12\x10\n" +
+	"\x03uid\x18\n" +
+	" \x01(\x03R\x03uid\x12\x10\n" +
+	"\x03gid\x18\v \x01(\x03R\x03gid\"X\n" +
 	"\x0fStatFileRequest\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x12\n" +
-	"\x04path\x18\x02 \x01(\tR\x04path\"Y\n" +
+	"\x04path\x18\x02 \x01(\tR\x04path\x12\x12\n" +
+	"\x04user\x18\x03 \x01(\tR\x04user\"m\n" +
 	"\x0eListDirRequest\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x12\n" +
 	"\x04path\x18\x02 \x01(\tR\x04path\x12\x14\n" +
-	"\x05depth\x18\x03 \x01(\x05R\x05depth\"?\n" +
+	"\x05depth\x18\x03 \x01(\x05R\x05depth\x12\x12\n" +
+	"\x04user\x18\x04 \x01(\tR\x04user\"?\n" +
 	"\x0fListDirResponse\x12,\n" +
-	"\aentries\x18\x01 \x03(\v2\x12.shoal.v1.FileInfoR\aentries\"C\n" +
+	"\aentries\x18\x01 \x03(\v2\x12.shoal.v1.FileInfoR\aentries\"W\n" +
 	"\x0eMakeDirRequest\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x12\n" +
-	"\x04path\x18\x02 \x01(\tR\x04path\"\x11\n" +
-	"\x0fMakeDirResponse\"d\n" +
+	"\x04path\x18\x02 \x01(\tR\x04path\x12\x12\n" +
+	"\x04user\x18\x03 \x01(\tR\x04user\"\x11\n" +
+	"\x0fMakeDirResponse\"x\n" +
 	"\x11RemoveFileRequest\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x12\n" +
 	"\x04path\x18\x02 \x01(\tR\x04path\x12\x1c\n" +
-	"\trecursive\x18\x03 \x01(\bR\trecursive\"\x14\n" +
+	"\trecursive\x18\x03 \x01(\bR\trecursive\x12\x12\n" +
+	"\x04user\x18\x04 \x01(\tR\x04user\"\x14\n" +
 	"\x12RemoveFileResponse\"b\n" +
 	"\x0fWatchDirRequest\x12\x1d\n" +
 	"\n" +

@@ -389,8 +389,11 @@ def exec_body(
     pty: Optional[PtySize] = None,
     trajectory_id: Optional[str] = None,
     step: Optional[int] = None,
+    user: Optional[str] = None,
 ) -> Dict[str, Any]:
     body: Dict[str, Any] = {"sandboxId": sandbox_id, "args": args}
+    if user:
+        body["user"] = user
     if envs:
         body["env"] = {str(k): str(v) for k, v in envs.items()}
     if cwd:

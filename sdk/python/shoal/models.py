@@ -306,6 +306,8 @@ class EntryInfo:
     mode: int  # permission bits, e.g. 0o644
     symlink_target: Optional[str]
     modified_time: Optional[datetime]
+    owner: str = ""  # the owner's name in the sandbox's /etc/passwd (else its uid)
+    group: str = ""  # the group's name in its /etc/group (else its gid)
 
     @property
     def is_dir(self) -> bool:
@@ -331,6 +333,8 @@ class EntryInfo:
             mode=_int(d.get("mode")),
             symlink_target=d.get("symlink") or None,
             modified_time=_time(d.get("modifiedAt")),
+            owner=d.get("owner", ""),
+            group=d.get("group", ""),
         )
 
 

@@ -97,13 +97,15 @@ def _busybox_rootfs() -> str:
         if a != "busybox":
             os.symlink("busybox", os.path.join(root, "bin", a))
     files = {
-        "etc/passwd": "root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/false\n",
-        "etc/group": "root:x:0:\nnogroup:x:65534:\n",
+        "etc/passwd": "root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/false\nuser:x:1000:1000:user:/home/user:/bin/sh\n",
+        "etc/group": "root:x:0:\nnogroup:x:65534:\nuser:x:1000:\nusers:x:100:user\n",
         "www/index.html": "hello from the sandbox\n",
     }
     for p, content in files.items():
         with open(os.path.join(root, p), "w") as f:
             f.write(content)
+    os.makedirs(os.path.join(root, "home", "user"))
+    os.chown(os.path.join(root, "home", "user"), 1000, 1000)  # a user with a home, as E2B's templates have
     return root
 
 

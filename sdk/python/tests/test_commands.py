@@ -106,10 +106,32 @@ def test_cwd_and_envs(sb) -> None:
         sb.commands.run("pwd", cwd="/no/such/dir")
 
 
-def test_user_other_than_root_is_refused(sb) -> None:
+def test_users(sb) -> None:
+    assert sb.commands.run("id -u; pwd").stdout == "0\n/\n"  # root by default
     assert sb.commands.run("id -u", user="root").stdout == "0\n"
-    with pytest.raises(shoal.NotSupported):
-        sb.commands.run("id", user="user")
+    r = sb.commands.run('echo "$(id -u) $(id -g) $(id -G) $(pwd) $HOME $USER"', user="user")
+    assert r.stdout == "1000 1000 1000 100 /home/user /home/user user\n"
+    h = sb.commands.run("whoami", user="user", background=True)
+    assert h.wait().stdout == "user\n"
+    with pytest.raises(shoal.InvalidArgument, match="no such user"):
+        sb.commands.run("id", user="nosuchuser")
+    # Files: written as the user, they are the user's; its permissions hold.
+    w = sb.files.write("/home/user/sub/a.txt", "hi", user="user")
+    assert w.path == "/home/user/sub/a.txt"
+    assert sb.commands.run("stat -c %U:%G /home/user/sub/a.txt /home/user/sub").stdout == "user:user\nuser:user\n"
+    info = sb.files.get_info("/home/user/sub/a.txt")
+    assert (info.owner, info.group) == ("user", "user")
+    assert {e.name: e.owner for e in sb.files.list("/home/user/sub", user="user")} == {"a.txt": "user"}
+    assert sb.files.read("/home/user/sub/a.txt", user="user") == "hi"
+    with pytest.raises(shoal.PermissionDenied):
+        sb.files.write("/etc/evil", "x", user="user")
+    with pytest.raises(shoal.PermissionDenied):
+        sb.files.make_dir("/etc/evil.d", user="user")
+    sb.commands.run("echo s > /root/secret; chmod 600 /root/secret")
+    with pytest.raises(shoal.PermissionDenied):
+        sb.files.read("/root/secret", user="user")
+    sh = sb.shells.create("as-user", user="user")
+    assert sh.run("id -un; pwd").output == "user\n/home/user\n"
 
 
 def test_background_wait(sb) -> None:

@@ -18,7 +18,6 @@ from .._protocol import (
     exec_body,
     split_stdin,
 )
-from .._sync.commands import _check_user
 from ..exceptions import ConnectionLost, FailedPrecondition, InvalidArgument, NotFound, NotSupported, SandboxNotFound, ShoalError, Timeout
 from ..models import CommandInfo, CommandResult, PtySize
 
@@ -292,9 +291,8 @@ class AsyncCommands:
         Same parameters as the sync ``Commands.run``; callbacks may be
         coroutine functions, and ``stdin`` may also be an async iterable.
         """
-        _check_user(user)
         inline, stdin_open, source = split_stdin(stdin)
-        body = exec_body(self._sb.sandbox_id, argv(cmd), envs=envs, cwd=cwd, stdin=inline, stdin_open=stdin_open, timeout=timeout)
+        body = exec_body(self._sb.sandbox_id, argv(cmd), envs=envs, cwd=cwd, stdin=inline, stdin_open=stdin_open, timeout=timeout, user=user)
         return await self._exec(
             body,
             background=background,
@@ -524,11 +522,10 @@ class AsyncPty:
         Terminal output arrives as ``pty`` bytes (``on_data``, or
         ``handle.wait(on_pty=...)``, or iteration).
         """
-        _check_user(user)
         env = {"TERM": "xterm-256color"}
         env.update(envs or {})
         args = argv(cmd) if cmd is not None else ["sh", "-i"]
-        body = exec_body(self._sb.sandbox_id, args, envs=env, cwd=cwd, stdin_open=True, timeout=timeout, pty=size)
+        body = exec_body(self._sb.sandbox_id, args, envs=env, cwd=cwd, stdin_open=True, timeout=timeout, pty=size, user=user)
         return await self._sb.commands._exec(body, background=True, check=False, on_pty=on_data, request_timeout=request_timeout, pty=True)
 
     async def send_stdin(self, pid: Union[str, int], data: Union[str, bytes], request_timeout: Optional[float] = None) -> None:

@@ -61,8 +61,10 @@ class AsyncFiles:
     def _t(self):  # type: ignore[no-untyped-def]
         return self._sb._transport
 
-    async def _call(self, method: str, body: Dict[str, Any], request_timeout: Optional[float], idempotent: bool = True) -> Dict[str, Any]:
+    async def _call(self, method: str, body: Dict[str, Any], request_timeout: Optional[float], idempotent: bool = True, user: Optional[str] = None) -> Dict[str, Any]:
         body = dict(body, sandboxId=self._sb.sandbox_id)
+        if user:
+            body["user"] = user
         return await self._t.call("SandboxService", method, body, idempotent=idempotent, request_timeout=request_timeout)
 
     async def read(self, path: str, format: str = "text", user: Optional[str] = None, request_timeout: Optional[float] = None) -> Any:
@@ -73,15 +75,15 @@ class AsyncFiles:
         """
         check_path(path)
         if format == "stream":
-            return await self._stream(path, request_timeout)
+            return await self._stream(path, request_timeout, user)
         if format not in ("text", "bytes"):
             raise InvalidArgument(f"format {format!r} must be 'text', 'bytes' or 'stream'")
-        async with self._t.get_file(self._sb.sandbox_id, path, request_timeout=request_timeout) as r:
+        async with self._t.get_file(self._sb.sandbox_id, path, request_timeout=request_timeout, user=user) as r:
             data = await r.aread()
         return data.decode("utf-8", errors="replace") if format == "text" else data
 
-    async def _stream(self, path: str, request_timeout: Optional[float]) -> AsyncIterator[bytes]:
-        cm = self._t.get_file(self._sb.sandbox_id, path, request_timeout=request_timeout)
+    async def _stream(self, path: str, request_timeout: Optional[float], user: Optional[str] = None) -> AsyncIterator[bytes]:
+        cm = self._t.get_file(self._sb.sandbox_id, path, request_timeout=request_timeout, user=user)
         resp = await cm.__aenter__()  # errors (not found, ...) surface here
 
         async def gen() -> AsyncIterator[bytes]:
@@ -96,13 +98,13 @@ class AsyncFiles:
 
         return gen()
 
-    async def download(self, path: str, local_path: Union[str, "os.PathLike[str]"], request_timeout: Optional[float] = None) -> int:
+    async def download(self, path: str, local_path: Union[str, "os.PathLike[str]"], request_timeout: Optional[float] = None, *, user: Optional[str] = None) -> int:
         """Stream a sandbox file to a local file; returns the number of bytes."""
         check_path(path)
         n = 0
         tmp = f"{os.fspath(local_path)}.shoal-part"
         try:
-            async with self._t.get_file(self._sb.sandbox_id, path, request_timeout=request_timeout) as r:
+            async with self._t.get_file(self._sb.sandbox_id, path, request_timeout=request_timeout, user=user) as r:
                 f = await asyncio.to_thread(open, tmp, "wb")
                 try:
                     async for chunk in r.aiter_bytes(FILE_CHUNK):
@@ -132,12 +134,12 @@ class AsyncFiles:
         :param mode: permission bits (default ``0o644``).
         """
         check_path(path)
-        r = await self._t.put_file(self._sb.sandbox_id, path, _body(data), mode=file_mode(mode), request_timeout=request_timeout)
+        r = await self._t.put_file(self._sb.sandbox_id, path, _body(data), mode=file_mode(mode), request_timeout=request_timeout, user=user)
         return WriteInfo(name=os.path.basename(path), path=r.get("path", path), bytes=int(r.get("bytes") or 0))
 
     async def write_files(self, files: List[Dict[str, Any]], user: Optional[str] = None, request_timeout: Optional[float] = None) -> List[WriteInfo]:
         """Write several files: ``[{"path": ..., "data": ..., "mode": 0o755?}, ...]``."""
-        return [await self.write(f["path"], f["data"], request_timeout=request_timeout, mode=f.get("mode")) for f in files]
+        return [await self.write(f["path"], f["data"], user=user, request_timeout=request_timeout, mode=f.get("mode")) for f in files]
 
     async def upload(
         self,
@@ -146,24 +148,25 @@ class AsyncFiles:
         request_timeout: Optional[float] = None,
         *,
         mode: Optional[int] = None,
+        user: Optional[str] = None,
     ) -> WriteInfo:
         """Stream a local file into the sandbox (mode defaults to the local file's)."""
         if mode is None:
             mode = os.stat(local_path).st_mode & 0o7777
         f = await asyncio.to_thread(open, local_path, "rb")
         try:
-            return await self.write(path, f, request_timeout=request_timeout, mode=mode)
+            return await self.write(path, f, user=user, request_timeout=request_timeout, mode=mode)
         finally:
             f.close()
 
     async def get_info(self, path: str, user: Optional[str] = None, request_timeout: Optional[float] = None) -> EntryInfo:
         """Stat a path (symlinks are not followed)."""
-        return EntryInfo.from_json(await self._call("StatFile", {"path": check_path(path)}, request_timeout))
+        return EntryInfo.from_json(await self._call("StatFile", {"path": check_path(path)}, request_timeout, user=user))
 
     async def exists(self, path: str, user: Optional[str] = None, request_timeout: Optional[float] = None) -> bool:
         """Whether the path exists (a missing sandbox still raises SandboxNotFound)."""
         try:
-            await self.get_info(path, request_timeout=request_timeout)
+            await self.get_info(path, user=user, request_timeout=request_timeout)
             return True
         except SandboxNotFound:
             raise
@@ -177,32 +180,32 @@ class AsyncFiles:
         body: Dict[str, Any] = {"path": check_path(path)}
         if depth > 1:
             body["depth"] = depth
-        r = await self._call("ListDir", body, request_timeout)
+        r = await self._call("ListDir", body, request_timeout, user=user)
         return [EntryInfo.from_json(e) for e in r.get("entries") or []]
 
     async def make_dir(self, path: str, user: Optional[str] = None, request_timeout: Optional[float] = None) -> bool:
         """Create a directory and its parents. False if it already existed."""
         try:
-            if (await self.get_info(path, request_timeout=request_timeout)).is_dir:
+            if (await self.get_info(path, user=user, request_timeout=request_timeout)).is_dir:
                 return False
             raise AlreadyExists(f"{path} exists and is not a directory")
         except SandboxNotFound:
             raise
         except NotFound:
             pass
-        await self._call("MakeDir", {"path": path}, request_timeout)
+        await self._call("MakeDir", {"path": path}, request_timeout, user=user)
         return True
 
     async def remove(self, path: str, user: Optional[str] = None, request_timeout: Optional[float] = None, *, recursive: bool = True) -> None:
         """Remove a file or a directory (with its contents unless ``recursive=False``)."""
-        await self._call("RemoveFile", {"path": check_path(path), "recursive": recursive}, request_timeout)
+        await self._call("RemoveFile", {"path": check_path(path), "recursive": recursive}, request_timeout, user=user)
 
     async def rename(self, old_path: str, new_path: str, user: Optional[str] = None, request_timeout: Optional[float] = None) -> EntryInfo:
         """Rename (move) a path; runs ``mv`` in the sandbox (there is no rename call yet)."""
         check_path(old_path)
         check_path(new_path)
-        await self._sb.commands.run(["mv", "--", old_path, new_path], timeout=request_timeout or 60, request_timeout=request_timeout)
-        return await self.get_info(new_path, request_timeout=request_timeout)
+        await self._sb.commands.run(["mv", "--", old_path, new_path], user=user, timeout=request_timeout or 60, request_timeout=request_timeout)
+        return await self.get_info(new_path, user=user, request_timeout=request_timeout)
 
     async def watch_dir(
         self,

@@ -133,6 +133,7 @@ class AsyncShells:
         envs: Optional[Dict[str, str]] = None,
         shell: Optional[str] = None,
         request_timeout: Optional[float] = None,
+        user: Optional[str] = None,
     ) -> AsyncShell:
         """Start a shell (``bash`` if the sandbox has it, else ``sh``, or ``shell``)."""
         body: Dict[str, Any] = {"name": name}
@@ -142,6 +143,8 @@ class AsyncShells:
             body["env"] = dict(envs)
         if shell:
             body["shell"] = shell
+        if user:
+            body["user"] = user
         return AsyncShell(self, name, ShellInfo.from_json(await self._call("CreateShell", body, False, request_timeout)))
 
     def get(self, name: str = "default") -> AsyncShell:

@@ -274,15 +274,17 @@ class AsyncTransport:
 
     # --- file bytes ---
 
-    def _file_url(self, sandbox_id: str, path: str, mode: Optional[str] = None) -> Tuple[str, Dict[str, str]]:
+    def _file_url(self, sandbox_id: str, path: str, mode: Optional[str] = None, user: Optional[str] = None) -> Tuple[str, Dict[str, str]]:
         params = {"path": path}
         if mode is not None:
             params["mode"] = mode
+        if user:
+            params["user"] = user
         return f"/v1/sandboxes/{sandbox_id}/files", params
 
     @asynccontextmanager
-    async def get_file(self, sandbox_id: str, path: str, *, request_timeout: Optional[float] = None) -> AsyncIterator[httpx.Response]:
-        url, params = self._file_url(sandbox_id, path)
+    async def get_file(self, sandbox_id: str, path: str, *, request_timeout: Optional[float] = None, user: Optional[str] = None) -> AsyncIterator[httpx.Response]:
+        url, params = self._file_url(sandbox_id, path, user=user)
 
         async def attempt() -> httpx.Response:
             r = await self.client.send(self.client.build_request("GET", url, params=params, timeout=self._timeout(request_timeout)), stream=True)
@@ -310,8 +312,9 @@ class AsyncTransport:
         *,
         mode: Optional[str],
         request_timeout: Optional[float] = None,
+        user: Optional[str] = None,
     ) -> Dict[str, Any]:
-        url, params = self._file_url(sandbox_id, path, mode)
+        url, params = self._file_url(sandbox_id, path, mode, user)
 
         async def attempt() -> Dict[str, Any]:
             r = await self.client.put(

@@ -34,11 +34,6 @@ _DEFAULT_TIMEOUT = 60.0
 _STREAM_READ_TIMEOUT = 75.0
 
 
-def _check_user(user: Optional[str]) -> None:
-    if user not in (None, "root"):
-        raise NotSupported(f"user={user!r}: Shoal runs commands as root inside the sandbox (no other users yet)")
-
-
 class _Reader:
     """Reads one command's events, re-attaching by log offset when the
     connection breaks (ConnectCommand), until the end of its stream."""
@@ -296,7 +291,9 @@ class Commands:
         :param background: return a :class:`CommandHandle` as soon as the
             command started instead of waiting for it.
         :param envs: extra environment variables.
-        :param user: only ``None``/``"root"`` (E2B compatibility).
+        :param user: the sandbox user to run as (a name in its
+            ``/etc/passwd``, or a uid): its ids, groups, ``HOME``, ``USER``
+            and, without ``cwd``, its home. Default: root.
         :param cwd: working directory.
         :param on_stdout: called with each piece of stdout text as it arrives.
         :param on_stderr: called with each piece of stderr text.
@@ -312,9 +309,8 @@ class Commands:
         :return: :class:`CommandResult`, or :class:`CommandHandle` when
             ``background``.
         """
-        _check_user(user)
         inline, stdin_open, source = split_stdin(stdin)
-        body = exec_body(self._sb.sandbox_id, argv(cmd), envs=envs, cwd=cwd, stdin=inline, stdin_open=stdin_open, timeout=timeout)
+        body = exec_body(self._sb.sandbox_id, argv(cmd), envs=envs, cwd=cwd, stdin=inline, stdin_open=stdin_open, timeout=timeout, user=user)
         return self._exec(
             body,
             background=background,
@@ -551,11 +547,10 @@ class Pty:
         ``handle.wait(on_pty=...)``, or iteration); type into it with
         :meth:`send_stdin`. ``timeout``: seconds, none by default.
         """
-        _check_user(user)
         env = {"TERM": "xterm-256color"}
         env.update(envs or {})
         args = argv(cmd) if cmd is not None else ["sh", "-i"]
-        body = exec_body(self._sb.sandbox_id, args, envs=env, cwd=cwd, stdin_open=True, timeout=timeout, pty=size)
+        body = exec_body(self._sb.sandbox_id, args, envs=env, cwd=cwd, stdin_open=True, timeout=timeout, pty=size, user=user)
         return self._sb.commands._exec(body, background=True, check=False, on_pty=on_data, request_timeout=request_timeout, pty=True)
 
     def send_stdin(self, pid: Union[str, int], data: Union[str, bytes], request_timeout: Optional[float] = None) -> None:

@@ -49,8 +49,10 @@ class Files:
     def _t(self):  # type: ignore[no-untyped-def]
         return self._sb._transport
 
-    def _call(self, method: str, body: Dict[str, Any], request_timeout: Optional[float], idempotent: bool = True) -> Dict[str, Any]:
+    def _call(self, method: str, body: Dict[str, Any], request_timeout: Optional[float], idempotent: bool = True, user: Optional[str] = None) -> Dict[str, Any]:
         body = dict(body, sandboxId=self._sb.sandbox_id)
+        if user:
+            body["user"] = user
         return self._t.call("SandboxService", method, body, idempotent=idempotent, request_timeout=request_timeout)
 
     # --- reading ---
@@ -64,15 +66,15 @@ class Files:
         """
         check_path(path)
         if format == "stream":
-            return self._stream(path, request_timeout)
+            return self._stream(path, request_timeout, user)
         if format not in ("text", "bytes"):
             raise InvalidArgument(f"format {format!r} must be 'text', 'bytes' or 'stream'")
-        with self._t.get_file(self._sb.sandbox_id, path, request_timeout=request_timeout) as r:
+        with self._t.get_file(self._sb.sandbox_id, path, request_timeout=request_timeout, user=user) as r:
             data = r.read()
         return data.decode("utf-8", errors="replace") if format == "text" else data
 
-    def _stream(self, path: str, request_timeout: Optional[float]) -> Iterator[bytes]:
-        cm = self._t.get_file(self._sb.sandbox_id, path, request_timeout=request_timeout)
+    def _stream(self, path: str, request_timeout: Optional[float], user: Optional[str] = None) -> Iterator[bytes]:
+        cm = self._t.get_file(self._sb.sandbox_id, path, request_timeout=request_timeout, user=user)
         resp = cm.__enter__()  # errors (not found, ...) surface here, not at the first chunk
 
         def gen() -> Iterator[bytes]:
@@ -87,13 +89,13 @@ class Files:
 
         return gen()
 
-    def download(self, path: str, local_path: Union[str, "os.PathLike[str]"], request_timeout: Optional[float] = None) -> int:
+    def download(self, path: str, local_path: Union[str, "os.PathLike[str]"], request_timeout: Optional[float] = None, *, user: Optional[str] = None) -> int:
         """Stream a sandbox file to a local file; returns the number of bytes."""
         check_path(path)
         n = 0
         tmp = f"{os.fspath(local_path)}.shoal-part"
         try:
-            with self._t.get_file(self._sb.sandbox_id, path, request_timeout=request_timeout) as r, open(tmp, "wb") as f:
+            with self._t.get_file(self._sb.sandbox_id, path, request_timeout=request_timeout, user=user) as r, open(tmp, "wb") as f:
                 for chunk in r.iter_bytes(FILE_CHUNK):
                     f.write(chunk)
                     n += len(chunk)
@@ -122,12 +124,12 @@ class Files:
         :param mode: permission bits (default ``0o644``).
         """
         check_path(path)
-        r = self._t.put_file(self._sb.sandbox_id, path, _body(data), mode=file_mode(mode), request_timeout=request_timeout)
+        r = self._t.put_file(self._sb.sandbox_id, path, _body(data), mode=file_mode(mode), request_timeout=request_timeout, user=user)
         return WriteInfo(name=os.path.basename(path), path=r.get("path", path), bytes=int(r.get("bytes") or 0))
 
     def write_files(self, files: List[Dict[str, Any]], user: Optional[str] = None, request_timeout: Optional[float] = None) -> List[WriteInfo]:
         """Write several files: ``[{"path": ..., "data": ..., "mode": 0o755?}, ...]``."""
-        return [self.write(f["path"], f["data"], request_timeout=request_timeout, mode=f.get("mode")) for f in files]
+        return [self.write(f["path"], f["data"], user=user, request_timeout=request_timeout, mode=f.get("mode")) for f in files]
 
     def upload(
         self,
@@ -136,23 +138,24 @@ class Files:
         request_timeout: Optional[float] = None,
         *,
         mode: Optional[int] = None,
+        user: Optional[str] = None,
     ) -> WriteInfo:
         """Stream a local file into the sandbox (mode defaults to the local file's)."""
         if mode is None:
             mode = os.stat(local_path).st_mode & 0o7777
         with open(local_path, "rb") as f:
-            return self.write(path, f, request_timeout=request_timeout, mode=mode)
+            return self.write(path, f, user=user, request_timeout=request_timeout, mode=mode)
 
     # --- metadata ---
 
     def get_info(self, path: str, user: Optional[str] = None, request_timeout: Optional[float] = None) -> EntryInfo:
         """Stat a path (symlinks are not followed)."""
-        return EntryInfo.from_json(self._call("StatFile", {"path": check_path(path)}, request_timeout))
+        return EntryInfo.from_json(self._call("StatFile", {"path": check_path(path)}, request_timeout, user=user))
 
     def exists(self, path: str, user: Optional[str] = None, request_timeout: Optional[float] = None) -> bool:
         """Whether the path exists (a missing sandbox still raises SandboxNotFound)."""
         try:
-            self.get_info(path, request_timeout=request_timeout)
+            self.get_info(path, user=user, request_timeout=request_timeout)
             return True
         except SandboxNotFound:
             raise
@@ -166,32 +169,32 @@ class Files:
         body: Dict[str, Any] = {"path": check_path(path)}
         if depth > 1:
             body["depth"] = depth
-        r = self._call("ListDir", body, request_timeout)
+        r = self._call("ListDir", body, request_timeout, user=user)
         return [EntryInfo.from_json(e) for e in r.get("entries") or []]
 
     def make_dir(self, path: str, user: Optional[str] = None, request_timeout: Optional[float] = None) -> bool:
         """Create a directory and its parents. False if it already existed."""
         try:
-            if self.get_info(path, request_timeout=request_timeout).is_dir:
+            if self.get_info(path, user=user, request_timeout=request_timeout).is_dir:
                 return False
             raise AlreadyExists(f"{path} exists and is not a directory")
         except SandboxNotFound:
             raise
         except NotFound:
             pass
-        self._call("MakeDir", {"path": path}, request_timeout)
+        self._call("MakeDir", {"path": path}, request_timeout, user=user)
         return True
 
     def remove(self, path: str, user: Optional[str] = None, request_timeout: Optional[float] = None, *, recursive: bool = True) -> None:
         """Remove a file or a directory (with its contents unless ``recursive=False``)."""
-        self._call("RemoveFile", {"path": check_path(path), "recursive": recursive}, request_timeout)
+        self._call("RemoveFile", {"path": check_path(path), "recursive": recursive}, request_timeout, user=user)
 
     def rename(self, old_path: str, new_path: str, user: Optional[str] = None, request_timeout: Optional[float] = None) -> EntryInfo:
         """Rename (move) a path; runs ``mv`` in the sandbox (there is no rename call yet)."""
         check_path(old_path)
         check_path(new_path)
-        self._sb.commands.run(["mv", "--", old_path, new_path], timeout=request_timeout or 60, request_timeout=request_timeout)
-        return self.get_info(new_path, request_timeout=request_timeout)
+        self._sb.commands.run(["mv", "--", old_path, new_path], user=user, timeout=request_timeout or 60, request_timeout=request_timeout)
+        return self.get_info(new_path, user=user, request_timeout=request_timeout)
 
     # --- watching ---
 

@@ -133,6 +133,7 @@ class Shells:
         envs: Optional[Dict[str, str]] = None,
         shell: Optional[str] = None,
         request_timeout: Optional[float] = None,
+        user: Optional[str] = None,
     ) -> Shell:
         """Start a shell (``bash`` if the sandbox has it, else ``sh``, or ``shell``)."""
         body: Dict[str, Any] = {"name": name}
@@ -142,6 +143,8 @@ class Shells:
             body["env"] = dict(envs)
         if shell:
             body["shell"] = shell
+        if user:
+            body["user"] = user
         return Shell(self, name, ShellInfo.from_json(self._call("CreateShell", body, False, request_timeout)))
 
     def get(self, name: str = "default") -> Shell:

@@ -381,16 +381,18 @@ class Transport:
 
     # --- file bytes ---
 
-    def _file_url(self, sandbox_id: str, path: str, mode: Optional[str] = None) -> Tuple[str, Dict[str, str]]:
+    def _file_url(self, sandbox_id: str, path: str, mode: Optional[str] = None, user: Optional[str] = None) -> Tuple[str, Dict[str, str]]:
         params = {"path": path}
         if mode is not None:
             params["mode"] = mode
+        if user:
+            params["user"] = user
         return f"/v1/sandboxes/{sandbox_id}/files", params
 
     @contextmanager
-    def get_file(self, sandbox_id: str, path: str, *, request_timeout: Optional[float] = None) -> Iterator[httpx.Response]:
+    def get_file(self, sandbox_id: str, path: str, *, request_timeout: Optional[float] = None, user: Optional[str] = None) -> Iterator[httpx.Response]:
         """The streamed reply of GET /v1/sandboxes/{id}/files (status checked)."""
-        url, params = self._file_url(sandbox_id, path)
+        url, params = self._file_url(sandbox_id, path, user=user)
 
         def attempt() -> httpx.Response:
             r = self.client.send(self.client.build_request("GET", url, params=params, timeout=self._timeout(request_timeout)), stream=True)
@@ -418,11 +420,12 @@ class Transport:
         *,
         mode: Optional[str],
         request_timeout: Optional[float] = None,
+        user: Optional[str] = None,
     ) -> Dict[str, Any]:
         """PUT /v1/sandboxes/{id}/files: atomically replaces the file.
 
         Retried only when the body is bytes (it can be sent again)."""
-        url, params = self._file_url(sandbox_id, path, mode)
+        url, params = self._file_url(sandbox_id, path, mode, user)
 
         def attempt() -> Dict[str, Any]:
             r = self.client.put(
