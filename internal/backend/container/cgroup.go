@@ -229,16 +229,19 @@ func (b *Backend) removeCgroups(id string) error {
 	}
 	var errs []error
 	for _, d := range dirs {
+		// Killed tasks may take a while to leave the cgroup on a loaded
+		// host (55 ms of retries was too short at load 88).
 		var err error
-		for i := range 10 {
+		deadline := time.Now().Add(5 * time.Second)
+		for i := 1; ; i++ {
 			if err = unix.Rmdir(d); err == nil || errors.Is(err, unix.ENOENT) {
 				err = nil
 				break
 			}
-			if !errors.Is(err, unix.EBUSY) {
+			if !errors.Is(err, unix.EBUSY) || time.Now().After(deadline) {
 				break
 			}
-			time.Sleep(time.Duration(i+1) * time.Millisecond) // tasks still exiting
+			time.Sleep(time.Duration(min(i, 50)) * time.Millisecond) // tasks still exiting
 		}
 		if err != nil {
 			errs = append(errs, fmt.Errorf("remove cgroup %s: %w", d, err))

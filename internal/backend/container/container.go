@@ -353,7 +353,9 @@ func New(cfg Config) (*Backend, error) {
 		}
 	}
 	if err := b.sweepPool(ctx); err != nil {
-		return nil, fmt.Errorf("container backend: %w", err)
+		// What is left is an orphan of an earlier process, not a reason
+		// to stay down: the next start sweeps again.
+		cfg.Log.Error("container backend: pool containers left by an earlier process could not all be deleted", "err", err)
 	}
 	b.initDisks(ctx, cfg.DiskDir)
 	if cfg.PidsMax > 0 {
