@@ -19,7 +19,7 @@ import (
 // vmTestEnv returns a backend on this host's QEMU and guest kernel (forced
 // to TCG unless $SHOAL_VM_ACCEL says otherwise: KVM may hang here) and a
 // busybox base layer image, or skips with the reason.
-func vmTestEnv(t *testing.T) (*Backend, string) {
+func vmTestEnv(t *testing.T, machine string) (*Backend, string) {
 	t.Helper()
 	if os.Geteuid() != 0 {
 		t.Skip("needs root (QEMU, mkfs.erofs images)")
@@ -28,7 +28,7 @@ func vmTestEnv(t *testing.T) (*Backend, string) {
 	if kdir == "" {
 		kdir = DefaultKernelDir
 	}
-	cfg := Config{KernelDir: kdir, StateDir: t.TempDir(), Logger: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))}
+	cfg := Config{Machine: machine, KernelDir: kdir, StateDir: t.TempDir(), Logger: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))}
 	if err := cfg.Check(); err != nil {
 		t.Skipf("no VMs on this host: %v", err)
 	}
@@ -100,16 +100,25 @@ func run(t *testing.T, ctx context.Context, c *agent.Client, args ...string) str
 // lands in the writable layer), a guest that cannot see the host's files,
 // and a delete that ends QEMU.
 func TestVMCreateExecFilesDelete(t *testing.T) {
-	b, img := vmTestEnv(t)
+	for _, m := range []string{MachineMicroVM, MachineQ35} {
+		t.Run(m, func(t *testing.T) {
+			t.Parallel()
+			testVMCreateExecFilesDelete(t, m)
+		})
+	}
+}
+
+func testVMCreateExecFilesDelete(t *testing.T, machine string) {
+	b, img := vmTestEnv(t, machine)
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
-	sdir, err := os.MkdirTemp("/tmp", "vmt")
+	sdir, err := os.MkdirTemp("/tmp", "vmt") // short: unix socket paths
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer os.RemoveAll(sdir)
 	start := time.Now()
-	h, err := b.Create(ctx, sandbox.Spec{ID: "vmtest1", Dir: sdir, Env: []string{"FOO=bar"},
+	h, err := b.Create(ctx, sandbox.Spec{ID: "vmtest-" + machine, Dir: sdir, Env: []string{"FOO=bar"},
 		Resources: sandbox.Resources{MemoryBytes: 256 << 20, MilliCPU: 1000},
 		Layers:    []sandbox.Layer{{Digest: "sha256:x", Kind: "base", ImagePath: img}}})
 	if err != nil {
@@ -125,7 +134,7 @@ func TestVMCreateExecFilesDelete(t *testing.T) {
 	if ok, _ := b.Alive(h); !ok {
 		t.Fatal("not alive after create")
 	}
-	c := agent.NewClientDialer("vmtest1", b.AgentDial(h))
+	c := agent.NewClientDialer(h.ID, b.AgentDial(h))
 	if got := run(t, ctx, c, "sh", "-c", "echo $FOO; cat /etc/base-file"); got != "bar\nfrom the base\n" {
 		t.Errorf("exec output %q", got)
 	}
