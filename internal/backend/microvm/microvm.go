@@ -302,11 +302,13 @@ func (b *Backend) baseArgs(accel string, mem int64, cpus int, extraAppend string
 		cpu = "host,-arch-capabilities"
 	}
 	// tsc_early_khz and lpj: under TCG the guest cannot calibrate its TSC
-	// or delay loop (it hangs without them).
+	// or delay loop (it hangs without them). TCG's TSC is the host's, so
+	// the guest's clock keeps time only with the host's frequency.
 	// mitigations=off: the guest's kernel does not guard its processes
 	// from each other (they are one sandbox's); the host's kernel and KVM
 	// keep guarding the host from the guest. It makes TCG boots faster.
-	appendLine := "console=ttyS0 quiet panic=-1 tsc_early_khz=2000000 lpj=4000000 mitigations=off " + vminit.EnvVM + "=1"
+	khz := hostTSCkHz()
+	appendLine := fmt.Sprintf("console=ttyS0 quiet panic=-1 tsc_early_khz=%d lpj=%d mitigations=off %s=1", khz, khz*2, vminit.EnvVM)
 	if extraAppend != "" {
 		appendLine += " " + extraAppend
 	}
@@ -322,6 +324,26 @@ func (b *Backend) baseArgs(accel string, mem int64, cpus int, extraAppend string
 		"-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
 		"-kernel", b.kernel, "-initrd", b.initrd, "-append", appendLine,
 	}
+}
+
+// hostTSCkHz is the host's TSC frequency as /proc/cpuinfo's "cpu MHz" of
+// its first CPU says (constant on x86 hosts with an invariant TSC, as
+// virtual machines and KVM hosts have), else 2 GHz.
+func hostTSCkHz() int64 {
+	b, err := os.ReadFile("/proc/cpuinfo")
+	if err != nil {
+		return 2000000
+	}
+	for _, l := range strings.Split(string(b), "\n") {
+		k, v, ok := strings.Cut(l, ":")
+		if ok && strings.TrimSpace(k) == "cpu MHz" {
+			if mhz, err := strconv.ParseFloat(strings.TrimSpace(v), 64); err == nil && mhz > 100 && mhz < 10000 {
+				return int64(mhz * 1000)
+			}
+			break
+		}
+	}
+	return 2000000
 }
 
 // device names of the virtio devices on this machine type.
