@@ -678,28 +678,68 @@ type chanMux struct {
 }
 
 func (m *chanMux) open(ctx context.Context) (net.Conn, error) {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	if m.sess == nil || m.sess.IsClosed() {
-		var d net.Dialer
-		c, err := d.DialContext(ctx, "unix", m.path)
-		if err != nil {
-			return nil, err
-		}
-		s, err := yamux.Client(c, vminit.MuxConfig())
-		if err != nil {
-			c.Close()
-			return nil, err
-		}
-		m.sess = s
-	}
-	st, err := m.sess.OpenStream()
+	sess, err := m.session(ctx)
 	if err != nil {
-		m.sess.Close()
-		m.sess = nil
 		return nil, err
 	}
-	return st, nil
+	// OpenStream waits while the guest has 256 streams it has not
+	// accepted (a stuck guest): not longer than ctx.
+	type result struct {
+		st  *yamux.Stream
+		err error
+	}
+	ch := make(chan result, 1)
+	go func() {
+		st, err := sess.OpenStream()
+		ch <- result{st, err}
+	}()
+	select {
+	case r := <-ch:
+		if r.err != nil {
+			m.drop(sess)
+			return nil, r.err
+		}
+		return r.st, nil
+	case <-ctx.Done():
+		go func() {
+			if r := <-ch; r.st != nil {
+				r.st.Close()
+			}
+		}()
+		return nil, ctx.Err()
+	}
+}
+
+// session returns the live session, dialing the VM's socket for a new one
+// when there is none.
+func (m *chanMux) session(ctx context.Context) (*yamux.Session, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.sess != nil && !m.sess.IsClosed() {
+		return m.sess, nil
+	}
+	var d net.Dialer
+	c, err := d.DialContext(ctx, "unix", m.path)
+	if err != nil {
+		return nil, err
+	}
+	s, err := yamux.Client(c, vminit.MuxConfig())
+	if err != nil {
+		c.Close()
+		return nil, err
+	}
+	m.sess = s
+	return s, nil
+}
+
+// drop closes sess if it is still the current session.
+func (m *chanMux) drop(sess *yamux.Session) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.sess == sess {
+		m.sess.Close()
+		m.sess = nil
+	}
 }
 
 func (m *chanMux) close() {
