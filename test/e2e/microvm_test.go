@@ -1,11 +1,15 @@
 package e2e
 
 import (
+	"bytes"
+	"context"
 	"encoding/json"
 	"os"
 	"strings"
 	"testing"
 	"time"
+
+	shoal "github.com/shoal-sandbox/shoal/sdk/go"
 )
 
 // TestMicroVM drives a microvm sandbox through the CLI: create, exec, files
@@ -62,8 +66,14 @@ func TestMicroVM(t *testing.T) {
 	if err := startServe(); err != nil {
 		t.Fatal(err)
 	}
-	if out, code := run(nil, "exec", id, "--", "cat", "/work/x.txt"); code != 0 || out != "in the vm\n" {
-		t.Fatalf("exec after a restart of the server: %d %q", code, out)
+	// Bounded: a guest that never takes the new server's channel would
+	// leave the request waiting.
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	var buf bytes.Buffer
+	st, err := sdk(t).Exec(ctx, id, shoal.ExecOptions{Args: []string{"cat", "/work/x.txt"}, Stdout: &buf})
+	if err != nil || st.Code != 0 || buf.String() != "in the vm\n" {
+		t.Fatalf("exec after a restart of the server: %v %v %q", st, err, buf.String())
 	}
 	if out, code := run(nil, "rm", id); code != 0 {
 		t.Fatalf("rm: %d %s", code, out)

@@ -171,6 +171,17 @@ func testVMCreateExecFilesDelete(t *testing.T, machine string) {
 			t.Errorf("concurrent stat: %v", err)
 		}
 	}
+	// The host's end of the channel goes away (as when the server
+	// restarts): the next request dials the VM's socket again and the
+	// guest serves the new session.
+	b.mu.Lock()
+	b.muxes[h.ID].close()
+	b.mu.Unlock()
+	rctx, rcancel := context.WithTimeout(ctx, time.Minute)
+	if got := run(t, rctx, agent.NewClientDialer(h.ID, b.AgentDial(h)), "cat", "/work/a.txt"); got != "hello vm" {
+		t.Errorf("after the channel was re-dialed: %q", got)
+	}
+	rcancel()
 	// Deleted through the handle the node persists before the create
 	// ends (a crash in the middle leaves only that): the sandbox's
 	// directory, where QEMU's pidfile names it.
