@@ -317,8 +317,11 @@ func MuxConfig() *yamux.Config {
 }
 
 // portListener accepts the streams of successive yamux sessions over the
-// port: when the host's end goes away (a restarted node), reads of the port
-// return EOF, the session ends, and a new one starts on the next host.
+// port. When the host's end goes away (a restarted node) and reads of the
+// port return EOF, the session ends and a new one starts for the next host;
+// when they do not (observed with QEMU 7.2: the guest is not told), the
+// session goes on and the next host's streams, numbered from 1 again,
+// arrive on it as new streams (yamux accepts any unused stream ID).
 type portListener struct {
 	path   string
 	conns  chan net.Conn
