@@ -6,7 +6,15 @@ install_deps() {
 	apt-get update -qq
 	apt-get install -y -qq --no-install-recommends \
 		runc erofs-utils e2fsprogs busybox-static debootstrap ca-certificates \
-		python3 python3-httpx python3-pytest python3-pip python3-venv python3-setuptools zstd iproute2 procps curl kmod util-linux >/dev/null
+		python3 python3-httpx python3-pytest python3-pip python3-venv python3-setuptools zstd iproute2 procps curl kmod util-linux \
+		qemu-system-x86 cpio lz4 >/dev/null
+}
+
+# The microvm backend's guest kernel, from Debian's archive (not installed as
+# the host's kernel): scripts/vmkernel.sh puts it in /usr/local/lib/shoal/vm.
+install_vm_kernel() {
+	[ -s /usr/local/lib/shoal/vm/version ] && grep -q "$(apt-cache depends linux-image-cloud-amd64 2>/dev/null | awk '/Depends: linux-image-[0-9]/ {print $2; exit}')" /usr/local/lib/shoal/vm/version && return 0
+	"$(dirname "${BASH_SOURCE[0]}")/vmkernel.sh" /usr/local/lib/shoal/vm
 }
 
 ensure_go() {

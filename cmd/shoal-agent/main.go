@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/shoal-sandbox/shoal/internal/agent"
+	"github.com/shoal-sandbox/shoal/internal/agent/vminit"
 	"golang.org/x/sys/unix"
 )
 
@@ -43,6 +44,9 @@ func main() {
 		runtime.GOMAXPROCS(1)
 	}
 
+	if vminit.Active() {
+		runVM(log) // the init of a VM (vm.go)
+	}
 	// Not PID 1 (a test, a dev run): become a child subreaper so that
 	// orphans of our commands are still ours to reap.
 	if os.Getpid() != 1 {

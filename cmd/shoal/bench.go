@@ -44,6 +44,18 @@ func benchCmd() *cobra.Command {
 	execb.Flags().StringVar(&eo.Base, "base", "debian:12", "base layer")
 	execb.Flags().StringVar(&eo.DataDir, "data", "/var/lib/shoal", "the server's data dir")
 	execb.Flags().StringVar(&eo.Runtime, "runtime", "runc", "OCI runtime for the baseline")
+	var vo bench.VMOptions
+	vmb := &cobra.Command{
+		Use:   "vm [--backend microvm|fullvm] [--boots N] [--execs N] [--base REF]",
+		Short: "VM sandboxes: create to first exec, exec round trips, host memory of an idle VM",
+		Args:  cobra.NoArgs,
+		RunE:  runBench(func(ctx context.Context, c *shoal.Client) (any, error) { return bench.VM(ctx, c, vo) }),
+	}
+	vmb.Flags().StringVar(&vo.Backend, "backend", "microvm", "VM backend")
+	vmb.Flags().IntVar(&vo.Boots, "boots", 5, "sandboxes created one after another")
+	vmb.Flags().IntVar(&vo.Execs, "execs", 50, "`true` round trips in the first sandbox")
+	vmb.Flags().StringVar(&vo.Base, "base", "debian:12", "base layer")
+	vmb.Flags().Int64Var(&vo.MemoryMiB, "memory-mib", 256, "guest memory in MiB")
 	var qo bench.QoSOptions
 	qosb := &cobra.Command{
 		Use:   "qos [-n N] [--burners B] [--duration D] [--base REF]",
@@ -146,7 +158,7 @@ func benchCmd() *cobra.Command {
 	pauseb.Flags().IntVar(&po.MiB, "mib", 32, "random MiB each sandbox's resident shell holds (as base64 text)")
 	pauseb.Flags().IntVarP(&po.Concurrency, "concurrency", "c", 2, "creates in flight while setting up")
 	pauseb.Flags().StringVar(&po.Base, "base", "debian:12", "base layer (needs sh, head, base64, tr)")
-	cmd.AddCommand(create, execb, qosb, sess, benchLayersCmd(), fnb, burst, chaos, pauseb)
+	cmd.AddCommand(create, execb, qosb, sess, benchLayersCmd(), fnb, burst, chaos, pauseb, vmb)
 	return cmd
 }
 

@@ -87,6 +87,8 @@ type serveConfig struct {
 	// LayerStore: where layers live beyond this node (file:///dir or
 	// s3://bucket/prefix; "" none) and how to reach and cache it.
 	LayerStore layerStoreConfig
+	// VM: the microvm backend (serve_vm.go).
+	VM vmConfig
 }
 
 // layerStoreConfig configures the node's layer store and lazy loader.
@@ -348,6 +350,7 @@ func serveCmd() *cobra.Command {
 	cmd.Flags().BoolVar(&cfg.ResumePrefetch, "resume-prefetch", false, "before thawing a paused sandbox, ask the kernel to read its swapped-out memory back (MADV_WILLNEED); measured slower")
 	cmd.Flags().StringVar(&cfg.E2B.Listen, "e2b-listen", "127.0.0.1:7481", "E2B-compatible endpoint (API and sandbox traffic, HTTP and HTTPS on one port); empty disables it")
 	cmd.Flags().StringVar(&cfg.E2B.Domain, "e2b-domain", "", "sandbox domain for E2B clients: getHost(port) is PORT-ID.DOMAIN (default shoal.localhost:<e2b port>)")
+	addVMFlags(cmd, &cfg.VM)
 	cmd.Flags().StringVar(&cfg.E2B.DefaultTemplate, "e2b-default-template", "debian:12", "environment or base layer used for E2B's default template \"base\" when none is named base")
 	cmd.Flags().StringVar(&cfg.E2B.User, "e2b-user", "user", "sandbox user of E2B requests that name none (root when a sandbox has no such user)")
 	cmd.Flags().StringArrayVar(&cfg.E2B.TemplateUsers, "e2b-template-user", nil, "TEMPLATE=USER: the default E2B user of sandboxes of that template (repeatable)")
@@ -444,7 +447,11 @@ func serve(cfg serveConfig) error {
 		return err
 	}
 	defer auditLog.Close()
-	mgr, err := node.New(nodeCfg, db, layers, []sandbox.Backend{ctr}, log)
+	vms, err := vmBackends(cfg.VM, cfg.DataDir, cfg.Agent, log)
+	if err != nil {
+		return err
+	}
+	mgr, err := node.New(nodeCfg, db, layers, append([]sandbox.Backend{ctr}, vms...), log)
 	if err != nil {
 		return err
 	}

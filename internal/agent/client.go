@@ -44,6 +44,7 @@ type Client struct {
 type clientState struct {
 	path     string
 	dialer   net.Dialer
+	dial     DialFunc     // when set, used instead of dialing path (client_dial.go)
 	checked  atomic.Bool  // the agent's protocol matched
 	wrong    atomic.Value // string: why the agent is refused, once known
 	users    atomic.Bool  // the agent acts as named users (wirePingReply.Users)
@@ -425,7 +426,11 @@ func (c *Client) open(ctx context.Context, op Op, path string, req any) (*client
 	}
 	var conn net.Conn
 	for delay := time.Millisecond; ; delay *= 2 {
-		conn, err = c.dialer.DialContext(ctx, "unix", c.path)
+		if c.dial != nil {
+			conn, err = c.dial(ctx)
+		} else {
+			conn, err = c.dialer.DialContext(ctx, "unix", c.path)
+		}
 		if err == nil || !errors.Is(err, syscall.EAGAIN) || delay > time.Second {
 			break
 		}

@@ -162,9 +162,20 @@ func (m *Manager) CommitLayer(ctx context.Context, id string, o layer.CommitOpti
 	for _, l := range rec.Layers {
 		over = append(over, l.Ref)
 	}
-	o.Upper = rec.Handle.Data["upper"] // where the backend put it (on a disk image, say)
-	if o.Upper == "" {
-		o.Upper = filepath.Join(dir, upperDirName)
+	if c, ok := m.backends[rec.Backend].(sandbox.Committer); ok {
+		upper, err := c.WritableLayer(rec.Handle)
+		if errors.Is(err, sandbox.ErrUnsupported) {
+			return layer.Layer{}, errdefs.New(ErrNotRunning, "commit sandbox %s: its %s backend cannot commit: %s", id, rec.Backend, err)
+		}
+		if err != nil {
+			return layer.Layer{}, fmt.Errorf("commit sandbox %s: %w", id, err)
+		}
+		o.Upper = upper
+	} else {
+		o.Upper = rec.Handle.Data["upper"] // where the backend put it (on a disk image, say)
+		if o.Upper == "" {
+			o.Upper = filepath.Join(dir, upperDirName)
+		}
 	}
 	o.IDMap = rec.Handle.IDMap // the upper holds host ids of the sandbox's range
 	o.Exclude = append(slices.Clone(o.Exclude), reservedPaths...)

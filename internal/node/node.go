@@ -549,7 +549,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (rec Record, er
 		return Record{}, fmt.Errorf("persist sandbox %s: %w", id, err)
 	}
 	m.mu.Lock()
-	m.sandboxes[id] = &entry{rec: rec, agent: agent.NewClient(h.AgentSocket), acquired: hostMounts, lastActive: time.Now()}
+	m.sandboxes[id] = &entry{rec: rec, agent: m.agentClient(be, h), acquired: hostMounts, lastActive: time.Now()}
 	delete(m.admitting, id) // counted by its entry from now on
 	m.mu.Unlock()
 	m.log.Info("sandbox created", "sandbox_id", id, "backend", req.Backend, "base", req.Base,
@@ -917,7 +917,7 @@ func (m *Manager) Recover(ctx context.Context) error {
 				}
 			}
 		}
-		e := &entry{rec: *rec, agent: agent.NewClient(rec.Handle.AgentSocket), recovered: rec.State == StateRunning, lastActive: time.Now()}
+		e := &entry{rec: *rec, agent: m.agentClient(be, rec.Handle), recovered: rec.State == StateRunning, lastActive: time.Now()}
 		if (rec.State == StateRunning || rec.State == StatePaused) && be.Capabilities().HostLayerMounts {
 			for _, l := range rec.Layers {
 				if _, err := m.layers.Acquire(l.Digest); err != nil {

@@ -196,8 +196,10 @@ func (m *Manager) Resume(ctx context.Context, id string) (rec Record, resumed bo
 	if e.deleted != nil {
 		return Record{}, false, errdefs.New(ErrNotFound, "sandbox %s was deleted while it was resumed", id)
 	}
-	if nh.AgentSocket != h.AgentSocket {
-		e.agent = agent.NewClient(nh.AgentSocket)
+	if be := m.backends[e.rec.Backend]; nh.AgentSocket != h.AgentSocket {
+		e.agent = m.agentClient(be, nh)
+	} else if _, ok := be.(sandbox.AgentDialer); ok {
+		e.agent = m.agentClient(be, nh)
 	}
 	if nh.Data == nil {
 		nh.Data = map[string]string{}

@@ -1,0 +1,398 @@
+// Package vminit is the guest agent's VM boot mode: when shoal-agent is the
+// init of a VM's initramfs (the microvm backend's guests), it loads the
+// kernel modules the initramfs carries, mounts each read-only layer from
+// its virtio-blk device, stacks them under a writable tmpfs upper with
+// overlayfs in the same order as a container's root, switches root to that
+// overlay and serves the agent protocol on the VM's virtio-serial port,
+// many streams multiplexed over the one port (yamux).
+//
+// The host describes the sandbox in a small JSON document (Config) on a
+// read-only virtio-blk device of its own, serial "shoal-cfg"; layer devices
+// are found by their serial numbers, never by the order in which the kernel
+// happened to probe them.
+package vminit
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/hashicorp/yamux"
+	"golang.org/x/sys/unix"
+)
+
+// Names shared by the host (the microvm backend) and the guest.
+const (
+	// EnvVM is set (to "1") on the kernel command line: unknown name=value
+	// parameters reach init as environment variables.
+	EnvVM = "SHOAL_VM"
+	// EnvProbe asks the guest to print ProbeOK on the console and power
+	// off: the host's test that an accelerator boots a guest.
+	EnvProbe     = "SHOAL_VM_PROBE"
+	ProbeOK      = "shoal-vm-probe-ok"
+	ConfigSerial = "shoal-cfg"
+	// LayerSerialPrefix + the layer's index (0 = top) is each layer
+	// device's serial.
+	LayerSerialPrefix = "shoal-l"
+	// PortName is the name of the agent's virtio-serial port.
+	PortName = "shoal.agent"
+	// ModulesDir holds the kernel modules in the initramfs, and the file
+	// "order" in it their names in load order.
+	ModulesDir = "/lib/shoal/modules"
+	// ConfigMax bounds the config document.
+	ConfigMax = 1 << 20
+)
+
+// Config is what the host tells the guest about its sandbox.
+type Config struct {
+	ID string `json:"id"`
+	// Layers is the number of layer devices, top (index 0) to base.
+	Layers int `json:"layers"`
+	// UpperBytes sizes the tmpfs holding the writable layer (0: half the
+	// guest's memory, tmpfs's default).
+	UpperBytes int64 `json:"upper_bytes,omitempty"`
+	// Env is every command's environment.
+	Env      []string `json:"env,omitempty"`
+	Hostname string   `json:"hostname,omitempty"`
+}
+
+// Active reports whether this process is the init of a Shoal VM.
+func Active() bool {
+	return os.Getpid() == 1 && os.Getenv(EnvVM) == "1"
+}
+
+// Boot prepares the guest (modules, mounts, the root switch) and returns
+// the sandbox's config and a listener of agent streams on the VM's port.
+// In probe mode it prints ProbeOK and powers the VM off instead.
+func Boot() (*Config, net.Listener, error) {
+	os.Unsetenv(EnvVM)
+	probe := os.Getenv(EnvProbe) == "1"
+	os.Unsetenv(EnvProbe)
+	for _, m := range []struct{ src, dst, typ string }{
+		{"devtmpfs", "/dev", "devtmpfs"}, {"proc", "/proc", "proc"}, {"sysfs", "/sys", "sysfs"},
+	} {
+		os.MkdirAll(m.dst, 0o755)
+		if err := unix.Mount(m.src, m.dst, m.typ, unix.MS_NOSUID|unix.MS_NOEXEC, ""); err != nil && !errors.Is(err, unix.EBUSY) {
+			return nil, nil, fmt.Errorf("mount %s: %w", m.dst, err)
+		}
+	}
+	if probe {
+		if f, err := os.OpenFile("/dev/console", os.O_WRONLY, 0); err == nil {
+			fmt.Fprintln(f, ProbeOK)
+			f.Sync()
+			f.Close()
+		}
+		unix.Sync()
+		unix.Reboot(unix.LINUX_REBOOT_CMD_POWER_OFF)
+		select {}
+	}
+	if err := loadModules(); err != nil {
+		return nil, nil, err
+	}
+	cfg, err := readConfig()
+	if err != nil {
+		return nil, nil, err
+	}
+	if err := mountRoot(cfg); err != nil {
+		return nil, nil, err
+	}
+	if cfg.Hostname != "" {
+		unix.Sethostname([]byte(cfg.Hostname))
+	}
+	l, err := listenPort()
+	if err != nil {
+		return nil, nil, err
+	}
+	return cfg, l, nil
+}
+
+// Fatal reports a boot failure on the console and powers the VM off: the
+// host sees its QEMU exit, with the reason in the console log.
+func Fatal(err error) {
+	if f, ferr := os.OpenFile("/dev/console", os.O_WRONLY, 0); ferr == nil {
+		fmt.Fprintf(f, "shoal-agent: vm boot: %v\n", err)
+		f.Close()
+	}
+	unix.Sync()
+	unix.Reboot(unix.LINUX_REBOOT_CMD_POWER_OFF)
+	select {}
+}
+
+func loadModules() error {
+	order, err := os.ReadFile(filepath.Join(ModulesDir, "order"))
+	if errors.Is(err, os.ErrNotExist) {
+		return nil // a kernel with everything built in
+	}
+	if err != nil {
+		return err
+	}
+	for _, name := range strings.Fields(string(order)) {
+		if strings.ContainsAny(name, "/") {
+			return fmt.Errorf("module %q: not a file name", name)
+		}
+		f, err := os.Open(filepath.Join(ModulesDir, name))
+		if err != nil {
+			return fmt.Errorf("module %s: %w", name, err)
+		}
+		err = unix.FinitModule(int(f.Fd()), "", 0)
+		f.Close()
+		if err != nil && !errors.Is(err, unix.EEXIST) {
+			return fmt.Errorf("load module %s: %w", name, err)
+		}
+	}
+	return nil
+}
+
+// blockBySerial waits (bounded) until the virtio-blk devices with the given
+// serials exist and returns their /dev paths.
+func blockBySerial(serials []string) (map[string]string, error) {
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		found := map[string]string{}
+		ents, _ := os.ReadDir("/sys/block")
+		for _, e := range ents {
+			b, err := os.ReadFile(filepath.Join("/sys/block", e.Name(), "serial"))
+			if err != nil {
+				continue
+			}
+			found[strings.TrimSpace(string(b))] = "/dev/" + e.Name()
+		}
+		missing := ""
+		for _, s := range serials {
+			if _, ok := found[s]; !ok {
+				missing = s
+				break
+			}
+			if _, err := os.Stat(found[s]); err != nil {
+				missing = s
+				break
+			}
+		}
+		if missing == "" {
+			return found, nil
+		}
+		if time.Now().After(deadline) {
+			return nil, fmt.Errorf("no block device with serial %q", missing)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+func readConfig() (*Config, error) {
+	devs, err := blockBySerial([]string{ConfigSerial})
+	if err != nil {
+		return nil, err
+	}
+	f, err := os.Open(devs[ConfigSerial])
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	b, err := io.ReadAll(io.LimitReader(f, ConfigMax))
+	if err != nil {
+		return nil, fmt.Errorf("read config: %w", err)
+	}
+	if i := bytes.IndexByte(b, 0); i >= 0 {
+		b = b[:i]
+	}
+	var cfg Config
+	if err := json.Unmarshal(b, &cfg); err != nil {
+		return nil, fmt.Errorf("decode config: %w", err)
+	}
+	if cfg.Layers < 1 || cfg.Layers > 128 {
+		return nil, fmt.Errorf("config: %d layers", cfg.Layers)
+	}
+	return &cfg, nil
+}
+
+// mountRoot mounts the layers and the overlay at /newroot and makes it the
+// root, moving /dev, /proc and /sys into it.
+func mountRoot(cfg *Config) error {
+	serials := make([]string, cfg.Layers)
+	for i := range serials {
+		serials[i] = fmt.Sprintf("%s%d", LayerSerialPrefix, i)
+	}
+	devs, err := blockBySerial(serials)
+	if err != nil {
+		return err
+	}
+	lower := make([]string, cfg.Layers)
+	for i, s := range serials {
+		dir := fmt.Sprintf("/layers/%d", i)
+		if err := os.MkdirAll(dir, 0o755); err != nil {
+			return err
+		}
+		if err := unix.Mount(devs[s], dir, "erofs", unix.MS_RDONLY|unix.MS_NODEV, ""); err != nil {
+			return fmt.Errorf("mount layer %d (%s): %w", i, devs[s], err)
+		}
+		lower[i] = dir
+	}
+	os.MkdirAll("/rw", 0o755)
+	opts := "mode=0755"
+	if cfg.UpperBytes > 0 {
+		opts += fmt.Sprintf(",size=%d", cfg.UpperBytes)
+	}
+	if err := unix.Mount("tmpfs", "/rw", "tmpfs", 0, opts); err != nil {
+		return fmt.Errorf("mount writable layer: %w", err)
+	}
+	for _, d := range []string{"/rw/upper", "/rw/work", "/newroot"} {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			return err
+		}
+	}
+	ovl := "lowerdir=" + strings.Join(lower, ":") + ",upperdir=/rw/upper,workdir=/rw/work"
+	if err := unix.Mount("overlay", "/newroot", "overlay", 0, ovl); err != nil {
+		return fmt.Errorf("mount overlay: %w", err)
+	}
+	for _, d := range []string{"dev", "proc", "sys", "tmp"} {
+		os.MkdirAll(filepath.Join("/newroot", d), 0o755)
+	}
+	for _, d := range []string{"/dev", "/proc", "/sys"} {
+		if err := unix.Mount(d, "/newroot"+d, "", unix.MS_MOVE, ""); err != nil {
+			return fmt.Errorf("move %s: %w", d, err)
+		}
+	}
+	if err := os.Chdir("/newroot"); err != nil {
+		return err
+	}
+	if err := unix.Mount(".", "/", "", unix.MS_MOVE, ""); err != nil {
+		return fmt.Errorf("move root: %w", err)
+	}
+	if err := unix.Chroot("."); err != nil {
+		return fmt.Errorf("chroot: %w", err)
+	}
+	if err := os.Chdir("/"); err != nil {
+		return err
+	}
+	os.MkdirAll("/dev/pts", 0o755)
+	os.MkdirAll("/dev/shm", 0o1777)
+	unix.Mount("devpts", "/dev/pts", "devpts", unix.MS_NOSUID|unix.MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620")
+	unix.Mount("shm", "/dev/shm", "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, "mode=1777")
+	if _, err := os.Lstat("/dev/ptmx"); err == nil {
+		os.Remove("/dev/ptmx")
+	}
+	os.Symlink("pts/ptmx", "/dev/ptmx")
+	os.Chmod("/tmp", 0o1777)
+	return nil
+}
+
+// findPort returns the /dev path of the virtio-serial port named PortName.
+func findPort() (string, error) {
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		ents, _ := os.ReadDir("/sys/class/virtio-ports")
+		for _, e := range ents {
+			b, err := os.ReadFile(filepath.Join("/sys/class/virtio-ports", e.Name(), "name"))
+			if err == nil && strings.TrimSpace(string(b)) == PortName {
+				p := "/dev/" + e.Name()
+				if _, err := os.Stat(p); err == nil {
+					return p, nil
+				}
+			}
+		}
+		if time.Now().After(deadline) {
+			return "", fmt.Errorf("no virtio-serial port named %s", PortName)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// MuxConfig is the yamux configuration of both ends of the agent channel:
+// no keep-alive (the channel ends when QEMU or the host process does, and
+// a stopped VM must not be declared dead), nothing logged.
+func MuxConfig() *yamux.Config {
+	c := yamux.DefaultConfig()
+	c.EnableKeepAlive = false
+	c.LogOutput = io.Discard
+	c.ConnectionWriteTimeout = 30 * time.Second
+	return c
+}
+
+// portListener accepts the streams of successive yamux sessions over the
+// port. When the host's end goes away (a restarted node) and reads of the
+// port return EOF, the session ends and a new one starts for the next host;
+// when they do not (observed with QEMU 7.2: the guest is not told), the
+// session goes on and the next host's streams, numbered from 1 again,
+// arrive on it as new streams (yamux accepts any unused stream ID).
+type portListener struct {
+	path   string
+	conns  chan net.Conn
+	done   chan struct{}
+	closed sync.Once
+}
+
+func listenPort() (net.Listener, error) {
+	p, err := findPort()
+	if err != nil {
+		return nil, err
+	}
+	l := &portListener{path: p, conns: make(chan net.Conn), done: make(chan struct{})}
+	go l.run()
+	return l, nil
+}
+
+func (l *portListener) run() {
+	for {
+		select {
+		case <-l.done:
+			return
+		default:
+		}
+		f, err := os.OpenFile(l.path, os.O_RDWR, 0)
+		if err != nil {
+			time.Sleep(100 * time.Millisecond)
+			continue
+		}
+		sess, err := yamux.Server(f, MuxConfig())
+		if err != nil {
+			f.Close()
+			time.Sleep(100 * time.Millisecond)
+			continue
+		}
+		for {
+			c, err := sess.Accept()
+			if err != nil {
+				break
+			}
+			select {
+			case l.conns <- c:
+			case <-l.done:
+				c.Close()
+			}
+		}
+		sess.Close()
+		f.Close()
+		// The host is not connected: reads return EOF at once until it
+		// is; do not spin.
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+func (l *portListener) Accept() (net.Conn, error) {
+	select {
+	case c := <-l.conns:
+		return c, nil
+	case <-l.done:
+		return nil, net.ErrClosed
+	}
+}
+
+func (l *portListener) Close() error {
+	l.closed.Do(func() { close(l.done) })
+	return nil
+}
+
+func (l *portListener) Addr() net.Addr { return portAddr(l.path) }
+
+type portAddr string
+
+func (a portAddr) Network() string { return "virtio-serial" }
+func (a portAddr) String() string  { return string(a) }

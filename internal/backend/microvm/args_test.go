@@ -1,0 +1,48 @@
+package microvm
+
+import (
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/shoal-sandbox/shoal/internal/sandbox"
+)
+
+// The guest's environment: the base one, the create's variables over it
+// (a create may override PATH), and the sandbox's ID last.
+func TestGuestEnv(t *testing.T) {
+	got := guestEnv(sandbox.Spec{ID: "sb1", Env: []string{"PATH=/opt/bin", "FOO=bar"}})
+	want := []string{"PATH=/opt/bin", "HOME=/root", "TERM=xterm", "LANG=C.UTF-8", "FOO=bar", "SHOAL_SANDBOX_ID=sb1"}
+	if !slices.Equal(got, want) {
+		t.Errorf("guestEnv = %q, want %q", got, want)
+	}
+}
+
+// QEMU's command line: the machine's devices by type, the TCG translation
+// cache bounded, the guest's clock from the host's TSC frequency, commas
+// in paths escaped.
+func TestBaseArgs(t *testing.T) {
+	b := &Backend{cfg: Config{Machine: MachineMicroVM}, kernel: "/k/vmlinux", initrd: "/i/initrd"}
+	args := strings.Join(b.baseArgs("tcg", 256<<20, 2, "X=1"), " ")
+	for _, want := range []string{"-M microvm,", "-accel tcg,tb-size=64", "-m 256", "-smp 2", "-kernel /k/vmlinux", "-initrd /i/initrd", "SHOAL_VM=1 X=1", "tsc_early_khz="} {
+		if !strings.Contains(args, want) {
+			t.Errorf("args %q lack %q", args, want)
+		}
+	}
+	if b.dev("virtio-blk") != "virtio-blk-device" {
+		t.Errorf("microvm device %s", b.dev("virtio-blk"))
+	}
+	q := &Backend{cfg: Config{Machine: MachineQ35}, kernel: "k", initrd: "i"}
+	if args := strings.Join(q.baseArgs("kvm", 256<<20, 1, ""), " "); !strings.Contains(args, "-M q35 -accel kvm -cpu host") || strings.Contains(args, "tb-size") {
+		t.Errorf("q35/kvm args %q", args)
+	}
+	if q.dev("virtio-blk") != "virtio-blk-pci" {
+		t.Errorf("q35 device %s", q.dev("virtio-blk"))
+	}
+	if got := qemuEscape("/a,b/c"); got != "/a,,b/c" {
+		t.Errorf("qemuEscape = %q", got)
+	}
+	if khz := hostTSCkHz(); khz < 100000 || khz > 10000000 {
+		t.Errorf("hostTSCkHz = %d", khz)
+	}
+}

@@ -1,0 +1,146 @@
+package microvm
+
+import (
+	"bufio"
+	"crypto/sha256"
+	"encoding/hex"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+
+	"github.com/shoal-sandbox/shoal/internal/agent/vminit"
+)
+
+// cpioWriter writes a cpio archive in the kernel's "newc" format, the
+// format of an initramfs (Documentation/driver-api/early-userspace).
+type cpioWriter struct {
+	w   *bufio.Writer
+	ino uint32
+	n   int64
+}
+
+func (c *cpioWriter) write(p []byte) error {
+	n, err := c.w.Write(p)
+	c.n += int64(n)
+	return err
+}
+
+func (c *cpioWriter) pad() error {
+	if r := c.n % 4; r != 0 {
+		return c.write(make([]byte, 4-r))
+	}
+	return nil
+}
+
+func (c *cpioWriter) header(name string, mode uint32, size int64) error {
+	c.ino++
+	h := fmt.Sprintf("070701%08X%08X%08X%08X%08X%08X%08X%08X%08X%08X%08X%08X%08X",
+		c.ino, mode, 0, 0, 1, 0, size, 0, 0, 0, 0, len(name)+1, 0)
+	if err := c.write([]byte(h)); err != nil {
+		return err
+	}
+	if err := c.write(append([]byte(name), 0)); err != nil {
+		return err
+	}
+	return c.pad()
+}
+
+func (c *cpioWriter) dir(name string) error {
+	return c.header(name, 0o040755, 0)
+}
+
+func (c *cpioWriter) file(name string, mode uint32, data []byte) error {
+	if err := c.header(name, 0o100000|mode, int64(len(data))); err != nil {
+		return err
+	}
+	if err := c.write(data); err != nil {
+		return err
+	}
+	return c.pad()
+}
+
+func (c *cpioWriter) close() error {
+	if err := c.header("TRAILER!!!", 0, 0); err != nil {
+		return err
+	}
+	return c.w.Flush()
+}
+
+// buildInitrd writes, under dir, the initramfs of the guests: the agent
+// binary as /init and the kernel's modules (kernelDir/modules, in the order
+// its "order" file lists them). Its name carries a digest of its content,
+// so a new agent or kernel makes a new file and running VMs keep theirs.
+func buildInitrd(dir, kernelDir, agentBin string) (string, error) {
+	agentData, err := os.ReadFile(agentBin)
+	if err != nil {
+		return "", fmt.Errorf("read agent: %w", err)
+	}
+	type file struct {
+		name string
+		data []byte
+	}
+	var mods []file
+	modDir := filepath.Join(kernelDir, "modules")
+	if order, err := os.ReadFile(filepath.Join(modDir, "order")); err == nil {
+		mods = append(mods, file{"order", order})
+		for _, n := range strings.Fields(string(order)) {
+			if n != filepath.Base(n) {
+				return "", fmt.Errorf("module %q in %s: not a file name", n, modDir)
+			}
+			b, err := os.ReadFile(filepath.Join(modDir, n))
+			if err != nil {
+				return "", fmt.Errorf("module: %w", err)
+			}
+			mods = append(mods, file{n, b})
+		}
+	} else if !os.IsNotExist(err) {
+		return "", err
+	}
+	h := sha256.New()
+	h.Write(agentData)
+	for _, m := range mods {
+		fmt.Fprintf(h, "%s %d\n", m.name, len(m.data))
+		h.Write(m.data)
+	}
+	out := filepath.Join(dir, "initrd-"+hex.EncodeToString(h.Sum(nil))[:16]+".cpio")
+	if _, err := os.Stat(out); err == nil {
+		return out, nil
+	}
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return "", err
+	}
+	tmp, err := os.CreateTemp(dir, ".initrd-*")
+	if err != nil {
+		return "", err
+	}
+	defer os.Remove(tmp.Name())
+	c := &cpioWriter{w: bufio.NewWriter(tmp)}
+	md := strings.TrimPrefix(vminit.ModulesDir, "/")
+	for _, d := range []string{"dev", "proc", "sys", "lib", "lib/shoal", md} {
+		if err := c.dir(d); err != nil {
+			return "", err
+		}
+	}
+	if err := c.file("init", 0o755, agentData); err != nil {
+		return "", err
+	}
+	for _, m := range mods {
+		if err := c.file(md+"/"+m.name, 0o644, m.data); err != nil {
+			return "", err
+		}
+	}
+	if err := c.close(); err != nil {
+		return "", err
+	}
+	if err := tmp.Sync(); err != nil {
+		return "", err
+	}
+	if err := tmp.Close(); err != nil {
+		return "", err
+	}
+	if err := os.Rename(tmp.Name(), out); err != nil {
+		return "", err
+	}
+	return out, nil
+}

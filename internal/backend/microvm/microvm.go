@@ -1,0 +1,752 @@
+// Package microvm is the sandbox backend that runs each sandbox in its own
+// QEMU virtual machine: `-M microvm` (the "microvm" backend) or, with the
+// same code and another machine type, a q35 PC with PCI devices ("fullvm").
+//
+// A guest boots Debian's cloud kernel (scripts/vmkernel.sh puts it in
+// Config.KernelDir) with an initramfs that this package builds from the
+// static shoal-agent (as /init) and the few modules the guest loads. Each
+// read-only layer is attached as a read-only virtio-blk device of its EROFS
+// image, found in the guest by its serial number; the agent stacks them
+// under a writable tmpfs with overlayfs in the order a container's root
+// has (internal/agent/vminit), switches root and serves the usual agent
+// protocol on a virtio-serial port. On the host that port is a unix socket
+// (QEMU's chardev, the sandbox's agent.sock) carrying one yamux session:
+// AgentDial opens one stream per request.
+//
+// Acceleration: KVM when /dev/kvm exists and a probe guest boots on it
+// within a short timeout, else TCG (logged with the reason);
+// Config.Accel or $SHOAL_VM_ACCEL forces one.
+//
+// Not yet: pause (snapshot, kill, restore), commit (the writable layer is
+// in the guest), disk limits, network egress, virtio-pmem/DAX and free
+// page reporting.
+package microvm
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/hashicorp/yamux"
+	"golang.org/x/sys/unix"
+
+	"github.com/shoal-sandbox/shoal/internal/agent"
+	"github.com/shoal-sandbox/shoal/internal/agent/vminit"
+	"github.com/shoal-sandbox/shoal/internal/sandbox"
+)
+
+// Machine types.
+const (
+	MachineMicroVM = "microvm"
+	MachineQ35     = "q35"
+)
+
+// Defaults.
+const (
+	DefaultKernelDir = "/usr/local/lib/shoal/vm"
+	// MinMemoryBytes is the least guest RAM: the kernel and the initramfs
+	// need about 100 MiB; a smaller request gets this much.
+	MinMemoryBytes = 160 << 20
+	// MaxLayers: microvm has 8 virtio-mmio transports; the agent's port and
+	// the config device take two.
+	MaxLayers = 6
+	// ProbeTimeout bounds the boot of the KVM probe guest.
+	ProbeTimeout = 10 * time.Second
+)
+
+// Config configures a Backend.
+type Config struct {
+	// Name is the backend's name ("microvm" or "fullvm"); Machine its QEMU
+	// machine type (MachineMicroVM or MachineQ35).
+	Name    string
+	Machine string
+	// QEMU is the emulator binary (default qemu-system-x86_64 on PATH).
+	QEMU string
+	// KernelDir holds vmlinux (PVH, preferred) or vmlinuz, and modules/.
+	KernelDir string
+	// StateDir is where the built initramfs files live.
+	StateDir    string
+	AgentBinary string
+	// Accel: "auto" (default: $SHOAL_VM_ACCEL, else probe KVM), "kvm" or "tcg".
+	Accel string
+	// BootTimeout bounds a guest's boot to its agent's first answer when
+	// the create's context has no deadline (default 60 s with KVM, 180 s
+	// with TCG).
+	BootTimeout time.Duration
+	Logger      *slog.Logger
+}
+
+// Check reports why this node cannot run VMs (nil if it can): no QEMU or
+// no guest kernel.
+func (c *Config) Check() error {
+	if c.QEMU == "" {
+		c.QEMU = "qemu-system-x86_64"
+	}
+	if c.KernelDir == "" {
+		c.KernelDir = DefaultKernelDir
+	}
+	if _, err := exec.LookPath(c.QEMU); err != nil {
+		return fmt.Errorf("no %s (apt-get install qemu-system-x86): %w", c.QEMU, err)
+	}
+	if _, err := c.kernel(); err != nil {
+		return err
+	}
+	return nil
+}
+
+func (c *Config) kernel() (string, error) {
+	for _, n := range []string{"vmlinux", "vmlinuz"} {
+		p := filepath.Join(c.KernelDir, n)
+		if _, err := os.Stat(p); err == nil {
+			return p, nil
+		}
+	}
+	return "", fmt.Errorf("no guest kernel in %s (run scripts/vmkernel.sh)", c.KernelDir)
+}
+
+// Backend runs sandboxes in QEMU VMs.
+type Backend struct {
+	cfg    Config
+	log    *slog.Logger
+	kernel string
+	initrd string
+
+	probeOnce sync.Once
+	probed    chan struct{} // closed when accel is known
+	accel     string        // "kvm" or "tcg"; set before probed is closed
+	accelWhy  string
+	bootLimit time.Duration
+
+	mu    sync.Mutex
+	muxes map[string]*chanMux // guarded by mu; by sandbox ID
+}
+
+var (
+	_ sandbox.Backend     = (*Backend)(nil)
+	_ sandbox.Prober      = (*Backend)(nil)
+	_ sandbox.AgentDialer = (*Backend)(nil)
+	_ sandbox.Committer   = (*Backend)(nil)
+)
+
+// New builds the guests' initramfs. The accelerator is chosen at the first
+// create (a KVM probe costs a boot: nothing is spent on a node that runs no
+// VM).
+func New(cfg Config) (*Backend, error) {
+	if err := cfg.Check(); err != nil {
+		return nil, err
+	}
+	if cfg.Name == "" {
+		cfg.Name = "microvm"
+	}
+	if cfg.Machine == "" {
+		cfg.Machine = MachineMicroVM
+	}
+	if cfg.Machine != MachineMicroVM && cfg.Machine != MachineQ35 {
+		return nil, fmt.Errorf("vm backend: machine %q: want %s or %s", cfg.Machine, MachineMicroVM, MachineQ35)
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.DiscardHandler)
+	}
+	if cfg.Accel == "" || cfg.Accel == "auto" {
+		if env := os.Getenv("SHOAL_VM_ACCEL"); env != "" {
+			cfg.Accel = env
+		} else {
+			cfg.Accel = "auto"
+		}
+	}
+	switch cfg.Accel {
+	case "auto", "kvm", "tcg":
+	default:
+		return nil, fmt.Errorf("vm backend: accel %q: want auto, kvm or tcg", cfg.Accel)
+	}
+	kernel, _ := cfg.kernel()
+	initrd, err := buildInitrd(cfg.StateDir, cfg.KernelDir, cfg.AgentBinary)
+	if err != nil {
+		return nil, fmt.Errorf("vm backend: initramfs: %w", err)
+	}
+	b := &Backend{cfg: cfg, log: cfg.Logger.With("backend", cfg.Name), kernel: kernel, initrd: initrd,
+		probed: make(chan struct{}), muxes: map[string]*chanMux{}}
+	return b, nil
+}
+
+// chooseAccel sets b.accel: the configured one, or KVM if a probe guest
+// boots on it within ProbeTimeout, else TCG.
+func (b *Backend) chooseAccel() {
+	defer close(b.probed)
+	defer func() {
+		b.bootLimit = b.cfg.BootTimeout
+		if b.bootLimit == 0 {
+			b.bootLimit = 180 * time.Second
+			if b.accel == "kvm" {
+				b.bootLimit = 60 * time.Second
+			}
+		}
+		b.log.Info("vm accelerator", "accel", b.accel, "why", b.accelWhy, "machine", b.cfg.Machine, "kernel", b.kernel)
+	}()
+	switch b.cfg.Accel {
+	case "kvm", "tcg":
+		b.accel, b.accelWhy = b.cfg.Accel, "configured"
+		return
+	}
+	f, err := os.OpenFile("/dev/kvm", os.O_RDWR, 0)
+	if err != nil {
+		b.accel, b.accelWhy = "tcg", "no usable /dev/kvm: "+err.Error()
+		return
+	}
+	f.Close()
+	start := time.Now()
+	if err := b.probe("kvm"); err != nil {
+		b.accel, b.accelWhy = "tcg", "a probe guest did not boot on KVM: "+err.Error()
+		return
+	}
+	b.accel, b.accelWhy = "kvm", fmt.Sprintf("a probe guest booted on KVM in %s", time.Since(start).Round(time.Millisecond))
+}
+
+// probe boots a guest that prints vminit.ProbeOK and powers off.
+func (b *Backend) probe(accel string) error {
+	ctx, cancel := context.WithTimeout(context.Background(), ProbeTimeout)
+	defer cancel()
+	args := b.baseArgs(accel, 256<<20, 1, vminit.EnvProbe+"=1")
+	args = append(args, "-serial", "stdio")
+	cmd := exec.CommandContext(ctx, b.cfg.QEMU, args...)
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		return err
+	}
+	var stderr strings.Builder
+	cmd.Stderr = &limitedWriter{w: &stderr, n: 4096}
+	if err := cmd.Start(); err != nil {
+		return err
+	}
+	ok := false
+	sc := bufio.NewScanner(out)
+	for sc.Scan() {
+		if strings.Contains(sc.Text(), vminit.ProbeOK) {
+			ok = true
+			break
+		}
+	}
+	cmd.Process.Kill()
+	cmd.Wait()
+	if ok {
+		return nil
+	}
+	if ctx.Err() != nil {
+		return fmt.Errorf("no answer within %s", ProbeTimeout)
+	}
+	return fmt.Errorf("qemu: %s", strings.TrimSpace(stderr.String()))
+}
+
+type limitedWriter struct {
+	w interface{ WriteString(string) (int, error) }
+	n int
+}
+
+func (l *limitedWriter) Write(p []byte) (int, error) {
+	if l.n > 0 {
+		q := p
+		if len(q) > l.n {
+			q = q[:l.n]
+		}
+		l.w.WriteString(string(q))
+		l.n -= len(q)
+	}
+	return len(p), nil
+}
+
+// Accel returns the accelerator and why it was chosen, choosing it on the
+// first call (the callers wait for that).
+func (b *Backend) Accel(ctx context.Context) (string, string, error) {
+	b.probeOnce.Do(func() { go b.chooseAccel() })
+	select {
+	case <-b.probed:
+		return b.accel, b.accelWhy, nil
+	case <-ctx.Done():
+		return "", "", ctx.Err()
+	}
+}
+
+// Name implements sandbox.Backend.
+func (b *Backend) Name() string { return b.cfg.Name }
+
+// Capabilities implements sandbox.Backend: layers are image files attached
+// as devices, never mounted on the host.
+func (b *Backend) Capabilities() sandbox.Capabilities { return sandbox.Capabilities{} }
+
+// qemuEscape doubles commas, QEMU's option separator, in a value.
+func qemuEscape(s string) string { return strings.ReplaceAll(s, ",", ",,") }
+
+// baseArgs is the QEMU command line shared by sandboxes and the probe.
+func (b *Backend) baseArgs(accel string, mem int64, cpus int, extraAppend string) []string {
+	machine := b.cfg.Machine
+	if machine == MachineMicroVM {
+		// No option ROMs; an RTC for the guest's clock; the guest finds its
+		// virtio-mmio devices through ACPI.
+		machine += ",x-option-roms=off,rtc=on,isa-serial=on"
+	}
+	cpu := "max"
+	if accel == "kvm" {
+		cpu = "host,-arch-capabilities"
+	}
+	// tsc_early_khz and lpj: under TCG the guest cannot calibrate its TSC
+	// or delay loop (it hangs without them). TCG's TSC is the host's, so
+	// the guest's clock keeps time only with the host's frequency.
+	// mitigations=off: the guest's kernel does not guard its processes
+	// from each other (they are one sandbox's); the host's kernel and KVM
+	// keep guarding the host from the guest. It makes TCG boots faster.
+	khz := hostTSCkHz()
+	appendLine := fmt.Sprintf("console=ttyS0 quiet panic=-1 tsc_early_khz=%d lpj=%d mitigations=off %s=1", khz, khz*2, vminit.EnvVM)
+	if extraAppend != "" {
+		appendLine += " " + extraAppend
+	}
+	accelOpt := accel
+	if accel == "tcg" {
+		// TCG's translation cache: 64 MiB instead of QEMU's default (up
+		// to 1 GiB of host memory per VM).
+		accelOpt += ",tb-size=64"
+	}
+	return []string{
+		"-M", machine, "-accel", accelOpt, "-cpu", cpu,
+		"-m", strconv.FormatInt(mem>>20, 10), "-smp", strconv.Itoa(cpus),
+		"-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
+		"-kernel", b.kernel, "-initrd", b.initrd, "-append", appendLine,
+	}
+}
+
+// hostTSCkHz is the host's TSC frequency as /proc/cpuinfo's "cpu MHz" of
+// its first CPU says (constant on x86 hosts with an invariant TSC, as
+// virtual machines and KVM hosts have), else 2 GHz.
+func hostTSCkHz() int64 {
+	b, err := os.ReadFile("/proc/cpuinfo")
+	if err != nil {
+		return 2000000
+	}
+	for _, l := range strings.Split(string(b), "\n") {
+		k, v, ok := strings.Cut(l, ":")
+		if ok && strings.TrimSpace(k) == "cpu MHz" {
+			if mhz, err := strconv.ParseFloat(strings.TrimSpace(v), 64); err == nil && mhz > 100 && mhz < 10000 {
+				return int64(mhz * 1000)
+			}
+			break
+		}
+	}
+	return 2000000
+}
+
+// device names of the virtio devices on this machine type.
+func (b *Backend) dev(kind string) string {
+	if b.cfg.Machine == MachineMicroVM {
+		return kind + "-device"
+	}
+	return kind + "-pci"
+}
+
+// Create implements sandbox.Backend: it starts the VM and returns once its
+// agent answers.
+func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (h sandbox.Handle, err error) {
+	if len(spec.Layers) == 0 || len(spec.Layers) > MaxLayers {
+		return h, fmt.Errorf("%s backend: %d layers: a VM takes 1 to %d: %w", b.cfg.Name, len(spec.Layers), MaxLayers, sandbox.ErrUnsupported)
+	}
+	if spec.Network.Egress() {
+		return h, fmt.Errorf("%s backend: network egress is not available for VMs yet: %w", b.cfg.Name, sandbox.ErrUnsupported)
+	}
+	if spec.Resources.DiskBytes > 0 {
+		return h, fmt.Errorf("%s backend: a disk limit is not available for VMs yet: %w", b.cfg.Name, sandbox.ErrUnsupported)
+	}
+	accel, _, err := b.Accel(ctx)
+	if err != nil {
+		return h, err
+	}
+	if _, ok := ctx.Deadline(); !ok {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, b.bootLimit)
+		defer cancel()
+	}
+	dir := spec.Dir
+	sock := filepath.Join(dir, "agent.sock")
+	qmpSock := filepath.Join(dir, "qmp.sock")
+	cfgImg := filepath.Join(dir, "config.img")
+	vc := vminit.Config{ID: spec.ID, Layers: len(spec.Layers), Env: guestEnv(spec), Hostname: hostname(spec.ID)}
+	doc, err := json.Marshal(vc)
+	if err != nil {
+		return h, err
+	}
+	if len(doc) >= vminit.ConfigMax {
+		return h, fmt.Errorf("%s backend: sandbox config of %d bytes is too large", b.cfg.Name, len(doc))
+	}
+	padded := make([]byte, (len(doc)/4096+1)*4096)
+	copy(padded, doc)
+	if err := os.WriteFile(cfgImg, padded, 0o600); err != nil {
+		return h, err
+	}
+	mem := max(spec.Resources.MemoryBytes, MinMemoryBytes)
+	cpus := int(max((spec.Resources.MilliCPU+999)/1000, 1))
+	args := b.baseArgs(accel, mem, cpus, "")
+	args = append(args,
+		"-chardev", "ringbuf,id=con,size=65536", "-serial", "chardev:con",
+		"-qmp", "unix:"+qemuEscape(qmpSock)+",server=on,wait=off",
+		"-pidfile", filepath.Join(dir, "qemu.pid"),
+		"-device", b.dev("virtio-serial")+",max_ports=2",
+		"-chardev", "socket,id=agent,path="+qemuEscape(sock)+",server=on,wait=off",
+		"-device", "virtserialport,chardev=agent,name="+vminit.PortName,
+		"-drive", "if=none,id=cfg,format=raw,readonly=on,file="+qemuEscape(cfgImg),
+		"-device", b.dev("virtio-blk")+",drive=cfg,serial="+vminit.ConfigSerial,
+	)
+	for i, l := range spec.Layers {
+		id := "l" + strconv.Itoa(i)
+		args = append(args,
+			"-drive", "if=none,id="+id+",format=raw,readonly=on,file.locking=off,file="+qemuEscape(l.ImagePath),
+			"-device", b.dev("virtio-blk")+",drive="+id+",serial="+vminit.LayerSerialPrefix+strconv.Itoa(i))
+	}
+	// A compromised QEMU may not spawn, elevate or change resource
+	// controls (QEMU's seccomp filter).
+	args = append(args, "-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny")
+	logf, err := os.OpenFile(filepath.Join(dir, "qemu.log"), os.O_CREATE|os.O_WRONLY|os.O_TRUNC, 0o600)
+	if err != nil {
+		return h, err
+	}
+	cmd := exec.Command(b.cfg.QEMU, args...)
+	cmd.Stdout, cmd.Stderr = logf, logf
+	// Its own session: the VM outlives the node process (Recover).
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	start := time.Now()
+	err = cmd.Start()
+	logf.Close()
+	if err != nil {
+		return h, fmt.Errorf("start qemu: %w", err)
+	}
+	exited := make(chan struct{})
+	go func() { cmd.Wait(); close(exited) }()
+	pid := cmd.Process.Pid
+	st, _ := startTime(pid)
+	h = sandbox.Handle{ID: spec.ID, Backend: b.cfg.Name, Data: map[string]string{
+		"pid": strconv.Itoa(pid), "pid_start": st, "dir": dir, "accel": accel, "machine": b.cfg.Machine,
+	}}
+	defer func() {
+		if err != nil {
+			b.Delete(context.Background(), h)
+		}
+	}()
+	if err := b.waitAgent(ctx, h, exited); err != nil {
+		return h, fmt.Errorf("%s backend: boot (%s): %w%s", b.cfg.Name, accel, err, b.console(qmpSock, dir, exited))
+	}
+	b.log.Debug("vm booted", "sandbox_id", spec.ID, "accel", accel, "took", time.Since(start))
+	return h, nil
+}
+
+// waitAgent pings the guest's agent until it answers, QEMU exits or ctx
+// ends.
+func (b *Backend) waitAgent(ctx context.Context, h sandbox.Handle, exited <-chan struct{}) error {
+	c := agent.NewClientDialer("sandbox "+h.ID, b.AgentDial(h))
+	for {
+		pctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		_, err := c.Ping(pctx)
+		cancel()
+		if err == nil {
+			return nil
+		}
+		select {
+		case <-exited:
+			return errors.New("qemu exited before the agent answered")
+		case <-ctx.Done():
+			return fmt.Errorf("the agent did not answer: %w", ctx.Err())
+		default:
+		}
+		if pctx.Err() == nil { // failed fast (no socket yet): do not spin
+			select {
+			case <-time.After(20 * time.Millisecond):
+			case <-exited:
+			case <-ctx.Done():
+			}
+		}
+	}
+}
+
+// console returns the end of the guest's console (a bounded ring in QEMU)
+// and of QEMU's own log, for a boot error.
+func (b *Backend) console(qmpSock, dir string, exited <-chan struct{}) string {
+	var out string
+	select {
+	case <-exited:
+	default:
+		ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+		var s string
+		if err := qmp(ctx, qmpSock, "ringbuf-read", map[string]any{"device": "con", "size": 4096, "format": "utf8"}, &s); err == nil {
+			out += "; console: " + lastLines(s, 8)
+		}
+		cancel()
+	}
+	if f, err := os.Open(filepath.Join(dir, "qemu.log")); err == nil {
+		buf := make([]byte, 2048)
+		n, _ := f.Read(buf)
+		f.Close()
+		if n > 0 {
+			out += "; qemu: " + strings.TrimSpace(string(buf[:n]))
+		}
+	}
+	return out
+}
+
+func lastLines(s string, n int) string {
+	lines := strings.Split(strings.TrimSpace(s), "\n")
+	if len(lines) > n {
+		lines = lines[len(lines)-n:]
+	}
+	return strings.Join(lines, " | ")
+}
+
+// baseEnv is every sandbox process's environment before Spec.Env, as in a
+// container.
+var baseEnv = []string{
+	"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+	"HOME=/root",
+	"TERM=xterm",
+	"LANG=C.UTF-8",
+}
+
+func guestEnv(spec sandbox.Spec) []string {
+	env := append([]string(nil), baseEnv...)
+	seen := map[string]int{}
+	for i, kv := range env {
+		k, _, _ := strings.Cut(kv, "=")
+		seen[k] = i
+	}
+	for _, kv := range append(append([]string(nil), spec.Env...), "SHOAL_SANDBOX_ID="+spec.ID) {
+		k, _, _ := strings.Cut(kv, "=")
+		if i, ok := seen[k]; ok {
+			env[i] = kv
+			continue
+		}
+		seen[k] = len(env)
+		env = append(env, kv)
+	}
+	return env
+}
+
+func hostname(id string) string {
+	if len(id) > 12 {
+		return id[:12]
+	}
+	return id
+}
+
+// startTime returns a process's start time (field 22 of /proc/PID/stat),
+// which tells it from a later process given the same pid.
+func startTime(pid int) (string, error) {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	if err != nil {
+		return "", err
+	}
+	s := string(b)
+	i := strings.LastIndexByte(s, ')')
+	if i < 0 {
+		return "", errors.New("bad stat")
+	}
+	f := strings.Fields(s[i+1:])
+	if len(f) < 20 {
+		return "", errors.New("bad stat")
+	}
+	return f[19], nil
+}
+
+// process returns the pid of h's QEMU if it still runs (0 if not). A
+// handle persisted before its create finished (the node crashed in the
+// middle) has no pid: QEMU's pidfile in the sandbox's directory names it,
+// and its command line must name that directory.
+func process(h sandbox.Handle) int {
+	if h.Data["pid"] == "" && h.Data["dir"] != "" {
+		dir := h.Data["dir"]
+		b, err := os.ReadFile(filepath.Join(dir, "qemu.pid"))
+		if err != nil {
+			return 0
+		}
+		pid, err := strconv.Atoi(strings.TrimSpace(string(b)))
+		if err != nil || pid <= 0 || zombie(pid) {
+			return 0
+		}
+		cl, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/cmdline")
+		if err != nil || !strings.Contains(string(cl), filepath.Join(dir, "agent.sock")) {
+			return 0
+		}
+		return pid
+	}
+	pid, err := strconv.Atoi(h.Data["pid"])
+	if err != nil || pid <= 0 {
+		return 0
+	}
+	st, err := startTime(pid)
+	if err != nil || st != h.Data["pid_start"] || zombie(pid) {
+		return 0
+	}
+	return pid
+}
+
+// Alive implements sandbox.Prober.
+func (b *Backend) Alive(h sandbox.Handle) (bool, error) {
+	return process(h) != 0, nil
+}
+
+// Recover implements sandbox.Backend: a VM whose QEMU still runs is
+// running (its agent channel is re-dialed on the next request).
+func (b *Backend) Recover(ctx context.Context, h sandbox.Handle) (sandbox.Status, error) {
+	if process(h) != 0 {
+		return sandbox.StatusRunning, nil
+	}
+	return sandbox.StatusStopped, nil
+}
+
+// Delete implements sandbox.Backend: it kills QEMU and waits until it is
+// gone. The node removes the sandbox's directory.
+func (b *Backend) Delete(ctx context.Context, h sandbox.Handle) error {
+	b.mu.Lock()
+	m := b.muxes[h.ID]
+	delete(b.muxes, h.ID)
+	b.mu.Unlock()
+	if m != nil {
+		m.close()
+	}
+	pid := process(h)
+	if pid == 0 {
+		return nil
+	}
+	if err := unix.Kill(pid, unix.SIGKILL); err != nil && !errors.Is(err, unix.ESRCH) {
+		return fmt.Errorf("kill qemu %d: %w", pid, err)
+	}
+	// Until it is reaped (by Create's goroutine, or by init after a
+	// restart of the node) it is a zombie, which process does not count.
+	for process(h) != 0 {
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("qemu %d did not exit: %w", pid, ctx.Err())
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
+	return nil
+}
+
+func zombie(pid int) bool {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	if err != nil {
+		return true
+	}
+	s := string(b)
+	i := strings.LastIndexByte(s, ')')
+	return i >= 0 && len(s) > i+2 && s[i+2] == 'Z'
+}
+
+// WritableLayer implements sandbox.Committer: a VM's writable layer is in
+// the guest, so it cannot be committed (yet).
+func (b *Backend) WritableLayer(h sandbox.Handle) (string, error) {
+	return "", fmt.Errorf("the writable layer of a VM is inside the guest: %w", sandbox.ErrUnsupported)
+}
+
+// AgentDial implements sandbox.AgentDialer: streams of the one yamux
+// session over the VM's agent socket, re-dialed when it ends.
+func (b *Backend) AgentDial(h sandbox.Handle) func(ctx context.Context) (net.Conn, error) {
+	path := filepath.Join(h.Data["dir"], "agent.sock")
+	id := h.ID
+	return func(ctx context.Context) (net.Conn, error) {
+		b.mu.Lock()
+		m := b.muxes[id]
+		if m == nil {
+			m = &chanMux{path: path}
+			b.muxes[id] = m
+		}
+		b.mu.Unlock()
+		return m.open(ctx)
+	}
+}
+
+// chanMux is the host end of one VM's agent channel.
+type chanMux struct {
+	path string
+	mu   sync.Mutex     // guards sess
+	sess *yamux.Session // nil or closed: dial again
+}
+
+func (m *chanMux) open(ctx context.Context) (net.Conn, error) {
+	sess, err := m.session(ctx)
+	if err != nil {
+		return nil, err
+	}
+	// OpenStream waits while the guest has 256 streams it has not
+	// accepted (a stuck guest): not longer than ctx.
+	type result struct {
+		st  *yamux.Stream
+		err error
+	}
+	ch := make(chan result, 1)
+	go func() {
+		st, err := sess.OpenStream()
+		ch <- result{st, err}
+	}()
+	select {
+	case r := <-ch:
+		if r.err != nil {
+			m.drop(sess)
+			return nil, r.err
+		}
+		return r.st, nil
+	case <-ctx.Done():
+		go func() {
+			if r := <-ch; r.st != nil {
+				r.st.Close()
+			}
+		}()
+		return nil, ctx.Err()
+	}
+}
+
+// session returns the live session, dialing the VM's socket for a new one
+// when there is none.
+func (m *chanMux) session(ctx context.Context) (*yamux.Session, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.sess != nil && !m.sess.IsClosed() {
+		return m.sess, nil
+	}
+	var d net.Dialer
+	c, err := d.DialContext(ctx, "unix", m.path)
+	if err != nil {
+		return nil, err
+	}
+	s, err := yamux.Client(c, vminit.MuxConfig())
+	if err != nil {
+		c.Close()
+		return nil, err
+	}
+	m.sess = s
+	return s, nil
+}
+
+// drop closes sess if it is still the current session.
+func (m *chanMux) drop(sess *yamux.Session) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.sess == sess {
+		m.sess.Close()
+		m.sess = nil
+	}
+}
+
+func (m *chanMux) close() {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.sess != nil {
+		m.sess.Close()
+		m.sess = nil
+	}
+}

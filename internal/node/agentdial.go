@@ -1,0 +1,16 @@
+package node
+
+import (
+	"github.com/shoal-sandbox/shoal/internal/agent"
+	"github.com/shoal-sandbox/shoal/internal/sandbox"
+)
+
+// agentClient returns the client of the agent of the sandbox h of backend
+// be: through the backend's dialer when it has one (a VM's channel), else
+// the handle's unix socket.
+func (m *Manager) agentClient(be sandbox.Backend, h sandbox.Handle) *agent.Client {
+	if d, ok := be.(sandbox.AgentDialer); ok {
+		return agent.NewClientDialer("sandbox "+h.ID, d.AgentDial(h))
+	}
+	return agent.NewClient(h.AgentSocket)
+}
