@@ -6,7 +6,8 @@ install_deps() {
 	apt-get update -qq
 	apt-get install -y -qq --no-install-recommends \
 		runc erofs-utils e2fsprogs busybox-static debootstrap ca-certificates \
-		python3 python3-httpx python3-pytest python3-pip python3-venv python3-setuptools zstd iproute2 procps curl kmod util-linux >/dev/null
+		python3 python3-httpx python3-pytest python3-pip python3-venv python3-setuptools zstd iproute2 procps curl kmod util-linux \
+		chromium >/dev/null
 }
 
 ensure_go() {
