@@ -96,7 +96,16 @@ func benchCmd() *cobra.Command {
 		Use:   "burst [-n N] [-c C] [--base REF] [--python-bench bench.py]",
 		Short: "Rollouts (create, one command, delete) in a burst: failures, hangs, create→first exec, creates/s, pool vs cold, against `runc run` at the same concurrency",
 		Args:  cobra.NoArgs,
-		RunE:  runBench(func(ctx context.Context, c *shoal.Client) (any, error) { return bench.Burst(ctx, c, bo) }),
+		RunE: runBench(func(ctx context.Context, c *shoal.Client) (any, error) {
+			// A bar on stderr (on a terminal; elsewhere a line per
+			// quarter): the JSON result goes to stdout at the end.
+			bar := newProgressBar(os.Stderr)
+			bo.Progress = func(done, total int) {
+				bar.update("", &pb.BuildProgress{Stage: "burst", Done: int64(done), Total: int64(total), Unit: "rollouts"})
+			}
+			defer bar.clear()
+			return bench.Burst(ctx, c, bo)
+		}),
 	}
 	burst.Flags().IntVarP(&bo.N, "number", "n", 1000, "rollouts")
 	burst.Flags().IntVarP(&bo.Concurrency, "concurrency", "c", 64, "rollouts in flight")

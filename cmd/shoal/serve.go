@@ -41,7 +41,9 @@ type serveConfig struct {
 	Agent   string
 	Runtime string
 	Debug   bool
-	LogCap  int64
+	// LogFormat: text (logfmt-like) or json (one object a line).
+	LogFormat string
+	LogCap    int64
 	// Retention of ended commands (session.Config.KeepEnded, KeepFor).
 	KeepCommands    int
 	KeepCommandsFor time.Duration
@@ -119,6 +121,9 @@ type e2bConfig struct {
 func (c *serveConfig) Validate() error {
 	if c.DataDir == "" {
 		return errors.New("--data is required")
+	}
+	if c.LogFormat != "text" && c.LogFormat != "json" {
+		return fmt.Errorf("--log-format %q: want text or json", c.LogFormat)
 	}
 	abs, err := filepath.Abs(c.DataDir)
 	if err != nil {
@@ -313,6 +318,7 @@ func serveCmd() *cobra.Command {
 	cmd.Flags().StringVar(&cfg.Agent, "agent", "", "path of the shoal-agent binary (default: beside shoal)")
 	cmd.Flags().StringVar(&cfg.Runtime, "runtime", "runc", "OCI runtime for the container backend")
 	cmd.Flags().BoolVar(&cfg.Debug, "debug", false, "debug logging")
+	cmd.Flags().StringVar(&cfg.LogFormat, "log-format", "text", "log format on stderr: text or json (slog's; stable keys such as sandbox_id, tenant, layer)")
 	cmd.Flags().IntVar(&cfg.PoolSize, "pool-size", container.DefaultPoolSize, "pre-started blank containers kept ready for creates (0: none)")
 	cmd.Flags().IntVar(&cfg.PoolMax, "pool-max", container.DefaultPoolMax, fmt.Sprintf("how many ready containers demand may grow the pool to (each holds about %d MiB)", container.PoolMemberBytes>>20))
 	cmd.Flags().StringVar(&cfg.EgressSubnet, "egress-subnet", container.DefaultEgressSubnet, "IPv4 subnet of the links of sandboxes created with network egress (a /31 each; nodes sharing a host need their own); empty disables egress")
@@ -363,7 +369,11 @@ func serve(cfg serveConfig) error {
 	if cfg.Debug {
 		level = slog.LevelDebug
 	}
-	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level}))
+	var handler slog.Handler = slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level})
+	if cfg.LogFormat == "json" {
+		handler = slog.NewJSONHandler(os.Stderr, &slog.HandlerOptions{Level: level})
+	}
+	log := slog.New(handler)
 	if err := os.MkdirAll(cfg.DataDir, 0o700); err != nil {
 		return err
 	}
@@ -496,6 +506,7 @@ func serve(cfg serveConfig) error {
 			return err
 		}
 		defer e2bSrv.Close()
+		e2bSrv.CountRequests(mt.E2BRequest)
 		mgr.OnDelete(e2bSrv.OnDelete)
 		sessions.OnPrune(e2bSrv.OnPrune)
 	}

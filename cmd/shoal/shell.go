@@ -86,6 +86,7 @@ func shellCmd() *cobra.Command {
 	runc.Flags().SetInterspersed(false)
 	runc.Flags().DurationVar(&timeout, "timeout", 0, "interrupt the command (not the shell) after this long (default 10m)")
 
+	var lsJSON bool
 	ls := &cobra.Command{
 		Use:   "ls ID",
 		Short: "List a sandbox's shell sessions",
@@ -101,12 +102,17 @@ func shellCmd() *cobra.Command {
 			if err != nil {
 				return err
 			}
+			if lsJSON {
+				printJSONList(res.Msg.Shells)
+				return nil
+			}
 			for _, sh := range res.Msg.Shells {
 				fmt.Printf("%s\t%s\n", sh.Name, sh.CommandId)
 			}
 			return nil
 		},
 	}
+	ls.Flags().BoolVar(&lsJSON, "json", false, "print JSON")
 	rm := &cobra.Command{
 		Use:   "rm ID NAME",
 		Short: "End a shell session",

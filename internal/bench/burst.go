@@ -31,6 +31,9 @@ type BurstOptions struct {
 	// PythonBench, if set, is the Python SDK's bench.py: it runs the same
 	// burst from the asyncio SDK and its JSON is included.
 	PythonBench string
+	// Progress, if set, is called as each of the Go SDK's rollouts ends
+	// (done of N), from the rollouts' goroutines, one call at a time.
+	Progress func(done, total int)
 }
 
 // BurstSide is one client's burst.
@@ -122,7 +125,16 @@ func burstGo(ctx context.Context, c *shoal.Client, o BurstOptions) BurstSide {
 		}
 	}
 	start := time.Now()
+	var ended int
 	parallel(o.N, o.Concurrency, func(int) {
+		if o.Progress != nil {
+			defer func() {
+				mu.Lock()
+				defer mu.Unlock()
+				ended++
+				o.Progress(ended, o.N)
+			}()
+		}
 		t0 := time.Now()
 		cctx, cancel := context.WithTimeout(ctx, o.HangAfter)
 		sb, err := c.Create(cctx, &pb.CreateSandboxRequest{Base: o.Base, TimeoutSeconds: 600})

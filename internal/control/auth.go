@@ -23,6 +23,9 @@ const AdminKeyFile = "admin.key"
 type Auth struct {
 	key  []byte
 	keys *tenant.Store // nil: the admin key only
+	// session resolves a dashboard session token to the API key it was
+	// made from (dash.go); set once by New, before serving.
+	session func(token string) (key string, ok bool)
 }
 
 // SetKeys makes the middleware accept the keys of ks too. Call it before
@@ -31,6 +34,13 @@ func (a *Auth) SetKeys(ks *tenant.Store) { a.keys = ks }
 
 // principal resolves a key to its principal, or nil.
 func (a *Auth) principal(key string) *tenant.Principal {
+	if a.session != nil && strings.HasPrefix(key, sessionPrefix) {
+		k, ok := a.session(key)
+		if !ok {
+			return nil
+		}
+		key = k
+	}
 	if subtle.ConstantTimeCompare([]byte(key), a.key) == 1 {
 		return tenant.Admin()
 	}

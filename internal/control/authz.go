@@ -99,6 +99,8 @@ var procedureScopes = map[string][]tenant.Scope{
 	"FnCallService/ListLanguages": sbx,
 
 	"AdminService/WhoAmI": {}, // any key
+
+	"MonitorService/GetStatus": sbx, // node figures for admin keys only
 	// The rest of AdminService: admin (not listed).
 }
 

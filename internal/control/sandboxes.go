@@ -42,6 +42,8 @@ type Server struct {
 	// sandboxRoutes are the patterns registered through sandboxRoute
 	// (authz.go). Written by Handler only.
 	sandboxRoutes map[string]bool
+	started       time.Time  // when New made it (MonitorService)
+	dash          *dashboard // the web dashboard's sessions (dash.go)
 }
 
 var (
@@ -53,7 +55,9 @@ var (
 
 // New returns the API server.
 func New(m *node.Manager, sessions *session.Manager, auth *Auth, log *slog.Logger) *Server {
-	return &Server{node: m, sessions: sessions, auth: auth, log: log, builds: BuildPolicy{UploadMax: layer.DefaultUploadMax}}
+	s := &Server{node: m, sessions: sessions, auth: auth, log: log, builds: BuildPolicy{UploadMax: layer.DefaultUploadMax}, started: time.Now()}
+	s.dash = newDashboard(s)
+	return s
 }
 
 // Handler returns the HTTP handler for the whole API.
@@ -69,8 +73,9 @@ func (s *Server) Handler() http.Handler {
 	mux.Handle(shoalv1connect.NewSandboxServiceHandler(s, s.handlerOptions()...)) // strict JSON (codec.go)
 	mux.Handle(shoalv1connect.NewLayerServiceHandler(s, s.handlerOptions()...))
 	mux.Handle(shoalv1connect.NewCommandServiceHandler(s, s.handlerOptions()...))
-	mux.Handle(shoalv1connect.NewAdminServiceHandler(s, s.handlerOptions()...)) // admin.go
-	s.sandboxRoute(mux, "GET /v1/sandboxes/{id}/files", s.readFile)             // authz.go: {id} resolved for the key
+	mux.Handle(shoalv1connect.NewAdminServiceHandler(s, s.handlerOptions()...))   // admin.go
+	mux.Handle(shoalv1connect.NewMonitorServiceHandler(s, s.handlerOptions()...)) // monitor.go
+	s.sandboxRoute(mux, "GET /v1/sandboxes/{id}/files", s.readFile)               // authz.go: {id} resolved for the key
 	s.sandboxRoute(mux, "PUT /v1/sandboxes/{id}/files", s.writeFile)
 	s.portRoutes(mux) // /v1/sandboxes/{id}/ports/{port}/... (ports.go)
 	s.layerRoutes(mux)
@@ -78,7 +83,8 @@ func (s *Server) Handler() http.Handler {
 	// A /shoal.v1.* procedure not served here: unimplemented (codec.go).
 	// Every request: authenticated (the key's principal in its context),
 	// then authorized: RPCs by authzInterceptor, routes by routeGate.
-	return s.auth.Middleware(s.countRoutes(s.routeGate(mux, unknownProcedures(mux))), "/healthz")
+	api := s.auth.Middleware(s.countRoutes(s.routeGate(mux, unknownProcedures(mux))), "/healthz")
+	return s.dash.handler(api) // /dash/...: the web dashboard, its own login (dash.go)
 }
 
 // --- sandboxes ---

@@ -186,6 +186,11 @@ type Server struct {
 	api  http.Handler // control plane
 	envd http.Handler // envd face; the sandbox ID is in the request context
 
+	// Request counting (metrics.go), set by CountRequests before serving.
+	count           func(route, code string, took time.Duration)
+	apiMux, envdMux *http.ServeMux
+	envdProcs       map[string]bool
+
 	proxy *portProxy
 
 	watchers *watcherRegistry // non-streaming directory watchers
@@ -326,6 +331,14 @@ func (s *Server) Close() {
 // ServeHTTP routes a request to sandbox traffic (by header or host name) or
 // to the control plane.
 func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	if s.count != nil {
+		s.counting(w, r, s.serveHTTP)
+		return
+	}
+	s.serveHTTP(w, r)
+}
+
+func (s *Server) serveHTTP(w http.ResponseWriter, r *http.Request) {
 	if id := r.Header.Get("E2b-Sandbox-Id"); id != "" {
 		port := EnvdPort
 		if p := r.Header.Get("E2b-Sandbox-Port"); p != "" {

@@ -8,6 +8,7 @@ package metrics
 import (
 	"net/http"
 	"strconv"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -27,6 +28,13 @@ type Metrics struct {
 	requestSeconds *prometheus.HistogramVec
 	auditDropped   prometheus.Counter
 	lazyFetch      prometheus.Histogram
+	createsOK      atomic.Int64 // successful creates (the dashboard's creates/s)
+	e2bRequests    *prometheus.CounterVec
+	e2bSeconds     *prometheus.HistogramVec
+	pauses         *prometheus.CounterVec
+	pauseSeconds   *prometheus.HistogramVec
+	resumeSeconds  *prometheus.HistogramVec
+	reclaimed      *prometheus.CounterVec
 }
 
 // Latency buckets from 1 ms (a pooled create, an exec) to a minute (a cold
@@ -70,6 +78,30 @@ func New() *Metrics {
 			Buckets: buckets,
 		}),
 	}
+	m.e2bRequests = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "shoal_e2b_requests_total",
+		Help: "Requests to the E2B-compatible endpoint by route (an API pattern, \"envd \" and an envd procedure or route, \"port\" for a sandbox's own ports, or \"unmatched\") and HTTP status.",
+	}, []string{"route", "code"})
+	m.e2bSeconds = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Name:    "shoal_e2b_request_seconds",
+		Help:    "Latency of requests to the E2B-compatible endpoint by route; a stream counts until it ends.",
+		Buckets: buckets,
+	}, []string{"route"})
+	m.pauses = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "shoal_sandbox_pauses_total",
+		Help: "Sandboxes paused, by backend and trigger (auto: the idle policy; request).",
+	}, []string{"backend", "trigger"})
+	m.pauseSeconds = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Name: "shoal_sandbox_pause_seconds", Help: "Latency of pauses (freeze and memory reclaim), by backend.", Buckets: buckets,
+	}, []string{"backend"})
+	m.resumeSeconds = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Name: "shoal_sandbox_resume_seconds", Help: "Latency of resumes, by backend (the count is the number of resumes).", Buckets: buckets,
+	}, []string{"backend"})
+	m.reclaimed = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "shoal_sandbox_pause_reclaimed_bytes_total",
+		Help: "Memory taken from sandboxes by their pauses (their cgroup's charge before less after), by backend.",
+	}, []string{"backend"})
+	m.reg.MustRegister(m.e2bRequests, m.e2bSeconds, m.pauses, m.pauseSeconds, m.resumeSeconds, m.reclaimed)
 	m.reg.MustRegister(m.creates, m.createSeconds, m.deletes, m.requests, m.requestSeconds, m.auditDropped, m.lazyFetch,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
@@ -88,8 +120,17 @@ func (m *Metrics) Create(backend string, pooled bool, took time.Duration, result
 	}
 	m.creates.WithLabelValues(backend, result).Inc()
 	if result == "ok" {
+		m.createsOK.Add(1)
 		m.createSeconds.WithLabelValues(backend, strconv.FormatBool(pooled)).Observe(took.Seconds())
 	}
+}
+
+// CreatesOK is the number of successful creates recorded.
+func (m *Metrics) CreatesOK() int64 {
+	if m == nil {
+		return 0
+	}
+	return m.createsOK.Load()
 }
 
 // Delete records one delete.
@@ -107,6 +148,40 @@ func (m *Metrics) Request(procedure, code string, took time.Duration) {
 	}
 	m.requests.WithLabelValues(procedure, code).Inc()
 	m.requestSeconds.WithLabelValues(procedure).Observe(took.Seconds())
+}
+
+// E2BRequest records one request to the E2B endpoint.
+func (m *Metrics) E2BRequest(route, code string, took time.Duration) {
+	if m == nil {
+		return
+	}
+	m.e2bRequests.WithLabelValues(route, code).Inc()
+	m.e2bSeconds.WithLabelValues(route).Observe(took.Seconds())
+}
+
+// Pause records one pause and the memory it reclaimed (bytes; ignored
+// when not positive: unknown).
+func (m *Metrics) Pause(backend string, auto bool, took time.Duration, reclaimed int64) {
+	if m == nil {
+		return
+	}
+	trigger := "request"
+	if auto {
+		trigger = "auto"
+	}
+	m.pauses.WithLabelValues(backend, trigger).Inc()
+	m.pauseSeconds.WithLabelValues(backend).Observe(took.Seconds())
+	if reclaimed > 0 {
+		m.reclaimed.WithLabelValues(backend).Add(float64(reclaimed))
+	}
+}
+
+// Resume records one resume.
+func (m *Metrics) Resume(backend string, took time.Duration) {
+	if m == nil {
+		return
+	}
+	m.resumeSeconds.WithLabelValues(backend).Observe(took.Seconds())
 }
 
 // AuditDropped counts one dropped audit log entry.

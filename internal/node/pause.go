@@ -119,6 +119,7 @@ func (m *Manager) pause(ctx context.Context, id string, auto bool) (Record, bool
 		// Still paused in memory; a restart finds it running and thaws it.
 		m.log.Error("persist paused sandbox", "sandbox_id", id, "err", err)
 	}
+	m.cfg.Metrics.Pause(e.rec.Backend, auto, time.Since(start), stats.MemoryBefore-stats.MemoryAfter)
 	m.log.Info("sandbox paused", "sandbox_id", id, "auto", auto, "took", time.Since(start),
 		"memory_before", stats.MemoryBefore, "memory_after", stats.MemoryAfter, "method", stats.Method,
 		"freeze_took", stats.FreezeTook, "reclaim_took", stats.ReclaimTook)
@@ -220,6 +221,7 @@ func (m *Manager) Resume(ctx context.Context, id string) (rec Record, resumed bo
 	if err := m.db.Batch(func(tx *bbolt.Tx) error { return putRecord(tx, &stored) }); err != nil {
 		m.log.Error("persist resumed sandbox", "sandbox_id", id, "err", err)
 	}
+	m.cfg.Metrics.Resume(e.rec.Backend, took)
 	m.log.Info("sandbox resumed", "sandbox_id", id, "took", took)
 	return e.rec, true, nil
 }

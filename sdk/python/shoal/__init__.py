@@ -15,7 +15,7 @@ Configuration: arguments, else ``SHOAL_URL`` and ``SHOAL_API_KEY``, else
 ``/var/lib/shoal/admin.key``.
 """
 
-from . import environments, fncall, layers
+from . import environments, fncall, layers, monitor
 from ._async.commands import AsyncCommandHandle, AsyncCommands, AsyncPty
 from ._async.filesystem import AsyncFiles, AsyncWatchHandle
 from ._async.sandbox import AsyncSandbox
@@ -91,6 +91,7 @@ __all__ = [
     "environments",
     "fncall",
     "layers",
+    "monitor",
     "Aborted",
     "AlreadyExists",
     "AsyncCommandHandle",

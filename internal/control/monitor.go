@@ -1,0 +1,66 @@
+package control
+
+import (
+	"context"
+	"os"
+	"time"
+
+	"connectrpc.com/connect"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	pb "github.com/shoal-sandbox/shoal/api/shoal/v1"
+	"github.com/shoal-sandbox/shoal/internal/node"
+	"github.com/shoal-sandbox/shoal/internal/tenant"
+)
+
+var _ monitorHandler = (*Server)(nil)
+
+// monitorHandler is shoalv1connect.MonitorServiceHandler (named here so
+// that the Server's embedded Unimplemented handlers do not hide a missing
+// method).
+type monitorHandler interface {
+	GetStatus(context.Context, *connect.Request[pb.GetStatusRequest]) (*connect.Response[pb.Status], error)
+}
+
+// GetStatus is one sample of this node's load and its sandboxes' use, for
+// `shoal top` and the dashboard. A tenant's key sees its own sandboxes and
+// no node figures.
+func (s *Server) GetStatus(ctx context.Context, req *connect.Request[pb.GetStatusRequest]) (*connect.Response[pb.Status], error) {
+	p := tenant.FromContext(ctx)
+	now := time.Now()
+	out := &pb.Status{Time: timestamppb.New(now)}
+	for _, u := range s.node.Usage() {
+		if !p.Sees(u.Tenant) {
+			continue
+		}
+		out.Sandboxes = append(out.Sandboxes, &pb.SandboxUsage{
+			Id: u.ID, State: string(u.State), Backend: u.Backend, Tenant: u.Tenant,
+			CreatedAt:        timestamppb.New(u.Created),
+			MemoryLimitBytes: u.Resources.MemoryBytes, Millicpu: u.Resources.MilliCPU,
+			MemoryBytes: u.MemoryBytes, CpuUsec: u.CPUUsec,
+			IdleMs: u.Idle.Milliseconds(), CommandsRunning: int32(u.Running),
+		})
+	}
+	if p.IsAdmin() {
+		out.Nodes = []*pb.NodeStatus{s.nodeStatus()}
+	}
+	return connect.NewResponse(out), nil
+}
+
+func (s *Server) nodeStatus() *pb.NodeStatus {
+	name, _ := os.Hostname()
+	l := s.node.Load()
+	ns := &pb.NodeStatus{
+		Name: name, Sandboxes: int64(l.Sandboxes),
+		SandboxMemoryBytes: l.MemoryBytes, SandboxMillicpu: l.MilliCPU,
+		MemoryLimitBytes: l.MemoryLimit, MillicpuLimit: l.MilliLimit,
+		CreatesTotal: s.metrics.CreatesOK(),
+		StartedAt:    timestamppb.New(s.started),
+	}
+	if total, avail, cpus, err := node.HostCapacity(); err == nil {
+		ns.MemoryTotalBytes, ns.MemoryAvailableBytes, ns.Cpus = total, avail, int32(cpus)
+	}
+	load, cpu := node.HostLoad()
+	ns.Load1, ns.Load5, ns.Load15, ns.CpuUsec = load[0], load[1], load[2], cpu
+	return ns
+}

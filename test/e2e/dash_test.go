@@ -1,0 +1,313 @@
+package e2e
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/chromedp/cdproto/input"
+	"github.com/chromedp/chromedp"
+)
+
+// chromium finds a Chromium (Debian: apt-get install chromium) or says why
+// the browser test skips.
+func chromium(t *testing.T) string {
+	t.Helper()
+	for _, name := range []string{"chromium", "chromium-browser", "google-chrome"} {
+		if p, err := exec.LookPath(name); err == nil {
+			return p
+		}
+	}
+	t.Skip("needs Chromium (Debian: apt-get install chromium; scripts/deps.sh installs it)")
+	return ""
+}
+
+// TestDashboard drives the dashboard in headless Chromium against the real
+// serve: a wrong key is refused, the admin key logs in, the node and the
+// sandbox show, a command's output shows, and the terminal runs what is
+// typed into it over the WebSocket. It leaves a screenshot
+// (SHOAL_DASH_SCREENSHOT names where; else the test's temp dir).
+func TestDashboard(t *testing.T) {
+	need(t)
+	browser := chromium(t)
+	id, code := run(nil, "create", "--base", baseRef, "--metadata", "purpose=dash")
+	if code != 0 {
+		t.Fatalf("create: %s", id)
+	}
+	id = strings.TrimSpace(id)
+	defer run(nil, "rm", id)
+	if out, code := run(nil, "exec", id, "--", "sh", "-c", "echo dash-output-$((40+2))"); code != 0 || !strings.Contains(out, "dash-output-42") {
+		t.Fatalf("exec: %d %s", code, out)
+	}
+
+	// D-Bus is off (its connection attempts cost Chromium seconds at
+	// start); a loaded host may take a while to start the browser.
+	opts := append(chromedp.DefaultExecAllocatorOptions[:], chromedp.ExecPath(browser), chromedp.NoSandbox,
+		chromedp.Flag("disable-dev-shm-usage", true), chromedp.Flag("disable-gpu", true), chromedp.WindowSize(1400, 1300),
+		chromedp.WSURLReadTimeout(3*time.Minute), chromedp.Env("DBUS_SESSION_BUS_ADDRESS=disabled:", "DBUS_SYSTEM_BUS_ADDRESS=disabled:"))
+	actx, cancel := chromedp.NewExecAllocator(context.Background(), opts...)
+	defer cancel()
+	// cdproto may not know every event field of a newer Chromium: those
+	// decoding errors are noise.
+	ctx, cancel := chromedp.NewContext(actx, chromedp.WithErrorf(func(f string, a ...any) {
+		if msg := fmt.Sprintf(f, a...); !strings.Contains(msg, "could not unmarshal event") {
+			t.Logf("chromedp: %s", msg)
+		}
+	}))
+	defer cancel()
+	start := time.Now()
+	if err := chromedp.Run(ctx); err != nil { // starts the browser (with ctx: the steps' contexts end)
+		t.Fatalf("start %s: %v", browser, err)
+	}
+	t.Logf("browser started in %s", time.Since(start).Round(time.Millisecond))
+
+	// Each step has its own deadline, a hang detector.
+	step := func(what string, actions ...chromedp.Action) {
+		t.Helper()
+		sctx, cancel := context.WithTimeout(ctx, 90*time.Second)
+		defer cancel()
+		if err := chromedp.Run(sctx, actions...); err != nil {
+			var html string
+			hctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+			defer cancel()
+			chromedp.Run(hctx, chromedp.OuterHTML("body", &html, chromedp.ByQuery))
+			t.Fatalf("%s: %v\npage: %.3000s", what, err, html)
+		}
+	}
+	// waitJS polls a JavaScript condition until it holds.
+	waitJS := func(what, cond string) {
+		t.Helper()
+		var ok bool
+		step(what, chromedp.Poll(cond, &ok, chromedp.WithPollingInterval(100*time.Millisecond)))
+	}
+	var text string
+	step("open the login page", chromedp.Navigate(apiURL+"/"), chromedp.WaitVisible("#login-key", chromedp.ByQuery))
+	step("log in with a wrong key", chromedp.SendKeys("#login-key", "sk_shoal_not_a_key_at_all", chromedp.ByQuery),
+		chromedp.Click("#login-submit", chromedp.ByQuery))
+	waitJS("the refusal", `document.querySelector("#login-error").textContent.includes("invalid API key")`)
+	step("log in", chromedp.Evaluate(`document.querySelector("#login-key").value = ""`, nil), chromedp.SendKeys("#login-key", apiKey, chromedp.ByQuery), chromedp.Click("#login-submit", chromedp.ByQuery),
+		chromedp.WaitVisible("#main-view", chromedp.ByQuery))
+	waitJS("the sandbox in the table", `!!document.querySelector('#sandboxes tbody tr[data-id="`+id+`"]')`)
+	waitJS("the node's load", `document.querySelector("#nodes").textContent.includes("CPUs")`)
+	waitJS("the layer", `document.querySelector("#layers").textContent.includes("`+baseRef+`")`)
+	// The page holds a session token, never the key.
+	var stored string
+	step("read the session storage", chromedp.Evaluate(`JSON.stringify(sessionStorage)`, &stored))
+	if strings.Contains(stored, apiKey) || !strings.Contains(stored, "sk_dash_") {
+		t.Fatalf("session storage holds %s", stored)
+	}
+	// Filter: paused shows none of the running sandboxes.
+	setState := func(v string) chromedp.Action {
+		return chromedp.Evaluate(`(() => { const s = document.querySelector("#f-state"); s.value = "`+v+`"; s.dispatchEvent(new Event("change")); })()`, nil)
+	}
+	step("filter by state", setState("paused"))
+	waitJS("the filter", `!document.querySelector('#sandboxes tbody tr[data-id="`+id+`"]')`)
+	step("clear the filter", setState(""))
+	waitJS("the sandbox again", `!!document.querySelector('#sandboxes tbody tr[data-id="`+id+`"]')`)
+
+	step("open the sandbox", chromedp.Click(`#sandboxes tbody tr[data-id="`+id+`"]`, chromedp.ByQuery))
+	waitJS("its command", `document.querySelector("#commands tbody").textContent.includes("echo dash-output")`)
+	step("show the command's output", chromedp.Click(`#commands tbody tr`, chromedp.ByQuery))
+	waitJS("the output", `document.querySelector("#output").textContent.includes("dash-output-42")`)
+
+	step("open the terminal", chromedp.Click("#d-terminal", chromedp.ByQuery))
+	waitJS("the terminal's connection", `document.querySelector("#terminal-status").textContent.startsWith("connected")`)
+	// Text goes in as typed text does (an input event: SendKeys' key
+	// events reach xterm.js twice, as keydown and keypress), then Enter.
+	step("type into the terminal", chromedp.Focus(".xterm-helper-textarea", chromedp.ByQuery),
+		input.InsertText("echo term-$((6*7))-ok"), chromedp.KeyEvent("\r"))
+	const screen = `(() => { const b = window.shoalTerminal.buffer.active; let s = "";
+		for (let i = 0; i < b.length; i++) { const l = b.getLine(i); if (l) s += l.translateToString(true) + "\n"; } return s; })()`
+	waitJS("the command's output in the terminal", screen+`.includes("term-42-ok")`)
+	step("read the terminal", chromedp.Evaluate(screen, &text))
+	t.Logf("terminal:\n%s", strings.TrimSpace(text))
+
+	var png []byte
+	step("take a screenshot", chromedp.FullScreenshot(&png, 100))
+	shot := os.Getenv("SHOAL_DASH_SCREENSHOT")
+	if shot == "" {
+		shot = filepath.Join(t.TempDir(), "dashboard.png")
+	}
+	if err := os.WriteFile(shot, png, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("screenshot: %s (%d bytes)", shot, len(png))
+	if len(png) < 10000 {
+		t.Fatalf("screenshot of %d bytes: blank?", len(png))
+	}
+}
+
+// TestDashboardAuth checks the dashboard's edges without a browser: its
+// page is public but nothing else is, a session token works as a bearer
+// token until logout, and the terminal's WebSocket needs a fresh ticket
+// and the dashboard's own origin.
+func TestDashboardAuth(t *testing.T) {
+	need(t)
+	do := func(method, path, auth, origin, body string) (int, map[string]any) {
+		t.Helper()
+		req, _ := http.NewRequest(method, apiURL+path, strings.NewReader(body))
+		if auth != "" {
+			req.Header.Set("Authorization", "Bearer "+auth)
+		}
+		if origin != "" {
+			req.Header.Set("Origin", origin)
+		}
+		if method == "POST" {
+			req.Header.Set("Content-Type", "application/json")
+		}
+		if strings.HasPrefix(path, "/dash/terminal") {
+			req.Header.Set("Connection", "Upgrade")
+			req.Header.Set("Upgrade", "websocket")
+			req.Header.Set("Sec-WebSocket-Version", "13")
+			req.Header.Set("Sec-WebSocket-Key", "dGhlIHNhbXBsZSBub25jZQ==")
+		}
+		res, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer res.Body.Close()
+		var out map[string]any
+		json.NewDecoder(res.Body).Decode(&out)
+		return res.StatusCode, out
+	}
+	if code, _ := do("GET", "/dash/", "", "", ""); code != 200 {
+		t.Fatalf("GET /dash/: %d", code)
+	}
+	if code, _ := do("POST", "/shoal.v1.MonitorService/GetStatus", "", "", "{}"); code != 401 {
+		t.Fatalf("status without a key: %d", code)
+	}
+	if code, _ := do("POST", "/dash/login", "", "", `{"key":"sk_shoal_wrong_wrong_wrong"}`); code != 401 {
+		t.Fatalf("login with a wrong key: %d", code)
+	}
+	code, login := do("POST", "/dash/login", "", "", `{"key":"`+apiKey+`"}`)
+	tok, _ := login["token"].(string)
+	if code != 200 || !strings.HasPrefix(tok, "sk_dash_") {
+		t.Fatalf("login: %d %v", code, login)
+	}
+	if code, _ := do("POST", "/dash/login", "", "", `{"key":"`+tok+`"}`); code != 401 {
+		t.Fatalf("login with a session token: %d", code)
+	}
+	if code, st := do("POST", "/shoal.v1.MonitorService/GetStatus", tok, "", "{}"); code != 200 || st["nodes"] == nil {
+		t.Fatalf("status with the session token: %d %v", code, st)
+	}
+	id, rc := run(nil, "create", "--base", baseRef)
+	if rc != 0 {
+		t.Fatalf("create: %s", id)
+	}
+	id = strings.TrimSpace(id)
+	defer run(nil, "rm", id)
+	ticket := func() string {
+		code, r := do("POST", "/dash/ticket", tok, "", "")
+		tk, _ := r["ticket"].(string)
+		if code != 200 || tk == "" {
+			t.Fatalf("ticket: %d %v", code, r)
+		}
+		return tk
+	}
+	self := apiURL
+	tk := ticket()
+	if code, _ := do("GET", "/dash/terminal?sandbox="+id+"&ticket="+tk, "", "http://evil.example", ""); code != 403 {
+		t.Fatalf("terminal from another origin: %d", code)
+	}
+	if code, _ := do("GET", "/dash/terminal?sandbox="+id+"&ticket="+tk, "", "", ""); code != 403 {
+		t.Fatalf("terminal without an origin: %d", code)
+	}
+	if code, _ := do("GET", "/dash/terminal?sandbox="+id+"&ticket=tk_forged", "", self, ""); code != 401 {
+		t.Fatalf("terminal with a forged ticket: %d", code)
+	}
+	tk = ticket()
+	if code, _ := do("GET", "/dash/terminal?sandbox=nosuchsandbox00000000&ticket="+tk, "", self, ""); code != 404 {
+		t.Fatalf("terminal into no sandbox: %d", code)
+	}
+	if code, _ := do("GET", "/dash/terminal?sandbox="+id+"&ticket="+tk, "", self, ""); code != 401 {
+		t.Fatalf("terminal with a used ticket: %d", code)
+	}
+	do("POST", "/dash/logout", tok, "", "")
+	if code, _ := do("POST", "/shoal.v1.MonitorService/GetStatus", tok, "", "{}"); code != 401 {
+		t.Fatalf("status after logout: %d", code)
+	}
+	if code, _ := do("POST", "/dash/ticket", tok, "", ""); code != 401 {
+		t.Fatalf("ticket after logout: %d", code)
+	}
+}
+
+// TestTop checks `shoal top --json` and `--once` against the real serve:
+// the node's figures, and a busy sandbox's memory and CPU read from its
+// cgroups.
+func TestTop(t *testing.T) {
+	need(t)
+	id, code := run(nil, "create", "--base", baseRef)
+	if code != 0 {
+		t.Fatalf("create: %s", id)
+	}
+	id = strings.TrimSpace(id)
+	defer run(nil, "rm", id)
+	// A command that burns CPU until killed (the sandbox's rm ends it).
+	if out, code := run(nil, "exec", "-d", id, "--", "sh", "-c", "while :; do :; done"); code != 0 {
+		t.Fatalf("exec -d: %s", out)
+	}
+	var v struct {
+		Nodes []struct {
+			Name             string    `json:"name"`
+			CPUs             int       `json:"cpus"`
+			MemoryTotalBytes int64     `json:"memory_total_bytes"`
+			Load             []float64 `json:"load"`
+		} `json:"nodes"`
+		Sandboxes []struct {
+			ID              string   `json:"id"`
+			State           string   `json:"state"`
+			CPUPercent      *float64 `json:"cpu_percent"`
+			MemoryBytes     int64    `json:"memory_bytes"`
+			CommandsRunning int      `json:"commands_running"`
+		} `json:"sandboxes"`
+	}
+	// CPU time shows up once the loop has been scheduled: on a loaded
+	// host that can take a few samples.
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		out, code := run(nil, "top", "--json", "--interval", "500ms")
+		if code != 0 {
+			t.Fatalf("top --json: %s", out)
+		}
+		if err := json.Unmarshal([]byte(out), &v); err != nil {
+			t.Fatalf("top --json: %v\n%s", err, out)
+		}
+		if len(v.Nodes) != 1 || v.Nodes[0].CPUs < 1 || v.Nodes[0].MemoryTotalBytes <= 0 || len(v.Nodes[0].Load) != 3 {
+			t.Fatalf("top --json nodes: %s", out)
+		}
+		found := false
+		for _, s := range v.Sandboxes {
+			if s.ID != id {
+				continue
+			}
+			found = true
+			if s.State != "running" || s.MemoryBytes <= 0 || s.CommandsRunning != 1 {
+				t.Fatalf("top --json sandbox: %s", out)
+			}
+			if s.CPUPercent != nil && *s.CPUPercent > 1 {
+				goto once
+			}
+		}
+		if !found {
+			t.Fatalf("top --json lacks %s: %s", id, out)
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("top --json shows no CPU use by a busy loop: %s", out)
+		}
+	}
+once:
+	out, code := run(nil, "top", "--once", "--interval", "200ms", "--state", "running")
+	if code != 0 || !strings.Contains(out, "node ") || !strings.Contains(out, id) || !strings.Contains(out, "IDLE") {
+		t.Fatalf("top --once: %d\n%s", code, out)
+	}
+	if out, code := run(nil, "top", "--once", "--interval", "1ns"); code == 0 || !strings.Contains(out, "--interval") {
+		t.Fatalf("top --interval 1ns: %d %s", code, out)
+	}
+}
