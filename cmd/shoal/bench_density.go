@@ -4,6 +4,8 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"os/signal"
+	"syscall"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -17,7 +19,7 @@ func benchDensityCmd() *cobra.Command {
 	var memory, disk string
 	cmd := &cobra.Command{
 		Use:   "density [-n N] [--base REF] [--restart CMD]",
-		Short: "Host memory per sandbox running and paused, create/pause times, resume→first exec, recovery after a restart, over N sandboxes each with a resident shell (run it on the server's machine)",
+		Short: "Host memory per sandbox running and paused, create/pause times, resume→first exec, recovery after a restart, over N sandboxes each with a resident shell (run it on the server's machine; SIGUSR1 stops the creates and measures what is there)",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			var err error
@@ -33,9 +35,20 @@ func benchDensityCmd() *cobra.Command {
 			}
 			return runBench(func(ctx context.Context, c *shoal.Client) (any, error) {
 				o.URL = c.URL()
-				o.Log = func(format string, args ...any) {
+				logf := func(format string, args ...any) {
 					fmt.Fprintf(os.Stderr, "%s "+format+"\n", append([]any{time.Now().Format("15:04:05")}, args...)...)
 				}
+				o.Log = logf
+				stop := make(chan struct{})
+				usr1 := make(chan os.Signal, 1)
+				signal.Notify(usr1, syscall.SIGUSR1)
+				defer signal.Stop(usr1)
+				go func() {
+					<-usr1
+					logf("SIGUSR1: no more creates; measuring the sandboxes there are")
+					close(stop)
+				}()
+				o.StopCreating = stop
 				return bench.Density(ctx, c, o)
 			})(cmd, args)
 		},

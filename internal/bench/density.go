@@ -34,8 +34,12 @@ type DensityOptions struct {
 	// and start it again, detached); the benchmark times its recovery.
 	Restart string
 	Keep    bool // leave the sandboxes (else they are deleted at the end)
-	URL     string
-	Log     func(format string, args ...any) // progress; nil: none
+	// StopCreating, when closed, ends the creates: the benchmark goes on
+	// with the sandboxes it has (`shoal bench density` closes it on
+	// SIGUSR1: a host too loaded to reach N in time still gets measured).
+	StopCreating <-chan struct{}
+	URL          string
+	Log          func(format string, args ...any) // progress; nil: none
 }
 
 // DensityResult is the JSON printed by `shoal bench density`.
@@ -243,6 +247,11 @@ func Density(ctx context.Context, c *shoal.Client, o DensityOptions) (*DensityRe
 		mu.Lock()
 		stop := consecutive >= 50 || ctx.Err() != nil
 		mu.Unlock()
+		select {
+		case <-o.StopCreating:
+			stop = true
+		default:
+		}
 		if stop {
 			return // the node is full or broken: say so, do not hammer it
 		}
