@@ -86,6 +86,13 @@ type serveConfig struct {
 	ZramSize string
 	// ResumePrefetch: MADV_WILLNEED before thawing (measured slower).
 	ResumePrefetch bool
+	// CgroupParent: the sandboxes' cgroups are <parent>/<id> in every
+	// hierarchy ("": container.DefaultCgroupParent).
+	CgroupParent string
+	// ReclaimBelow (auto, none or a size) and ReclaimMinIdle: memory
+	// pressure pauses idle sandboxes, longest idle first (node.Pressure).
+	ReclaimBelow   string
+	ReclaimMinIdle time.Duration
 	// LayerStore: where layers live beyond this node (file:///dir or
 	// s3://bucket/prefix; "" none) and how to reach and cache it.
 	LayerStore layerStoreConfig
@@ -244,6 +251,24 @@ func (c *serveConfig) nodeConfig() (node.Config, error) {
 		}
 		nc.Capacity.MinAvailable = n
 	}
+	nc.Pressure.MinIdle = c.ReclaimMinIdle
+	switch c.ReclaimBelow {
+	case "none", "0":
+	case "auto", "":
+		// 10% of the host's memory, at least 1 GiB: above the admission
+		// floor (--min-available auto, 5%), so idle sandboxes make room
+		// before creates are refused.
+		nc.Pressure.Below = 1 << 30
+		if total, _, _, err := node.HostCapacity(); err == nil {
+			nc.Pressure.Below = max(nc.Pressure.Below, total/10)
+		}
+	default:
+		n, err := parseBytes(c.ReclaimBelow)
+		if err != nil || n < 0 {
+			return nc, fmt.Errorf("--reclaim-below %q: want auto, none or a size such as 2G", c.ReclaimBelow)
+		}
+		nc.Pressure.Below = n
+	}
 	if c.PidsLimit < 1 || c.PidsLimit > 1<<22 {
 		return nc, fmt.Errorf("--pids-limit %d: want 1 to %d", c.PidsLimit, 1<<22)
 	}
@@ -353,6 +378,9 @@ func serveCmd() *cobra.Command {
 	cmd.Flags().DurationVar(&cfg.AutoPause, "auto-pause", 0, "pause sandboxes idle this long (no request, no running command) and reclaim their memory; 0: never; a create's auto_pause_seconds overrides it")
 	cmd.Flags().DurationVar(&cfg.PausedTimeout, "paused-timeout", 24*time.Hour, "delete sandboxes paused this long (a paused sandbox's idle timeout is suspended)")
 	cmd.Flags().StringVar(&cfg.ZramSize, "zram-size", "0", "set up a zram swap device of this size (e.g. 8GiB) for the memory of paused sandboxes, unless a zram swap is active already; 0: leave the host's swap alone")
+	cmd.Flags().StringVar(&cfg.ReclaimBelow, "reclaim-below", "auto", "when the host's MemAvailable falls below this, pause idle sandboxes (and reclaim their memory), longest idle first, until it is a quarter above it; \"auto\": 10% of its memory, at least 1 GiB; \"none\": never")
+	cmd.Flags().DurationVar(&cfg.ReclaimMinIdle, "reclaim-min-idle", node.DefaultPressureMinIdle, "memory pressure pauses only sandboxes idle (no request, no running command) at least this long")
+	cmd.Flags().StringVar(&cfg.CgroupParent, "cgroup-parent", container.DefaultCgroupParent, "cgroup (in every hierarchy) under which each sandbox gets its own; nodes sharing a host may use their own")
 	cmd.Flags().BoolVar(&cfg.ResumePrefetch, "resume-prefetch", false, "before thawing a paused sandbox, ask the kernel to read its swapped-out memory back (MADV_WILLNEED); measured slower")
 	cmd.Flags().StringVar(&cfg.E2B.Listen, "e2b-listen", "127.0.0.1:7481", "E2B-compatible endpoint (API and sandbox traffic, HTTP and HTTPS on one port); empty disables it")
 	cmd.Flags().StringVar(&cfg.E2B.Domain, "e2b-domain", "", "sandbox domain for E2B clients: getHost(port) is PORT-ID.DOMAIN (default shoal.localhost:<e2b port>)")
@@ -427,6 +455,7 @@ func serve(cfg serveConfig) error {
 		PoolMax:        cfg.PoolMax,
 		RuncSeccomp:    cfg.RuncSeccomp,
 		ResumePrefetch: cfg.ResumePrefetch,
+		CgroupParent:   cfg.CgroupParent,
 		Runtime:        cfg.Runtime,
 		StateDir:       filepath.Join(cfg.DataDir, "runc"),
 		Log:            log,

@@ -246,10 +246,43 @@ const (
 	InotifyInstances = 8192
 )
 
+// NodeNofile is what RaiseHostLimits raises the node's own RLIMIT_NOFILE
+// to (soft and hard, at most fs.nr_open): the node holds about three
+// descriptors per sandbox (its agent log pipe and file, its user
+// namespace) besides connections, so 3,200 sandboxes need ~10,000, past
+// a shell's usual hard limit of 4,096.
+const NodeNofile = 1 << 20
+
+// raiseNofile raises the node's RLIMIT_NOFILE to NodeNofile (at most
+// fs.nr_open); without CAP_SYS_RESOURCE, the soft limit to the hard one.
+func raiseNofile(log *slog.Logger) {
+	var rl unix.Rlimit
+	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &rl); err != nil {
+		return
+	}
+	want := uint64(NodeNofile)
+	if n, err := readSysctl("/proc/sys/fs/nr_open"); err == nil && n > 0 && uint64(n) < want {
+		want = uint64(n)
+	}
+	if rl.Max < want {
+		err := unix.Setrlimit(unix.RLIMIT_NOFILE, &unix.Rlimit{Cur: want, Max: want})
+		if err == nil {
+			log.Info("raised the node's open files limit", "from", rl.Max, "to", want)
+			return
+		}
+		log.Warn("cannot raise the node's open files limit: it holds about 3 per sandbox", "nofile", rl.Max, "want", want, "err", err)
+	}
+	if rl.Cur < min(rl.Max, want) {
+		unix.Setrlimit(unix.RLIMIT_NOFILE, &unix.Rlimit{Cur: min(rl.Max, want), Max: rl.Max})
+	}
+}
+
 // RaiseHostLimits raises kernel.pid_max and fs.inotify.max_user_instances
-// when they are below PidMax and InotifyInstances, logging what it did or
-// could not do. Run once at the start of serve.
+// when they are below PidMax and InotifyInstances, and the node's own
+// RLIMIT_NOFILE to NodeNofile, logging what it did or could not do. Run
+// once at the start of serve.
 func RaiseHostLimits(log *slog.Logger) {
+	raiseNofile(log)
 	for _, s := range []struct {
 		path string
 		want int64

@@ -77,6 +77,9 @@ type Config struct {
 	AutoPause time.Duration
 	// PausedTimeout: a sandbox paused this long is deleted (default 24 h).
 	PausedTimeout time.Duration
+	// Pressure: pausing idle sandboxes, longest idle first, when the
+	// host's available memory runs low (pressure.go); zero: off.
+	Pressure Pressure
 }
 
 // Disk sizes.
@@ -156,6 +159,9 @@ func (c *Config) Validate() error {
 	if c.AutoPause < 0 || c.AutoPause > c.MaxTimeout {
 		return fmt.Errorf("node config: auto-pause %s: want 0 (off) up to %s", c.AutoPause, c.MaxTimeout)
 	}
+	if err := c.Pressure.validate(); err != nil {
+		return err
+	}
 	if c.CommitMaxBytes < 0 {
 		return fmt.Errorf("node config: commit max bytes %d is negative", c.CommitMaxBytes)
 	}
@@ -183,6 +189,7 @@ type Manager struct {
 	buckets map[string]*tenant.Bucket
 
 	autoPausing atomic.Bool // an autoPause round is running
+	reclaiming  atomic.Bool // a memory-pressure round is running (pressure.go)
 }
 
 // entry is the in-memory state of one sandbox. Its fields are guarded by
@@ -1033,6 +1040,7 @@ func (m *Manager) Run(ctx context.Context) {
 			if len(idle) > 0 {
 				go m.autoPause(idle)
 			}
+			m.checkPressure()
 			for _, id := range expired {
 				go func(id string) {
 					dctx, cancel := context.WithTimeout(context.Background(), time.Minute)

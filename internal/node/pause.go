@@ -41,10 +41,20 @@ const (
 // sandbox returns its record unchanged with paused false. A backend that
 // cannot pause gives failed_precondition.
 func (m *Manager) Pause(ctx context.Context, id string) (rec Record, paused bool, err error) {
-	return m.pause(ctx, id, false)
+	return m.pause(ctx, id, pauseRequest)
 }
 
-func (m *Manager) pause(ctx context.Context, id string, auto bool) (Record, bool, error) {
+// Why a sandbox is paused.
+type pauseReason int
+
+const (
+	pauseRequest  pauseReason = iota // a client asked
+	pauseIdle                        // the idle policy: AutoPause
+	pausePressure                    // the host's memory ran low (pressure.go)
+)
+
+func (m *Manager) pause(ctx context.Context, id string, why pauseReason) (Record, bool, error) {
+	auto := why != pauseRequest
 	if _, ok := ctx.Deadline(); !ok {
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithTimeout(ctx, pauseTimeout)
@@ -85,7 +95,9 @@ func (m *Manager) pause(ctx context.Context, id string, auto bool) (Record, bool
 		return Record{}, false, errdefs.New(ErrNotFound, "sandbox %s is being deleted", id)
 	case e.rec.State != StateRunning:
 		return Record{}, false, errdefs.New(ErrNotRunning, "pause sandbox %s: it is %s", id, e.rec.State)
-	case auto && (e.running > 0 || time.Since(e.lastActive) < e.rec.AutoPause):
+	case auto && e.running > 0,
+		why == pauseIdle && time.Since(e.lastActive) < e.rec.AutoPause,
+		why == pausePressure && time.Since(e.lastActive) < m.cfg.Pressure.MinIdle:
 		return e.rec, false, nil // it became busy meanwhile
 	}
 	done := make(chan struct{})
@@ -120,7 +132,7 @@ func (m *Manager) pause(ctx context.Context, id string, auto bool) (Record, bool
 		m.log.Error("persist paused sandbox", "sandbox_id", id, "err", err)
 	}
 	m.cfg.Metrics.Pause(e.rec.Backend, auto, time.Since(start), stats.MemoryBefore-stats.MemoryAfter)
-	m.log.Info("sandbox paused", "sandbox_id", id, "auto", auto, "took", time.Since(start),
+	m.log.Info("sandbox paused", "sandbox_id", id, "auto", auto, "pressure", why == pausePressure, "took", time.Since(start),
 		"memory_before", stats.MemoryBefore, "memory_after", stats.MemoryAfter, "method", stats.Method,
 		"freeze_took", stats.FreezeTook, "reclaim_took", stats.ReclaimTook)
 	return e.rec, true, nil
@@ -266,7 +278,7 @@ func (m *Manager) autoPause(ids []string) {
 	}
 	defer m.autoPausing.Store(false)
 	for _, id := range ids {
-		_, paused, err := m.pause(context.Background(), id, true)
+		_, paused, err := m.pause(context.Background(), id, pauseIdle)
 		switch {
 		case err != nil && !errors.Is(err, ErrNotFound):
 			m.log.Warn("auto-pause", "sandbox_id", id, "err", err)

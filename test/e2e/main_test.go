@@ -187,7 +187,9 @@ func teardown() {
 			}
 		}
 	}
+	var serveLog []byte
 	if dataDir != "" {
+		serveLog, _ = os.ReadFile(filepath.Join(dataDir, "serve.log"))
 		if os.Getenv("SHOAL_E2E_KEEP") == "" {
 			unmountUnder(dataDir)
 			os.RemoveAll(dataDir)
@@ -202,7 +204,12 @@ func teardown() {
 		os.RemoveAll(buildRoot)
 	}
 	if now, err := zram.Active(); err == nil && len(now) > 0 && len(zramBefore) == 0 && os.Getenv("SHOAL_E2E_KEEP") == "" {
+		// Only the device this suite's serve set up (its log names it):
+		// others on a shared host may have added theirs meanwhile.
 		for _, d := range now {
+			if !bytes.Contains(serveLog, []byte("zram swap set up for paused sandboxes")) || !bytes.Contains(serveLog, []byte("device="+d.Name+" ")) {
+				continue
+			}
 			if err := zram.Remove(d.Name); err != nil {
 				fmt.Fprintln(os.Stderr, "remove the zram swap serve set up:", err)
 			}

@@ -472,6 +472,16 @@ func TestRecover(t *testing.T) {
 	if st, err := b.Recover(ctx, h); err != nil || st != sandbox.StatusRunning {
 		t.Fatalf("Recover = %v, %v; want running", st, err)
 	}
+	// Frozen (a paused sandbox) is running too.
+	if err := b.Freeze(ctx, h); err != nil {
+		t.Fatal(err)
+	}
+	if st, err := b.Recover(ctx, h); err != nil || st != sandbox.StatusRunning {
+		t.Fatalf("Recover of a frozen sandbox = %v, %v; want running", st, err)
+	}
+	if err := b.Thaw(ctx, h); err != nil {
+		t.Fatal(err)
+	}
 	unix.Kill(initPid(t, spec), unix.SIGKILL)
 	deadline := time.Now().Add(5 * time.Second)
 	for {

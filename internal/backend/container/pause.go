@@ -8,9 +8,11 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"runtime"
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 	"unsafe"
@@ -237,6 +239,84 @@ func adviseProcess(pid, advice int) (int64, error) {
 		return 0, err
 	}
 	ranges := privateMappings(data)
+	// The kernel compresses what it pages out into zram in the calling
+	// thread: one call per CPU, on parts of about equal size, runs that
+	// on every CPU (a sandbox's memory is mostly one process's).
+	parts := splitRanges(ranges, min(runtime.NumCPU(), maxAdviseThreads), adviseSplitMin)
+	if len(parts) == 1 {
+		return adviseRanges(pidfd, parts[0], advice)
+	}
+	var (
+		wg    sync.WaitGroup
+		mu    sync.Mutex
+		done  int64
+		first error
+	)
+	for _, part := range parts {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			n, err := adviseRanges(pidfd, part, advice)
+			mu.Lock()
+			defer mu.Unlock()
+			done += n
+			if err != nil && first == nil {
+				first = err
+			}
+		}()
+	}
+	wg.Wait()
+	return done, first
+}
+
+const (
+	// maxAdviseThreads bounds the calls advising one process at once.
+	maxAdviseThreads = 8
+	// adviseSplitMin: a process with less than this per CPU is advised
+	// in one call.
+	adviseSplitMin = 16 << 20
+)
+
+// splitRanges cuts ranges into at most k parts of about equal bytes, each
+// at least min bytes (page-aligned cuts; a range may be cut in two).
+func splitRanges(ranges []iovec, k int, minBytes uint64) [][]iovec {
+	var total uint64
+	for _, r := range ranges {
+		total += r.Len
+	}
+	k = min(k, int(total/max(minBytes, 1)))
+	if k <= 1 {
+		return [][]iovec{ranges}
+	}
+	per := (total/uint64(k) + 4095) &^ 4095
+	var parts [][]iovec
+	var cur []iovec
+	var size uint64
+	for _, r := range ranges {
+		for r.Len > 0 {
+			take := r.Len // the last part takes the rest
+			if len(parts) < k-1 {
+				take = min(r.Len, per-size) // > 0: size < per here
+			}
+			cur = append(cur, iovec{Base: r.Base, Len: take})
+			size += take
+			r.Base += uintptr(take)
+			r.Len -= take
+			if size == per && len(parts) < k-1 {
+				parts = append(parts, cur)
+				cur, size = nil, 0
+			}
+		}
+	}
+	if len(cur) > 0 {
+		parts = append(parts, cur)
+	}
+	return parts
+}
+
+// adviseRanges gives advice on ranges of the process behind pidfd, in
+// calls of at most iovMax ranges and adviseChunk bytes.
+func adviseRanges(pidfd int, ranges []iovec, advice int) (int64, error) {
 	var done int64
 	for len(ranges) > 0 {
 		batch, size := ranges, int64(0)

@@ -1,0 +1,84 @@
+package node
+
+import (
+	"context"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+// TestMemoryPressure: with the host's available memory below the
+// threshold, the node pauses idle sandboxes longest idle first and stops
+// once memory is back above the threshold plus a quarter; it leaves alone
+// sandboxes idle less than MinIdle or running a command, and does nothing
+// while memory is above the threshold or the threshold is 0.
+func TestMemoryPressure(t *testing.T) {
+	be := newPauseBackend()
+	var pauses atomic.Int64
+	// Each pause gives back 200 of the 1000 below which the node reclaims
+	// (it stops at 1250): 900 → 1100 → 1300, so two pauses.
+	avail := func() (int64, error) { return 900 + 200*pauses.Load(), nil }
+	m, _, ids := newTestManagerWith(t, be, Config{Pressure: Pressure{Below: 1000, MinIdle: time.Minute, Available: avail}},
+		"/nonexistent/a", "/nonexistent/b", "/nonexistent/c", "/nonexistent/d", "/nonexistent/e")
+	recoverManager(t, m)
+	now := time.Now()
+	idle := map[string]time.Duration{ids[0]: 10 * time.Minute, ids[1]: 30 * time.Minute, ids[2]: 20 * time.Minute,
+		ids[3]: 10 * time.Second /* not idle long enough */, ids[4]: time.Hour /* runs a command */}
+	m.mu.Lock()
+	for id, d := range idle {
+		m.sandboxes[id].lastActive = now.Add(-d)
+	}
+	m.sandboxes[ids[4]].running = 1
+	m.mu.Unlock()
+	if got := m.longestIdle(now, time.Minute); len(got) != 3 || got[0] != ids[1] || got[1] != ids[2] || got[2] != ids[0] {
+		t.Fatalf("candidates %v, want %v", got, []string{ids[1], ids[2], ids[0]})
+	}
+	// Count the backend's pauses as memory given back.
+	m.cfg.Pressure.Available = func() (int64, error) {
+		_, n, _ := be.state("")
+		pauses.Store(int64(n))
+		return avail()
+	}
+	if n := m.relievePressure(context.Background()); n != 2 {
+		t.Fatalf("paused %d sandboxes, want 2", n)
+	}
+	for i, want := range []bool{false, true, true, false, false} {
+		if stopped, _, _ := be.state(ids[i]); stopped != want {
+			t.Errorf("sandbox %d (idle %s): paused %v, want %v", i, idle[ids[i]], stopped, want)
+		}
+	}
+	for _, i := range []int{1, 2} {
+		if rec, _ := m.Get(ids[i]); rec.State != StatePaused || rec.Pause == nil || !rec.Pause.Auto {
+			t.Errorf("sandbox %d: %s %+v, want paused automatically", i, rec.State, rec.Pause)
+		}
+	}
+	// Memory back above the threshold: checkPressure starts nothing.
+	m.checkPressure()
+	if m.reclaiming.Load() {
+		t.Fatal("a reclaim round started with memory above the threshold")
+	}
+	// Off: nothing, however low memory is.
+	pauses.Store(-100)
+	m.cfg.Pressure.Available = avail
+	m.cfg.Pressure.Below = 0
+	m.checkPressure()
+	if _, n, _ := be.state(""); n != 2 || m.reclaiming.Load() {
+		t.Fatalf("pressure reclaim off: %d pauses, round running %v", n, m.reclaiming.Load())
+	}
+	// On again, from Run's tick: the last idle candidate is paused.
+	m.cfg.Pressure.Below = 1000
+	m.checkPressure()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		if stopped, _, _ := be.state(ids[0]); stopped && !m.reclaiming.Load() {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("checkPressure did not pause the last idle sandbox within 10 s")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if stopped, _, _ := be.state(ids[3]); stopped {
+		t.Fatal("a sandbox idle less than MinIdle was paused")
+	}
+}
