@@ -206,7 +206,7 @@ func TestAgentStartupErrorReported(t *testing.T) {
 	b := newBackend(t)
 	spec := newSpec(t)
 	spec.AgentBinary = scriptAgent(t, "echo agent-boom >&2; exit 3")
-	_, err := b.Create(context.Background(), spec)
+	_, err := b.Create(createCtx(t), spec)
 	if err == nil || !strings.Contains(err.Error(), "exited before it was ready") || !strings.Contains(err.Error(), "agent-boom") {
 		t.Fatalf("Create: %v; want the agent's exit and its message", err)
 	}

@@ -155,9 +155,18 @@ func newSpec(t testing.TB) sandbox.Spec {
 }
 
 // create creates a sandbox that is deleted when the test ends.
+// createCtx bounds a test's create more loosely than the backend's own
+// default (sandbox.DefaultStartTimeout, 30 s), which a host at load 100
+// can exceed: a test checks what a create does, not how fast.
+func createCtx(t testing.TB) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	t.Cleanup(cancel)
+	return ctx
+}
+
 func create(t testing.TB, b *Backend, spec sandbox.Spec) sandbox.Handle {
 	t.Helper()
-	h, err := b.Create(context.Background(), spec)
+	h, err := b.Create(createCtx(t), spec)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -217,7 +226,7 @@ func TestCreate(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	h, err := b.Create(context.Background(), spec)
+	h, err := b.Create(createCtx(t), spec)
 	unix.Close(leak)
 	if err != nil {
 		t.Fatal(err)
@@ -537,7 +546,7 @@ func TestFailedCreateLeavesNothing(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			spec := newSpec(t)
 			tc.modify(&spec)
-			_, err := b.Create(context.Background(), spec)
+			_, err := b.Create(createCtx(t), spec)
 			if err == nil {
 				t.Fatal("Create succeeded")
 			}
@@ -642,7 +651,7 @@ func TestConcurrentCreates(t *testing.T) {
 	for range n {
 		spec := newSpec(t)
 		go func() {
-			h, err := b.Create(context.Background(), spec)
+			h, err := b.Create(createCtx(t), spec)
 			if err == nil {
 				var c net.Conn
 				if c, err = net.Dial("unix", h.AgentSocket); err == nil {
@@ -682,12 +691,12 @@ func TestCreateTwice(t *testing.T) {
 	b := newBackend(t)
 	spec := newSpec(t)
 	h := create(t, b, spec)
-	if _, err := b.Create(context.Background(), spec); err == nil {
+	if _, err := b.Create(createCtx(t), spec); err == nil {
 		t.Fatal("a second Create with the same spec succeeded")
 	}
 	other := newSpec(t)
 	other.ID = spec.ID
-	if _, err := b.Create(context.Background(), other); err == nil {
+	if _, err := b.Create(createCtx(t), other); err == nil {
 		t.Fatal("a second Create with the same id succeeded")
 	}
 	// The first sandbox is intact.
@@ -707,7 +716,7 @@ func TestLongSocketPath(t *testing.T) {
 	if err := os.Mkdir(spec.Dir, 0o755); err != nil {
 		t.Fatal(err)
 	}
-	_, err := b.Create(context.Background(), spec)
+	_, err := b.Create(createCtx(t), spec)
 	if err == nil || !strings.Contains(err.Error(), "shorter sandbox dir") {
 		t.Fatalf("Create = %v, want a socket path error", err)
 	}

@@ -68,7 +68,7 @@ func TestDiskLimit(t *testing.T) {
 			if c.premade == size {
 				diskDir = b.claimedDir(spec.ID)
 			}
-			h, err := b.Create(context.Background(), spec)
+			h, err := b.Create(createCtx(t), spec)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -126,7 +126,7 @@ func TestDiskUnsupported(t *testing.T) {
 	b := newBackend(t)
 	spec := newSpec(t)
 	spec.Resources.DiskBytes = 64 << 20
-	if _, err := b.Create(context.Background(), spec); !errors.Is(err, sandbox.ErrUnsupported) {
+	if _, err := b.Create(createCtx(t), spec); !errors.Is(err, sandbox.ErrUnsupported) {
 		t.Fatalf("Create with a disk size on a backend without disks: %v, want ErrUnsupported", err)
 	}
 	if left := leftovers(t, b, spec); len(left) > 0 {

@@ -327,7 +327,7 @@ func TestPoolClaim(t *testing.T) {
 	t.Run("same id refused", func(t *testing.T) {
 		other := poolSpec(t)
 		other.ID = spec.ID
-		if _, err := b.Create(context.Background(), other); err == nil {
+		if _, err := b.Create(createCtx(t), other); err == nil {
 			t.Error("a second sandbox with the same id was created")
 		}
 	})

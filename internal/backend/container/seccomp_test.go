@@ -1,7 +1,6 @@
 package container
 
 import (
-	"context"
 	"fmt"
 	"math/rand/v2"
 	"runtime"
@@ -237,7 +236,7 @@ func TestSeccompFailsClosed(t *testing.T) {
 				b.filter = f
 				spec := newSpec(t)
 				spec.AgentBinary = agentBin
-				_, err = b.Create(context.Background(), spec)
+				_, err = b.Create(createCtx(t), spec)
 				if err == nil {
 					t.Fatal("Create succeeded")
 				}
