@@ -165,7 +165,22 @@ func (b *Backend) reclaim(ctx context.Context, runcID string, mem memCgroup) (me
 		return "memory.reclaim", nil
 	}
 	_, err = b.adviseCgroup(ctx, runcID, madvPageout)
-	return "process_madvise", err
+	if err != nil || mem.dir == "" || mem.v2 {
+		return "process_madvise", err
+	}
+	// PAGEOUT skips pages mapped by more than one process (a shell and
+	// the subshell it forked share their memory until written): cgroup
+	// v1's memory.force_empty reclaims what is left through the cgroup's
+	// LRU, shared pages and page cache too, stopping when nothing more
+	// goes (kernel memory stays). Only what process_madvise left is
+	// scanned, so it costs little when that was everything.
+	if f := filepath.Join(mem.dir, "memory.force_empty"); exists(f) {
+		if err := writeCgroup(f, "0"); err != nil {
+			return "process_madvise", fmt.Errorf("memory.force_empty: %w", err)
+		}
+		return "process_madvise+force_empty", nil
+	}
+	return "process_madvise", nil
 }
 
 const (
