@@ -166,6 +166,9 @@ type ImageStats struct {
 	ChunksCached int
 	BytesFetched int64
 	BytesRead    int64 // bytes the kernel asked for
+	// BytesTouched are the distinct bytes of the image the kernel read
+	// (in 4 KiB pages): what the workload needed, metadata included.
+	BytesTouched int64
 	CacheHits    int64
 	CacheMisses  int64
 	TraceChunks  int  // chunks in the recorded trace
@@ -328,7 +331,7 @@ func (f *FS) ImageStats(hexDigest string) (ImageStats, bool) {
 	defer im.mu.Unlock()
 	st := ImageStats{
 		Size: im.m.Size, ChunkSize: im.m.ChunkSize, Chunks: len(im.m.Digests),
-		BytesFetched: im.bytesFetched, BytesRead: im.bytesRead, CacheHits: im.hits, CacheMisses: im.misses,
+		BytesFetched: im.bytesFetched, BytesRead: im.bytesRead, BytesTouched: im.pagesTouched * pageSize, CacheHits: im.hits, CacheMisses: im.misses,
 		TraceChunks: len(im.trace), Prefetching: im.prefetching, Prefetched: im.prefetched,
 	}
 	st.ChunksCached = f.cache.count(im.hex)
@@ -353,6 +356,8 @@ type image struct {
 	prefetching  bool
 	bytesFetched int64
 	bytesRead    int64
+	pages        []uint64 // guarded by mu: bitmap of 4 KiB pages read
+	pagesTouched int64    // guarded by mu
 	hits, misses int64
 	prefetched   int64
 	lastMiss     int
@@ -378,7 +383,13 @@ func (im *image) chunkLen(i int) int64 {
 	return min(im.m.ChunkSize, im.m.Size-off)
 }
 
-// readAt fills dest from the image at off.
+// maxRun bounds the chunks one ranged read of the store fetches.
+const maxRun = 64
+
+// readAt fills dest from the image at off. The chunks it needs that are
+// neither cached nor being fetched are fetched together, one ranged read
+// per run of adjacent chunks, so that small chunks cost no more round
+// trips than the kernel's reads.
 func (im *image) readAt(ctx context.Context, dest []byte, off int64) (int, error) {
 	if off >= im.m.Size {
 		return 0, nil
@@ -386,21 +397,60 @@ func (im *image) readAt(ctx context.Context, dest []byte, off int64) (int, error
 	end := min(off+int64(len(dest)), im.m.Size)
 	first, last := int(off/im.m.ChunkSize), int((end-1)/im.m.ChunkSize)
 	datas := make([][]byte, last-first+1)
-	errs := make([]error, last-first+1)
-	var wg sync.WaitGroup
+	calls := make([]*call, last-first+1)
+	var fresh []int // chunks this read starts fetching
+	f := im.fs
 	for i := first; i <= last; i++ {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			datas[i-first], errs[i-first] = im.chunk(ctx, i, true)
-		}()
+		im.record(i)
+		if d, ok := f.cache.get(im.hex, i, im.m.Digests[i]); ok {
+			datas[i-first] = d
+			f.hits.Add(1)
+			im.mu.Lock()
+			im.hits++
+			im.mu.Unlock()
+			continue
+		}
+		f.misses.Add(1)
+		im.mu.Lock()
+		im.misses++
+		c := im.inflight[i]
+		if c == nil {
+			c = &call{done: make(chan struct{})}
+			im.inflight[i] = c
+			fresh = append(fresh, i)
+		}
+		im.mu.Unlock()
+		calls[i-first] = c
 	}
-	wg.Wait()
+	if len(fresh) > 0 {
+		for _, run := range runs(fresh) {
+			go im.fetchRun(run, im.callsOf(run))
+		}
+		// A miss right after the previous one's chunks: read ahead.
+		im.mu.Lock()
+		seq := fresh[0] == im.lastMiss+1 || fresh[0] == im.lastMiss
+		im.lastMiss = fresh[len(fresh)-1]
+		im.mu.Unlock()
+		if seq && f.cfg.Readahead > 0 {
+			im.background(last+1, f.cfg.Readahead)
+		}
+	}
+	for k, c := range calls {
+		if c == nil {
+			continue
+		}
+		select {
+		case <-c.done:
+			if c.err != nil {
+				return 0, c.err
+			}
+			datas[k] = c.data
+		case <-ctx.Done():
+			return 0, ctx.Err()
+		}
+	}
 	n := 0
 	for k, d := range datas {
-		if errs[k] != nil {
-			return 0, errs[k]
-		}
 		cOff := int64(first+k) * im.m.ChunkSize
 		lo := max(off, cOff) - cOff
 		hi := min(end, cOff+int64(len(d))) - cOff
@@ -408,117 +458,154 @@ func (im *image) readAt(ctx context.Context, dest []byte, off int64) (int, error
 	}
 	im.mu.Lock()
 	im.bytesRead += int64(n)
+	if im.pages == nil {
+		im.pages = make([]uint64, (im.m.Size/pageSize+64)/64)
+	}
+	for p := off / pageSize; p <= (off+int64(n)-1)/pageSize && n > 0; p++ {
+		if im.pages[p/64]&(1<<(p%64)) == 0 {
+			im.pages[p/64] |= 1 << (p % 64)
+			im.pagesTouched++
+		}
+	}
 	im.mu.Unlock()
 	return n, nil
 }
 
-// chunk returns chunk i, from the cache or the store. demand is false for
-// readahead and prefetch (not traced, not counted as hits or misses).
-func (im *image) chunk(ctx context.Context, i int, demand bool) ([]byte, error) {
-	f := im.fs
-	if demand {
-		im.mu.Lock()
-		if im.recording && !im.touched[int32(i)] && len(im.trace) < f.cfg.TraceChunks {
-			im.touched[int32(i)] = true
-			im.trace = append(im.trace, int32(i))
-			im.dirty = true
-		}
-		im.mu.Unlock()
-	}
-	if d, ok := f.cache.get(im.hex, i, im.m.Digests[i]); ok {
-		if demand {
-			f.hits.Add(1)
-			im.mu.Lock()
-			im.hits++
-			im.mu.Unlock()
-		}
-		return d, nil
-	}
+const pageSize = 4096
+
+// record adds chunk i to the trace if this image records one.
+func (im *image) record(i int) {
 	im.mu.Lock()
-	c := im.inflight[i]
-	if c == nil {
-		c = &call{done: make(chan struct{})}
-		im.inflight[i] = c
-		go im.fetch(i, c)
+	if im.recording && !im.touched[int32(i)] && len(im.trace) < im.fs.cfg.TraceChunks {
+		im.touched[int32(i)] = true
+		im.trace = append(im.trace, int32(i))
+		im.dirty = true
 	}
-	if demand {
-		im.misses++
-		f.misses.Add(1)
-		// A miss right after the previous chunk's: read ahead.
-		seq := i == im.lastMiss+1 || i == im.lastMiss
-		im.lastMiss = i
-		im.mu.Unlock()
-		if seq {
-			for k := 1; k <= f.cfg.Readahead && i+k < len(im.m.Digests); k++ {
-				im.background(i + k)
-			}
-		}
-	} else {
-		im.mu.Unlock()
-	}
-	select {
-	case <-c.done:
-		return c.data, c.err
-	case <-ctx.Done():
-		return nil, ctx.Err()
-	}
+	im.mu.Unlock()
 }
 
-// background fetches chunk i if it is neither cached nor being fetched and
-// a background slot is free; it never waits.
-func (im *image) background(i int) {
-	if im.fs.cache.has(im.hex, i) {
-		return
+// runs splits ascending chunk indices into runs of adjacent ones, each at
+// most maxRun long.
+func runs(idx []int) [][]int {
+	var out [][]int
+	for k := 0; k < len(idx); {
+		e := k + 1
+		for e < len(idx) && idx[e] == idx[e-1]+1 && e-k < maxRun {
+			e++
+		}
+		out = append(out, idx[k:e])
+		k = e
 	}
+	return out
+}
+
+func (im *image) callsOf(run []int) []*call {
 	im.mu.Lock()
-	_, busy := im.inflight[i]
-	im.mu.Unlock()
-	if busy {
-		return
+	defer im.mu.Unlock()
+	cs := make([]*call, len(run))
+	for k, i := range run {
+		cs[k] = im.inflight[i]
 	}
+	return cs
+}
+
+// claim registers fetches for those of the chunks idx that are neither
+// cached nor being fetched, and returns them (ascending if idx is).
+func (im *image) claim(idx []int) []int {
+	var out []int
+	for _, i := range idx {
+		if i < 0 || i >= len(im.m.Digests) || im.fs.cache.has(im.hex, i) {
+			continue
+		}
+		im.mu.Lock()
+		if _, busy := im.inflight[i]; !busy {
+			im.inflight[i] = &call{done: make(chan struct{})}
+			out = append(out, i)
+		}
+		im.mu.Unlock()
+	}
+	return out
+}
+
+// background fetches up to n chunks from i on that are neither cached nor
+// being fetched, if a background slot is free; it never waits.
+func (im *image) background(i, n int) {
 	select {
 	case im.fs.bg <- struct{}{}:
-		go func() {
-			defer func() { <-im.fs.bg }()
-			im.chunk(context.Background(), i, false)
-		}()
 	default:
+		return
 	}
+	idx := make([]int, 0, n)
+	for k := i; k < i+n && k < len(im.m.Digests); k++ {
+		idx = append(idx, k)
+	}
+	todo := im.claim(idx)
+	go func() {
+		defer func() { <-im.fs.bg }()
+		for _, run := range runs(todo) {
+			im.fetchRun(run, im.callsOf(run))
+		}
+	}()
 }
 
-// fetch gets chunk i from the store into the cache, retrying with back-off
-// until the fetch timeout, and completes c.
-func (im *image) fetch(i int, c *call) {
+// fetchRun gets the adjacent chunks run from the store with one ranged
+// read, checks each against its digest, caches them, and completes their
+// calls, retrying with back-off until the fetch timeout.
+func (im *image) fetchRun(run []int, calls []*call) {
 	f := im.fs
+	var data [][]byte
+	var err error
 	defer func() {
 		im.mu.Lock()
-		delete(im.inflight, i)
+		for _, i := range run {
+			delete(im.inflight, i)
+		}
 		im.mu.Unlock()
-		close(c.done)
+		for k, c := range calls {
+			if err != nil {
+				c.err = err
+			} else {
+				c.data = data[k]
+			}
+			close(c.done)
+		}
 	}()
 	ctx, cancel := context.WithTimeout(context.Background(), f.cfg.FetchTimeout)
 	defer cancel()
-	buf := make([]byte, im.chunkLen(i))
-	off := int64(i) * im.m.ChunkSize
+	var total int64
+	for _, i := range run {
+		total += im.chunkLen(i)
+	}
+	buf := make([]byte, total)
+	off := int64(run[0]) * im.m.ChunkSize
 	backoff := 50 * time.Millisecond
 	for attempt := 1; ; attempt++ {
 		start := time.Now()
 		actx, acancel := context.WithTimeout(ctx, max(f.cfg.FetchTimeout/3, time.Second))
-		n, err := f.src.ReadAt(actx, im.key, buf, off)
+		var n int
+		n, err = f.src.ReadAt(actx, im.key, buf, off)
 		acancel()
 		if err == nil && n != len(buf) {
 			err = fmt.Errorf("short read: %d of %d bytes", n, len(buf))
 		}
 		if err == nil {
-			sum := sha256.Sum256(buf)
-			if hex.EncodeToString(sum[:]) != im.m.Digests[i] {
-				err = fmt.Errorf("chunk %d of %s does not match its digest", i, im.hex)
+			data = make([][]byte, len(run))
+			var p int64
+			for k, i := range run {
+				c := buf[p : p+im.chunkLen(i)]
+				p += im.chunkLen(i)
+				sum := sha256.Sum256(c)
+				if hex.EncodeToString(sum[:]) != im.m.Digests[i] {
+					err = fmt.Errorf("chunk %d of %s does not match its digest", i, im.hex)
+					break
+				}
+				data[k] = c
 			}
 		}
 		if err == nil {
 			took := time.Since(start)
 			f.bytesFetched.Add(int64(n))
-			f.chunksFetched.Add(1)
+			f.chunksFetched.Add(int64(len(run)))
 			f.fetchNanos.Add(int64(took))
 			if f.cfg.OnFetch != nil {
 				f.cfg.OnFetch(n, took)
@@ -526,18 +613,19 @@ func (im *image) fetch(i int, c *call) {
 			im.mu.Lock()
 			im.bytesFetched += int64(n)
 			im.mu.Unlock()
-			if err := f.cache.put(im.hex, i, buf); err != nil {
-				f.log.Warn("lazy cache write", "layer", im.hex, "chunk", i, "err", err)
+			for k, i := range run {
+				if err := f.cache.put(im.hex, i, data[k]); err != nil {
+					f.log.Warn("lazy cache write", "layer", im.hex, "chunk", i, "err", err)
+				}
 			}
-			c.data = buf
 			return
 		}
 		f.fetchErrors.Add(1)
 		wait := backoff/2 + rand.N(backoff)
 		backoff = min(backoff*2, 2*time.Second)
 		if ctx.Err() != nil || time.Until(deadline(ctx)) < wait {
-			f.log.Warn("lazy chunk fetch failed", "layer", im.hex, "chunk", i, "attempts", attempt, "err", err)
-			c.err = fmt.Errorf("fetch chunk %d of %s: %w", i, im.hex, err)
+			f.log.Warn("lazy chunk fetch failed", "layer", im.hex, "chunks", len(run), "first", run[0], "attempts", attempt, "err", err)
+			err = fmt.Errorf("fetch chunks %d..%d of %s: %w", run[0], run[len(run)-1], im.hex, err)
 			return
 		}
 		select {
@@ -564,26 +652,44 @@ func (im *image) prefetch() {
 		im.prefetching = false
 		im.mu.Unlock()
 	}()
-	var wg sync.WaitGroup
+	// Adjacent chunks next to each other in the trace go in one request.
+	var groups [][]int
 	for _, i := range order {
-		if int(i) >= len(im.m.Digests) || im.fs.cache.has(im.hex, int(i)) {
-			continue
+		if n := len(groups); n > 0 {
+			g := groups[n-1]
+			if int(i) == g[len(g)-1]+1 && len(g) < maxRun {
+				groups[n-1] = append(g, int(i))
+				continue
+			}
 		}
+		groups = append(groups, []int{int(i)})
+	}
+	var wg sync.WaitGroup
+	for _, g := range groups {
 		select {
 		case im.fs.bg <- struct{}{}:
 		case <-im.done:
 			wg.Wait()
 			return
 		}
+		todo := im.claim(g)
+		if len(todo) == 0 {
+			<-im.fs.bg
+			continue
+		}
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
 			defer func() { <-im.fs.bg }()
-			if _, err := im.chunk(context.Background(), int(i), false); err == nil {
-				im.fs.prefetched.Add(1)
-				im.mu.Lock()
-				im.prefetched++
-				im.mu.Unlock()
+			for _, run := range runs(todo) {
+				cs := im.callsOf(run)
+				im.fetchRun(run, cs)
+				if cs[0].err == nil {
+					im.fs.prefetched.Add(int64(len(run)))
+					im.mu.Lock()
+					im.prefetched += int64(len(run))
+					im.mu.Unlock()
+				}
 			}
 		}()
 	}
