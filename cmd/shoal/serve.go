@@ -374,7 +374,7 @@ func serveCmd() *cobra.Command {
 	cmd.Flags().BoolVar(&cfg.LayerStore.Lazy, "lazy", true, "load s3:// images on demand through FUSE (false: pull a whole image on its first use)")
 	cmd.Flags().StringVar(&cfg.LayerStore.CacheMaxArg, "lazy-cache-max", "20G", "bytes of lazily fetched chunks kept on disk (DATA/layers/lazy-cache, LRU)")
 	cmd.Flags().DurationVar(&cfg.LayerStore.FetchTimeout, "lazy-fetch-timeout", 30*time.Second, "a chunk the store does not deliver within this (retries included) fails its read with EIO")
-	cmd.Flags().StringVar(&cfg.LayerStore.ChunkSizeArg, "lazy-chunk-size", "64K", "chunk size of the digest lists push writes (lazy fetches use the size a layer was pushed with)")
+	cmd.Flags().StringVar(&cfg.LayerStore.ChunkSizeArg, "lazy-chunk-size", "16K", "chunk size of the digest lists push writes (lazy fetches use the size a layer was pushed with)")
 	cmd.Flags().DurationVar(&cfg.AutoPause, "auto-pause", 0, "pause sandboxes idle this long (no request, no running command) and reclaim their memory; 0: never; a create's auto_pause_seconds overrides it")
 	cmd.Flags().DurationVar(&cfg.PausedTimeout, "paused-timeout", 24*time.Hour, "delete sandboxes paused this long (a paused sandbox's idle timeout is suspended)")
 	cmd.Flags().StringVar(&cfg.ZramSize, "zram-size", "0", "set up a zram swap device of this size (e.g. 8GiB) for the memory of paused sandboxes, unless a zram swap is active already; 0: leave the host's swap alone")

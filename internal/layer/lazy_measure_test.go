@@ -7,6 +7,8 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -31,6 +33,28 @@ func TestMeasureLazy(t *testing.T) {
 		tree = "/usr/lib/python3"
 	}
 	var rate int64 = 50 << 20
+	if v, err := strconv.Atoi(os.Getenv("SHOAL_MEASURE_LOOP_RA_KB")); err == nil {
+		loopReadaheadKB = v
+	}
+	if v := os.Getenv("SHOAL_MEASURE_LOOP_DIO"); v != "" {
+		loopDirectIO = v == "1"
+	}
+	lcfg := lazy.Config{}
+	if v, err := strconv.Atoi(os.Getenv("SHOAL_MEASURE_READAHEAD")); err == nil {
+		lcfg.Readahead = v
+	}
+	chunks := []int64{64 << 10, 256 << 10, 1 << 20}
+	if v := os.Getenv("SHOAL_MEASURE_CHUNKS_KIB"); v != "" {
+		chunks = nil
+		for _, f := range strings.Split(v, ",") {
+			k, _ := strconv.Atoi(f)
+			chunks = append(chunks, int64(k)<<10)
+		}
+	}
+	comps := []string{"none", "lz4hc"}
+	if v := os.Getenv("SHOAL_MEASURE_COMPRESSION"); v != "" {
+		comps = strings.Split(v, ",")
+	}
 	srv := s3server.Start(t, t.TempDir(), "shoal", rate)
 	var workload []string
 	var touched int64
@@ -62,13 +86,13 @@ func TestMeasureLazy(t *testing.T) {
 		PrefetchSeconds float64 `json:"cold_with_trace_prefetch_seconds"`
 		WarmSeconds     float64 `json:"warm_cache_seconds"`
 	}
-	for _, comp := range []string{"none", "lz4hc"} {
+	for _, comp := range comps {
 		a := newEnv(t)
 		l, err := a.store.Build(context.Background(), BuildOptions{Kind: KindBase, Name: "m", Version: comp, Source: tree, Compression: comp})
 		if err != nil {
 			t.Fatal(err)
 		}
-		for _, cs := range []int64{64 << 10, 256 << 10, 1 << 20} {
+		for _, cs := range chunks {
 			// A store prefix per chunk size: a digest list of its own.
 			st2, err := remote.Open(fmt.Sprintf("s3://%s/m-%s-%d", srv.Bucket, comp, cs>>10), remote.Options{Endpoint: "http://" + srv.Addr, AccessKey: "test", SecretKey: "test", Region: "us-east-1", PathStyle: true})
 			if err != nil {
@@ -95,14 +119,14 @@ func TestMeasureLazy(t *testing.T) {
 				return took
 			}
 			cache := filepath.Join(t.TempDir(), "c")
-			n := newLazyNode(t, st2, cache, lazy.Config{})
+			n := newLazyNode(t, st2, cache, lcfg)
 			cold := readAll(n)
 			s := n.fs.Stats()
 			warm := readAll(n)
 			n.fs.Unmount()
 			// Cold with the trace: chunks gone, trace kept.
 			os.RemoveAll(filepath.Join(cache, "chunks"))
-			n2 := newLazyNode(t, st2, cache, lazy.Config{})
+			n2 := newLazyNode(t, st2, cache, lcfg)
 			pre := readAll(n2)
 			n2.fs.Unmount()
 			r := row{comp, cs >> 10, l.Size, i, len(workload), touched, s.BytesFetched, float64(s.BytesFetched) / float64(touched), s.ChunksFetched, cold.Seconds(), pre.Seconds(), warm.Seconds()}

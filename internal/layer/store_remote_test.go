@@ -407,3 +407,66 @@ func TestS3LazyTracePrefetch(t *testing.T) {
 	}
 	second.env.store.Release(l.Digest)
 }
+
+// TestS3LazyFetchedOverTouched: a workload reading every 10th of many
+// small files spread through an image (the worst case for chunked fetches:
+// nearly every chunk holds one) fetches at most twice what the kernel
+// read, and the loop device under EROFS reads ahead no more than
+// loopReadaheadKB.
+func TestS3LazyFetchedOverTouched(t *testing.T) {
+	needLazy(t)
+	srv := s3server.Start(t, t.TempDir(), "shoal", 0)
+	st := s3Store(t, srv)
+	a := newEnv(t)
+	a.store.SetRemote(RemoteConfig{Store: st})
+	src := filepath.Join(a.root, "src")
+	r := rand.New(rand.NewPCG(3, 4))
+	var names []string
+	for i := range 600 {
+		b := make([]byte, 4<<10+r.IntN(16<<10))
+		for k := range b {
+			b[k] = byte(r.Uint32())
+		}
+		name := filepath.Join("d"+string(rune('a'+i%7)), "f"+strings.Repeat("x", i%5)+string(rune('a'+i/26%26))+string(rune('a'+i%26)))
+		p := filepath.Join(src, name)
+		os.MkdirAll(filepath.Dir(p), 0o755)
+		if err := os.WriteFile(p, b, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		names = append(names, name)
+	}
+	l, err := a.store.Build(context.Background(), BuildOptions{Kind: KindBase, Name: "base", Version: "1", Source: src, Compression: "none"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := a.store.Push(context.Background(), "base:1"); err != nil {
+		t.Fatal(err)
+	}
+	n := newLazyNode(t, st, filepath.Join(t.TempDir(), "cache"), lazy.Config{})
+	n.env.store.Resolve(l.Digest)
+	dir, err := n.env.store.Acquire(l.Digest)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer n.env.store.Release(l.Digest)
+	var read int64
+	for i := 0; i < len(names); i += 10 {
+		b, err := os.ReadFile(filepath.Join(dir, names[i]))
+		if err != nil {
+			t.Fatal(err)
+		}
+		read += int64(len(b))
+	}
+	is, ok := n.fs.ImageStats(strings.TrimPrefix(l.Digest, "sha256:"))
+	if !ok {
+		t.Fatal("no stats for the image")
+	}
+	t.Logf("image %d bytes, files read %d bytes, kernel read %d distinct bytes, fetched %d (%.2fx touched, %.2fx file bytes)",
+		l.Size, read, is.BytesTouched, is.BytesFetched, float64(is.BytesFetched)/float64(is.BytesTouched), float64(is.BytesFetched)/float64(read))
+	if is.BytesTouched < read {
+		t.Fatalf("the kernel read %d distinct bytes, less than the %d bytes of the files", is.BytesTouched, read)
+	}
+	if is.BytesFetched > 2*is.BytesTouched || is.BytesFetched > 3*read {
+		t.Fatalf("fetched %d bytes for %d touched (%d of files): want at most 2x touched", is.BytesFetched, is.BytesTouched, read)
+	}
+}

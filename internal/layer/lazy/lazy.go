@@ -48,10 +48,13 @@ import (
 
 // DefaultChunkSize is the chunk size push writes digest lists for, chosen
 // by measurement (README, "Layer stores and lazy loading"): reading every
-// 10th file of /usr/lib/python3 fetched 6.8x the bytes read at 64 KiB,
-// 9.3x at 256 KiB and the whole image at 1 MiB, and was fastest cold at
-// 64 KiB.
-const DefaultChunkSize = 64 << 10
+// 10th file of /usr/lib/python3 (files spread evenly through the image,
+// the worst case) fetched 1.4x the file bytes at 4 KiB, 1.9x at 8 KiB,
+// 3.0x at 16 KiB and 6.6x at 64 KiB; the real workload of `shoal bench
+// lazy` fetched 1.24x what the kernel read at 16 KiB. Since a read's
+// missing chunks go in one request, a small chunk costs no round trips;
+// it costs a digest (and a cache file) per chunk, so not smaller.
+const DefaultChunkSize = 16 << 10
 
 // Limits on what a chunk list may say.
 const (
