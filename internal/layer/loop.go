@@ -4,6 +4,8 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"path/filepath"
+	"strings"
 
 	"golang.org/x/sys/unix"
 )
@@ -35,6 +37,7 @@ var (
 const (
 	blkRASet        = 0x1262 // BLKRASET: readahead in 512-byte sectors
 	loFlagsDirectIO = 16     // LO_FLAGS_DIRECT_IO
+	loopChangeFD    = 0x4C06 // LOOP_CHANGE_FD
 )
 
 func attachLoop(backing string) (*loopDev, error) {
@@ -77,4 +80,50 @@ func attachLoop(backing string) (*loopDev, error) {
 		return &loopDev{path: path, f: f}, nil
 	}
 	return nil, errors.New("loop device: every free device was taken by someone else")
+}
+
+// repointLoop takes over the EROFS mount at dir left by an earlier
+// process: if its top mount is EROFS on a loop device whose backing file
+// was a lazy file of the image hexd, the device is turned to file (the
+// same image served by this process's loader; LOOP_CHANGE_FD, allowed for
+// read-only devices and a file of the same size) and returned. It returns
+// nil, nil when dir is no such mount.
+func repointLoop(dir, file, hexd string) (*loopDev, error) {
+	mounts, err := readMountinfo()
+	if err != nil {
+		return nil, err
+	}
+	var top *mountEntry
+	for i := range mounts {
+		if mounts[i].point == dir {
+			top = &mounts[i]
+		}
+	}
+	if top == nil || top.fstype != "erofs" || !strings.HasPrefix(top.source, "/dev/loop") {
+		return nil, nil
+	}
+	name := strings.TrimPrefix(top.source, "/dev/")
+	b, err := os.ReadFile(filepath.Join("/sys/block", name, "loop", "backing_file"))
+	if err != nil {
+		return nil, nil
+	}
+	backing := strings.TrimSuffix(strings.TrimSpace(string(b)), " (deleted)")
+	if filepath.Base(backing) != hexd {
+		return nil, nil
+	}
+	f, err := os.OpenFile(top.source, os.O_RDONLY, 0)
+	if err != nil {
+		return nil, fmt.Errorf("loop device %s: %w", top.source, err)
+	}
+	bf, err := os.Open(file)
+	if err != nil {
+		f.Close()
+		return nil, fmt.Errorf("loop device %s: %w", top.source, err)
+	}
+	defer bf.Close()
+	if err := unix.IoctlSetInt(int(f.Fd()), loopChangeFD, int(bf.Fd())); err != nil {
+		f.Close()
+		return nil, fmt.Errorf("loop device %s: change backing file: %w", top.source, err)
+	}
+	return &loopDev{path: top.source, f: f}, nil
 }

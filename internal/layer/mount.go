@@ -43,10 +43,11 @@ func (s *Store) Acquire(digest string) (mountPath string, err error) {
 			return "", fmt.Errorf("acquire layer %s: %w", digest, err)
 		}
 		// Not on this node: from the layer store.
-		if img, release, err = s.remoteImage(digest); err != nil {
+		var repointed bool
+		if img, release, repointed, err = s.remoteImage(digest, dir); err != nil {
 			return "", fmt.Errorf("acquire layer %s: %w", digest, err)
 		}
-		if release != nil {
+		if release != nil && !repointed {
 			// A loop device is new each time: what an earlier process
 			// left here was served by its FUSE server, now gone.
 			if err := unmountAll(dir); err != nil {

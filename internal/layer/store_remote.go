@@ -307,20 +307,24 @@ func (s *Store) blobRecord(digest string) (Layer, bool, error) {
 
 // remoteImage returns what to mount for an image this node holds no copy
 // of: the store's own file (file://), or a loop device over the lazy FUSE
-// file (s3://), and what to undo after unmounting. Called with s.mu held.
-func (s *Store) remoteImage(digest string) (src string, release func(), err error) {
+// file (s3://), and what to undo after unmounting. If dir is already an
+// EROFS mount of this image on a loop device over a lazy file (left by an
+// earlier process, whose FUSE server is gone), that loop device is turned
+// to this process's lazy file and returned with repointed set: the mount,
+// and the sandboxes reading through it, go on. Called with s.mu held.
+func (s *Store) remoteImage(digest, dir string) (src string, release func(), repointed bool, err error) {
 	if s.remote == nil {
-		return "", nil, fmt.Errorf("no image: %w", ErrNotFound)
+		return "", nil, false, fmt.Errorf("no image: %w", ErrNotFound)
 	}
 	l, found, err := s.blobRecord(digest)
 	if err != nil {
-		return "", nil, err
+		return "", nil, false, err
 	}
 	if !found {
 		ctx, cancel := context.WithTimeout(context.Background(), remoteTimeout)
 		defer cancel()
 		if l, err = s.remoteLayer(ctx, digest); err != nil {
-			return "", nil, err
+			return "", nil, false, err
 		}
 	}
 	st := s.remote.Store
@@ -328,43 +332,53 @@ func (s *Store) remoteImage(digest string) (src string, release func(), err erro
 		fi, err := os.Stat(p)
 		if err != nil {
 			if errors.Is(err, fs.ErrNotExist) {
-				return "", nil, fmt.Errorf("no image here or in %s: %w", st.URL(), ErrNotFound)
+				return "", nil, false, fmt.Errorf("no image here or in %s: %w", st.URL(), ErrNotFound)
 			}
-			return "", nil, err
+			return "", nil, false, err
 		}
 		if fi.Size() != l.Size {
-			return "", nil, errdefs.New(errdefs.ErrFailedPrecondition, "%s holds %d bytes for %s, its record says %d", p, fi.Size(), digest, l.Size)
+			return "", nil, false, errdefs.New(errdefs.ErrFailedPrecondition, "%s holds %d bytes for %s, its record says %d", p, fi.Size(), digest, l.Size)
 		}
-		return p, nil, nil
+		return p, nil, false, nil
 	}
 	if s.remote.Lazy == nil {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Hour)
 		defer cancel()
 		if err := s.download(ctx, l); err != nil {
-			return "", nil, err
+			return "", nil, false, err
 		}
-		return s.ImagePath(digest), nil, nil
+		return s.ImagePath(digest), nil, false, nil
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), remoteTimeout)
 	defer cancel()
 	m, err := s.manifest(ctx, digest, l.Size)
 	if err != nil {
-		return "", nil, err
+		return "", nil, false, err
 	}
 	hexd := strings.TrimPrefix(digest, "sha256:")
 	file, err := s.remote.Lazy.Open(hexd, blobKey(digest), m)
 	if err != nil {
-		return "", nil, err
+		return "", nil, false, err
 	}
-	dev, err := attachLoop(file)
+	dev, err := repointLoop(dir, file, hexd)
 	if err != nil {
+		s.log.Warn("lazy layer: cannot turn the earlier mount's loop device to the new loader; mounting it afresh", "layer", digest, "err", err)
+	}
+	if dev != nil {
+		s.log.Info("lazy layer mount taken over", "layer", digest, "device", dev.path)
+		return dev.path, func() {
+			dev.Close()
+			s.remote.Lazy.Close(hexd)
+		}, true, nil
+	}
+	if dev, err = attachLoop(file); err != nil {
 		s.remote.Lazy.Close(hexd)
-		return "", nil, err
+		return "", nil, false, err
 	}
 	return dev.path, func() {
 		dev.Close()
 		s.remote.Lazy.Close(hexd)
-	}, nil
+	}, false, nil
 }
 
 // manifest reads and checks the chunk list of digest.
