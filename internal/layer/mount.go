@@ -27,6 +27,7 @@ func (s *Store) Acquire(digest string) (mountPath string, err error) {
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	s.touchLocked(digest)
 	if m := s.mounts[digest]; m != nil {
 		m.refs++
 		return m.path, nil
@@ -126,6 +127,8 @@ func (s *Store) Release(digest string) error {
 	if m.release != nil {
 		m.release()
 	}
+	s.touchLocked(digest)
+	s.trimCacheLocked("")
 	if err != nil {
 		return fmt.Errorf("release layer %s: %w", digest, err)
 	}

@@ -9,6 +9,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"time"
 
 	"go.etcd.io/bbolt"
 )
@@ -49,6 +50,8 @@ type Store struct {
 
 	mu     sync.Mutex
 	mounts map[string]*mount // by digest; guarded by mu; only entries with refs > 0
+	// lastUse orders the cache of store images (cache.go); guarded by mu.
+	lastUse map[string]time.Time
 }
 
 // mount is one mounted image.

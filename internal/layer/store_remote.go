@@ -42,6 +42,9 @@ type RemoteConfig struct {
 	WriteThrough bool
 	// ChunkSize of the chunk lists push writes (lazy.DefaultChunkSize if 0).
 	ChunkSize int64
+	// CacheMax bounds the bytes of whole images copied from the store
+	// (cache.go); 0: no bound.
+	CacheMax int64
 }
 
 // remoteTimeout bounds a metadata request to the store.
@@ -347,6 +350,7 @@ func (s *Store) remoteImage(digest, dir string) (src string, release func(), rep
 		if err := s.download(ctx, l); err != nil {
 			return "", nil, false, err
 		}
+		s.trimCacheLocked(digest)
 		return s.ImagePath(digest), nil, false, nil
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), remoteTimeout)
