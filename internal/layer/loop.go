@@ -29,9 +29,12 @@ var (
 	// what EROFS reads beyond a miss. The kernel's default for a loop
 	// device (2.5 MiB here) fetched 5-10x what a workload read.
 	loopReadaheadKB = 16
-	// loopDirectIO opens the FUSE file O_DIRECT: no second page cache of
-	// the image and no FUSE readahead; FUSE sees exactly the loop's reads.
-	loopDirectIO = true
+	// loopDirectIO opens the FUSE file O_DIRECT (no second page cache of
+	// the image, no FUSE readahead). Off: with it, every page EROFS's cache
+	// dropped (sandboxes' memory limits reclaim it) was read through the
+	// FUSE server again, and bench lazy's workloads ran 5x slower; the FUSE
+	// file's own readahead is bounded by the mount's max_readahead instead.
+	loopDirectIO = false
 )
 
 const (

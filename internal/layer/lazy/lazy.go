@@ -230,7 +230,8 @@ func Mount(mnt string, src Source, cfg Config, log *slog.Logger) (*FS, error) {
 		EntryTimeout: &sec, AttrTimeout: &sec,
 		MountOptions: fuse.MountOptions{
 			DirectMount: true, FsName: "shoal-lazy", Name: "shoal-lazy",
-			MaxReadAhead: 1 << 20, MaxBackground: 64, DisableXAttrs: true,
+			MaxReadAhead:  16 << 10, // the loader reads ahead itself, by chunks
+			MaxBackground: 64, DisableXAttrs: true,
 		},
 	})
 	if err != nil {
