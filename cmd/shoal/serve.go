@@ -108,9 +108,12 @@ type layerStoreConfig struct {
 	Lazy         bool // s3://: load images on demand (else pull whole on first use)
 	CacheMaxArg  string
 	CacheMax     int64
-	FetchTimeout time.Duration
-	ChunkSizeArg string
-	ChunkSize    int64
+	// Whole copies of store images (pulled on first use): a bounded cache.
+	ImageCacheMaxArg string
+	ImageCacheMax    int64
+	FetchTimeout     time.Duration
+	ChunkSizeArg     string
+	ChunkSize        int64
 }
 
 // e2bConfig configures the E2B-compatible endpoint (internal/e2b).
@@ -164,6 +167,12 @@ func (c *serveConfig) Validate() error {
 			return fmt.Errorf("--lazy-cache-max %q: want a size of at least 1M, such as 20G", c.LayerStore.CacheMaxArg)
 		}
 		c.LayerStore.CacheMax = n
+		if c.LayerStore.ImageCacheMaxArg != "none" {
+			if n, err = parseBytes(c.LayerStore.ImageCacheMaxArg); err != nil || n < 1<<20 {
+				return fmt.Errorf("--layer-cache-max %q: want a size of at least 1M, such as 100G, or none", c.LayerStore.ImageCacheMaxArg)
+			}
+			c.LayerStore.ImageCacheMax = n
+		}
 		if n, err = parseBytes(c.LayerStore.ChunkSizeArg); err != nil || n < lazy.MinChunkSize || n > lazy.MaxChunkSize || n&(n-1) != 0 {
 			return fmt.Errorf("--lazy-chunk-size %q: want a power of two from 4K to 16M", c.LayerStore.ChunkSizeArg)
 		}
@@ -372,6 +381,7 @@ func serveCmd() *cobra.Command {
 	cmd.Flags().BoolVar(&cfg.LayerStore.S3.PathStyle, "s3-path-style", false, "S3 path-style requests (bucket in the path; most on-premise servers)")
 	cmd.Flags().BoolVar(&cfg.LayerStore.WriteThrough, "layer-store-write-through", false, "push every layer built, committed or imported to the layer store")
 	cmd.Flags().BoolVar(&cfg.LayerStore.Lazy, "lazy", true, "load s3:// images on demand through FUSE (false: pull a whole image on its first use)")
+	cmd.Flags().StringVar(&cfg.LayerStore.ImageCacheMaxArg, "layer-cache-max", "100G", "bytes of whole images copied from the layer store kept on disk (LRU over images no sandbox uses; layers built or pulled here never count), or none")
 	cmd.Flags().StringVar(&cfg.LayerStore.CacheMaxArg, "lazy-cache-max", "20G", "bytes of lazily fetched chunks kept on disk (DATA/layers/lazy-cache, LRU)")
 	cmd.Flags().DurationVar(&cfg.LayerStore.FetchTimeout, "lazy-fetch-timeout", 30*time.Second, "a chunk the store does not deliver within this (retries included) fails its read with EIO")
 	cmd.Flags().StringVar(&cfg.LayerStore.ChunkSizeArg, "lazy-chunk-size", "16K", "chunk size of the digest lists push writes (lazy fetches use the size a layer was pushed with)")

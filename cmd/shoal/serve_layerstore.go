@@ -21,7 +21,7 @@ func openLayerStore(cfg serveConfig, layers *layer.Store, mt *metrics.Metrics, l
 	if err != nil {
 		return nil, fmt.Errorf("--layer-store: %w", err)
 	}
-	rc := layer.RemoteConfig{Store: st, WriteThrough: lc.WriteThrough, ChunkSize: lc.ChunkSize}
+	rc := layer.RemoteConfig{Store: st, WriteThrough: lc.WriteThrough, ChunkSize: lc.ChunkSize, CacheMax: lc.ImageCacheMax}
 	var lz *lazy.FS
 	if st.LocalPath("tags") == "" && lc.Lazy {
 		dir := filepath.Join(cfg.DataDir, "layers")
