@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -14,6 +15,7 @@ import (
 	"github.com/spf13/cobra"
 
 	pb "github.com/shoal-sandbox/shoal/api/shoal/v1"
+	shoal "github.com/shoal-sandbox/shoal/sdk/go"
 )
 
 func layerCmd() *cobra.Command {
@@ -45,7 +47,7 @@ func contains(ss []string, s string) bool {
 
 func layerBuildCmd() *cobra.Command {
 	var compression, kind, image string
-	var serverPath bool
+	var serverPath, push bool
 	cmd := &cobra.Command{
 		Use:   "build --kind base|workspace|toolkit NAME:VERSION SRC",
 		Short: "Build an EROFS layer (prints NAME@sha256:...)",
@@ -91,12 +93,16 @@ Progress goes to stderr (a bar on a terminal); the layer's ref to stdout.`,
 				return err
 			}
 			fmt.Printf("%s@%s\n", l.Name, l.Digest)
+			if push {
+				return pushBuilt(ctx, c, l.Name+":"+l.Version)
+			}
 			return nil
 		},
 	}
 	cmd.Flags().StringVar(&kind, "kind", "", "layer kind: base, workspace or toolkit")
 	cmd.Flags().StringVar(&compression, "compression", "", "none (default), lz4 or lz4hc")
 	cmd.Flags().StringVar(&image, "image", "", "for an image archive with several images: which one (e.g. debian:12)")
+	cmd.Flags().BoolVar(&push, "push", false, "then push it to the server's layer store (shoal serve --layer-store), so every node of the fleet resolves it")
 	cmd.Flags().BoolVar(&serverPath, "server-path", false, "SRC is a path on the server, inside one of its --build-root directories (read in place, not uploaded)")
 	cmd.MarkFlagRequired("kind")
 	return cmd
@@ -104,6 +110,7 @@ Progress goes to stderr (a bar on a terminal); the layer's ref to stdout.`,
 
 func layerCommitCmd() *cobra.Command {
 	var compression, kind string
+	var push bool
 	cmd := &cobra.Command{
 		Use:   "commit ID --kind workspace|toolkit NAME:VERSION",
 		Short: "Turn a sandbox's changes (its writable layer) into a new layer (prints NAME@sha256:...)",
@@ -131,11 +138,15 @@ workspace: create from a base, run the setup commands, commit.`,
 				return err
 			}
 			fmt.Printf("%s@%s\n", l.Name, l.Digest)
+			if push {
+				return pushBuilt(ctx, c, l.Name+":"+l.Version)
+			}
 			return nil
 		},
 	}
 	cmd.Flags().StringVar(&kind, "kind", "", "layer kind: workspace or toolkit")
 	cmd.Flags().StringVar(&compression, "compression", "", "none (default), lz4 or lz4hc")
+	cmd.Flags().BoolVar(&push, "push", false, "then push it to the server's layer store (shoal serve --layer-store)")
 	cmd.MarkFlagRequired("kind")
 	return cmd
 }
@@ -401,6 +412,7 @@ func layerExportCmd() *cobra.Command {
 
 func layerImportCmd() *cobra.Command {
 	var tag string
+	var push bool
 	cmd := &cobra.Command{
 		Use:   "import FILE [--tag NAME:VERSION]",
 		Short: "Load a layer saved by 'layer export' (- for stdin); its digest is verified (prints NAME@sha256:...)",
@@ -429,9 +441,24 @@ func layerImportCmd() *cobra.Command {
 				return err
 			}
 			fmt.Printf("%s@%s\n", l.Name, l.Digest)
+			if push {
+				return pushBuilt(ctx, c, l.Name+":"+l.Version)
+			}
 			return nil
 		},
 	}
 	cmd.Flags().StringVar(&tag, "tag", "", "tag to import it as, instead of the one recorded in the file")
+	cmd.Flags().BoolVar(&push, "push", false, "then push it to the server's layer store (shoal serve --layer-store)")
 	return cmd
+}
+
+// pushBuilt pushes a layer just built or imported to the server's layer
+// store and says so on stderr.
+func pushBuilt(ctx context.Context, c *shoal.Client, ref string) error {
+	res, err := c.Layers.PushLayer(ctx, connect.NewRequest(&pb.PushLayerRequest{Ref: ref}))
+	if err != nil {
+		return fmt.Errorf("built, but not pushed: %w", err)
+	}
+	fmt.Fprintf(os.Stderr, "pushed %s to %s (%d bytes uploaded)\n", ref, res.Msg.Store, res.Msg.UploadedBytes)
+	return nil
 }
