@@ -223,7 +223,7 @@ func (s *Server) GetLayer(ctx context.Context, req *connect.Request[pb.GetLayerR
 		if st, ok := lz.ImageStats(strings.TrimPrefix(l.Digest, "sha256:")); ok {
 			out.Lazy = &pb.LazyLayerStats{
 				ChunkSize: st.ChunkSize, Chunks: int64(st.Chunks), ChunksCached: int64(st.ChunksCached),
-				BytesFetched: st.BytesFetched, BytesRead: st.BytesRead, CacheHits: st.CacheHits, CacheMisses: st.CacheMisses,
+				BytesFetched: st.BytesFetched, BytesRead: st.BytesRead, BytesTouched: st.BytesTouched, CacheHits: st.CacheHits, CacheMisses: st.CacheMisses,
 				TraceChunks: int64(st.TraceChunks), Prefetched: st.Prefetched, Prefetching: st.Prefetching,
 			}
 		}

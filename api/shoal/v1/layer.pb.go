@@ -279,6 +279,7 @@ type LazyLayerStats struct {
 	TraceChunks   int64                  `protobuf:"varint,8,opt,name=trace_chunks,json=traceChunks,proto3" json:"trace_chunks,omitempty"` // chunks in the recorded access trace
 	Prefetched    int64                  `protobuf:"varint,9,opt,name=prefetched,proto3" json:"prefetched,omitempty"`                      // chunks fetched ahead by the trace
 	Prefetching   bool                   `protobuf:"varint,10,opt,name=prefetching,proto3" json:"prefetching,omitempty"`
+	BytesTouched  int64                  `protobuf:"varint,11,opt,name=bytes_touched,json=bytesTouched,proto3" json:"bytes_touched,omitempty"` // distinct bytes (4 KiB pages) the kernel read
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -381,6 +382,13 @@ func (x *LazyLayerStats) GetPrefetching() bool {
 		return x.Prefetching
 	}
 	return false
+}
+
+func (x *LazyLayerStats) GetBytesTouched() int64 {
+	if x != nil {
+		return x.BytesTouched
+	}
+	return 0
 }
 
 type PushLayerRequest struct {
@@ -1698,7 +1706,7 @@ const file_shoal_v1_layer_proto_rawDesc = "" +
 	"\x14used_by_environments\x18\x0e \x03(\tR\x12usedByEnvironments\x12\x16\n" +
 	"\x06mounts\x18\x0f \x01(\x05R\x06mounts\x12\x16\n" +
 	"\x06remote\x18\x10 \x01(\tR\x06remote\x12,\n" +
-	"\x04lazy\x18\x11 \x01(\v2\x18.shoal.v1.LazyLayerStatsR\x04lazy\"\xd7\x02\n" +
+	"\x04lazy\x18\x11 \x01(\v2\x18.shoal.v1.LazyLayerStatsR\x04lazy\"\xfc\x02\n" +
 	"\x0eLazyLayerStats\x12\x1d\n" +
 	"\n" +
 	"chunk_size\x18\x01 \x01(\x03R\tchunkSize\x12\x16\n" +
@@ -1715,7 +1723,8 @@ const file_shoal_v1_layer_proto_rawDesc = "" +
 	"prefetched\x18\t \x01(\x03R\n" +
 	"prefetched\x12 \n" +
 	"\vprefetching\x18\n" +
-	" \x01(\bR\vprefetching\":\n" +
+	" \x01(\bR\vprefetching\x12#\n" +
+	"\rbytes_touched\x18\v \x01(\x03R\fbytesTouched\":\n" +
 	"\x10PushLayerRequest\x12\x10\n" +
 	"\x03ref\x18\x01 \x01(\tR\x03ref\x12\x14\n" +
 	"\x05store\x18\x02 \x01(\tR\x05store\"w\n" +
