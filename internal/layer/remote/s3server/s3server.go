@@ -120,6 +120,36 @@ func Serve(ctx context.Context, addr, dir, bucket string, rate int64, ready func
 	return nil
 }
 
+// ServeLatency is Serve, unlimited, with each request answered after
+// latency (a store's time to first byte).
+func ServeLatency(ctx context.Context, addr, dir, bucket string, latency time.Duration, ready func(string)) error {
+	h, err := Handler(dir, bucket, 0)
+	if err != nil {
+		return err
+	}
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return err
+	}
+	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if latency > 0 {
+			time.Sleep(latency)
+		}
+		h.ServeHTTP(w, r)
+	}), ReadHeaderTimeout: 10 * time.Second}
+	go func() {
+		<-ctx.Done()
+		srv.Close()
+	}()
+	if ready != nil {
+		ready(ln.Addr().String())
+	}
+	if err := srv.Serve(ln); err != nil && err != http.ErrServerClosed {
+		return err
+	}
+	return nil
+}
+
 // The child process: a binary that imports this package and is started
 // with these variables set serves S3 and never returns.
 const (
