@@ -369,6 +369,7 @@ def build(
     image: Optional[str] = None,
     on_progress: Optional[ProgressCallback] = None,
     server_path: bool = False,
+    push: bool = False,
     api_key: Optional[str] = None,
     url: Optional[str] = None,
     request_timeout: Optional[float] = None,
@@ -392,18 +393,24 @@ def build(
     :param on_progress: called with each :class:`BuildProgress`: a line per
         stage, and status updates (``done``/``total``) for a progress bar;
         an upload starts with an ``"upload"`` stage.
+    :param push: then push it to the server's layer store (``shoal serve
+        --layer-store``), as :func:`push` does, so every node resolves it.
     :returns: the :class:`Layer`, whose ``digest`` names exactly this image.
     """
     t = _t(api_key, url)
     if server_path:
         body = _build_body(kind, ref, source, compression, image)  # type: ignore[arg-type]
-        return _receive(t.stream("LayerService", "BuildLayer", body, idempotent=True, request_timeout=_long(request_timeout, t)), on_progress, "BuildLayer")
-    params = _upload_params(kind, ref, compression, image, "")
-    desc = _upload_source(source)[0]
-    if desc:
-        params["source"] = desc[:256]
-    content = _sync_upload(source, on_progress)
-    return _receive(t.post_ndjson(BUILD_PATH, params, content, what="layer build", content_type="application/x-tar", request_timeout=_long(request_timeout, t)), on_progress, "layer build")
+        layer = _receive(t.stream("LayerService", "BuildLayer", body, idempotent=True, request_timeout=_long(request_timeout, t)), on_progress, "BuildLayer")
+    else:
+        params = _upload_params(kind, ref, compression, image, "")
+        desc = _upload_source(source)[0]
+        if desc:
+            params["source"] = desc[:256]
+        content = _sync_upload(source, on_progress)
+        layer = _receive(t.post_ndjson(BUILD_PATH, params, content, what="layer build", content_type="application/x-tar", request_timeout=_long(request_timeout, t)), on_progress, "layer build")
+    if push:
+        t.call("LayerService", "PushLayer", {"ref": _ref(ref)}, idempotent=True, request_timeout=_long(request_timeout, t))
+    return layer
 
 
 def commit(
@@ -592,6 +599,7 @@ async def abuild(
     image: Optional[str] = None,
     on_progress: Optional[ProgressCallback] = None,
     server_path: bool = False,
+    push: bool = False,
     api_key: Optional[str] = None,
     url: Optional[str] = None,
     request_timeout: Optional[float] = None,
@@ -600,15 +608,19 @@ async def abuild(
     t = _at(api_key, url)
     if server_path:
         body = _build_body(kind, ref, source, compression, image)  # type: ignore[arg-type]
-        return await _areceive(t.stream("LayerService", "BuildLayer", body, idempotent=True, request_timeout=_long(request_timeout, t)), on_progress, "BuildLayer")
-    params = _upload_params(kind, ref, compression, image, "")
-    desc = (await asyncio.to_thread(_upload_source, source))[0]
-    if desc:
-        params["source"] = desc[:256]
-    content = _async_upload(source, on_progress)
-    return await _areceive(
-        t.post_ndjson(BUILD_PATH, params, content, what="layer build", content_type="application/x-tar", request_timeout=_long(request_timeout, t)), on_progress, "layer build"
-    )
+        layer = await _areceive(t.stream("LayerService", "BuildLayer", body, idempotent=True, request_timeout=_long(request_timeout, t)), on_progress, "BuildLayer")
+    else:
+        params = _upload_params(kind, ref, compression, image, "")
+        desc = (await asyncio.to_thread(_upload_source, source))[0]
+        if desc:
+            params["source"] = desc[:256]
+        content = _async_upload(source, on_progress)
+        layer = await _areceive(
+            t.post_ndjson(BUILD_PATH, params, content, what="layer build", content_type="application/x-tar", request_timeout=_long(request_timeout, t)), on_progress, "layer build"
+        )
+    if push:
+        await t.call("LayerService", "PushLayer", {"ref": _ref(ref)}, idempotent=True, request_timeout=_long(request_timeout, t))
+    return layer
 
 
 async def _async_upload(source: Any, on_progress: Optional[Callable[[BuildProgress], Any]]) -> AsyncIterator[bytes]:

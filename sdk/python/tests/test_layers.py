@@ -351,3 +351,13 @@ def test_push_pull_layer_store(server, src) -> None:
     assert "sdk-store:1" in layers.get("sdk-store:1").tags
     with pytest.raises(shoal.LayerNotFound):
         layers.pull("sdk-store:404")
+
+    # Built and pushed in one call (sync and async): removed here, it
+    # resolves from the store.
+    for i, b in enumerate([lambda: layers.build("workspace", "sdk-store:2", src, push=True),
+                           lambda: asyncio.run(layers.abuild("workspace", "sdk-store:3", src, push=True))]):
+        built = b()
+        ref = "sdk-store:%d" % (i + 2)
+        layers.rm(ref)
+        again = layers.get(ref)
+        assert again.digest == built.digest
