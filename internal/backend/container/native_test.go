@@ -5,8 +5,12 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // TestNativeLikeRunc starts a pool container with runc and one with the
@@ -135,4 +139,57 @@ func TestNativeLikeRunc(t *testing.T) {
 		}
 	}
 	t.Logf("compared %d properties", len(want))
+}
+
+// BenchmarkStartMember starts pool containers with each launcher and
+// reports, per container, the wall time until its agent is ready and the
+// CPU it cost: this process's (the node's side), its reaped children's
+// (runc, and what runc reaped), and the container's init task's whole life
+// (/proc/PID/schedstat: runc init then the agent, or the native start then
+// the agent). Removal is not counted.
+//
+//	go test -run '^$' -bench StartMember -benchtime 20x ./internal/backend/container/
+func BenchmarkStartMember(b *testing.B) {
+	requireRoot(b)
+	be, err := New(Config{StateDir: b.TempDir(), CgroupParent: testCgroupParent, PoolSize: -1, UserNS: testUserNS})
+	if err != nil {
+		b.Fatal(err)
+	}
+	if be.filter == nil {
+		b.Skip("no compiled seccomp filter")
+	}
+	cpuNow := func() time.Duration {
+		var self, kids unix.Rusage
+		unix.Getrusage(unix.RUSAGE_SELF, &self)
+		unix.Getrusage(unix.RUSAGE_CHILDREN, &kids)
+		tv := func(t unix.Timeval) time.Duration { return time.Duration(t.Nano()) }
+		return tv(self.Utime) + tv(self.Stime) + tv(kids.Utime) + tv(kids.Stime)
+	}
+	for _, launcher := range []string{LauncherRunc, LauncherNative} {
+		b.Run(launcher, func(b *testing.B) {
+			be.native = launcher == LauncherNative
+			var walls, cpus []time.Duration
+			for b.Loop() {
+				start, cpu0 := time.Now(), cpuNow()
+				m, err := be.startMember(context.Background(), realAgent, true)
+				if err != nil {
+					b.Fatal(err)
+				}
+				wall, cpu := time.Since(start), cpuNow()-cpu0
+				b.StopTimer()
+				pid := readTrim(b, filepath.Join(m.dir, pidFileName))
+				if f := strings.Fields(readTrim(b, "/proc/"+pid+"/schedstat")); len(f) > 0 {
+					ns, _ := strconv.ParseInt(f[0], 10, 64)
+					cpu += time.Duration(ns)
+				}
+				walls, cpus = append(walls, wall), append(cpus, cpu)
+				if err := be.removeMember(m); err != nil {
+					b.Fatal(err)
+				}
+				b.StartTimer()
+			}
+			report(b, "start", walls)
+			report(b, "cpu", cpus)
+		})
+	}
 }
