@@ -168,7 +168,7 @@ func BenchmarkStartMember(b *testing.B) {
 	for _, launcher := range []string{LauncherRunc, LauncherNative} {
 		b.Run(launcher, func(b *testing.B) {
 			be.native = launcher == LauncherNative
-			var walls, cpus []time.Duration
+			var walls, cpus, nodes []time.Duration
 			for b.Loop() {
 				start, cpu0 := time.Now(), cpuNow()
 				m, err := be.startMember(context.Background(), realAgent, true)
@@ -177,6 +177,7 @@ func BenchmarkStartMember(b *testing.B) {
 				}
 				wall, cpu := time.Since(start), cpuNow()-cpu0
 				b.StopTimer()
+				nodes = append(nodes, cpu)
 				pid := readTrim(b, filepath.Join(m.dir, pidFileName))
 				if f := strings.Fields(readTrim(b, "/proc/"+pid+"/schedstat")); len(f) > 0 {
 					ns, _ := strconv.ParseInt(f[0], 10, 64)
@@ -190,6 +191,7 @@ func BenchmarkStartMember(b *testing.B) {
 			}
 			report(b, "start", walls)
 			report(b, "cpu", cpus)
+			report(b, "cpu-node", nodes)
 		})
 	}
 }
