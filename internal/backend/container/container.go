@@ -23,6 +23,11 @@
 //     background. Create falls back on the cold path when the pool is empty
 //     or a claim fails.
 //
+// Pool containers are started by `runc run`, or with Config.Launcher
+// native by the node and the agent themselves, with the same isolation
+// (native.go); then a create that finds the pool empty starts one and
+// claims it instead of the cold path.
+//
 // There is no shim: once runc exits the container's init is reparented, so
 // sandboxes keep running when the node process dies; Recover asks runc for
 // the state of a container described by a persisted Handle. Delete SIGKILLs
