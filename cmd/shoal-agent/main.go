@@ -26,6 +26,9 @@ import (
 // fails closed.
 func init() {
 	agent.SetNotDumpable()
+	// Started by the native launcher: set the container up, then execute
+	// the agent again inside it (agent.NativeInit never returns then).
+	agent.NativeInit()
 }
 
 func main() {

@@ -54,7 +54,11 @@ type serveConfig struct {
 	// PoolMax: how far demand may grow the pool.
 	PoolMax     int
 	RuncSeccomp bool
-	Pprof       string
+	// Launcher: container.Config.Launcher (runc or native).
+	Launcher string
+	// CgroupParent: container.Config.CgroupParent.
+	CgroupParent string
+	Pprof        string
 	// UserNS and UserNSBase: container.Config's.
 	UserNS     string
 	UserNSBase uint32
@@ -356,6 +360,8 @@ func serveCmd() *cobra.Command {
 	cmd.Flags().IntVar(&cfg.PoolSize, "pool-size", container.DefaultPoolSize, "pre-started blank containers kept ready for creates (0: none)")
 	cmd.Flags().IntVar(&cfg.PoolMax, "pool-max", container.DefaultPoolMax, fmt.Sprintf("how many ready containers demand may grow the pool to (each holds about %d MiB)", container.PoolMemberBytes>>20))
 	cmd.Flags().StringVar(&cfg.EgressSubnet, "egress-subnet", container.DefaultEgressSubnet, "IPv4 subnet of the links of sandboxes created with network egress (a /31 each; nodes sharing a host need their own); empty disables egress")
+	cmd.Flags().StringVar(&cfg.Launcher, "launcher", container.LauncherRunc, "how pool containers start: runc (runc run), or native (the node and the agent set the container up themselves, the same isolation; a create that finds the pool empty starts one instead of running runc)")
+	cmd.Flags().StringVar(&cfg.CgroupParent, "cgroup-parent", container.DefaultCgroupParent, "the cgroup (in every hierarchy, from its root) under which each sandbox gets its own; nodes sharing a host need their own")
 	cmd.Flags().BoolVar(&cfg.RuncSeccomp, "runc-seccomp", false, "let runc compile docker's seccomp profile per container instead of once per node (slower; disables the pool)")
 	cmd.Flags().StringVar(&cfg.DefaultDisk, "default-disk", "1G", "size of a sandbox's writable layer when its create gives none (its own file system: ENOSPC when full); \"none\": no limit")
 	cmd.Flags().StringVar(&cfg.MaxDisk, "max-disk", "1T", "largest disk a create may ask for")
@@ -464,6 +470,8 @@ func serve(cfg serveConfig) error {
 		PoolSize:       poolSize,
 		PoolMax:        cfg.PoolMax,
 		RuncSeccomp:    cfg.RuncSeccomp,
+		Launcher:       cfg.Launcher,
+		CgroupParent:   cfg.CgroupParent,
 		ResumePrefetch: cfg.ResumePrefetch,
 		CgroupParent:   cfg.CgroupParent,
 		Runtime:        cfg.Runtime,

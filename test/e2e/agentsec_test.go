@@ -3,6 +3,7 @@ package e2e
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -33,10 +34,7 @@ func fileSize(path string) int64 {
 // agentPid is the host pid of a sandbox's agent (its init).
 func agentPid(t *testing.T, id string) int {
 	t.Helper()
-	state, err := os.ReadFile(filepath.Join(dataDir, "runc", runcID(t, id), "state.json"))
-	if err != nil {
-		t.Fatal(err)
-	}
+	state := readInitState(t, runcID(t, id))
 	var st struct {
 		Pid int `json:"init_process_pid"`
 	}
@@ -44,6 +42,20 @@ func agentPid(t *testing.T, id string) int {
 		t.Fatalf("runc state: %v %d", err, st.Pid)
 	}
 	return st.Pid
+}
+
+// readInitState reads the state the launcher recorded of a container: runc's
+// state.json, or the native launcher's record (of the same form).
+func readInitState(t *testing.T, runcID string) []byte {
+	t.Helper()
+	state, err := os.ReadFile(filepath.Join(dataDir, "runc", runcID, "state.json"))
+	if errors.Is(err, os.ErrNotExist) {
+		state, err = os.ReadFile(filepath.Join(dataDir, "pool", "native", runcID+".json"))
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	return state
 }
 
 // TestWorkloadCannotReachAgent: a command cannot trace the sandbox's agent

@@ -136,6 +136,10 @@ func startServe() error {
 	serveCmd = exec.Command(filepath.Join(binDir, "shoal"), "serve", "--data", dataDir, "--listen", addr, "--debug", "--e2b-listen=",
 		"--egress-subnet", egressSubnet, "--build-root", buildRoot,
 		"--zram-size", "1GiB")
+	if l := os.Getenv("SHOAL_E2E_LAUNCHER"); l != "" {
+		// runc (the default) or native: the suite against either launcher.
+		serveCmd.Args = append(serveCmd.Args, "--launcher", l)
+	}
 	serveCmd.Stdout, serveCmd.Stderr = log, log
 	serveCmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
 	if err := serveCmd.Start(); err != nil {

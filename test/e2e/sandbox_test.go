@@ -564,10 +564,7 @@ func TestDeadAgentMarksSandboxError(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	state, err := os.ReadFile(filepath.Join(dataDir, "runc", sb.Runtime["runc_id"], "state.json"))
-	if err != nil {
-		t.Fatal(err)
-	}
+	state := readInitState(t, sb.Runtime["runc_id"])
 	var st struct {
 		Pid int `json:"init_process_pid"`
 	}

@@ -143,6 +143,10 @@ func (b *Backend) agentLogPath(h sandbox.Handle, runcID string) string {
 // runc recorded them.
 func (b *Backend) initProcess(runcID string) (pid int, start uint64, err error) {
 	data, err := os.ReadFile(filepath.Join(b.stateDir, runcID, "state.json"))
+	if errors.Is(err, os.ErrNotExist) {
+		// The native launcher's record (native.go), of the same form.
+		data, err = os.ReadFile(b.nativeStatePath(runcID))
+	}
 	if err != nil {
 		return 0, 0, err
 	}

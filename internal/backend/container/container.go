@@ -23,6 +23,11 @@
 //     background. Create falls back on the cold path when the pool is empty
 //     or a claim fails.
 //
+// Pool containers are started by `runc run`, or with Config.Launcher
+// native by the node and the agent themselves, with the same isolation
+// (native.go); then a create that finds the pool empty starts one and
+// claims it instead of the cold path.
+//
 // There is no shim: once runc exits the container's init is reparented, so
 // sandboxes keep running when the node process dies; Recover asks runc for
 // the state of a container described by a persisted Handle. Delete SIGKILLs
@@ -164,6 +169,12 @@ type Config struct {
 	// swapped-out pages back (process_madvise MADV_WILLNEED) before it
 	// thaws it. Off by default: measured slower (see README, Pause).
 	ResumePrefetch bool
+	// Launcher starts pool containers: LauncherRunc (the default, `runc
+	// run`) or LauncherNative (native.go: the agent sets its container up
+	// itself; a create that finds the pool empty starts one and claims it
+	// instead of running runc). Native needs the pool and the compiled
+	// seccomp filter; without them runc is used.
+	Launcher string
 	// Log receives the backend's logs; nil discards them.
 	Log *slog.Logger
 }
@@ -180,6 +191,11 @@ func (c Config) Validate() error {
 	case "", UserNSAuto, UserNSOn, UserNSOff:
 	default:
 		return fmt.Errorf("container backend: user namespaces %q: want auto, on or off", c.UserNS)
+	}
+	switch c.Launcher {
+	case "", LauncherRunc, LauncherNative:
+	default:
+		return fmt.Errorf("container backend: launcher %q: want runc or native", c.Launcher)
 	}
 	if c.UserNSDir != "" && !filepath.IsAbs(c.UserNSDir) {
 		return fmt.Errorf("container backend: user namespace dir %q must be an absolute path", c.UserNSDir)
@@ -284,6 +300,9 @@ type Backend struct {
 	// premadeDisk: the size of the disks pool containers wait with.
 	premadeDisk int64
 	nofile      uint64 // RLIMIT_NOFILE of sandbox processes
+	// native: pool containers are started by the native launcher
+	// (native.go); only with a pool.
+	native bool
 }
 
 var (
@@ -373,7 +392,7 @@ func New(cfg Config) (*Backend, error) {
 		b.egress = e
 	}
 	if b.userns != nil {
-		b.userns.prune(b.hasState)
+		b.userns.prune(b.known)
 	}
 	switch {
 	case cfg.PoolSize < 0:
@@ -388,11 +407,15 @@ func New(cfg Config) (*Backend, error) {
 		}
 		b.lifeline, b.lifelineW = r, w
 		b.pool = newPool(b, cfg.PoolSize, max(cfg.PoolMax, cfg.PoolSize))
+		b.native = cfg.Launcher == LauncherNative
+	}
+	if cfg.Launcher == LauncherNative && !b.native {
+		cfg.Log.Warn("container backend: the native launcher needs the pool and the compiled seccomp filter: using runc")
 	}
 	version, _, _ := strings.Cut(string(out), "\n")
 	cfg.Log.Debug("container backend ready", "runtime", bin, "version", version, "state_dir", cfg.StateDir,
 		"seccomp", map[bool]string{true: "compiled once", false: "runc"}[b.filter != nil], "pool", cfg.PoolSize,
-		"userns", b.userns != nil)
+		"userns", b.userns != nil, "launcher", map[bool]string{true: LauncherNative, false: LauncherRunc}[b.native])
 	return b, nil
 }
 
@@ -547,6 +570,14 @@ func (b *Backend) create(ctx context.Context, spec sandbox.Spec) (h sandbox.Hand
 			return h, err
 		}
 		b.log.Warn("claim of a pool container failed; trying another", "sandbox_id", spec.ID, "runc_id", m.id, "try", try+1, "err", err)
+	}
+	if b.native {
+		// No runc: a pool container made now, claimed at once.
+		m, err := b.startMember(ctx, spec.AgentBinary, true)
+		if err != nil {
+			return h, fmt.Errorf("create sandbox %s: %w", spec.ID, err)
+		}
+		return b.claim(ctx, spec, dir, m)
 	}
 	return b.createCold(ctx, spec, dir)
 }
@@ -830,6 +861,16 @@ func (b *Backend) Recover(ctx context.Context, h sandbox.Handle) (sandbox.Status
 	if err != nil {
 		return "", err
 	}
+	if b.isNative(id) {
+		alive, err := b.nativeAlive(id)
+		if err != nil {
+			return "", fmt.Errorf("recover sandbox %s: %w", h.ID, err)
+		}
+		if !alive {
+			return sandbox.StatusStopped, nil
+		}
+		return b.recoverRunning(h, id)
+	}
 	if !b.hasState(id) {
 		return "", fmt.Errorf("recover sandbox %s: %w", h.ID, sandbox.ErrNotFound)
 	}
@@ -855,6 +896,12 @@ func (b *Backend) Recover(ctx context.Context, h sandbox.Handle) (sandbox.Status
 			return sandbox.StatusStopped, nil
 		}
 	}
+	return b.recoverRunning(h, id)
+}
+
+// recoverRunning re-attaches the network and the agent's log of a running
+// sandbox.
+func (b *Backend) recoverRunning(h sandbox.Handle, id string) (sandbox.Status, error) {
 	if b.egress != nil {
 		if err := b.egress.recover(h.ID, h.Data); err != nil {
 			return "", fmt.Errorf("recover sandbox %s: network egress: %w", h.ID, err)
@@ -956,6 +1003,9 @@ func (b *Backend) destroy(ctx context.Context, id string) error {
 		return fmt.Errorf("remove runc state: %w", err)
 	}
 	if err := b.removeCgroups(id); err != nil {
+		return err
+	}
+	if err := removeIfExists(b.nativeStatePath(id)); err != nil {
 		return err
 	}
 	if b.userns != nil {

@@ -138,6 +138,11 @@ func newBackend(t testing.TB) *Backend {
 // SHOAL_TEST_USERNS=off|on|auto (default auto), to compare (benchmarks).
 var testUserNS = os.Getenv("SHOAL_TEST_USERNS")
 
+// testLauncher is the launcher of the tests' pools:
+// SHOAL_TEST_LAUNCHER=runc|native (default runc), to run the pool tests
+// with either.
+var testLauncher = os.Getenv("SHOAL_TEST_LAUNCHER")
+
 func newID(t testing.TB) string {
 	var r [6]byte
 	rand.Read(r[:])
@@ -578,7 +583,7 @@ func helperMain() {
 	if os.Getenv("SHOAL_TEST_POOL") == "1" {
 		poolSize = 1
 	}
-	b, err := New(Config{StateDir: os.Getenv("SHOAL_TEST_STATE_DIR"), CgroupParent: testCgroupParent, PoolSize: poolSize})
+	b, err := New(Config{StateDir: os.Getenv("SHOAL_TEST_STATE_DIR"), CgroupParent: testCgroupParent, Launcher: testLauncher, PoolSize: poolSize})
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(2)

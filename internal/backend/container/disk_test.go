@@ -27,7 +27,7 @@ func diskBackendPremade(t *testing.T, size int, premade int64) *Backend {
 	if size <= 0 {
 		size = -1
 	}
-	b, err := New(Config{StateDir: t.TempDir(), CgroupParent: testCgroupParent, PoolSize: size,
+	b, err := New(Config{StateDir: t.TempDir(), CgroupParent: testCgroupParent, Launcher: testLauncher, PoolSize: size,
 		DiskDir: t.TempDir(), PremadeDisk: premade, Log: testLog(t)})
 	if err != nil {
 		t.Fatal(err)

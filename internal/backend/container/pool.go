@@ -483,7 +483,12 @@ func (b *Backend) startMember(ctx context.Context, agentBinary string, urgent bo
 	if urgent {
 		nice = 0
 	}
-	if err := b.startContainer(ctx, id, bundle, dir, lnFile, true, nice); err != nil {
+	if b.native {
+		err = b.startNative(ctx, id, dir, root, agentBinary, lnFile, m.idmap, caps, urgent)
+	} else {
+		err = b.startContainer(ctx, id, bundle, dir, lnFile, true, nice)
+	}
+	if err != nil {
 		return m, fmt.Errorf("pool container %s: %w", id, err)
 	}
 	if err := resetPriority(filepath.Join(dir, pidFileName)); err != nil {
@@ -550,6 +555,7 @@ func (b *Backend) removeMember(m *member) error {
 	if err := b.destroy(ctx, m.id); err != nil {
 		return err
 	}
+	unmountAgentBind(m.dir)
 	if err := removeDisk(m.dir); err != nil {
 		return err
 	}
@@ -717,6 +723,7 @@ func (b *Backend) sweepPool(ctx context.Context) error {
 			return
 		}
 		b.log.Info("deleting a pool container left by an earlier process", "runc_id", id, "dir", dir)
+		unmountAgentBind(dir)
 		if err := b.destroy(ctx, id); err != nil {
 			errs = append(errs, err)
 			return

@@ -147,7 +147,9 @@ def server(request: pytest.FixtureRequest) -> Iterator[Server]:
     proc = subprocess.Popen(
         [os.path.join(bin_dir, "shoal"), "serve", "--data", data, "--listen", f"127.0.0.1:{port}",
          "--egress-subnet", "10.%d.0.0/16" % (248 + os.getpid() % 6), "--build-root", build_root,
-         "--layer-store", "file://" + os.path.join(data, "layer-store")],
+         "--layer-store", "file://" + os.path.join(data, "layer-store")]
+        # SHOAL_SDK_LAUNCHER=native: the suite against the native launcher.
+        + (["--launcher", os.environ["SHOAL_SDK_LAUNCHER"]] if os.environ.get("SHOAL_SDK_LAUNCHER") else []),
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,

@@ -1,0 +1,197 @@
+package container
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// TestNativeLikeRunc starts a pool container with runc and one with the
+// native launcher from the same backend and compares what the kernel says
+// of their agents (before any claim): capabilities, no_new_privs, seccomp,
+// id maps, namespaces, cgroups and their limits, the devices list, NOFILE,
+// and every mount (point, type, options).
+func TestNativeLikeRunc(t *testing.T) {
+	requireRoot(t)
+	b, err := New(Config{StateDir: t.TempDir(), CgroupParent: testCgroupParent, PoolSize: -1, UserNS: testUserNS, Log: testLog(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b.filter == nil {
+		t.Skip("no compiled seccomp filter: no pool, no native launcher")
+	}
+	ctx := context.Background()
+	start := func(native bool) (*member, string) {
+		b.native = native
+		defer func() { b.native = false }()
+		m, err := b.startMember(ctx, realAgent, true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() {
+			if err := b.removeMember(m); err != nil {
+				t.Error(err)
+			}
+			if left := runcLeftovers(t, b, m.id, nil); len(left) > 0 {
+				t.Errorf("left after removing %s: %v", m.id, left)
+			}
+			if b.isNative(m.id) {
+				t.Errorf("native state of %s left", m.id)
+			}
+		})
+		return m, readTrim(t, filepath.Join(m.dir, pidFileName))
+	}
+	rm, rpid := start(false)
+	nm, npid := start(true)
+	if !b.isNative(nm.id) || b.isNative(rm.id) {
+		t.Fatalf("native state: runc %v, native %v", b.isNative(rm.id), b.isNative(nm.id))
+	}
+	if alive, err := b.nativeAlive(nm.id); err != nil || !alive {
+		t.Errorf("nativeAlive = %v, %v", alive, err)
+	}
+	norm := func(m *member, s string) string {
+		s = strings.ReplaceAll(s, m.id, "ID")
+		s = strings.ReplaceAll(s, m.dir, "DIR")
+		return s
+	}
+	status := func(m *member, pid string) map[string]string {
+		out := map[string]string{}
+		data, err := os.ReadFile("/proc/" + pid + "/status")
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, l := range strings.Split(string(data), "\n") {
+			k, v, _ := strings.Cut(l, ":")
+			switch k {
+			case "CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb", "NoNewPrivs", "Seccomp", "Uid", "Gid", "Groups", "NSpid":
+				out[k] = strings.Join(strings.Fields(v), " ")
+			}
+			if k == "NSpid" { // the host's pid differs
+				f := strings.Fields(v)
+				out[k] = f[len(f)-1]
+			}
+		}
+		if m.idmap != nil {
+			for _, f := range []string{"uid_map", "gid_map", "setgroups"} {
+				out[f] = strings.Join(strings.Fields(readTrim(t, "/proc/"+pid+"/"+f)), " ")
+			}
+			out["uid_map"] = strings.Replace(out["uid_map"], strings.Fields(out["uid_map"])[1], "HOST", 1)
+			out["gid_map"] = strings.Replace(out["gid_map"], strings.Fields(out["gid_map"])[1], "HOST", 1)
+			out["Uid"], out["Gid"] = "", ""
+		}
+		out["cgroup"] = norm(m, readTrim(t, "/proc/"+pid+"/cgroup"))
+		for _, l := range strings.Split(readTrim(t, "/proc/"+pid+"/limits"), "\n") {
+			if strings.HasPrefix(l, "Max open files") {
+				out["nofile"] = strings.Join(strings.Fields(l), " ")
+			}
+		}
+		for _, ns := range []string{"user", "pid", "mnt", "ipc", "uts", "net", "cgroup"} {
+			mine, _ := os.Readlink("/proc/self/ns/" + ns)
+			theirs, err := os.Readlink("/proc/" + pid + "/ns/" + ns)
+			if err != nil {
+				t.Fatal(err)
+			}
+			out["ns "+ns] = map[bool]string{true: "host's", false: "own"}[mine == theirs]
+		}
+		for _, f := range []string{"devices/devices.list", "memory/memory.limit_in_bytes", "memory/memory.memsw.limit_in_bytes", "pids/pids.max", "cpu/cpu.shares", "cpu/cpu.cfs_quota_us", "cpuset/cpuset.cpus", "cpuset/cpuset.mems"} {
+			ctrl, name, _ := strings.Cut(f, "/")
+			if data, err := os.ReadFile(filepath.Join("/sys/fs/cgroup", ctrl, testCgroupParent, m.id, name)); err == nil {
+				lines := strings.Split(strings.TrimSpace(string(data)), "\n")
+				slices.Sort(lines) // devices.list keeps the order of writes
+				out[f] = strings.Join(lines, "\n")
+			}
+		}
+		// Mounts: point, options, type; sorted (the order differs).
+		var mounts []string
+		for _, l := range strings.Split(readTrim(t, "/proc/"+pid+"/mountinfo"), "\n") {
+			pre, post, _ := strings.Cut(l, " - ")
+			f, g := strings.Fields(pre), strings.Fields(post)
+			if len(f) < 6 || len(g) < 1 {
+				continue
+			}
+			mounts = append(mounts, f[4]+" "+f[5]+" "+g[0])
+		}
+		slices.Sort(mounts)
+		// The native container's agent binary is bound twice, one on the
+		// other: the host's bind, locked in the container's namespace,
+		// and the agent's bind of it, which a claim moves (the other
+		// goes with the blank root).
+		mounts = slices.Compact(mounts)
+		out["mounts"] = strings.Join(mounts, "\n")
+		return out
+	}
+	want, got := status(rm, rpid), status(nm, npid)
+	for k, w := range want {
+		if got[k] != w {
+			t.Errorf("%s:\nrunc:   %s\nnative: %s", k, w, got[k])
+		}
+	}
+	for k := range got {
+		if _, ok := want[k]; !ok {
+			t.Errorf("%s: native only: %s", k, got[k])
+		}
+	}
+	t.Logf("compared %d properties", len(want))
+}
+
+// BenchmarkStartMember starts pool containers with each launcher and
+// reports, per container, the wall time until its agent is ready and the
+// CPU it cost: this process's (the node's side), its reaped children's
+// (runc, and what runc reaped), and the container's init task's whole life
+// (/proc/PID/schedstat: runc init then the agent, or the native start then
+// the agent). Removal is not counted.
+//
+//	go test -run '^$' -bench StartMember -benchtime 20x ./internal/backend/container/
+func BenchmarkStartMember(b *testing.B) {
+	requireRoot(b)
+	be, err := New(Config{StateDir: b.TempDir(), CgroupParent: testCgroupParent, PoolSize: -1, UserNS: testUserNS})
+	if err != nil {
+		b.Fatal(err)
+	}
+	if be.filter == nil {
+		b.Skip("no compiled seccomp filter")
+	}
+	cpuNow := func() time.Duration {
+		var self, kids unix.Rusage
+		unix.Getrusage(unix.RUSAGE_SELF, &self)
+		unix.Getrusage(unix.RUSAGE_CHILDREN, &kids)
+		tv := func(t unix.Timeval) time.Duration { return time.Duration(t.Nano()) }
+		return tv(self.Utime) + tv(self.Stime) + tv(kids.Utime) + tv(kids.Stime)
+	}
+	for _, launcher := range []string{LauncherRunc, LauncherNative} {
+		b.Run(launcher, func(b *testing.B) {
+			be.native = launcher == LauncherNative
+			var walls, cpus, nodes []time.Duration
+			for b.Loop() {
+				start, cpu0 := time.Now(), cpuNow()
+				m, err := be.startMember(context.Background(), realAgent, true)
+				if err != nil {
+					b.Fatal(err)
+				}
+				wall, cpu := time.Since(start), cpuNow()-cpu0
+				b.StopTimer()
+				nodes = append(nodes, cpu)
+				pid := readTrim(b, filepath.Join(m.dir, pidFileName))
+				if f := strings.Fields(readTrim(b, "/proc/"+pid+"/schedstat")); len(f) > 0 {
+					ns, _ := strconv.ParseInt(f[0], 10, 64)
+					cpu += time.Duration(ns)
+				}
+				walls, cpus = append(walls, wall), append(cpus, cpu)
+				if err := be.removeMember(m); err != nil {
+					b.Fatal(err)
+				}
+				b.StartTimer()
+			}
+			report(b, "start", walls)
+			report(b, "cpu", cpus)
+			report(b, "cpu-node", nodes)
+		})
+	}
+}
