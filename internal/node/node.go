@@ -77,6 +77,9 @@ type Config struct {
 	AutoPause time.Duration
 	// PausedTimeout: a sandbox paused this long is deleted (default 24 h).
 	PausedTimeout time.Duration
+	// IDPrefix: the first characters of every sandbox ID this node makes,
+	// naming the node in a cluster (cluster.go); "": none.
+	IDPrefix string
 }
 
 // Disk sizes.
@@ -98,6 +101,9 @@ func (c *Config) Validate() error {
 	}
 	if c.AgentBinary == "" {
 		return errors.New("node config: agent binary path is required")
+	}
+	if err := validIDPrefix(c.IDPrefix); err != nil { // cluster.go
+		return err
 	}
 	if _, err := os.Stat(c.AgentBinary); err != nil {
 		return fmt.Errorf("node config: agent binary: %w", err)
@@ -445,7 +451,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (rec Record, er
 		return Record{}, err
 	}
 	be := m.backends[req.Backend]
-	id := newID()
+	id := m.newSandboxID() // cluster.go
 	dir := filepath.Join(m.cfg.DataDir, "sandboxes", id)
 	now := time.Now().UTC()
 	rec = Record{
