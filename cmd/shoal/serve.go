@@ -21,6 +21,7 @@ import (
 
 	"github.com/shoal-sandbox/shoal/internal/audit"
 	"github.com/shoal-sandbox/shoal/internal/backend/container"
+	"github.com/shoal-sandbox/shoal/internal/cluster"
 	"github.com/shoal-sandbox/shoal/internal/control"
 	"github.com/shoal-sandbox/shoal/internal/e2b"
 	"github.com/shoal-sandbox/shoal/internal/layer"
@@ -87,6 +88,8 @@ type serveConfig struct {
 	// LayerStore: where layers live beyond this node (file:///dir or
 	// s3://bucket/prefix; "" none) and how to reach and cache it.
 	LayerStore layerStoreConfig
+	// Cluster: the role, etcd and the node's name (serve_cluster.go).
+	Cluster clusterConfig
 }
 
 // layerStoreConfig configures the node's layer store and lazy loader.
@@ -123,6 +126,12 @@ func (c *serveConfig) Validate() error {
 	c.DataDir = abs
 	if _, _, err := net.SplitHostPort(c.Listen); err != nil {
 		return fmt.Errorf("--listen %q must be HOST:PORT: %w", c.Listen, err)
+	}
+	if err := c.Cluster.validate(c.Listen); err != nil { // serve_cluster.go
+		return err
+	}
+	if c.Cluster.Role == roleControl {
+		return nil // a control replica runs no node
 	}
 	if c.E2B.Listen != "" {
 		if _, _, err := net.SplitHostPort(c.E2B.Listen); err != nil {
@@ -348,10 +357,14 @@ func serveCmd() *cobra.Command {
 	cmd.Flags().StringVar(&cfg.E2B.Domain, "e2b-domain", "", "sandbox domain for E2B clients: getHost(port) is PORT-ID.DOMAIN (default shoal.localhost:<e2b port>)")
 	cmd.Flags().StringVar(&cfg.E2B.DefaultTemplate, "e2b-default-template", "debian:12", "environment or base layer used for E2B's default template \"base\" when none is named base")
 	cmd.Flags().StringVar(&cfg.E2B.Pause, "e2b-pause", e2b.PauseOn, "E2B pause: on (pauses the sandbox for real; connect resumes it) or refuse (501)")
+	addClusterFlags(cmd, &cfg.Cluster) // serve_cluster.go
 	return cmd
 }
 
 func serve(cfg serveConfig) error {
+	if cfg.Cluster.Role == roleControl {
+		return serveControl(cfg) // serve_cluster.go
+	}
 	level := slog.LevelInfo
 	if cfg.Debug {
 		level = slog.LevelDebug
@@ -427,6 +440,9 @@ func serve(cfg serveConfig) error {
 	}
 	log.Info("sandbox tasks", "pids_limit", nodeCfg.PidsLimit, "pids_budget", pidsMax, "nofile", cfg.Nofile)
 	nodeCfg.Metrics = mt
+	if cfg.Cluster.Role == roleNode {
+		nodeCfg.IDPrefix = cluster.Tag(cfg.Cluster.NodeName) // its sandbox IDs name it
+	}
 	// Tenants' keys and quotas (the admin key stays the admin), and the
 	// audit log of who did what (DATA/audit.log).
 	keys, err := tenant.Open(db)
@@ -519,6 +535,13 @@ func serve(cfg serveConfig) error {
 		Handler:           api.Handler(),
 		Protocols:         &protocols,
 		ReadHeaderTimeout: 10 * time.Second,
+	}
+	if cfg.Cluster.Role == roleNode {
+		leave, err := registerNode(ctx, cfg.Cluster, mgr, layers, log) // serve_cluster.go
+		if err != nil {
+			return err
+		}
+		defer leave()
 	}
 	log.Info("shoal serving", "listen", ln.Addr().String(), "data", cfg.DataDir,
 		"admin_key", filepath.Join(cfg.DataDir, control.AdminKeyFile), "build_roots", cfg.buildRoots.Dirs())
