@@ -18,6 +18,7 @@ import (
 	"slices"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/shoal-sandbox/shoal/internal/errdefs"
@@ -71,6 +72,20 @@ type ClusterPhaseResult struct {
 	Refusals     int64   `json:"refusals"`
 	Retries      int64   `json:"retries"`
 	LocalityHit  float64 `json:"locality_hit"` // placed on a node holding the base
+	// CPUSeconds: the process's CPU time in the phase (user + system),
+	// and decisions per CPU-second: what one core of a control replica
+	// decides, whatever else the machine runs.
+	CPUSeconds      float64 `json:"cpu_seconds"`
+	DecisionsPerCPU float64 `json:"decisions_per_cpu_second"`
+}
+
+// cpuTime is the process's CPU time so far.
+func cpuTime() time.Duration {
+	var ru syscall.Rusage
+	if syscall.Getrusage(syscall.RUSAGE_SELF, &ru) != nil {
+		return 0
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
 
 // ClusterBurstResult: a burst from one tenant while another creates steadily.
@@ -232,7 +247,7 @@ func Cluster(ctx context.Context, o ClusterOptions) (*ClusterResult, error) {
 		var latMu sync.Mutex
 		var failed, hits atomic.Int64
 		before := eng.Stats()
-		start := time.Now()
+		start, cpu0 := time.Now(), cpuTime()
 		var wg sync.WaitGroup
 		sem := make(chan struct{}, o.Concurrency)
 		for i := 0; i < total && ctx.Err() == nil; i++ {
@@ -257,7 +272,7 @@ func Cluster(ctx context.Context, o ClusterOptions) (*ClusterResult, error) {
 			}()
 		}
 		wg.Wait()
-		res.Steady = phase(lat, int(failed.Load()), int(hits.Load()), time.Since(start), before, eng.Stats())
+		res.Steady = phase(lat, int(failed.Load()), int(hits.Load()), time.Since(start), cpuTime()-cpu0, before, eng.Stats())
 	}
 
 	// Burst: one tenant's o.Burst creates at once, while another tenant
@@ -330,7 +345,7 @@ func runParallel(ctx context.Context, eng *placement.Engine, n, conc int, create
 	var failed, hits atomic.Int64
 	var next atomic.Int64
 	before := eng.Stats()
-	start := time.Now()
+	start, cpu0 := time.Now(), cpuTime()
 	var wg sync.WaitGroup
 	for w := 0; w < min(conc, n); w++ {
 		wg.Add(1)
@@ -353,12 +368,15 @@ func runParallel(ctx context.Context, eng *placement.Engine, n, conc int, create
 		}()
 	}
 	wg.Wait()
-	return phase(lat, int(failed.Load()), int(hits.Load()), time.Since(start), before, eng.Stats())
+	return phase(lat, int(failed.Load()), int(hits.Load()), time.Since(start), cpuTime()-cpu0, before, eng.Stats())
 }
 
-func phase(lat []time.Duration, failed, hits int, took time.Duration, before, after placement.Stats) ClusterPhaseResult {
+func phase(lat []time.Duration, failed, hits int, took, cpu time.Duration, before, after placement.Stats) ClusterPhaseResult {
 	r := ClusterPhaseResult{Creates: len(lat), Failed: failed, Seconds: took.Seconds(),
-		Refusals: after.Refusals - before.Refusals, Retries: after.Retries - before.Retries}
+		Refusals: after.Refusals - before.Refusals, Retries: after.Retries - before.Retries, CPUSeconds: cpu.Seconds()}
+	if cpu > 0 {
+		r.DecisionsPerCPU = math.Round(float64(len(lat)) / cpu.Seconds())
+	}
 	if len(lat) == 0 {
 		return r
 	}

@@ -90,7 +90,10 @@ type Config struct {
 	// (default 2 s).
 	RefusalPenalty time.Duration
 	// LocalityWeight: the weight of layer locality against free share
-	// (default 0.3).
+	// (default 0.05: a node holding every layer of the request wins over
+	// one up to 5% of its capacity emptier; more packs the nodes holding
+	// popular layers fuller than the rest: with 0.3, 1.15 max/mean at 87%
+	// fleet fill in `shoal bench cluster`).
 	LocalityWeight float64
 	// Now is the clock (tests); time.Now when nil.
 	Now func() time.Time
@@ -113,7 +116,7 @@ func (c *Config) fill() {
 		c.RefusalPenalty = 2 * time.Second
 	}
 	if c.LocalityWeight == 0 {
-		c.LocalityWeight = 0.3
+		c.LocalityWeight = 0.05
 	}
 	if c.Now == nil {
 		c.Now = time.Now
@@ -148,6 +151,7 @@ type Engine struct {
 
 	mu       sync.Mutex
 	nodes    map[string]*nodeState
+	order    []*nodeState // the nodes, for scans from a random start
 	inflight int
 	queued   int                  // waiting for a slot or for capacity
 	tenants  map[string][]*waiter // waiting for a slot, FIFO per tenant
@@ -175,6 +179,9 @@ func (e *Engine) Update(n Node) {
 	e.mu.Lock()
 	if old := e.nodes[n.Name]; old != nil {
 		st.refusedUntil = old.refusedUntil
+		e.order[slices.Index(e.order, old)] = st
+	} else {
+		e.order = append(e.order, st)
 	}
 	e.nodes[n.Name] = st
 	e.wakeCapacityLocked()
@@ -184,6 +191,9 @@ func (e *Engine) Update(n Node) {
 // Remove forgets a node (its lease expired, or it left).
 func (e *Engine) Remove(name string) {
 	e.mu.Lock()
+	if st := e.nodes[name]; st != nil {
+		e.order = slices.DeleteFunc(e.order, func(x *nodeState) bool { return x == st })
+	}
 	delete(e.nodes, name)
 	e.mu.Unlock()
 }
@@ -387,26 +397,32 @@ func (e *Engine) score(st *nodeState, r Request, now time.Time) float64 {
 	return s
 }
 
-// Candidates returns up to n nodes that can hold r, best first. Ties are
-// broken at random, so that control replicas deciding at once on the same
-// reports do not all pick the same node.
+// Candidates returns up to n nodes that can hold r, best first. Ties go
+// to the first node met by a scan that starts at a random node, so that
+// control replicas deciding at once on the same reports do not all pick
+// the same node.
 func (e *Engine) Candidates(r Request, n int) []string {
 	type cand struct {
-		name  string
+		st    *nodeState
 		score float64
-		tie   uint32
 	}
 	now := e.cfg.Now()
-	e.mu.Lock()
 	best := make([]cand, 0, n+1)
-	for name, st := range e.nodes {
+	e.mu.Lock()
+	k := len(e.order)
+	start := 0
+	if k > 0 {
+		start = rand.IntN(k)
+	}
+	for j := 0; j < k; j++ {
+		st := e.order[(start+j)%k]
 		if !fits(st, r) {
 			continue
 		}
-		c := cand{name, e.score(st, r, now), rand.Uint32()}
+		c := cand{st, e.score(st, r, now)}
 		// Insert into the top n (n is small).
 		i := len(best)
-		for i > 0 && (best[i-1].score < c.score || (best[i-1].score == c.score && best[i-1].tie < c.tie)) {
+		for i > 0 && best[i-1].score < c.score {
 			i--
 		}
 		if i >= n {
@@ -417,11 +433,11 @@ func (e *Engine) Candidates(r Request, n int) []string {
 			best = best[:n]
 		}
 	}
-	e.mu.Unlock()
 	out := make([]string, len(best))
 	for i, c := range best {
-		out[i] = c.name
+		out[i] = c.st.Name
 	}
+	e.mu.Unlock()
 	return out
 }
 
