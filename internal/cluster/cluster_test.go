@@ -38,6 +38,7 @@ func eventually(t *testing.T, what string, cond func() bool) {
 }
 
 func TestRegistryAndDirectory(t *testing.T) {
+	resyncEvery = 2
 	ep := etcdtest.Start(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
@@ -106,10 +107,15 @@ func TestRegistryAndDirectory(t *testing.T) {
 	if _, err := dir2.ForSandbox(idB); !errors.Is(err, ErrLost) {
 		t.Fatalf("new replica, sandbox of the dead node: %v, want lost", err)
 	}
-	// node-a's sandbox goes: the catalog follows at the next heartbeat.
+	// node-a's sandbox goes: the catalog follows at the next heartbeat;
+	// so does an entry a control replica wrote for a sandbox the node
+	// never reported (created and deleted between two heartbeats).
+	if err := dir.Catalog(ctx, CatalogEntry{ID: tagA + strings.Repeat("c", 16), Node: "node-a"}); err != nil {
+		t.Fatal(err)
+	}
 	sbs["node-a"] = nil
 	cli := client(t, ep)
-	eventually(t, "catalog entry deleted", func() bool {
+	eventually(t, "catalog entries deleted", func() bool {
 		r, err := cli.Get(ctx, sandboxesPrefix+tagA+"/", clientv3.WithPrefix(), clientv3.WithCountOnly())
 		return err == nil && r.Count == 0
 	})

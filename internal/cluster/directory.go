@@ -3,6 +3,7 @@ package cluster
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"log/slog"
 	"slices"
@@ -159,7 +160,7 @@ func (d *Directory) Node(name string) (NodeInfo, bool) {
 
 // ErrLost marks a request for a sandbox whose node is down (also
 // errdefs.ErrUnavailable: it may come back).
-var ErrLost = fmt.Errorf("sandbox lost")
+var ErrLost = errors.New("lost")
 
 // ForSandbox returns the live node that holds sandbox id. A sandbox of a
 // node that is down is reported lost (unavailable, ErrLost); an ID that

@@ -35,8 +35,14 @@ type Registration struct {
 	tag     string
 	started time.Time
 	lease   clientv3.LeaseID
-	written map[string]bool // catalog keys written; only Run's goroutine
+	written map[string]bool // catalog keys in etcd, as last known; only Run's goroutine
+	beats   int
 }
+
+// resyncEvery: every this many heartbeats the node re-reads its catalog
+// keys from etcd, so that entries others wrote (a control replica catalogs
+// a create at once) for sandboxes already gone are deleted too.
+var resyncEvery = 10 // tests lower it
 
 // Register claims the node's tag (refusing a name whose tag another node
 // holds), grants its lease and publishes its first report. Run keeps it
@@ -66,14 +72,6 @@ func Register(ctx context.Context, cli *clientv3.Client, cfg RegisterConfig) (*R
 		if len(kvs) == 1 && string(kvs[0].Value) != cfg.Name {
 			return nil, fmt.Errorf("node name %q: its ID tag %s is held by node %q: choose another name", cfg.Name, r.tag, kvs[0].Value)
 		}
-	}
-	// The catalog as this node left it (a restart keeps its sandboxes).
-	got, err := cli.Get(ctx, sandboxesPrefix+r.tag+"/", clientv3.WithPrefix(), clientv3.WithKeysOnly())
-	if err != nil {
-		return nil, fmt.Errorf("read the node's catalog: %w", err)
-	}
-	for _, kv := range got.Kvs {
-		r.written[string(kv.Key)] = true
 	}
 	if err := r.heartbeat(ctx); err != nil {
 		return nil, err
@@ -134,6 +132,18 @@ func (r *Registration) heartbeat(ctx context.Context) error {
 	if _, err := r.cli.Put(ctx, nodesPrefix+r.cfg.Name, string(b), clientv3.WithLease(r.lease)); err != nil {
 		return fmt.Errorf("publish node report: %w", err)
 	}
+	if r.beats%resyncEvery == 0 {
+		// The catalog as etcd has it (at start: as this node left it).
+		got, err := r.cli.Get(ctx, sandboxesPrefix+r.tag+"/", clientv3.WithPrefix(), clientv3.WithKeysOnly())
+		if err != nil {
+			return fmt.Errorf("read the node's catalog: %w", err)
+		}
+		r.written = make(map[string]bool, len(got.Kvs))
+		for _, kv := range got.Kvs {
+			r.written[string(kv.Key)] = true
+		}
+	}
+	r.beats++
 	return r.syncCatalog(ctx, sbs)
 }
 

@@ -36,6 +36,7 @@ import (
 	"net/http"
 	"net/http/httputil"
 	"net/url"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -105,7 +106,7 @@ func (f *Forwarder) routes() *http.ServeMux {
 	mux.Handle(s+"CreateSandbox", connect.NewUnaryHandler(s+"CreateSandbox", f.createSandbox, opts...))
 	mux.Handle(s+"ListSandboxes", connect.NewUnaryHandler(s+"ListSandboxes", f.listSandboxes, opts...))
 	unary[pb.GetSandboxRequest, pb.Sandbox](f, mux, s+"GetSandbox", toSandbox, opts)
-	unary[pb.DeleteSandboxRequest, pb.DeleteSandboxResponse](f, mux, s+"DeleteSandbox", toSandbox, opts)
+	mux.Handle(s+"DeleteSandbox", connect.NewUnaryHandler(s+"DeleteSandbox", f.deleteSandbox, opts...))
 	unary[pb.SetTimeoutRequest, pb.Sandbox](f, mux, s+"SetTimeout", toSandbox, opts)
 	unary[pb.PauseSandboxRequest, pb.PauseSandboxResponse](f, mux, s+"PauseSandbox", toSandbox, opts)
 	unary[pb.ResumeSandboxRequest, pb.ResumeSandboxResponse](f, mux, s+"ResumeSandbox", toSandbox, opts)
@@ -361,6 +362,25 @@ func (f *Forwarder) createSandbox(ctx context.Context, req *connect.Request[pb.C
 	return connect.NewResponse(sb), nil
 }
 
+func (f *Forwarder) deleteSandbox(ctx context.Context, req *connect.Request[pb.DeleteSandboxRequest]) (*connect.Response[pb.DeleteSandboxResponse], error) {
+	const proc = "/shoal.v1.SandboxService/DeleteSandbox"
+	n, err := f.dir.ForSandbox(req.Msg.Id)
+	if err != nil {
+		return nil, toConnect(err)
+	}
+	res, err := clientFor[pb.DeleteSandboxRequest, pb.DeleteSandboxResponse](f, n, proc).CallUnary(ctx, outgoing(req.Msg, req.Header()))
+	if err != nil {
+		return nil, relay(err)
+	}
+	// Out of the catalog now (the node's heartbeat would, later).
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
+	defer cancel()
+	if err := f.dir.Uncatalog(cctx, req.Msg.Id); err != nil {
+		f.log.Warn("cluster: uncatalog a deleted sandbox", "sandbox_id", req.Msg.Id, "err", err)
+	}
+	return connect.NewResponse(res.Msg), nil
+}
+
 func (f *Forwarder) listSandboxes(ctx context.Context, req *connect.Request[pb.ListSandboxesRequest]) (*connect.Response[pb.ListSandboxesResponse], error) {
 	const proc = "/shoal.v1.SandboxService/ListSandboxes"
 	live := f.dir.Live()
@@ -387,6 +407,14 @@ func (f *Forwarder) listSandboxes(ctx context.Context, req *connect.Request[pb.L
 	for _, r := range results {
 		out.Sandboxes = append(out.Sandboxes, r.Sandboxes...)
 	}
+	defer func() { // as a node lists them: by creation, then ID
+		slices.SortStableFunc(out.Sandboxes, func(a, b *pb.Sandbox) int {
+			if c := a.GetCreatedAt().AsTime().Compare(b.GetCreatedAt().AsTime()); c != 0 {
+				return c
+			}
+			return strings.Compare(a.Id, b.Id)
+		})
+	}()
 	lost, err := f.dir.Lost(ctx)
 	if err != nil {
 		return nil, connect.NewError(connect.CodeUnavailable, err)
