@@ -43,7 +43,7 @@ type Load struct {
 	Memory, MilliCPU int64
 	// UsedMemory and UsedMilliCPU: the limits counted now.
 	UsedMemory, UsedMilliCPU int64
-	Sandboxes                int
+	Sandboxes                int // with those being created
 	Backends                 []string
 }
 
@@ -74,7 +74,8 @@ func (m *Manager) Load() Load {
 			l.UsedMilliCPU = satAdd(l.UsedMilliCPU, e.rec.Resources.MilliCPU)
 		}
 	}
-	for _, a := range m.admitting {
+	for _, a := range m.admitting { // disjoint from m.sandboxes
+		l.Sandboxes++
 		l.UsedMemory = satAdd(l.UsedMemory, a.res.MemoryBytes)
 		l.UsedMilliCPU = satAdd(l.UsedMilliCPU, a.res.MilliCPU)
 	}

@@ -33,7 +33,7 @@ func TestLoad(t *testing.T) {
 		t.Fatal(err)
 	}
 	l := m.Load()
-	if l.Memory != 16<<30 || l.MilliCPU != 8000 || l.UsedMemory != 1536<<20 || l.UsedMilliCPU != 1500 || l.Sandboxes != 2 {
+	if l.Memory != 16<<30 || l.MilliCPU != 8000 || l.UsedMemory != 1536<<20 || l.UsedMilliCPU != 1500 || l.Sandboxes != 3 {
 		t.Fatalf("load %+v", l)
 	}
 }

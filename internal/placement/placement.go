@@ -132,11 +132,16 @@ type Stats struct {
 // reservations made since.
 type nodeState struct {
 	Node
-	layers         map[string]bool
-	backends       map[string]bool
-	resCPU, resMem int64 // reserved since the last report
-	resN           int
-	refusedUntil   time.Time
+	layers   map[string]bool
+	backends map[string]bool
+	// Reservations: resCPU, resMem and resN count the creates placed here
+	// since the last report, and those in flight (the pend* part, which a
+	// report does not clear: the node may not have admitted them yet).
+	resCPU, resMem   int64
+	resN             int
+	pendCPU, pendMem int64
+	pendN            int
+	refusedUntil     time.Time
 }
 
 // waiter is a create waiting for a slot.
@@ -167,7 +172,8 @@ func New(cfg Config) *Engine {
 }
 
 // Update records a node's report, replacing the last one and the
-// reservations made before it (the report counts them).
+// reservations of creates that ended before it (the report counts them);
+// creates still in flight stay reserved.
 func (e *Engine) Update(n Node) {
 	st := &nodeState{Node: n, layers: make(map[string]bool, len(n.Layers)), backends: make(map[string]bool, len(n.Backends))}
 	for _, l := range n.Layers {
@@ -179,6 +185,8 @@ func (e *Engine) Update(n Node) {
 	e.mu.Lock()
 	if old := e.nodes[n.Name]; old != nil {
 		st.refusedUntil = old.refusedUntil
+		st.pendCPU, st.pendMem, st.pendN = old.pendCPU, old.pendMem, old.pendN
+		st.resCPU, st.resMem, st.resN = old.pendCPU, old.pendMem, old.pendN
 		e.order[slices.Index(e.order, old)] = st
 	} else {
 		e.order = append(e.order, st)
@@ -217,8 +225,8 @@ func (e *Engine) Stats() Stats {
 	return e.stats
 }
 
-// Release undoes the reservation of a create that failed on node after it
-// was placed there (or of a sandbox deleted before the node's next report).
+// Release undoes the reservation of a create placed on node whose sandbox
+// was deleted before the node's next report.
 func (e *Engine) Release(node string, r Request) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
@@ -315,13 +323,13 @@ func (e *Engine) attempt(ctx context.Context, r Request, try func(ctx context.Co
 			e.mu.Unlock()
 		}
 		err := try(ctx, node)
+		e.settle(node, r, err == nil)
 		if err == nil {
 			e.mu.Lock()
 			e.stats.Placed++
 			e.mu.Unlock()
 			return node, nil
 		}
-		e.Release(node, r)
 		if !errors.Is(err, errdefs.ErrUnavailable) || ctx.Err() != nil {
 			return "", err
 		}
@@ -350,7 +358,30 @@ func (e *Engine) reserve(node string, r Request) bool {
 	st.resCPU += r.MilliCPU
 	st.resMem += r.Memory
 	st.resN++
+	st.pendCPU += r.MilliCPU
+	st.pendMem += r.Memory
+	st.pendN++
 	return true
+}
+
+// settle ends the flight of a reservation: a create that failed gives it
+// back; one that succeeded keeps it until the node's next report.
+func (e *Engine) settle(node string, r Request, ok bool) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	st := e.nodes[node]
+	if st == nil {
+		return
+	}
+	st.pendCPU = max(st.pendCPU-r.MilliCPU, 0)
+	st.pendMem = max(st.pendMem-r.Memory, 0)
+	st.pendN = max(st.pendN-1, 0)
+	if !ok {
+		st.resCPU = max(st.resCPU-r.MilliCPU, 0)
+		st.resMem = max(st.resMem-r.Memory, 0)
+		st.resN = max(st.resN-1, 0)
+		e.wakeCapacityLocked()
+	}
 }
 
 // fits reports whether st can hold r: the backend, and CPU and memory

@@ -157,6 +157,42 @@ func TestReservationsSpreadABurst(t *testing.T) {
 	}
 }
 
+// TestReportKeepsInFlight: a report that comes while a create is in
+// flight (the node has not admitted it yet) does not make the node look
+// emptier than it is.
+func TestReportKeepsInFlight(t *testing.T) {
+	// Ties are broken at random: 20 rounds, so that a node wrongly
+	// looking empty is picked at least once (all but 1 in 2^20).
+	for round := 0; round < 20; round++ {
+		reportKeepsInFlight(t)
+	}
+}
+
+func reportKeepsInFlight(t *testing.T) {
+	e := New(Config{})
+	e.Update(Node{Name: "a", Backends: []string{"container"}}) // unbounded: spread by count
+	e.Update(Node{Name: "b", Backends: []string{"container"}})
+	inTry := make(chan string)
+	finish := make(chan struct{})
+	done := make(chan string)
+	go func() {
+		n, _ := e.Place(context.Background(), Request{}, func(_ context.Context, n string) error {
+			inTry <- n
+			<-finish
+			return nil
+		})
+		done <- n
+	}()
+	first := <-inTry
+	e.Update(Node{Name: first, Backends: []string{"container"}}) // a report that does not count it yet
+	second, err := e.Place(context.Background(), Request{}, func(context.Context, string) error { return nil })
+	close(finish)
+	<-done
+	if err != nil || second == first {
+		t.Fatalf("second create on %q (%v) while the first was in flight on %q: want the other node", second, err, first)
+	}
+}
+
 func TestPlaceWaitsForCapacity(t *testing.T) {
 	e := New(Config{})
 	e.Update(node("a", 1000, gib, 1000, 0)) // full
