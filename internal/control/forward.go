@@ -250,6 +250,17 @@ func relay(err error) error {
 	return out
 }
 
+// shoalHeaders returns the Shoal-* headers of h.
+func shoalHeaders(h http.Header) http.Header {
+	out := http.Header{}
+	for k, v := range h {
+		if strings.HasPrefix(k, "Shoal-") {
+			out[k] = v
+		}
+	}
+	return out
+}
+
 func clientFor[Req, Res any](f *Forwarder, n cluster.NodeInfo, proc string) *connect.Client[Req, Res] {
 	return connect.NewClient[Req, Res](f.client, strings.TrimSuffix(n.URL, "/")+proc)
 }
@@ -291,6 +302,16 @@ func stream[Req, Res any](f *Forwarder, mux *http.ServeMux, proc string, how rou
 			return relay(err)
 		}
 		defer cs.Close()
+		// Shoal's own response headers (e.g. Shoal-Watch-Armed, which a
+		// node sends ahead of any message) are relayed as they come.
+		if h := shoalHeaders(cs.ResponseHeader()); len(h) > 0 {
+			for k, v := range h {
+				ss.ResponseHeader()[k] = v
+			}
+			if err := ss.Send(nil); err != nil {
+				return err
+			}
+		}
 		for cs.Receive() {
 			if err := ss.Send(cs.Msg()); err != nil {
 				return err

@@ -282,6 +282,18 @@ func TestCluster(t *testing.T) {
 			t.Fatalf("read file of %s: %q %v", id, back.String(), err)
 		}
 	}
+	// A watch through a replica: armed (its header relayed), then events.
+	w, err := c1.Watch(ctx, ids[0], "/work", false)
+	if err != nil {
+		t.Fatalf("watch through control: %v", err)
+	}
+	if _, err := c2.WriteFile(ctx, ids[0], "/work/w.txt", 0o644, strings.NewReader("w")); err != nil {
+		t.Fatal(err)
+	}
+	if ev, err := w.Next(); err != nil || !strings.HasSuffix(ev.GetPath(), "w.txt") {
+		t.Fatalf("watch event through control: %v %v", ev, err)
+	}
+	w.Close()
 	sbs, err := c1.List(ctx)
 	if err != nil || len(sbs) != 2 {
 		t.Fatalf("list through control: %d sandboxes, %v; want 2", len(sbs), err)
