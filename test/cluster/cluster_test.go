@@ -89,7 +89,7 @@ func (p *proc) start(t *testing.T, bin string) {
 	if err := p.cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
-	deadline := time.Now().Add(60 * time.Second)
+	deadline := time.Now().Add(2 * time.Minute)
 	for {
 		if res, err := http.Get("http://" + p.addr + "/healthz"); err == nil {
 			res.Body.Close()
@@ -97,7 +97,7 @@ func (p *proc) start(t *testing.T, bin string) {
 		}
 		if time.Now().After(deadline) {
 			b, _ := os.ReadFile(filepath.Join(p.data, "serve.log"))
-			t.Fatalf("%s did not answer within 60 s:\n%s", p.name, b)
+			t.Fatalf("%s did not answer within 2 minutes (a node recovering sandboxes on a loaded host is slow):\n%s", p.name, b)
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
@@ -137,7 +137,7 @@ func client(t *testing.T, addr, key string) *shoal.Client {
 
 func waitFor(t *testing.T, what string, cond func() error) {
 	t.Helper()
-	deadline := time.Now().Add(60 * time.Second)
+	deadline := time.Now().Add(2 * time.Minute)
 	for {
 		err := cond()
 		if err == nil {
