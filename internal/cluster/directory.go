@@ -194,15 +194,26 @@ func (d *Directory) Lost(ctx context.Context) ([]CatalogEntry, error) {
 	d.mu.RUnlock()
 	var out []CatalogEntry
 	for _, tag := range tags {
-		resp, err := d.cli.Get(ctx, sandboxesPrefix+tag+"/", clientv3.WithPrefix())
+		es, err := d.CatalogOf(ctx, tag)
 		if err != nil {
-			return nil, fmt.Errorf("read the sandbox catalog: %w", err)
+			return nil, err
 		}
-		for _, kv := range resp.Kvs {
-			var e CatalogEntry
-			if json.Unmarshal(kv.Value, &e) == nil {
-				out = append(out, e)
-			}
+		out = append(out, es...)
+	}
+	return out, nil
+}
+
+// CatalogOf returns the catalog's sandboxes of the node with tag.
+func (d *Directory) CatalogOf(ctx context.Context, tag string) ([]CatalogEntry, error) {
+	resp, err := d.cli.Get(ctx, sandboxesPrefix+tag+"/", clientv3.WithPrefix())
+	if err != nil {
+		return nil, fmt.Errorf("read the sandbox catalog: %w", err)
+	}
+	var out []CatalogEntry
+	for _, kv := range resp.Kvs {
+		var e CatalogEntry
+		if json.Unmarshal(kv.Value, &e) == nil {
+			out = append(out, e)
 		}
 	}
 	return out, nil

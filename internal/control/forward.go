@@ -421,12 +421,32 @@ func (f *Forwarder) listSandboxes(ctx context.Context, req *connect.Request[pb.L
 		}()
 	}
 	wg.Wait()
-	if err := errors.Join(errs...); err != nil {
-		return nil, relay(err)
-	}
+	p := tenant.FromContext(ctx)
 	out := &pb.ListSandboxesResponse{}
-	for _, r := range results {
-		out.Sandboxes = append(out.Sandboxes, r.Sandboxes...)
+	lostAs := func(e cluster.CatalogEntry, why string) {
+		if p.Sees(e.Tenant) {
+			out.Sandboxes = append(out.Sandboxes, &pb.Sandbox{
+				Id: e.ID, State: pb.SandboxState_SANDBOX_STATE_ERROR, Tenant: e.Tenant, CreatedAt: timestamppb.New(e.Created), Error: why,
+			})
+		}
+	}
+	for i, r := range results {
+		if errs[i] == nil {
+			out.Sandboxes = append(out.Sandboxes, r.Sandboxes...)
+			continue
+		}
+		if connect.CodeOf(errs[i]) != connect.CodeUnavailable {
+			return nil, relay(errs[i])
+		}
+		// A node that does not answer (its lease not ended yet): its
+		// sandboxes are listed lost, from the catalog, not left out.
+		es, err := f.dir.CatalogOf(ctx, live[i].Tag)
+		if err != nil {
+			return nil, connect.NewError(connect.CodeUnavailable, err)
+		}
+		for _, e := range es {
+			lostAs(e, fmt.Sprintf("lost: its node %s does not answer", live[i].Name))
+		}
 	}
 	defer func() { // as a node lists them: by creation, then ID
 		slices.SortStableFunc(out.Sandboxes, func(a, b *pb.Sandbox) int {
@@ -440,15 +460,8 @@ func (f *Forwarder) listSandboxes(ctx context.Context, req *connect.Request[pb.L
 	if err != nil {
 		return nil, connect.NewError(connect.CodeUnavailable, err)
 	}
-	p := tenant.FromContext(ctx)
 	for _, e := range lost {
-		if !p.Sees(e.Tenant) {
-			continue
-		}
-		out.Sandboxes = append(out.Sandboxes, &pb.Sandbox{
-			Id: e.ID, State: pb.SandboxState_SANDBOX_STATE_ERROR, Tenant: e.Tenant, CreatedAt: timestamppb.New(e.Created),
-			Error: fmt.Sprintf("lost: its node %s is down", e.Node),
-		})
+		lostAs(e, fmt.Sprintf("lost: its node %s is down", e.Node))
 	}
 	return connect.NewResponse(out), nil
 }
