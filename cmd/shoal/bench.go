@@ -167,7 +167,7 @@ func benchCmd() *cobra.Command {
 	pauseb.Flags().IntVar(&po.MiB, "mib", 32, "random MiB each sandbox's resident shell holds (as base64 text)")
 	pauseb.Flags().IntVarP(&po.Concurrency, "concurrency", "c", 2, "creates in flight while setting up")
 	pauseb.Flags().StringVar(&po.Base, "base", "debian:12", "base layer (needs sh, head, base64, tr)")
-	cmd.AddCommand(create, execb, qosb, sess, benchLayersCmd(), fnb, burst, chaos, pauseb, vmb, benchDensityCmd(), benchLazyCmd(), benchS3ServerCmd())
+	cmd.AddCommand(create, execb, qosb, sess, benchLayersCmd(), fnb, burst, chaos, pauseb, vmb, benchDensityCmd(), benchLazyCmd(), benchS3ServerCmd(), benchClusterCmd())
 	return cmd
 }
 

@@ -21,6 +21,7 @@ import (
 
 	"github.com/shoal-sandbox/shoal/internal/audit"
 	"github.com/shoal-sandbox/shoal/internal/backend/container"
+	"github.com/shoal-sandbox/shoal/internal/cluster"
 	"github.com/shoal-sandbox/shoal/internal/control"
 	"github.com/shoal-sandbox/shoal/internal/e2b"
 	"github.com/shoal-sandbox/shoal/internal/layer"
@@ -90,9 +91,6 @@ type serveConfig struct {
 	ZramSize string
 	// ResumePrefetch: MADV_WILLNEED before thawing (measured slower).
 	ResumePrefetch bool
-	// CgroupParent: the sandboxes' cgroups are <parent>/<id> in every
-	// hierarchy ("": container.DefaultCgroupParent).
-	CgroupParent string
 	// ReclaimBelow (auto, none or a size) and ReclaimMinIdle: memory
 	// pressure pauses idle sandboxes, longest idle first (node.Pressure).
 	ReclaimBelow   string
@@ -102,6 +100,8 @@ type serveConfig struct {
 	LayerStore layerStoreConfig
 	// VM: the microvm backend (serve_vm.go).
 	VM vmConfig
+	// Cluster: the role, etcd and the node's name (serve_cluster.go).
+	Cluster clusterConfig
 }
 
 // layerStoreConfig configures the node's layer store and lazy loader.
@@ -146,6 +146,12 @@ func (c *serveConfig) Validate() error {
 	c.DataDir = abs
 	if _, _, err := net.SplitHostPort(c.Listen); err != nil {
 		return fmt.Errorf("--listen %q must be HOST:PORT: %w", c.Listen, err)
+	}
+	if err := c.Cluster.validate(c.Listen); err != nil { // serve_cluster.go
+		return err
+	}
+	if c.Cluster.Role == roleControl {
+		return nil // a control replica runs no node
 	}
 	if c.E2B.Listen != "" {
 		if _, _, err := net.SplitHostPort(c.E2B.Listen); err != nil {
@@ -396,7 +402,6 @@ func serveCmd() *cobra.Command {
 	cmd.Flags().StringVar(&cfg.ZramSize, "zram-size", "0", "set up a zram swap device of this size (e.g. 8GiB) for the memory of paused sandboxes, unless a zram swap is active already; 0: leave the host's swap alone")
 	cmd.Flags().StringVar(&cfg.ReclaimBelow, "reclaim-below", "auto", "when the host's MemAvailable falls below this, pause idle sandboxes (and reclaim their memory), longest idle first, until it is a quarter above it; \"auto\": 10% of its memory, at least 1 GiB; \"none\": never")
 	cmd.Flags().DurationVar(&cfg.ReclaimMinIdle, "reclaim-min-idle", node.DefaultPressureMinIdle, "memory pressure pauses only sandboxes idle (no request, no running command) at least this long")
-	cmd.Flags().StringVar(&cfg.CgroupParent, "cgroup-parent", container.DefaultCgroupParent, "cgroup (in every hierarchy) under which each sandbox gets its own; nodes sharing a host may use their own")
 	cmd.Flags().BoolVar(&cfg.ResumePrefetch, "resume-prefetch", false, "before thawing a paused sandbox, ask the kernel to read its swapped-out memory back (MADV_WILLNEED); measured slower")
 	cmd.Flags().StringVar(&cfg.E2B.Listen, "e2b-listen", "127.0.0.1:7481", "E2B-compatible endpoint (API and sandbox traffic, HTTP and HTTPS on one port); empty disables it")
 	cmd.Flags().StringVar(&cfg.E2B.Domain, "e2b-domain", "", "sandbox domain for E2B clients: getHost(port) is PORT-ID.DOMAIN (default shoal.localhost:<e2b port>)")
@@ -405,10 +410,14 @@ func serveCmd() *cobra.Command {
 	cmd.Flags().StringVar(&cfg.E2B.User, "e2b-user", "user", "sandbox user of E2B requests that name none (root when a sandbox has no such user)")
 	cmd.Flags().StringArrayVar(&cfg.E2B.TemplateUsers, "e2b-template-user", nil, "TEMPLATE=USER: the default E2B user of sandboxes of that template (repeatable)")
 	cmd.Flags().StringVar(&cfg.E2B.Pause, "e2b-pause", e2b.PauseOn, "E2B pause: on (pauses the sandbox for real; connect resumes it) or refuse (501)")
+	addClusterFlags(cmd, &cfg.Cluster) // serve_cluster.go
 	return cmd
 }
 
 func serve(cfg serveConfig) error {
+	if cfg.Cluster.Role == roleControl {
+		return serveControl(cfg) // serve_cluster.go
+	}
 	level := slog.LevelInfo
 	if cfg.Debug {
 		level = slog.LevelDebug
@@ -473,7 +482,6 @@ func serve(cfg serveConfig) error {
 		Launcher:       cfg.Launcher,
 		CgroupParent:   cfg.CgroupParent,
 		ResumePrefetch: cfg.ResumePrefetch,
-		CgroupParent:   cfg.CgroupParent,
 		Runtime:        cfg.Runtime,
 		StateDir:       filepath.Join(cfg.DataDir, "runc"),
 		Log:            log,
@@ -491,6 +499,9 @@ func serve(cfg serveConfig) error {
 	}
 	log.Info("sandbox tasks", "pids_limit", nodeCfg.PidsLimit, "pids_budget", pidsMax, "nofile", cfg.Nofile)
 	nodeCfg.Metrics = mt
+	if cfg.Cluster.Role == roleNode {
+		nodeCfg.IDPrefix = cluster.Tag(cfg.Cluster.NodeName) // its sandbox IDs name it
+	}
 	// Tenants' keys and quotas (the admin key stays the admin), and the
 	// audit log of who did what (DATA/audit.log).
 	keys, err := tenant.Open(db)
@@ -593,6 +604,13 @@ func serve(cfg serveConfig) error {
 		Handler:           api.Handler(),
 		Protocols:         &protocols,
 		ReadHeaderTimeout: 10 * time.Second,
+	}
+	if cfg.Cluster.Role == roleNode {
+		leave, err := registerNode(ctx, cfg.Cluster, mgr, layers, log) // serve_cluster.go
+		if err != nil {
+			return err
+		}
+		defer leave()
 	}
 	log.Info("shoal serving", "listen", ln.Addr().String(), "data", cfg.DataDir,
 		"admin_key", filepath.Join(cfg.DataDir, control.AdminKeyFile), "build_roots", cfg.buildRoots.Dirs())

@@ -52,8 +52,8 @@ func (s *Server) nodeStatus() *pb.NodeStatus {
 	l := s.node.Load()
 	ns := &pb.NodeStatus{
 		Name: name, Sandboxes: int64(l.Sandboxes),
-		SandboxMemoryBytes: l.MemoryBytes, SandboxMillicpu: l.MilliCPU,
-		MemoryLimitBytes: l.MemoryLimit, MillicpuLimit: l.MilliLimit,
+		SandboxMemoryBytes: l.UsedMemory, SandboxMillicpu: l.UsedMilliCPU,
+		MemoryLimitBytes: l.Memory, MillicpuLimit: l.MilliCPU,
 		CreatesTotal: s.metrics.CreatesOK(),
 		StartedAt:    timestamppb.New(s.started),
 	}

@@ -80,6 +80,9 @@ type Config struct {
 	// Pressure: pausing idle sandboxes, longest idle first, when the
 	// host's available memory runs low (pressure.go); zero: off.
 	Pressure Pressure
+	// IDPrefix: the first characters of every sandbox ID this node makes,
+	// naming the node in a cluster (cluster.go); "": none.
+	IDPrefix string
 }
 
 // Disk sizes.
@@ -101,6 +104,9 @@ func (c *Config) Validate() error {
 	}
 	if c.AgentBinary == "" {
 		return errors.New("node config: agent binary path is required")
+	}
+	if err := validIDPrefix(c.IDPrefix); err != nil { // cluster.go
+		return err
 	}
 	if _, err := os.Stat(c.AgentBinary); err != nil {
 		return fmt.Errorf("node config: agent binary: %w", err)
@@ -452,7 +458,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (rec Record, er
 		return Record{}, err
 	}
 	be := m.backends[req.Backend]
-	id := newID()
+	id := m.newSandboxID() // cluster.go
 	dir := filepath.Join(m.cfg.DataDir, "sandboxes", id)
 	now := time.Now().UTC()
 	rec = Record{

@@ -51,42 +51,6 @@ func (m *Manager) Usage() []SandboxUsage {
 	return out
 }
 
-// NodeLoad is what admission counts on this node and the bounds it
-// counts against (0: none).
-type NodeLoad struct {
-	Sandboxes               int
-	MemoryBytes, MilliCPU   int64 // limits of the sandboxes not paused
-	MemoryLimit, MilliLimit int64
-}
-
-// Load sums the sandboxes' limits as admission does.
-func (m *Manager) Load() NodeLoad {
-	var l NodeLoad
-	m.mu.Lock()
-	for _, e := range m.sandboxes {
-		l.Sandboxes++
-		if e.rec.State != StatePaused {
-			l.MemoryBytes = satAdd(l.MemoryBytes, e.rec.Resources.MemoryBytes)
-			l.MilliCPU = satAdd(l.MilliCPU, e.rec.Resources.MilliCPU)
-		}
-	}
-	m.mu.Unlock()
-	c := m.cfg.Capacity
-	host := c.Host
-	if host == nil {
-		host = HostCapacity
-	}
-	if total, _, cpus, err := host(); err == nil {
-		if c.MemoryOvercommit > 0 {
-			l.MemoryLimit = int64(c.MemoryOvercommit * float64(total))
-		}
-		if c.CPUOvercommit > 0 {
-			l.MilliLimit = int64(c.CPUOvercommit * float64(cpus) * 1000)
-		}
-	}
-	return l
-}
-
 // HostLoad reads the load averages (/proc/loadavg) and the host's busy CPU
 // time since boot in microseconds (/proc/stat: all but idle and iowait).
 func HostLoad() (load [3]float64, cpuUsec int64) {

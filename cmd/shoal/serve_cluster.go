@@ -1,0 +1,215 @@
+package main
+
+// The cluster roles of `shoal serve`: --role node (today's node, which
+// also registers itself in etcd and reports its capacity) and --role
+// control (the API in front of the nodes: placement and routing,
+// internal/control's Forwarder). The default, --role all, is the
+// all-in-one server, unchanged.
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/spf13/cobra"
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.uber.org/zap"
+
+	"github.com/shoal-sandbox/shoal/internal/cluster"
+	"github.com/shoal-sandbox/shoal/internal/control"
+	"github.com/shoal-sandbox/shoal/internal/layer"
+	"github.com/shoal-sandbox/shoal/internal/node"
+	"github.com/shoal-sandbox/shoal/internal/placement"
+)
+
+const (
+	roleAll     = "all"
+	roleNode    = "node"
+	roleControl = "control"
+)
+
+// clusterConfig configures the cluster roles.
+type clusterConfig struct {
+	Role      string
+	Etcd      string // comma-separated endpoints
+	NodeName  string
+	Advertise string        // the node's API URL as control replicas reach it
+	NodeTTL   time.Duration // the node's lease
+	// Placement: nodes tried per create, and how long a create may wait
+	// for capacity.
+	PlaceAttempts int
+	PlaceWait     time.Duration
+}
+
+func addClusterFlags(cmd *cobra.Command, c *clusterConfig) {
+	cmd.Flags().StringVar(&c.Role, "role", roleAll, "all (one server: API and node), node (a node of a cluster, registered in etcd) or control (the API in front of a cluster's nodes: placement and routing)")
+	cmd.Flags().StringVar(&c.Etcd, "etcd", "", "etcd endpoints, comma-separated (e.g. http://127.0.0.1:2379); required by --role node and control")
+	cmd.Flags().StringVar(&c.NodeName, "node-name", "", "--role node: this node's name in the cluster (a-z, 0-9, -; default the host name); its sandbox IDs start with a tag derived from it")
+	cmd.Flags().StringVar(&c.Advertise, "advertise", "", "--role node: the URL control replicas reach this node's API at (default http://<--listen>)")
+	cmd.Flags().DurationVar(&c.NodeTTL, "node-ttl", 10*time.Second, "--role node: the node's lease in etcd; a node silent this long is down and its sandboxes reported lost")
+	cmd.Flags().IntVar(&c.PlaceAttempts, "place-attempts", 3, "--role control: nodes tried per create before it waits for capacity (a node's refusal moves it to the next)")
+	cmd.Flags().DurationVar(&c.PlaceWait, "place-wait", 60*time.Second, "--role control: how long a create may queue for capacity when no node can hold it")
+}
+
+// validate checks the cluster flags (after --data and --listen are).
+func (c *clusterConfig) validate(listen string) error {
+	switch c.Role {
+	case roleAll:
+		if c.Etcd != "" {
+			return errors.New("--etcd is for --role node or control (the default role, all, keeps its state on this machine)")
+		}
+		return nil
+	case roleNode, roleControl:
+	default:
+		return fmt.Errorf("--role %q: want all, node or control", c.Role)
+	}
+	if c.Etcd == "" {
+		return fmt.Errorf("--role %s needs --etcd", c.Role)
+	}
+	if c.PlaceAttempts < 1 || c.PlaceAttempts > 100 {
+		return fmt.Errorf("--place-attempts %d: want 1 to 100", c.PlaceAttempts)
+	}
+	if c.PlaceWait < 0 || c.PlaceWait > time.Hour {
+		return fmt.Errorf("--place-wait %s: want 0 to 1h", c.PlaceWait)
+	}
+	if c.Role == roleControl {
+		return nil
+	}
+	if c.NodeName == "" {
+		h, err := os.Hostname()
+		if err != nil {
+			return fmt.Errorf("--node-name: %w", err)
+		}
+		c.NodeName = strings.ToLower(h)
+	}
+	if err := cluster.ValidNodeName(c.NodeName); err != nil {
+		return fmt.Errorf("--node-name: %w", err)
+	}
+	if c.NodeTTL < 2*time.Second || c.NodeTTL > 10*time.Minute {
+		return fmt.Errorf("--node-ttl %s: want 2s to 10m", c.NodeTTL)
+	}
+	if c.Advertise == "" {
+		host, _, _ := net.SplitHostPort(listen)
+		if ip := net.ParseIP(host); host == "" || ip != nil && ip.IsUnspecified() {
+			return fmt.Errorf("--listen %s listens on every address: give --advertise, the URL control replicas reach this node at", listen)
+		}
+		c.Advertise = "http://" + listen
+	}
+	return nil
+}
+
+func (c *clusterConfig) etcdClient() (*clientv3.Client, error) {
+	var eps []string
+	for _, e := range strings.Split(c.Etcd, ",") {
+		if e = strings.TrimSpace(e); e != "" {
+			eps = append(eps, e)
+		}
+	}
+	cli, err := clientv3.New(clientv3.Config{Endpoints: eps, DialTimeout: 5 * time.Second, Logger: zap.NewNop()})
+	if err != nil {
+		return nil, fmt.Errorf("etcd %s: %w", c.Etcd, err)
+	}
+	return cli, nil
+}
+
+// registerNode makes the node a member of the cluster: it registers, and
+// heartbeats until ctx ends. The returned stop waits for it to leave.
+func registerNode(ctx context.Context, c clusterConfig, mgr *node.Manager, layers *layer.Store, log *slog.Logger) (stop func(), err error) {
+	cli, err := c.etcdClient()
+	if err != nil {
+		return nil, err
+	}
+	report := func() (placement.Node, []cluster.CatalogEntry) {
+		l := mgr.Load()
+		n := placement.Node{MilliCPU: l.MilliCPU, Memory: l.Memory, UsedMilliCPU: l.UsedMilliCPU, UsedMemory: l.UsedMemory,
+			Sandboxes: l.Sandboxes, Backends: l.Backends}
+		if ls, err := layers.List(); err == nil {
+			for _, x := range ls {
+				n.Layers = append(n.Layers, x.Ref())
+			}
+		}
+		recs := mgr.List()
+		sbs := make([]cluster.CatalogEntry, 0, len(recs))
+		for _, r := range recs {
+			sbs = append(sbs, cluster.CatalogEntry{ID: r.ID, Tenant: r.Tenant, Created: r.Created})
+		}
+		return n, sbs
+	}
+	rctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	reg, err := cluster.Register(rctx, cli, cluster.RegisterConfig{Name: c.NodeName, URL: c.Advertise, TTL: c.NodeTTL, Report: report, Log: log})
+	cancel()
+	if err != nil {
+		cli.Close()
+		return nil, fmt.Errorf("register node %s in etcd: %w", c.NodeName, err)
+	}
+	log.Info("cluster: node registered", "node", c.NodeName, "tag", reg.Tag(), "url", c.Advertise, "etcd", c.Etcd)
+	runCtx, cancelRun := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() { defer close(done); reg.Run(runCtx) }()
+	return func() { cancelRun(); <-done; cli.Close() }, nil
+}
+
+// serveControl runs a control replica: the API in front of the cluster's
+// nodes. It keeps no state of its own beyond its admin key (DATA/admin.key,
+// which every node's data directory must hold too).
+func serveControl(cfg serveConfig) error {
+	level := slog.LevelInfo
+	if cfg.Debug {
+		level = slog.LevelDebug
+	}
+	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level}))
+	if err := os.MkdirAll(cfg.DataDir, 0o700); err != nil {
+		return err
+	}
+	auth, err := control.LoadOrCreateAdminKey(cfg.DataDir)
+	if err != nil {
+		return err
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	cli, err := cfg.Cluster.etcdClient()
+	if err != nil {
+		return err
+	}
+	defer cli.Close()
+	engine := placement.New(placement.Config{MaxAttempts: cfg.Cluster.PlaceAttempts, MaxWait: cfg.Cluster.PlaceWait})
+	lctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	_, err = cli.Get(lctx, cluster.Prefix, clientv3.WithCountOnly())
+	cancel()
+	if err != nil {
+		return fmt.Errorf("etcd %s: %w", cfg.Cluster.Etcd, err)
+	}
+	dir, err := cluster.WatchDirectory(ctx, cli, engine, log) // follows etcd as long as the server runs
+	if err != nil {
+		return err
+	}
+	ln, err := net.Listen("tcp", cfg.Listen)
+	if err != nil {
+		return err
+	}
+	var protocols http.Protocols
+	protocols.SetHTTP1(true)
+	protocols.SetUnencryptedHTTP2(true)
+	srv := &http.Server{Handler: control.NewForwarder(dir, engine, auth, log).Handler(), Protocols: &protocols, ReadHeaderTimeout: 10 * time.Second}
+	log.Info("shoal control serving", "listen", ln.Addr().String(), "etcd", cfg.Cluster.Etcd, "nodes", len(dir.Live()),
+		"admin_key", filepath.Join(cfg.DataDir, control.AdminKeyFile))
+	errc := make(chan error, 1)
+	go func() { errc <- srv.Serve(ln) }()
+	select {
+	case err := <-errc:
+		return err
+	case <-ctx.Done():
+	}
+	shutdown, cancel2 := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel2()
+	return srv.Shutdown(shutdown)
+}

@@ -1,0 +1,49 @@
+// Package etcdtest runs an embedded etcd server for tests (etcd's embed
+// package: the real server, in the test's process, on a free loopback
+// port, its data in a temporary directory).
+package etcdtest
+
+import (
+	"net"
+	"net/url"
+	"testing"
+	"time"
+
+	"go.etcd.io/etcd/server/v3/embed"
+	"go.uber.org/zap"
+)
+
+// Start starts an etcd server that stops with the test, and returns its
+// client endpoint (http://127.0.0.1:PORT).
+func Start(t testing.TB) string {
+	t.Helper()
+	cfg := embed.NewConfig()
+	cfg.Dir = t.TempDir()
+	cfg.ZapLoggerBuilder = embed.NewZapLoggerBuilder(zap.NewNop()) // its shutdown "errors" are noise
+	client, peer := freeURL(t), freeURL(t)
+	cfg.ListenClientUrls, cfg.AdvertiseClientUrls = []url.URL{client}, []url.URL{client}
+	cfg.ListenPeerUrls, cfg.AdvertisePeerUrls = []url.URL{peer}, []url.URL{peer}
+	cfg.InitialCluster = cfg.Name + "=" + peer.String()
+	e, err := embed.StartEtcd(cfg)
+	if err != nil {
+		t.Fatalf("start embedded etcd: %v", err)
+	}
+	t.Cleanup(e.Close)
+	select {
+	case <-e.Server.ReadyNotify():
+	case <-time.After(60 * time.Second):
+		e.Server.Stop()
+		t.Fatal("embedded etcd not ready within 60 s")
+	}
+	return client.String()
+}
+
+func freeURL(t testing.TB) url.URL {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	ln.Close()
+	return url.URL{Scheme: "http", Host: addr}
+}

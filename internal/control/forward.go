@@ -1,0 +1,494 @@
+package control
+
+// The control role: the same API as a node's (the same Connect services,
+// the same plain HTTP routes), served in front of many nodes by forwarding
+// each call to the node it concerns. Clients (the SDKs, the CLI) cannot
+// tell it from a node.
+//
+//   - CreateSandbox goes through placement (internal/placement): the best
+//     node is tried, and a node's refusal (unavailable: "node full") moves
+//     the create to the next candidate. The sandbox ID the node makes
+//     starts with the node's tag (internal/cluster), so that every later
+//     call is routed without asking anyone.
+//   - A call that names a sandbox (sandbox_id, or id in SandboxService; the
+//     {id} of a plain route) goes to the sandbox's node, read from the
+//     Directory that follows etcd: nothing on this path waits on etcd.
+//     The sandboxes of a node that is down are lost: unavailable, saying
+//     so.
+//   - ListSandboxes asks every live node and adds the lost sandboxes of
+//     the catalog.
+//   - Layer and environment reads go to any live node; their writes
+//     (tag, delete, environments, gc, pull) to every live node in turn.
+//   - What the cluster does not serve yet answers unimplemented, saying
+//     what to do instead (see forwardedProcedures).
+//
+// Keys: the control role accepts the cluster's admin key (DATA/admin.key
+// of the control role, the same file on every node) and passes the
+// client's credentials on to the node, which checks them again.
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math/rand/v2"
+	"net"
+	"net/http"
+	"net/http/httputil"
+	"net/url"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"connectrpc.com/connect"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	pb "github.com/shoal-sandbox/shoal/api/shoal/v1"
+	"github.com/shoal-sandbox/shoal/internal/cluster"
+	"github.com/shoal-sandbox/shoal/internal/errdefs"
+	"github.com/shoal-sandbox/shoal/internal/limits"
+	"github.com/shoal-sandbox/shoal/internal/placement"
+	"github.com/shoal-sandbox/shoal/internal/tenant"
+)
+
+// Forwarder serves the API of a control replica.
+type Forwarder struct {
+	dir    *cluster.Directory
+	place  *placement.Engine
+	auth   *Auth
+	client *http.Client
+	log    *slog.Logger
+}
+
+// NewForwarder returns the API of a control replica over the nodes of dir,
+// placing creates with engine (the one dir feeds).
+func NewForwarder(dir *cluster.Directory, engine *placement.Engine, auth *Auth, log *slog.Logger) *Forwarder {
+	tr := &http.Transport{
+		DialContext:         (&net.Dialer{Timeout: 5 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
+		MaxIdleConns:        1024,
+		MaxIdleConnsPerHost: 256,
+		IdleConnTimeout:     90 * time.Second,
+	}
+	return &Forwarder{dir: dir, place: engine, auth: auth, client: &http.Client{Transport: tr}, log: log}
+}
+
+// route says where a procedure's calls go.
+type route int
+
+const (
+	toSandbox route = iota // the node of the sandbox the request names
+	toAny                  // any live node
+	toAll                  // every live node, in turn
+	notYet                 // not served by the cluster yet
+)
+
+// Handler returns the HTTP handler of the whole API.
+func (f *Forwarder) Handler() http.Handler {
+	return f.auth.Middleware(unknownProcedures(f.routes()), "/healthz")
+}
+
+func (f *Forwarder) routes() *http.ServeMux {
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		fmt.Fprintf(w, "{\"status\":\"ok\",\"role\":\"control\",\"nodes\":%d}\n", len(f.dir.Live()))
+	})
+	opts := []connect.HandlerOption{
+		connect.WithReadMaxBytes(limits.MessageBytes),
+		connect.WithCodec(strictJSONCodec{name: "json"}),
+		connect.WithCodec(strictJSONCodec{name: "json; charset=utf-8"}),
+		connect.WithInterceptors(scopeInterceptor{}),
+	}
+	s, c, l, fn, a := "/shoal.v1.SandboxService/", "/shoal.v1.CommandService/", "/shoal.v1.LayerService/", "/shoal.v1.FnCallService/", "/shoal.v1.AdminService/"
+
+	mux.Handle(s+"CreateSandbox", connect.NewUnaryHandler(s+"CreateSandbox", f.createSandbox, opts...))
+	mux.Handle(s+"ListSandboxes", connect.NewUnaryHandler(s+"ListSandboxes", f.listSandboxes, opts...))
+	unary[pb.GetSandboxRequest, pb.Sandbox](f, mux, s+"GetSandbox", toSandbox, opts)
+	mux.Handle(s+"DeleteSandbox", connect.NewUnaryHandler(s+"DeleteSandbox", f.deleteSandbox, opts...))
+	unary[pb.SetTimeoutRequest, pb.Sandbox](f, mux, s+"SetTimeout", toSandbox, opts)
+	unary[pb.PauseSandboxRequest, pb.PauseSandboxResponse](f, mux, s+"PauseSandbox", toSandbox, opts)
+	unary[pb.ResumeSandboxRequest, pb.ResumeSandboxResponse](f, mux, s+"ResumeSandbox", toSandbox, opts)
+	unary[pb.StatFileRequest, pb.FileInfo](f, mux, s+"StatFile", toSandbox, opts)
+	unary[pb.ListDirRequest, pb.ListDirResponse](f, mux, s+"ListDir", toSandbox, opts)
+	unary[pb.MakeDirRequest, pb.MakeDirResponse](f, mux, s+"MakeDir", toSandbox, opts)
+	unary[pb.RemoveFileRequest, pb.RemoveFileResponse](f, mux, s+"RemoveFile", toSandbox, opts)
+	stream[pb.WatchDirRequest, pb.WatchDirEvent](f, mux, s+"WatchDir", toSandbox, opts)
+
+	stream[pb.ExecRequest, pb.CommandEvent](f, mux, c+"Exec", toSandbox, opts)
+	unary[pb.ExecRequest, pb.Command](f, mux, c+"StartCommand", toSandbox, opts)
+	stream[pb.ConnectCommandRequest, pb.CommandEvent](f, mux, c+"ConnectCommand", toSandbox, opts)
+	unary[pb.WaitCommandRequest, pb.Command](f, mux, c+"WaitCommand", toSandbox, opts)
+	unary[pb.GetCommandRequest, pb.Command](f, mux, c+"GetCommand", toSandbox, opts)
+	unary[pb.ListCommandsRequest, pb.ListCommandsResponse](f, mux, c+"ListCommands", toSandbox, opts)
+	unary[pb.SendStdinRequest, pb.SendStdinResponse](f, mux, c+"SendStdin", toSandbox, opts)
+	unary[pb.SignalCommandRequest, pb.SignalCommandResponse](f, mux, c+"SignalCommand", toSandbox, opts)
+	unary[pb.ResizePtyRequest, pb.ResizePtyResponse](f, mux, c+"ResizePty", toSandbox, opts)
+	unary[pb.ListTrajectoriesRequest, pb.ListTrajectoriesResponse](f, mux, c+"ListTrajectories", toSandbox, opts)
+	unary[pb.GetTrajectoryRequest, pb.Trajectory](f, mux, c+"GetTrajectory", toSandbox, opts)
+	unary[pb.CreateShellRequest, pb.Shell](f, mux, c+"CreateShell", toSandbox, opts)
+	unary[pb.RunInShellRequest, pb.ShellResult](f, mux, c+"RunInShell", toSandbox, opts)
+	unary[pb.ListShellsRequest, pb.ListShellsResponse](f, mux, c+"ListShells", toSandbox, opts)
+	unary[pb.DeleteShellRequest, pb.DeleteShellResponse](f, mux, c+"DeleteShell", toSandbox, opts)
+
+	stream[pb.BuildLayerRequest, pb.BuildLayerResponse](f, mux, l+"BuildLayer", notYet, opts)
+	stream[pb.CommitLayerRequest, pb.BuildLayerResponse](f, mux, l+"CommitLayer", toSandbox, opts)
+	unary[pb.ListLayersRequest, pb.ListLayersResponse](f, mux, l+"ListLayers", toAny, opts)
+	unary[pb.GetLayerRequest, pb.Layer](f, mux, l+"GetLayer", toAny, opts)
+	unary[pb.TagLayerRequest, pb.TagLayerResponse](f, mux, l+"TagLayer", toAll, opts)
+	unary[pb.DeleteLayerRequest, pb.DeleteLayerResponse](f, mux, l+"DeleteLayer", toAll, opts)
+	unary[pb.GarbageCollectLayersRequest, pb.GarbageCollectLayersResponse](f, mux, l+"GarbageCollectLayers", toAll, opts)
+	unary[pb.PushLayerRequest, pb.PushLayerResponse](f, mux, l+"PushLayer", notYet, opts)
+	unary[pb.PullLayerRequest, pb.Layer](f, mux, l+"PullLayer", toAll, opts)
+	unary[pb.CreateEnvironmentRequest, pb.Environment](f, mux, l+"CreateEnvironment", toAll, opts)
+	unary[pb.GetEnvironmentRequest, pb.Environment](f, mux, l+"GetEnvironment", toAny, opts)
+	unary[pb.ListEnvironmentsRequest, pb.ListEnvironmentsResponse](f, mux, l+"ListEnvironments", toAny, opts)
+	unary[pb.DeleteEnvironmentRequest, pb.DeleteEnvironmentResponse](f, mux, l+"DeleteEnvironment", toAll, opts)
+
+	unary[pb.RunRequest, pb.RunResult](f, mux, fn+"Run", toAny, opts)
+	stream[pb.RunBatchRequest, pb.RunBatchResult](f, mux, fn+"RunBatch", toAny, opts)
+	unary[pb.ListLanguagesRequest, pb.ListLanguagesResponse](f, mux, fn+"ListLanguages", toAny, opts)
+
+	unary[pb.WhoAmIRequest, pb.Key](f, mux, a+"WhoAmI", toAny, opts)
+	unary[pb.CreateKeyRequest, pb.CreateKeyResponse](f, mux, a+"CreateKey", notYet, opts)
+	unary[pb.ListKeysRequest, pb.ListKeysResponse](f, mux, a+"ListKeys", notYet, opts)
+	unary[pb.DeleteKeyRequest, pb.DeleteKeyResponse](f, mux, a+"DeleteKey", notYet, opts)
+	unary[pb.SetTenantRequest, pb.Tenant](f, mux, a+"SetTenant", notYet, opts)
+	unary[pb.ListTenantsRequest, pb.ListTenantsResponse](f, mux, a+"ListTenants", notYet, opts)
+	unary[pb.ReadAuditRequest, pb.ReadAuditResponse](f, mux, a+"ReadAudit", notYet, opts)
+
+	for _, p := range []string{"GET /v1/sandboxes/{id}/files", "PUT /v1/sandboxes/{id}/files", "/v1/sandboxes/{id}/ports/{port}/{path...}"} {
+		mux.HandleFunc(p, f.proxySandboxRoute)
+	}
+	mux.HandleFunc("/v1/layers/", func(w http.ResponseWriter, r *http.Request) {
+		writeHTTPError(w, http.StatusNotImplemented, connect.CodeUnimplemented.String(),
+			"layer uploads, imports and exports through a control replica are not implemented yet: do them on a node's API (with a shared --layer-store, the other nodes resolve the layer from it)")
+	})
+	return mux
+}
+
+// scopeInterceptor checks the key's scopes for the procedure (authz.go's
+// procedureScopes), as a node does; the node checks again, with the
+// sandbox's tenant.
+type scopeInterceptor struct{}
+
+func (scopeInterceptor) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc {
+	return func(ctx context.Context, req connect.AnyRequest) (connect.AnyResponse, error) {
+		if err := authorizeProcedure(ctx, req.Spec().Procedure); err != nil {
+			return nil, toConnect(err)
+		}
+		return next(ctx, req)
+	}
+}
+
+func (scopeInterceptor) WrapStreamingClient(next connect.StreamingClientFunc) connect.StreamingClientFunc {
+	return next
+}
+
+func (scopeInterceptor) WrapStreamingHandler(next connect.StreamingHandlerFunc) connect.StreamingHandlerFunc {
+	return func(ctx context.Context, conn connect.StreamingHandlerConn) error {
+		if err := authorizeProcedure(ctx, conn.Spec().Procedure); err != nil {
+			return toConnect(err)
+		}
+		return next(ctx, conn)
+	}
+}
+
+// targets returns the nodes a call of proc with request m goes to.
+func (f *Forwarder) targets(proc string, how route, m proto.Message) ([]cluster.NodeInfo, error) {
+	switch how {
+	case toSandbox:
+		id, ok := requestSandbox(proc, m)
+		if !ok || id == "" {
+			return nil, connect.NewError(connect.CodeInvalidArgument, errors.New("the request names no sandbox"))
+		}
+		n, err := f.dir.ForSandbox(id)
+		if err != nil {
+			return nil, toConnect(err)
+		}
+		return []cluster.NodeInfo{n}, nil
+	case toAny, toAll:
+		live := f.dir.Live()
+		if len(live) == 0 {
+			return nil, connect.NewError(connect.CodeUnavailable, errors.New("no node is up in the cluster"))
+		}
+		if how == toAny {
+			return []cluster.NodeInfo{live[rand.IntN(len(live))]}, nil
+		}
+		return live, nil
+	}
+	return nil, connect.NewError(connect.CodeUnimplemented, fmt.Errorf("%s is not served by a control replica yet: call it on a node's API", shortProcedure(proc)))
+}
+
+// outgoing is the request passed on to a node: the message, and the
+// client's credentials.
+func outgoing[T any](msg *T, h http.Header) *connect.Request[T] {
+	out := connect.NewRequest(msg)
+	for _, k := range []string{"Authorization", "X-Api-Key"} {
+		if v := h.Get(k); v != "" {
+			out.Header().Set(k, v)
+		}
+	}
+	return out
+}
+
+// relay is a node's error as the control replica's own: its code, message
+// and Shoal's reason metadata, nothing of the node's HTTP headers.
+func relay(err error) error {
+	var ce *connect.Error
+	if !errors.As(err, &ce) {
+		return connect.NewError(connect.CodeUnavailable, fmt.Errorf("forward to node: %w", err))
+	}
+	out := connect.NewError(ce.Code(), errors.New(ce.Message()))
+	if v := ce.Meta().Get(ReasonHeader); v != "" {
+		out.Meta().Set(ReasonHeader, v)
+	}
+	for _, d := range ce.Details() {
+		out.AddDetail(d)
+	}
+	return out
+}
+
+// shoalHeaders returns the Shoal-* headers of h.
+func shoalHeaders(h http.Header) http.Header {
+	out := http.Header{}
+	for k, v := range h {
+		if strings.HasPrefix(k, "Shoal-") {
+			out[k] = v
+		}
+	}
+	return out
+}
+
+func clientFor[Req, Res any](f *Forwarder, n cluster.NodeInfo, proc string) *connect.Client[Req, Res] {
+	return connect.NewClient[Req, Res](f.client, strings.TrimSuffix(n.URL, "/")+proc)
+}
+
+// unary serves proc by forwarding each call as how says.
+func unary[Req, Res any](f *Forwarder, mux *http.ServeMux, proc string, how route, opts []connect.HandlerOption) {
+	mux.Handle(proc, connect.NewUnaryHandler(proc, func(ctx context.Context, req *connect.Request[Req]) (*connect.Response[Res], error) {
+		nodes, err := f.targets(proc, how, any(req.Msg).(proto.Message))
+		if err != nil {
+			return nil, err
+		}
+		var first *connect.Response[Res]
+		for _, n := range nodes {
+			res, err := clientFor[Req, Res](f, n, proc).CallUnary(ctx, outgoing(req.Msg, req.Header()))
+			if err != nil {
+				if how == toAll {
+					return nil, relay(fmt.Errorf("node %s: %w", n.Name, err))
+				}
+				return nil, relay(err)
+			}
+			if first == nil {
+				first = connect.NewResponse(res.Msg)
+			}
+		}
+		return first, nil
+	}, opts...))
+}
+
+// stream serves the server-streaming proc by forwarding each call to one
+// node and relaying its messages as they come.
+func stream[Req, Res any](f *Forwarder, mux *http.ServeMux, proc string, how route, opts []connect.HandlerOption) {
+	mux.Handle(proc, connect.NewServerStreamHandler(proc, func(ctx context.Context, req *connect.Request[Req], ss *connect.ServerStream[Res]) error {
+		nodes, err := f.targets(proc, how, any(req.Msg).(proto.Message))
+		if err != nil {
+			return err
+		}
+		cs, err := clientFor[Req, Res](f, nodes[0], proc).CallServerStream(ctx, outgoing(req.Msg, req.Header()))
+		if err != nil {
+			return relay(err)
+		}
+		defer cs.Close()
+		// Shoal's own response headers (e.g. Shoal-Watch-Armed, which a
+		// node sends ahead of any message) are relayed as they come.
+		if h := shoalHeaders(cs.ResponseHeader()); len(h) > 0 {
+			for k, v := range h {
+				ss.ResponseHeader()[k] = v
+			}
+			if err := ss.Send(nil); err != nil {
+				return err
+			}
+		}
+		for cs.Receive() {
+			if err := ss.Send(cs.Msg()); err != nil {
+				return err
+			}
+		}
+		if err := cs.Err(); err != nil {
+			return relay(err)
+		}
+		return nil
+	}, opts...))
+}
+
+// Defaults a node fills in for a create that gives none (node.Config);
+// placement counts them.
+const (
+	placeDefaultMemory   = 512 << 20
+	placeDefaultMilliCPU = 1000
+)
+
+func (f *Forwarder) createSandbox(ctx context.Context, req *connect.Request[pb.CreateSandboxRequest]) (*connect.Response[pb.Sandbox], error) {
+	const proc = "/shoal.v1.SandboxService/CreateSandbox"
+	m := req.Msg
+	pr := placement.Request{Tenant: tenant.FromContext(ctx).Tenant, Backend: m.Backend, MilliCPU: m.Millicpu, Memory: m.MemoryBytes}
+	if pr.Backend == "" {
+		pr.Backend = "container"
+	}
+	if pr.Memory == 0 {
+		pr.Memory = placeDefaultMemory
+	}
+	if pr.MilliCPU == 0 {
+		pr.MilliCPU = placeDefaultMilliCPU
+	}
+	if m.Base != "" {
+		pr.Layers = append(pr.Layers, m.Base)
+	}
+	pr.Layers = append(append(pr.Layers, m.Workspaces...), m.Toolkits...)
+	var res *connect.Response[pb.Sandbox]
+	node, err := f.place.Place(ctx, pr, func(ctx context.Context, name string) error {
+		n, ok := f.dir.Node(name)
+		if !ok {
+			return errdefs.New(errdefs.ErrUnavailable, "node %s left the cluster", name)
+		}
+		out, err := clientFor[pb.CreateSandboxRequest, pb.Sandbox](f, n, proc).CallUnary(ctx, outgoing(m, req.Header()))
+		if err != nil {
+			if connect.CodeOf(err) == connect.CodeUnavailable {
+				return errdefs.Mark(errdefs.ErrUnavailable, fmt.Errorf("node %s: %w", name, err)) // node full, or down: the next candidate
+			}
+			return err
+		}
+		res = out
+		return nil
+	})
+	if err != nil {
+		var ce *connect.Error
+		if errors.As(err, &ce) && !errors.Is(err, placement.ErrNoCapacity) {
+			return nil, relay(err)
+		}
+		return nil, toConnect(err)
+	}
+	// The catalog has it before the client does (the node's heartbeat
+	// would within a third of its TTL): a node that dies now has it
+	// reported lost. Not on the data path: only creates wait.
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
+	defer cancel()
+	sb := res.Msg
+	if err := f.dir.Catalog(cctx, cluster.CatalogEntry{ID: sb.Id, Node: node, Tenant: sb.Tenant, Created: sb.GetCreatedAt().AsTime()}); err != nil {
+		f.log.Warn("cluster: catalog a new sandbox", "sandbox_id", sb.Id, "node", node, "err", err)
+	}
+	return connect.NewResponse(sb), nil
+}
+
+func (f *Forwarder) deleteSandbox(ctx context.Context, req *connect.Request[pb.DeleteSandboxRequest]) (*connect.Response[pb.DeleteSandboxResponse], error) {
+	const proc = "/shoal.v1.SandboxService/DeleteSandbox"
+	n, err := f.dir.ForSandbox(req.Msg.Id)
+	if err != nil {
+		return nil, toConnect(err)
+	}
+	res, err := clientFor[pb.DeleteSandboxRequest, pb.DeleteSandboxResponse](f, n, proc).CallUnary(ctx, outgoing(req.Msg, req.Header()))
+	if err != nil {
+		return nil, relay(err)
+	}
+	// Out of the catalog now (the node's heartbeat would, later).
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
+	defer cancel()
+	if err := f.dir.Uncatalog(cctx, req.Msg.Id); err != nil {
+		f.log.Warn("cluster: uncatalog a deleted sandbox", "sandbox_id", req.Msg.Id, "err", err)
+	}
+	return connect.NewResponse(res.Msg), nil
+}
+
+func (f *Forwarder) listSandboxes(ctx context.Context, req *connect.Request[pb.ListSandboxesRequest]) (*connect.Response[pb.ListSandboxesResponse], error) {
+	const proc = "/shoal.v1.SandboxService/ListSandboxes"
+	live := f.dir.Live()
+	results := make([]*pb.ListSandboxesResponse, len(live))
+	errs := make([]error, len(live))
+	var wg sync.WaitGroup
+	for i, n := range live {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			res, err := clientFor[pb.ListSandboxesRequest, pb.ListSandboxesResponse](f, n, proc).CallUnary(ctx, outgoing(req.Msg, req.Header()))
+			if err != nil {
+				errs[i] = fmt.Errorf("node %s: %w", n.Name, err)
+				return
+			}
+			results[i] = res.Msg
+		}()
+	}
+	wg.Wait()
+	p := tenant.FromContext(ctx)
+	out := &pb.ListSandboxesResponse{}
+	lostAs := func(e cluster.CatalogEntry, why string) {
+		if p.Sees(e.Tenant) {
+			out.Sandboxes = append(out.Sandboxes, &pb.Sandbox{
+				Id: e.ID, State: pb.SandboxState_SANDBOX_STATE_ERROR, Tenant: e.Tenant, CreatedAt: timestamppb.New(e.Created), Error: why,
+			})
+		}
+	}
+	for i, r := range results {
+		if errs[i] == nil {
+			out.Sandboxes = append(out.Sandboxes, r.Sandboxes...)
+			continue
+		}
+		if connect.CodeOf(errs[i]) != connect.CodeUnavailable {
+			return nil, relay(errs[i])
+		}
+		// A node that does not answer (its lease not ended yet): its
+		// sandboxes are listed lost, from the catalog, not left out.
+		es, err := f.dir.CatalogOf(ctx, live[i].Tag)
+		if err != nil {
+			return nil, connect.NewError(connect.CodeUnavailable, err)
+		}
+		for _, e := range es {
+			lostAs(e, fmt.Sprintf("lost: its node %s does not answer", live[i].Name))
+		}
+	}
+	defer func() { // as a node lists them: by creation, then ID
+		slices.SortStableFunc(out.Sandboxes, func(a, b *pb.Sandbox) int {
+			if c := a.GetCreatedAt().AsTime().Compare(b.GetCreatedAt().AsTime()); c != 0 {
+				return c
+			}
+			return strings.Compare(a.Id, b.Id)
+		})
+	}()
+	lost, err := f.dir.Lost(ctx)
+	if err != nil {
+		return nil, connect.NewError(connect.CodeUnavailable, err)
+	}
+	for _, e := range lost {
+		lostAs(e, fmt.Sprintf("lost: its node %s is down", e.Node))
+	}
+	return connect.NewResponse(out), nil
+}
+
+// proxySandboxRoute passes a plain HTTP route of a sandbox (files, ports)
+// to the sandbox's node as it is, streaming both ways (Upgrades too).
+func (f *Forwarder) proxySandboxRoute(w http.ResponseWriter, r *http.Request) {
+	n, err := f.dir.ForSandbox(r.PathValue("id"))
+	if err != nil {
+		writeConnectError(w, err)
+		return
+	}
+	target, err := url.Parse(n.URL)
+	if err != nil {
+		writeConnectError(w, errdefs.New(errdefs.ErrUnavailable, "node %s has a bad URL %q", n.Name, n.URL))
+		return
+	}
+	p := &httputil.ReverseProxy{
+		Rewrite: func(pr *httputil.ProxyRequest) {
+			pr.SetURL(target)
+			pr.Out.Host = r.Host
+		},
+		Transport:     f.client.Transport,
+		FlushInterval: -1,
+		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
+			writeConnectError(w, errdefs.New(errdefs.ErrUnavailable, "node %s: %v", n.Name, err))
+		},
+	}
+	p.ServeHTTP(w, r)
+}
