@@ -8,7 +8,7 @@ import (
 	"path/filepath"
 	"testing"
 
-	"github.com/shoal-sandbox/shoal/internal/layer/remote/s3server"
+	"github.com/shoal-sandbox/shoal/internal/layer/remote/s3server/s3test"
 )
 
 // TestLayerCacheEvicts: a node that pulls whole images from its store on
@@ -17,7 +17,7 @@ import (
 // its next use; images in use and layers built here are never evicted.
 func TestLayerCacheEvicts(t *testing.T) {
 	needRoot(t)
-	srv := s3server.Start(t, t.TempDir(), "shoal", 0)
+	srv := s3test.Start(t, t.TempDir(), "shoal", 0)
 	st := s3Store(t, srv)
 	a := newEnv(t)
 	a.store.SetRemote(RemoteConfig{Store: st})

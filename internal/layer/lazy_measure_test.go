@@ -14,7 +14,7 @@ import (
 
 	"github.com/shoal-sandbox/shoal/internal/layer/lazy"
 	"github.com/shoal-sandbox/shoal/internal/layer/remote"
-	"github.com/shoal-sandbox/shoal/internal/layer/remote/s3server"
+	"github.com/shoal-sandbox/shoal/internal/layer/remote/s3server/s3test"
 )
 
 // TestMeasureLazy prints, as JSON, what lazy loading fetches for a
@@ -55,7 +55,7 @@ func TestMeasureLazy(t *testing.T) {
 	if v := os.Getenv("SHOAL_MEASURE_COMPRESSION"); v != "" {
 		comps = strings.Split(v, ",")
 	}
-	srv := s3server.Start(t, t.TempDir(), "shoal", rate)
+	srv := s3test.Start(t, t.TempDir(), "shoal", rate)
 	var workload []string
 	var touched int64
 	i := 0

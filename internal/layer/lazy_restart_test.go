@@ -18,7 +18,7 @@ import (
 
 	"github.com/shoal-sandbox/shoal/internal/layer/lazy"
 	"github.com/shoal-sandbox/shoal/internal/layer/remote"
-	"github.com/shoal-sandbox/shoal/internal/layer/remote/s3server"
+	"github.com/shoal-sandbox/shoal/internal/layer/remote/s3server/s3test"
 )
 
 // A node process for TestS3LazyRestart: run as this test binary with
@@ -79,7 +79,7 @@ func lazyTestStore(addr string) (remote.Store, error) {
 // earlier mount's loop device was turned to the new loader, not replaced.
 func TestS3LazyRestart(t *testing.T) {
 	needLazy(t)
-	srv := s3server.Start(t, t.TempDir(), "shoal", 0)
+	srv := s3test.Start(t, t.TempDir(), "shoal", 0)
 	st, err := lazyTestStore(srv.Addr)
 	if err != nil {
 		t.Fatal(err)

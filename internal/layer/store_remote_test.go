@@ -15,7 +15,7 @@ import (
 
 	"github.com/shoal-sandbox/shoal/internal/layer/lazy"
 	"github.com/shoal-sandbox/shoal/internal/layer/remote"
-	"github.com/shoal-sandbox/shoal/internal/layer/remote/s3server"
+	"github.com/shoal-sandbox/shoal/internal/layer/remote/s3server/s3test"
 )
 
 // randomTree writes n files of size bytes of random data (incompressible,
@@ -144,7 +144,7 @@ func newLazyNode(t *testing.T, st remote.Store, cache string, cfg lazy.Config) *
 	return &lazyNode{env: e, fs: fsys, cache: cache}
 }
 
-func s3Store(t testing.TB, srv *s3server.Server) remote.Store {
+func s3Store(t testing.TB, srv *s3test.Server) remote.Store {
 	st, err := remote.Open("s3://"+srv.Bucket+"/layers", remote.Options{Endpoint: "http://" + srv.Addr, AccessKey: "test", SecretKey: "test", Region: "us-east-1", PathStyle: true})
 	if err != nil {
 		t.Fatal(err)
@@ -154,7 +154,7 @@ func s3Store(t testing.TB, srv *s3server.Server) remote.Store {
 
 func TestS3Lazy(t *testing.T) {
 	needLazy(t)
-	srv := s3server.Start(t, t.TempDir(), "shoal", 50<<20)
+	srv := s3test.Start(t, t.TempDir(), "shoal", 50<<20)
 	st := s3Store(t, srv)
 
 	a := newEnv(t)
@@ -268,7 +268,7 @@ func TestS3Lazy(t *testing.T) {
 
 func TestS3LazyServerKilled(t *testing.T) {
 	needLazy(t)
-	srv := s3server.Start(t, t.TempDir(), "shoal", 0)
+	srv := s3test.Start(t, t.TempDir(), "shoal", 0)
 	st := s3Store(t, srv)
 	a := newEnv(t)
 	a.store.SetRemote(RemoteConfig{Store: st, ChunkSize: 64 << 10})
@@ -330,7 +330,7 @@ func TestS3LazyServerKilled(t *testing.T) {
 // reads then wait on no fetch.
 func TestS3LazyTracePrefetch(t *testing.T) {
 	needLazy(t)
-	srv := s3server.Start(t, t.TempDir(), "shoal", 0)
+	srv := s3test.Start(t, t.TempDir(), "shoal", 0)
 	st := s3Store(t, srv)
 	a := newEnv(t)
 	a.store.SetRemote(RemoteConfig{Store: st, ChunkSize: 64 << 10})
@@ -415,7 +415,7 @@ func TestS3LazyTracePrefetch(t *testing.T) {
 // loopReadaheadKB.
 func TestS3LazyFetchedOverTouched(t *testing.T) {
 	needLazy(t)
-	srv := s3server.Start(t, t.TempDir(), "shoal", 0)
+	srv := s3test.Start(t, t.TempDir(), "shoal", 0)
 	st := s3Store(t, srv)
 	a := newEnv(t)
 	a.store.SetRemote(RemoteConfig{Store: st})
