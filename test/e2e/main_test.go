@@ -178,8 +178,7 @@ func teardown() {
 			}
 			cancel()
 		}
-		serveCmd.Process.Signal(syscall.SIGTERM)
-		serveCmd.Wait()
+		stopServe()
 	}
 	if dataDir != "" {
 		// The warm pool's containers, if serve left them (SIGKILL): the
@@ -360,4 +359,19 @@ func procZombie(pid int) bool {
 	s := string(b)
 	i := strings.LastIndexByte(s, ')')
 	return i < 0 || i+2 >= len(s) || s[i+2] == 'Z'
+}
+
+// stopServe asks serve to stop (SIGTERM) and kills its process group if it
+// has not within 30 s: a teardown must not hang, nor leave a serve behind.
+func stopServe() {
+	serveCmd.Process.Signal(syscall.SIGTERM)
+	done := make(chan struct{})
+	go func() { serveCmd.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(30 * time.Second):
+		fmt.Fprintln(os.Stderr, "shoal serve did not stop within 30 s of SIGTERM: killed")
+		syscall.Kill(-serveCmd.Process.Pid, syscall.SIGKILL)
+		<-done
+	}
 }
