@@ -316,17 +316,7 @@ func switchRoot(mfd int) error {
 	if err := unix.Fchdir(root); err != nil {
 		return fmt.Errorf("enter new root: %w", err)
 	}
-	if err := unix.PivotRoot(".", "."); err != nil {
-		return fmt.Errorf("pivot_root: %w", err)
-	}
-	// The old root is now stacked on the new one: detach it.
-	if err := unix.Unmount(".", unix.MNT_DETACH); err != nil {
-		return fmt.Errorf("detach old root: %w", err)
-	}
-	if err := unix.Chdir("/"); err != nil {
-		return fmt.Errorf("chdir /: %w", err)
-	}
-	return nil
+	return pivotHere()
 }
 
 // resolveBeneath resolves a path inside the new root only: no symlink, no

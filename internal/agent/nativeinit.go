@@ -290,6 +290,12 @@ func pivotInto(root string) error {
 	if err := unix.Chdir(root); err != nil {
 		return fmt.Errorf("enter root: %w", err)
 	}
+	return pivotHere()
+}
+
+// pivotHere makes the working directory the root: pivot_root(".", ".")
+// stacks the old root on the new one, which is then detached.
+func pivotHere() error {
 	if err := unix.PivotRoot(".", "."); err != nil {
 		return fmt.Errorf("pivot_root: %w", err)
 	}
