@@ -427,6 +427,11 @@ func serve(cfg serveConfig) error {
 		handler = slog.NewJSONHandler(os.Stderr, &slog.HandlerOptions{Level: level})
 	}
 	log := slog.New(handler)
+	if cfg.Cluster.Role == roleNode {
+		// Every line says which node wrote it: logs of a fleet are read
+		// together.
+		log = log.With("node", cfg.Cluster.NodeName)
+	}
 	if err := os.MkdirAll(cfg.DataDir, 0o700); err != nil {
 		return err
 	}

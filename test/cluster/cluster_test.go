@@ -266,6 +266,15 @@ func TestCluster(t *testing.T) {
 	if len(onNode["n1"]) == 0 || len(onNode["n2"]) == 0 {
 		t.Fatalf("2 creates did not spread over 2 nodes: %v", onNode)
 	}
+	// A node's every log line names it.
+	for _, n := range nodes {
+		b, _ := os.ReadFile(filepath.Join(n.data, "serve.log"))
+		for _, line := range strings.Split(strings.TrimSpace(string(b)), "\n") {
+			if strings.HasPrefix(line, "time=") && !strings.Contains(line, " node="+n.name) {
+				t.Fatalf("%s's log line without node=%s: %s", n.name, n.name, line)
+			}
+		}
+	}
 	step("created")
 	// Exec and files, routed by either replica to the sandbox's node.
 	for i, id := range ids {
