@@ -94,22 +94,7 @@ func Serve(ctx context.Context, addr, dir, bucket string, rate int64, ready func
 	if err != nil {
 		return err
 	}
-	ln, err := net.Listen("tcp", addr)
-	if err != nil {
-		return err
-	}
-	srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second}
-	go func() {
-		<-ctx.Done()
-		srv.Close()
-	}()
-	if ready != nil {
-		ready(ln.Addr().String())
-	}
-	if err := srv.Serve(ln); err != nil && err != http.ErrServerClosed {
-		return err
-	}
-	return nil
+	return serve(ctx, addr, h, ready)
 }
 
 // ServeLatency is Serve, unlimited, with each request answered after
@@ -119,16 +104,20 @@ func ServeLatency(ctx context.Context, addr, dir, bucket string, latency time.Du
 	if err != nil {
 		return err
 	}
-	ln, err := net.Listen("tcp", addr)
-	if err != nil {
-		return err
-	}
-	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	return serve(ctx, addr, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if latency > 0 {
 			time.Sleep(latency)
 		}
 		h.ServeHTTP(w, r)
-	}), ReadHeaderTimeout: 10 * time.Second}
+	}), ready)
+}
+
+func serve(ctx context.Context, addr string, h http.Handler, ready func(string)) error {
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return err
+	}
+	srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second}
 	go func() {
 		<-ctx.Done()
 		srv.Close()
