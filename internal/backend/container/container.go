@@ -705,6 +705,22 @@ func lowerDirs(spec sandbox.Spec) []string {
 	return lowers
 }
 
+// agentFiles are the descriptors a container's agent gets from fd 3 on,
+// whichever launcher starts it: its listening socket, the seccomp filter
+// (fd 4, if any), the ready pipe (b.readyFD()) and, for a pool container,
+// the node's lifeline (b.readyFD()+1, if any).
+func (b *Backend) agentFiles(ln, ready *os.File, pooled bool) []*os.File {
+	extra := []*os.File{ln} // fd 3
+	if b.filter != nil {
+		extra = append(extra, b.filter) // fd 4
+	}
+	extra = append(extra, ready) // b.readyFD()
+	if pooled && b.lifeline != nil {
+		extra = append(extra, b.lifeline) // b.readyFD()+1
+	}
+	return extra
+}
+
 // startContainer runs `runc run --detach` for the bundle and waits until the
 // agent is ready (it has installed its seccomp filter, if any, and serves).
 // The container's stdio is runc's: /dev/null, /dev/null and a pipe that the
@@ -743,14 +759,7 @@ func (b *Backend) startContainer(ctx context.Context, runcID, bundle, dir string
 		return fmt.Errorf("agent log: %w", err)
 	}
 	b.drains.add(runcID, drain)
-	extra := []*os.File{ln} // fd 3
-	if b.filter != nil {
-		extra = append(extra, b.filter) // fd 4
-	}
-	extra = append(extra, readyW) // b.readyFD()
-	if pooled && b.lifeline != nil {
-		extra = append(extra, b.lifeline) // b.readyFD()+1
-	}
+	extra := b.agentFiles(ln, readyW, pooled)
 	cmd := b.runcWith(ctx, extra, "run", "--detach", "--bundle", bundle, "--preserve-fds", strconv.Itoa(len(extra)),
 		"--pid-file", filepath.Join(dir, pidFileName), runcID)
 	cmd.Stdin = devNull

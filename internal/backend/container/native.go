@@ -300,11 +300,7 @@ func (b *Backend) startNative(ctx context.Context, id, dir, root, agentBinary st
 		return fmt.Errorf("agent log: %w", err)
 	}
 	b.drains.add(id, drain)
-	extra := []*os.File{ln} // fd 3
-	if b.filter != nil {
-		extra = append(extra, b.filter) // fd 4
-	}
-	extra = append(extra, readyW) // b.readyFD()
+	extra := b.agentFiles(ln, readyW, true)
 	fdEnv := []string{
 		"SHOAL_AGENT_FD=" + strconv.Itoa(fdSocket),
 		agent.EnvReadyFD + "=" + strconv.Itoa(b.readyFD()),
@@ -314,8 +310,7 @@ func (b *Backend) startNative(ctx context.Context, id, dir, root, agentBinary st
 		fdEnv = append(fdEnv, agent.EnvSeccompFD+"="+strconv.Itoa(fdSeccomp))
 	}
 	if b.lifeline != nil {
-		extra = append(extra, b.lifeline)
-		fdEnv = append(fdEnv, agent.EnvLifeline+"="+strconv.Itoa(2+len(extra)))
+		fdEnv = append(fdEnv, agent.EnvLifeline+"="+strconv.Itoa(b.readyFD()+1))
 	}
 	extra = append(extra, syncR)
 	syncFD := 2 + len(extra)
