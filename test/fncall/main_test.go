@@ -36,6 +36,7 @@ import (
 
 	"github.com/shoal-sandbox/shoal/internal/fncall"
 	shoal "github.com/shoal-sandbox/shoal/sdk/go"
+	"github.com/shoal-sandbox/shoal/test/internal/serveproc"
 )
 
 var (
@@ -277,7 +278,7 @@ func startServe() error {
 			res.Body.Close()
 			return nil
 		}
-		if syscall.Kill(serveCmd.Process.Pid, 0) != nil || procZombie(serveCmd.Process.Pid) {
+		if serveproc.Exited(serveCmd.Process.Pid) {
 			break
 		}
 	}
@@ -299,7 +300,7 @@ func teardown() {
 			}
 			cancel()
 		}
-		stopServe()
+		serveproc.Stop(serveCmd)
 	}
 	if dataDir != "" {
 		if os.Getenv("SHOAL_E2E_KEEP") == "" {
@@ -361,30 +362,4 @@ func sdk(t *testing.T) *shoal.Client {
 		t.Fatal(err)
 	}
 	return c
-}
-
-// procZombie reports whether pid has exited and waits to be reaped.
-func procZombie(pid int) bool {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return true
-	}
-	s := string(b)
-	i := strings.LastIndexByte(s, ')')
-	return i < 0 || i+2 >= len(s) || s[i+2] == 'Z'
-}
-
-// stopServe asks serve to stop (SIGTERM) and kills its process group if it
-// has not within 30 s: a teardown must not hang, nor leave a serve behind.
-func stopServe() {
-	serveCmd.Process.Signal(syscall.SIGTERM)
-	done := make(chan struct{})
-	go func() { serveCmd.Wait(); close(done) }()
-	select {
-	case <-done:
-	case <-time.After(30 * time.Second):
-		fmt.Fprintln(os.Stderr, "shoal serve did not stop within 30 s of SIGTERM: killed")
-		syscall.Kill(-serveCmd.Process.Pid, syscall.SIGKILL)
-		<-done
-	}
 }
