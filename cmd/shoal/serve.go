@@ -414,19 +414,24 @@ func serveCmd() *cobra.Command {
 	return cmd
 }
 
+// newLogger is serve's logger on stderr, every role's: --log-format and
+// --debug.
+func newLogger(cfg serveConfig) *slog.Logger {
+	opts := &slog.HandlerOptions{Level: slog.LevelInfo}
+	if cfg.Debug {
+		opts.Level = slog.LevelDebug
+	}
+	if cfg.LogFormat == "json" {
+		return slog.New(slog.NewJSONHandler(os.Stderr, opts))
+	}
+	return slog.New(slog.NewTextHandler(os.Stderr, opts))
+}
+
 func serve(cfg serveConfig) error {
 	if cfg.Cluster.Role == roleControl {
 		return serveControl(cfg) // serve_cluster.go
 	}
-	level := slog.LevelInfo
-	if cfg.Debug {
-		level = slog.LevelDebug
-	}
-	var handler slog.Handler = slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level})
-	if cfg.LogFormat == "json" {
-		handler = slog.NewJSONHandler(os.Stderr, &slog.HandlerOptions{Level: level})
-	}
-	log := slog.New(handler)
+	log := newLogger(cfg)
 	if cfg.Cluster.Role == roleNode {
 		// Every line says which node wrote it: logs of a fleet are read
 		// together.

@@ -162,11 +162,7 @@ func registerNode(ctx context.Context, c clusterConfig, mgr *node.Manager, layer
 // nodes. It keeps no state of its own beyond its admin key (DATA/admin.key,
 // which every node's data directory must hold too).
 func serveControl(cfg serveConfig) error {
-	level := slog.LevelInfo
-	if cfg.Debug {
-		level = slog.LevelDebug
-	}
-	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level}))
+	log := newLogger(cfg) // serve.go
 	if err := os.MkdirAll(cfg.DataDir, 0o700); err != nil {
 		return err
 	}
