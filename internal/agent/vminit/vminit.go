@@ -22,7 +22,6 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"sync"
 	"time"
 
 	"github.com/hashicorp/yamux"
@@ -315,84 +314,3 @@ func MuxConfig() *yamux.Config {
 	c.ConnectionWriteTimeout = 30 * time.Second
 	return c
 }
-
-// portListener accepts the streams of successive yamux sessions over the
-// port. When the host's end goes away (a restarted node) and reads of the
-// port return EOF, the session ends and a new one starts for the next host;
-// when they do not (observed with QEMU 7.2: the guest is not told), the
-// session goes on and the next host's streams, numbered from 1 again,
-// arrive on it as new streams (yamux accepts any unused stream ID).
-type portListener struct {
-	path   string
-	conns  chan net.Conn
-	done   chan struct{}
-	closed sync.Once
-}
-
-func listenPort() (net.Listener, error) {
-	p, err := findPort()
-	if err != nil {
-		return nil, err
-	}
-	l := &portListener{path: p, conns: make(chan net.Conn), done: make(chan struct{})}
-	go l.run()
-	return l, nil
-}
-
-func (l *portListener) run() {
-	for {
-		select {
-		case <-l.done:
-			return
-		default:
-		}
-		f, err := os.OpenFile(l.path, os.O_RDWR, 0)
-		if err != nil {
-			time.Sleep(100 * time.Millisecond)
-			continue
-		}
-		sess, err := yamux.Server(f, MuxConfig())
-		if err != nil {
-			f.Close()
-			time.Sleep(100 * time.Millisecond)
-			continue
-		}
-		for {
-			c, err := sess.Accept()
-			if err != nil {
-				break
-			}
-			select {
-			case l.conns <- c:
-			case <-l.done:
-				c.Close()
-			}
-		}
-		sess.Close()
-		f.Close()
-		// The host is not connected: reads return EOF at once until it
-		// is; do not spin.
-		time.Sleep(50 * time.Millisecond)
-	}
-}
-
-func (l *portListener) Accept() (net.Conn, error) {
-	select {
-	case c := <-l.conns:
-		return c, nil
-	case <-l.done:
-		return nil, net.ErrClosed
-	}
-}
-
-func (l *portListener) Close() error {
-	l.closed.Do(func() { close(l.done) })
-	return nil
-}
-
-func (l *portListener) Addr() net.Addr { return portAddr(l.path) }
-
-type portAddr string
-
-func (a portAddr) Network() string { return "virtio-serial" }
-func (a portAddr) String() string  { return string(a) }

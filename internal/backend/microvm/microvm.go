@@ -9,9 +9,15 @@
 // image, found in the guest by its serial number; the agent stacks them
 // under a writable tmpfs with overlayfs in the order a container's root
 // has (internal/agent/vminit), switches root and serves the usual agent
-// protocol on a virtio-serial port. On the host that port is a unix socket
-// (QEMU's chardev, the sandbox's agent.sock) carrying one yamux session:
-// AgentDial opens one stream per request.
+// protocol on a virtio-serial port. On the host that port is a pair of
+// FIFOs (QEMU's pipe chardev: the sandbox's agent.in and agent.out)
+// carrying one yamux session at a time, each begun with a handshake
+// (vminit.DialLink): AgentDial opens one stream per request. FIFOs and not
+// a socket chardev: QEMU holds both open for the VM's life, so there is no
+// connection state (a socket chardev fails the guest's writes while no
+// host is connected, as when a node restarts); what the guest writes while
+// no host reads waits in the FIFO, and QEMU throttles the port when it is
+// full.
 //
 // Acceleration: KVM when /dev/kvm exists and a probe guest boots on it
 // within a short timeout, else TCG (logged with the reason);
@@ -376,7 +382,12 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (h sandbox.Hand
 		defer cancel()
 	}
 	dir := spec.Dir
-	sock := filepath.Join(dir, "agent.sock")
+	pipe := filepath.Join(dir, agentPipe)
+	for _, f := range []string{pipe + ".in", pipe + ".out"} {
+		if err := unix.Mkfifo(f, 0o600); err != nil {
+			return h, fmt.Errorf("agent channel: %w", err)
+		}
+	}
 	qmpSock := filepath.Join(dir, "qmp.sock")
 	cfgImg := filepath.Join(dir, "config.img")
 	vc := vminit.Config{ID: spec.ID, Layers: len(spec.Layers), Env: guestEnv(spec), Hostname: hostname(spec.ID)}
@@ -400,7 +411,7 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (h sandbox.Hand
 		"-qmp", "unix:"+qemuEscape(qmpSock)+",server=on,wait=off",
 		"-pidfile", filepath.Join(dir, "qemu.pid"),
 		"-device", b.dev("virtio-serial")+",max_ports=2",
-		"-chardev", "socket,id=agent,path="+qemuEscape(sock)+",server=on,wait=off",
+		"-chardev", "pipe,id=agent,path="+qemuEscape(pipe),
 		"-device", "virtserialport,chardev=agent,name="+vminit.PortName,
 		"-drive", "if=none,id=cfg,format=raw,readonly=on,file="+qemuEscape(cfgImg),
 		"-device", b.dev("virtio-blk")+",drive=cfg,serial="+vminit.ConfigSerial,
@@ -574,11 +585,11 @@ func process(h sandbox.Handle) int {
 			return 0
 		}
 		pid, err := strconv.Atoi(strings.TrimSpace(string(b)))
-		if err != nil || pid <= 0 || zombie(pid) {
+		if err != nil || pid <= 0 || ended(pid) {
 			return 0
 		}
 		cl, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/cmdline")
-		if err != nil || !strings.Contains(string(cl), filepath.Join(dir, "agent.sock")) {
+		if err != nil || !strings.Contains(string(cl), "pipe,id=agent,path="+qemuEscape(filepath.Join(dir, agentPipe))) {
 			return 0
 		}
 		return pid
@@ -588,7 +599,7 @@ func process(h sandbox.Handle) int {
 		return 0
 	}
 	st, err := startTime(pid)
-	if err != nil || st != h.Data["pid_start"] || zombie(pid) {
+	if err != nil || st != h.Data["pid_start"] || ended(pid) {
 		return 0
 	}
 	return pid
@@ -622,29 +633,52 @@ func (b *Backend) Delete(ctx context.Context, h sandbox.Handle) error {
 	if pid == 0 {
 		return nil
 	}
-	if err := unix.Kill(pid, unix.SIGKILL); err != nil && !errors.Is(err, unix.ESRCH) {
+	// A pidfd pins the process: the kill cannot reach another one that
+	// took the number, and it polls readable once QEMU has exited. (The
+	// handle's own checks cannot say that: an exiting QEMU has no command
+	// line for a while before it is a zombie.)
+	st, err := startTime(pid)
+	if err != nil {
+		return nil
+	}
+	fd, err := unix.PidfdOpen(pid, 0)
+	if errors.Is(err, unix.ESRCH) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("open qemu %d: %w", pid, err)
+	}
+	defer unix.Close(fd)
+	if now, err := startTime(pid); err != nil || now != st {
+		return nil // it ended before the fd pinned it
+	}
+	if err := unix.PidfdSendSignal(fd, unix.SIGKILL, nil, 0); err != nil && !errors.Is(err, unix.ESRCH) {
 		return fmt.Errorf("kill qemu %d: %w", pid, err)
 	}
-	// Until it is reaped (by Create's goroutine, or by init after a
-	// restart of the node) it is a zombie, which process does not count.
-	for process(h) != 0 {
-		select {
-		case <-ctx.Done():
+	for {
+		n, err := unix.Poll([]unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}, 20)
+		if n > 0 {
+			return nil
+		}
+		if err != nil && !errors.Is(err, unix.EINTR) {
+			return fmt.Errorf("wait for qemu %d: %w", pid, err)
+		}
+		if ctx.Err() != nil {
 			return fmt.Errorf("qemu %d did not exit: %w", pid, ctx.Err())
-		case <-time.After(5 * time.Millisecond):
 		}
 	}
-	return nil
 }
 
-func zombie(pid int) bool {
+// ended tells whether a process has ended: a zombie, or dead (the state
+// it shows while its parent reaps it, before its /proc entry goes away).
+func ended(pid int) bool {
 	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
 	if err != nil {
 		return true
 	}
 	s := string(b)
 	i := strings.LastIndexByte(s, ')')
-	return i >= 0 && len(s) > i+2 && s[i+2] == 'Z'
+	return i >= 0 && len(s) > i+2 && strings.IndexByte("ZXx", s[i+2]) >= 0
 }
 
 // WritableLayer implements sandbox.Committer: a VM's writable layer is in
@@ -653,10 +687,14 @@ func (b *Backend) WritableLayer(h sandbox.Handle) (string, error) {
 	return "", fmt.Errorf("the writable layer of a VM is inside the guest: %w", sandbox.ErrUnsupported)
 }
 
+// agentPipe names the agent channel's FIFOs in the sandbox's directory
+// (with .in and .out).
+const agentPipe = "agent"
+
 // AgentDial implements sandbox.AgentDialer: streams of the one yamux
-// session over the VM's agent socket, re-dialed when it ends.
+// session over the VM's agent channel, begun again when it ends.
 func (b *Backend) AgentDial(h sandbox.Handle) func(ctx context.Context) (net.Conn, error) {
-	path := filepath.Join(h.Data["dir"], "agent.sock")
+	path := filepath.Join(h.Data["dir"], agentPipe)
 	id := h.ID
 	return func(ctx context.Context) (net.Conn, error) {
 		b.mu.Lock()
@@ -699,7 +737,7 @@ func (m *chanMux) open(ctx context.Context) (net.Conn, error) {
 			m.drop(sess)
 			return nil, r.err
 		}
-		return r.st, nil
+		return closingStream{r.st}, nil
 	case <-ctx.Done():
 		go func() {
 			if r := <-ch; r.st != nil {
@@ -710,6 +748,17 @@ func (m *chanMux) open(ctx context.Context) (net.Conn, error) {
 	}
 }
 
+// closingStream is a stream whose Close also ends its pending reads, as a
+// socket's does (a yamux stream's Close only half-closes it, and a reader
+// would wait for the guest): the agent client ends a call whose context is
+// done by closing its connection.
+type closingStream struct{ *yamux.Stream }
+
+func (s closingStream) Close() error {
+	s.Stream.SetReadDeadline(time.Now())
+	return s.Stream.Close()
+}
+
 // session returns the live session, dialing the VM's socket for a new one
 // when there is none.
 func (m *chanMux) session(ctx context.Context) (*yamux.Session, error) {
@@ -718,12 +767,16 @@ func (m *chanMux) session(ctx context.Context) (*yamux.Session, error) {
 	if m.sess != nil && !m.sess.IsClosed() {
 		return m.sess, nil
 	}
-	var d net.Dialer
-	c, err := d.DialContext(ctx, "unix", m.path)
+	c, err := openPipes(m.path)
 	if err != nil {
 		return nil, err
 	}
-	s, err := yamux.Client(c, vminit.MuxConfig())
+	lc, err := vminit.DialLink(ctx, c)
+	if err != nil {
+		c.Close()
+		return nil, err
+	}
+	s, err := yamux.Client(lc, vminit.MuxConfig())
 	if err != nil {
 		c.Close()
 		return nil, err
@@ -731,6 +784,37 @@ func (m *chanMux) session(ctx context.Context) (*yamux.Session, error) {
 	m.sess = s
 	return s, nil
 }
+
+// pipes is the host's end of the agent channel: QEMU reads PATH.in and
+// writes PATH.out.
+type pipes struct{ in, out *os.File }
+
+// openPipes opens the channel's FIFOs without waiting: QEMU holds both
+// open for as long as it runs (with neither, the VM is gone).
+func openPipes(path string) (*pipes, error) {
+	out, err := os.OpenFile(path+".out", os.O_RDONLY|unix.O_NONBLOCK, 0)
+	if err != nil {
+		return nil, fmt.Errorf("agent channel: %w", err)
+	}
+	in, err := os.OpenFile(path+".in", os.O_WRONLY|unix.O_NONBLOCK, 0)
+	if err != nil {
+		out.Close()
+		if errors.Is(err, unix.ENXIO) {
+			return nil, fmt.Errorf("agent channel: QEMU is not running: %w", err)
+		}
+		return nil, fmt.Errorf("agent channel: %w", err)
+	}
+	return &pipes{in: in, out: out}, nil
+}
+
+func (p *pipes) Read(b []byte) (int, error)  { return p.out.Read(b) }
+func (p *pipes) Write(b []byte) (int, error) { return p.in.Write(b) }
+
+func (p *pipes) SetDeadline(t time.Time) error {
+	return errors.Join(p.in.SetDeadline(t), p.out.SetDeadline(t))
+}
+
+func (p *pipes) Close() error { return errors.Join(p.in.Close(), p.out.Close()) }
 
 // drop closes sess if it is still the current session.
 func (m *chanMux) drop(sess *yamux.Session) {
