@@ -23,9 +23,11 @@
 // within a short timeout, else TCG (logged with the reason);
 // Config.Accel or $SHOAL_VM_ACCEL forces one.
 //
-// Not yet: pause (snapshot, kill, restore), commit (the writable layer is
-// in the guest), disk limits, network egress, virtio-pmem/DAX and free
-// page reporting.
+// Pause writes the VM's whole state to a file in the sandbox's directory
+// and ends QEMU; Resume restores it in a new QEMU (pause.go).
+//
+// Not yet: commit (the writable layer is in the guest), disk limits,
+// network egress, virtio-pmem/DAX and free page reporting.
 package microvm
 
 import (
@@ -388,7 +390,6 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (h sandbox.Hand
 			return h, fmt.Errorf("agent channel: %w", err)
 		}
 	}
-	qmpSock := filepath.Join(dir, "qmp.sock")
 	cfgImg := filepath.Join(dir, "config.img")
 	vc := vminit.Config{ID: spec.ID, Layers: len(spec.Layers), Env: guestEnv(spec), Hostname: hostname(spec.ID)}
 	doc, err := json.Marshal(vc)
@@ -405,57 +406,107 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (h sandbox.Hand
 	}
 	mem := max(spec.Resources.MemoryBytes, MinMemoryBytes)
 	cpus := int(max((spec.Resources.MilliCPU+999)/1000, 1))
-	args := b.baseArgs(accel, mem, cpus, "")
-	args = append(args,
-		"-chardev", "ringbuf,id=con,size=65536", "-serial", "chardev:con",
-		"-qmp", "unix:"+qemuEscape(qmpSock)+",server=on,wait=off",
-		"-pidfile", filepath.Join(dir, "qemu.pid"),
-		"-device", b.dev("virtio-serial")+",max_ports=2",
-		"-chardev", "pipe,id=agent,path="+qemuEscape(pipe),
-		"-device", "virtserialport,chardev=agent,name="+vminit.PortName,
-		"-drive", "if=none,id=cfg,format=raw,readonly=on,file="+qemuEscape(cfgImg),
-		"-device", b.dev("virtio-blk")+",drive=cfg,serial="+vminit.ConfigSerial,
-	)
+	images := make([]string, len(spec.Layers))
 	for i, l := range spec.Layers {
-		id := "l" + strconv.Itoa(i)
-		args = append(args,
-			"-drive", "if=none,id="+id+",format=raw,readonly=on,file.locking=off,file="+qemuEscape(l.ImagePath),
-			"-device", b.dev("virtio-blk")+",drive="+id+",serial="+vminit.LayerSerialPrefix+strconv.Itoa(i))
+		images[i] = l.ImagePath
 	}
-	// A compromised QEMU may not spawn, elevate or change resource
-	// controls (QEMU's seccomp filter).
-	args = append(args, "-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny")
-	logf, err := os.OpenFile(filepath.Join(dir, "qemu.log"), os.O_CREATE|os.O_WRONLY|os.O_TRUNC, 0o600)
+	layers, err := json.Marshal(images)
 	if err != nil {
 		return h, err
 	}
-	cmd := exec.Command(b.cfg.QEMU, args...)
-	cmd.Stdout, cmd.Stderr = logf, logf
-	// Its own session: the VM outlives the node process (Recover).
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
-	start := time.Now()
-	err = cmd.Start()
-	logf.Close()
-	if err != nil {
-		return h, fmt.Errorf("start qemu: %w", err)
-	}
-	exited := make(chan struct{})
-	go func() { cmd.Wait(); close(exited) }()
-	pid := cmd.Process.Pid
-	st, _ := startTime(pid)
 	h = sandbox.Handle{ID: spec.ID, Backend: b.cfg.Name, Data: map[string]string{
-		"pid": strconv.Itoa(pid), "pid_start": st, "dir": dir, "accel": accel, "machine": b.cfg.Machine,
+		"dir": dir, "accel": accel, "machine": b.cfg.Machine,
+		"mem": strconv.FormatInt(mem, 10), "cpus": strconv.Itoa(cpus), "layers": string(layers),
 	}}
+	start := time.Now()
+	h, exited, err := b.start(h)
+	if err != nil {
+		return h, err
+	}
 	defer func() {
 		if err != nil {
 			b.Delete(context.Background(), h)
 		}
 	}()
 	if err := b.waitAgent(ctx, h, exited); err != nil {
-		return h, fmt.Errorf("%s backend: boot (%s): %w%s", b.cfg.Name, accel, err, b.console(qmpSock, dir, exited))
+		return h, fmt.Errorf("%s backend: boot (%s): %w%s", b.cfg.Name, accel, err, b.console(filepath.Join(dir, "qmp.sock"), dir, exited))
 	}
 	b.log.Debug("vm booted", "sandbox_id", spec.ID, "accel", accel, "took", time.Since(start))
 	return h, nil
+}
+
+// qemuArgs is the QEMU command line of the VM of h (made by Create, whose
+// handle records the sandbox's memory, CPUs and layer images): the same
+// for its boot and for a restore from a snapshot.
+func (b *Backend) qemuArgs(h sandbox.Handle) ([]string, error) {
+	dir := h.Data["dir"]
+	mem, err1 := strconv.ParseInt(h.Data["mem"], 10, 64)
+	cpus, err2 := strconv.Atoi(h.Data["cpus"])
+	var images []string
+	err3 := json.Unmarshal([]byte(h.Data["layers"]), &images)
+	if dir == "" || err1 != nil || err2 != nil || err3 != nil || mem <= 0 || cpus <= 0 || len(images) == 0 || len(images) > MaxLayers {
+		return nil, fmt.Errorf("%s backend: sandbox %s: its handle does not describe a VM", b.cfg.Name, h.ID)
+	}
+	accel := h.Data["accel"]
+	if accel != "kvm" && accel != "tcg" {
+		return nil, fmt.Errorf("%s backend: sandbox %s: accel %q", b.cfg.Name, h.ID, accel)
+	}
+	pipe := filepath.Join(dir, agentPipe)
+	args := b.baseArgs(accel, mem, cpus, "")
+	args = append(args,
+		"-chardev", "ringbuf,id=con,size=65536", "-serial", "chardev:con",
+		"-qmp", "unix:"+qemuEscape(filepath.Join(dir, "qmp.sock"))+",server=on,wait=off",
+		"-pidfile", filepath.Join(dir, "qemu.pid"),
+		"-device", b.dev("virtio-serial")+",max_ports=2",
+		"-chardev", "pipe,id=agent,path="+qemuEscape(pipe),
+		"-device", "virtserialport,chardev=agent,name="+vminit.PortName,
+		"-drive", "if=none,id=cfg,format=raw,readonly=on,file="+qemuEscape(filepath.Join(dir, "config.img")),
+		"-device", b.dev("virtio-blk")+",drive=cfg,serial="+vminit.ConfigSerial,
+	)
+	for i, img := range images {
+		id := "l" + strconv.Itoa(i)
+		args = append(args,
+			"-drive", "if=none,id="+id+",format=raw,readonly=on,file.locking=off,file="+qemuEscape(img),
+			"-device", b.dev("virtio-blk")+",drive="+id+",serial="+vminit.LayerSerialPrefix+strconv.Itoa(i))
+	}
+	// A compromised QEMU may not spawn, elevate or change resource
+	// controls (QEMU's seccomp filter).
+	args = append(args, "-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny")
+	return args, nil
+}
+
+// start starts the QEMU of h (its qemuArgs and extra ones) and returns h
+// with its pid; exited is closed when it has exited.
+func (b *Backend) start(h sandbox.Handle, extra ...string) (sandbox.Handle, <-chan struct{}, error) {
+	args, err := b.qemuArgs(h)
+	if err != nil {
+		return h, nil, err
+	}
+	args = append(args, extra...)
+	logf, err := os.OpenFile(filepath.Join(h.Data["dir"], "qemu.log"), os.O_CREATE|os.O_WRONLY|os.O_TRUNC|unix.O_NOFOLLOW, 0o600)
+	if err != nil {
+		return h, nil, err
+	}
+	cmd := exec.Command(b.cfg.QEMU, args...)
+	cmd.Stdout, cmd.Stderr = logf, logf
+	// Its own session: the VM outlives the node process (Recover).
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	err = cmd.Start()
+	logf.Close()
+	if err != nil {
+		return h, nil, fmt.Errorf("start qemu: %w", err)
+	}
+	exited := make(chan struct{})
+	go func() { cmd.Wait(); close(exited) }()
+	pid := cmd.Process.Pid
+	st, _ := startTime(pid)
+	nh := h
+	nh.Data = make(map[string]string, len(h.Data)+2)
+	for k, v := range h.Data {
+		nh.Data[k] = v
+	}
+	nh.Data["pid"], nh.Data["pid_start"] = strconv.Itoa(pid), st
+	return nh, exited, nil
 }
 
 // waitAgent pings the guest's agent until it answers, QEMU exits or ctx
@@ -605,15 +656,31 @@ func process(h sandbox.Handle) int {
 	return pid
 }
 
-// Alive implements sandbox.Prober.
+// Alive implements sandbox.Prober: its QEMU runs, or it is paused (its
+// snapshot is there).
 func (b *Backend) Alive(h sandbox.Handle) (bool, error) {
-	return process(h) != 0, nil
+	if process(h) != 0 {
+		return true, nil
+	}
+	return paused(h), nil
 }
 
 // Recover implements sandbox.Backend: a VM whose QEMU still runs is
-// running (its agent channel is re-dialed on the next request).
+// running (its agent channel is re-dialed on the next request), and so is
+// a paused one (its snapshot is there; the node knows it paused it). A
+// QEMU whose snapshot is complete but which a pause did not kill yet (the
+// node died in the middle, and so still has it running) continues.
 func (b *Backend) Recover(ctx context.Context, h sandbox.Handle) (sandbox.Status, error) {
 	if process(h) != 0 {
+		if paused(h) {
+			if err := qmp(ctx, filepath.Join(h.Data["dir"], "qmp.sock"), "cont", nil, nil); err != nil {
+				return sandbox.StatusStopped, fmt.Errorf("continue a VM after an interrupted pause: %w", err)
+			}
+			os.Remove(filepath.Join(h.Data["dir"], stateFile))
+		}
+		return sandbox.StatusRunning, nil
+	}
+	if paused(h) {
 		return sandbox.StatusRunning, nil
 	}
 	return sandbox.StatusStopped, nil
@@ -629,7 +696,19 @@ func (b *Backend) Delete(ctx context.Context, h sandbox.Handle) error {
 	if m != nil {
 		m.close()
 	}
-	pid := process(h)
+	if err := kill(ctx, process(h)); err != nil {
+		return err
+	}
+	// A QEMU that a resume started before the node died (its handle was
+	// not persisted): the pidfile in the sandbox's directory names it.
+	if h.Data["pid"] != "" && h.Data["dir"] != "" {
+		return kill(ctx, process(sandbox.Handle{Data: map[string]string{"dir": h.Data["dir"]}}))
+	}
+	return nil
+}
+
+// kill kills the QEMU of pid (none if 0) and waits until it is gone.
+func kill(ctx context.Context, pid int) error {
 	if pid == 0 {
 		return nil
 	}

@@ -1,0 +1,262 @@
+package microvm
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/shoal-sandbox/shoal/internal/sandbox"
+)
+
+// Pause and resume: a paused VM is a snapshot and no process. Pause stops
+// the guest, has QEMU write its whole state (memory and devices) to
+// stateFile in the sandbox's directory (a migration to a file descriptor
+// passed over QMP: QEMU may not spawn, so no exec: URIs) and kills QEMU.
+// Resume starts a new QEMU with the same command line waiting for an
+// incoming migration, feeds it the file, continues the guest and waits for
+// its agent; the new QEMU is another process, so it returns a new handle.
+// The agent channel's FIFOs are the same: the host's next session begins
+// with a handshake, which ends the one the guest had before the pause.
+//
+// A sandbox is paused when its QEMU is gone and its stateFile exists. The
+// snapshot is written to stateFile+".tmp" and renamed when complete: a
+// node that dies in the middle leaves the VM running (Recover continues a
+// guest whose snapshot was complete but whose QEMU was not yet killed).
+
+var _ sandbox.Pauser = (*Backend)(nil)
+
+const stateFile = "vm.state"
+
+// migrateBandwidth lifts QEMU's default migration limit (32 MiB/s): the
+// stream goes to a local file.
+const migrateBandwidth = 64 << 30
+
+// Pause implements sandbox.Pauser.
+func (b *Backend) Pause(ctx context.Context, h sandbox.Handle) (sandbox.PauseStats, error) {
+	stats := sandbox.PauseStats{MemoryBefore: -1, MemoryAfter: 0, Method: "snapshot"}
+	dir := h.Data["dir"]
+	state := filepath.Join(dir, stateFile)
+	pid := process(h)
+	if pid == 0 {
+		if paused(h) {
+			return stats, nil // paused already
+		}
+		return stats, fmt.Errorf("%s backend: sandbox %s: its QEMU is not running", b.cfg.Name, h.ID)
+	}
+	stats.MemoryBefore = rss(pid)
+	start := time.Now()
+	q, err := dialQMP(ctx, filepath.Join(dir, "qmp.sock"))
+	if err != nil {
+		return stats, err
+	}
+	defer q.Close()
+	if err := q.run("stop", nil, nil); err != nil {
+		return stats, err
+	}
+	stats.FreezeTook = time.Since(start)
+	start = time.Now()
+	if err := b.snapshot(ctx, q, state); err != nil {
+		// Running again as it was; the partial file goes.
+		q.c.SetDeadline(time.Now().Add(5 * time.Second))
+		if cerr := q.run("cont", nil, nil); cerr != nil {
+			b.log.Error("continue a VM after a failed snapshot", "sandbox_id", h.ID, "err", cerr)
+		}
+		os.Remove(state + ".tmp")
+		return stats, fmt.Errorf("%s backend: snapshot of sandbox %s: %w", b.cfg.Name, h.ID, err)
+	}
+	b.dropMux(h.ID)
+	if err := kill(ctx, pid); err != nil {
+		// Paused in the file; the stopped QEMU goes with the next Delete
+		// or Resume (which kills what the pidfile names).
+		b.log.Warn("kill a snapshotted VM", "sandbox_id", h.ID, "err", err)
+	}
+	stats.ReclaimTook = time.Since(start)
+	return stats, nil
+}
+
+// snapshot writes the stopped VM's state to path (through path.tmp).
+func (b *Backend) snapshot(ctx context.Context, q *qmpConn, path string) error {
+	tmp := path + ".tmp"
+	f, err := os.OpenFile(tmp, os.O_CREATE|os.O_TRUNC|os.O_WRONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o600)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	if err := q.run("migrate-set-parameters", map[string]any{"max-bandwidth": migrateBandwidth}, nil); err != nil {
+		return err
+	}
+	if err := q.runFD("getfd", map[string]any{"fdname": "state"}, f, nil); err != nil {
+		return err
+	}
+	if err := q.run("migrate", map[string]any{"uri": "fd:state"}, nil); err != nil {
+		return err
+	}
+	for {
+		var mi struct {
+			Status    string `json:"status"`
+			ErrorDesc string `json:"error-desc"`
+		}
+		if err := q.run("query-migrate", nil, &mi); err != nil {
+			return err
+		}
+		switch mi.Status {
+		case "completed":
+			if err := f.Sync(); err != nil {
+				return err
+			}
+			return os.Rename(tmp, path)
+		case "failed", "cancelled":
+			return fmt.Errorf("migration %s: %s", mi.Status, mi.ErrorDesc)
+		}
+		select {
+		case <-ctx.Done():
+			q.c.SetDeadline(time.Now().Add(5 * time.Second))
+			q.run("migrate_cancel", nil, nil)
+			return ctx.Err()
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+}
+
+// Resume implements sandbox.Pauser.
+func (b *Backend) Resume(ctx context.Context, h sandbox.Handle) (sandbox.Handle, error) {
+	if process(h) != 0 {
+		return h, nil
+	}
+	dir := h.Data["dir"]
+	if dir == "" {
+		return h, fmt.Errorf("%s backend: sandbox %s: its handle does not describe a VM", b.cfg.Name, h.ID)
+	}
+	state := filepath.Join(dir, stateFile)
+	f, err := os.OpenFile(state, os.O_RDONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return h, fmt.Errorf("%s backend: resume sandbox %s: no snapshot: %w", b.cfg.Name, h.ID, err)
+	}
+	defer f.Close()
+	if _, ok := ctx.Deadline(); !ok {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, 3*time.Minute)
+		defer cancel()
+	}
+	b.dropMux(h.ID)
+	// A QEMU a resume started before the node died.
+	if err := kill(ctx, process(sandbox.Handle{Data: map[string]string{"dir": dir}})); err != nil {
+		return h, err
+	}
+	start := time.Now()
+	nh, exited, err := b.start(h, "-incoming", "defer")
+	if err != nil {
+		return h, err
+	}
+	if err := b.restore(ctx, nh, f, exited); err != nil {
+		b.dropMux(h.ID)
+		if kerr := kill(context.Background(), process(nh)); kerr != nil {
+			b.log.Error("kill a VM whose resume failed", "sandbox_id", h.ID, "err", kerr)
+		}
+		return h, fmt.Errorf("%s backend: resume sandbox %s: %w%s", b.cfg.Name, h.ID, err, b.console(filepath.Join(dir, "qmp.sock"), dir, exited))
+	}
+	if err := os.Remove(state); err != nil {
+		b.log.Warn("remove a resumed VM's snapshot", "sandbox_id", h.ID, "err", err)
+	}
+	b.log.Debug("vm resumed", "sandbox_id", h.ID, "took", time.Since(start))
+	return nh, nil
+}
+
+// restore feeds the snapshot f to the new QEMU of h, continues the guest
+// and waits for its agent.
+func (b *Backend) restore(ctx context.Context, h sandbox.Handle, f *os.File, exited <-chan struct{}) error {
+	sock := filepath.Join(h.Data["dir"], "qmp.sock")
+	var q *qmpConn
+	for {
+		// The old QEMU's socket file is there until the new one replaces it.
+		var err error
+		if q, err = dialQMP(ctx, sock); err == nil {
+			break
+		}
+		select {
+		case <-exited:
+			return errors.New("qemu exited")
+		case <-ctx.Done():
+			return fmt.Errorf("qmp: %w", ctx.Err())
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+	defer q.Close()
+	if err := q.runFD("getfd", map[string]any{"fdname": "state"}, f, nil); err != nil {
+		return err
+	}
+	if err := q.run("migrate-incoming", map[string]any{"uri": "fd:state"}, nil); err != nil {
+		return err
+	}
+	for {
+		var st struct {
+			Status string `json:"status"`
+		}
+		if err := q.run("query-status", nil, &st); err != nil {
+			return err // a failed restore ends QEMU
+		}
+		if st.Status == "running" {
+			break
+		}
+		if st.Status != "inmigrate" {
+			if err := q.run("cont", nil, nil); err != nil {
+				return err
+			}
+			break
+		}
+		select {
+		case <-exited:
+			return errors.New("qemu exited while restoring the snapshot")
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+	return b.waitAgent(ctx, h, exited)
+}
+
+// paused tells whether h has a snapshot (if its QEMU is gone too, it is
+// paused).
+func paused(h sandbox.Handle) bool {
+	if h.Data["dir"] == "" {
+		return false
+	}
+	_, err := os.Lstat(filepath.Join(h.Data["dir"], stateFile))
+	return err == nil
+}
+
+// dropMux ends the host's session on a sandbox's agent channel: the next
+// request begins a new one (with a new QEMU).
+func (b *Backend) dropMux(id string) {
+	b.mu.Lock()
+	m := b.muxes[id]
+	b.mu.Unlock()
+	if m != nil {
+		m.close()
+	}
+}
+
+// rss is the resident memory of a process in bytes (-1 if unknown).
+func rss(pid int) int64 {
+	data, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/status")
+	if err != nil {
+		return -1
+	}
+	for _, l := range strings.Split(string(data), "\n") {
+		if v, ok := strings.CutPrefix(l, "VmRSS:"); ok {
+			kb, err := strconv.ParseInt(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(v), "kB")), 10, 64)
+			if err != nil {
+				return -1
+			}
+			return kb << 10
+		}
+	}
+	return -1
+}

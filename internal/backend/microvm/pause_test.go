@@ -1,0 +1,160 @@
+package microvm
+
+import (
+	"context"
+	"io"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/shoal-sandbox/shoal/internal/agent"
+	"github.com/shoal-sandbox/shoal/internal/sandbox"
+)
+
+// Pause snapshots a VM to a file and ends its QEMU; Resume restores it in
+// a new QEMU: its files and its running processes are as they were (a
+// counter goes on from where it stopped). A resume from a bad snapshot
+// fails, keeps the snapshot and leaves the sandbox paused.
+func TestVMPauseResume(t *testing.T) {
+	for _, m := range []string{MachineMicroVM, MachineQ35} {
+		t.Run(m, func(t *testing.T) {
+			t.Parallel()
+			testVMPauseResume(t, m)
+		})
+	}
+}
+
+// readCount reads the guest's counter (again while it is empty: the
+// counter's shell truncates the file before it writes it).
+func readCount(t *testing.T, ctx context.Context, c *agent.Client) int {
+	t.Helper()
+	for {
+		out := strings.TrimSpace(run(t, ctx, c, "cat", "/work/count"))
+		if out == "" && ctx.Err() == nil {
+			continue
+		}
+		n, err := strconv.Atoi(out)
+		if err != nil {
+			t.Fatalf("count %q", out)
+		}
+		return n
+	}
+}
+
+// waitCount waits until the guest's counter exceeds n.
+func waitCount(t *testing.T, ctx context.Context, c *agent.Client, n int) int {
+	t.Helper()
+	for {
+		if got := readCount(t, ctx, c); got > n {
+			return got
+		}
+		select {
+		case <-ctx.Done():
+			t.Fatalf("the counter stays at %d", n)
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+}
+
+func testVMPauseResume(t *testing.T, machine string) {
+	b, img := vmTestEnv(t, machine)
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	sdir, err := os.MkdirTemp("/tmp", "vmp")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer os.RemoveAll(sdir)
+	h, err := b.Create(ctx, sandbox.Spec{ID: "vmpause-" + machine, Dir: sdir,
+		Resources: sandbox.Resources{MemoryBytes: 256 << 20, MilliCPU: 1000},
+		Layers:    []sandbox.Layer{{Digest: "sha256:x", Kind: "base", ImagePath: img}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { b.Delete(context.Background(), h) }()
+	c := agent.NewClientDialer(h.ID, b.AgentDial(h))
+	if _, err := c.WriteFile(ctx, "/work/a.txt", 0o644, strings.NewReader("kept across a pause")); err != nil {
+		t.Fatal(err)
+	}
+	run(t, ctx, c, "sh", "-c", "(i=0; while true; do i=$((i+1)); echo $i > /work/count; sleep 0.1; done) >/dev/null 2>&1 &")
+	before := waitCount(t, ctx, c, 2)
+
+	stats, err := b.Pause(ctx, h)
+	if err != nil {
+		t.Fatal(err)
+	}
+	st, err := os.Stat(filepath.Join(sdir, stateFile))
+	if err != nil {
+		t.Fatalf("no snapshot: %v", err)
+	}
+	t.Logf("paused: snapshot %d MiB, RSS before %d MiB, stop %s, snapshot+kill %s",
+		st.Size()>>20, stats.MemoryBefore>>20, stats.FreezeTook, stats.ReclaimTook)
+	if process(h) != 0 {
+		t.Fatal("QEMU still runs after pause")
+	}
+	if ok, _ := b.Alive(h); !ok {
+		t.Error("a paused VM is not alive")
+	}
+	if s, err := b.Recover(ctx, h); err != nil || s != sandbox.StatusRunning {
+		t.Errorf("recover of a paused VM: %s, %v", s, err)
+	}
+	if _, err := b.Pause(ctx, h); err != nil {
+		t.Errorf("pause of a paused VM: %v", err)
+	}
+
+	// A bad snapshot: the resume fails, the snapshot stays.
+	good, err := os.ReadFile(filepath.Join(sdir, stateFile))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(sdir, stateFile), good[:len(good)/2], 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.Resume(ctx, h); err == nil {
+		t.Fatal("resumed from a truncated snapshot")
+	} else {
+		t.Logf("resume from a truncated snapshot: %v", err)
+	}
+	if !paused(h) || process(sandbox.Handle{Data: map[string]string{"dir": sdir}}) != 0 {
+		t.Fatal("a failed resume did not leave the sandbox paused")
+	}
+	if err := os.WriteFile(filepath.Join(sdir, stateFile), good, 0o600); err != nil {
+		t.Fatal(err)
+	}
+
+	start := time.Now()
+	nh, err := b.Resume(ctx, h)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resumed := time.Since(start)
+	if nh.Data["pid"] == h.Data["pid"] || process(nh) == 0 {
+		t.Fatalf("resume: handle %v", nh.Data)
+	}
+	h = nh
+	c = agent.NewClientDialer(h.ID, b.AgentDial(h))
+	after := readCount(t, ctx, c)
+	t.Logf("resumed in %s; first exec after %s", resumed, time.Since(start))
+	if after < before {
+		t.Errorf("the counter went from %d to %d across the pause", before, after)
+	}
+	waitCount(t, ctx, c, after)
+	r, _, err := c.ReadFile(ctx, "/work/a.txt")
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, _ := io.ReadAll(r)
+	r.Close()
+	if string(got) != "kept across a pause" {
+		t.Errorf("file after resume: %q", got)
+	}
+	if paused(h) {
+		t.Error("the snapshot is still there after resume")
+	}
+	if again, err := b.Resume(ctx, h); err != nil || again.Data["pid"] != h.Data["pid"] {
+		t.Errorf("resume of a running VM: %v, %v", again.Data, err)
+	}
+}
