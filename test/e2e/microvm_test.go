@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
 	"os"
 	"strings"
 	"testing"
@@ -14,7 +15,8 @@ import (
 
 // TestMicroVM drives a microvm sandbox through the CLI: create, exec, files
 // both ways, a commit refused with the reason, a restart of the server
-// that the VM survives (the new server re-dials its agent channel), and a
+// that the VM survives (the new server re-dials its agent channel), a
+// pause (snapshot, QEMU ends) across another restart and a resume, and a
 // delete that ends its QEMU. It skips when this node offers no microvm
 // backend (no QEMU or guest kernel: scripts/vmkernel.sh). serve chooses
 // the accelerator (KVM if a probe guest boots on it, else TCG).
@@ -75,6 +77,41 @@ func TestMicroVM(t *testing.T) {
 	if err != nil || st.Code != 0 || buf.String() != "in the vm\n" {
 		t.Fatalf("exec after a restart of the server: %v %v %q", st, err, buf.String())
 	}
+	// Paused: the VM's state goes to a file and its QEMU ends; a command
+	// that runs across the pause (and a restart of the server while the
+	// VM is paused) streams to its end after the resume, in a new QEMU.
+	cmdID := strings.TrimSpace(shoalOK(t, "exec", "-d", id, "--", "sh", "-c", "i=0; while [ $i -lt 20 ]; do i=$((i+1)); echo line $i; sleep 0.05; done"))
+	var want strings.Builder
+	for i := 1; i <= 20; i++ {
+		fmt.Fprintf(&want, "line %d\n", i)
+	}
+	t.Logf("shoal pause: %s", shoalOK(t, "pause", id))
+	if _, stderr, code := run3(nil, "pause", id); code != 0 || !strings.Contains(stderr, "paused already") {
+		t.Fatalf("second pause: exit %d, %s", code, stderr)
+	}
+	killServe()
+	if err := startServe(); err != nil {
+		t.Fatal(err)
+	}
+	out, code = run(nil, "inspect", id)
+	if code != 0 || json.Unmarshal([]byte(out), &info) != nil || info.State != "paused" {
+		t.Fatalf("inspect of a paused VM after a restart of the server: %d %s", code, out)
+	}
+	if b, err := os.ReadFile("/proc/" + pid + "/stat"); err == nil && !strings.Contains(string(b), ") Z ") {
+		t.Fatalf("qemu %s still runs while the VM is paused", pid)
+	}
+	shoalOK(t, "resume", id)
+	if got := shoalOK(t, "attach", id, cmdID); got != want.String() {
+		t.Fatalf("the command started before the pause streamed\n%q\nwant\n%q", got, want.String())
+	}
+	if out, code := run(nil, "cp", id+":/work/x.txt", "-"); code != 0 || out != "in the vm\n" {
+		t.Fatalf("a file after the resume: %d %q", code, out)
+	}
+	out, code = run(nil, "inspect", id)
+	if code != 0 || json.Unmarshal([]byte(out), &info) != nil || info.State != "running" || info.Runtime["pid"] == pid {
+		t.Fatalf("inspect after resume: %d %s", code, out)
+	}
+	pid = info.Runtime["pid"]
 	if out, code := run(nil, "rm", id); code != 0 {
 		t.Fatalf("rm: %d %s", code, out)
 	}
