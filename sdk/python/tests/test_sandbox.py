@@ -10,6 +10,8 @@ import pytest
 import shoal
 from shoal import Sandbox
 
+from .conftest import _create_timeout
+
 
 def test_create_with_resources_metadata_and_envs(server, backend) -> None:
     with Sandbox.create(
@@ -86,10 +88,10 @@ def test_idle_timeout_deletes_the_sandbox(server) -> None:
         sb.get_info()
 
 
-def test_pause_resume(server, container_sb) -> None:
+def test_pause_resume(sb) -> None:
     """A paused sandbox is paused (not running), keeps its files and its
-    processes, and resumes by resume() or by the next call."""
-    sb = container_sb
+    processes, and resumes by resume() or by the next call (a VM: from its
+    snapshot, in a new QEMU)."""
     sb.files.write("/work/keep.txt", "kept")
     h = sb.commands.run("i=0; while :; do i=$((i+1)); echo $i > /work/n; sleep 0.05; done", background=True)
     info = sb.pause()
@@ -129,9 +131,9 @@ def test_async_pause_resume(server) -> None:
     asyncio.run(main())
 
 
-def test_auto_pause(server) -> None:
+def test_auto_pause(server, backend) -> None:
     """auto_pause=1: idle for a second, the sandbox is paused; a call resumes it."""
-    sb = Sandbox.create(base=server.base, timeout=600, auto_pause=1)
+    sb = Sandbox.create(base=server.base, backend=backend, timeout=600, auto_pause=1, request_timeout=_create_timeout(backend))
     try:
         assert sb.get_info().auto_pause == 1
         deadline = time.monotonic() + 30
