@@ -99,6 +99,23 @@ func testVMPauseResume(t *testing.T, machine string) {
 	if again, err := b.Resume(ctx, h); err != nil || again.Data["pid"] != h.Data["pid"] {
 		t.Errorf("resume of a running VM: %v, %v", again.Data, err)
 	}
+	// A node that died after a pause's snapshot and before its kill: the
+	// guest is stopped and its snapshot is there. Recover continues it.
+	if err := qmp(ctx, filepath.Join(h.Data["dir"], "qmp.sock"), "stop", nil, nil); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(h.Data["dir"], stateFile), []byte("snapshot"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if s, err := b.Recover(ctx, h); err != nil || s != sandbox.StatusRunning {
+		t.Fatalf("recover of a stopped VM with a snapshot: %s, %v", s, err)
+	}
+	if paused(h) {
+		t.Error("recover left the snapshot of a running VM")
+	}
+	wctx, wcancel := context.WithTimeout(ctx, 30*time.Second) // a stopped guest does not answer
+	defer wcancel()
+	waitCount(t, wctx, c, readCount(t, wctx, c))
 }
 
 // pauseResumeRound pauses h, checks it is paused (and, if bad, that a
