@@ -155,6 +155,10 @@ type portListener struct {
 	epoch uint64
 	cur   *linkSession // the current session; only serve touches it
 	nonce []byte       // the sync record cur answered
+
+	// onSession runs before a new session is answered (syncClock in a
+	// VM; nil in tests, which run on the host).
+	onSession func()
 }
 
 type linkSession struct {
@@ -167,7 +171,7 @@ func listenPort() (net.Listener, error) {
 	if err != nil {
 		return nil, err
 	}
-	l := &portListener{path: p, conns: make(chan net.Conn), done: make(chan struct{})}
+	l := &portListener{path: p, conns: make(chan net.Conn), done: make(chan struct{}), onSession: syncClock}
 	go l.run()
 	return l, nil
 }
@@ -306,6 +310,9 @@ func scanSync(r *bufio.Reader) error {
 // record asks for, answering it before anything of the new session.
 func (l *portListener) start(nonce []byte) {
 	l.end()
+	if l.onSession != nil {
+		l.onSession()
+	}
 	pr, pw := io.Pipe()
 	l.wmu.Lock()
 	l.epoch++

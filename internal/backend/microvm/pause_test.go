@@ -119,8 +119,9 @@ func testVMPauseResume(t *testing.T, machine string) {
 }
 
 // pauseResumeRound pauses h, checks it is paused (and, if bad, that a
-// resume from a truncated snapshot fails and keeps it paused), resumes it
-// and checks its file and its counter (at least before, and counting);
+// resume from a truncated snapshot fails and keeps it paused, and that the
+// guest's clock caught up with the time it was paused), resumes it and
+// checks its file and its counter (at least before, and counting);
 // it appends the time from the resume's start to the first exec's answer.
 func pauseResumeRound(t *testing.T, ctx context.Context, b *Backend, h sandbox.Handle, bad bool, before int, firstExec *[]time.Duration) sandbox.Handle {
 	t.Helper()
@@ -151,6 +152,9 @@ func pauseResumeRound(t *testing.T, ctx context.Context, b *Backend, h sandbox.H
 
 	if bad {
 		badSnapshot(t, ctx, b, h)
+		// Time passes while it is paused: the guest's clock must catch
+		// up after the resume.
+		time.Sleep(3 * time.Second)
 	}
 
 	start := time.Now()
@@ -167,6 +171,13 @@ func pauseResumeRound(t *testing.T, ctx context.Context, b *Backend, h sandbox.H
 	after := readCount(t, ctx, c)
 	*firstExec = append(*firstExec, time.Since(start))
 	t.Logf("resumed in %s; first exec after %s", resumed, time.Since(start))
+	if bad {
+		host := time.Now().Unix()
+		out := strings.TrimSpace(run(t, ctx, c, "busybox", "date", "+%s"))
+		if guest, err := strconv.ParseInt(out, 10, 64); err != nil || guest < host-1 {
+			t.Errorf("the guest's clock says %s after the resume, the host's %d", out, host)
+		}
+	}
 	if after < before {
 		t.Errorf("the counter went from %d to %d across the pause", before, after)
 	}
