@@ -71,12 +71,14 @@ func (b *Backend) Pause(ctx context.Context, h sandbox.Handle) (sandbox.PauseSta
 		os.Remove(state + ".tmp")
 		return stats, fmt.Errorf("%s backend: snapshot of sandbox %s: %w", b.cfg.Name, h.ID, err)
 	}
-	b.dropMux(h.ID)
 	if err := kill(ctx, pid); err != nil {
 		// Paused in the file; the stopped QEMU goes with the next Delete
 		// or Resume (which kills what the pidfile names).
 		b.log.Warn("kill a snapshotted VM", "sandbox_id", h.ID, "err", err)
 	}
+	// After the kill: a handshake in flight on the stopped guest holds
+	// the channel's lock until its read fails, which QEMU's end makes it.
+	b.dropMux(h.ID)
 	stats.ReclaimTook = time.Since(start)
 	return stats, nil
 }
@@ -156,10 +158,10 @@ func (b *Backend) Resume(ctx context.Context, h sandbox.Handle) (sandbox.Handle,
 		return h, err
 	}
 	if err := b.restore(ctx, nh, f, exited); err != nil {
-		b.dropMux(h.ID)
 		if kerr := kill(context.Background(), process(nh)); kerr != nil {
 			b.log.Error("kill a VM whose resume failed", "sandbox_id", h.ID, "err", kerr)
 		}
+		b.dropMux(h.ID)
 		return h, fmt.Errorf("%s backend: resume sandbox %s: %w%s", b.cfg.Name, h.ID, err, b.console(filepath.Join(dir, "qmp.sock"), dir, exited))
 	}
 	if err := os.Remove(state); err != nil {
