@@ -50,6 +50,11 @@ func (b *Backend) Pause(ctx context.Context, h sandbox.Handle) (sandbox.PauseSta
 		}
 		return stats, fmt.Errorf("%s backend: sandbox %s: its QEMU is not running", b.cfg.Name, h.ID)
 	}
+	// Resumable: its handle says how to start it again (not so for a VM
+	// created by a node before pause existed).
+	if _, err := b.qemuArgs(h); err != nil {
+		return stats, fmt.Errorf("%w: %w", err, sandbox.ErrUnsupported)
+	}
 	stats.MemoryBefore = rss(pid)
 	start := time.Now()
 	q, err := dialQMP(ctx, filepath.Join(dir, "qmp.sock"))

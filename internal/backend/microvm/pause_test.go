@@ -2,7 +2,9 @@ package microvm
 
 import (
 	"context"
+	"errors"
 	"io"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"slices"
@@ -220,5 +222,23 @@ func badSnapshot(t *testing.T, ctx context.Context, b *Backend, h sandbox.Handle
 	}
 	if err := os.WriteFile(filepath.Join(sdir, stateFile), good, 0o600); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// A VM whose handle does not say how to start it again (created before
+// pause existed) is not paused: it could not be resumed.
+func TestPauseRefusesAnUnresumableHandle(t *testing.T) {
+	b := &Backend{cfg: Config{Name: "microvm"}, log: slog.New(slog.DiscardHandler), muxes: map[string]*chanMux{}}
+	pid := os.Getpid() // a running process stands for its QEMU
+	st, err := startTime(pid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := sandbox.Handle{ID: "old", Data: map[string]string{"pid": strconv.Itoa(pid), "pid_start": st, "dir": t.TempDir(), "accel": "tcg"}}
+	if _, err := b.Pause(context.Background(), h); !errors.Is(err, sandbox.ErrUnsupported) {
+		t.Fatalf("pause of an old VM: %v", err)
+	}
+	if paused(h) {
+		t.Fatal("a snapshot was made")
 	}
 }
