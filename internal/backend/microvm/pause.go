@@ -55,6 +55,11 @@ func (b *Backend) Pause(ctx context.Context, h sandbox.Handle) (sandbox.PauseSta
 	if _, err := b.qemuArgs(h); err != nil {
 		return stats, fmt.Errorf("%w: %w", err, sandbox.ErrUnsupported)
 	}
+	if _, ok := ctx.Deadline(); !ok {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, 3*time.Minute)
+		defer cancel()
+	}
 	stats.MemoryBefore = rss(pid)
 	start := time.Now()
 	q, err := dialQMP(ctx, filepath.Join(dir, "qmp.sock"))
