@@ -667,7 +667,8 @@ func (b *Backend) Alive(h sandbox.Handle) (bool, error) {
 
 // Recover implements sandbox.Backend: a VM whose QEMU still runs is
 // running (its agent channel is re-dialed on the next request), and so is
-// a paused one (its snapshot is there; the node knows it paused it). A
+// a paused one (its snapshot is there, or the QEMU of a resume whose
+// handle the node did not persist runs; the node knows it paused it). A
 // QEMU whose snapshot is complete but which a pause did not kill yet (the
 // node died in the middle, and so still has it running) continues.
 func (b *Backend) Recover(ctx context.Context, h sandbox.Handle) (sandbox.Status, error) {
@@ -681,6 +682,12 @@ func (b *Backend) Recover(ctx context.Context, h sandbox.Handle) (sandbox.Status
 		return sandbox.StatusRunning, nil
 	}
 	if paused(h) {
+		return sandbox.StatusRunning, nil
+	}
+	if h.Data["pid"] != "" && h.Data["dir"] != "" && process(sandbox.Handle{Data: map[string]string{"dir": h.Data["dir"]}}) != 0 {
+		// A QEMU a resume started, whose handle the node did not persist
+		// (it died): the sandbox is still paused for the node, and its
+		// next Resume adopts that QEMU.
 		return sandbox.StatusRunning, nil
 	}
 	return sandbox.StatusStopped, nil

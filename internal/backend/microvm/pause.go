@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -146,17 +147,31 @@ func (b *Backend) Resume(ctx context.Context, h sandbox.Handle) (sandbox.Handle,
 	if dir == "" {
 		return h, fmt.Errorf("%s backend: sandbox %s: its handle does not describe a VM", b.cfg.Name, h.ID)
 	}
-	state := filepath.Join(dir, stateFile)
-	f, err := os.OpenFile(state, os.O_RDONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
-	if err != nil {
-		return h, fmt.Errorf("%s backend: resume sandbox %s: no snapshot: %w", b.cfg.Name, h.ID, err)
-	}
-	defer f.Close()
 	if _, ok := ctx.Deadline(); !ok {
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithTimeout(ctx, 3*time.Minute)
 		defer cancel()
 	}
+	state := filepath.Join(dir, stateFile)
+	f, err := os.OpenFile(state, os.O_RDONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if errors.Is(err, os.ErrNotExist) {
+		// A resume that ended (the snapshot is gone) before the node
+		// persisted its handle: the QEMU it started is the VM.
+		if pid := process(sandbox.Handle{Data: map[string]string{"dir": dir}}); pid != 0 {
+			st, _ := startTime(pid)
+			nh := h
+			nh.Data = maps.Clone(h.Data)
+			nh.Data["pid"], nh.Data["pid_start"] = strconv.Itoa(pid), st
+			if err := b.waitAgent(ctx, nh, nil); err != nil {
+				return h, fmt.Errorf("%s backend: resume sandbox %s: %w", b.cfg.Name, h.ID, err)
+			}
+			return nh, nil
+		}
+	}
+	if err != nil {
+		return h, fmt.Errorf("%s backend: resume sandbox %s: no snapshot: %w", b.cfg.Name, h.ID, err)
+	}
+	defer f.Close()
 	b.dropMux(h.ID)
 	// A QEMU a resume started before the node died.
 	if err := kill(ctx, process(sandbox.Handle{Data: map[string]string{"dir": dir}})); err != nil {

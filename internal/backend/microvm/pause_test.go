@@ -91,7 +91,9 @@ func testVMPauseResume(t *testing.T, machine string) {
 		rounds = n
 	}
 	var firstExec []time.Duration
+	old := h
 	for round := 1; round <= rounds; round++ {
+		old = h
 		h = pauseResumeRound(t, ctx, b, h, round == 1, before, &firstExec)
 		c = agent.NewClientDialer(h.ID, b.AgentDial(h))
 		before = readCount(t, ctx, c)
@@ -100,6 +102,15 @@ func testVMPauseResume(t *testing.T, machine string) {
 	t.Logf("resume→first exec over %d rounds: p50 %s, min %s, max %s", rounds, firstExec[len(firstExec)/2], firstExec[0], firstExec[len(firstExec)-1])
 	if again, err := b.Resume(ctx, h); err != nil || again.Data["pid"] != h.Data["pid"] {
 		t.Errorf("resume of a running VM: %v, %v", again.Data, err)
+	}
+	// A node that died after a resume, before it persisted the new
+	// handle: the old one's QEMU is gone, and so is the snapshot. The VM
+	// is still there (Recover), and the next resume adopts its QEMU.
+	if s, err := b.Recover(ctx, old); err != nil || s != sandbox.StatusRunning {
+		t.Errorf("recover through the handle before the resume: %s, %v", s, err)
+	}
+	if adopted, err := b.Resume(ctx, old); err != nil || adopted.Data["pid"] != h.Data["pid"] || adopted.Data["pid_start"] != h.Data["pid_start"] {
+		t.Errorf("resume through the handle before the resume: %v, %v (want pid %s)", adopted.Data, err, h.Data["pid"])
 	}
 	// A node that died after a pause's snapshot and before its kill: the
 	// guest is stopped and its snapshot is there. Recover continues it.
