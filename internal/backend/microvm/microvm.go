@@ -37,6 +37,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"net"
 	"os"
 	"os/exec"
@@ -451,14 +452,13 @@ func (b *Backend) qemuArgs(h sandbox.Handle) ([]string, error) {
 	if accel != "kvm" && accel != "tcg" {
 		return nil, fmt.Errorf("%s backend: sandbox %s: accel %q", b.cfg.Name, h.ID, accel)
 	}
-	pipe := filepath.Join(dir, agentPipe)
 	args := b.baseArgs(accel, mem, cpus, "")
 	args = append(args,
 		"-chardev", "ringbuf,id=con,size=65536", "-serial", "chardev:con",
 		"-qmp", "unix:"+qemuEscape(filepath.Join(dir, "qmp.sock"))+",server=on,wait=off",
 		"-pidfile", filepath.Join(dir, "qemu.pid"),
 		"-device", b.dev("virtio-serial")+",max_ports=2",
-		"-chardev", "pipe,id=agent,path="+qemuEscape(pipe),
+		"-chardev", agentChardev(dir),
 		"-device", "virtserialport,chardev=agent,name="+vminit.PortName,
 		"-drive", "if=none,id=cfg,format=raw,readonly=on,file="+qemuEscape(filepath.Join(dir, "config.img")),
 		"-device", b.dev("virtio-blk")+",drive=cfg,serial="+vminit.ConfigSerial,
@@ -498,15 +498,7 @@ func (b *Backend) start(h sandbox.Handle, extra ...string) (sandbox.Handle, <-ch
 	}
 	exited := make(chan struct{})
 	go func() { cmd.Wait(); close(exited) }()
-	pid := cmd.Process.Pid
-	st, _ := startTime(pid)
-	nh := h
-	nh.Data = make(map[string]string, len(h.Data)+2)
-	for k, v := range h.Data {
-		nh.Data[k] = v
-	}
-	nh.Data["pid"], nh.Data["pid_start"] = strconv.Itoa(pid), st
-	return nh, exited, nil
+	return withPid(h, cmd.Process.Pid), exited, nil
 }
 
 // waitAgent pings the guest's agent until it answers, QEMU exits or ctx
@@ -626,24 +618,10 @@ func startTime(pid int) (string, error) {
 
 // process returns the pid of h's QEMU if it still runs (0 if not). A
 // handle persisted before its create finished (the node crashed in the
-// middle) has no pid: QEMU's pidfile in the sandbox's directory names it,
-// and its command line must name that directory.
+// middle) has no pid: QEMU's pidfile names it (pidfileProcess).
 func process(h sandbox.Handle) int {
 	if h.Data["pid"] == "" && h.Data["dir"] != "" {
-		dir := h.Data["dir"]
-		b, err := os.ReadFile(filepath.Join(dir, "qemu.pid"))
-		if err != nil {
-			return 0
-		}
-		pid, err := strconv.Atoi(strings.TrimSpace(string(b)))
-		if err != nil || pid <= 0 || ended(pid) {
-			return 0
-		}
-		cl, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/cmdline")
-		if err != nil || !strings.Contains(string(cl), "pipe,id=agent,path="+qemuEscape(filepath.Join(dir, agentPipe))) {
-			return 0
-		}
-		return pid
+		return pidfileProcess(h.Data["dir"])
 	}
 	pid, err := strconv.Atoi(h.Data["pid"])
 	if err != nil || pid <= 0 {
@@ -654,6 +632,33 @@ func process(h sandbox.Handle) int {
 		return 0
 	}
 	return pid
+}
+
+// pidfileProcess returns the pid of the QEMU that the pidfile in a
+// sandbox's directory names, if it still runs and its command line names
+// that directory's agent channel (0 if not).
+func pidfileProcess(dir string) int {
+	b, err := os.ReadFile(filepath.Join(dir, "qemu.pid"))
+	if err != nil {
+		return 0
+	}
+	pid, err := strconv.Atoi(strings.TrimSpace(string(b)))
+	if err != nil || pid <= 0 || ended(pid) {
+		return 0
+	}
+	cl, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/cmdline")
+	if err != nil || !strings.Contains(string(cl), agentChardev(dir)) {
+		return 0
+	}
+	return pid
+}
+
+// withPid returns a copy of h naming the QEMU process pid.
+func withPid(h sandbox.Handle, pid int) sandbox.Handle {
+	st, _ := startTime(pid)
+	h.Data = maps.Clone(h.Data)
+	h.Data["pid"], h.Data["pid_start"] = strconv.Itoa(pid), st
+	return h
 }
 
 // Alive implements sandbox.Prober: its QEMU runs, or it is paused (its
@@ -684,7 +689,7 @@ func (b *Backend) Recover(ctx context.Context, h sandbox.Handle) (sandbox.Status
 	if paused(h) {
 		return sandbox.StatusRunning, nil
 	}
-	if h.Data["pid"] != "" && h.Data["dir"] != "" && process(sandbox.Handle{Data: map[string]string{"dir": h.Data["dir"]}}) != 0 {
+	if h.Data["pid"] != "" && h.Data["dir"] != "" && pidfileProcess(h.Data["dir"]) != 0 {
 		// A QEMU a resume started, whose handle the node did not persist
 		// (it died): the sandbox is still paused for the node, and its
 		// next Resume adopts that QEMU.
@@ -709,7 +714,7 @@ func (b *Backend) Delete(ctx context.Context, h sandbox.Handle) error {
 	// A QEMU that a resume started before the node died (its handle was
 	// not persisted): the pidfile in the sandbox's directory names it.
 	if h.Data["pid"] != "" && h.Data["dir"] != "" {
-		return kill(ctx, process(sandbox.Handle{Data: map[string]string{"dir": h.Data["dir"]}}))
+		return kill(ctx, pidfileProcess(h.Data["dir"]))
 	}
 	return nil
 }
@@ -776,6 +781,12 @@ func (b *Backend) WritableLayer(h sandbox.Handle) (string, error) {
 // agentPipe names the agent channel's FIFOs in the sandbox's directory
 // (with .in and .out).
 const agentPipe = "agent"
+
+// agentChardev is the QEMU chardev of the agent channel of the VM whose
+// sandbox directory is dir (also how its command line is recognized).
+func agentChardev(dir string) string {
+	return "pipe,id=agent,path=" + qemuEscape(filepath.Join(dir, agentPipe))
+}
 
 // AgentDial implements sandbox.AgentDialer: streams of the one yamux
 // session over the VM's agent channel, begun again when it ends.

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"maps"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -157,11 +156,8 @@ func (b *Backend) Resume(ctx context.Context, h sandbox.Handle) (sandbox.Handle,
 	if errors.Is(err, os.ErrNotExist) {
 		// A resume that ended (the snapshot is gone) before the node
 		// persisted its handle: the QEMU it started is the VM.
-		if pid := process(sandbox.Handle{Data: map[string]string{"dir": dir}}); pid != 0 {
-			st, _ := startTime(pid)
-			nh := h
-			nh.Data = maps.Clone(h.Data)
-			nh.Data["pid"], nh.Data["pid_start"] = strconv.Itoa(pid), st
+		if pid := pidfileProcess(dir); pid != 0 {
+			nh := withPid(h, pid)
 			if err := b.waitAgent(ctx, nh, nil); err != nil {
 				return h, fmt.Errorf("%s backend: resume sandbox %s: %w", b.cfg.Name, h.ID, err)
 			}
@@ -174,7 +170,7 @@ func (b *Backend) Resume(ctx context.Context, h sandbox.Handle) (sandbox.Handle,
 	defer f.Close()
 	b.dropMux(h.ID)
 	// A QEMU a resume started before the node died.
-	if err := kill(ctx, process(sandbox.Handle{Data: map[string]string{"dir": dir}})); err != nil {
+	if err := kill(ctx, pidfileProcess(dir)); err != nil {
 		return h, err
 	}
 	start := time.Now()

@@ -232,7 +232,7 @@ func badSnapshot(t *testing.T, ctx context.Context, b *Backend, h sandbox.Handle
 	} else {
 		t.Logf("resume from a truncated snapshot: %v", err)
 	}
-	if !paused(h) || process(sandbox.Handle{Data: map[string]string{"dir": sdir}}) != 0 {
+	if !paused(h) || pidfileProcess(sdir) != 0 {
 		t.Fatal("a failed resume did not leave the sandbox paused")
 	}
 	if err := os.WriteFile(filepath.Join(sdir, stateFile), good, 0o600); err != nil {
