@@ -20,9 +20,11 @@ import (
 //     node compiles docker's profile once (internal/backend/container/
 //     seccompbpf) instead of runc compiling it for every container. The
 //     agent installs it on all its threads (TSYNC) before it serves
-//     anything, so every command inherits it. The container runs with
-//     no_new_privs, which seccomp requires of a process without
-//     CAP_SYS_ADMIN.
+//     anything, so every command inherits it. The container runs
+//     without no_new_privs (setuid binaries such as sudo work, as in
+//     docker), so the agent starts with CAP_SYS_ADMIN, which installing
+//     a filter then requires, and drops it from every set of every
+//     thread right after (dropSysAdmin).
 //   - $SHOAL_READY_FD: a pipe on which the agent writes "ok\n" once it is
 //     ready to serve, or "error: ...\n" before exiting. The backend's Create
 //     waits for it, so a filter that cannot be installed fails the create
@@ -108,6 +110,12 @@ func StartBoot() (*Boot, error) {
 	}
 	if !b.pooled && b.seccomp != nil {
 		if err := InstallSeccomp(b.seccomp); err != nil {
+			return b, err
+		}
+		// The filter is installed without no_new_privs (setuid binaries
+		// must work, as in docker), with CAP_SYS_ADMIN that no command
+		// may have: drop it now, before anything is served.
+		if err := dropSysAdmin(); err != nil {
 			return b, err
 		}
 	}

@@ -36,7 +36,8 @@ import (
 //  5. masks and makes read-only docker's paths of /proc and /sys;
 //  6. sets the host name, brings up lo;
 //  7. drops from the bounding set every capability not asked for, clears
-//     the inheritable and ambient sets, sets no_new_privs;
+//     the inheritable and ambient sets (no no_new_privs, as under runc:
+//     the claim installs the filter with CAP_SYS_ADMIN, then drops it);
 //  8. executes /.shoal/agent (the read-only bind) with the environment
 //     minus the SHOAL_NATIVE_* variables: the agent then boots as a pooled
 //     agent does under runc (StartBoot, claim, seccomp on claim).
@@ -147,9 +148,6 @@ func nativeInit(syncFD string) error {
 	}
 	if err := limitCaps(keep); err != nil {
 		return err
-	}
-	if err := unix.Prctl(unix.PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0); err != nil {
-		return fmt.Errorf("set no_new_privs: %w", err)
 	}
 	if err := closeOthers(); err != nil {
 		return err

@@ -27,6 +27,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/shoal-sandbox/shoal/test/internal/debroot"
 )
 
 const (
@@ -36,6 +38,10 @@ const (
 	// (1000:1000, home /home/user), the default user of E2B requests.
 	userTemplate = "e2b-users"
 	userBaseRef  = "busybox-users:1"
+	// E2B's own kind of template: Debian with python3, bash and sudo, a
+	// "user" account that may sudo without a password (debianTree).
+	debianTemplate = "e2b-debian"
+	debianBaseRef  = "debian-user:1"
 )
 
 func TestE2BSDK(t *testing.T) {
@@ -139,8 +145,24 @@ func TestE2BSDK(t *testing.T) {
 	addUser(t, rootfs)
 	cli("layer", "build", "--kind", "base", userBaseRef, rootfs)
 	cli("env", "create", userTemplate, "--base", userBaseRef)
+	if why := debroot.Needs(); why != "" {
+		skipOrFail("the Debian template: %s", why)
+	}
+	t0 := time.Now()
+	debian, err := debianTree()
+	if err != nil {
+		skipOrFail("the Debian template (from Debian's archive): %v", err)
+	}
+	cli("layer", "build", "--kind", "base", debianBaseRef, debian)
+	cli("env", "create", debianTemplate, "--base", debianBaseRef)
+	t.Logf("Debian template ready in %s", time.Since(t0).Round(time.Millisecond))
 
-	files, err := filepath.Glob("*.test.mjs")
+	// SHOAL_E2B_ONLY=debian runs debian.test.mjs alone (while working on it).
+	pattern := "*.test.mjs"
+	if only := os.Getenv("SHOAL_E2B_ONLY"); only != "" {
+		pattern = only + ".test.mjs"
+	}
+	files, err := filepath.Glob(pattern)
 	if err != nil || len(files) == 0 {
 		t.Fatalf("no *.test.mjs: %v", err)
 	}
@@ -155,6 +177,7 @@ func TestE2BSDK(t *testing.T) {
 		"SHOAL_URL="+apiURL,
 		"SHOAL_E2B_TEMPLATE="+template,
 		"SHOAL_E2B_USER_TEMPLATE="+userTemplate,
+		"SHOAL_E2B_DEBIAN_TEMPLATE="+debianTemplate,
 		"SHOAL_E2B_BASE="+baseRef,
 	)
 	nodeRun := func(args ...string) (string, error) {
@@ -304,6 +327,52 @@ func addUser(t *testing.T, root string) {
 	if err := os.Chown(home, 1000, 1000); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// debianTree makes (or finds cached) a Debian root with python3, bash,
+// coreutils and sudo from Debian's packages, and E2B's "user" account
+// (1000:1000, /home/user, /bin/bash) allowed to sudo without a password, as
+// E2B's base template has it. The packages' maintainer scripts are not run,
+// so what they would make is written here: the PAM stack sudo includes.
+func debianTree() (string, error) {
+	return debroot.Make(debroot.Tree{
+		Name:     "e2b-debian",
+		Version:  "v1",
+		Packages: []string{"bash", "coreutils", "dash", "python3", "sudo"},
+		Finish: func(root string) error {
+			files := map[string]string{
+				"etc/passwd":                              "root:x:0:0:root:/root:/bin/bash\nnobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\nuser:x:1000:1000:user:/home/user:/bin/bash\n",
+				"etc/group":                               "root:x:0:\nsudo:x:27:user\nusers:x:100:user\nnogroup:x:65534:\nuser:x:1000:\n",
+				"etc/sudoers.d/user":                      "user ALL=(ALL:ALL) NOPASSWD: ALL\n",
+				"etc/pam.d/common-auth":                   "auth [success=1 default=ignore] pam_unix.so nullok\nauth requisite pam_deny.so\nauth required pam_permit.so\n",
+				"etc/pam.d/common-account":                "account required pam_permit.so\n",
+				"etc/pam.d/common-session":                "session required pam_permit.so\n",
+				"etc/pam.d/common-session-noninteractive": "session required pam_permit.so\n",
+				"etc/pam.d/common-password":               "password required pam_deny.so\n",
+				"etc/hosts":                               "127.0.0.1 localhost\n",
+			}
+			for p, content := range files {
+				mode := os.FileMode(0o644)
+				if strings.HasPrefix(p, "etc/sudoers.d/") {
+					mode = 0o440
+				}
+				if err := os.MkdirAll(filepath.Dir(filepath.Join(root, p)), 0o755); err != nil {
+					return err
+				}
+				if err := os.WriteFile(filepath.Join(root, p), []byte(content), mode); err != nil {
+					return err
+				}
+			}
+			if fi, err := os.Stat(filepath.Join(root, "usr/bin/sudo")); err != nil || fi.Mode()&os.ModeSetuid == 0 {
+				return fmt.Errorf("no setuid /usr/bin/sudo in the tree: %v", err)
+			}
+			home := filepath.Join(root, "home", "user")
+			if err := os.MkdirAll(home, 0o755); err != nil {
+				return err
+			}
+			return os.Chown(home, 1000, 1000)
+		},
+	})
 }
 
 // busyboxRootfs makes a minimal root: busybox and its applets (sh, httpd,

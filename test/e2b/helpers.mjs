@@ -15,6 +15,9 @@ export const TEMPLATE = need('SHOAL_E2B_TEMPLATE')
 export const BASE_REF = need('SHOAL_E2B_BASE')
 // An environment whose base has E2B's "user" account (/home/user).
 export const USER_TEMPLATE = need('SHOAL_E2B_USER_TEMPLATE')
+// E2B's kind of template: Debian with bash, python3, sudo and "user", who may
+// sudo without a password.
+export const DEBIAN_TEMPLATE = need('SHOAL_E2B_DEBIAN_TEMPLATE')
 export const SHOAL_URL = need('SHOAL_URL')
 export const SHOAL_API_KEY = need('E2B_API_KEY')
 export const E2B_URL = need('E2B_API_URL')

@@ -17,8 +17,6 @@ package fncall
 import (
 	"bytes"
 	"context"
-	"crypto/sha256"
-	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -36,6 +34,7 @@ import (
 
 	"github.com/shoal-sandbox/shoal/internal/fncall"
 	shoal "github.com/shoal-sandbox/shoal/sdk/go"
+	"github.com/shoal-sandbox/shoal/test/internal/debroot"
 	"github.com/shoal-sandbox/shoal/test/internal/serveproc"
 )
 
@@ -87,7 +86,11 @@ func setup() error {
 		skipReason = "needs root (runc, mounts, cgroups)"
 		return errors.New(skipReason)
 	}
-	for _, bin := range []string{"runc", "mkfs.erofs", "apt-get", "dpkg-deb"} {
+	if why := debroot.Needs(); why != "" {
+		skipReason = why
+		return errors.New(skipReason)
+	}
+	for _, bin := range []string{"runc", "mkfs.erofs"} {
 		if _, err := exec.LookPath(bin); err != nil {
 			skipReason = "needs " + bin + " installed"
 			return errors.New(skipReason)
@@ -169,83 +172,7 @@ func writeConfig(path string) error {
 // toolchainRoot returns a root file system tree with the packages and
 // their dependencies, extracted from Debian's archive (cached).
 func toolchainRoot() (string, error) {
-	cache := os.Getenv("SHOAL_TEST_CACHE")
-	if cache == "" {
-		cache = "/var/cache/shoal-test"
-	}
-	sum := sha256.Sum256([]byte("v1 " + strings.Join(packages, " ")))
-	key := hex.EncodeToString(sum[:6])
-	root := filepath.Join(cache, "fncall-root-"+key)
-	if _, err := os.Stat(filepath.Join(root, ".complete")); err == nil {
-		return root, nil
-	}
-	debs := filepath.Join(cache, "fncall-debs-"+key)
-	os.RemoveAll(debs)
-	if err := os.MkdirAll(filepath.Join(debs, "partial"), 0o755); err != nil {
-		return "", err
-	}
-	defer os.RemoveAll(debs)
-	status := filepath.Join(debs, "status") // an empty system: every dependency is downloaded
-	if err := os.WriteFile(status, nil, 0o644); err != nil {
-		return "", err
-	}
-	args := []string{"-q", "-o", "Dir::State::status=" + status, "-o", "Dir::Cache::archives=" + debs,
-		"-o", "Debug::NoLocking=1", "install", "-y", "--download-only", "--no-install-recommends"}
-	if out, err := exec.Command("apt-get", append(args, packages...)...).CombinedOutput(); err != nil {
-		return "", fmt.Errorf("apt-get download: %v: %s", err, tail(out))
-	}
-	files, _ := filepath.Glob(filepath.Join(debs, "*.deb"))
-	if len(files) == 0 {
-		return "", errors.New("apt-get downloaded nothing (run apt-get update?)")
-	}
-	tmp := root + ".tmp"
-	os.RemoveAll(tmp)
-	if err := os.MkdirAll(tmp, 0o755); err != nil {
-		return "", err
-	}
-	for _, f := range files {
-		if out, err := exec.Command("dpkg-deb", "-x", f, tmp).CombinedOutput(); err != nil {
-			return "", fmt.Errorf("dpkg-deb -x %s: %v: %s", filepath.Base(f), err, out)
-		}
-	}
-	// Merged /usr, as debootstrap makes it: /bin, /lib ... are symlinks.
-	for _, d := range []string{"bin", "sbin", "lib", "lib32", "lib64", "libx32"} {
-		p := filepath.Join(tmp, d)
-		if fi, err := os.Lstat(p); err == nil && fi.IsDir() {
-			if out, err := exec.Command("cp", "-a", p+"/.", filepath.Join(tmp, "usr", d)+"/").CombinedOutput(); err != nil {
-				return "", fmt.Errorf("merge /%s: %v: %s", d, err, out)
-			}
-			os.RemoveAll(p)
-		}
-		if _, err := os.Stat(filepath.Join(tmp, "usr", d)); err == nil {
-			os.Symlink("usr/"+d, p)
-		}
-	}
-	for _, d := range []string{"usr/share/doc", "usr/share/man", "usr/share/info", "usr/share/locale"} {
-		os.RemoveAll(filepath.Join(tmp, d))
-	}
-	for _, d := range []string{"etc", "root", "proc", "sys", "dev", "run", "var/tmp", "tmp"} {
-		os.MkdirAll(filepath.Join(tmp, d), 0o755)
-	}
-	os.Chmod(filepath.Join(tmp, "tmp"), 0o1777)
-	os.Chmod(filepath.Join(tmp, "var/tmp"), 0o1777)
-	os.WriteFile(filepath.Join(tmp, "etc/passwd"), []byte("root:x:0:0:root:/root:/bin/bash\nnobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"), 0o644)
-	os.WriteFile(filepath.Join(tmp, "etc/group"), []byte("root:x:0:\nnogroup:x:65534:\n"), 0o644)
-	if err := os.WriteFile(filepath.Join(tmp, ".complete"), nil, 0o644); err != nil {
-		return "", err
-	}
-	os.RemoveAll(root)
-	if err := os.Rename(tmp, root); err != nil {
-		return "", err
-	}
-	return root, nil
-}
-
-func tail(b []byte) string {
-	if len(b) > 2000 {
-		b = b[len(b)-2000:]
-	}
-	return string(b)
+	return debroot.Make(debroot.Tree{Name: "fncall", Version: "v2", Packages: packages})
 }
 
 func startServe() error {

@@ -110,6 +110,20 @@ func setup(tmp string) error {
 	if err := os.WriteFile(filepath.Join(lowerDir, "bin", "escape"), data, 0o755); err != nil {
 		return err
 	}
+	// A setuid-root copy, as sudo is, and a user to run it as.
+	suid := filepath.Join(lowerDir, "bin", "escape-suid")
+	if err := os.WriteFile(suid, data, 0o755); err != nil {
+		return err
+	}
+	if err := os.Chmod(suid, os.ModeSetuid|0o755); err != nil {
+		return err
+	}
+	if err := os.WriteFile(filepath.Join(lowerDir, "etc", "passwd"), []byte("root:x:0:0:root:/root:/bin/sh\nuser:x:1000:1000::/tmp:/bin/sh\n"), 0o644); err != nil {
+		return err
+	}
+	if err := os.WriteFile(filepath.Join(lowerDir, "etc", "group"), []byte("root:x:0:\nuser:x:1000:\n"), 0o644); err != nil {
+		return err
+	}
 	for _, app := range []string{"sh", "cat", "echo", "sleep", "ls", "ps", "id", "hostname", "ip", "touch", "mkdir", "rm", "env", "grep", "unshare", "true", "mount", "stat", "head"} {
 		if err := os.Symlink("busybox", filepath.Join(lowerDir, "bin", app)); err != nil {
 			return err

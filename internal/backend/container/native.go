@@ -33,8 +33,8 @@ import (
 // cpuset copied from the parent), sets its NOFILE limit, and lets the agent
 // do the rest of `runc init`'s work before it executes itself inside the
 // container (agent.NativeInit: cgroup namespace, the same mounts, pivot,
-// masked and read-only paths, host name, lo, capability bounding set,
-// no_new_privs). The result is checked against a runc pool container by
+// masked and read-only paths, host name, lo, capability bounding set).
+// The result is checked against a runc pool container by
 // TestNativeLikeRunc; claims, seccomp and everything after are the same
 // code for both launchers.
 //

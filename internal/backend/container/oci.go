@@ -3,6 +3,7 @@ package container
 import (
 	"fmt"
 	"path"
+	"slices"
 	"strconv"
 	"strings"
 
@@ -215,11 +216,17 @@ func (b *Backend) containerSpec(o containerOptions) (*specs.Spec, error) {
 	}
 	if b.filter != nil {
 		// The agent installs the node's precompiled filter on itself
-		// (seccomp.go); a process without CAP_SYS_ADMIN may only do so
-		// under no_new_privs. Consequence: setuid and file-capability
-		// binaries do not gain privileges in a sandbox (the processes run
-		// as root already, with docker's capabilities).
-		s.Process.NoNewPrivileges = true
+		// (seccomp.go). Without no_new_privs (which would keep setuid
+		// binaries such as sudo from working, unlike docker) that takes
+		// CAP_SYS_ADMIN: the agent starts with it and drops it from all
+		// its sets, the bounding set included, right after installing the
+		// filter and before it serves anything (agent.StartBoot; a pooled
+		// agent on claim). No command ever has it, and a setuid binary
+		// gains docker's capabilities at most.
+		if !slices.Contains(s.Process.Capabilities.Bounding, "CAP_SYS_ADMIN") {
+			caps := append(slices.Clone(o.caps), "CAP_SYS_ADMIN")
+			s.Process.Capabilities = &specs.LinuxCapabilities{Bounding: caps, Effective: caps, Permitted: caps}
+		}
 		return s, nil
 	}
 	// runc compiles and loads the profile. It depends on the capabilities:

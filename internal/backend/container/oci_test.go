@@ -139,7 +139,9 @@ func TestOCISpec(t *testing.T) {
 
 // TestOCISpecCompiledSeccomp: with the node's compiled filter, runc loads
 // no profile; the agent gets the filter as fd 4 and runs with
-// no_new_privs. A pool container also has CAP_SYS_ADMIN and SHOAL_POOL.
+// CAP_SYS_ADMIN to install it (which it then drops) instead of
+// no_new_privs, so that setuid binaries work. A pool container also has
+// SHOAL_POOL.
 func TestOCISpecCompiledSeccomp(t *testing.T) {
 	prog, f, err := compileDockerFilter()
 	if err != nil {
@@ -151,15 +153,18 @@ func TestOCISpecCompiledSeccomp(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if cfg.Linux.Seccomp != nil || !cfg.Process.NoNewPrivileges {
-		t.Errorf("seccomp %v, noNewPrivileges %v: want none, true", cfg.Linux.Seccomp != nil, cfg.Process.NoNewPrivileges)
+	if cfg.Linux.Seccomp != nil || cfg.Process.NoNewPrivileges {
+		t.Errorf("seccomp %v, noNewPrivileges %v: want none, false", cfg.Linux.Seccomp != nil, cfg.Process.NoNewPrivileges)
+	}
+	if c := cfg.Process.Capabilities; !slices.Contains(c.Bounding, "CAP_SYS_ADMIN") || !slices.Contains(c.Effective, "CAP_SYS_ADMIN") || len(c.Bounding) != len(dockerCaps)+1 {
+		t.Errorf("the agent cannot install its filter without no_new_privs: capabilities %+v", c)
 	}
 	for _, want := range []string{"SHOAL_AGENT_FD=3", "SHOAL_SECCOMP_FD=4", "SHOAL_READY_FD=5"} {
 		if !slices.Contains(cfg.Process.Env, want) {
 			t.Errorf("env %q lacks %s", cfg.Process.Env, want)
 		}
 	}
-	if slices.Contains(cfg.Process.Capabilities.Bounding, "CAP_SYS_ADMIN") || slices.Contains(cfg.Process.Env, "SHOAL_POOL=1") {
+	if slices.Contains(cfg.Process.Env, "SHOAL_POOL=1") {
 		t.Errorf("a sandbox container is set up like a pool container: %+v", cfg.Process)
 	}
 
@@ -169,7 +174,7 @@ func TestOCISpecCompiledSeccomp(t *testing.T) {
 		t.Fatal(err)
 	}
 	if !slices.Contains(pool.Process.Env, "SHOAL_POOL=1") || !slices.Contains(pool.Process.Capabilities.Bounding, "CAP_SYS_ADMIN") ||
-		pool.Linux.Seccomp != nil || !pool.Process.NoNewPrivileges || pool.Linux.CgroupsPath != "/shoal/pool-1" {
+		pool.Linux.Seccomp != nil || pool.Process.NoNewPrivileges || len(pool.Process.Capabilities.Bounding) != len(dockerCaps)+1 || pool.Linux.CgroupsPath != "/shoal/pool-1" {
 		t.Errorf("pool container %+v %+v", pool.Process, pool.Linux)
 	}
 	if len(pool.Linux.MaskedPaths) == 0 || len(pool.Linux.Namespaces) != len(cfg.Linux.Namespaces) {

@@ -90,9 +90,15 @@ func poolSpec(t testing.TB) sandbox.Spec {
 // combined output and exit code.
 func run(t testing.TB, h sandbox.Handle, script string) (string, int) {
 	t.Helper()
+	return runAs(t, h, "", script)
+}
+
+// runAs is run as a user of the sandbox ("": the agent's, root).
+func runAs(t testing.TB, h sandbox.Handle, user, script string) (string, int) {
+	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
-	p, err := agent.NewClient(h.AgentSocket).Exec(ctx, agent.ExecRequest{Args: []string{"/bin/sh", "-c", script}})
+	p, err := agent.NewClient(h.AgentSocket).Exec(ctx, agent.ExecRequest{Args: []string{"/bin/sh", "-c", script}, User: user})
 	if err != nil {
 		t.Fatalf("exec %q: %v", script, err)
 	}
@@ -138,7 +144,9 @@ func statusField(status, field string) string {
 }
 
 // checkConfined checks what every command of a sandbox must see, pooled or
-// cold: no CAP_SYS_ADMIN anywhere, docker's seccomp filter, no_new_privs.
+// cold: no CAP_SYS_ADMIN anywhere, docker's seccomp filter; and, as in
+// docker, no no_new_privs: a setuid binary (sudo) run by a user gains root
+// with docker's capabilities, no more.
 func checkConfined(t *testing.T, h sandbox.Handle) {
 	t.Helper()
 	status, code := run(t, h, "cat /proc/self/status")
@@ -154,8 +162,23 @@ func checkConfined(t *testing.T, h sandbox.Handle) {
 	if got := statusField(status, "Seccomp"); got != "2" {
 		t.Errorf("Seccomp: %q, want 2 (filter)", got)
 	}
-	if got := statusField(status, "NoNewPrivs"); got != "1" {
-		t.Errorf("NoNewPrivs: %q, want 1", got)
+	if got := statusField(status, "NoNewPrivs"); got != "0" {
+		t.Errorf("NoNewPrivs: %q, want 0 (setuid binaries such as sudo must work)", got)
+	}
+	ids, code := runAs(t, h, "user", "/bin/escape-suid ids")
+	if code != 0 || !strings.Contains(ids, "uid=1000 euid=0\n") {
+		where, _ := run(t, h, "ls -ln /bin/escape-suid; grep ' / ' /proc/self/mountinfo; cat /proc/self/uid_map")
+		t.Errorf("a setuid-root binary run by a user: exit %d:\n%s\nwant uid=1000 euid=0; the binary and the root:\n%s", code, ids, where)
+	} else {
+		if capBit(t, ids, "CapEff", unix.CAP_SYS_ADMIN) || capBit(t, ids, "CapBnd", unix.CAP_SYS_ADMIN) || capBit(t, ids, "CapPrm", unix.CAP_SYS_ADMIN) {
+			t.Errorf("a setuid-root binary gained CAP_SYS_ADMIN:\n%s", ids)
+		}
+		if !capBit(t, ids, "CapEff", unix.CAP_CHOWN) {
+			t.Errorf("a setuid-root binary lacks docker's capabilities:\n%s", ids)
+		}
+		if got := statusField(ids, "Seccomp"); got != "2" {
+			t.Errorf("a setuid-root binary: Seccomp %q, want 2 (filter)", got)
+		}
 	}
 	// Every thread of the agent too: a command forked from any of them
 	// inherits that thread's sets.

@@ -23,11 +23,13 @@ import (
 // system calls newer than the profile included), keeps it in a sealed
 // memfd, and hands that to every agent as a descriptor; the agent installs
 // it on all its threads before it serves anything (agent.StartBoot), so
-// every command runs under it. The container runs with no_new_privs, which
-// seccomp requires of a process without CAP_SYS_ADMIN: setuid binaries
-// (su, sudo, ping if setuid) do not elevate in a sandbox. Everything runs
-// as root with docker's capabilities already, so nothing is lost that the
-// sandbox had.
+// every command runs under it. As in docker, the container runs without
+// no_new_privs, so that setuid binaries (sudo, su) work for a sandbox's
+// users; installing a filter then takes CAP_SYS_ADMIN, which the agent
+// alone has until it has installed the filter: it then drops it from
+// every set of every thread, bounding set included (agent.StartBoot, or the claim of a pooled agent),
+// before it serves anything. A setuid binary gains docker's capabilities
+// at most, under the same filter.
 //
 // A pooled container's agent installs the same program when it is claimed
 // (after the root switch, which needs the mount system calls): commands in

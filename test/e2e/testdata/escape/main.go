@@ -7,6 +7,10 @@
 // Usage: escape [BYTES]  (BYTES: how much to write to the agent's fd 1 and
 // 2 should they open; default 1 MiB)
 //
+//	escape sleep  (sleeps 30 s)
+//	escape ids    (prints its uid, euid, capability sets, no_new_privs and
+//	               seccomp mode: installed setuid, what setuid gains)
+//
 // Output, one line per attempt: "NAME denied ERRNO" or "NAME ALLOWED DETAIL",
 // then "fds N=TARGET ..." (the descriptors it inherited). Exit 0.
 //
@@ -40,6 +44,18 @@ func main() {
 
 	if len(os.Args) > 1 && os.Args[1] == "sleep" {
 		time.Sleep(30 * time.Second)
+		return
+	}
+	if len(os.Args) > 1 && os.Args[1] == "ids" {
+		// Installed setuid root, this shows what a setuid binary (sudo)
+		// gains in a sandbox: its ids, then its capability lines.
+		fmt.Printf("uid=%d euid=%d\n", os.Getuid(), os.Geteuid())
+		status, _ := os.ReadFile("/proc/self/status")
+		for _, l := range strings.Split(string(status), "\n") {
+			if strings.HasPrefix(l, "Cap") || strings.HasPrefix(l, "NoNewPrivs") || strings.HasPrefix(l, "Seccomp:") {
+				fmt.Println(l)
+			}
+		}
 		return
 	}
 	size := 1 << 20
