@@ -85,6 +85,7 @@ func filesLsCmd() *cobra.Command {
 
 func watchCmd() *cobra.Command {
 	var recursive, asJSON bool
+	var user string
 	cmd := &cobra.Command{
 		Use:   "watch ID PATH",
 		Short: "Print changes under a path in a sandbox, one line per event, until interrupted",
@@ -100,7 +101,7 @@ when the watch is armed. It ends when PATH itself is removed or moved.`,
 			}
 			ctx, cancel := cmdContext()
 			defer cancel()
-			w, err := c.Watch(ctx, args[0], args[1], recursive)
+			w, err := c.WatchAs(ctx, args[0], args[1], user, recursive)
 			if err != nil {
 				return err
 			}
@@ -127,6 +128,7 @@ when the watch is armed. It ends when PATH itself is removed or moved.`,
 		},
 	}
 	cmd.Flags().BoolVarP(&recursive, "recursive", "r", false, "watch subdirectories too, including new ones")
+	cmd.Flags().StringVarP(&user, "user", "u", "", "watch as this sandbox user (default root)")
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print each event as a JSON object")
 	return cmd
 }

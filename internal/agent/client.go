@@ -48,6 +48,7 @@ type clientState struct {
 	checked  atomic.Bool  // the agent's protocol matched
 	wrong    atomic.Value // string: why the agent is refused, once known
 	users    atomic.Bool  // the agent acts as named users (wirePingReply.Users)
+	watchAs  atomic.Bool  // the agent arms watches as named users (wirePingReply.WatchUsers)
 	xattrsOK atomic.Bool  // the agent sets and reads xattrs (wirePingReply.Xattrs)
 }
 
@@ -105,6 +106,8 @@ type Info struct {
 	RSSBytes int64 // the agent's resident set size (VmRSS)
 	Users    bool  // the agent acts as named users (Client.AsUser)
 	Xattrs   bool  // the agent sets and reads user.* xattrs (Client.WithXattrs)
+	// WatchUsers: the agent arms watches as the client's user.
+	WatchUsers bool
 }
 
 // FileInfo describes a file as seen by lstat inside the sandbox.
@@ -154,7 +157,7 @@ func (c *Client) ping(ctx context.Context, release bool) (Info, error) {
 	if err := c.unary(ctx, OpPing, "", wirePingRequest{Release: release}, &rep); err != nil {
 		return Info{}, err
 	}
-	return Info{Version: rep.Version, Protocol: rep.Protocol, Pid: rep.Pid, RSSBytes: rep.RSS, Users: rep.Users, Xattrs: rep.Xattrs}, nil
+	return Info{Version: rep.Version, Protocol: rep.Protocol, Pid: rep.Pid, RSSBytes: rep.RSS, Users: rep.Users, Xattrs: rep.Xattrs, WatchUsers: rep.WatchUsers}, nil
 }
 
 // checkProtocol pings the agent once per Client and compares its protocol
@@ -177,6 +180,7 @@ func (c *Client) checkProtocol(ctx context.Context) error {
 		return &Error{Op: "connect", Code: CodeVersion, Msg: why}
 	}
 	c.users.Store(info.Users)
+	c.watchAs.Store(info.WatchUsers)
 	c.xattrsOK.Store(info.Xattrs)
 	c.checked.Store(true)
 	return nil
@@ -185,7 +189,7 @@ func (c *Client) checkProtocol(ctx context.Context) error {
 // checkUser refuses to act as a user through an agent that predates users
 // (it would ignore the user and act as root).
 func (c *Client) checkUser(op Op, path, user string) error {
-	if user == "" || c.users.Load() {
+	if user == "" || c.users.Load() && (op != OpWatch || c.watchAs.Load()) {
 		return nil
 	}
 	return &Error{Op: op.String(), Path: path, Code: CodeUnsupported,
@@ -462,6 +466,8 @@ func requestUser(req any) string {
 	case wireExecRequest:
 		return r.User
 	case wireListRequest:
+		return r.User
+	case wireWatchRequest:
 		return r.User
 	}
 	return ""

@@ -29,9 +29,10 @@ type Watcher struct {
 // Watch starts watching path (a directory, or a single file when not
 // recursive) with inotify in the sandbox; recursive also watches every
 // subdirectory, including ones created later. It returns once the watch is
-// in place. ctx bounds the watch's life; Close ends it.
+// in place, armed as the client's user (AsUser) if it has one. ctx
+// bounds the watch's life; Close ends it.
 func (c *Client) Watch(ctx context.Context, path string, recursive bool) (*Watcher, error) {
-	cc, err := c.open(ctx, OpWatch, path, wireWatchRequest{Path: path, Recursive: recursive})
+	cc, err := c.open(ctx, OpWatch, path, wireWatchRequest{Path: path, Recursive: recursive, User: c.user})
 	if err != nil {
 		return nil, err
 	}

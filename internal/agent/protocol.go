@@ -207,6 +207,9 @@ type wirePingReply struct {
 	// Xattrs: the agent sets and reads user.* extended attributes
 	// (wirePathRequest.Xattrs, WithXattrs).
 	Xattrs bool `json:"xattrs,omitempty"`
+	// WatchUsers: a watch is armed as its request's user
+	// (wireWatchRequest.User); an older agent would arm it as root.
+	WatchUsers bool `json:"watch_users,omitempty"`
 }
 
 type wireExecRequest struct {

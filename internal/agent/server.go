@@ -341,7 +341,7 @@ func (s *Server) ping(c net.Conn, release bool) {
 		s.releaseMemory()
 	}
 	writeJSONFrame(c, FrameReply, wirePingReply{
-		Version: Version, Protocol: ProtocolVersion, Pid: os.Getpid(), RSS: selfRSS(), Users: true, Xattrs: true,
+		Version: Version, Protocol: ProtocolVersion, Pid: os.Getpid(), RSS: selfRSS(), Users: true, Xattrs: true, WatchUsers: true,
 	})
 }
 

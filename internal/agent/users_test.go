@@ -316,3 +316,40 @@ func BenchmarkLookupUser(b *testing.B) {
 		}
 	}
 }
+
+// TestWatchAsUser: a watch is armed with the user's permissions: a
+// directory the user may not read cannot be watched as the user (it can
+// as root), one it may read can, and its events arrive.
+func TestWatchAsUser(t *testing.T) {
+	home, _ := userFixture(t)
+	c := startAgent(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	private := filepath.Join(filepath.Dir(home), "private")
+	if err := os.Mkdir(private, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.AsUser("tuser").Watch(ctx, private, true); !errors.Is(err, fs.ErrPermission) {
+		t.Fatalf("watch root's 0700 directory as tuser: %v, want permission denied", err)
+	}
+	w, err := c.Watch(ctx, private, true)
+	if err != nil {
+		t.Fatalf("the same as root: %v", err)
+	}
+	w.Close()
+	if _, err := c.AsUser("nosuchuser").Watch(ctx, home, false); !errors.Is(err, fs.ErrInvalid) {
+		t.Fatalf("watch as an unknown user: %v", err)
+	}
+	w, err = c.AsUser("tuser").Watch(ctx, home, true)
+	if err != nil {
+		t.Fatalf("watch the user's home as the user: %v", err)
+	}
+	defer w.Close()
+	if err := os.WriteFile(filepath.Join(home, "new"), nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	ev, err := w.Next()
+	if err != nil || ev.Op != WatchCreate || ev.Path != filepath.Join(home, "new") {
+		t.Fatalf("event %+v, %v; want create of %s", ev, err, filepath.Join(home, "new"))
+	}
+}

@@ -80,6 +80,7 @@ const CodeTooMany ErrorCode = "too_many"
 type wireWatchRequest struct {
 	Path      string `json:"path"`
 	Recursive bool   `json:"recursive,omitempty"`
+	User      string `json:"user,omitempty"` // arm it as this user (users.go)
 }
 
 type wireWatchEvent struct {
@@ -133,38 +134,66 @@ type watcher struct {
 	werr      error // sticky error writing to the client
 }
 
+// watch arms a watch (as req.User: the path is resolved and every initial
+// inotify watch added with the user's file-system identity, so the kernel
+// checks the user's permissions), answers, then streams events until the
+// client goes or the path does. Directories created later are watched by
+// the agent's own identity: a user cannot go where root created a directory
+// it may not read, but its watch reports names there (a request's user is
+// the caller's choice, not a boundary between callers).
 func (s *Server) watch(c net.Conn, req *wireWatchRequest) {
+	var w *watcher
+	asUser(c, req.User, func() { w = armWatch(c, req) })
+	if w == nil {
+		return
+	}
+	defer w.f.Close()
+	if writeFrame(c, FrameReply, emptyReply) != nil {
+		return
+	}
+	w.run()
+}
+
+// armWatch sets up the inotify instance and the initial watches, or sends
+// the error and returns nil.
+func armWatch(c net.Conn, req *wireWatchRequest) *watcher {
 	root, ok := cleanPath(req.Path)
 	if !ok {
 		sendError(c, CodeInvalid, errBadPath)
-		return
+		return nil
 	}
 	fi, err := os.Stat(root)
 	if err != nil {
 		sendOSError(c, err, root)
-		return
+		return nil
 	}
 	if req.Recursive && !fi.IsDir() {
 		sendError(c, CodeNotDir, "not a directory (a recursive watch needs one)")
-		return
+		return nil
 	}
 	fd, err := unix.InotifyInit1(unix.IN_CLOEXEC | unix.IN_NONBLOCK)
 	if err != nil {
 		if err == unix.EMFILE {
 			sendError(c, CodeTooMany, "too many inotify instances: the limit is fs.inotify.max_user_instances of the sandbox's user")
-			return
+			return nil
 		}
 		sendOSError(c, os.NewSyscallError("inotify_init1", err), root)
-		return
+		return nil
 	}
 	// Non-blocking, so os.File puts it in the runtime's poller: a waiting
 	// watch holds no OS thread, and read deadlines work.
 	f := os.NewFile(uintptr(fd), "inotify")
-	defer f.Close()
 	if err := f.SetReadDeadline(time.Time{}); err != nil {
+		f.Close()
 		sendError(c, CodeIO, "inotify is not pollable: "+err.Error())
-		return
+		return nil
 	}
+	armed := false
+	defer func() {
+		if !armed {
+			f.Close()
+		}
+	}()
 	w := &watcher{
 		c: c, f: f, fd: fd, root: root, rootIsDir: fi.IsDir(), recursive: req.Recursive,
 		dirs:   make(map[int32]string),
@@ -177,7 +206,7 @@ func (s *Server) watch(c net.Conn, req *wireWatchRequest) {
 	wd, err := unix.InotifyAddWatch(fd, root, mask)
 	if err != nil {
 		sendWatchError(c, err, root)
-		return
+		return nil
 	}
 	w.rootWd = int32(wd)
 	w.dirs[w.rootWd] = root
@@ -185,16 +214,19 @@ func (s *Server) watch(c net.Conn, req *wireWatchRequest) {
 		if err := w.addTree(root, false, true); err != nil {
 			if errors.Is(err, errTooManyDirs) {
 				sendError(c, CodeTooMany, fmt.Sprintf("more than %d directories to watch: watch a narrower directory", maxWatchDirs))
-				return
+				return nil
 			}
 			sendWatchError(c, err, root)
-			return
+			return nil
 		}
 	}
-	if writeFrame(c, FrameReply, emptyReply) != nil {
-		return
-	}
+	armed = true
+	return w
+}
 
+// run streams the events of an armed watch.
+func (w *watcher) run() {
+	c, f := w.c, w.f
 	// The client closing the connection ends the watch: a read deadline in
 	// the past wakes the loop below. mu orders it with the loop's own
 	// deadline changes, so a wake-up is never overwritten.

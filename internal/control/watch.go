@@ -27,7 +27,7 @@ var watchOps = map[string]pb.WatchDirEvent_Op{
 // client reads slowly, the agent stops reading the kernel's queue, which
 // overflows into an OP_OVERFLOW event.
 func (s *Server) WatchDir(ctx context.Context, req *connect.Request[pb.WatchDirRequest], stream *connect.ServerStream[pb.WatchDirEvent]) error {
-	a, err := s.agentFor(req.Msg.SandboxId, req.Msg.Path, "")
+	a, err := s.agentFor(req.Msg.SandboxId, req.Msg.Path, req.Msg.User)
 	if err != nil {
 		return err
 	}

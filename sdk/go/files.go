@@ -41,7 +41,13 @@ type Watch struct {
 // change made after it returns is reported. Read events with Next; cancel
 // ctx or call Close to stop.
 func (c *Client) Watch(ctx context.Context, sandboxID, path string, recursive bool) (*Watch, error) {
-	stream, err := c.Sandboxes.WatchDir(ctx, connect.NewRequest(&pb.WatchDirRequest{SandboxId: sandboxID, Path: path, Recursive: recursive}))
+	return c.WatchAs(ctx, sandboxID, path, "", recursive)
+}
+
+// WatchAs is Watch as a sandbox user: the watch is armed with the user's
+// permissions ("" = root).
+func (c *Client) WatchAs(ctx context.Context, sandboxID, path, user string, recursive bool) (*Watch, error) {
+	stream, err := c.Sandboxes.WatchDir(ctx, connect.NewRequest(&pb.WatchDirRequest{SandboxId: sandboxID, Path: path, Recursive: recursive, User: user}))
 	if err != nil {
 		return nil, err
 	}

@@ -72,6 +72,11 @@ describe('users', () => {
     assert.equal((await sbx.files.getInfo('/root/rootrel.txt')).owner, 'root')
     await assert.rejects(sbx.commands.run('true', { user: 'nosuchuser' }), /nosuchuser/)
     await assert.rejects(sbx.files.read('x', { user: 'nosuchuser' }), /nosuchuser/)
+    // Watches too: root's private directory is not the user's to watch.
+    await sbx.commands.run('mkdir -p -m 700 /root/private', { user: 'root' })
+    await assert.rejects(sbx.files.watchDir('/root/private', () => {}), /permission|denied/i)
+    const w = await sbx.files.watchDir('/root/private', () => {}, { user: 'root' })
+    await w.stop()
   })
 
   test('file metadata (kept as user.e2b.* xattrs, as envd does)', async () => {

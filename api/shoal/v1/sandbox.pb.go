@@ -1759,7 +1759,10 @@ type WatchDirRequest struct {
 	// skipped unless watched directly). At most 16,384 directories: past that
 	// the call fails with RESOURCE_EXHAUSTED, or, for directories created
 	// later, an OP_OVERFLOW event names the directory left unwatched.
-	Recursive     bool `protobuf:"varint,3,opt,name=recursive,proto3" json:"recursive,omitempty"`
+	Recursive bool `protobuf:"varint,3,opt,name=recursive,proto3" json:"recursive,omitempty"`
+	// user: arm the watch as this sandbox user (its permissions are checked
+	// for the path and the directories found under it). Empty: root.
+	User          string `protobuf:"bytes,4,opt,name=user,proto3" json:"user,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1813,6 +1816,13 @@ func (x *WatchDirRequest) GetRecursive() bool {
 		return x.Recursive
 	}
 	return false
+}
+
+func (x *WatchDirRequest) GetUser() string {
+	if x != nil {
+		return x.User
+	}
+	return ""
 }
 
 type WatchDirEvent struct {
@@ -2028,12 +2038,13 @@ const file_shoal_v1_sandbox_proto_rawDesc = "" +
 	"\x04path\x18\x02 \x01(\tR\x04path\x12\x1c\n" +
 	"\trecursive\x18\x03 \x01(\bR\trecursive\x12\x12\n" +
 	"\x04user\x18\x04 \x01(\tR\x04user\"\x14\n" +
-	"\x12RemoveFileResponse\"b\n" +
+	"\x12RemoveFileResponse\"v\n" +
 	"\x0fWatchDirRequest\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x12\n" +
 	"\x04path\x18\x02 \x01(\tR\x04path\x12\x1c\n" +
-	"\trecursive\x18\x03 \x01(\bR\trecursive\"\xf5\x01\n" +
+	"\trecursive\x18\x03 \x01(\bR\trecursive\x12\x12\n" +
+	"\x04user\x18\x04 \x01(\tR\x04user\"\xf5\x01\n" +
 	"\rWatchDirEvent\x12*\n" +
 	"\x02op\x18\x01 \x01(\x0e2\x1a.shoal.v1.WatchDirEvent.OpR\x02op\x12\x12\n" +
 	"\x04path\x18\x02 \x01(\tR\x04path\x12\x15\n" +

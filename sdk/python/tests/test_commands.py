@@ -132,6 +132,21 @@ def test_users(sb) -> None:
         sb.files.read("/root/secret", user="user")
     sh = sb.shells.create("as-user", user="user")
     assert sh.run("id -un; pwd").output == "user\n/home/user\n"
+    # A watch is armed with the user's permissions too.
+    sb.commands.run("mkdir -m 700 /root/private")
+    with pytest.raises(shoal.PermissionDenied):
+        sb.files.watch_dir("/root/private", user="user")
+    w = sb.files.watch_dir("/home/user", user="user")
+    try:
+        sb.files.write("/home/user/watched.txt", "x", user="user")
+        deadline = time.monotonic() + 15  # a hang detector
+        names = []
+        while "watched.txt" not in names and time.monotonic() < deadline:
+            names += [e.name for e in w.get_new_events()]
+            time.sleep(0.05)
+        assert "watched.txt" in names
+    finally:
+        w.stop()
 
 
 def test_background_wait(sb) -> None:

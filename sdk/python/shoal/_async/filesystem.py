@@ -216,14 +216,15 @@ class AsyncFiles:
         user: Optional[str] = None,
         request_timeout: Optional[float] = None,
     ) -> "AsyncWatchHandle":
-        """Watch a directory for changes (inotify in the sandbox).
+        """Watch a directory for changes (inotify in the sandbox), armed with
+        ``user``'s permissions if given (default root).
 
         ``on_event`` (a function or coroutine function) receives each
         :class:`FilesystemEvent`; or ``async for`` over the handle, or poll
         ``get_new_events()``. ``await handle.stop()`` ends the watch.
         """
         check_path(path)
-        h = AsyncWatchHandle(self, path, recursive, on_event, on_exit, request_timeout)
+        h = AsyncWatchHandle(self, path, recursive, on_event, on_exit, request_timeout, user)
         await h._start()
         return h
 
@@ -254,6 +255,7 @@ class AsyncWatchHandle:
         on_event: Optional[Callback],
         on_exit: Optional[Callback],
         request_timeout: Optional[float],
+        user: Optional[str] = None,
     ) -> None:
         self._path = path
         self._on_event = on_event
@@ -267,7 +269,7 @@ class AsyncWatchHandle:
         self._stream = files._t.stream(
             "SandboxService",
             "WatchDir",
-            {"sandboxId": files._sb.sandbox_id, "path": path, "recursive": recursive},
+            dict({"sandboxId": files._sb.sandbox_id, "path": path, "recursive": recursive}, **({"user": user} if user else {})),
             idempotent=True,
             request_timeout=request_timeout,
             on_open=_armed(self._ready),

@@ -207,14 +207,15 @@ class Files:
         user: Optional[str] = None,
         request_timeout: Optional[float] = None,
     ) -> "WatchHandle":
-        """Watch a directory for changes (inotify in the sandbox).
+        """Watch a directory for changes (inotify in the sandbox), armed with
+        ``user``'s permissions if given (default root).
 
         Events are collected in the background: poll them with
         ``handle.get_new_events()`` (E2B), iterate over the handle, or pass
         ``on_event``. ``handle.stop()`` ends the watch.
         """
         check_path(path)
-        return WatchHandle(self, path, recursive, on_event, on_exit, request_timeout)
+        return WatchHandle(self, path, recursive, on_event, on_exit, request_timeout, user)
 
     watch = watch_dir
 
@@ -243,6 +244,7 @@ class WatchHandle:
         on_event: Optional[Callable[[FilesystemEvent], Any]],
         on_exit: Optional[Callable[[Optional[Exception]], Any]],
         request_timeout: Optional[float],
+        user: Optional[str] = None,
     ) -> None:
         self._path = path
         self._on_event = on_event
@@ -257,7 +259,7 @@ class WatchHandle:
         self._stream = files._t.stream(
             "SandboxService",
             "WatchDir",
-            {"sandboxId": files._sb.sandbox_id, "path": path, "recursive": recursive},
+            dict({"sandboxId": files._sb.sandbox_id, "path": path, "recursive": recursive}, **({"user": user} if user else {})),
             idempotent=True,
             request_timeout=request_timeout,
             on_open=_armed(self._ready),
