@@ -109,6 +109,13 @@ func StartBoot() (*Boot, error) {
 		return b, errors.New("pooled agent without a seccomp filter")
 	}
 	if !b.pooled && b.seccomp != nil {
+		// Still with CAP_SYS_ADMIN, before any command: the host name runc
+		// set resolves (a pooled agent does this on claim).
+		if h, err := os.Hostname(); err == nil {
+			if err := bindHosts(h); err != nil {
+				fmt.Fprintf(os.Stderr, "shoal-agent: the host name will not resolve: %v\n", err)
+			}
+		}
 		if err := InstallSeccomp(b.seccomp); err != nil {
 			return b, err
 		}

@@ -33,7 +33,8 @@ import (
 //     masked and read-only paths runc set up stay as they are, and the
 //     read-only bind of its own binary at /.shoal/agent;
 //  3. pivots into it and detaches the old root;
-//  4. sets the host name and the environment of commands;
+//  4. sets the host name (resolvable: bindHosts) and the environment of
+//     commands;
 //  5. installs the sandbox's seccomp filter on all threads (docker's
 //     profile for docker's capabilities: no mount, unshare, setns,
 //     CLONE_NEW* …), which also forbids everything above from now on;
@@ -257,6 +258,9 @@ func (s *Server) becomeSandbox(st *claimState, mfd int, req *wireClaimRequest) e
 	if req.Hostname != "" {
 		if err := unix.Sethostname([]byte(req.Hostname)); err != nil {
 			return fmt.Errorf("set host name: %w", err)
+		}
+		if err := bindHosts(req.Hostname); err != nil {
+			s.log.Warn("the host name will not resolve", "err", err)
 		}
 	}
 	if err := InstallSeccomp(st.seccomp); err != nil {

@@ -33,7 +33,9 @@ describe('an E2B-style Debian template', () => {
   })
 
   test('sudo: the user becomes root, with docker\'s capabilities and no more', async () => {
-    assert.equal((await sbx.commands.run('sudo -n whoami')).stdout, 'root\n')
+    const who = await sbx.commands.run('sudo -n whoami')
+    assert.equal(who.stdout, 'root\n')
+    assert.equal(who.stderr, '', 'sudo resolves the host name (the agent lists it in /etc/hosts)')
     assert.equal((await sbx.commands.run('sudo -n id -u')).stdout, '0\n')
     // Without sudo the user may not write to /root; with it, it may.
     await assert.rejects(sbx.commands.run('touch /root/x'), (e) => e.exitCode === 1)

@@ -124,6 +124,9 @@ func setup(tmp string) error {
 	if err := os.WriteFile(filepath.Join(lowerDir, "etc", "group"), []byte("root:x:0:\nuser:x:1000:\n"), 0o644); err != nil {
 		return err
 	}
+	if err := os.WriteFile(filepath.Join(lowerDir, "etc", "hosts"), []byte("127.0.0.1\tlocalhost # the layer's\n"), 0o644); err != nil {
+		return err
+	}
 	for _, app := range []string{"sh", "cat", "echo", "sleep", "ls", "ps", "id", "hostname", "ip", "touch", "mkdir", "rm", "env", "grep", "unshare", "true", "mount", "stat", "head"} {
 		if err := os.Symlink("busybox", filepath.Join(lowerDir, "bin", app)); err != nil {
 			return err

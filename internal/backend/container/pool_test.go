@@ -165,6 +165,13 @@ func checkConfined(t *testing.T, h sandbox.Handle) {
 	if got := statusField(status, "NoNewPrivs"); got != "0" {
 		t.Errorf("NoNewPrivs: %q, want 0 (setuid binaries such as sudo must work)", got)
 	}
+	// The host name resolves (sudo looks it up): the layer's /etc/hosts
+	// and a line for it, bound over the file, not written to the layers.
+	hosts, code := run(t, h, `cat /etc/hosts; echo "host: $(hostname)"; grep -c hosts /proc/self/mountinfo`)
+	if host := statusField(hosts, "host"); code != 0 || host == "" ||
+		!strings.HasPrefix(hosts, "127.0.0.1\tlocalhost # the layer's\n127.0.1.1\t"+host+"\n") || !strings.HasSuffix(hosts, "\n1\n") {
+		t.Errorf("/etc/hosts (then the host name, then its mounts): exit %d\n%s", code, hosts)
+	}
 	ids, code := runAs(t, h, "user", "/bin/escape-suid ids")
 	if code != 0 || !strings.Contains(ids, "uid=1000 euid=0\n") {
 		where, _ := run(t, h, "ls -ln /bin/escape-suid; grep ' / ' /proc/self/mountinfo; cat /proc/self/uid_map")
