@@ -140,6 +140,7 @@ func (f *Forwarder) routes() *http.ServeMux {
 	unary[pb.DeleteLayerRequest, pb.DeleteLayerResponse](f, mux, l+"DeleteLayer", toAll, opts)
 	unary[pb.GarbageCollectLayersRequest, pb.GarbageCollectLayersResponse](f, mux, l+"GarbageCollectLayers", toAll, opts)
 	unary[pb.PushLayerRequest, pb.PushLayerResponse](f, mux, l+"PushLayer", notYet, opts)
+	stream[pb.PushLayerRequest, pb.PushLayerEvent](f, mux, l+"PushLayerProgress", notYet, opts)
 	unary[pb.PullLayerRequest, pb.Layer](f, mux, l+"PullLayer", toAll, opts)
 	unary[pb.CreateEnvironmentRequest, pb.Environment](f, mux, l+"CreateEnvironment", toAll, opts)
 	unary[pb.GetEnvironmentRequest, pb.Environment](f, mux, l+"GetEnvironment", toAny, opts)
