@@ -610,6 +610,9 @@ func serve(cfg serveConfig) error {
 	api.SetMetrics(mt)
 	api.SetBuildPolicy(control.BuildPolicy{Roots: cfg.buildRoots, UploadMax: cfg.BuildUploadMax})
 	api.SetTenancy(keys, auditLog)
+	if cfg.Cluster.Role == roleNode {
+		api.SetNodeName(cfg.Cluster.NodeName)
+	}
 	srv := &http.Server{
 		Handler:           api.Handler(),
 		Protocols:         &protocols,

@@ -4,7 +4,9 @@
 // (the client the CLI is built on): creates spread over the nodes, exec and
 // files are routed to the sandbox's node, a node killed has its sandboxes
 // reported lost while the other node's keep working, and the node
-// restarted on its data directory has them back.
+// restarted on its data directory has them back. The dashboard of a
+// replica shows both nodes and the sandboxes of each, and its terminal
+// reaches a sandbox on either (dash_test.go).
 //
 // It needs root, runc, mkfs.erofs and busybox (as test/e2e); without them
 // it skips, saying which is missing.
@@ -293,6 +295,10 @@ func TestCluster(t *testing.T) {
 			t.Fatalf("read file of %s: %q %v", id, back.String(), err)
 		}
 	}
+	// The dashboard of a replica: both nodes, each sandbox on its node,
+	// commands and a terminal routed to it.
+	checkDashboard(t, ctx, controls[0].addr, key, onNode)
+	step("dashboard")
 	// A watch through a replica: armed (its header relayed), then events.
 	w, err := c1.Watch(ctx, ids[0], "/work", false)
 	if err != nil {
@@ -331,6 +337,7 @@ func TestCluster(t *testing.T) {
 		}
 		return fmt.Errorf("get %s: %v", lost, err)
 	})
+	checkDashboardLost(t, controls[1].addr, key, "n2", lost)
 	// The other replica lists them lost too, at once (it may not have
 	// seen the lease end yet: then the node does not answer).
 	sbs, err = c2.List(ctx)
