@@ -48,3 +48,30 @@ func TestTopRows(t *testing.T) {
 		}
 	}
 }
+
+// TestTopCluster: through a control replica, a NODE column, and a node
+// that is down on a line of its own.
+func TestTopCluster(t *testing.T) {
+	t0 := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+	st := &pb.Status{Time: timestamppb.New(t0.Add(time.Minute)),
+		Nodes: []*pb.NodeStatus{
+			{Name: "n1", State: "up", Cpus: 2, MemoryTotalBytes: 8 << 30, HeartbeatAt: timestamppb.New(t0.Add(58 * time.Second))},
+			{Name: "n2", State: "down", Sandboxes: 3, HeartbeatAt: timestamppb.New(t0.Add(30 * time.Second))},
+		},
+		Sandboxes: []*pb.SandboxUsage{
+			{Id: "aaaa1", Node: "n1", State: "running", MemoryBytes: 1 << 20, MemoryLimitBytes: 64 << 20, CreatedAt: timestamppb.New(t0)},
+			{Id: "bbbb1", Node: "n2", State: "lost", MemoryBytes: -1, CpuUsec: -1, CreatedAt: timestamppb.New(t0)},
+		}}
+	v := topRows(nil, st, "", "id")
+	if v.Sandboxes[1].Node != "n2" || v.Nodes[1].State != "down" || *v.Nodes[1].HeartbeatAgeSeconds != 30 {
+		t.Fatalf("view: %+v %+v", v.Sandboxes, v.Nodes)
+	}
+	var b strings.Builder
+	printTop(&b, v, 0)
+	out := b.String()
+	for _, want := range []string{"node n1  cpus 2", "node n2  DOWN  last heartbeat 30s ago  sandboxes 3", "1 running, 1 lost", "NODE  ID", "n2    bbbb1  lost"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("table lacks %q:\n%s", want, out)
+		}
+	}
+}

@@ -439,7 +439,8 @@ func busyboxRootfs(t *testing.T) string {
 }
 
 // pythonSDK runs the Python SDK (sdk/python, unchanged) against the
-// control replica at addr: a create, a file write and a command. It is
+// control replica at addr: a create, a file write, a command and the
+// cluster's status (monitor.status: both nodes, the sandbox's node). It is
 // skipped (returns false) where the SDK's dependency httpx is missing.
 func pythonSDK(t *testing.T, addr, key string) bool {
 	py := "/usr/bin/python3"
@@ -448,11 +449,15 @@ func pythonSDK(t *testing.T, addr, key string) bool {
 		return false
 	}
 	script := `
-from shoal import Sandbox
+from shoal import Sandbox, monitor
 with Sandbox.create(base="busybox:1", memory="64M") as sb:
     sb.files.write("/work/p.txt", "from python")
     r = sb.commands.run("cat /work/p.txt")
     assert r.exit_code == 0 and r.stdout == "from python", r
+    st = monitor.status()  # every node, each sandbox on its node
+    assert sorted(n.name for n in st.nodes) == ["n1", "n2"] and all(n.state == "up" and n.heartbeat_at for n in st.nodes), st.nodes
+    mine = [s for s in st.sandboxes if s.sandbox_id == sb.id]
+    assert mine and mine[0].node in ("n1", "n2") and mine[0].state == "running", st.sandboxes
     print("ok", sb.id)
 `
 	cmd := exec.Command(py, "-c", script)
