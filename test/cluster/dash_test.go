@@ -7,11 +7,16 @@ import (
 	"fmt"
 	"net/http"
 	"net/url"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/chromedp/chromedp"
 	"github.com/coder/websocket"
+
+	"github.com/shoal-sandbox/shoal/test/internal/browser"
 )
 
 // dashClient is the dashboard's view of a control replica: logged in
@@ -188,4 +193,36 @@ func checkDashboardLost(t *testing.T, addr, key, node, id string) {
 		}
 		return fmt.Errorf("sandbox %s not listed: %+v", id, st.Sandboxes)
 	})
+}
+
+// checkDashboardPage opens the dashboard of a control replica in headless
+// Chromium: both nodes' cards, each sandbox's row naming its node, and,
+// for a sandbox of the last node, its commands and a terminal. It leaves
+// a screenshot (SHOAL_DASH_CLUSTER_SCREENSHOT names where; else the
+// test's temp dir).
+func checkDashboardPage(t *testing.T, addr, key string, want map[string][]string) {
+	t.Helper()
+	p := browser.Start(t)
+	p.Login("http://"+addr, key)
+	var last string
+	for node, ids := range want {
+		p.WaitJS("node "+node+"'s card", `(document.querySelector('#nodes .card[data-node="`+node+`"]')||{}).textContent?.includes("CPUs")`)
+		for _, id := range ids {
+			p.WaitJS("sandbox "+id+" on "+node, `(document.querySelector('#sandboxes tbody tr[data-id="`+id+`"] td:nth-child(2)')||{}).textContent === "`+node+`"`)
+		}
+		if node > last {
+			last = node
+		}
+	}
+	p.WaitJS("the node count", `document.querySelector("#node-count").textContent === "`+fmt.Sprint(len(want))+` up"`)
+	id := want[last][0]
+	p.Step("open a sandbox of "+last, chromedp.Click(`#sandboxes tbody tr[data-id="`+id+`"]`, chromedp.ByQuery))
+	p.WaitJS("its commands", `document.querySelector("#commands tbody").textContent.includes("cat /work/a.txt")`)
+	text := p.Terminal("echo page-$((6*7))-on-$(cat /work/a.txt | wc -c)", "page-42-on-")
+	t.Logf("terminal through the control replica:\n%s", strings.TrimSpace(text))
+	shot := os.Getenv("SHOAL_DASH_CLUSTER_SCREENSHOT")
+	if shot == "" {
+		shot = filepath.Join(t.TempDir(), "dashboard-cluster.png")
+	}
+	p.Screenshot(shot)
 }
