@@ -75,3 +75,15 @@ func TestTopCluster(t *testing.T) {
 		}
 	}
 }
+
+func TestTimeColumn(t *testing.T) {
+	at := time.Date(2026, 1, 2, 3, 4, 5, 0, time.Local)
+	if got := timeColumn(timestamppb.New(at)); got != "2026-01-02 03:04:05" {
+		t.Errorf("timeColumn: %q", got)
+	}
+	for _, ts := range []*timestamppb.Timestamp{nil, {}} {
+		if got := timeColumn(ts); got != "-" {
+			t.Errorf("timeColumn(%v): %q, want -", ts, got)
+		}
+	}
+}
