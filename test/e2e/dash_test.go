@@ -175,6 +175,28 @@ func TestTop(t *testing.T) {
 	}
 	id = strings.TrimSpace(id)
 	defer run(nil, "rm", id)
+	// Human output, as docker's reads: inspect says running and gives
+	// numbers as numbers; ls's EXPIRES is a time.
+	out, code := run(nil, "inspect", id)
+	var in map[string]any
+	if err := json.Unmarshal([]byte(out), &in); code != 0 || err != nil {
+		t.Fatalf("inspect: %d %v\n%s", code, err, out)
+	}
+	if _, isNum := in["memory_bytes"].(float64); in["state"] != "running" || !isNum {
+		t.Fatalf("inspect: state %v, memory_bytes %#v; want running and a number", in["state"], in["memory_bytes"])
+	}
+	out, code = run(nil, "ls")
+	var line string
+	for _, l := range strings.Split(out, "\n") {
+		if strings.HasPrefix(l, id) {
+			line = l
+		}
+	}
+	if f := strings.Fields(line); code != 0 || len(f) != 8 || f[2] != "running" {
+		t.Fatalf("ls: want ID BACKEND running BASE CREATED(date time) EXPIRES(date time):\n%s", out)
+	} else if exp, err := time.ParseInLocation(time.DateTime, f[6]+" "+f[7], time.Local); err != nil || !exp.After(time.Now()) {
+		t.Fatalf("ls EXPIRES %q: not a time to come (%v)", f[6]+" "+f[7], err)
+	}
 	// A command that burns CPU until killed (the sandbox's rm ends it).
 	if out, code := run(nil, "exec", "-d", id, "--", "sh", "-c", "while :; do :; done"); code != 0 {
 		t.Fatalf("exec -d: %s", out)
@@ -229,7 +251,7 @@ func TestTop(t *testing.T) {
 		}
 	}
 once:
-	out, code := run(nil, "top", "--once", "--interval", "200ms", "--state", "running")
+	out, code = run(nil, "top", "--once", "--interval", "200ms", "--state", "running")
 	if code != 0 || !strings.Contains(out, "node ") || !strings.Contains(out, id) || !strings.Contains(out, "IDLE") {
 		t.Fatalf("top --once: %d\n%s", code, out)
 	}
