@@ -15,6 +15,7 @@ package cluster_test
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"fmt"
 	"net"
 	"net/http"
@@ -177,6 +178,7 @@ func TestCluster(t *testing.T) {
 			"--e2b-listen=", "--egress-subnet=", "--pool-size", "0", "--min-available", "none",
 			"--userns-base", fmt.Sprint(1_500_000_000 + i*100_000_000)}
 	}
+	nodes[1].args = append(nodes[1].args, "--log-format", "json") // n2's log: JSON lines
 	controls := []*proc{{name: "c1"}, {name: "c2"}}
 	for _, c := range controls {
 		c.addr, c.data = freeAddr(t), mkdata(c.name)
@@ -268,13 +270,33 @@ func TestCluster(t *testing.T) {
 	if len(onNode["n1"]) == 0 || len(onNode["n2"]) == 0 {
 		t.Fatalf("2 creates did not spread over 2 nodes: %v", onNode)
 	}
-	// A node's every log line names it.
+	// A node's every log line names it; n2's are JSON, with the stable
+	// keys on a create's line.
 	for _, n := range nodes {
 		b, _ := os.ReadFile(filepath.Join(n.data, "serve.log"))
+		created := 0
 		for _, line := range strings.Split(strings.TrimSpace(string(b)), "\n") {
 			if strings.HasPrefix(line, "time=") && !strings.Contains(line, " node="+n.name) {
 				t.Fatalf("%s's log line without node=%s: %s", n.name, n.name, line)
 			}
+			if !strings.HasPrefix(line, "{") {
+				continue
+			}
+			var rec map[string]any
+			if err := json.Unmarshal([]byte(line), &rec); err != nil || rec["node"] != n.name {
+				t.Fatalf("%s's JSON log line without \"node\":%q: %s (%v)", n.name, n.name, line, err)
+			}
+			if rec["msg"] == "sandbox created" {
+				created++
+				for _, k := range []string{"sandbox_id", "tenant", "layer"} {
+					if _, ok := rec[k]; !ok {
+						t.Fatalf("%s: a create's log line without %s: %s", n.name, k, line)
+					}
+				}
+			}
+		}
+		if n.name == "n2" && created == 0 {
+			t.Fatalf("n2's log (JSON) has no create:\n%s", b)
 		}
 	}
 	step("created")
