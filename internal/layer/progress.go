@@ -97,8 +97,10 @@ type countingReader struct {
 
 func (c *countingReader) Read(p []byte) (int, error) {
 	n, err := c.r.Read(p)
-	c.n += int64(n)
-	c.rep.update(c.n, c.total)
+	if n > 0 { // not again at EOF
+		c.n += int64(n)
+		c.rep.update(c.n, c.total)
+	}
 	return n, err
 }
 

@@ -174,18 +174,18 @@ func (s *Store) push(ctx context.Context, l Layer, img *os.File, rep *reporter) 
 type progressSection struct {
 	sr   *io.SectionReader
 	rep  *reporter
-	mu   sync.Mutex // guards high (ReadAt may be called concurrently)
+	mu   sync.Mutex // guards high, and orders reports (ReadAt may be called concurrently)
 	high int64
 }
 
 func (p *progressSection) reached(off int64) {
 	p.mu.Lock()
-	if off > p.high {
-		p.high = off
+	defer p.mu.Unlock() // held while reporting: reports never go back
+	if off <= p.high {  // nothing new (a read at EOF, a re-read)
+		return
 	}
-	high := p.high
-	p.mu.Unlock()
-	p.rep.update(high, p.sr.Size())
+	p.high = off
+	p.rep.update(off, p.sr.Size())
 }
 
 func (p *progressSection) Read(b []byte) (int, error) {
