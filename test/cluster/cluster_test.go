@@ -319,7 +319,7 @@ func TestCluster(t *testing.T) {
 	}
 	// The dashboard of a replica: both nodes, each sandbox on its node,
 	// commands and a terminal routed to it.
-	checkDashboard(t, ctx, controls[0].addr, key, onNode)
+	checkDashboard(t, ctx, bin, controls[0].addr, key, onNode)
 	checkDashboardPage(t, controls[1].addr, key, onNode)
 	step("dashboard")
 	// A watch through a replica: armed (its header relayed), then events.

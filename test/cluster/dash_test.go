@@ -8,7 +8,9 @@ import (
 	"net/http"
 	"net/url"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -94,9 +96,30 @@ func (d *dashClient) status() dashStatus {
 // a cluster whose nodes are all up: every node with its load and last
 // heartbeat, every sandbox with its node (want: node → sandbox IDs); the
 // commands of a sandbox on each node; and a terminal into each, through
-// the replica.
-func checkDashboard(t *testing.T, ctx context.Context, addr, key string, want map[string][]string) {
+// the replica. `shoal top --json` (bin) shows the same nodes and sandboxes.
+func checkDashboard(t *testing.T, ctx context.Context, bin, addr, key string, want map[string][]string) {
 	t.Helper()
+	cmd := exec.CommandContext(ctx, filepath.Join(bin, "shoal"), "top", "--json", "--interval", "100ms")
+	cmd.Env = append(os.Environ(), "SHOAL_URL=http://"+addr, "SHOAL_API_KEY="+key)
+	out, err := cmd.Output()
+	var top struct {
+		Nodes []struct {
+			Name  string `json:"name"`
+			State string `json:"state"`
+		} `json:"nodes"`
+		Sandboxes []struct {
+			ID   string `json:"id"`
+			Node string `json:"node"`
+		} `json:"sandboxes"`
+	}
+	if err != nil || json.Unmarshal(out, &top) != nil || len(top.Nodes) != len(want) {
+		t.Fatalf("shoal top --json through the control replica: %v\n%s", err, out)
+	}
+	for _, s := range top.Sandboxes {
+		if !slices.Contains(want[s.Node], s.ID) {
+			t.Fatalf("shoal top --json: sandbox %s on %q, want %v\n%s", s.ID, s.Node, want, out)
+		}
+	}
 	d := dashLogin(t, addr, key)
 	st := d.status()
 	up := map[string]bool{}
