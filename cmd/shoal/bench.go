@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
+	"sync"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -137,7 +138,9 @@ func benchCmd() *cobra.Command {
 				defer c.Delete(context.Background(), sb.Id)
 				cho.SandboxID = sb.Id
 			}
-			res, err := bench.Chaos(ctx, cho)
+			bar := benchProgress(os.Stderr)
+			res, err := bench.Chaos(bench.WithProgress(ctx, bar.update), cho)
+			bar.clear()
 			if err != nil {
 				return err
 			}
@@ -181,12 +184,46 @@ func runBench(run func(context.Context, *shoal.Client) (any, error)) func(*cobra
 		}
 		ctx, cancel := cmdContext()
 		defer cancel()
-		res, err := run(ctx, c)
+		bar := benchProgress(os.Stderr)
+		res, err := run(bench.WithProgress(ctx, bar.update), c)
+		bar.clear()
 		if err != nil {
 			return err
 		}
 		return printResult(res)
 	}
+}
+
+// benchBar draws a benchmark's progress (bench.ProgressFunc) on a
+// progressBar: a line as each stage starts, then its steps (on a terminal
+// redrawn at most every 100 ms but for the stage's end; elsewhere a line
+// per quarter). Safe for concurrent use (mu guards the rest).
+type benchBar struct {
+	mu    sync.Mutex
+	bar   *progressBar
+	stage string
+	last  time.Time
+}
+
+func benchProgress(w *os.File) *benchBar { return &benchBar{bar: newProgressBar(w)} }
+
+func (b *benchBar) update(stage string, done, total int) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if stage != b.stage {
+		b.stage = stage
+		b.bar.update(fmt.Sprintf("%s: %d steps", stage, total), nil)
+	}
+	if now := time.Now(); !b.bar.tty || done >= total || now.Sub(b.last) >= 100*time.Millisecond {
+		b.last = now
+		b.bar.update("", &pb.BuildProgress{Stage: stage, Done: int64(done), Total: int64(total), Unit: "steps"})
+	}
+}
+
+func (b *benchBar) clear() {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.bar.clear()
 }
 
 func printResult(v any) error {

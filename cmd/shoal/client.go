@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/spf13/cobra"
+	"google.golang.org/protobuf/types/known/timestamppb"
 
 	pb "github.com/shoal-sandbox/shoal/api/shoal/v1"
 	shoal "github.com/shoal-sandbox/shoal/sdk/go"
@@ -44,6 +45,15 @@ func absPath(p string) (string, error) {
 
 func kindString(k pb.LayerKind) string {
 	return strings.ToLower(strings.TrimPrefix(k.String(), "LAYER_KIND_"))
+}
+
+// timeColumn is a time of a listing, local, to the second; "-" when
+// there is none (a lost sandbox of a cluster has no expiry).
+func timeColumn(ts *timestamppb.Timestamp) string {
+	if ts == nil || (ts.Seconds <= 0 && ts.Nanos == 0) {
+		return "-"
+	}
+	return ts.AsTime().Local().Format(time.DateTime)
 }
 
 func stateString(s pb.SandboxState) string {
@@ -292,14 +302,20 @@ func lsCmd() *cobra.Command {
 				return nil
 			}
 			tw := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
+			dash := func(s string) string { // a lost sandbox of a cluster has no backend or layers
+				if s == "" {
+					return "-"
+				}
+				return s
+			}
 			fmt.Fprintln(tw, "ID\tBACKEND\tSTATE\tBASE\tCREATED\tEXPIRES")
 			for _, s := range sbs {
 				base := ""
 				if n := len(s.Layers); n > 0 {
 					base = s.Layers[n-1].Ref
 				}
-				fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\n", s.Id, s.Backend, stateString(s.State), base,
-					s.CreatedAt.AsTime().Local().Format(time.DateTime), s.ExpiresAt.AsTime().Local().Format(time.DateTime))
+				fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\n", s.Id, dash(s.Backend), stateString(s.State), dash(base),
+					timeColumn(s.CreatedAt), timeColumn(s.ExpiresAt))
 			}
 			return tw.Flush()
 		},

@@ -216,7 +216,12 @@ func layerPushCmd() *cobra.Command {
 	return &cobra.Command{
 		Use:   "push REF [STORE]",
 		Short: "Copy a layer to the server's layer store (shoal serve --layer-store); STORE, if given, must be that store's URL",
-		Args:  cobra.RangeArgs(1, 2),
+		Long: `Copy a layer of the server to the server's layer store (shoal serve
+--layer-store): its image and chunk list unless the store has them, then its
+tag. Progress goes to stderr (a bar on a terminal, a line per quarter
+elsewhere); the result, as JSON, to stdout. STORE, if given, must be the
+server's store URL.`,
+		Args: cobra.RangeArgs(1, 2),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			c, err := client(cmd)
 			if err != nil {
@@ -228,11 +233,13 @@ func layerPushCmd() *cobra.Command {
 			}
 			ctx, cancel := cmdContext()
 			defer cancel()
-			res, err := c.Layers.PushLayer(ctx, connect.NewRequest(req))
+			bar := newProgressBar(os.Stderr)
+			res, err := c.PushLayer(ctx, req, bar.update)
+			bar.clear()
 			if err != nil {
 				return err
 			}
-			printJSON(res.Msg)
+			printJSON(res)
 			return nil
 		},
 	}
@@ -455,10 +462,12 @@ func layerImportCmd() *cobra.Command {
 // pushBuilt pushes a layer just built or imported to the server's layer
 // store and says so on stderr.
 func pushBuilt(ctx context.Context, c *shoal.Client, ref string) error {
-	res, err := c.Layers.PushLayer(ctx, connect.NewRequest(&pb.PushLayerRequest{Ref: ref}))
+	bar := newProgressBar(os.Stderr)
+	res, err := c.PushLayer(ctx, &pb.PushLayerRequest{Ref: ref}, bar.update)
+	bar.clear()
 	if err != nil {
 		return fmt.Errorf("built, but not pushed: %w", err)
 	}
-	fmt.Fprintf(os.Stderr, "pushed %s to %s (%d bytes uploaded)\n", ref, res.Msg.Store, res.Msg.UploadedBytes)
+	_ = res // the stream's last line said where it went and what it sent
 	return nil
 }

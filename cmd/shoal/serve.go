@@ -610,6 +610,9 @@ func serve(cfg serveConfig) error {
 	api.SetMetrics(mt)
 	api.SetBuildPolicy(control.BuildPolicy{Roots: cfg.buildRoots, UploadMax: cfg.BuildUploadMax})
 	api.SetTenancy(keys, auditLog)
+	if cfg.Cluster.Role == roleNode {
+		api.SetNodeName(cfg.Cluster.NodeName)
+	}
 	srv := &http.Server{
 		Handler:           api.Handler(),
 		Protocols:         &protocols,
@@ -649,7 +652,8 @@ func serve(cfg serveConfig) error {
 }
 
 // registerGauges adds what /metrics reads at each scrape: sandboxes by
-// backend and state, and the warm pool's sizes and counters.
+// backend and state, the node's capacity and oversubscription, and the
+// warm pool's sizes and counters.
 func registerGauges(mt *metrics.Metrics, mgr *node.Manager, ctr *container.Backend) {
 	mt.Gauges("shoal_sandboxes", "Sandboxes on this node by backend and state.", []string{"backend", "state"}, func() []metrics.Gauge {
 		var out []metrics.Gauge
@@ -657,6 +661,31 @@ func registerGauges(mt *metrics.Metrics, mgr *node.Manager, ctr *container.Backe
 			out = append(out, metrics.Gauge{Labels: []string{k[0], k[1]}, Value: float64(n)})
 		}
 		return out
+	})
+	mt.Gauges("shoal_node_capacity", "The node's CPU (millicpu) and memory (memory_bytes): the host's (kind host; memory also available: MemAvailable), what admission admits in all after --cpu-overcommit and --memory-overcommit (admitted; absent when unbounded), and the limits of its sandboxes that are not paused (used).", []string{"resource", "kind"}, func() []metrics.Gauge {
+		l := mgr.Load()
+		out := []metrics.Gauge{{Labels: []string{"memory_bytes", "used"}, Value: float64(l.UsedMemory)}, {Labels: []string{"millicpu", "used"}, Value: float64(l.UsedMilliCPU)}}
+		if l.Memory > 0 {
+			out = append(out, metrics.Gauge{Labels: []string{"memory_bytes", "admitted"}, Value: float64(l.Memory)})
+		}
+		if l.MilliCPU > 0 {
+			out = append(out, metrics.Gauge{Labels: []string{"millicpu", "admitted"}, Value: float64(l.MilliCPU)})
+		}
+		if total, avail, cpus, err := node.HostCapacity(); err == nil {
+			out = append(out, metrics.Gauge{Labels: []string{"memory_bytes", "host"}, Value: float64(total)},
+				metrics.Gauge{Labels: []string{"memory_bytes", "available"}, Value: float64(avail)},
+				metrics.Gauge{Labels: []string{"millicpu", "host"}, Value: float64(cpus * 1000)})
+		}
+		return out
+	})
+	mt.Gauges("shoal_node_oversubscription", "The limits of the node's sandboxes that are not paused over the host's capacity, by resource (cpu, memory): above 1, oversubscribed.", []string{"resource"}, func() []metrics.Gauge {
+		total, _, cpus, err := node.HostCapacity()
+		if err != nil || total <= 0 || cpus <= 0 {
+			return nil
+		}
+		l := mgr.Load()
+		return []metrics.Gauge{{Labels: []string{"memory"}, Value: float64(l.UsedMemory) / float64(total)},
+			{Labels: []string{"cpu"}, Value: float64(l.UsedMilliCPU) / float64(cpus*1000)}}
 	})
 	mt.Gauges("shoal_pool_containers", "Warm pool containers of the container backend: ready, starting, target and max.", []string{"kind"}, func() []metrics.Gauge {
 		st, ok := ctr.PoolStats()

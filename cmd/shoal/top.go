@@ -21,6 +21,7 @@ import (
 // topRow is one sandbox of `shoal top`, as printed by --json too.
 type topRow struct {
 	ID               string   `json:"id"`
+	Node             string   `json:"node"`
 	State            string   `json:"state"`
 	Backend          string   `json:"backend"`
 	Tenant           string   `json:"tenant"`
@@ -35,6 +36,8 @@ type topRow struct {
 // topNode is a node's line of `shoal top`.
 type topNode struct {
 	Name                 string    `json:"name"`
+	State                string    `json:"state"`                 // up; in a cluster also unreachable, down
+	HeartbeatAgeSeconds  *float64  `json:"heartbeat_age_seconds"` // in a cluster: since its last report
 	CPUs                 int32     `json:"cpus"`
 	Load                 []float64 `json:"load"`
 	CPUPercent           *float64  `json:"cpu_percent"`
@@ -74,8 +77,15 @@ func topRows(prev, cur *pb.Status, state, sortBy string) topView {
 		return &r
 	}
 	for _, n := range cur.Nodes {
-		tn := topNode{Name: n.Name, CPUs: n.Cpus, Load: []float64{n.Load1, n.Load5, n.Load15},
+		tn := topNode{Name: n.Name, State: n.State, CPUs: n.Cpus, Load: []float64{n.Load1, n.Load5, n.Load15},
 			MemoryTotalBytes: n.MemoryTotalBytes, MemoryAvailableBytes: n.MemoryAvailableBytes, Sandboxes: n.Sandboxes}
+		if tn.State == "" {
+			tn.State = "up"
+		}
+		if n.HeartbeatAt != nil {
+			age := now.Sub(n.HeartbeatAt.AsTime()).Seconds()
+			tn.HeartbeatAgeSeconds = &age
+		}
 		if p, ok := prevNode[n.Name]; ok {
 			tn.CPUPercent = rate(p.CpuUsec, n.CpuUsec, 1e4*float64(max(n.Cpus, 1)))
 			tn.CreatesPerSecond = rate(p.CreatesTotal, n.CreatesTotal, 1)
@@ -86,7 +96,7 @@ func topRows(prev, cur *pb.Status, state, sortBy string) topView {
 		if state != "" && s.State != state {
 			continue
 		}
-		r := topRow{ID: s.Id, State: s.State, Backend: s.Backend, Tenant: s.Tenant, MemoryBytes: s.MemoryBytes,
+		r := topRow{ID: s.Id, Node: s.Node, State: s.State, Backend: s.Backend, Tenant: s.Tenant, MemoryBytes: s.MemoryBytes,
 			MemoryLimitBytes: s.MemoryLimitBytes, IdleSeconds: float64(s.IdleMs) / 1000,
 			AgeSeconds: now.Sub(s.CreatedAt.AsTime()).Seconds(), CommandsRunning: s.CommandsRunning}
 		if p, ok := prevSb[s.Id]; ok {
@@ -139,6 +149,14 @@ func printTop(w io.Writer, v topView, rows int) {
 		return fmt.Sprintf("%.1f%%", *p)
 	}
 	for _, n := range v.Nodes {
+		if n.State != "up" {
+			hb := ""
+			if n.HeartbeatAgeSeconds != nil {
+				hb = "  last heartbeat " + shortDuration(*n.HeartbeatAgeSeconds) + " ago"
+			}
+			fmt.Fprintf(w, "node %s  %s%s  sandboxes %d at its last report\n", n.Name, strings.ToUpper(n.State), hb, n.Sandboxes)
+			continue
+		}
 		cr := "-"
 		if n.CreatesPerSecond != nil {
 			cr = fmt.Sprintf("%.1f", *n.CreatesPerSecond)
@@ -152,13 +170,27 @@ func printTop(w io.Writer, v topView, rows int) {
 		counts[s.State]++
 	}
 	var cs []string
-	for _, st := range []string{"running", "paused", "creating", "error", "deleting"} {
+	for _, st := range []string{"running", "paused", "creating", "error", "deleting", "lost"} {
 		if counts[st] > 0 {
 			cs = append(cs, fmt.Sprintf("%d %s", counts[st], st))
 		}
 	}
 	fmt.Fprintf(w, "%s  %d sandboxes: %s\n\n", v.Time.Local().Format(time.TimeOnly), len(v.Sandboxes), strings.Join(cs, ", "))
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	// A NODE column when there are several (a cluster's control replica).
+	multi := len(v.Nodes) > 1
+	node := func(s topRow) string {
+		if !multi {
+			return ""
+		}
+		if s.Node == "" {
+			return "-\t"
+		}
+		return s.Node + "\t"
+	}
+	if multi {
+		fmt.Fprint(tw, "NODE\t")
+	}
 	fmt.Fprintln(tw, "ID\tSTATE\tBACKEND\tTENANT\tCPU\tMEM\tLIMIT\tIDLE\tAGE\tCMDS")
 	for i, s := range v.Sandboxes {
 		if rows > 0 && i >= rows {
@@ -175,7 +207,7 @@ func printTop(w io.Writer, v topView, rows int) {
 		if s.CommandsRunning > 0 {
 			idle = "busy"
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%d\n", s.ID, s.State, s.Backend, tn, pct(s.CPUPercent), mem,
+		fmt.Fprintf(tw, "%s%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%d\n", node(s), s.ID, s.State, s.Backend, tn, pct(s.CPUPercent), mem,
 			humanBytes(s.MemoryLimitBytes), idle, shortDuration(s.AgeSeconds), s.CommandsRunning)
 	}
 	tw.Flush()

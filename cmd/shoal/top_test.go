@@ -1,6 +1,8 @@
 package main
 
 import (
+	"io"
+	"os"
 	"strings"
 	"testing"
 	"time"
@@ -46,5 +48,67 @@ func TestTopRows(t *testing.T) {
 		if !strings.Contains(out, want) {
 			t.Errorf("table lacks %q:\n%s", want, out)
 		}
+	}
+}
+
+// TestTopCluster: through a control replica, a NODE column, and a node
+// that is down on a line of its own.
+func TestTopCluster(t *testing.T) {
+	t0 := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+	st := &pb.Status{Time: timestamppb.New(t0.Add(time.Minute)),
+		Nodes: []*pb.NodeStatus{
+			{Name: "n1", State: "up", Cpus: 2, MemoryTotalBytes: 8 << 30, HeartbeatAt: timestamppb.New(t0.Add(58 * time.Second))},
+			{Name: "n2", State: "down", Sandboxes: 3, HeartbeatAt: timestamppb.New(t0.Add(30 * time.Second))},
+		},
+		Sandboxes: []*pb.SandboxUsage{
+			{Id: "aaaa1", Node: "n1", State: "running", MemoryBytes: 1 << 20, MemoryLimitBytes: 64 << 20, CreatedAt: timestamppb.New(t0)},
+			{Id: "bbbb1", Node: "n2", State: "lost", MemoryBytes: -1, CpuUsec: -1, CreatedAt: timestamppb.New(t0)},
+		}}
+	v := topRows(nil, st, "", "id")
+	if v.Sandboxes[1].Node != "n2" || v.Nodes[1].State != "down" || *v.Nodes[1].HeartbeatAgeSeconds != 30 {
+		t.Fatalf("view: %+v %+v", v.Sandboxes, v.Nodes)
+	}
+	var b strings.Builder
+	printTop(&b, v, 0)
+	out := b.String()
+	for _, want := range []string{"node n1  cpus 2", "node n2  DOWN  last heartbeat 30s ago  sandboxes 3", "1 running, 1 lost", "NODE  ID", "n2    bbbb1  lost"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("table lacks %q:\n%s", want, out)
+		}
+	}
+}
+
+func TestTimeColumn(t *testing.T) {
+	at := time.Date(2026, 1, 2, 3, 4, 5, 0, time.Local)
+	if got := timeColumn(timestamppb.New(at)); got != "2026-01-02 03:04:05" {
+		t.Errorf("timeColumn: %q", got)
+	}
+	for _, ts := range []*timestamppb.Timestamp{nil, {}} {
+		if got := timeColumn(ts); got != "-" {
+			t.Errorf("timeColumn(%v): %q, want -", ts, got)
+		}
+	}
+}
+
+// A benchmark's progress, stderr not a terminal: a line per stage, then
+// one per quarter.
+func TestBenchProgressLines(t *testing.T) {
+	r, w, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := benchProgress(w)
+	for _, stage := range []string{"create", "delete"} {
+		for i := 0; i <= 8; i++ {
+			b.update(stage, i, 8)
+		}
+	}
+	b.clear()
+	w.Close()
+	out, _ := io.ReadAll(r)
+	want := "create: 8 steps\n  create 25% (2 / 8 steps)\n  create 50% (4 / 8 steps)\n  create 75% (6 / 8 steps)\n" +
+		"delete: 8 steps\n  delete 25% (2 / 8 steps)\n  delete 50% (4 / 8 steps)\n  delete 75% (6 / 8 steps)\n"
+	if string(out) != want {
+		t.Fatalf("got:\n%s\nwant:\n%s", out, want)
 	}
 }

@@ -10,6 +10,7 @@ import (
 	"math"
 	"sort"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	pb "github.com/shoal-sandbox/shoal/api/shoal/v1"
@@ -44,6 +45,31 @@ func dist(ds []time.Duration) Dist {
 
 // parallel calls fn(i) for i in [0, n) from c goroutines and returns once
 // every call has returned.
+// ProgressFunc hears how far a benchmark is: done of total steps of a
+// stage ("create", "exec", ...). It may be called from several goroutines
+// at once.
+type ProgressFunc func(stage string, done, total int)
+
+type progressKey struct{}
+
+// WithProgress returns ctx carrying fn: the benchmarks run with it report
+// their long loops to it (the CLI draws a bar on stderr).
+func WithProgress(ctx context.Context, fn ProgressFunc) context.Context {
+	return context.WithValue(ctx, progressKey{}, fn)
+}
+
+// progress returns a step counter of stage: each call counts one step
+// done and reports it to ctx's ProgressFunc, if any.
+func progress(ctx context.Context, stage string, total int) func() {
+	fn, _ := ctx.Value(progressKey{}).(ProgressFunc)
+	if fn == nil {
+		return func() {}
+	}
+	fn(stage, 0, total)
+	var n atomic.Int64
+	return func() { fn(stage, int(n.Add(1)), total) }
+}
+
 func parallel(n, c int, fn func(i int)) {
 	work := make(chan int)
 	var wg sync.WaitGroup
@@ -123,7 +149,9 @@ func Create(ctx context.Context, c *shoal.Client, o CreateOptions) (*CreateResul
 		mu.Unlock()
 	}
 	start := time.Now()
+	step := progress(ctx, "create", o.N)
 	parallel(o.N, o.Concurrency, func(int) {
+		defer step()
 		t0 := time.Now()
 		req := &pb.CreateSandboxRequest{Base: o.Base, TimeoutSeconds: 600}
 		if len(o.AllowOut) > 0 {
@@ -156,7 +184,9 @@ func Create(ctx context.Context, c *shoal.Client, o CreateOptions) (*CreateResul
 	res.CreateFirstExec = dist(firsts)
 
 	// Clean up with the same concurrency, measuring delete.
+	delStep := progress(ctx, "delete", len(ids))
 	parallel(len(ids), o.Concurrency, func(i int) {
+		defer delStep()
 		t0 := time.Now()
 		if err := c.Delete(context.Background(), ids[i]); err != nil {
 			fail(err)

@@ -76,7 +76,9 @@ func Chaos(ctx context.Context, o ChaosOptions) (ChaosResult, error) {
 	for i := range reqs {
 		reqs[i] = g.request(ctx)
 	}
+	step := progress(ctx, "requests", o.N)
 	parallel(o.N, o.Concurrency, func(i int) {
+		defer step()
 		req := reqs[i]
 		status, bad, note := send(client, req)
 		mu.Lock()

@@ -52,7 +52,9 @@ func Exec(ctx context.Context, c *shoal.Client, o ExecOptions) (*ExecResult, err
 	res := &ExecResult{Bench: "exec", N: o.N}
 
 	var api []time.Duration
+	step := progress(ctx, "exec", o.N+5)
 	for i := 0; i < o.N+5; i++ {
+		step()
 		t0 := time.Now()
 		st, err := c.Exec(ctx, sb.Id, shoal.ExecOptions{Args: []string{"true"}})
 		if err != nil {
@@ -69,7 +71,9 @@ func Exec(ctx context.Context, c *shoal.Client, o ExecOptions) (*ExecResult, err
 
 	ag := agent.NewClient(sb.Runtime["agent_socket"])
 	var direct []time.Duration
+	step = progress(ctx, "agent", o.N)
 	for i := 0; i < o.N; i++ {
+		step()
 		t0 := time.Now()
 		p, err := ag.Exec(ctx, agent.ExecRequest{Args: []string{"true"}})
 		if err != nil {
@@ -91,7 +95,9 @@ func Exec(ctx context.Context, c *shoal.Client, o ExecOptions) (*ExecResult, err
 	res.Agent = dist(direct)
 
 	var runc []time.Duration
+	step = progress(ctx, "runc", o.N)
 	for i := 0; i < o.N; i++ {
+		step()
 		cmd := exec.CommandContext(ctx, o.Runtime, "--root", filepath.Join(o.DataDir, "runc"), "exec", sb.Runtime["runc_id"], "/bin/true")
 		t0 := time.Now()
 		if out, err := cmd.CombinedOutput(); err != nil {

@@ -143,7 +143,9 @@ func FnCall(ctx context.Context, c *shoal.Client, o FnCallOptions) (*FnCallResul
 			}
 		}
 		var lat, total, wall, cpu, cppLat []time.Duration
+		step := progress(ctx, mode, o.N)
 		for i := 0; i < o.N; i++ {
+			step()
 			if havePython && mode == modes[0] {
 				d, err := bare(o.Python, "-c", "print(1)")
 				if err != nil {

@@ -70,7 +70,9 @@ func Pause(ctx context.Context, c *shoal.Client, o PauseOptions) (*PauseResult, 
 	// The shell holds the data; each line written to /tmp/f makes it read
 	// all of it (${#x}) and write its length to /tmp/len.
 	script := fmt.Sprintf(`x=$(head -c %d /dev/urandom | base64 | tr -d '\n'); mkfifo /tmp/f; echo ready >/tmp/ready; while :; do read l </tmp/f; echo ${#x} >/tmp/len; done`, o.MiB<<20)
+	setup := progress(ctx, "create", o.N)
 	parallel(o.N, o.Concurrency, func(i int) {
+		defer setup()
 		sb, err := c.Create(ctx, &pb.CreateSandboxRequest{Base: o.Base, TimeoutSeconds: 3600,
 			MemoryBytes: int64(4*o.MiB+128) << 20, AutoPauseSeconds: &zero})
 		if err == nil {

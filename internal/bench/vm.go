@@ -58,7 +58,9 @@ func VM(ctx context.Context, c *shoal.Client, o VMOptions) (*VMResult, error) {
 			c.Delete(context.Background(), id)
 		}
 	}()
+	step := progress(ctx, "boot", o.Boots)
 	for i := 0; i < o.Boots; i++ {
+		step()
 		t0 := time.Now()
 		sb, err := c.Create(ctx, &pb.CreateSandboxRequest{Base: o.Base, Backend: o.Backend, MemoryBytes: o.MemoryMiB << 20, TimeoutSeconds: 900})
 		if err != nil {
@@ -78,7 +80,9 @@ func VM(ctx context.Context, c *shoal.Client, o VMOptions) (*VMResult, error) {
 			res.IdleRSSKiB = append(res.IdleRSSKiB, rss)
 		}
 	}
+	step = progress(ctx, "exec", o.Execs+3)
 	for i := 0; i < o.Execs+3; i++ {
+		step()
 		t0 := time.Now()
 		st, err := c.Exec(ctx, ids[0], shoal.ExecOptions{Args: []string{"true"}})
 		if err != nil {

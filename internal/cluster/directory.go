@@ -30,11 +30,12 @@ type Directory struct {
 	live map[string]NodeInfo  // node name → its last report; guarded by mu
 	tags map[string]string    // tag → node name; guarded by mu
 	gone map[string]time.Time // node name → when its lease ended; guarded by mu
+	last map[string]NodeInfo  // node name → its last report, for nodes gone; guarded by mu
 }
 
 // WatchDirectory loads the nodes and tags and follows them until ctx ends.
 func WatchDirectory(ctx context.Context, cli *clientv3.Client, engine *placement.Engine, log *slog.Logger) (*Directory, error) {
-	d := &Directory{cli: cli, engine: engine, log: log, live: map[string]NodeInfo{}, tags: map[string]string{}, gone: map[string]time.Time{}}
+	d := &Directory{cli: cli, engine: engine, log: log, live: map[string]NodeInfo{}, tags: map[string]string{}, gone: map[string]time.Time{}, last: map[string]NodeInfo{}}
 	rev, err := d.load(ctx)
 	if err != nil {
 		return nil, err
@@ -84,12 +85,14 @@ func (d *Directory) putLocked(v []byte) {
 	d.live[info.Name] = info
 	d.tags[info.Tag] = info.Name
 	delete(d.gone, info.Name)
+	delete(d.last, info.Name)
 	d.engine.Update(info.Load)
 }
 
 func (d *Directory) goneLocked(name string) {
-	if _, ok := d.live[name]; ok {
+	if info, ok := d.live[name]; ok {
 		d.log.Warn("cluster: node down (its lease ended): its sandboxes are lost until it comes back", "node", name)
+		d.last[name] = info
 	}
 	delete(d.live, name)
 	d.gone[name] = time.Now().UTC()
@@ -156,6 +159,36 @@ func (d *Directory) Node(name string) (NodeInfo, bool) {
 	defer d.mu.RUnlock()
 	n, ok := d.live[name]
 	return n, ok
+}
+
+// DownNode is a node the cluster knows (it claimed a tag) whose lease
+// ended.
+type DownNode struct {
+	// Info is its last report if this replica saw it live, else only its
+	// Name and Tag.
+	Info NodeInfo
+	// Since is when this replica saw its lease end; zero if that was
+	// before the replica started.
+	Since time.Time
+}
+
+// Down returns the nodes that are down, by name.
+func (d *Directory) Down() []DownNode {
+	d.mu.RLock()
+	var out []DownNode
+	for tag, name := range d.tags {
+		if _, ok := d.live[name]; ok {
+			continue
+		}
+		info, ok := d.last[name]
+		if !ok {
+			info = NodeInfo{Name: name, Tag: tag}
+		}
+		out = append(out, DownNode{Info: info, Since: d.gone[name]})
+	}
+	d.mu.RUnlock()
+	slices.SortFunc(out, func(a, b DownNode) int { return strings.Compare(a.Info.Name, b.Info.Name) })
+	return out
 }
 
 // ErrLost marks a request for a sandbox whose node is down (also

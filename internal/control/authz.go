@@ -91,8 +91,9 @@ var procedureScopes = map[string][]tenant.Scope{
 	"LayerService/ListEnvironments":     lr,
 	"LayerService/DeleteEnvironment":    lw,
 	// Push and pull move images between this node and its own store.
-	"LayerService/PushLayer": lw,
-	"LayerService/PullLayer": lw,
+	"LayerService/PushLayer":         lw,
+	"LayerService/PushLayerProgress": lw,
+	"LayerService/PullLayer":         lw,
 
 	"FnCallService/Run":           sbx,
 	"FnCallService/RunBatch":      sbx,

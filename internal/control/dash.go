@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"net/http"
 	"net/url"
 	"strconv"
@@ -46,7 +47,13 @@ const (
 )
 
 type dashboard struct {
-	s *Server
+	auth  *Auth
+	log   *slog.Logger
+	audit func() *audit.Log // nil, or returning nil: nothing audited
+	// open serves the terminal's WebSocket once the ticket is taken: a
+	// node's own (Server.openTerminal) or a control replica's, passed on
+	// to the sandbox's node (Forwarder.proxyTerminal).
+	open func(w http.ResponseWriter, r *http.Request, p *tenant.Principal, key string)
 
 	mu       sync.Mutex           // guards sessions and tickets
 	sessions map[string]dashGrant // session token -> the key it was made from
@@ -60,10 +67,26 @@ type dashGrant struct {
 	expires time.Time
 }
 
-func newDashboard(s *Server) *dashboard {
-	d := &dashboard{s: s, sessions: map[string]dashGrant{}, tickets: map[string]dashGrant{}}
-	s.auth.session = d.sessionKey
+func newDashboard(auth *Auth, log *slog.Logger, audit func() *audit.Log, open func(http.ResponseWriter, *http.Request, *tenant.Principal, string)) *dashboard {
+	d := &dashboard{auth: auth, log: log, audit: audit, open: open, sessions: map[string]dashGrant{}, tickets: map[string]dashGrant{}}
+	auth.session = d.sessionKey
 	return d
+}
+
+// withSessionKeys passes requests on with a session token in their
+// Authorization header replaced by its API key: for a control replica,
+// which forwards the client's credentials to nodes that do not know its
+// sessions.
+func (d *dashboard) withSessionKeys(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if t, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer "+sessionPrefix); ok {
+			if key, ok := d.sessionKey(sessionPrefix + t); ok {
+				r = r.Clone(r.Context())
+				r.Header.Set("Authorization", "Bearer "+key)
+			}
+		}
+		next.ServeHTTP(w, r)
+	})
 }
 
 // sessionKey returns the API key of a live session token.
@@ -120,7 +143,7 @@ func (d *dashboard) handler(api http.Handler) http.Handler {
 	})
 	mux.HandleFunc("POST /dash/login", d.login)
 	mux.HandleFunc("POST /dash/logout", d.logout)
-	mux.Handle("POST /dash/ticket", d.s.auth.Middleware(http.HandlerFunc(d.ticket)))
+	mux.Handle("POST /dash/ticket", d.auth.Middleware(http.HandlerFunc(d.ticket)))
 	mux.HandleFunc("GET /dash/terminal", d.terminal)
 	mux.Handle("/", api)
 	return mux
@@ -174,10 +197,10 @@ func (d *dashboard) login(w http.ResponseWriter, r *http.Request) {
 	key := strings.TrimSpace(req.Key)
 	var p *tenant.Principal
 	if key != "" && !strings.HasPrefix(key, sessionPrefix) {
-		p = d.s.auth.principal(key)
+		p = d.auth.principal(key)
 	}
 	if p == nil {
-		d.s.log.Info("dashboard login refused", "remote", r.RemoteAddr)
+		d.log.Info("dashboard login refused", "remote", r.RemoteAddr)
 		writeHTTPError(w, http.StatusUnauthorized, "unauthenticated", "invalid API key")
 		return
 	}
@@ -244,14 +267,18 @@ func (d *dashboard) takeTicket(t string) (string, bool) {
 }
 
 func (d *dashboard) record(p *tenant.Principal, action, object, detail string) {
-	if d.s.audit == nil {
+	if d.audit == nil {
+		return
+	}
+	log := d.audit()
+	if log == nil {
 		return
 	}
 	e := audit.Entry{Key: p.String(), Action: action, Object: object, Detail: detail, Result: "ok"}
 	if p != nil {
 		e.Key, e.Tenant = p.Key, p.Tenant
 	}
-	d.s.audit.Record(e)
+	log.Record(e)
 }
 
 // terminalShell runs bash when the sandbox has one, else sh, interactive.
@@ -274,19 +301,27 @@ func (d *dashboard) terminal(w http.ResponseWriter, r *http.Request) {
 	key, ok := d.takeTicket(q.Get("ticket"))
 	var p *tenant.Principal
 	if ok {
-		p = d.s.auth.principal(key)
+		p = d.auth.principal(key)
 	}
 	if p == nil {
 		writeHTTPError(w, http.StatusUnauthorized, "unauthenticated", "missing, used or expired ticket: get one from POST /dash/ticket")
 		return
 	}
-	ctx := tenant.WithPrincipal(r.Context(), p)
 	if err := p.Require("terminal", tenant.ScopeSandboxes); err != nil {
 		writeConnectError(w, toConnect(err))
 		return
 	}
+	d.open(w, r, p, key)
+}
+
+// openTerminal is a node's terminal (dashboard.terminal) after its ticket
+// was taken: a shell in the sandbox, its PTY over the WebSocket.
+func (s *Server) openTerminal(w http.ResponseWriter, r *http.Request, p *tenant.Principal, _ string) {
+	d := s.dash
+	q := r.URL.Query()
+	ctx := tenant.WithPrincipal(r.Context(), p)
 	id := q.Get("sandbox")
-	if _, err := d.s.sandboxFor(ctx, id); err != nil {
+	if _, err := s.sandboxFor(ctx, id); err != nil {
 		writeConnectError(w, toConnect(err))
 		return
 	}
@@ -299,7 +334,7 @@ func (d *dashboard) terminal(w http.ResponseWriter, r *http.Request) {
 		writeConnectError(w, toConnect(err))
 		return
 	}
-	c, _, err := d.s.sessions.Start(ctx, id, session.StartRequest{
+	c, _, err := s.sessions.Start(ctx, id, session.StartRequest{
 		Args: terminalShell, Env: []string{"TERM=xterm-256color"}, StdinOpen: true,
 		PTY: &agent.Winsize{Rows: uint16(rows), Cols: uint16(cols)},
 	})
@@ -315,7 +350,7 @@ func (d *dashboard) terminal(w http.ResponseWriter, r *http.Request) {
 		kctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()
 		if c.Info().State == session.StateRunning {
-			d.s.sessions.Signal(kctx, c, syscall.SIGKILL)
+			s.sessions.Signal(kctx, c, syscall.SIGKILL)
 		}
 	}()
 	// websocket.Accept checks Origin against Host too (no OriginPatterns).
@@ -335,7 +370,7 @@ func (d *dashboard) terminal(w http.ResponseWriter, r *http.Request) {
 				return
 			}
 			if typ == websocket.MessageBinary {
-				if err := d.s.sessions.SendStdin(ctx, c, data, false); err != nil {
+				if err := s.sessions.SendStdin(ctx, c, data, false); err != nil {
 					return
 				}
 				continue
@@ -347,10 +382,10 @@ func (d *dashboard) terminal(w http.ResponseWriter, r *http.Request) {
 			if json.Unmarshal(data, &m) != nil || m.Type != "resize" || limits.Pty(m.Rows, m.Cols) != nil {
 				continue
 			}
-			d.s.sessions.Resize(ctx, c, agent.Winsize{Rows: uint16(m.Rows), Cols: uint16(m.Cols)})
+			s.sessions.Resize(ctx, c, agent.Winsize{Rows: uint16(m.Rows), Cols: uint16(m.Cols)})
 		}
 	}()
-	err = d.s.sessions.Events(ctx, c, 0, keepAlive, func(ev session.Event) error {
+	err = s.sessions.Events(ctx, c, 0, keepAlive, func(ev session.Event) error {
 		switch ev.Kind {
 		case session.EventStdout, session.EventStderr:
 			return conn.Write(ctx, websocket.MessageBinary, ev.Data)
@@ -363,7 +398,7 @@ func (d *dashboard) terminal(w http.ResponseWriter, r *http.Request) {
 		return nil
 	})
 	if err != nil && ctx.Err() == nil {
-		d.s.log.Debug("dashboard terminal ended", "sandbox_id", id, "command", cmdID, "err", err)
+		s.log.Debug("dashboard terminal ended", "sandbox_id", id, "command", cmdID, "err", err)
 		conn.Close(websocket.StatusInternalError, truncate(fmt.Sprint(err), 100))
 		return
 	}

@@ -16,6 +16,7 @@ import (
 	"github.com/shoal-sandbox/shoal/api/shoal/v1/shoalv1connect"
 	"github.com/shoal-sandbox/shoal/internal/fncall"
 	"github.com/shoal-sandbox/shoal/internal/limits"
+	"github.com/shoal-sandbox/shoal/internal/metrics"
 )
 
 // FnCallConfigEnv names the JSON file (fncall.ConfigFile) that configures
@@ -27,12 +28,29 @@ type fncallService struct {
 	shoalv1connect.UnimplementedFnCallServiceHandler
 	eng *fncall.Engine // nil when the engine could not start (err says why)
 	err error
+	mt  *metrics.Metrics // nil: not counted
+}
+
+// count records a judged call in the metrics, under its language if the
+// engine knows it ("other" otherwise: the label stays bounded).
+func (f *fncallService) count(lang string, r *fncall.Result) {
+	if f.mt == nil || r == nil {
+		return
+	}
+	known := "other"
+	for _, l := range f.eng.Languages() {
+		if l.Name == lang {
+			known = lang
+			break
+		}
+	}
+	f.mt.FnCall(known, strings.TrimPrefix(verdictPB[r.Verdict].String(), "VERDICT_"), r.Total)
 }
 
 // fncallRoutes starts the FnCall engine and registers FnCallService, and
 // CreateSandbox with backend "fncall" (see createFnCallSandbox).
 func (s *Server) fncallRoutes(mux *http.ServeMux) {
-	svc := &fncallService{}
+	svc := &fncallService{mt: s.metrics}
 	cfg := fncall.Config{}
 	if path := os.Getenv(FnCallConfigEnv); path != "" {
 		cfg, svc.err = fncall.LoadConfig(path)
@@ -69,6 +87,7 @@ func (f *fncallService) Run(ctx context.Context, req *connect.Request[pb.RunRequ
 	if err != nil {
 		return nil, toConnect(err)
 	}
+	f.count(r.Language, res)
 	return connect.NewResponse(runResultPB(res)), nil
 }
 
@@ -95,6 +114,7 @@ func (f *fncallService) RunBatch(ctx context.Context, req *connect.Request[pb.Ru
 		index = append(index, i)
 	}
 	return eng.RunBatch(ctx, reqs, int(req.Msg.Concurrency), func(br fncall.BatchResult) error {
+		f.count(reqs[br.Index].Language, br.Result)
 		return stream.Send(&pb.RunBatchResult{Index: int32(index[br.Index]), Result: runResultPB(br.Result)})
 	})
 }

@@ -60,6 +60,7 @@ type Forwarder struct {
 	auth   *Auth
 	client *http.Client
 	log    *slog.Logger
+	dash   *dashboard // the web dashboard's sessions (dash.go); its terminal goes to the sandbox's node
 }
 
 // NewForwarder returns the API of a control replica over the nodes of dir,
@@ -71,7 +72,9 @@ func NewForwarder(dir *cluster.Directory, engine *placement.Engine, auth *Auth, 
 		MaxIdleConnsPerHost: 256,
 		IdleConnTimeout:     90 * time.Second,
 	}
-	return &Forwarder{dir: dir, place: engine, auth: auth, client: &http.Client{Transport: tr}, log: log}
+	f := &Forwarder{dir: dir, place: engine, auth: auth, client: &http.Client{Transport: tr}, log: log}
+	f.dash = newDashboard(auth, log, nil, f.proxyTerminal)
+	return f
 }
 
 // route says where a procedure's calls go.
@@ -84,9 +87,10 @@ const (
 	notYet                 // not served by the cluster yet
 )
 
-// Handler returns the HTTP handler of the whole API.
+// Handler returns the HTTP handler of the whole API, and the dashboard
+// (/dash/...: the cluster's nodes and sandboxes, forward_monitor.go).
 func (f *Forwarder) Handler() http.Handler {
-	return f.auth.Middleware(unknownProcedures(f.routes()), "/healthz")
+	return f.dash.handler(f.dash.withSessionKeys(f.auth.Middleware(unknownProcedures(f.routes()), "/healthz")))
 }
 
 func (f *Forwarder) routes() *http.ServeMux {
@@ -140,11 +144,14 @@ func (f *Forwarder) routes() *http.ServeMux {
 	unary[pb.DeleteLayerRequest, pb.DeleteLayerResponse](f, mux, l+"DeleteLayer", toAll, opts)
 	unary[pb.GarbageCollectLayersRequest, pb.GarbageCollectLayersResponse](f, mux, l+"GarbageCollectLayers", toAll, opts)
 	unary[pb.PushLayerRequest, pb.PushLayerResponse](f, mux, l+"PushLayer", notYet, opts)
+	stream[pb.PushLayerRequest, pb.PushLayerEvent](f, mux, l+"PushLayerProgress", notYet, opts)
 	unary[pb.PullLayerRequest, pb.Layer](f, mux, l+"PullLayer", toAll, opts)
 	unary[pb.CreateEnvironmentRequest, pb.Environment](f, mux, l+"CreateEnvironment", toAll, opts)
 	unary[pb.GetEnvironmentRequest, pb.Environment](f, mux, l+"GetEnvironment", toAny, opts)
 	unary[pb.ListEnvironmentsRequest, pb.ListEnvironmentsResponse](f, mux, l+"ListEnvironments", toAny, opts)
 	unary[pb.DeleteEnvironmentRequest, pb.DeleteEnvironmentResponse](f, mux, l+"DeleteEnvironment", toAll, opts)
+
+	mux.Handle("/shoal.v1.MonitorService/GetStatus", connect.NewUnaryHandler("/shoal.v1.MonitorService/GetStatus", f.getStatus, opts...))
 
 	unary[pb.RunRequest, pb.RunResult](f, mux, fn+"Run", toAny, opts)
 	stream[pb.RunBatchRequest, pb.RunBatchResult](f, mux, fn+"RunBatch", toAny, opts)

@@ -232,8 +232,38 @@ func (s *Server) GetLayer(ctx context.Context, req *connect.Request[pb.GetLayerR
 }
 
 func (s *Server) PushLayer(ctx context.Context, req *connect.Request[pb.PushLayerRequest]) (*connect.Response[pb.PushLayerResponse], error) {
+	res, err := s.pushLayer(ctx, req.Msg, nil)
+	if err != nil {
+		return nil, err
+	}
+	return connect.NewResponse(res), nil
+}
+
+// PushLayerProgress is PushLayer streaming the push's progress, as
+// BuildLayer streams a build's.
+func (s *Server) PushLayerProgress(ctx context.Context, req *connect.Request[pb.PushLayerRequest], stream *connect.ServerStream[pb.PushLayerEvent]) error {
+	ps := newProgressSender(func(ev *pb.BuildLayerResponse) error {
+		switch e := ev.Event.(type) {
+		case *pb.BuildLayerResponse_Progress:
+			return stream.Send(&pb.PushLayerEvent{Event: &pb.PushLayerEvent_Progress{Progress: e.Progress}})
+		case *pb.BuildLayerResponse_Status:
+			return stream.Send(&pb.PushLayerEvent{Event: &pb.PushLayerEvent_Status{Status: e.Status}})
+		}
+		return nil
+	})
+	res, err := s.pushLayer(ctx, req.Msg, ps.send)
+	if err != nil {
+		return err
+	}
+	if err := ps.err(); err != nil {
+		return err
+	}
+	return stream.Send(&pb.PushLayerEvent{Event: &pb.PushLayerEvent_Result{Result: res}})
+}
+
+func (s *Server) pushLayer(ctx context.Context, req *pb.PushLayerRequest, progress func(layer.Progress)) (*pb.PushLayerResponse, error) {
 	store := s.node.Layers()
-	if want := req.Msg.Store; want != "" {
+	if want := req.Store; want != "" {
 		rs := store.RemoteStore()
 		if rs == nil || strings.TrimSuffix(want, "/") != strings.TrimSuffix(rs.URL(), "/") {
 			have := "none"
@@ -243,11 +273,11 @@ func (s *Server) PushLayer(ctx context.Context, req *connect.Request[pb.PushLaye
 			return nil, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("store %q: this node pushes only to its own layer store (%s; shoal serve --layer-store)", want, have))
 		}
 	}
-	l, res, err := store.Push(ctx, req.Msg.Ref)
+	l, res, err := store.PushProgress(ctx, req.Ref, progress)
 	if err != nil {
 		return nil, toConnect(err)
 	}
-	return connect.NewResponse(&pb.PushLayerResponse{Layer: layerPB(l), Store: res.Store, UploadedBytes: res.UploadedBytes}), nil
+	return &pb.PushLayerResponse{Layer: layerPB(l), Store: res.Store, UploadedBytes: res.UploadedBytes}, nil
 }
 
 func (s *Server) PullLayer(ctx context.Context, req *connect.Request[pb.PullLayerRequest]) (*connect.Response[pb.Layer], error) {

@@ -29,6 +29,7 @@ func (s *Server) GetStatus(ctx context.Context, req *connect.Request[pb.GetStatu
 	p := tenant.FromContext(ctx)
 	now := time.Now()
 	out := &pb.Status{Time: timestamppb.New(now)}
+	name := s.nodeName()
 	for _, u := range s.node.Usage() {
 		if !p.Sees(u.Tenant) {
 			continue
@@ -39,19 +40,32 @@ func (s *Server) GetStatus(ctx context.Context, req *connect.Request[pb.GetStatu
 			MemoryLimitBytes: u.Resources.MemoryBytes, Millicpu: u.Resources.MilliCPU,
 			MemoryBytes: u.MemoryBytes, CpuUsec: u.CPUUsec,
 			IdleMs: u.Idle.Milliseconds(), CommandsRunning: int32(u.Running),
+			Node: name,
 		})
 	}
 	if p.IsAdmin() {
-		out.Nodes = []*pb.NodeStatus{s.nodeStatus()}
+		out.Nodes = []*pb.NodeStatus{s.nodeStatus(name)}
 	}
 	return connect.NewResponse(out), nil
 }
 
-func (s *Server) nodeStatus() *pb.NodeStatus {
+// nodeName is the node's cluster name (SetNodeName), else the host name.
+func (s *Server) nodeName() string {
+	if s.name != "" {
+		return s.name
+	}
 	name, _ := os.Hostname()
+	return name
+}
+
+// SetNodeName names the node in its status (a cluster node's
+// --node-name). Call it before serving.
+func (s *Server) SetNodeName(name string) { s.name = name }
+
+func (s *Server) nodeStatus(name string) *pb.NodeStatus {
 	l := s.node.Load()
 	ns := &pb.NodeStatus{
-		Name: name, Sandboxes: int64(l.Sandboxes),
+		Name: name, State: "up", Sandboxes: int64(l.Sandboxes),
 		SandboxMemoryBytes: l.UsedMemory, SandboxMillicpu: l.UsedMilliCPU,
 		MemoryLimitBytes: l.Memory, MillicpuLimit: l.MilliCPU,
 		CreatesTotal: s.metrics.CreatesOK(),

@@ -44,6 +44,7 @@ type Server struct {
 	sandboxRoutes map[string]bool
 	started       time.Time  // when New made it (MonitorService)
 	dash          *dashboard // the web dashboard's sessions (dash.go)
+	name          string     // the node's name in its status (SetNodeName; "": the host name)
 }
 
 var (
@@ -56,7 +57,7 @@ var (
 // New returns the API server.
 func New(m *node.Manager, sessions *session.Manager, auth *Auth, log *slog.Logger) *Server {
 	s := &Server{node: m, sessions: sessions, auth: auth, log: log, builds: BuildPolicy{UploadMax: layer.DefaultUploadMax}, started: time.Now()}
-	s.dash = newDashboard(s)
+	s.dash = newDashboard(auth, log, func() *audit.Log { return s.audit }, s.openTerminal)
 	return s
 }
 

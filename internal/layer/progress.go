@@ -97,8 +97,10 @@ type countingReader struct {
 
 func (c *countingReader) Read(p []byte) (int, error) {
 	n, err := c.r.Read(p)
-	c.n += int64(n)
-	c.rep.update(c.n, c.total)
+	if n > 0 { // not again at EOF
+		c.n += int64(n)
+		c.rep.update(c.n, c.total)
+	}
 	return n, err
 }
 
@@ -116,4 +118,18 @@ func procReadBytes(pid int) (int64, error) {
 		}
 	}
 	return 0, fmt.Errorf("no rchar in /proc/%d/io", pid)
+}
+
+// humanSize is n bytes for a progress line: "512 B", "3.5 KiB", "1.2 GiB".
+func humanSize(n int64) string {
+	const unit = 1024
+	if n < unit {
+		return fmt.Sprintf("%d B", n)
+	}
+	v, i := float64(n)/unit, 0
+	for v >= unit && i < 3 {
+		v /= unit
+		i++
+	}
+	return fmt.Sprintf("%.1f %ciB", v, "KMGT"[i])
 }

@@ -23,6 +23,7 @@ import (
 	"io/fs"
 	"os"
 	"strings"
+	"sync"
 	"time"
 
 	"go.etcd.io/bbolt"
@@ -93,6 +94,19 @@ type PushResult struct {
 // Push copies the layer ref names to the layer store: its image and chunk
 // list (unless the store has them), its metadata, then its tag.
 func (s *Store) Push(ctx context.Context, ref string) (Layer, PushResult, error) {
+	return s.PushProgress(ctx, ref, nil)
+}
+
+// Stages of a push (Progress.Stage), in the order they run.
+const (
+	StageUpload = "upload" // the image's bytes sent to the store
+	StageChunks = "chunks" // the image read again for its chunk digest list
+)
+
+// PushProgress is Push reporting its progress to progress (nil: none): a
+// line at the start of each stage (StageUpload, StageChunks, StageDone),
+// byte counts in between, the last one of a stage equal to its total.
+func (s *Store) PushProgress(ctx context.Context, ref string, progress func(Progress)) (Layer, PushResult, error) {
 	if s.remote == nil {
 		return Layer{}, PushResult{}, fmt.Errorf("push layer %s: %w", ref, ErrNoStore)
 	}
@@ -101,15 +115,17 @@ func (s *Store) Push(ctx context.Context, ref string) (Layer, PushResult, error)
 		return Layer{}, PushResult{}, fmt.Errorf("push layer %s: %w", ref, err)
 	}
 	defer f.Close()
-	res, err := s.push(ctx, l, f)
+	rep := newReporter(progress)
+	res, err := s.push(ctx, l, f, rep)
 	if err != nil {
 		return Layer{}, PushResult{}, fmt.Errorf("push layer %s to %s: %w", ref, s.remote.Store.URL(), err)
 	}
+	rep.start(StageDone, "", 0, "pushed %s to %s (%s uploaded)", l.Ref(), res.Store, humanSize(res.UploadedBytes))
 	s.log.Info("layer pushed", "layer", l.Ref(), "digest", l.Digest, "store", res.Store, "uploaded", res.UploadedBytes)
 	return l, res, nil
 }
 
-func (s *Store) push(ctx context.Context, l Layer, img *os.File) (PushResult, error) {
+func (s *Store) push(ctx context.Context, l Layer, img *os.File, rep *reporter) (PushResult, error) {
 	st := s.remote.Store
 	res := PushResult{Store: st.URL()}
 	size, err := st.Stat(ctx, blobKey(l.Digest))
@@ -118,13 +134,17 @@ func (s *Store) push(ctx context.Context, l Layer, img *os.File) (PushResult, er
 		return res, err
 	}
 	if !have {
-		if err := st.Put(ctx, blobKey(l.Digest), io.NewSectionReader(img, 0, l.Size), l.Size); err != nil {
+		rep.start(StageUpload, "bytes", l.Size, "uploading %s (%s) to %s", l.Ref(), humanSize(l.Size), st.URL())
+		if err := st.Put(ctx, blobKey(l.Digest), &progressSection{sr: io.NewSectionReader(img, 0, l.Size), rep: rep}, l.Size); err != nil {
 			return res, err
 		}
 		res.UploadedBytes = l.Size
+	} else {
+		rep.start(StageUpload, "bytes", 0, "%s has the image of %s already", st.URL(), l.Ref())
 	}
 	if _, err := st.Stat(ctx, chunksKey(l.Digest)); !have || err != nil {
-		m, err := lazy.BuildManifest(io.NewSectionReader(img, 0, l.Size), s.remote.ChunkSize)
+		rep.start(StageChunks, "bytes", l.Size, "chunk list of %s", l.Ref())
+		m, err := lazy.BuildManifest(&countingReader{r: io.NewSectionReader(img, 0, l.Size), total: l.Size, rep: rep}, s.remote.ChunkSize)
 		if err != nil {
 			return res, fmt.Errorf("chunk list: %w", err)
 		}
@@ -148,6 +168,43 @@ func (s *Store) push(ctx context.Context, l Layer, img *os.File) (PushResult, er
 	return res, nil
 }
 
+// progressSection is an image being uploaded: an io.SectionReader (its
+// ReadAt and Seek kept, for stores that read by offset or rewind) that
+// reports the furthest byte read.
+type progressSection struct {
+	sr   *io.SectionReader
+	rep  *reporter
+	mu   sync.Mutex // guards high, and orders reports (ReadAt may be called concurrently)
+	high int64
+}
+
+func (p *progressSection) reached(off int64) {
+	p.mu.Lock()
+	defer p.mu.Unlock() // held while reporting: reports never go back
+	if off <= p.high {  // nothing new (a read at EOF, a re-read)
+		return
+	}
+	p.high = off
+	p.rep.update(off, p.sr.Size())
+}
+
+func (p *progressSection) Read(b []byte) (int, error) {
+	n, err := p.sr.Read(b)
+	if pos, serr := p.sr.Seek(0, io.SeekCurrent); serr == nil {
+		p.reached(pos)
+	}
+	return n, err
+}
+
+func (p *progressSection) ReadAt(b []byte, off int64) (int, error) {
+	n, err := p.sr.ReadAt(b, off)
+	p.reached(off + int64(n))
+	return n, err
+}
+
+func (p *progressSection) Seek(off int64, whence int) (int64, error) { return p.sr.Seek(off, whence) }
+func (p *progressSection) Size() int64                               { return p.sr.Size() }
+
 // pushAfterInstall is the write-through push of a layer just installed.
 func (s *Store) pushAfterInstall(l Layer) error {
 	if s.remote == nil || !s.remote.WriteThrough {
@@ -160,7 +217,7 @@ func (s *Store) pushAfterInstall(l Layer) error {
 		return err
 	}
 	defer f.Close()
-	if _, err := s.push(ctx, l, f); err != nil {
+	if _, err := s.push(ctx, l, f, nil); err != nil {
 		return fmt.Errorf("write-through push to %s: %w", s.remote.Store.URL(), err)
 	}
 	return nil

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"io"
 	"log/slog"
 	"math/rand/v2"
 	"os"
@@ -468,5 +469,89 @@ func TestS3LazyFetchedOverTouched(t *testing.T) {
 	}
 	if is.BytesFetched > 2*is.BytesTouched || is.BytesFetched > 3*read {
 		t.Fatalf("fetched %d bytes for %d touched (%d of files): want at most 2x touched", is.BytesFetched, is.BytesTouched, read)
+	}
+}
+
+// slowPutStore is a store whose uploads take a while (a slow link), so
+// that a push reports several updates.
+type slowPutStore struct {
+	remote.Store
+}
+
+func (s slowPutStore) Put(ctx context.Context, key string, r io.Reader, size int64) error {
+	return s.Store.Put(ctx, key, &slowReader{r: r}, size)
+}
+
+type slowReader struct{ r io.Reader }
+
+func (s *slowReader) Read(p []byte) (int, error) {
+	time.Sleep(20 * time.Millisecond)
+	return s.r.Read(p[:min(len(p), 64<<10)])
+}
+
+func TestPushProgress(t *testing.T) {
+	srv := s3test.Start(t, t.TempDir(), "shoal", 0)
+	for _, tc := range []struct {
+		name       string
+		store      func(root string) remote.Store
+		minUpdates int // upload updates before the last one
+	}{
+		{"s3", func(string) remote.Store { return s3Store(t, srv) }, 0},
+		{"file-slow", func(root string) remote.Store {
+			st, err := remote.Open("file://"+filepath.Join(root, "store"), remote.Options{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			return slowPutStore{st}
+		}, 2},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			a := newEnv(t)
+			a.store.SetRemote(RemoteConfig{Store: tc.store(a.root)})
+			randomTree(t, filepath.Join(a.root, "src"), 4, 256<<10) // ~1 MiB, incompressible
+			l := a.build(t, "base", "1", filepath.Join(a.root, "src"))
+			var got []Progress
+			_, res, err := a.store.PushProgress(t.Context(), "base:1", func(p Progress) { got = append(got, p) })
+			if err != nil || res.UploadedBytes != l.Size {
+				t.Fatalf("push: %+v %v", res, err)
+			}
+			// Lines: upload, chunks, done; between them byte counts that
+			// only grow and end at the image's size.
+			var stages []string
+			updates := map[string][]int64{}
+			for _, p := range got {
+				if p.Message != "" {
+					stages = append(stages, p.Stage)
+					continue
+				}
+				if p.Unit != "bytes" || p.Total != l.Size {
+					t.Fatalf("update %+v: want bytes of %d", p, l.Size)
+				}
+				if u := updates[p.Stage]; len(u) > 0 && p.Done < u[len(u)-1] {
+					t.Fatalf("%s went back: %v then %d", p.Stage, u, p.Done)
+				}
+				updates[p.Stage] = append(updates[p.Stage], p.Done)
+			}
+			if strings.Join(stages, ",") != "upload,chunks,done" {
+				t.Fatalf("stages %v; events %+v", stages, got)
+			}
+			for _, st := range []string{StageUpload, StageChunks} {
+				u := updates[st]
+				if len(u) == 0 || u[len(u)-1] != l.Size {
+					t.Fatalf("%s updates %v: want them to end at %d", st, u, l.Size)
+				}
+			}
+			if n := len(updates[StageUpload]) - 1; n < tc.minUpdates {
+				t.Fatalf("upload: %d updates before the last, want at least %d: %v", n, tc.minUpdates, updates[StageUpload])
+			}
+			// Again: the store has it; a line says so, no bytes move.
+			got = nil
+			if _, res, err := a.store.PushProgress(t.Context(), "base:1", func(p Progress) { got = append(got, p) }); err != nil || res.UploadedBytes != 0 {
+				t.Fatalf("second push: %+v %v", res, err)
+			}
+			if len(got) != 2 || !strings.Contains(got[0].Message, "already") || got[1].Stage != StageDone {
+				t.Fatalf("second push reported %+v", got)
+			}
+		})
 	}
 }

@@ -35,6 +35,8 @@ type Metrics struct {
 	pauseSeconds   *prometheus.HistogramVec
 	resumeSeconds  *prometheus.HistogramVec
 	reclaimed      *prometheus.CounterVec
+	fncalls        *prometheus.CounterVec
+	fncallSeconds  *prometheus.HistogramVec
 }
 
 // Latency buckets from 1 ms (a pooled create, an exec) to a minute (a cold
@@ -101,7 +103,14 @@ func New() *Metrics {
 		Name: "shoal_sandbox_pause_reclaimed_bytes_total",
 		Help: "Memory taken from sandboxes by their pauses (their cgroup's charge before less after), by backend.",
 	}, []string{"backend"})
-	m.reg.MustRegister(m.e2bRequests, m.e2bSeconds, m.pauses, m.pauseSeconds, m.resumeSeconds, m.reclaimed)
+	m.fncalls = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "shoal_fncall_runs_total",
+		Help: "Function calls judged, by language and verdict (OK, WA, TLE, MLE, RE, OLE, CE, SE).",
+	}, []string{"language", "verdict"})
+	m.fncallSeconds = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Name: "shoal_fncall_run_seconds", Help: "Latency of function calls, queue included, by language.", Buckets: buckets,
+	}, []string{"language"})
+	m.reg.MustRegister(m.e2bRequests, m.e2bSeconds, m.pauses, m.pauseSeconds, m.resumeSeconds, m.reclaimed, m.fncalls, m.fncallSeconds)
 	m.reg.MustRegister(m.creates, m.createSeconds, m.deletes, m.requests, m.requestSeconds, m.auditDropped, m.lazyFetch,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
@@ -182,6 +191,16 @@ func (m *Metrics) Resume(backend string, took time.Duration) {
 		return
 	}
 	m.resumeSeconds.WithLabelValues(backend).Observe(took.Seconds())
+}
+
+// FnCall records one judged function call. language must be one the
+// engine knows (a label from a request would be unbounded).
+func (m *Metrics) FnCall(language, verdict string, took time.Duration) {
+	if m == nil {
+		return
+	}
+	m.fncalls.WithLabelValues(language, verdict).Inc()
+	m.fncallSeconds.WithLabelValues(language).Observe(took.Seconds())
 }
 
 // AuditDropped counts one dropped audit log entry.

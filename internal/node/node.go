@@ -488,7 +488,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (rec Record, er
 	var undo []func()
 	defer func() {
 		if err != nil {
-			m.log.Warn("create failed", "sandbox_id", id, "backend", req.Backend, "base", req.Base, "took", time.Since(start), "err", err)
+			m.log.Warn("create failed", "sandbox_id", id, "tenant", req.Tenant, "backend", req.Backend, "layer", req.Base, "took", time.Since(start), "err", err)
 			for i := len(undo) - 1; i >= 0; i-- {
 				undo[i]()
 			}
@@ -565,7 +565,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (rec Record, er
 	m.sandboxes[id] = &entry{rec: rec, agent: m.agentClient(be, h), acquired: hostMounts, lastActive: time.Now()}
 	delete(m.admitting, id) // counted by its entry from now on
 	m.mu.Unlock()
-	m.log.Info("sandbox created", "sandbox_id", id, "backend", req.Backend, "base", req.Base,
+	m.log.Info("sandbox created", "sandbox_id", id, "tenant", req.Tenant, "backend", req.Backend, "layer", req.Base,
 		"took", time.Since(start), "backend_took", backendTook, "pooled", h.Data["pooled"] == "true")
 	return rec, nil
 }

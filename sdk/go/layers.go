@@ -47,6 +47,35 @@ func (c *Client) CommitLayer(ctx context.Context, req *pb.CommitLayerRequest, pr
 	return receiveLayer(stream, progress)
 }
 
+// PushLayer copies a layer of the server to the server's layer store
+// (shoal serve --layer-store), reporting lines and byte counts ("upload",
+// then "chunks") to progress (which may be nil), as BuildLayerProgress does.
+func (c *Client) PushLayer(ctx context.Context, req *pb.PushLayerRequest, progress LayerProgress) (*pb.PushLayerResponse, error) {
+	stream, err := c.Layers.PushLayerProgress(ctx, connect.NewRequest(req))
+	if err != nil {
+		return nil, err
+	}
+	defer stream.Close()
+	for stream.Receive() {
+		switch ev := stream.Msg().Event.(type) {
+		case *pb.PushLayerEvent_Progress:
+			if progress != nil {
+				progress(ev.Progress, nil)
+			}
+		case *pb.PushLayerEvent_Status:
+			if progress != nil {
+				progress("", ev.Status)
+			}
+		case *pb.PushLayerEvent_Result:
+			return ev.Result, nil
+		}
+	}
+	if err := stream.Err(); err != nil {
+		return nil, err
+	}
+	return nil, errors.New("push stream ended without a result")
+}
+
 func receiveLayer(stream *connect.ServerStreamForClient[pb.BuildLayerResponse], progress LayerProgress) (*pb.Layer, error) {
 	defer stream.Close()
 	for stream.Receive() {

@@ -4,7 +4,9 @@
 // (the client the CLI is built on): creates spread over the nodes, exec and
 // files are routed to the sandbox's node, a node killed has its sandboxes
 // reported lost while the other node's keep working, and the node
-// restarted on its data directory has them back.
+// restarted on its data directory has them back. The dashboard of a
+// replica shows both nodes and the sandboxes of each, and its terminal
+// reaches a sandbox on either (dash_test.go).
 //
 // It needs root, runc, mkfs.erofs and busybox (as test/e2e); without them
 // it skips, saying which is missing.
@@ -13,6 +15,7 @@ package cluster_test
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"fmt"
 	"net"
 	"net/http"
@@ -175,6 +178,7 @@ func TestCluster(t *testing.T) {
 			"--e2b-listen=", "--egress-subnet=", "--pool-size", "0", "--min-available", "none",
 			"--userns-base", fmt.Sprint(1_500_000_000 + i*100_000_000)}
 	}
+	nodes[1].args = append(nodes[1].args, "--log-format", "json") // n2's log: JSON lines
 	controls := []*proc{{name: "c1"}, {name: "c2"}}
 	for _, c := range controls {
 		c.addr, c.data = freeAddr(t), mkdata(c.name)
@@ -266,13 +270,33 @@ func TestCluster(t *testing.T) {
 	if len(onNode["n1"]) == 0 || len(onNode["n2"]) == 0 {
 		t.Fatalf("2 creates did not spread over 2 nodes: %v", onNode)
 	}
-	// A node's every log line names it.
+	// A node's every log line names it; n2's are JSON, with the stable
+	// keys on a create's line.
 	for _, n := range nodes {
 		b, _ := os.ReadFile(filepath.Join(n.data, "serve.log"))
+		created := 0
 		for _, line := range strings.Split(strings.TrimSpace(string(b)), "\n") {
 			if strings.HasPrefix(line, "time=") && !strings.Contains(line, " node="+n.name) {
 				t.Fatalf("%s's log line without node=%s: %s", n.name, n.name, line)
 			}
+			if !strings.HasPrefix(line, "{") {
+				continue
+			}
+			var rec map[string]any
+			if err := json.Unmarshal([]byte(line), &rec); err != nil || rec["node"] != n.name {
+				t.Fatalf("%s's JSON log line without \"node\":%q: %s (%v)", n.name, n.name, line, err)
+			}
+			if rec["msg"] == "sandbox created" {
+				created++
+				for _, k := range []string{"sandbox_id", "tenant", "layer"} {
+					if _, ok := rec[k]; !ok {
+						t.Fatalf("%s: a create's log line without %s: %s", n.name, k, line)
+					}
+				}
+			}
+		}
+		if n.name == "n2" && created == 0 {
+			t.Fatalf("n2's log (JSON) has no create:\n%s", b)
 		}
 	}
 	step("created")
@@ -293,6 +317,11 @@ func TestCluster(t *testing.T) {
 			t.Fatalf("read file of %s: %q %v", id, back.String(), err)
 		}
 	}
+	// The dashboard of a replica: both nodes, each sandbox on its node,
+	// commands and a terminal routed to it.
+	checkDashboard(t, ctx, bin, controls[0].addr, key, onNode)
+	checkDashboardPage(t, controls[1].addr, key, onNode)
+	step("dashboard")
 	// A watch through a replica: armed (its header relayed), then events.
 	w, err := c1.Watch(ctx, ids[0], "/work", false)
 	if err != nil {
@@ -331,6 +360,7 @@ func TestCluster(t *testing.T) {
 		}
 		return fmt.Errorf("get %s: %v", lost, err)
 	})
+	checkDashboardLost(t, controls[1].addr, key, "n2", lost)
 	// The other replica lists them lost too, at once (it may not have
 	// seen the lease end yet: then the node does not answer).
 	sbs, err = c2.List(ctx)
@@ -432,7 +462,8 @@ func busyboxRootfs(t *testing.T) string {
 }
 
 // pythonSDK runs the Python SDK (sdk/python, unchanged) against the
-// control replica at addr: a create, a file write and a command. It is
+// control replica at addr: a create, a file write, a command and the
+// cluster's status (monitor.status: both nodes, the sandbox's node). It is
 // skipped (returns false) where the SDK's dependency httpx is missing.
 func pythonSDK(t *testing.T, addr, key string) bool {
 	py := "/usr/bin/python3"
@@ -441,11 +472,15 @@ func pythonSDK(t *testing.T, addr, key string) bool {
 		return false
 	}
 	script := `
-from shoal import Sandbox
+from shoal import Sandbox, monitor
 with Sandbox.create(base="busybox:1", memory="64M") as sb:
     sb.files.write("/work/p.txt", "from python")
     r = sb.commands.run("cat /work/p.txt")
     assert r.exit_code == 0 and r.stdout == "from python", r
+    st = monitor.status()  # every node, each sandbox on its node
+    assert sorted(n.name for n in st.nodes) == ["n1", "n2"] and all(n.state == "up" and n.heartbeat_at for n in st.nodes), st.nodes
+    mine = [s for s in st.sandboxes if s.sandbox_id == sb.id]
+    assert mine and mine[0].node in ("n1", "n2") and mine[0].state == "running", st.sandboxes
     print("ok", sb.id)
 `
 	cmd := exec.Command(py, "-c", script)

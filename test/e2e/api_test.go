@@ -262,6 +262,9 @@ func TestMetricsEndpoint(t *testing.T) {
 		`shoal_api_requests_total{code="not_found",procedure="/shoal.v1.SandboxService/CreateSandbox"}`,
 		`shoal_api_requests_total{code="ok",procedure="GET /v1/sandboxes/{id}/files"}`,
 		`shoal_pool_containers{kind="ready"}`,
+		`shoal_node_capacity{kind="used",resource="memory_bytes"}`,
+		`shoal_node_capacity{kind="host",resource="millicpu"}`,
+		`shoal_node_oversubscription{resource="memory"}`,
 	} {
 		if !strings.Contains(body, want) {
 			t.Errorf("/metrics lacks %s", want)

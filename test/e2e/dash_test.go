@@ -1,33 +1,18 @@
 package e2e
 
 import (
-	"context"
 	"encoding/json"
-	"fmt"
 	"net/http"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
-	"github.com/chromedp/cdproto/input"
 	"github.com/chromedp/chromedp"
-)
 
-// chromium finds a Chromium (Debian: apt-get install chromium) or says why
-// the browser test skips.
-func chromium(t *testing.T) string {
-	t.Helper()
-	for _, name := range []string{"chromium", "chromium-browser", "google-chrome"} {
-		if p, err := exec.LookPath(name); err == nil {
-			return p
-		}
-	}
-	t.Skip("needs Chromium (Debian: apt-get install chromium; scripts/deps.sh installs it)")
-	return ""
-}
+	"github.com/shoal-sandbox/shoal/test/internal/browser"
+)
 
 // TestDashboard drives the dashboard in headless Chromium against the real
 // serve: a wrong key is refused, the admin key logs in, the node and the
@@ -36,7 +21,6 @@ func chromium(t *testing.T) string {
 // (SHOAL_DASH_SCREENSHOT names where; else the test's temp dir).
 func TestDashboard(t *testing.T) {
 	need(t)
-	browser := chromium(t)
 	id, code := run(nil, "create", "--base", baseRef, "--metadata", "purpose=dash")
 	if code != 0 {
 		t.Fatalf("create: %s", id)
@@ -47,59 +31,18 @@ func TestDashboard(t *testing.T) {
 		t.Fatalf("exec: %d %s", code, out)
 	}
 
-	// D-Bus is off (its connection attempts cost Chromium seconds at
-	// start); a loaded host may take a while to start the browser.
-	opts := append(chromedp.DefaultExecAllocatorOptions[:], chromedp.ExecPath(browser), chromedp.NoSandbox,
-		chromedp.Flag("disable-dev-shm-usage", true), chromedp.Flag("disable-gpu", true), chromedp.WindowSize(1400, 1300),
-		chromedp.WSURLReadTimeout(3*time.Minute), chromedp.Env("DBUS_SESSION_BUS_ADDRESS=disabled:", "DBUS_SYSTEM_BUS_ADDRESS=disabled:"))
-	actx, cancel := chromedp.NewExecAllocator(context.Background(), opts...)
-	defer cancel()
-	// cdproto may not know every event field of a newer Chromium: those
-	// decoding errors are noise.
-	ctx, cancel := chromedp.NewContext(actx, chromedp.WithErrorf(func(f string, a ...any) {
-		if msg := fmt.Sprintf(f, a...); !strings.Contains(msg, "could not unmarshal event") {
-			t.Logf("chromedp: %s", msg)
-		}
-	}))
-	defer cancel()
-	start := time.Now()
-	if err := chromedp.Run(ctx); err != nil { // starts the browser (with ctx: the steps' contexts end)
-		t.Fatalf("start %s: %v", browser, err)
-	}
-	t.Logf("browser started in %s", time.Since(start).Round(time.Millisecond))
-
-	// Each step has its own deadline, a hang detector.
-	step := func(what string, actions ...chromedp.Action) {
-		t.Helper()
-		sctx, cancel := context.WithTimeout(ctx, 90*time.Second)
-		defer cancel()
-		if err := chromedp.Run(sctx, actions...); err != nil {
-			var html string
-			hctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-			defer cancel()
-			chromedp.Run(hctx, chromedp.OuterHTML("body", &html, chromedp.ByQuery))
-			t.Fatalf("%s: %v\npage: %.3000s", what, err, html)
-		}
-	}
-	// waitJS polls a JavaScript condition until it holds.
-	waitJS := func(what, cond string) {
-		t.Helper()
-		var ok bool
-		step(what, chromedp.Poll(cond, &ok, chromedp.WithPollingInterval(100*time.Millisecond)))
-	}
-	var text string
-	step("open the login page", chromedp.Navigate(apiURL+"/"), chromedp.WaitVisible("#login-key", chromedp.ByQuery))
-	step("log in with a wrong key", chromedp.SendKeys("#login-key", "sk_shoal_not_a_key_at_all", chromedp.ByQuery),
+	p := browser.Start(t)
+	p.Step("open the login page", chromedp.Navigate(apiURL+"/"), chromedp.WaitVisible("#login-key", chromedp.ByQuery))
+	p.Step("log in with a wrong key", chromedp.SendKeys("#login-key", "sk_shoal_not_a_key_at_all", chromedp.ByQuery),
 		chromedp.Click("#login-submit", chromedp.ByQuery))
-	waitJS("the refusal", `document.querySelector("#login-error").textContent.includes("invalid API key")`)
-	step("log in", chromedp.Evaluate(`document.querySelector("#login-key").value = ""`, nil), chromedp.SendKeys("#login-key", apiKey, chromedp.ByQuery), chromedp.Click("#login-submit", chromedp.ByQuery),
-		chromedp.WaitVisible("#main-view", chromedp.ByQuery))
-	waitJS("the sandbox in the table", `!!document.querySelector('#sandboxes tbody tr[data-id="`+id+`"]')`)
-	waitJS("the node's load", `document.querySelector("#nodes").textContent.includes("CPUs")`)
-	waitJS("the layer", `document.querySelector("#layers").textContent.includes("`+baseRef+`")`)
+	p.WaitJS("the refusal", `document.querySelector("#login-error").textContent.includes("invalid API key")`)
+	p.Login(apiURL, apiKey)
+	p.WaitJS("the sandbox in the table", `!!document.querySelector('#sandboxes tbody tr[data-id="`+id+`"]')`)
+	p.WaitJS("the node's load", `document.querySelector("#nodes").textContent.includes("CPUs")`)
+	p.WaitJS("the layer", `document.querySelector("#layers").textContent.includes("`+baseRef+`")`)
 	// The page holds a session token, never the key.
 	var stored string
-	step("read the session storage", chromedp.Evaluate(`JSON.stringify(sessionStorage)`, &stored))
+	p.Step("read the session storage", chromedp.Evaluate(`JSON.stringify(sessionStorage)`, &stored))
 	if strings.Contains(stored, apiKey) || !strings.Contains(stored, "sk_dash_") {
 		t.Fatalf("session storage holds %s", stored)
 	}
@@ -107,41 +50,24 @@ func TestDashboard(t *testing.T) {
 	setState := func(v string) chromedp.Action {
 		return chromedp.Evaluate(`(() => { const s = document.querySelector("#f-state"); s.value = "`+v+`"; s.dispatchEvent(new Event("change")); })()`, nil)
 	}
-	step("filter by state", setState("paused"))
-	waitJS("the filter", `!document.querySelector('#sandboxes tbody tr[data-id="`+id+`"]')`)
-	step("clear the filter", setState(""))
-	waitJS("the sandbox again", `!!document.querySelector('#sandboxes tbody tr[data-id="`+id+`"]')`)
+	p.Step("filter by state", setState("paused"))
+	p.WaitJS("the filter", `!document.querySelector('#sandboxes tbody tr[data-id="`+id+`"]')`)
+	p.Step("clear the filter", setState(""))
+	p.WaitJS("the sandbox again", `!!document.querySelector('#sandboxes tbody tr[data-id="`+id+`"]')`)
 
-	step("open the sandbox", chromedp.Click(`#sandboxes tbody tr[data-id="`+id+`"]`, chromedp.ByQuery))
-	waitJS("its command", `document.querySelector("#commands tbody").textContent.includes("echo dash-output")`)
-	step("show the command's output", chromedp.Click(`#commands tbody tr`, chromedp.ByQuery))
-	waitJS("the output", `document.querySelector("#output").textContent.includes("dash-output-42")`)
+	p.Step("open the sandbox", chromedp.Click(`#sandboxes tbody tr[data-id="`+id+`"]`, chromedp.ByQuery))
+	p.WaitJS("its command", `document.querySelector("#commands tbody").textContent.includes("echo dash-output")`)
+	p.Step("show the command's output", chromedp.Click(`#commands tbody tr`, chromedp.ByQuery))
+	p.WaitJS("the output", `document.querySelector("#output").textContent.includes("dash-output-42")`)
 
-	step("open the terminal", chromedp.Click("#d-terminal", chromedp.ByQuery))
-	waitJS("the terminal's connection", `document.querySelector("#terminal-status").textContent.startsWith("connected")`)
-	// Text goes in as typed text does (an input event: SendKeys' key
-	// events reach xterm.js twice, as keydown and keypress), then Enter.
-	step("type into the terminal", chromedp.Focus(".xterm-helper-textarea", chromedp.ByQuery),
-		input.InsertText("echo term-$((6*7))-ok"), chromedp.KeyEvent("\r"))
-	const screen = `(() => { const b = window.shoalTerminal.buffer.active; let s = "";
-		for (let i = 0; i < b.length; i++) { const l = b.getLine(i); if (l) s += l.translateToString(true) + "\n"; } return s; })()`
-	waitJS("the command's output in the terminal", screen+`.includes("term-42-ok")`)
-	step("read the terminal", chromedp.Evaluate(screen, &text))
+	text := p.Terminal("echo term-$((6*7))-ok", "term-42-ok")
 	t.Logf("terminal:\n%s", strings.TrimSpace(text))
 
-	var png []byte
-	step("take a screenshot", chromedp.FullScreenshot(&png, 100))
 	shot := os.Getenv("SHOAL_DASH_SCREENSHOT")
 	if shot == "" {
 		shot = filepath.Join(t.TempDir(), "dashboard.png")
 	}
-	if err := os.WriteFile(shot, png, 0o644); err != nil {
-		t.Fatal(err)
-	}
-	t.Logf("screenshot: %s (%d bytes)", shot, len(png))
-	if len(png) < 10000 {
-		t.Fatalf("screenshot of %d bytes: blank?", len(png))
-	}
+	p.Screenshot(shot)
 }
 
 // TestDashboardAuth checks the dashboard's edges without a browser: its
@@ -249,6 +175,28 @@ func TestTop(t *testing.T) {
 	}
 	id = strings.TrimSpace(id)
 	defer run(nil, "rm", id)
+	// Human output, as docker's reads: inspect says running and gives
+	// numbers as numbers; ls's EXPIRES is a time.
+	out, code := run(nil, "inspect", id)
+	var in map[string]any
+	if err := json.Unmarshal([]byte(out), &in); code != 0 || err != nil {
+		t.Fatalf("inspect: %d %v\n%s", code, err, out)
+	}
+	if _, isNum := in["memory_bytes"].(float64); in["state"] != "running" || !isNum {
+		t.Fatalf("inspect: state %v, memory_bytes %#v; want running and a number", in["state"], in["memory_bytes"])
+	}
+	out, code = run(nil, "ls")
+	var line string
+	for _, l := range strings.Split(out, "\n") {
+		if strings.HasPrefix(l, id) {
+			line = l
+		}
+	}
+	if f := strings.Fields(line); code != 0 || len(f) != 8 || f[2] != "running" {
+		t.Fatalf("ls: want ID BACKEND running BASE CREATED(date time) EXPIRES(date time):\n%s", out)
+	} else if exp, err := time.ParseInLocation(time.DateTime, f[6]+" "+f[7], time.Local); err != nil || !exp.After(time.Now()) {
+		t.Fatalf("ls EXPIRES %q: not a time to come (%v)", f[6]+" "+f[7], err)
+	}
 	// A command that burns CPU until killed (the sandbox's rm ends it).
 	if out, code := run(nil, "exec", "-d", id, "--", "sh", "-c", "while :; do :; done"); code != 0 {
 		t.Fatalf("exec -d: %s", out)
@@ -303,7 +251,7 @@ func TestTop(t *testing.T) {
 		}
 	}
 once:
-	out, code := run(nil, "top", "--once", "--interval", "200ms", "--state", "running")
+	out, code = run(nil, "top", "--once", "--interval", "200ms", "--state", "running")
 	if code != 0 || !strings.Contains(out, "node ") || !strings.Contains(out, id) || !strings.Contains(out, "IDLE") {
 		t.Fatalf("top --once: %d\n%s", code, out)
 	}

@@ -505,6 +505,106 @@ func (x *PushLayerResponse) GetUploadedBytes() int64 {
 	return 0
 }
 
+// PushLayerEvent is one event of PushLayerProgress; its progress and status
+// are those of BuildLayerResponse.
+type PushLayerEvent struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Types that are valid to be assigned to Event:
+	//
+	//	*PushLayerEvent_Progress
+	//	*PushLayerEvent_Result
+	//	*PushLayerEvent_Status
+	Event         isPushLayerEvent_Event `protobuf_oneof:"event"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PushLayerEvent) Reset() {
+	*x = PushLayerEvent{}
+	mi := &file_shoal_v1_layer_proto_msgTypes[4]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PushLayerEvent) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PushLayerEvent) ProtoMessage() {}
+
+func (x *PushLayerEvent) ProtoReflect() protoreflect.Message {
+	mi := &file_shoal_v1_layer_proto_msgTypes[4]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PushLayerEvent.ProtoReflect.Descriptor instead.
+func (*PushLayerEvent) Descriptor() ([]byte, []int) {
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{4}
+}
+
+func (x *PushLayerEvent) GetEvent() isPushLayerEvent_Event {
+	if x != nil {
+		return x.Event
+	}
+	return nil
+}
+
+func (x *PushLayerEvent) GetProgress() string {
+	if x != nil {
+		if x, ok := x.Event.(*PushLayerEvent_Progress); ok {
+			return x.Progress
+		}
+	}
+	return ""
+}
+
+func (x *PushLayerEvent) GetResult() *PushLayerResponse {
+	if x != nil {
+		if x, ok := x.Event.(*PushLayerEvent_Result); ok {
+			return x.Result
+		}
+	}
+	return nil
+}
+
+func (x *PushLayerEvent) GetStatus() *BuildProgress {
+	if x != nil {
+		if x, ok := x.Event.(*PushLayerEvent_Status); ok {
+			return x.Status
+		}
+	}
+	return nil
+}
+
+type isPushLayerEvent_Event interface {
+	isPushLayerEvent_Event()
+}
+
+type PushLayerEvent_Progress struct {
+	Progress string `protobuf:"bytes,1,opt,name=progress,proto3,oneof"` // a human-readable line at each stage
+}
+
+type PushLayerEvent_Result struct {
+	Result *PushLayerResponse `protobuf:"bytes,2,opt,name=result,proto3,oneof"` // the last event
+}
+
+type PushLayerEvent_Status struct {
+	Status *BuildProgress `protobuf:"bytes,3,opt,name=status,proto3,oneof"` // stage "upload" or "chunks", unit "bytes"
+}
+
+func (*PushLayerEvent_Progress) isPushLayerEvent_Event() {}
+
+func (*PushLayerEvent_Result) isPushLayerEvent_Event() {}
+
+func (*PushLayerEvent_Status) isPushLayerEvent_Event() {}
+
 type PullLayerRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Ref           string                 `protobuf:"bytes,1,opt,name=ref,proto3" json:"ref,omitempty"`
@@ -514,7 +614,7 @@ type PullLayerRequest struct {
 
 func (x *PullLayerRequest) Reset() {
 	*x = PullLayerRequest{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[4]
+	mi := &file_shoal_v1_layer_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -526,7 +626,7 @@ func (x *PullLayerRequest) String() string {
 func (*PullLayerRequest) ProtoMessage() {}
 
 func (x *PullLayerRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[4]
+	mi := &file_shoal_v1_layer_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -539,7 +639,7 @@ func (x *PullLayerRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PullLayerRequest.ProtoReflect.Descriptor instead.
 func (*PullLayerRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{4}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *PullLayerRequest) GetRef() string {
@@ -568,7 +668,7 @@ type BuildLayerRequest struct {
 
 func (x *BuildLayerRequest) Reset() {
 	*x = BuildLayerRequest{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[5]
+	mi := &file_shoal_v1_layer_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -580,7 +680,7 @@ func (x *BuildLayerRequest) String() string {
 func (*BuildLayerRequest) ProtoMessage() {}
 
 func (x *BuildLayerRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[5]
+	mi := &file_shoal_v1_layer_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -593,7 +693,7 @@ func (x *BuildLayerRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BuildLayerRequest.ProtoReflect.Descriptor instead.
 func (*BuildLayerRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{5}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *BuildLayerRequest) GetKind() LayerKind {
@@ -643,7 +743,7 @@ type CommitLayerRequest struct {
 
 func (x *CommitLayerRequest) Reset() {
 	*x = CommitLayerRequest{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[6]
+	mi := &file_shoal_v1_layer_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -655,7 +755,7 @@ func (x *CommitLayerRequest) String() string {
 func (*CommitLayerRequest) ProtoMessage() {}
 
 func (x *CommitLayerRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[6]
+	mi := &file_shoal_v1_layer_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -668,7 +768,7 @@ func (x *CommitLayerRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CommitLayerRequest.ProtoReflect.Descriptor instead.
 func (*CommitLayerRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{6}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *CommitLayerRequest) GetSandboxId() string {
@@ -713,7 +813,7 @@ type BuildLayerResponse struct {
 
 func (x *BuildLayerResponse) Reset() {
 	*x = BuildLayerResponse{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[7]
+	mi := &file_shoal_v1_layer_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -725,7 +825,7 @@ func (x *BuildLayerResponse) String() string {
 func (*BuildLayerResponse) ProtoMessage() {}
 
 func (x *BuildLayerResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[7]
+	mi := &file_shoal_v1_layer_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -738,7 +838,7 @@ func (x *BuildLayerResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BuildLayerResponse.ProtoReflect.Descriptor instead.
 func (*BuildLayerResponse) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{7}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *BuildLayerResponse) GetEvent() isBuildLayerResponse_Event {
@@ -800,7 +900,7 @@ func (*BuildLayerResponse_Status) isBuildLayerResponse_Event() {}
 // BuildProgress is how far a build is in its current stage.
 type BuildProgress struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
-	Stage         string                 `protobuf:"bytes,1,opt,name=stage,proto3" json:"stage,omitempty"` // "extract", "unpack", "copy", "scan", "mkfs", "hash", "done"
+	Stage         string                 `protobuf:"bytes,1,opt,name=stage,proto3" json:"stage,omitempty"` // "extract", "unpack", "copy", "scan", "mkfs", "hash", "done"; a push's "upload", "chunks"
 	Done          int64                  `protobuf:"varint,2,opt,name=done,proto3" json:"done,omitempty"`
 	Total         int64                  `protobuf:"varint,3,opt,name=total,proto3" json:"total,omitempty"` // 0 if unknown
 	Unit          string                 `protobuf:"bytes,4,opt,name=unit,proto3" json:"unit,omitempty"`    // "bytes", "files", "layers"
@@ -810,7 +910,7 @@ type BuildProgress struct {
 
 func (x *BuildProgress) Reset() {
 	*x = BuildProgress{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[8]
+	mi := &file_shoal_v1_layer_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -822,7 +922,7 @@ func (x *BuildProgress) String() string {
 func (*BuildProgress) ProtoMessage() {}
 
 func (x *BuildProgress) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[8]
+	mi := &file_shoal_v1_layer_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -835,7 +935,7 @@ func (x *BuildProgress) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BuildProgress.ProtoReflect.Descriptor instead.
 func (*BuildProgress) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{8}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *BuildProgress) GetStage() string {
@@ -877,7 +977,7 @@ type ListLayersRequest struct {
 
 func (x *ListLayersRequest) Reset() {
 	*x = ListLayersRequest{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[9]
+	mi := &file_shoal_v1_layer_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -889,7 +989,7 @@ func (x *ListLayersRequest) String() string {
 func (*ListLayersRequest) ProtoMessage() {}
 
 func (x *ListLayersRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[9]
+	mi := &file_shoal_v1_layer_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -902,7 +1002,7 @@ func (x *ListLayersRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListLayersRequest.ProtoReflect.Descriptor instead.
 func (*ListLayersRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{9}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *ListLayersRequest) GetAll() bool {
@@ -921,7 +1021,7 @@ type ListLayersResponse struct {
 
 func (x *ListLayersResponse) Reset() {
 	*x = ListLayersResponse{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[10]
+	mi := &file_shoal_v1_layer_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -933,7 +1033,7 @@ func (x *ListLayersResponse) String() string {
 func (*ListLayersResponse) ProtoMessage() {}
 
 func (x *ListLayersResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[10]
+	mi := &file_shoal_v1_layer_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -946,7 +1046,7 @@ func (x *ListLayersResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListLayersResponse.ProtoReflect.Descriptor instead.
 func (*ListLayersResponse) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{10}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *ListLayersResponse) GetLayers() []*Layer {
@@ -965,7 +1065,7 @@ type GetLayerRequest struct {
 
 func (x *GetLayerRequest) Reset() {
 	*x = GetLayerRequest{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[11]
+	mi := &file_shoal_v1_layer_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -977,7 +1077,7 @@ func (x *GetLayerRequest) String() string {
 func (*GetLayerRequest) ProtoMessage() {}
 
 func (x *GetLayerRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[11]
+	mi := &file_shoal_v1_layer_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -990,7 +1090,7 @@ func (x *GetLayerRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetLayerRequest.ProtoReflect.Descriptor instead.
 func (*GetLayerRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{11}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *GetLayerRequest) GetRef() string {
@@ -1010,7 +1110,7 @@ type TagLayerRequest struct {
 
 func (x *TagLayerRequest) Reset() {
 	*x = TagLayerRequest{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[12]
+	mi := &file_shoal_v1_layer_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1022,7 +1122,7 @@ func (x *TagLayerRequest) String() string {
 func (*TagLayerRequest) ProtoMessage() {}
 
 func (x *TagLayerRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[12]
+	mi := &file_shoal_v1_layer_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1035,7 +1135,7 @@ func (x *TagLayerRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TagLayerRequest.ProtoReflect.Descriptor instead.
 func (*TagLayerRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{12}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *TagLayerRequest) GetSource() string {
@@ -1062,7 +1162,7 @@ type TagLayerResponse struct {
 
 func (x *TagLayerResponse) Reset() {
 	*x = TagLayerResponse{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[13]
+	mi := &file_shoal_v1_layer_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1074,7 +1174,7 @@ func (x *TagLayerResponse) String() string {
 func (*TagLayerResponse) ProtoMessage() {}
 
 func (x *TagLayerResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[13]
+	mi := &file_shoal_v1_layer_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1087,7 +1187,7 @@ func (x *TagLayerResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TagLayerResponse.ProtoReflect.Descriptor instead.
 func (*TagLayerResponse) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{13}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *TagLayerResponse) GetLayer() *Layer {
@@ -1113,7 +1213,7 @@ type DeleteLayerRequest struct {
 
 func (x *DeleteLayerRequest) Reset() {
 	*x = DeleteLayerRequest{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[14]
+	mi := &file_shoal_v1_layer_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1125,7 +1225,7 @@ func (x *DeleteLayerRequest) String() string {
 func (*DeleteLayerRequest) ProtoMessage() {}
 
 func (x *DeleteLayerRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[14]
+	mi := &file_shoal_v1_layer_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1138,7 +1238,7 @@ func (x *DeleteLayerRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteLayerRequest.ProtoReflect.Descriptor instead.
 func (*DeleteLayerRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{14}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *DeleteLayerRequest) GetRef() string {
@@ -1159,7 +1259,7 @@ type DeleteLayerResponse struct {
 
 func (x *DeleteLayerResponse) Reset() {
 	*x = DeleteLayerResponse{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[15]
+	mi := &file_shoal_v1_layer_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1171,7 +1271,7 @@ func (x *DeleteLayerResponse) String() string {
 func (*DeleteLayerResponse) ProtoMessage() {}
 
 func (x *DeleteLayerResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[15]
+	mi := &file_shoal_v1_layer_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1184,7 +1284,7 @@ func (x *DeleteLayerResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteLayerResponse.ProtoReflect.Descriptor instead.
 func (*DeleteLayerResponse) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{15}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *DeleteLayerResponse) GetUntagged() []string {
@@ -1217,7 +1317,7 @@ type GarbageCollectLayersRequest struct {
 
 func (x *GarbageCollectLayersRequest) Reset() {
 	*x = GarbageCollectLayersRequest{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[16]
+	mi := &file_shoal_v1_layer_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1229,7 +1329,7 @@ func (x *GarbageCollectLayersRequest) String() string {
 func (*GarbageCollectLayersRequest) ProtoMessage() {}
 
 func (x *GarbageCollectLayersRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[16]
+	mi := &file_shoal_v1_layer_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1242,7 +1342,7 @@ func (x *GarbageCollectLayersRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GarbageCollectLayersRequest.ProtoReflect.Descriptor instead.
 func (*GarbageCollectLayersRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{16}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *GarbageCollectLayersRequest) GetDryRun() bool {
@@ -1263,7 +1363,7 @@ type GarbageCollectLayersResponse struct {
 
 func (x *GarbageCollectLayersResponse) Reset() {
 	*x = GarbageCollectLayersResponse{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[17]
+	mi := &file_shoal_v1_layer_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1275,7 +1375,7 @@ func (x *GarbageCollectLayersResponse) String() string {
 func (*GarbageCollectLayersResponse) ProtoMessage() {}
 
 func (x *GarbageCollectLayersResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[17]
+	mi := &file_shoal_v1_layer_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1288,7 +1388,7 @@ func (x *GarbageCollectLayersResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GarbageCollectLayersResponse.ProtoReflect.Descriptor instead.
 func (*GarbageCollectLayersResponse) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{17}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *GarbageCollectLayersResponse) GetRemoved() []*Layer {
@@ -1332,7 +1432,7 @@ type Environment struct {
 
 func (x *Environment) Reset() {
 	*x = Environment{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[18]
+	mi := &file_shoal_v1_layer_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1344,7 +1444,7 @@ func (x *Environment) String() string {
 func (*Environment) ProtoMessage() {}
 
 func (x *Environment) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[18]
+	mi := &file_shoal_v1_layer_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1357,7 +1457,7 @@ func (x *Environment) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Environment.ProtoReflect.Descriptor instead.
 func (*Environment) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{18}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *Environment) GetName() string {
@@ -1415,7 +1515,7 @@ type CreateEnvironmentRequest struct {
 
 func (x *CreateEnvironmentRequest) Reset() {
 	*x = CreateEnvironmentRequest{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[19]
+	mi := &file_shoal_v1_layer_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1427,7 +1527,7 @@ func (x *CreateEnvironmentRequest) String() string {
 func (*CreateEnvironmentRequest) ProtoMessage() {}
 
 func (x *CreateEnvironmentRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[19]
+	mi := &file_shoal_v1_layer_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1440,7 +1540,7 @@ func (x *CreateEnvironmentRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateEnvironmentRequest.ProtoReflect.Descriptor instead.
 func (*CreateEnvironmentRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{19}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *CreateEnvironmentRequest) GetName() string {
@@ -1487,7 +1587,7 @@ type GetEnvironmentRequest struct {
 
 func (x *GetEnvironmentRequest) Reset() {
 	*x = GetEnvironmentRequest{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[20]
+	mi := &file_shoal_v1_layer_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1499,7 +1599,7 @@ func (x *GetEnvironmentRequest) String() string {
 func (*GetEnvironmentRequest) ProtoMessage() {}
 
 func (x *GetEnvironmentRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[20]
+	mi := &file_shoal_v1_layer_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1512,7 +1612,7 @@ func (x *GetEnvironmentRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetEnvironmentRequest.ProtoReflect.Descriptor instead.
 func (*GetEnvironmentRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{20}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *GetEnvironmentRequest) GetName() string {
@@ -1530,7 +1630,7 @@ type ListEnvironmentsRequest struct {
 
 func (x *ListEnvironmentsRequest) Reset() {
 	*x = ListEnvironmentsRequest{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[21]
+	mi := &file_shoal_v1_layer_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1542,7 +1642,7 @@ func (x *ListEnvironmentsRequest) String() string {
 func (*ListEnvironmentsRequest) ProtoMessage() {}
 
 func (x *ListEnvironmentsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[21]
+	mi := &file_shoal_v1_layer_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1555,7 +1655,7 @@ func (x *ListEnvironmentsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListEnvironmentsRequest.ProtoReflect.Descriptor instead.
 func (*ListEnvironmentsRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{21}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{22}
 }
 
 type ListEnvironmentsResponse struct {
@@ -1567,7 +1667,7 @@ type ListEnvironmentsResponse struct {
 
 func (x *ListEnvironmentsResponse) Reset() {
 	*x = ListEnvironmentsResponse{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[22]
+	mi := &file_shoal_v1_layer_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1579,7 +1679,7 @@ func (x *ListEnvironmentsResponse) String() string {
 func (*ListEnvironmentsResponse) ProtoMessage() {}
 
 func (x *ListEnvironmentsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[22]
+	mi := &file_shoal_v1_layer_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1592,7 +1692,7 @@ func (x *ListEnvironmentsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListEnvironmentsResponse.ProtoReflect.Descriptor instead.
 func (*ListEnvironmentsResponse) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{22}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *ListEnvironmentsResponse) GetEnvironments() []*Environment {
@@ -1611,7 +1711,7 @@ type DeleteEnvironmentRequest struct {
 
 func (x *DeleteEnvironmentRequest) Reset() {
 	*x = DeleteEnvironmentRequest{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[23]
+	mi := &file_shoal_v1_layer_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1623,7 +1723,7 @@ func (x *DeleteEnvironmentRequest) String() string {
 func (*DeleteEnvironmentRequest) ProtoMessage() {}
 
 func (x *DeleteEnvironmentRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[23]
+	mi := &file_shoal_v1_layer_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1636,7 +1736,7 @@ func (x *DeleteEnvironmentRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteEnvironmentRequest.ProtoReflect.Descriptor instead.
 func (*DeleteEnvironmentRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{23}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *DeleteEnvironmentRequest) GetName() string {
@@ -1654,7 +1754,7 @@ type DeleteEnvironmentResponse struct {
 
 func (x *DeleteEnvironmentResponse) Reset() {
 	*x = DeleteEnvironmentResponse{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[24]
+	mi := &file_shoal_v1_layer_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1666,7 +1766,7 @@ func (x *DeleteEnvironmentResponse) String() string {
 func (*DeleteEnvironmentResponse) ProtoMessage() {}
 
 func (x *DeleteEnvironmentResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[24]
+	mi := &file_shoal_v1_layer_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1679,7 +1779,7 @@ func (x *DeleteEnvironmentResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteEnvironmentResponse.ProtoReflect.Descriptor instead.
 func (*DeleteEnvironmentResponse) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{24}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{25}
 }
 
 var File_shoal_v1_layer_proto protoreflect.FileDescriptor
@@ -1731,7 +1831,12 @@ const file_shoal_v1_layer_proto_rawDesc = "" +
 	"\x11PushLayerResponse\x12%\n" +
 	"\x05layer\x18\x01 \x01(\v2\x0f.shoal.v1.LayerR\x05layer\x12\x14\n" +
 	"\x05store\x18\x02 \x01(\tR\x05store\x12%\n" +
-	"\x0euploaded_bytes\x18\x03 \x01(\x03R\ruploadedBytes\"$\n" +
+	"\x0euploaded_bytes\x18\x03 \x01(\x03R\ruploadedBytes\"\xa1\x01\n" +
+	"\x0ePushLayerEvent\x12\x1c\n" +
+	"\bprogress\x18\x01 \x01(\tH\x00R\bprogress\x125\n" +
+	"\x06result\x18\x02 \x01(\v2\x1b.shoal.v1.PushLayerResponseH\x00R\x06result\x121\n" +
+	"\x06status\x18\x03 \x01(\v2\x17.shoal.v1.BuildProgressH\x00R\x06statusB\a\n" +
+	"\x05event\"$\n" +
 	"\x10PullLayerRequest\x12\x10\n" +
 	"\x03ref\x18\x01 \x01(\tR\x03ref\"\x9e\x01\n" +
 	"\x11BuildLayerRequest\x12'\n" +
@@ -1812,7 +1917,7 @@ const file_shoal_v1_layer_proto_rawDesc = "" +
 	"\x16LAYER_KIND_UNSPECIFIED\x10\x00\x12\x13\n" +
 	"\x0fLAYER_KIND_BASE\x10\x01\x12\x18\n" +
 	"\x14LAYER_KIND_WORKSPACE\x10\x02\x12\x16\n" +
-	"\x12LAYER_KIND_TOOLKIT\x10\x032\xf0\a\n" +
+	"\x12LAYER_KIND_TOOLKIT\x10\x032\xbd\b\n" +
 	"\fLayerService\x12I\n" +
 	"\n" +
 	"BuildLayer\x12\x1b.shoal.v1.BuildLayerRequest\x1a\x1c.shoal.v1.BuildLayerResponse0\x01\x12K\n" +
@@ -1823,7 +1928,8 @@ const file_shoal_v1_layer_proto_rawDesc = "" +
 	"\bTagLayer\x12\x19.shoal.v1.TagLayerRequest\x1a\x1a.shoal.v1.TagLayerResponse\x12J\n" +
 	"\vDeleteLayer\x12\x1c.shoal.v1.DeleteLayerRequest\x1a\x1d.shoal.v1.DeleteLayerResponse\x12e\n" +
 	"\x14GarbageCollectLayers\x12%.shoal.v1.GarbageCollectLayersRequest\x1a&.shoal.v1.GarbageCollectLayersResponse\x12D\n" +
-	"\tPushLayer\x12\x1a.shoal.v1.PushLayerRequest\x1a\x1b.shoal.v1.PushLayerResponse\x128\n" +
+	"\tPushLayer\x12\x1a.shoal.v1.PushLayerRequest\x1a\x1b.shoal.v1.PushLayerResponse\x12K\n" +
+	"\x11PushLayerProgress\x12\x1a.shoal.v1.PushLayerRequest\x1a\x18.shoal.v1.PushLayerEvent0\x01\x128\n" +
 	"\tPullLayer\x12\x1a.shoal.v1.PullLayerRequest\x1a\x0f.shoal.v1.Layer\x12N\n" +
 	"\x11CreateEnvironment\x12\".shoal.v1.CreateEnvironmentRequest\x1a\x15.shoal.v1.Environment\x12H\n" +
 	"\x0eGetEnvironment\x12\x1f.shoal.v1.GetEnvironmentRequest\x1a\x15.shoal.v1.Environment\x12Y\n" +
@@ -1843,83 +1949,88 @@ func file_shoal_v1_layer_proto_rawDescGZIP() []byte {
 }
 
 var file_shoal_v1_layer_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_shoal_v1_layer_proto_msgTypes = make([]protoimpl.MessageInfo, 25)
+var file_shoal_v1_layer_proto_msgTypes = make([]protoimpl.MessageInfo, 26)
 var file_shoal_v1_layer_proto_goTypes = []any{
 	(LayerKind)(0),                       // 0: shoal.v1.LayerKind
 	(*Layer)(nil),                        // 1: shoal.v1.Layer
 	(*LazyLayerStats)(nil),               // 2: shoal.v1.LazyLayerStats
 	(*PushLayerRequest)(nil),             // 3: shoal.v1.PushLayerRequest
 	(*PushLayerResponse)(nil),            // 4: shoal.v1.PushLayerResponse
-	(*PullLayerRequest)(nil),             // 5: shoal.v1.PullLayerRequest
-	(*BuildLayerRequest)(nil),            // 6: shoal.v1.BuildLayerRequest
-	(*CommitLayerRequest)(nil),           // 7: shoal.v1.CommitLayerRequest
-	(*BuildLayerResponse)(nil),           // 8: shoal.v1.BuildLayerResponse
-	(*BuildProgress)(nil),                // 9: shoal.v1.BuildProgress
-	(*ListLayersRequest)(nil),            // 10: shoal.v1.ListLayersRequest
-	(*ListLayersResponse)(nil),           // 11: shoal.v1.ListLayersResponse
-	(*GetLayerRequest)(nil),              // 12: shoal.v1.GetLayerRequest
-	(*TagLayerRequest)(nil),              // 13: shoal.v1.TagLayerRequest
-	(*TagLayerResponse)(nil),             // 14: shoal.v1.TagLayerResponse
-	(*DeleteLayerRequest)(nil),           // 15: shoal.v1.DeleteLayerRequest
-	(*DeleteLayerResponse)(nil),          // 16: shoal.v1.DeleteLayerResponse
-	(*GarbageCollectLayersRequest)(nil),  // 17: shoal.v1.GarbageCollectLayersRequest
-	(*GarbageCollectLayersResponse)(nil), // 18: shoal.v1.GarbageCollectLayersResponse
-	(*Environment)(nil),                  // 19: shoal.v1.Environment
-	(*CreateEnvironmentRequest)(nil),     // 20: shoal.v1.CreateEnvironmentRequest
-	(*GetEnvironmentRequest)(nil),        // 21: shoal.v1.GetEnvironmentRequest
-	(*ListEnvironmentsRequest)(nil),      // 22: shoal.v1.ListEnvironmentsRequest
-	(*ListEnvironmentsResponse)(nil),     // 23: shoal.v1.ListEnvironmentsResponse
-	(*DeleteEnvironmentRequest)(nil),     // 24: shoal.v1.DeleteEnvironmentRequest
-	(*DeleteEnvironmentResponse)(nil),    // 25: shoal.v1.DeleteEnvironmentResponse
-	(*timestamppb.Timestamp)(nil),        // 26: google.protobuf.Timestamp
+	(*PushLayerEvent)(nil),               // 5: shoal.v1.PushLayerEvent
+	(*PullLayerRequest)(nil),             // 6: shoal.v1.PullLayerRequest
+	(*BuildLayerRequest)(nil),            // 7: shoal.v1.BuildLayerRequest
+	(*CommitLayerRequest)(nil),           // 8: shoal.v1.CommitLayerRequest
+	(*BuildLayerResponse)(nil),           // 9: shoal.v1.BuildLayerResponse
+	(*BuildProgress)(nil),                // 10: shoal.v1.BuildProgress
+	(*ListLayersRequest)(nil),            // 11: shoal.v1.ListLayersRequest
+	(*ListLayersResponse)(nil),           // 12: shoal.v1.ListLayersResponse
+	(*GetLayerRequest)(nil),              // 13: shoal.v1.GetLayerRequest
+	(*TagLayerRequest)(nil),              // 14: shoal.v1.TagLayerRequest
+	(*TagLayerResponse)(nil),             // 15: shoal.v1.TagLayerResponse
+	(*DeleteLayerRequest)(nil),           // 16: shoal.v1.DeleteLayerRequest
+	(*DeleteLayerResponse)(nil),          // 17: shoal.v1.DeleteLayerResponse
+	(*GarbageCollectLayersRequest)(nil),  // 18: shoal.v1.GarbageCollectLayersRequest
+	(*GarbageCollectLayersResponse)(nil), // 19: shoal.v1.GarbageCollectLayersResponse
+	(*Environment)(nil),                  // 20: shoal.v1.Environment
+	(*CreateEnvironmentRequest)(nil),     // 21: shoal.v1.CreateEnvironmentRequest
+	(*GetEnvironmentRequest)(nil),        // 22: shoal.v1.GetEnvironmentRequest
+	(*ListEnvironmentsRequest)(nil),      // 23: shoal.v1.ListEnvironmentsRequest
+	(*ListEnvironmentsResponse)(nil),     // 24: shoal.v1.ListEnvironmentsResponse
+	(*DeleteEnvironmentRequest)(nil),     // 25: shoal.v1.DeleteEnvironmentRequest
+	(*DeleteEnvironmentResponse)(nil),    // 26: shoal.v1.DeleteEnvironmentResponse
+	(*timestamppb.Timestamp)(nil),        // 27: google.protobuf.Timestamp
 }
 var file_shoal_v1_layer_proto_depIdxs = []int32{
 	0,  // 0: shoal.v1.Layer.kind:type_name -> shoal.v1.LayerKind
-	26, // 1: shoal.v1.Layer.created_at:type_name -> google.protobuf.Timestamp
+	27, // 1: shoal.v1.Layer.created_at:type_name -> google.protobuf.Timestamp
 	2,  // 2: shoal.v1.Layer.lazy:type_name -> shoal.v1.LazyLayerStats
 	1,  // 3: shoal.v1.PushLayerResponse.layer:type_name -> shoal.v1.Layer
-	0,  // 4: shoal.v1.BuildLayerRequest.kind:type_name -> shoal.v1.LayerKind
-	0,  // 5: shoal.v1.CommitLayerRequest.kind:type_name -> shoal.v1.LayerKind
-	1,  // 6: shoal.v1.BuildLayerResponse.layer:type_name -> shoal.v1.Layer
-	9,  // 7: shoal.v1.BuildLayerResponse.status:type_name -> shoal.v1.BuildProgress
-	1,  // 8: shoal.v1.ListLayersResponse.layers:type_name -> shoal.v1.Layer
-	1,  // 9: shoal.v1.TagLayerResponse.layer:type_name -> shoal.v1.Layer
-	1,  // 10: shoal.v1.DeleteLayerResponse.removed:type_name -> shoal.v1.Layer
-	1,  // 11: shoal.v1.GarbageCollectLayersResponse.removed:type_name -> shoal.v1.Layer
-	26, // 12: shoal.v1.Environment.created_at:type_name -> google.protobuf.Timestamp
-	1,  // 13: shoal.v1.Environment.resolved:type_name -> shoal.v1.Layer
-	19, // 14: shoal.v1.ListEnvironmentsResponse.environments:type_name -> shoal.v1.Environment
-	6,  // 15: shoal.v1.LayerService.BuildLayer:input_type -> shoal.v1.BuildLayerRequest
-	7,  // 16: shoal.v1.LayerService.CommitLayer:input_type -> shoal.v1.CommitLayerRequest
-	10, // 17: shoal.v1.LayerService.ListLayers:input_type -> shoal.v1.ListLayersRequest
-	12, // 18: shoal.v1.LayerService.GetLayer:input_type -> shoal.v1.GetLayerRequest
-	13, // 19: shoal.v1.LayerService.TagLayer:input_type -> shoal.v1.TagLayerRequest
-	15, // 20: shoal.v1.LayerService.DeleteLayer:input_type -> shoal.v1.DeleteLayerRequest
-	17, // 21: shoal.v1.LayerService.GarbageCollectLayers:input_type -> shoal.v1.GarbageCollectLayersRequest
-	3,  // 22: shoal.v1.LayerService.PushLayer:input_type -> shoal.v1.PushLayerRequest
-	5,  // 23: shoal.v1.LayerService.PullLayer:input_type -> shoal.v1.PullLayerRequest
-	20, // 24: shoal.v1.LayerService.CreateEnvironment:input_type -> shoal.v1.CreateEnvironmentRequest
-	21, // 25: shoal.v1.LayerService.GetEnvironment:input_type -> shoal.v1.GetEnvironmentRequest
-	22, // 26: shoal.v1.LayerService.ListEnvironments:input_type -> shoal.v1.ListEnvironmentsRequest
-	24, // 27: shoal.v1.LayerService.DeleteEnvironment:input_type -> shoal.v1.DeleteEnvironmentRequest
-	8,  // 28: shoal.v1.LayerService.BuildLayer:output_type -> shoal.v1.BuildLayerResponse
-	8,  // 29: shoal.v1.LayerService.CommitLayer:output_type -> shoal.v1.BuildLayerResponse
-	11, // 30: shoal.v1.LayerService.ListLayers:output_type -> shoal.v1.ListLayersResponse
-	1,  // 31: shoal.v1.LayerService.GetLayer:output_type -> shoal.v1.Layer
-	14, // 32: shoal.v1.LayerService.TagLayer:output_type -> shoal.v1.TagLayerResponse
-	16, // 33: shoal.v1.LayerService.DeleteLayer:output_type -> shoal.v1.DeleteLayerResponse
-	18, // 34: shoal.v1.LayerService.GarbageCollectLayers:output_type -> shoal.v1.GarbageCollectLayersResponse
-	4,  // 35: shoal.v1.LayerService.PushLayer:output_type -> shoal.v1.PushLayerResponse
-	1,  // 36: shoal.v1.LayerService.PullLayer:output_type -> shoal.v1.Layer
-	19, // 37: shoal.v1.LayerService.CreateEnvironment:output_type -> shoal.v1.Environment
-	19, // 38: shoal.v1.LayerService.GetEnvironment:output_type -> shoal.v1.Environment
-	23, // 39: shoal.v1.LayerService.ListEnvironments:output_type -> shoal.v1.ListEnvironmentsResponse
-	25, // 40: shoal.v1.LayerService.DeleteEnvironment:output_type -> shoal.v1.DeleteEnvironmentResponse
-	28, // [28:41] is the sub-list for method output_type
-	15, // [15:28] is the sub-list for method input_type
-	15, // [15:15] is the sub-list for extension type_name
-	15, // [15:15] is the sub-list for extension extendee
-	0,  // [0:15] is the sub-list for field type_name
+	4,  // 4: shoal.v1.PushLayerEvent.result:type_name -> shoal.v1.PushLayerResponse
+	10, // 5: shoal.v1.PushLayerEvent.status:type_name -> shoal.v1.BuildProgress
+	0,  // 6: shoal.v1.BuildLayerRequest.kind:type_name -> shoal.v1.LayerKind
+	0,  // 7: shoal.v1.CommitLayerRequest.kind:type_name -> shoal.v1.LayerKind
+	1,  // 8: shoal.v1.BuildLayerResponse.layer:type_name -> shoal.v1.Layer
+	10, // 9: shoal.v1.BuildLayerResponse.status:type_name -> shoal.v1.BuildProgress
+	1,  // 10: shoal.v1.ListLayersResponse.layers:type_name -> shoal.v1.Layer
+	1,  // 11: shoal.v1.TagLayerResponse.layer:type_name -> shoal.v1.Layer
+	1,  // 12: shoal.v1.DeleteLayerResponse.removed:type_name -> shoal.v1.Layer
+	1,  // 13: shoal.v1.GarbageCollectLayersResponse.removed:type_name -> shoal.v1.Layer
+	27, // 14: shoal.v1.Environment.created_at:type_name -> google.protobuf.Timestamp
+	1,  // 15: shoal.v1.Environment.resolved:type_name -> shoal.v1.Layer
+	20, // 16: shoal.v1.ListEnvironmentsResponse.environments:type_name -> shoal.v1.Environment
+	7,  // 17: shoal.v1.LayerService.BuildLayer:input_type -> shoal.v1.BuildLayerRequest
+	8,  // 18: shoal.v1.LayerService.CommitLayer:input_type -> shoal.v1.CommitLayerRequest
+	11, // 19: shoal.v1.LayerService.ListLayers:input_type -> shoal.v1.ListLayersRequest
+	13, // 20: shoal.v1.LayerService.GetLayer:input_type -> shoal.v1.GetLayerRequest
+	14, // 21: shoal.v1.LayerService.TagLayer:input_type -> shoal.v1.TagLayerRequest
+	16, // 22: shoal.v1.LayerService.DeleteLayer:input_type -> shoal.v1.DeleteLayerRequest
+	18, // 23: shoal.v1.LayerService.GarbageCollectLayers:input_type -> shoal.v1.GarbageCollectLayersRequest
+	3,  // 24: shoal.v1.LayerService.PushLayer:input_type -> shoal.v1.PushLayerRequest
+	3,  // 25: shoal.v1.LayerService.PushLayerProgress:input_type -> shoal.v1.PushLayerRequest
+	6,  // 26: shoal.v1.LayerService.PullLayer:input_type -> shoal.v1.PullLayerRequest
+	21, // 27: shoal.v1.LayerService.CreateEnvironment:input_type -> shoal.v1.CreateEnvironmentRequest
+	22, // 28: shoal.v1.LayerService.GetEnvironment:input_type -> shoal.v1.GetEnvironmentRequest
+	23, // 29: shoal.v1.LayerService.ListEnvironments:input_type -> shoal.v1.ListEnvironmentsRequest
+	25, // 30: shoal.v1.LayerService.DeleteEnvironment:input_type -> shoal.v1.DeleteEnvironmentRequest
+	9,  // 31: shoal.v1.LayerService.BuildLayer:output_type -> shoal.v1.BuildLayerResponse
+	9,  // 32: shoal.v1.LayerService.CommitLayer:output_type -> shoal.v1.BuildLayerResponse
+	12, // 33: shoal.v1.LayerService.ListLayers:output_type -> shoal.v1.ListLayersResponse
+	1,  // 34: shoal.v1.LayerService.GetLayer:output_type -> shoal.v1.Layer
+	15, // 35: shoal.v1.LayerService.TagLayer:output_type -> shoal.v1.TagLayerResponse
+	17, // 36: shoal.v1.LayerService.DeleteLayer:output_type -> shoal.v1.DeleteLayerResponse
+	19, // 37: shoal.v1.LayerService.GarbageCollectLayers:output_type -> shoal.v1.GarbageCollectLayersResponse
+	4,  // 38: shoal.v1.LayerService.PushLayer:output_type -> shoal.v1.PushLayerResponse
+	5,  // 39: shoal.v1.LayerService.PushLayerProgress:output_type -> shoal.v1.PushLayerEvent
+	1,  // 40: shoal.v1.LayerService.PullLayer:output_type -> shoal.v1.Layer
+	20, // 41: shoal.v1.LayerService.CreateEnvironment:output_type -> shoal.v1.Environment
+	20, // 42: shoal.v1.LayerService.GetEnvironment:output_type -> shoal.v1.Environment
+	24, // 43: shoal.v1.LayerService.ListEnvironments:output_type -> shoal.v1.ListEnvironmentsResponse
+	26, // 44: shoal.v1.LayerService.DeleteEnvironment:output_type -> shoal.v1.DeleteEnvironmentResponse
+	31, // [31:45] is the sub-list for method output_type
+	17, // [17:31] is the sub-list for method input_type
+	17, // [17:17] is the sub-list for extension type_name
+	17, // [17:17] is the sub-list for extension extendee
+	0,  // [0:17] is the sub-list for field type_name
 }
 
 func init() { file_shoal_v1_layer_proto_init() }
@@ -1927,7 +2038,12 @@ func file_shoal_v1_layer_proto_init() {
 	if File_shoal_v1_layer_proto != nil {
 		return
 	}
-	file_shoal_v1_layer_proto_msgTypes[7].OneofWrappers = []any{
+	file_shoal_v1_layer_proto_msgTypes[4].OneofWrappers = []any{
+		(*PushLayerEvent_Progress)(nil),
+		(*PushLayerEvent_Result)(nil),
+		(*PushLayerEvent_Status)(nil),
+	}
+	file_shoal_v1_layer_proto_msgTypes[8].OneofWrappers = []any{
 		(*BuildLayerResponse_Progress)(nil),
 		(*BuildLayerResponse_Layer)(nil),
 		(*BuildLayerResponse_Status)(nil),
@@ -1938,7 +2054,7 @@ func file_shoal_v1_layer_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_shoal_v1_layer_proto_rawDesc), len(file_shoal_v1_layer_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   25,
+			NumMessages:   26,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

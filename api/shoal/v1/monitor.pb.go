@@ -65,10 +65,12 @@ func (*GetStatusRequest) Descriptor() ([]byte, []int) {
 // Status is one sample. CPU figures are cumulative: rates come from the
 // difference of two samples over the difference of their times.
 type Status struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Time          *timestamppb.Timestamp `protobuf:"bytes,1,opt,name=time,proto3" json:"time,omitempty"`
-	Nodes         []*NodeStatus          `protobuf:"bytes,2,rep,name=nodes,proto3" json:"nodes,omitempty"`         // this node (one, until the cluster)
-	Sandboxes     []*SandboxUsage        `protobuf:"bytes,3,rep,name=sandboxes,proto3" json:"sandboxes,omitempty"` // oldest first
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Time  *timestamppb.Timestamp `protobuf:"bytes,1,opt,name=time,proto3" json:"time,omitempty"`
+	// The node (one) of a server; through a cluster's control replica,
+	// every node the cluster knows, by name, the down ones too.
+	Nodes         []*NodeStatus   `protobuf:"bytes,2,rep,name=nodes,proto3" json:"nodes,omitempty"`
+	Sandboxes     []*SandboxUsage `protobuf:"bytes,3,rep,name=sandboxes,proto3" json:"sandboxes,omitempty"` // oldest first
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -126,7 +128,7 @@ func (x *Status) GetSandboxes() []*SandboxUsage {
 
 type NodeStatus struct {
 	state                protoimpl.MessageState `protogen:"open.v1"`
-	Name                 string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"` // host name
+	Name                 string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"` // the node's cluster name (serve --node-name); host name outside a cluster
 	Cpus                 int32                  `protobuf:"varint,2,opt,name=cpus,proto3" json:"cpus,omitempty"`
 	Load1                float64                `protobuf:"fixed64,3,opt,name=load1,proto3" json:"load1,omitempty"` // /proc/loadavg
 	Load5                float64                `protobuf:"fixed64,4,opt,name=load5,proto3" json:"load5,omitempty"`
@@ -143,8 +145,17 @@ type NodeStatus struct {
 	// creates_total: sandboxes created since serve started (successful).
 	CreatesTotal int64 `protobuf:"varint,13,opt,name=creates_total,json=createsTotal,proto3" json:"creates_total,omitempty"`
 	// cpu_usec: CPU time of the host since boot, all CPUs, busy only.
-	CpuUsec       int64                  `protobuf:"varint,14,opt,name=cpu_usec,json=cpuUsec,proto3" json:"cpu_usec,omitempty"`
-	StartedAt     *timestamppb.Timestamp `protobuf:"bytes,15,opt,name=started_at,json=startedAt,proto3" json:"started_at,omitempty"` // of serve
+	CpuUsec   int64                  `protobuf:"varint,14,opt,name=cpu_usec,json=cpuUsec,proto3" json:"cpu_usec,omitempty"`
+	StartedAt *timestamppb.Timestamp `protobuf:"bytes,15,opt,name=started_at,json=startedAt,proto3" json:"started_at,omitempty"` // of serve
+	// state: "up"; through a control replica also "unreachable" (its
+	// lease holds but it did not answer) and "down" (its lease ended). The
+	// figures of a node that did not answer are those of its last capacity
+	// report (sandboxes, limits), the others 0.
+	State string `protobuf:"bytes,16,opt,name=state,proto3" json:"state,omitempty"`
+	// heartbeat_at: in a cluster, the node's last capacity report to etcd
+	// (for a down node: when the control replica saw its lease end, if it did).
+	HeartbeatAt   *timestamppb.Timestamp `protobuf:"bytes,17,opt,name=heartbeat_at,json=heartbeatAt,proto3" json:"heartbeat_at,omitempty"`
+	Url           string                 `protobuf:"bytes,18,opt,name=url,proto3" json:"url,omitempty"` // in a cluster: the node's API URL
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -284,10 +295,31 @@ func (x *NodeStatus) GetStartedAt() *timestamppb.Timestamp {
 	return nil
 }
 
+func (x *NodeStatus) GetState() string {
+	if x != nil {
+		return x.State
+	}
+	return ""
+}
+
+func (x *NodeStatus) GetHeartbeatAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.HeartbeatAt
+	}
+	return nil
+}
+
+func (x *NodeStatus) GetUrl() string {
+	if x != nil {
+		return x.Url
+	}
+	return ""
+}
+
 type SandboxUsage struct {
 	state            protoimpl.MessageState `protogen:"open.v1"`
 	Id               string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
-	State            string                 `protobuf:"bytes,2,opt,name=state,proto3" json:"state,omitempty"` // creating, running, paused, error, deleting
+	State            string                 `protobuf:"bytes,2,opt,name=state,proto3" json:"state,omitempty"` // creating, running, paused, error, deleting; lost (cluster, see node)
 	Backend          string                 `protobuf:"bytes,3,opt,name=backend,proto3" json:"backend,omitempty"`
 	Tenant           string                 `protobuf:"bytes,4,opt,name=tenant,proto3" json:"tenant,omitempty"`
 	CreatedAt        *timestamppb.Timestamp `protobuf:"bytes,5,opt,name=created_at,json=createdAt,proto3" json:"created_at,omitempty"`
@@ -301,8 +333,13 @@ type SandboxUsage struct {
 	// idle_ms: time since its last request or command activity.
 	IdleMs          int64 `protobuf:"varint,10,opt,name=idle_ms,json=idleMs,proto3" json:"idle_ms,omitempty"`
 	CommandsRunning int32 `protobuf:"varint,11,opt,name=commands_running,json=commandsRunning,proto3" json:"commands_running,omitempty"`
-	unknownFields   protoimpl.UnknownFields
-	sizeCache       protoimpl.SizeCache
+	// node: the name of the node it is on (a NodeStatus name). Through a
+	// control replica, the sandboxes of a node that is down or does not
+	// answer are listed from the cluster's catalog with state "lost" and
+	// unknown (-1) figures.
+	Node          string `protobuf:"bytes,12,opt,name=node,proto3" json:"node,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *SandboxUsage) Reset() {
@@ -412,6 +449,13 @@ func (x *SandboxUsage) GetCommandsRunning() int32 {
 	return 0
 }
 
+func (x *SandboxUsage) GetNode() string {
+	if x != nil {
+		return x.Node
+	}
+	return ""
+}
+
 var File_shoal_v1_monitor_proto protoreflect.FileDescriptor
 
 const file_shoal_v1_monitor_proto_rawDesc = "" +
@@ -421,7 +465,7 @@ const file_shoal_v1_monitor_proto_rawDesc = "" +
 	"\x06Status\x12.\n" +
 	"\x04time\x18\x01 \x01(\v2\x1a.google.protobuf.TimestampR\x04time\x12*\n" +
 	"\x05nodes\x18\x02 \x03(\v2\x14.shoal.v1.NodeStatusR\x05nodes\x124\n" +
-	"\tsandboxes\x18\x03 \x03(\v2\x16.shoal.v1.SandboxUsageR\tsandboxes\"\xa7\x04\n" +
+	"\tsandboxes\x18\x03 \x03(\v2\x16.shoal.v1.SandboxUsageR\tsandboxes\"\x8e\x05\n" +
 	"\n" +
 	"NodeStatus\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x12\n" +
@@ -440,7 +484,10 @@ const file_shoal_v1_monitor_proto_rawDesc = "" +
 	"\rcreates_total\x18\r \x01(\x03R\fcreatesTotal\x12\x19\n" +
 	"\bcpu_usec\x18\x0e \x01(\x03R\acpuUsec\x129\n" +
 	"\n" +
-	"started_at\x18\x0f \x01(\v2\x1a.google.protobuf.TimestampR\tstartedAt\"\xed\x02\n" +
+	"started_at\x18\x0f \x01(\v2\x1a.google.protobuf.TimestampR\tstartedAt\x12\x14\n" +
+	"\x05state\x18\x10 \x01(\tR\x05state\x12=\n" +
+	"\fheartbeat_at\x18\x11 \x01(\v2\x1a.google.protobuf.TimestampR\vheartbeatAt\x12\x10\n" +
+	"\x03url\x18\x12 \x01(\tR\x03url\"\x81\x03\n" +
 	"\fSandboxUsage\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x14\n" +
 	"\x05state\x18\x02 \x01(\tR\x05state\x12\x18\n" +
@@ -454,7 +501,8 @@ const file_shoal_v1_monitor_proto_rawDesc = "" +
 	"\bcpu_usec\x18\t \x01(\x03R\acpuUsec\x12\x17\n" +
 	"\aidle_ms\x18\n" +
 	" \x01(\x03R\x06idleMs\x12)\n" +
-	"\x10commands_running\x18\v \x01(\x05R\x0fcommandsRunning2K\n" +
+	"\x10commands_running\x18\v \x01(\x05R\x0fcommandsRunning\x12\x12\n" +
+	"\x04node\x18\f \x01(\tR\x04node2K\n" +
 	"\x0eMonitorService\x129\n" +
 	"\tGetStatus\x12\x1a.shoal.v1.GetStatusRequest\x1a\x10.shoal.v1.StatusB5Z3github.com/shoal-sandbox/shoal/api/shoal/v1;shoalv1b\x06proto3"
 
@@ -483,14 +531,15 @@ var file_shoal_v1_monitor_proto_depIdxs = []int32{
 	2, // 1: shoal.v1.Status.nodes:type_name -> shoal.v1.NodeStatus
 	3, // 2: shoal.v1.Status.sandboxes:type_name -> shoal.v1.SandboxUsage
 	4, // 3: shoal.v1.NodeStatus.started_at:type_name -> google.protobuf.Timestamp
-	4, // 4: shoal.v1.SandboxUsage.created_at:type_name -> google.protobuf.Timestamp
-	0, // 5: shoal.v1.MonitorService.GetStatus:input_type -> shoal.v1.GetStatusRequest
-	1, // 6: shoal.v1.MonitorService.GetStatus:output_type -> shoal.v1.Status
-	6, // [6:7] is the sub-list for method output_type
-	5, // [5:6] is the sub-list for method input_type
-	5, // [5:5] is the sub-list for extension type_name
-	5, // [5:5] is the sub-list for extension extendee
-	0, // [0:5] is the sub-list for field type_name
+	4, // 4: shoal.v1.NodeStatus.heartbeat_at:type_name -> google.protobuf.Timestamp
+	4, // 5: shoal.v1.SandboxUsage.created_at:type_name -> google.protobuf.Timestamp
+	0, // 6: shoal.v1.MonitorService.GetStatus:input_type -> shoal.v1.GetStatusRequest
+	1, // 7: shoal.v1.MonitorService.GetStatus:output_type -> shoal.v1.Status
+	7, // [7:8] is the sub-list for method output_type
+	6, // [6:7] is the sub-list for method input_type
+	6, // [6:6] is the sub-list for extension type_name
+	6, // [6:6] is the sub-list for extension extendee
+	0, // [0:6] is the sub-list for field type_name
 }
 
 func init() { file_shoal_v1_monitor_proto_init() }

@@ -165,19 +165,29 @@ function render(st) {
       const p = prev.sb[s.id];
       if (p !== undefined && dt > 0 && num(s.cpuUsec) >= 0 && p >= 0) cpuPct[s.id] = (num(s.cpuUsec) - p) / 1e6 / dt * 100;
     }
-    if (nodes.length && prev.creates !== undefined && dt > 0) {
-      const rate = Math.max(0, (num(nodes[0].createsTotal) - prev.creates) / dt);
+    // Creates/s of the whole fleet: each answering node's count since
+    // the last sample (a node that restarted counts from 0 again).
+    const up = nodes.filter((n) => (n.state || "up") === "up");
+    if (up.length && dt > 0) {
+      let created = 0;
+      for (const n of up) {
+        const p = prev.creates[n.name];
+        if (p !== undefined) created += Math.max(0, num(n.createsTotal) - (num(n.createsTotal) >= p ? p : 0));
+      }
+      const rate = created / dt;
       push(series.creates, rate);
       $("#creates-now").textContent = "now " + rate.toFixed(1);
     }
   }
   let sbMem = 0;
   for (const s of sbs) if (num(s.memoryBytes) > 0) sbMem += num(s.memoryBytes);
-  if (nodes.length) {
-    const n = nodes[0];
-    push(series.hostMem, num(n.memoryTotalBytes) - num(n.memoryAvailableBytes));
+  const upNodes = nodes.filter((n) => (n.state || "up") === "up");
+  if (upNodes.length) {
+    let hostUsed = 0;
+    for (const n of upNodes) hostUsed += num(n.memoryTotalBytes) - num(n.memoryAvailableBytes);
+    push(series.hostMem, hostUsed);
     push(series.sbMem, sbMem);
-    $("#mem-now").textContent = "now " + bytes(num(n.memoryTotalBytes) - num(n.memoryAvailableBytes)) + " / " + bytes(sbMem);
+    $("#mem-now").textContent = "now " + bytes(hostUsed) + " / " + bytes(sbMem) + (upNodes.length > 1 ? " (" + upNodes.length + " nodes)" : "");
   } else {
     push(series.sbMem, sbMem);
   }
@@ -190,9 +200,9 @@ function render(st) {
   chart($("#chart-creates"), [series.creates], ["#2f7ed8"], (v) => v.toFixed(1));
   chart($("#chart-memory"), [series.hostMem, series.sbMem], ["#2f7ed8", "#e8743b"], bytes);
   renderSandboxes(sbs, cpuPct, t);
-  prev = { t, sb: {}, node: {}, creates: nodes.length ? num(nodes[0].createsTotal) : undefined };
+  prev = { t, sb: {}, node: {}, creates: {} };
   for (const s of sbs) prev.sb[s.id] = num(s.cpuUsec);
-  for (const n of nodes) prev.node[n.name] = num(n.cpuUsec);
+  for (const n of nodes) if ((n.state || "up") === "up") { prev.node[n.name] = num(n.cpuUsec); prev.creates[n.name] = num(n.createsTotal); }
 }
 
 function push(a, v) { a.push(v); if (a.length > HISTORY) a.shift(); }
@@ -200,10 +210,29 @@ function push(a, v) { a.push(v); if (a.length > HISTORY) a.shift(); }
 function renderNodes(nodes, cpu) {
   const box = $("#nodes");
   box.replaceChildren();
+  const count = {};
+  for (const n of nodes) count[n.state || "up"] = (count[n.state || "up"] || 0) + 1;
+  $("#node-count").textContent = Object.keys(count).sort().map((k) => count[k] + " " + k).join(", ");
   if (!nodes.length) { box.appendChild(el("p", "Node figures need an admin key.", "muted")); return; }
+  const now = Date.now() / 1000;
   for (const n of nodes) {
-    const c = el("div", undefined, "card");
+    const state = n.state || "up";
+    const c = el("div", undefined, "card" + (state === "up" ? "" : " node-" + state));
+    c.dataset.node = n.name;
     c.appendChild(el("b", n.name));
+    c.appendChild(el("span", " " + state, "state-" + state));
+    if (n.heartbeatAt || n.url) {
+      const hb = n.heartbeatAt ? (state === "down" ? "lease ended " : "heartbeat ") + dur(now - Date.parse(n.heartbeatAt) / 1000) + " ago" : "";
+      c.appendChild(el("div", [hb, n.url || ""].filter(Boolean).join(" · "), "muted"));
+    }
+    if (state !== "up") {
+      // Not answering: what its last capacity report said.
+      c.appendChild(el("div", "Sandboxes " + num(n.sandboxes) + " at its last report · limits " + bytes(num(n.sandboxMemoryBytes)) +
+        (num(n.memoryLimitBytes) ? " of " + bytes(num(n.memoryLimitBytes)) : "") + ", " + (num(n.sandboxMillicpu) / 1000).toFixed(1) +
+        (num(n.millicpuLimit) ? " of " + (num(n.millicpuLimit) / 1000).toFixed(1) : "") + " CPUs"));
+      box.appendChild(c);
+      continue;
+    }
     const total = num(n.memoryTotalBytes), used = total - num(n.memoryAvailableBytes);
     const lines = [
       ["CPUs " + n.cpus + " · load " + [n.load1, n.load5, n.load15].map((x) => num(x).toFixed(2)).join(" ") +
@@ -251,6 +280,9 @@ function chart(canvas, lines, colors, fmt) {
 }
 
 function renderSandboxes(sbs, cpuPct, now) {
+  const fNode = $("#f-node").value;
+  const nsel = $("#f-node");
+  for (const n of new Set(sbs.map((s) => s.node).filter(Boolean))) if (![...nsel.options].some((o) => o.value === n)) nsel.appendChild(new Option(n, n));
   const fState = $("#f-state").value, fBackend = $("#f-backend").value, fTenant = $("#f-tenant").value.trim(), fAge = Number($("#f-age").value || 0);
   const backends = new Set(sbs.map((s) => s.backend));
   const sel = $("#f-backend");
@@ -261,6 +293,7 @@ function renderSandboxes(sbs, cpuPct, now) {
   for (const s of sbs) {
     const age = now - Date.parse(s.createdAt) / 1000;
     if (fState && s.state !== fState) continue;
+    if (fNode && s.node !== fNode) continue;
     if (fBackend && s.backend !== fBackend) continue;
     if (fTenant && !(s.tenant || "").includes(fTenant)) continue;
     if (fAge < 0 && age >= -fAge) continue;
@@ -268,9 +301,9 @@ function renderSandboxes(sbs, cpuPct, now) {
     shown++;
     const mem = num(s.memoryBytes);
     const tr = row([
-      s.id, { t: s.state, cls: "state-" + s.state }, s.backend, s.tenant || "-", { t: dur(age), cls: "num" },
+      s.id, s.node || "-", { t: s.state, cls: "state-" + s.state }, s.backend || "-", s.tenant || "-", { t: dur(age), cls: "num" },
       { t: cpuPct[s.id] !== undefined ? cpuPct[s.id].toFixed(1) + "%" : "", cls: "num" },
-      { t: (mem >= 0 ? bytes(mem) : "?") + " / " + bytes(num(s.memoryLimitBytes)), cls: "num" },
+      { t: (mem >= 0 ? bytes(mem) : "?") + " / " + (num(s.memoryLimitBytes) ? bytes(num(s.memoryLimitBytes)) : "?"), cls: "num" },
       { t: s.commandsRunning ? "busy" : dur(num(s.idleMs) / 1000), cls: "num" },
       { t: String(s.commandsRunning || 0), cls: "num" },
     ]);
@@ -415,7 +448,7 @@ $("#login-form").addEventListener("submit", login);
 $("#logout").addEventListener("click", logout);
 $("#d-terminal").addEventListener("click", openTerminal);
 $("#d-close").addEventListener("click", () => { closeTerminal(); selected = ""; $("#detail").hidden = true; });
-for (const id of ["#f-state", "#f-backend", "#f-age"]) $(id).addEventListener("change", () => prev && poll0());
+for (const id of ["#f-state", "#f-node", "#f-backend", "#f-age"]) $(id).addEventListener("change", () => prev && poll0());
 $("#f-tenant").addEventListener("input", () => prev && poll0());
 function poll0() { clearTimeout(pollTimer); poll(); }
 setInterval(() => { if (token && !$("#main-view").hidden) layers(); }, 15000);

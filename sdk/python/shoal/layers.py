@@ -470,15 +470,51 @@ def tag(source: str, target: str, api_key: Optional[str] = None, url: Optional[s
     return TagResult.from_json(_t(api_key, url).call("LayerService", "TagLayer", body, idempotent=True, request_timeout=request_timeout))
 
 
-def push(ref: str, store: Optional[str] = None, api_key: Optional[str] = None, url: Optional[str] = None, request_timeout: Optional[float] = None) -> PushResult:
+def push(
+    ref: str,
+    store: Optional[str] = None,
+    api_key: Optional[str] = None,
+    url: Optional[str] = None,
+    request_timeout: Optional[float] = None,
+    on_progress: Optional[ProgressCallback] = None,
+) -> PushResult:
     """Copy a layer of the server to its layer store (``shoal serve
     --layer-store URL``): the image and its chunk list unless the store has
-    them, then the tag. ``store``, if given, must be that store's URL."""
+    them, then the tag. ``store``, if given, must be that store's URL.
+
+    :param on_progress: called with each :class:`BuildProgress` the server
+        streams: a line per stage (``"upload"``, ``"chunks"``, ``"done"``)
+        and byte counts (``done``/``total``) in between, the last of a
+        stage equal to its total.
+    """
+    body = _push_body(ref, store)
+    t = _t(api_key, url)
+    if on_progress is None:
+        return PushResult.from_json(t.call("LayerService", "PushLayer", body, idempotent=True, request_timeout=_long(request_timeout, t)))
+    result: Optional[PushResult] = None
+    stream = t.stream("LayerService", "PushLayerProgress", body, idempotent=True, request_timeout=_long(request_timeout, t))
+    try:
+        for msg in stream:  # to its end, as _receive
+            if "result" in msg:
+                result = PushResult.from_json(msg["result"] or {})
+                continue
+            p = BuildProgress.from_json(msg)
+            if p is not None:
+                on_progress(p)
+    finally:
+        close = getattr(stream, "close", None)
+        if close is not None:
+            close()
+    if result is None:
+        raise _no_layer("PushLayerProgress")
+    return result
+
+
+def _push_body(ref: str, store: Optional[str]) -> Dict[str, Any]:
     body: Dict[str, Any] = {"ref": _ref(ref)}
     if store:
         body["store"] = store
-    t = _t(api_key, url)
-    return PushResult.from_json(t.call("LayerService", "PushLayer", body, idempotent=True, request_timeout=_long(request_timeout, t)))
+    return body
 
 
 def pull(ref: str, api_key: Optional[str] = None, url: Optional[str] = None, request_timeout: Optional[float] = None) -> Layer:
@@ -698,13 +734,36 @@ async def atag(source: str, target: str, api_key: Optional[str] = None, url: Opt
     return TagResult.from_json(await _at(api_key, url).call("LayerService", "TagLayer", body, idempotent=True, request_timeout=request_timeout))
 
 
-async def apush(ref: str, store: Optional[str] = None, api_key: Optional[str] = None, url: Optional[str] = None, request_timeout: Optional[float] = None) -> PushResult:
-    """:func:`push` for asyncio."""
-    body: Dict[str, Any] = {"ref": _ref(ref)}
-    if store:
-        body["store"] = store
+async def apush(
+    ref: str,
+    store: Optional[str] = None,
+    api_key: Optional[str] = None,
+    url: Optional[str] = None,
+    request_timeout: Optional[float] = None,
+    on_progress: Optional[Callable[[BuildProgress], Union[Any, Awaitable[Any]]]] = None,
+) -> PushResult:
+    """:func:`push` for asyncio (``on_progress`` may be a coroutine function)."""
+    body = _push_body(ref, store)
     t = _at(api_key, url)
-    return PushResult.from_json(await t.call("LayerService", "PushLayer", body, idempotent=True, request_timeout=_long(request_timeout, t)))
+    if on_progress is None:
+        return PushResult.from_json(await t.call("LayerService", "PushLayer", body, idempotent=True, request_timeout=_long(request_timeout, t)))
+    result: Optional[PushResult] = None
+    stream = t.stream("LayerService", "PushLayerProgress", body, idempotent=True, request_timeout=_long(request_timeout, t))
+    try:
+        async for msg in stream:
+            if "result" in msg:
+                result = PushResult.from_json(msg["result"] or {})
+                continue
+            p = BuildProgress.from_json(msg)
+            if p is not None:
+                await _call_back(on_progress, p)
+    finally:
+        aclose = getattr(stream, "aclose", None)
+        if aclose is not None:
+            await aclose()
+    if result is None:
+        raise _no_layer("PushLayerProgress")
+    return result
 
 
 async def apull(ref: str, api_key: Optional[str] = None, url: Optional[str] = None, request_timeout: Optional[float] = None) -> Layer:

@@ -541,7 +541,8 @@ class BuildProgress:
     ``"scanning /src"``), or a status update for a progress bar
     (``message`` empty): ``done`` of ``total`` ``unit`` (``"bytes"``,
     ``"files"``, ``"layers"``) in ``stage`` (``"extract"``, ``"unpack"``,
-    ``"copy"``, ``"scan"``, ``"mkfs"``, ``"hash"``, ``"done"``).
+    ``"copy"``, ``"scan"``, ``"mkfs"``, ``"hash"``, ``"done"``; a push's
+    ``"upload"`` and ``"chunks"``).
     """
 
     message: str = ""
@@ -557,7 +558,7 @@ class BuildProgress:
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> Optional["BuildProgress"]:
-        """The progress in one BuildLayerResponse, or None (the final layer)."""
+        """The progress in one BuildLayerResponse or PushLayerEvent, or None (the final layer or result)."""
         if "progress" in d:
             return cls(message=d.get("progress") or "")
         st = d.get("status")

@@ -10,7 +10,8 @@ CPU time and idle time, as ``shoal top`` and the dashboard show them.
     print(monitor.cpu_percent(st, st2))   # {sandbox_id: percent of one core}
 
 A tenant's key gets its own sandboxes and no node figures (``nodes`` is
-empty). CPU figures are cumulative; ``cpu_percent`` turns two samples into
+empty). Through a cluster's control replica, ``nodes`` are every node (with
+``state`` and ``heartbeat_at``) and each sandbox names its ``node``. CPU figures are cumulative; ``cpu_percent`` turns two samples into
 rates. ``astatus`` is the asyncio form.
 """
 
@@ -49,6 +50,12 @@ class NodeStatus:
     sandboxes: int
     creates_total: int  # successful creates since serve started
     cpu_usec: int  # the host's busy CPU time since boot
+    # "up"; through a cluster's control replica also "unreachable" (registered,
+    # not answering) and "down" (its lease ended): then the figures are those of
+    # its last capacity report.
+    state: str = "up"
+    heartbeat_at: Optional[datetime] = None  # in a cluster: its last report to etcd
+    url: str = ""  # in a cluster: its API's URL
 
     @classmethod
     def from_json(cls, d: Dict[str, Any]) -> "NodeStatus":
@@ -56,7 +63,8 @@ class NodeStatus:
                    load=[float(d.get(k) or 0) for k in ("load1", "load5", "load15")],
                    memory_total_bytes=_i(d, "memoryTotalBytes"), memory_available_bytes=_i(d, "memoryAvailableBytes"),
                    sandbox_memory_bytes=_i(d, "sandboxMemoryBytes"), sandbox_millicpu=_i(d, "sandboxMillicpu"),
-                   sandboxes=_i(d, "sandboxes"), creates_total=_i(d, "createsTotal"), cpu_usec=_i(d, "cpuUsec"))
+                   sandboxes=_i(d, "sandboxes"), creates_total=_i(d, "createsTotal"), cpu_usec=_i(d, "cpuUsec"),
+                   state=d.get("state") or "up", heartbeat_at=_time(d.get("heartbeatAt")), url=d.get("url", ""))
 
 
 @dataclass
@@ -72,13 +80,14 @@ class SandboxUsage:
     cpu_usec: int  # CPU time used since it started; -1 unknown
     idle_seconds: float
     commands_running: int
+    node: str = ""  # the node it is on (a NodeStatus name); state "lost" when that node is down
 
     @classmethod
     def from_json(cls, d: Dict[str, Any]) -> "SandboxUsage":
         return cls(sandbox_id=d.get("id", ""), state=d.get("state", ""), backend=d.get("backend", ""), tenant=d.get("tenant", ""),
                    created_at=_time(d.get("createdAt")), memory_limit_bytes=_i(d, "memoryLimitBytes"), millicpu=_i(d, "millicpu"),
                    memory_bytes=_i(d, "memoryBytes"), cpu_usec=_i(d, "cpuUsec"), idle_seconds=_i(d, "idleMs") / 1000,
-                   commands_running=int(d.get("commandsRunning") or 0))
+                   commands_running=int(d.get("commandsRunning") or 0), node=d.get("node", ""))
 
 
 @dataclass

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from typing import List, Tuple
 
+import httpx
 import pytest
 
 import shoal
@@ -25,10 +26,13 @@ def sh(server) -> str:
     return "sh"
 
 
-def test_plain_run(sh) -> None:
+def test_plain_run(sh, server) -> None:
     r = fncall.run(language=sh, code="read x; echo $((x * 2)); echo note >&2", stdin="21\n")
     assert r.ok and r.verdict == "OK" and r.stdout == "42\n" and r.stderr == "note\n"
     assert r.tests[0].exit_code == 0 and r.tests[0].wall_ms > 0 and r.total_ms > 0
+    # Counted on /metrics by language and verdict, with its latency.
+    m = httpx.get(server.url + "/metrics", headers={"Authorization": "Bearer " + server.api_key}, timeout=30).text
+    assert 'shoal_fncall_runs_total{language="sh",verdict="OK"}' in m and 'shoal_fncall_run_seconds_count{language="sh"}' in m
 
 
 def test_tests_and_verdicts(sh) -> None:

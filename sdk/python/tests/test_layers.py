@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 import os
 import shutil
+import subprocess
 import tempfile
 from typing import Dict, Iterator, List
 
@@ -334,9 +336,23 @@ def test_push_pull_layer_store(server, src) -> None:
     removed from the node still runs (mounted from the store), and pull
     brings it back whole."""
     l = layers.build("workspace", "sdk-store:1", src)
-    pushed = layers.push("sdk-store:1")
+    events: list = []
+    pushed = layers.push("sdk-store:1", on_progress=events.append)
     assert pushed.store.startswith("file://") and pushed.uploaded_bytes == l.size and pushed.layer.digest == l.digest
+    # Streamed from the server: a line per stage, byte counts ending at the image's size.
+    lines = [e.message for e in events if e.message]
+    assert len(lines) == 3 and lines[0].startswith("uploading sdk-store:1") and lines[1].startswith("chunk list") and lines[2].startswith("pushed sdk-store:1"), lines
+    uploads = [e for e in events if not e.message and e.stage == "upload"]
+    assert uploads and uploads[-1].done == uploads[-1].total == l.size and uploads[-1].unit == "bytes", events
+    assert [e.done for e in uploads] == sorted(e.done for e in uploads)
     assert layers.push("sdk-store:1").uploaded_bytes == 0  # the store has it
+    again: list = []
+    assert asyncio.run(layers.apush("sdk-store:1", on_progress=again.append)).uploaded_bytes == 0
+    assert "already" in again[0].message and again[-1].message.startswith("pushed"), again
+    # The CLI, its stderr not a terminal: the stage lines, the result as JSON on stdout.
+    cli = subprocess.run([os.path.join(server.bin_dir, "shoal"), "layer", "push", "sdk-store:1"], capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, SHOAL_URL=server.url, SHOAL_API_KEY=server.api_key))
+    assert cli.returncode == 0 and json.loads(cli.stdout)["layer"]["digest"] == l.digest and "has the image of sdk-store:1 already" in cli.stderr, cli
     with pytest.raises(shoal.InvalidArgument):
         layers.push("sdk-store:1", store="s3://elsewhere/x")
 

@@ -19,6 +19,7 @@ def test_status(server, container_sb) -> None:
         assert len(first.nodes) == 1 and first.nodes[0].cpus >= 1 and first.nodes[0].memory_total_bytes > 0
         mine = [s for s in first.sandboxes if s.sandbox_id == container_sb.sandbox_id]
         assert mine and mine[0].state == "running" and mine[0].memory_bytes > 0 and mine[0].commands_running == 1
+        assert first.nodes[0].state == "up" and mine[0].node == first.nodes[0].name
         deadline = time.monotonic() + 60
         while True:  # CPU time shows once the loop is scheduled (a loaded host: a few samples)
             time.sleep(0.5)

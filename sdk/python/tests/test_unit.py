@@ -522,3 +522,19 @@ def test_layer_requests(monkeypatch: pytest.MonkeyPatch) -> None:
         cpus=None, memory=None, timeout=None, metadata=None, envs=None, qos=None, client_key=None,
     )  # fmt: skip
     assert body == {"template": "tmpl", "base": "w@sha256:ab", "workspaces": ["x:1", "w@sha256:ab"]}
+
+
+def test_monitor_status_of_a_cluster() -> None:
+    from shoal import monitor
+
+    st = monitor.Status.from_json({
+        "time": "2026-12-01T10:00:00Z",
+        "nodes": [{"name": "n1", "state": "up", "heartbeatAt": "2026-12-01T09:59:58.5Z", "url": "http://10.0.0.1:7480", "cpus": 2},
+                  {"name": "n2", "state": "down", "sandboxes": "3"}, {"name": "single"}],
+        "sandboxes": [{"id": "a", "node": "n1", "state": "running"}, {"id": "b", "node": "n2", "state": "lost", "memoryBytes": "-1"}],
+    })
+    n1, n2, single = st.nodes
+    assert n1.state == "up" and n1.heartbeat_at is not None and n1.heartbeat_at.second == 58 and n1.url.endswith(":7480")
+    assert n2.state == "down" and n2.sandboxes == 3 and n2.heartbeat_at is None
+    assert single.state == "up"  # a server older than the field
+    assert [(s.sandbox_id, s.node, s.state, s.memory_bytes) for s in st.sandboxes] == [("a", "n1", "running", 0), ("b", "n2", "lost", -1)]

@@ -65,6 +65,9 @@ const (
 	LayerServiceGarbageCollectLayersProcedure = "/shoal.v1.LayerService/GarbageCollectLayers"
 	// LayerServicePushLayerProcedure is the fully-qualified name of the LayerService's PushLayer RPC.
 	LayerServicePushLayerProcedure = "/shoal.v1.LayerService/PushLayer"
+	// LayerServicePushLayerProgressProcedure is the fully-qualified name of the LayerService's
+	// PushLayerProgress RPC.
+	LayerServicePushLayerProgressProcedure = "/shoal.v1.LayerService/PushLayerProgress"
 	// LayerServicePullLayerProcedure is the fully-qualified name of the LayerService's PullLayer RPC.
 	LayerServicePullLayerProcedure = "/shoal.v1.LayerService/PullLayer"
 	// LayerServiceCreateEnvironmentProcedure is the fully-qualified name of the LayerService's
@@ -110,6 +113,12 @@ type LayerServiceClient interface {
 	// (shoal serve --layer-store URL): its image and chunk digest list unless
 	// the store has them, its metadata, then its tag.
 	PushLayer(context.Context, *connect.Request[v1.PushLayerRequest]) (*connect.Response[v1.PushLayerResponse], error)
+	// PushLayerProgress is PushLayer streaming its progress: a line at each
+	// stage ("upload": the image's bytes sent to the store; "chunks": the
+	// image read again for its chunk digest list), status updates in between
+	// (done/total bytes, at most every 100 ms, and one at the end of each
+	// stage), then the result as the last event.
+	PushLayerProgress(context.Context, *connect.Request[v1.PushLayerRequest]) (*connect.ServerStreamForClient[v1.PushLayerEvent], error)
 	// PullLayer copies a layer from the layer store to this node, whole
 	// (its digest checked), and tags it here. A node with a store does not
 	// need it to run a layer: it resolves references it does not hold from
@@ -180,6 +189,12 @@ func NewLayerServiceClient(httpClient connect.HTTPClient, baseURL string, opts .
 			connect.WithSchema(layerServiceMethods.ByName("PushLayer")),
 			connect.WithClientOptions(opts...),
 		),
+		pushLayerProgress: connect.NewClient[v1.PushLayerRequest, v1.PushLayerEvent](
+			httpClient,
+			baseURL+LayerServicePushLayerProgressProcedure,
+			connect.WithSchema(layerServiceMethods.ByName("PushLayerProgress")),
+			connect.WithClientOptions(opts...),
+		),
 		pullLayer: connect.NewClient[v1.PullLayerRequest, v1.Layer](
 			httpClient,
 			baseURL+LayerServicePullLayerProcedure,
@@ -223,6 +238,7 @@ type layerServiceClient struct {
 	deleteLayer          *connect.Client[v1.DeleteLayerRequest, v1.DeleteLayerResponse]
 	garbageCollectLayers *connect.Client[v1.GarbageCollectLayersRequest, v1.GarbageCollectLayersResponse]
 	pushLayer            *connect.Client[v1.PushLayerRequest, v1.PushLayerResponse]
+	pushLayerProgress    *connect.Client[v1.PushLayerRequest, v1.PushLayerEvent]
 	pullLayer            *connect.Client[v1.PullLayerRequest, v1.Layer]
 	createEnvironment    *connect.Client[v1.CreateEnvironmentRequest, v1.Environment]
 	getEnvironment       *connect.Client[v1.GetEnvironmentRequest, v1.Environment]
@@ -268,6 +284,11 @@ func (c *layerServiceClient) GarbageCollectLayers(ctx context.Context, req *conn
 // PushLayer calls shoal.v1.LayerService.PushLayer.
 func (c *layerServiceClient) PushLayer(ctx context.Context, req *connect.Request[v1.PushLayerRequest]) (*connect.Response[v1.PushLayerResponse], error) {
 	return c.pushLayer.CallUnary(ctx, req)
+}
+
+// PushLayerProgress calls shoal.v1.LayerService.PushLayerProgress.
+func (c *layerServiceClient) PushLayerProgress(ctx context.Context, req *connect.Request[v1.PushLayerRequest]) (*connect.ServerStreamForClient[v1.PushLayerEvent], error) {
+	return c.pushLayerProgress.CallServerStream(ctx, req)
 }
 
 // PullLayer calls shoal.v1.LayerService.PullLayer.
@@ -324,6 +345,12 @@ type LayerServiceHandler interface {
 	// (shoal serve --layer-store URL): its image and chunk digest list unless
 	// the store has them, its metadata, then its tag.
 	PushLayer(context.Context, *connect.Request[v1.PushLayerRequest]) (*connect.Response[v1.PushLayerResponse], error)
+	// PushLayerProgress is PushLayer streaming its progress: a line at each
+	// stage ("upload": the image's bytes sent to the store; "chunks": the
+	// image read again for its chunk digest list), status updates in between
+	// (done/total bytes, at most every 100 ms, and one at the end of each
+	// stage), then the result as the last event.
+	PushLayerProgress(context.Context, *connect.Request[v1.PushLayerRequest], *connect.ServerStream[v1.PushLayerEvent]) error
 	// PullLayer copies a layer from the layer store to this node, whole
 	// (its digest checked), and tags it here. A node with a store does not
 	// need it to run a layer: it resolves references it does not hold from
@@ -390,6 +417,12 @@ func NewLayerServiceHandler(svc LayerServiceHandler, opts ...connect.HandlerOpti
 		connect.WithSchema(layerServiceMethods.ByName("PushLayer")),
 		connect.WithHandlerOptions(opts...),
 	)
+	layerServicePushLayerProgressHandler := connect.NewServerStreamHandler(
+		LayerServicePushLayerProgressProcedure,
+		svc.PushLayerProgress,
+		connect.WithSchema(layerServiceMethods.ByName("PushLayerProgress")),
+		connect.WithHandlerOptions(opts...),
+	)
 	layerServicePullLayerHandler := connect.NewUnaryHandler(
 		LayerServicePullLayerProcedure,
 		svc.PullLayer,
@@ -438,6 +471,8 @@ func NewLayerServiceHandler(svc LayerServiceHandler, opts ...connect.HandlerOpti
 			layerServiceGarbageCollectLayersHandler.ServeHTTP(w, r)
 		case LayerServicePushLayerProcedure:
 			layerServicePushLayerHandler.ServeHTTP(w, r)
+		case LayerServicePushLayerProgressProcedure:
+			layerServicePushLayerProgressHandler.ServeHTTP(w, r)
 		case LayerServicePullLayerProcedure:
 			layerServicePullLayerHandler.ServeHTTP(w, r)
 		case LayerServiceCreateEnvironmentProcedure:
@@ -487,6 +522,10 @@ func (UnimplementedLayerServiceHandler) GarbageCollectLayers(context.Context, *c
 
 func (UnimplementedLayerServiceHandler) PushLayer(context.Context, *connect.Request[v1.PushLayerRequest]) (*connect.Response[v1.PushLayerResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("shoal.v1.LayerService.PushLayer is not implemented"))
+}
+
+func (UnimplementedLayerServiceHandler) PushLayerProgress(context.Context, *connect.Request[v1.PushLayerRequest], *connect.ServerStream[v1.PushLayerEvent]) error {
+	return connect.NewError(connect.CodeUnimplemented, errors.New("shoal.v1.LayerService.PushLayerProgress is not implemented"))
 }
 
 func (UnimplementedLayerServiceHandler) PullLayer(context.Context, *connect.Request[v1.PullLayerRequest]) (*connect.Response[v1.Layer], error) {
