@@ -281,7 +281,7 @@ def _long(request_timeout: Optional[float], t: Any) -> float:
 
 
 def _no_layer(what: str) -> ServerError:
-    return ServerError(f"{what} stream ended without the layer")
+    return ServerError(f"{what} stream ended without its result")
 
 
 def _is_path(src: Any) -> bool:
@@ -339,14 +339,15 @@ def _t(api_key: Optional[str], url: Optional[str]) -> Any:
     return transport_for(api_key=api_key, url=url)
 
 
-def _receive(stream: Iterator[Dict[str, Any]], on_progress: Optional[ProgressCallback], what: str) -> Layer:
-    # Read to the end of the stream (the layer is the last event), so the
-    # connection goes back to the pool and a trailing error is not lost.
-    layer: Optional[Layer] = None
+def _receive(stream: Iterator[Dict[str, Any]], on_progress: Optional[ProgressCallback], what: str, key: str = "layer", parse: Callable[[Dict[str, Any]], Any] = Layer.from_json) -> Any:
+    # Read to the end of the stream (the result, msg[key], is the last
+    # event), so the connection goes back to the pool and a trailing error
+    # is not lost.
+    layer: Any = None
     try:
         for msg in stream:
-            if "layer" in msg:
-                layer = Layer.from_json(msg["layer"] or {})
+            if key in msg:
+                layer = parse(msg[key] or {})
                 continue
             p = BuildProgress.from_json(msg)
             if p is not None and on_progress is not None:
@@ -491,23 +492,8 @@ def push(
     t = _t(api_key, url)
     if on_progress is None:
         return PushResult.from_json(t.call("LayerService", "PushLayer", body, idempotent=True, request_timeout=_long(request_timeout, t)))
-    result: Optional[PushResult] = None
     stream = t.stream("LayerService", "PushLayerProgress", body, idempotent=True, request_timeout=_long(request_timeout, t))
-    try:
-        for msg in stream:  # to its end, as _receive
-            if "result" in msg:
-                result = PushResult.from_json(msg["result"] or {})
-                continue
-            p = BuildProgress.from_json(msg)
-            if p is not None:
-                on_progress(p)
-    finally:
-        close = getattr(stream, "close", None)
-        if close is not None:
-            close()
-    if result is None:
-        raise _no_layer("PushLayerProgress")
-    return result
+    return _receive(stream, on_progress, "PushLayerProgress", "result", PushResult.from_json)
 
 
 def _push_body(ref: str, store: Optional[str]) -> Dict[str, Any]:
@@ -607,12 +593,18 @@ async def _call_back(cb: Optional[Callable[[Any], Any]], arg: Any) -> None:
             await x
 
 
-async def _areceive(stream: AsyncIterator[Dict[str, Any]], on_progress: Optional[Callable[[BuildProgress], Union[Any, Awaitable[Any]]]], what: str) -> Layer:
-    layer: Optional[Layer] = None
+async def _areceive(
+    stream: AsyncIterator[Dict[str, Any]],
+    on_progress: Optional[Callable[[BuildProgress], Union[Any, Awaitable[Any]]]],
+    what: str,
+    key: str = "layer",
+    parse: Callable[[Dict[str, Any]], Any] = Layer.from_json,
+) -> Any:
+    layer: Any = None
     try:
         async for msg in stream:  # to its end, as _receive
-            if "layer" in msg:
-                layer = Layer.from_json(msg["layer"] or {})
+            if key in msg:
+                layer = parse(msg[key] or {})
                 continue
             p = BuildProgress.from_json(msg)
             if p is not None:
@@ -747,23 +739,8 @@ async def apush(
     t = _at(api_key, url)
     if on_progress is None:
         return PushResult.from_json(await t.call("LayerService", "PushLayer", body, idempotent=True, request_timeout=_long(request_timeout, t)))
-    result: Optional[PushResult] = None
     stream = t.stream("LayerService", "PushLayerProgress", body, idempotent=True, request_timeout=_long(request_timeout, t))
-    try:
-        async for msg in stream:
-            if "result" in msg:
-                result = PushResult.from_json(msg["result"] or {})
-                continue
-            p = BuildProgress.from_json(msg)
-            if p is not None:
-                await _call_back(on_progress, p)
-    finally:
-        aclose = getattr(stream, "aclose", None)
-        if aclose is not None:
-            await aclose()
-    if result is None:
-        raise _no_layer("PushLayerProgress")
-    return result
+    return await _areceive(stream, on_progress, "PushLayerProgress", "result", PushResult.from_json)
 
 
 async def apull(ref: str, api_key: Optional[str] = None, url: Optional[str] = None, request_timeout: Optional[float] = None) -> Layer:
