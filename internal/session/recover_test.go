@@ -78,3 +78,53 @@ func TestRecoverDoesNotWaitForAgents(t *testing.T) {
 		t.Errorf("command %s after Recover, want running (its pump waits for the agent)", st)
 	}
 }
+
+// TestOrphanSearchSparesNewCommands: after a restart, the search for
+// commands the node never recorded must not take a command started since
+// for one. The sandbox is paused at the restart (its agent does not
+// answer), a request resumes it and starts a command, and the search that
+// follows must leave that command running (it killed it: "command lost",
+// seen in TestPauseResume under load).
+func TestOrphanSearchSparesNewCommands(t *testing.T) {
+	e := newEnv(t)
+	p := e.sb.add("sb1")
+	m := e.manager(Config{})
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	old, _, err := m.Start(ctx, "sb1", StartRequest{Args: []string{"cat"}, StdinOpen: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	m.Close()
+
+	// The restart, with the sandbox paused: its agent does not answer.
+	e.sb.setPaused("sb1", true)
+	p.setRefuse(true)
+	m2 := e.manager(Config{})
+	if err := m2.Recover(ctx); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(200 * time.Millisecond) // the search's first try, refused
+	// A request resumes it and starts a command.
+	e.sb.setPaused("sb1", false)
+	p.setRefuse(false)
+	fresh, _, err := m2.Start(ctx, "sb1", StartRequest{Args: []string{"cat"}, StdinOpen: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 30*time.Second, "the orphan search to end", func() bool { return !m2.orphanSearchPending("sb1") })
+	for _, c := range []*Command{fresh, old} {
+		c, err := m2.Get("sb1", c.rec.ID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := m2.SendStdin(ctx, c, []byte("still here\n"), true); err != nil {
+			t.Fatalf("stdin of %s: %v", c.rec.ID, err)
+		}
+		in, err := m2.Wait(ctx, c)
+		if err != nil || in.State != StateExited || in.Exit == nil || in.Exit.Code != 0 {
+			t.Fatalf("command %s after the orphan search: %+v %v, want exited 0 (it was taken for an orphan)", c.rec.ID, in, err)
+		}
+		waitSettled(t, p, c) // its end recorded: nothing of it runs on
+	}
+}

@@ -205,6 +205,11 @@ type Manager struct {
 
 	onPrune []func(sandboxID string, commandIDs []string) // set before serving
 
+	// orphans: after a restart, the sandboxes whose agents may hold
+	// commands the node never recorded, until reapOrphans has looked
+	// (guarded by mu; see orphanGate).
+	orphans map[string]*orphanGate
+
 	trajLocks keyedMutex // serializes the steps of one trajectory
 }
 
@@ -238,7 +243,8 @@ func New(cfg Config, db *bbolt.DB, sb Sandboxes, log *slog.Logger) (*Manager, er
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	m := &Manager{cfg: cfg, log: log, db: db, sb: sb, ctx: ctx, cancel: cancel,
-		cmds: map[string]*Command{}, shells: map[string]*Shell{}, ended: map[string]*endedList{}}
+		cmds: map[string]*Command{}, shells: map[string]*Shell{}, ended: map[string]*endedList{},
+		orphans: map[string]*orphanGate{}}
 	if err := m.shellsInit(); err != nil {
 		return nil, fmt.Errorf("open session store: %w", err)
 	}
@@ -437,6 +443,10 @@ func (m *Manager) start(ctx context.Context, sandboxID string, req StartRequest)
 		release()
 		return nil, fmt.Errorf("create command log: %w", err)
 	}
+	// While orphans are looked for in this sandbox (after a restart), a
+	// command started here must be registered before the next listing of
+	// the agent's commands, or it would be taken for one.
+	defer m.holdOrphanGate(sandboxID)()
 	sreq := agent.StartRequest{
 		ExecRequest: agent.ExecRequest{
 			Args: req.Args, Env: req.Env, Cwd: req.Cwd, Timeout: req.Timeout,
@@ -1112,7 +1122,7 @@ func (m *Manager) Recover(ctx context.Context) error {
 		}
 		return recs[i].Ended.Before(recs[j].Ended)
 	})
-	known := map[string]map[string]bool{} // sandbox → agent IDs we track
+	withRunning := map[string]bool{} // sandboxes whose agents hold commands we track
 	for _, r := range recs {
 		dir, err := m.sb.SandboxDir(r.SandboxID)
 		if err != nil {
@@ -1133,10 +1143,7 @@ func (m *Manager) Recover(ctx context.Context) error {
 			m.ended1(c)
 			continue
 		}
-		if known[r.SandboxID] == nil {
-			known[r.SandboxID] = map[string]bool{}
-		}
-		known[r.SandboxID][r.AgentID] = true
+		withRunning[r.SandboxID] = true
 		ag, err := m.sb.Client(r.SandboxID) // a paused sandbox stays paused
 		if err != nil {
 			m.finish(c, nil, "its sandbox is not running: "+err.Error())
@@ -1159,15 +1166,63 @@ func (m *Manager) Recover(ctx context.Context) error {
 	// Commands the agents hold that we never recorded (a crash between
 	// starting one and persisting it): kill them and let the agent forget.
 	// In the background: an agent that does not answer (stopped, traced,
-	// wedged) must not keep the node from serving.
-	for sandboxID, ids := range known {
+	// wedged, paused) must not keep the node from serving.
+	for sandboxID := range withRunning {
 		ag, err := m.sb.Client(sandboxID)
 		if err != nil {
 			continue
 		}
-		go m.reapOrphans(sandboxID, ag, ids)
+		g := &orphanGate{}
+		m.mu.Lock()
+		m.orphans[sandboxID] = g
+		m.mu.Unlock()
+		go m.reapOrphans(sandboxID, ag, g)
 	}
 	return nil
+}
+
+// orphanGate orders the search for orphan commands in one sandbox with the
+// commands started there meanwhile: a start holds mu from before it asks
+// the agent until the command is registered, and a search holds it from
+// its listing of the agent's commands until it has reaped what it found,
+// so a command just started is never taken for an orphan.
+type orphanGate struct {
+	mu sync.Mutex
+}
+
+// holdOrphanGate holds the sandbox's orphan gate, if a search is pending,
+// and returns what releases it.
+func (m *Manager) holdOrphanGate(sandboxID string) func() {
+	m.mu.Lock()
+	g := m.orphans[sandboxID]
+	m.mu.Unlock()
+	if g == nil {
+		return func() {}
+	}
+	g.mu.Lock()
+	return g.mu.Unlock
+}
+
+// tracked reports whether a command the agent of a sandbox holds is one
+// the session layer knows (recovered, or started since).
+func (m *Manager) tracked(sandboxID, agentID string) bool {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	prefix := sandboxID + "/"
+	for k, c := range m.cmds {
+		if strings.HasPrefix(k, prefix) && c.rec.AgentID == agentID {
+			return true
+		}
+	}
+	return false
+}
+
+// orphanSearchPending reports whether orphans are still to be looked for
+// in a sandbox (tests).
+func (m *Manager) orphanSearchPending(sandboxID string) bool {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.orphans[sandboxID] != nil
 }
 
 // Bounds of the calls reapOrphans makes to an agent.
@@ -1178,25 +1233,43 @@ const (
 )
 
 // reapOrphans kills and drains the commands the agent of a sandbox holds
-// but the session layer never recorded (ids: those it did). Every call is
-// bounded; an agent that does not answer is asked again, less and less
-// often, until it does, the sandbox is gone, or Close.
-func (m *Manager) reapOrphans(sandboxID string, ag *agent.Client, ids map[string]bool) {
+// but the session layer never recorded. Every call is bounded; an agent
+// that does not answer is asked again, less and less often, until it does,
+// the sandbox is gone, or Close. While the sandbox is paused its agent is
+// not asked (it cannot answer); commands started after its resume are
+// registered before the next listing (orphanGate).
+func (m *Manager) reapOrphans(sandboxID string, ag *agent.Client, g *orphanGate) {
+	defer func() {
+		m.mu.Lock()
+		if m.orphans[sandboxID] == g {
+			delete(m.orphans, sandboxID)
+		}
+		m.mu.Unlock()
+	}()
 	delay := time.Second
 	for {
 		if _, err := m.sb.SandboxDir(sandboxID); err != nil {
 			return // the sandbox is gone
 		}
-		ctx, cancel := context.WithTimeout(m.ctx, orphanListTimeout)
-		infos, err := ag.Commands(ctx)
-		cancel()
-		if err == nil {
-			for _, in := range infos {
-				if !ids[in.ID] {
-					m.reapOrphan(ag, in)
+		err := errors.New("the sandbox is paused")
+		if !m.sb.Paused(sandboxID) {
+			g.mu.Lock()
+			ctx, cancel := context.WithTimeout(m.ctx, orphanListTimeout)
+			var infos []agent.CommandInfo
+			infos, err = ag.Commands(ctx)
+			cancel()
+			if err == nil {
+				for _, in := range infos {
+					if !m.tracked(sandboxID, in.ID) {
+						m.log.Warn("killing a command the node never recorded", "sandbox_id", sandboxID, "agent_command", in.ID, "pid", in.Pid)
+						m.reapOrphan(ag, in)
+					}
 				}
 			}
-			return
+			g.mu.Unlock()
+			if err == nil {
+				return
+			}
 		}
 		m.log.Debug("list a sandbox's commands after the restart", "sandbox_id", sandboxID, "err", err, "retry_in", delay)
 		select {

@@ -57,6 +57,14 @@ type proxy struct {
 	conns  []*proxyConn
 	added  chan struct{} // closed and replaced when a connection arrives
 	closed bool
+	refuse bool // close new connections at once (an agent that does not answer)
+}
+
+// setRefuse makes the proxy close new connections at once, or not.
+func (p *proxy) setRefuse(on bool) {
+	p.mu.Lock()
+	p.refuse = on
+	p.mu.Unlock()
 }
 
 type proxyConn struct {
@@ -81,6 +89,13 @@ func startProxy(t *testing.T, target string) *proxy {
 			c, err := p.l.Accept()
 			if err != nil {
 				return
+			}
+			p.mu.Lock()
+			refuse := p.refuse
+			p.mu.Unlock()
+			if refuse {
+				c.Close()
+				continue
 			}
 			s, err := net.Dial("unix", target)
 			if err != nil {
@@ -157,6 +172,7 @@ type fakeSandboxes struct {
 	mu        sync.Mutex
 	proxies   map[string]*proxy
 	deleting  map[string]bool
+	paused    map[string]bool
 	onRelease func(sandboxID string) // called by a Hold's release
 }
 
@@ -205,7 +221,17 @@ func (f *fakeSandboxes) Hold(id string) (func(), error) {
 }
 
 func (f *fakeSandboxes) Client(id string) (*agent.Client, error) { return f.Agent(id) }
-func (f *fakeSandboxes) Paused(id string) bool                   { return false }
+func (f *fakeSandboxes) Paused(id string) bool {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.paused[id]
+}
+
+func (f *fakeSandboxes) setPaused(id string, on bool) {
+	f.mu.Lock()
+	f.paused[id] = on
+	f.mu.Unlock()
+}
 
 func (f *fakeSandboxes) Deleting(id string) bool {
 	f.mu.Lock()
@@ -245,7 +271,7 @@ func newEnv(t *testing.T) *env {
 	}
 	t.Cleanup(func() { db.Close() })
 	db.MaxBatchDelay = time.Millisecond
-	return &env{t: t, db: db, sb: &fakeSandboxes{t: t, dir: dir, proxies: map[string]*proxy{}, deleting: map[string]bool{}}}
+	return &env{t: t, db: db, sb: &fakeSandboxes{t: t, dir: dir, proxies: map[string]*proxy{}, deleting: map[string]bool{}, paused: map[string]bool{}}}
 }
 
 func (e *env) manager(cfg Config) *Manager {
