@@ -24,12 +24,14 @@ func envCmd() *cobra.Command {
 func envCreateCmd() *cobra.Command {
 	var req pb.CreateEnvironmentRequest
 	cmd := &cobra.Command{
-		Use:   "create NAME --base REF [--workspace REF]... [--toolkit REF]... [--replace]",
+		Use:   "create NAME --base REF [--workspace REF]... [--toolkit REF]... [--backend B] [--replace]",
 		Short: "Save a stack of layers under a name",
 		Long: `Save a stack of layers under a name. The references are kept as given and
 resolved each time a sandbox is created from the environment: moving a tag
 (rebuilding toolkit pytest:8, say) upgrades every later sandbox, while
-running ones keep the layers they were created on.`,
+running ones keep the layers they were created on. --backend makes the
+sandboxes created from it (and E2B sandboxes of this template) run on that
+backend unless their create names one (microvm, say).`,
 		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			c, err := client(cmd)
@@ -52,6 +54,7 @@ running ones keep the layers they were created on.`,
 	f.StringArrayVar(&req.Workspaces, "workspace", nil, "workspace layer ref (repeatable)")
 	f.StringArrayVar(&req.Toolkits, "toolkit", nil, "toolkit layer ref (repeatable)")
 	f.BoolVar(&req.Replace, "replace", false, "replace an environment of that name")
+	f.StringVar(&req.Backend, "backend", "", "backend of its sandboxes unless a create names one (default: the node's)")
 	cmd.MarkFlagRequired("base")
 	return cmd
 }
@@ -78,9 +81,9 @@ func envLsCmd() *cobra.Command {
 				return nil
 			}
 			tw := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
-			fmt.Fprintln(tw, "NAME\tBASE\tWORKSPACES\tTOOLKITS")
+			fmt.Fprintln(tw, "NAME\tBASE\tWORKSPACES\tTOOLKITS\tBACKEND")
 			for _, e := range res.Msg.Environments {
-				fmt.Fprintf(tw, "%s\t%s\t%s\t%s\n", e.Name, e.Base, orDash(e.Workspaces), orDash(e.Toolkits))
+				fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\n", e.Name, e.Base, orDash(e.Workspaces), orDash(e.Toolkits), orDash1(e.Backend))
 			}
 			return tw.Flush()
 		},

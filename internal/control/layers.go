@@ -476,7 +476,12 @@ func refuseUpload(w http.ResponseWriter, r *http.Request, reading bool, err erro
 
 func (s *Server) CreateEnvironment(ctx context.Context, req *connect.Request[pb.CreateEnvironmentRequest]) (*connect.Response[pb.Environment], error) {
 	r := req.Msg
-	e, err := s.node.Layers().CreateEnv(layer.Env{Name: r.Name, Base: r.Base, Workspaces: r.Workspaces, Toolkits: r.Toolkits}, r.Replace)
+	if r.Backend != "" {
+		if err := s.node.CheckBackend(r.Backend); err != nil {
+			return nil, toConnect(fmt.Errorf("create environment %s: %w", r.Name, err))
+		}
+	}
+	e, err := s.node.Layers().CreateEnv(layer.Env{Name: r.Name, Base: r.Base, Workspaces: r.Workspaces, Toolkits: r.Toolkits, Backend: r.Backend}, r.Replace)
 	if err != nil {
 		return nil, toConnect(err)
 	}
@@ -513,7 +518,7 @@ func (s *Server) DeleteEnvironment(ctx context.Context, req *connect.Request[pb.
 // environmentPB converts an environment, with what its references resolve
 // to now (left empty if one of them no longer resolves).
 func (s *Server) environmentPB(e layer.Env) *pb.Environment {
-	out := &pb.Environment{Name: e.Name, Base: e.Base, Workspaces: e.Workspaces, Toolkits: e.Toolkits, CreatedAt: timestamppb.New(e.Created)}
+	out := &pb.Environment{Name: e.Name, Base: e.Base, Workspaces: e.Workspaces, Toolkits: e.Toolkits, Backend: e.Backend, CreatedAt: timestamppb.New(e.Created)}
 	if stack, err := s.node.Layers().ResolveStack(e.Base, e.Workspaces, e.Toolkits); err == nil {
 		for _, l := range stack {
 			out.Resolved = append(out.Resolved, layerPB(l))

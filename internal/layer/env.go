@@ -15,11 +15,14 @@ import (
 // resolved when a sandbox is created from it, so moving a tag upgrades the
 // environment for every later sandbox (running ones keep their digests).
 type Env struct {
-	Name       string    `json:"name"`
-	Base       string    `json:"base"`
-	Workspaces []string  `json:"workspaces,omitempty"`
-	Toolkits   []string  `json:"toolkits,omitempty"`
-	Created    time.Time `json:"created"`
+	Name       string   `json:"name"`
+	Base       string   `json:"base"`
+	Workspaces []string `json:"workspaces,omitempty"`
+	Toolkits   []string `json:"toolkits,omitempty"`
+	// Backend: the backend of sandboxes made from it unless their create
+	// names one ("": the node's default). The node checks it exists.
+	Backend string    `json:"backend,omitempty"`
+	Created time.Time `json:"created"`
 }
 
 // refs returns every reference of the environment.
@@ -77,6 +80,9 @@ func (s *Store) CreateEnv(e Env, replace bool) (Env, error) {
 	if err := validateName(e.Name); err != nil {
 		return Env{}, errdefs.Mark(errdefs.ErrInvalidArgument, fmt.Errorf("create environment: %w", err))
 	}
+	if len(e.Backend) > 64 {
+		return Env{}, errdefs.New(errdefs.ErrInvalidArgument, "create environment %s: a backend name of %d bytes (at most 64)", e.Name, len(e.Backend))
+	}
 	// Hold off Remove and GC until the environment is saved: the layers it
 	// names must not go in between.
 	s.gcMu.RLock()
@@ -99,7 +105,7 @@ func (s *Store) CreateEnv(e Env, replace bool) (Env, error) {
 	if err != nil {
 		return Env{}, fmt.Errorf("create environment %s: %w", e.Name, err)
 	}
-	s.log.Info("environment saved", "env", e.Name, "base", e.Base, "workspaces", e.Workspaces, "toolkits", e.Toolkits)
+	s.log.Info("environment saved", "env", e.Name, "base", e.Base, "workspaces", e.Workspaces, "toolkits", e.Toolkits, "backend", e.Backend)
 	return e, nil
 }
 

@@ -97,6 +97,9 @@ func (m *Manager) applyTemplate(req *CreateRequest) error {
 		return err
 	}
 	req.Base = env.Base
+	if req.Backend == "" {
+		req.Backend = env.Backend // "" still: the node's default
+	}
 	req.Workspaces = append(slices.Clone(env.Workspaces), req.Workspaces...)
 	req.Toolkits = append(slices.Clone(env.Toolkits), req.Toolkits...)
 	return nil

@@ -315,6 +315,23 @@ type CreateRequest struct {
 	AutoPause *time.Duration
 }
 
+// CheckBackend says whether this node offers a backend (an environment's
+// default backend is checked with it).
+func (m *Manager) CheckBackend(name string) error {
+	if _, ok := m.backends[name]; ok {
+		return nil
+	}
+	names := make([]string, 0, len(m.backends))
+	for n := range m.backends {
+		names = append(names, n)
+	}
+	sort.Strings(names)
+	if len(name) > 64 {
+		name = name[:64] + "..."
+	}
+	return errdefs.New(ErrInvalid, "backend %q is not available on this node (available: %v)", name, names)
+}
+
 func (m *Manager) validate(req *CreateRequest) error {
 	if req.Backend == "" {
 		req.Backend = m.cfg.DefaultBackend
@@ -324,16 +341,8 @@ func (m *Manager) validate(req *CreateRequest) error {
 	default:
 		return errdefs.New(ErrInvalid, "qos %q: want %q (latency-sensitive, the default) or %q (best effort)", req.QoS, QoSLatencySensitive, QoSBestEffort)
 	}
-	if _, ok := m.backends[req.Backend]; !ok {
-		names := make([]string, 0, len(m.backends))
-		for n := range m.backends {
-			names = append(names, n)
-		}
-		sort.Strings(names)
-		if len(req.Backend) > 64 {
-			req.Backend = req.Backend[:64] + "..."
-		}
-		return errdefs.New(ErrInvalid, "backend %q is not available on this node (available: %v)", req.Backend, names)
+	if err := m.CheckBackend(req.Backend); err != nil {
+		return err
 	}
 	if req.Base == "" {
 		return errdefs.New(ErrInvalid, "a base layer is required (--base NAME:VERSION, or --template NAME)")

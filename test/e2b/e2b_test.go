@@ -42,6 +42,9 @@ const (
 	// "user" account that may sudo without a password (debianTree).
 	debianTemplate = "e2b-debian"
 	debianBaseRef  = "debian-user:1"
+	// The busybox template on the microvm backend (the environment's
+	// backend), when the node offers it.
+	vmTemplate = "e2b-vm"
 )
 
 func TestE2BSDK(t *testing.T) {
@@ -156,6 +159,19 @@ func TestE2BSDK(t *testing.T) {
 	cli("layer", "build", "--kind", "base", debianBaseRef, debian)
 	cli("env", "create", debianTemplate, "--base", debianBaseRef)
 	t.Logf("Debian template ready in %s", time.Since(t0).Round(time.Millisecond))
+	// A template whose sandboxes are microVMs: what the SDK calls does not
+	// change. Skipped (SHOAL_E2B_VM_TEMPLATE empty) where the node has no
+	// VM backend.
+	vmTemplateVar := vmTemplate
+	cmd := exec.Command(filepath.Join(bin, "shoal"), "env", "create", vmTemplate, "--base", baseRef, "--backend", "microvm")
+	cmd.Env = append(os.Environ(), "SHOAL_URL="+apiURL, "SHOAL_API_KEY="+key)
+	if out, err := cmd.CombinedOutput(); err != nil {
+		if !strings.Contains(string(out), "not available on this node") {
+			t.Fatalf("shoal env create %s --backend microvm: %v\n%s", vmTemplate, err, out)
+		}
+		t.Logf("no microvm template: %s", bytes.TrimSpace(out))
+		vmTemplateVar = ""
+	}
 
 	// SHOAL_E2B_ONLY=debian runs debian.test.mjs alone (while working on it).
 	pattern := "*.test.mjs"
@@ -178,6 +194,7 @@ func TestE2BSDK(t *testing.T) {
 		"SHOAL_E2B_TEMPLATE="+template,
 		"SHOAL_E2B_USER_TEMPLATE="+userTemplate,
 		"SHOAL_E2B_DEBIAN_TEMPLATE="+debianTemplate,
+		"SHOAL_E2B_VM_TEMPLATE="+vmTemplateVar,
 		"SHOAL_E2B_BASE="+baseRef,
 	)
 	nodeRun := func(args ...string) (string, error) {

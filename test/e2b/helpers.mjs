@@ -18,6 +18,10 @@ export const USER_TEMPLATE = need('SHOAL_E2B_USER_TEMPLATE')
 // E2B's kind of template: Debian with bash, python3, sudo and "user", who may
 // sudo without a password.
 export const DEBIAN_TEMPLATE = need('SHOAL_E2B_DEBIAN_TEMPLATE')
+// An environment on the microvm backend; empty where the node has no VMs.
+export const VM_TEMPLATE = process.env.SHOAL_E2B_VM_TEMPLATE || ''
+// A VM boots a kernel per sandbox: seconds, more under TCG on a busy host.
+export const VM_CREATE_TIMEOUT_MS = 300_000
 export const SHOAL_URL = need('SHOAL_URL')
 export const SHOAL_API_KEY = need('E2B_API_KEY')
 export const E2B_URL = need('E2B_API_URL')

@@ -1425,7 +1425,10 @@ type Environment struct {
 	CreatedAt  *timestamppb.Timestamp `protobuf:"bytes,5,opt,name=created_at,json=createdAt,proto3" json:"created_at,omitempty"`
 	// What the references resolve to now, top to bottom (toolkits, then
 	// workspaces, then the base).
-	Resolved      []*Layer `protobuf:"bytes,6,rep,name=resolved,proto3" json:"resolved,omitempty"`
+	Resolved []*Layer `protobuf:"bytes,6,rep,name=resolved,proto3" json:"resolved,omitempty"`
+	// The backend a sandbox made from it runs on unless its create names
+	// one ("": the node's default). E2B templates take it too.
+	Backend       string `protobuf:"bytes,7,opt,name=backend,proto3" json:"backend,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1502,6 +1505,13 @@ func (x *Environment) GetResolved() []*Layer {
 	return nil
 }
 
+func (x *Environment) GetBackend() string {
+	if x != nil {
+		return x.Backend
+	}
+	return ""
+}
+
 type CreateEnvironmentRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Name          string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"` // [a-z0-9][a-z0-9._-]{0,127}
@@ -1509,6 +1519,7 @@ type CreateEnvironmentRequest struct {
 	Workspaces    []string               `protobuf:"bytes,3,rep,name=workspaces,proto3" json:"workspaces,omitempty"`
 	Toolkits      []string               `protobuf:"bytes,4,rep,name=toolkits,proto3" json:"toolkits,omitempty"`
 	Replace       bool                   `protobuf:"varint,5,opt,name=replace,proto3" json:"replace,omitempty"` // replace an environment of that name instead of failing
+	Backend       string                 `protobuf:"bytes,6,opt,name=backend,proto3" json:"backend,omitempty"`  // see Environment.backend; must be one the node offers
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1576,6 +1587,13 @@ func (x *CreateEnvironmentRequest) GetReplace() bool {
 		return x.Replace
 	}
 	return false
+}
+
+func (x *CreateEnvironmentRequest) GetBackend() string {
+	if x != nil {
+		return x.Backend
+	}
+	return ""
 }
 
 type GetEnvironmentRequest struct {
@@ -1886,7 +1904,7 @@ const file_shoal_v1_layer_proto_rawDesc = "" +
 	"\aremoved\x18\x01 \x03(\v2\x0f.shoal.v1.LayerR\aremoved\x12\x1f\n" +
 	"\vfreed_bytes\x18\x02 \x01(\x03R\n" +
 	"freedBytes\x12\x12\n" +
-	"\x04kept\x18\x03 \x01(\x05R\x04kept\"\xd9\x01\n" +
+	"\x04kept\x18\x03 \x01(\x05R\x04kept\"\xf3\x01\n" +
 	"\vEnvironment\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x12\n" +
 	"\x04base\x18\x02 \x01(\tR\x04base\x12\x1e\n" +
@@ -1896,7 +1914,8 @@ const file_shoal_v1_layer_proto_rawDesc = "" +
 	"\btoolkits\x18\x04 \x03(\tR\btoolkits\x129\n" +
 	"\n" +
 	"created_at\x18\x05 \x01(\v2\x1a.google.protobuf.TimestampR\tcreatedAt\x12+\n" +
-	"\bresolved\x18\x06 \x03(\v2\x0f.shoal.v1.LayerR\bresolved\"\x98\x01\n" +
+	"\bresolved\x18\x06 \x03(\v2\x0f.shoal.v1.LayerR\bresolved\x12\x18\n" +
+	"\abackend\x18\a \x01(\tR\abackend\"\xb2\x01\n" +
 	"\x18CreateEnvironmentRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x12\n" +
 	"\x04base\x18\x02 \x01(\tR\x04base\x12\x1e\n" +
@@ -1904,7 +1923,8 @@ const file_shoal_v1_layer_proto_rawDesc = "" +
 	"workspaces\x18\x03 \x03(\tR\n" +
 	"workspaces\x12\x1a\n" +
 	"\btoolkits\x18\x04 \x03(\tR\btoolkits\x12\x18\n" +
-	"\areplace\x18\x05 \x01(\bR\areplace\"+\n" +
+	"\areplace\x18\x05 \x01(\bR\areplace\x12\x18\n" +
+	"\abackend\x18\x06 \x01(\tR\abackend\"+\n" +
 	"\x15GetEnvironmentRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\"\x19\n" +
 	"\x17ListEnvironmentsRequest\"U\n" +

@@ -33,7 +33,7 @@ def _refs(refs: Optional[Sequence[Any]], what: str) -> List[str]:
     return [r.pinned if isinstance(r, Layer) else str(r) for r in refs]
 
 
-def _create_body(name: str, base: Any, workspaces: Optional[Sequence[Any]], toolkits: Optional[Sequence[Any]], replace: bool) -> Dict[str, Any]:
+def _create_body(name: str, base: Any, workspaces: Optional[Sequence[Any]], toolkits: Optional[Sequence[Any]], replace: bool, backend: Optional[str] = None) -> Dict[str, Any]:
     if not isinstance(name, str) or not name:
         raise InvalidArgument("an environment name is required ([a-z0-9][a-z0-9._-]{0,127})")
     if not base:
@@ -46,6 +46,8 @@ def _create_body(name: str, base: Any, workspaces: Optional[Sequence[Any]], tool
         body["toolkits"] = tk
     if replace:
         body["replace"] = True
+    if backend:
+        body["backend"] = backend
     return body
 
 
@@ -73,6 +75,7 @@ def create(
     toolkits: Optional[Sequence[str]] = None,
     *,
     replace: bool = False,
+    backend: Optional[str] = None,
     api_key: Optional[str] = None,
     url: Optional[str] = None,
     request_timeout: Optional[float] = None,
@@ -85,9 +88,13 @@ def create(
     :param toolkits: toolkit references (the first wins; above the workspaces).
     :param replace: replace an environment of that name instead of raising
         :class:`~shoal.AlreadyExists`.
+    :param backend: the backend its sandboxes (and E2B sandboxes of this
+        template) run on unless their create names one (``"microvm"``, say;
+        default: the node's); one the node does not offer raises
+        :class:`~shoal.InvalidArgument`.
     Every reference must resolve now (:class:`~shoal.LayerNotFound` otherwise).
     """
-    body = _create_body(name, base, workspaces, toolkits, replace)
+    body = _create_body(name, base, workspaces, toolkits, replace, backend)
     return Environment.from_json(_t(api_key, url).call("LayerService", "CreateEnvironment", body, idempotent=replace, request_timeout=request_timeout))
 
 
@@ -128,12 +135,13 @@ async def acreate(
     toolkits: Optional[Sequence[str]] = None,
     *,
     replace: bool = False,
+    backend: Optional[str] = None,
     api_key: Optional[str] = None,
     url: Optional[str] = None,
     request_timeout: Optional[float] = None,
 ) -> Environment:
     """:func:`create` for asyncio."""
-    body = _create_body(name, base, workspaces, toolkits, replace)
+    body = _create_body(name, base, workspaces, toolkits, replace, backend)
     return Environment.from_json(await _at(api_key, url).call("LayerService", "CreateEnvironment", body, idempotent=replace, request_timeout=request_timeout))
 
 

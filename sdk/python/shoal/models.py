@@ -645,6 +645,7 @@ class Environment:
     toolkits: List[str]
     created_at: Optional[datetime]
     resolved: List[Layer] = field(default_factory=list)
+    backend: str = ""  # its sandboxes' backend unless a create names one ("": the node's)
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> "Environment":
@@ -655,4 +656,5 @@ class Environment:
             toolkits=list(d.get("toolkits") or []),
             created_at=_time(d.get("createdAt")),
             resolved=[Layer.from_json(x) for x in d.get("resolved") or []],
+            backend=d.get("backend", ""),
         )

@@ -167,6 +167,18 @@ def test_environments(server, src) -> None:
     with pytest.raises(shoal.LayerInUse, match="sdk-env"):
         layers.rm("sdk-envws:1")
 
+    # A backend of its own: its sandboxes run there unless a create names
+    # one; a backend the node does not offer is refused.
+    with pytest.raises(shoal.InvalidArgument, match="not available on this node"):
+        environments.create("sdk-env-be", base=server.base, backend="nosuch")
+    env_be = environments.create("sdk-env-be", base=server.base, backend="container")
+    assert env_be.backend == "container" and environments.get("sdk-env-be").backend == "container"
+    with shoal.Sandbox.create(template="sdk-env-be", timeout=60) as sb:
+        assert sb.info.backend == "container"
+    with shoal.Sandbox.create(template="sdk-env-be", backend="container", timeout=60) as sb:
+        assert sb.info.backend == "container"
+    environments.rm("sdk-env-be")
+
     replaced = environments.create("sdk-env", base=server.base, replace=True)
     assert replaced.workspaces == [] and len(replaced.resolved) == 1
     environments.rm("sdk-env")

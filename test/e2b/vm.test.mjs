@@ -1,0 +1,30 @@
+// A template whose environment runs on the microvm backend: the same SDK
+// calls, a sandbox that is a QEMU microVM with its own kernel.
+import os from 'node:os'
+import { test, describe, before, after } from 'node:test'
+import assert from 'node:assert/strict'
+import { Sandbox } from 'e2b'
+import { VM_TEMPLATE, VM_CREATE_TIMEOUT_MS } from './helpers.mjs'
+
+describe('a microVM template', { skip: VM_TEMPLATE ? false : 'the node offers no microvm backend' }, () => {
+  let sbx
+  before(async () => {
+    sbx = await Sandbox.create(VM_TEMPLATE, { requestTimeoutMs: VM_CREATE_TIMEOUT_MS })
+  })
+  after(async () => {
+    await sbx?.kill()
+  })
+
+  test('commands and files in a sandbox with its own kernel', async () => {
+    const r = await sbx.commands.run('uname -r; cat /proc/1/cmdline | tr "\\0" " "')
+    const [kernel] = r.stdout.split('\n')
+    assert.notEqual(kernel, os.release(), 'the sandbox runs the host kernel: not a VM')
+    await sbx.files.write('/work/vm.txt', 'from the host\n')
+    assert.equal(await sbx.files.read('/work/vm.txt'), 'from the host\n')
+    assert.equal((await sbx.commands.run('cat /work/vm.txt; echo $((6*7))')).stdout, 'from the host\n42\n')
+    const h = await sbx.commands.run('sleep 30', { background: true })
+    await h.kill()
+    assert.equal((await sbx.commands.list()).some((p) => p.pid === h.pid), false)
+    assert.equal(await sbx.isRunning(), true)
+  })
+})
