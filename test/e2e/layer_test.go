@@ -449,8 +449,12 @@ func TestEnvironments(t *testing.T) {
 	if out := shoalOK(t, "env", "create", "pyenv", "--base", baseRef, "--workspace", "envws:1", "--toolkit", "envtk:1"); out != "pyenv\n" {
 		t.Errorf("env create printed %q", out)
 	}
-	if ls := shoalOK(t, "env", "ls"); !strings.Contains(ls, "pyenv") || !strings.Contains(ls, "envtk:1") {
+	if ls := shoalOK(t, "env", "ls"); !strings.Contains(ls, "pyenv") || !strings.Contains(ls, "envtk:1") || !strings.Contains(ls, "BACKEND") {
 		t.Errorf("env ls:\n%s", ls)
+	}
+	// A backend of its own must be one the node offers.
+	if _, stderr, code := run3(nil, "env", "create", "bad-backend", "--base", baseRef, "--backend", "nosuch"); code == 0 || !strings.Contains(stderr, `backend "nosuch" is not available on this node`) {
+		t.Errorf("env create --backend nosuch: exit %d, %s", code, stderr)
 	}
 	sbOld := createWith(t, "--template", "pyenv")
 	if got := sh(t, sbOld, "cat /tool /work/task"); got != "1t" {
