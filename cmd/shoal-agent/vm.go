@@ -17,6 +17,14 @@ func runVM(log agent.Logger) {
 	if err != nil {
 		vminit.Fatal(err)
 	}
+	// 127.0.0.1 reachable (servers the workload starts, port forwarding)
+	// and the host name resolvable, as in a container.
+	if err := agent.LoopbackUp(); err != nil {
+		vminit.Fatal(err)
+	}
+	if err := agent.BindHosts(cfg.Hostname); err != nil {
+		log.Warn("the host name will not resolve", "err", err)
+	}
 	go prewarmThreads(8)
 	srv := agent.NewServer(agent.Config{ReapAll: true, IdleRelease: time.Second, Logger: log, Env: cfg.Env})
 	err = srv.Serve(l)

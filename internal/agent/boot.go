@@ -112,7 +112,7 @@ func StartBoot() (*Boot, error) {
 		// Still with CAP_SYS_ADMIN, before any command: the host name runc
 		// set resolves (a pooled agent does this on claim).
 		if h, err := os.Hostname(); err == nil {
-			if err := bindHosts(h); err != nil {
+			if err := BindHosts(h); err != nil {
 				fmt.Fprintf(os.Stderr, "shoal-agent: the host name will not resolve: %v\n", err)
 			}
 		}

@@ -33,7 +33,7 @@ import (
 //     masked and read-only paths runc set up stay as they are, and the
 //     read-only bind of its own binary at /.shoal/agent;
 //  3. pivots into it and detaches the old root;
-//  4. sets the host name (resolvable: bindHosts) and the environment of
+//  4. sets the host name (resolvable: BindHosts) and the environment of
 //     commands;
 //  5. installs the sandbox's seccomp filter on all threads (docker's
 //     profile for docker's capabilities: no mount, unshare, setns,
@@ -259,7 +259,7 @@ func (s *Server) becomeSandbox(st *claimState, mfd int, req *wireClaimRequest) e
 		if err := unix.Sethostname([]byte(req.Hostname)); err != nil {
 			return fmt.Errorf("set host name: %w", err)
 		}
-		if err := bindHosts(req.Hostname); err != nil {
+		if err := BindHosts(req.Hostname); err != nil {
 			s.log.Warn("the host name will not resolve", "err", err)
 		}
 	}

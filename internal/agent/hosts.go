@@ -14,7 +14,7 @@ import (
 // left as it is.
 const maxHostsFile = 64 << 10
 
-// bindHosts makes the sandbox's host name resolve, as docker's /etc/hosts
+// BindHosts makes the sandbox's host name resolve, as docker's /etc/hosts
 // does: tools such as sudo look it up and complain when they cannot (there
 // is no DNS in a sandbox without network). When the root has a regular
 // /etc/hosts (of at most 64 KiB) that does not name the host, a copy of it
@@ -28,7 +28,7 @@ const maxHostsFile = 64 << 10
 // claim, before the seccomp filter), so nothing of the workload can change
 // the file under it; the bind is made on the descriptor opened, not on the
 // path.
-func bindHosts(hostname string) error {
+func BindHosts(hostname string) error {
 	if hostname == "" {
 		return nil
 	}

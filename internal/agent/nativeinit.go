@@ -143,7 +143,7 @@ func nativeInit(syncFD string) error {
 			return fmt.Errorf("set host name: %w", err)
 		}
 	}
-	if err := loopbackUp(); err != nil {
+	if err := LoopbackUp(); err != nil {
 		return err
 	}
 	if err := limitCaps(keep); err != nil {
@@ -348,8 +348,10 @@ func readonlyPath(p string) error {
 	return nil
 }
 
-// loopbackUp brings up lo in the new network namespace.
-func loopbackUp() error {
+// LoopbackUp brings up the network namespace's loopback interface (a new
+// namespace, or a VM's kernel, starts with lo down: 127.0.0.1 is then
+// unreachable).
+func LoopbackUp() error {
 	s, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		return fmt.Errorf("bring up lo: %w", err)

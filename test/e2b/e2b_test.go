@@ -427,6 +427,7 @@ func busyboxRootfs(t *testing.T) string {
 	for p, content := range map[string]string{
 		"etc/passwd": "root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/false\n",
 		"etc/group":  "root:x:0:\nnogroup:x:65534:\n",
+		"etc/hosts":  "127.0.0.1\tlocalhost\n",
 	} {
 		if err := os.WriteFile(filepath.Join(root, p), []byte(content), 0o644); err != nil {
 			t.Fatal(err)

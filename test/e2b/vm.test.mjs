@@ -4,7 +4,9 @@ import os from 'node:os'
 import { test, describe, before, after } from 'node:test'
 import assert from 'node:assert/strict'
 import { Sandbox } from 'e2b'
-import { VM_TEMPLATE, VM_CREATE_TIMEOUT_MS } from './helpers.mjs'
+import { VM_TEMPLATE, VM_CREATE_TIMEOUT_MS, resolveShoalDomain, waitFor } from './helpers.mjs'
+
+resolveShoalDomain()
 
 describe('a microVM template', { skip: VM_TEMPLATE ? false : 'the node offers no microvm backend' }, () => {
   let sbx
@@ -26,5 +28,24 @@ describe('a microVM template', { skip: VM_TEMPLATE ? false : 'the node offers no
     await h.kill()
     assert.equal((await sbx.commands.list()).some((p) => p.pid === h.pid), false)
     assert.equal(await sbx.isRunning(), true)
+    // Its host name resolves (the agent lists it in /etc/hosts), as in a container.
+    const hosts = (await sbx.commands.run('cat /etc/hosts; hostname')).stdout.trim().split('\n')
+    assert.ok(hosts.includes(`127.0.1.1\t${hosts.at(-1)}`), hosts.join('\n'))
+  })
+
+  test('getHost(port) reaches an HTTP server inside the VM', async () => {
+    await sbx.files.write('/work/www/index.html', 'served from the VM')
+    await sbx.commands.run('httpd -f -p 8000 -h /work/www', { background: true })
+    const host = sbx.getHost(8000)
+    const body = await waitFor(
+      async () => {
+        const res = await fetch(`http://${host}/index.html`)
+        return res.status === 200 && (await res.text())
+      },
+      { what: `http://${host}/index.html` },
+    )
+    assert.equal(body, 'served from the VM')
+    const res = await fetch(`http://${sbx.getHost(8001)}/`)
+    assert.equal(res.status, 502)
   })
 })
