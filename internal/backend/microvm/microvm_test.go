@@ -8,6 +8,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -57,7 +58,7 @@ func vmTestEnv(t *testing.T, machine string) (*Backend, string) {
 		t.Fatal(err)
 	}
 	os.WriteFile(filepath.Join(root, "bin", "busybox"), data, 0o755)
-	for _, a := range []string{"sh", "cat", "echo", "ls", "mount", "uname", "sleep"} {
+	for _, a := range []string{"sh", "cat", "echo", "ls", "mount", "uname", "sleep", "dd", "rm", "sync"} {
 		os.Symlink("busybox", filepath.Join(root, "bin", a))
 	}
 	os.WriteFile(filepath.Join(root, "etc", "base-file"), []byte("from the base\n"), 0o644)
@@ -158,6 +159,7 @@ func testVMCreateExecFilesDelete(t *testing.T, machine string) {
 	if out := run(t, ctx, c, "sh", "-c", "ls / ; test -e "+sdir+" && echo HOST-VISIBLE || true"); strings.Contains(out, "HOST-VISIBLE") {
 		t.Errorf("the guest sees the host's %s: %s", sdir, out)
 	}
+	checkFreePageReporting(t, ctx, c, h)
 	// Several requests at once share the one channel.
 	errs := make(chan error, 8)
 	for i := 0; i < 8; i++ {
@@ -197,5 +199,33 @@ func testVMCreateExecFilesDelete(t *testing.T, machine string) {
 	}
 	if err := b.Delete(ctx, h); err != nil {
 		t.Errorf("second delete: %v", err)
+	}
+}
+
+// checkFreePageReporting: memory the guest frees goes back to the host
+// (virtio-balloon free page reporting): QEMU's resident memory grows while
+// the guest holds 96 MiB in a tmpfs and shrinks again once it frees them.
+func checkFreePageReporting(t *testing.T, ctx context.Context, c *agent.Client, h sandbox.Handle) {
+	t.Helper()
+	pid, err := strconv.Atoi(h.Data["pid"])
+	if err != nil {
+		t.Fatalf("no QEMU pid in the handle: %v", h.Data)
+	}
+	before := rss(pid)
+	run(t, ctx, c, "dd", "if=/dev/zero", "of=/dev/shm/fill", "bs=1M", "count=96")
+	held := rss(pid)
+	run(t, ctx, c, "rm", "/dev/shm/fill")
+	deadline := time.Now().Add(60 * time.Second) // a hang detector: reporting runs within seconds
+	after := rss(pid)
+	for held-after < 64<<20 && time.Now().Before(deadline) {
+		time.Sleep(200 * time.Millisecond)
+		after = rss(pid)
+	}
+	t.Logf("QEMU RSS: %d MiB idle, %d MiB with 96 MiB held in the guest, %d MiB after the guest freed them", before>>20, held>>20, after>>20)
+	if held-before < 64<<20 {
+		t.Fatalf("QEMU RSS grew by %d MiB while the guest held 96 MiB: the measure does not work", (held-before)>>20)
+	}
+	if held-after < 64<<20 {
+		t.Errorf("QEMU RSS fell by %d MiB after the guest freed 96 MiB, want at least 64: free pages are not reported", (held-after)>>20)
 	}
 }
