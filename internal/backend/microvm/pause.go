@@ -195,6 +195,11 @@ func (b *Backend) Resume(ctx context.Context, h sandbox.Handle) (sandbox.Handle,
 // restore feeds the snapshot f to the new QEMU of h, continues the guest
 // and waits for its agent.
 func (b *Backend) restore(ctx context.Context, h sandbox.Handle, f *os.File, exited <-chan struct{}) error {
+	t0 := time.Now()
+	var qmpUp, loaded time.Duration
+	defer func() {
+		b.log.Debug("vm restore", "sandbox_id", h.ID, "qmp_up", qmpUp, "state_loaded", loaded, "total", time.Since(t0))
+	}()
 	sock := filepath.Join(h.Data["dir"], "qmp.sock")
 	var q *qmpConn
 	for {
@@ -212,6 +217,7 @@ func (b *Backend) restore(ctx context.Context, h sandbox.Handle, f *os.File, exi
 		}
 	}
 	defer q.Close()
+	qmpUp = time.Since(t0)
 	if err := q.runFD("getfd", map[string]any{"fdname": "state"}, f, nil); err != nil {
 		return err
 	}
@@ -242,6 +248,7 @@ func (b *Backend) restore(ctx context.Context, h sandbox.Handle, f *os.File, exi
 		case <-time.After(10 * time.Millisecond):
 		}
 	}
+	loaded = time.Since(t0)
 	return b.waitAgent(ctx, h, exited)
 }
 
