@@ -41,6 +41,8 @@ const (
 	// LayerSerialPrefix + the layer's index (0 = top) is each layer
 	// device's serial.
 	LayerSerialPrefix = "shoal-l"
+	// UpperSerial is the serial of the writable layer's disk, if it has one.
+	UpperSerial = "shoal-upper"
 	// PortName is the name of the agent's virtio-serial port.
 	PortName = "shoal.agent"
 	// ModulesDir holds the kernel modules in the initramfs, and the file
@@ -58,6 +60,9 @@ type Config struct {
 	// UpperBytes sizes the tmpfs holding the writable layer (0: half the
 	// guest's memory, tmpfs's default).
 	UpperBytes int64 `json:"upper_bytes,omitempty"`
+	// UpperDisk: the writable layer is on the ext4 device whose serial is
+	// UpperSerial (a disk limit), not a tmpfs.
+	UpperDisk bool `json:"upper_disk,omitempty"`
 	// Env is every command's environment.
 	Env      []string `json:"env,omitempty"`
 	Hostname string   `json:"hostname,omitempty"`
@@ -235,12 +240,22 @@ func mountRoot(cfg *Config) error {
 		lower[i] = dir
 	}
 	os.MkdirAll("/rw", 0o755)
-	opts := "mode=0755"
-	if cfg.UpperBytes > 0 {
-		opts += fmt.Sprintf(",size=%d", cfg.UpperBytes)
-	}
-	if err := unix.Mount("tmpfs", "/rw", "tmpfs", 0, opts); err != nil {
-		return fmt.Errorf("mount writable layer: %w", err)
+	if cfg.UpperDisk {
+		dev, err := blockBySerial([]string{UpperSerial})
+		if err != nil {
+			return err
+		}
+		if err := unix.Mount(dev[UpperSerial], "/rw", "ext4", unix.MS_NODEV, "discard"); err != nil {
+			return fmt.Errorf("mount writable layer (%s): %w", dev[UpperSerial], err)
+		}
+	} else {
+		opts := "mode=0755"
+		if cfg.UpperBytes > 0 {
+			opts += fmt.Sprintf(",size=%d", cfg.UpperBytes)
+		}
+		if err := unix.Mount("tmpfs", "/rw", "tmpfs", 0, opts); err != nil {
+			return fmt.Errorf("mount writable layer: %w", err)
+		}
 	}
 	for _, d := range []string{"/rw/upper", "/rw/work", "/newroot"} {
 		if err := os.MkdirAll(d, 0o755); err != nil {

@@ -53,6 +53,7 @@ import (
 
 	"github.com/shoal-sandbox/shoal/internal/agent"
 	"github.com/shoal-sandbox/shoal/internal/agent/vminit"
+	"github.com/shoal-sandbox/shoal/internal/backend/container/diskimg"
 	"github.com/shoal-sandbox/shoal/internal/sandbox"
 )
 
@@ -140,6 +141,11 @@ type Backend struct {
 
 	mu    sync.Mutex
 	muxes map[string]*chanMux // guarded by mu; by sandbox ID
+
+	// disks makes the ext4 images that hold VMs' writable layers when a
+	// create asks for a disk size (disk.go); nil: no disk limits.
+	disks    *diskimg.Maker
+	diskMode string
 }
 
 var (
@@ -147,6 +153,7 @@ var (
 	_ sandbox.Prober      = (*Backend)(nil)
 	_ sandbox.AgentDialer = (*Backend)(nil)
 	_ sandbox.Committer   = (*Backend)(nil)
+	_ sandbox.DiskLimiter = (*Backend)(nil)
 )
 
 // New builds the guests' initramfs. The accelerator is chosen at the first
@@ -187,6 +194,7 @@ func New(cfg Config) (*Backend, error) {
 	}
 	b := &Backend{cfg: cfg, log: cfg.Logger.With("backend", cfg.Name), kernel: kernel, initrd: initrd,
 		probed: make(chan struct{}), muxes: map[string]*chanMux{}}
+	b.initDisks()
 	return b, nil
 }
 
@@ -372,8 +380,8 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (h sandbox.Hand
 	if spec.Network.Egress() {
 		return h, fmt.Errorf("%s backend: network egress is not available for VMs yet: %w", b.cfg.Name, sandbox.ErrUnsupported)
 	}
-	if spec.Resources.DiskBytes > 0 {
-		return h, fmt.Errorf("%s backend: a disk limit is not available for VMs yet: %w", b.cfg.Name, sandbox.ErrUnsupported)
+	if spec.Resources.DiskBytes > 0 && b.disks == nil {
+		return h, fmt.Errorf("%s backend: no disk limits on this node (%s): %w", b.cfg.Name, b.diskMode, sandbox.ErrUnsupported)
 	}
 	accel, _, err := b.Accel(ctx)
 	if err != nil {
@@ -391,8 +399,14 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (h sandbox.Hand
 			return h, fmt.Errorf("agent channel: %w", err)
 		}
 	}
+	if spec.Resources.DiskBytes > 0 {
+		if err := b.disks.Make(ctx, filepath.Join(dir, upperImage), spec.Resources.DiskBytes); err != nil {
+			return h, fmt.Errorf("%s backend: disk: %w", b.cfg.Name, err)
+		}
+	}
 	cfgImg := filepath.Join(dir, "config.img")
-	vc := vminit.Config{ID: spec.ID, Layers: len(spec.Layers), Env: guestEnv(spec), Hostname: hostname(spec.ID)}
+	vc := vminit.Config{ID: spec.ID, Layers: len(spec.Layers), Env: guestEnv(spec), Hostname: hostname(spec.ID),
+		UpperDisk: spec.Resources.DiskBytes > 0}
 	doc, err := json.Marshal(vc)
 	if err != nil {
 		return h, err
@@ -422,6 +436,9 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (h sandbox.Hand
 		// the balloon had none, and keep none.
 		"balloon": "1",
 	}}
+	if spec.Resources.DiskBytes > 0 {
+		h.Data["disk"] = strconv.FormatInt(spec.Resources.DiskBytes, 10)
+	}
 	start := time.Now()
 	h, exited, err := b.start(h)
 	if err != nil {
@@ -466,6 +483,13 @@ func (b *Backend) qemuArgs(h sandbox.Handle) ([]string, error) {
 		"-drive", "if=none,id=cfg,format=raw,readonly=on,file="+qemuEscape(filepath.Join(dir, "config.img")),
 		"-device", b.dev("virtio-blk")+",drive=cfg,serial="+vminit.ConfigSerial,
 	)
+	if h.Data["disk"] != "" {
+		// The writable layer's ext4 image (disk.go): freed blocks are
+		// punched out of the host's file (discard).
+		args = append(args,
+			"-drive", "if=none,id=upper,format=raw,discard=unmap,file.locking=off,file="+qemuEscape(filepath.Join(dir, upperImage)),
+			"-device", b.dev("virtio-blk")+",drive=upper,serial="+vminit.UpperSerial)
+	}
 	if h.Data["balloon"] == "1" {
 		// Free page reporting: the guest's kernel hands the pages it
 		// frees (in 2 MiB blocks, a few seconds after) back to QEMU, which

@@ -58,7 +58,7 @@ func vmTestEnv(t *testing.T, machine string) (*Backend, string) {
 		t.Fatal(err)
 	}
 	os.WriteFile(filepath.Join(root, "bin", "busybox"), data, 0o755)
-	for _, a := range []string{"sh", "cat", "echo", "ls", "mount", "uname", "sleep", "dd", "rm", "sync"} {
+	for _, a := range []string{"sh", "cat", "echo", "ls", "mount", "uname", "sleep", "dd", "rm", "sync", "df", "stat"} {
 		os.Symlink("busybox", filepath.Join(root, "bin", a))
 	}
 	os.WriteFile(filepath.Join(root, "etc", "base-file"), []byte("from the base\n"), 0o644)

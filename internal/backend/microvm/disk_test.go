@@ -1,0 +1,69 @@
+package microvm
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/shoal-sandbox/shoal/internal/agent"
+	"github.com/shoal-sandbox/shoal/internal/sandbox"
+)
+
+// TestVMDiskLimit: a VM created with a disk size has its writable layer on
+// an ext4 device of that size: writing more fails with ENOSPC in the guest,
+// the host's image stays within the size (sparse, discard), and what was
+// written survives a pause and resume.
+func TestVMDiskLimit(t *testing.T) {
+	b, img := vmTestEnv(t, MachineMicroVM)
+	if ok, why := b.DiskLimits(); !ok {
+		t.Skipf("no disk limits: %s", why)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	sdir, err := os.MkdirTemp("/tmp", "vmd")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer os.RemoveAll(sdir)
+	const size = 48 << 20
+	h, err := b.Create(ctx, sandbox.Spec{ID: "vmdisk", Dir: sdir,
+		Resources: sandbox.Resources{MemoryBytes: 256 << 20, MilliCPU: 1000, DiskBytes: size},
+		Layers:    []sandbox.Layer{{Digest: "sha256:x", Kind: "base", ImagePath: img}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { b.Delete(context.Background(), h) }()
+	c := agent.NewClientDialer(h.ID, b.AgentDial(h))
+	// The root's size is the disk's (a tmpfs would be half the guest's RAM).
+	if f := strings.Fields(run(t, ctx, c, "sh", "-c", "df -k / | tail -1")); len(f) < 2 {
+		t.Errorf("df: %v", f)
+	} else if kb, _ := strconv.Atoi(f[1]); kb < 40<<10 || kb > size>>10 {
+		t.Errorf("the root holds %d KiB, want the disk's %d MiB less ext4's own", kb, size>>20)
+	}
+	out := run(t, ctx, c, "sh", "-c", "dd if=/dev/zero of=/work/big bs=1M count=96 2>&1; echo rc=$?; sync")
+	if !strings.Contains(out, "No space left") || strings.Contains(out, "rc=0") {
+		t.Errorf("writing 96 MiB into a 48 MiB disk: %s", out)
+	}
+	if fi, err := os.Stat(filepath.Join(sdir, upperImage)); err != nil || fi.Size() != size {
+		t.Errorf("the host's image: %v, %v (want %d bytes)", fi, err, size)
+	}
+	run(t, ctx, c, "rm", "/work/big")
+	run(t, ctx, c, "sh", "-c", "echo kept > /work/kept; sync")
+
+	if _, err := b.Pause(ctx, h); err != nil {
+		t.Fatal(err)
+	}
+	nh, err := b.Resume(ctx, h)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h = nh
+	c = agent.NewClientDialer(h.ID, b.AgentDial(h))
+	if got := run(t, ctx, c, "cat", "/work/kept"); got != "kept\n" {
+		t.Errorf("after pause and resume: %q", got)
+	}
+}
