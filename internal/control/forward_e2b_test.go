@@ -1,11 +1,13 @@
 package control
 
 import (
+	"bufio"
 	"context"
 	"encoding/json"
 	"fmt"
 	"io"
 	"log/slog"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -49,6 +51,25 @@ func TestE2BForwarder(t *testing.T) {
 	var creates [2]atomic.Int32
 	fake := func(i int, tag string) *httptest.Server {
 		return httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if r.Header.Get("Upgrade") == "echo" {
+				// An upgraded connection (a WebSocket's kind): 101, then
+				// every line echoed back.
+				c, rw, err := http.NewResponseController(w).Hijack()
+				if err != nil {
+					return
+				}
+				defer c.Close()
+				rw.WriteString("HTTP/1.1 101 Switching Protocols\r\nUpgrade: echo\r\nConnection: Upgrade\r\n\r\n")
+				rw.Flush()
+				for {
+					line, err := rw.ReadString('\n')
+					if err != nil {
+						return
+					}
+					rw.WriteString(tag + ": " + line)
+					rw.Flush()
+				}
+			}
 			if r.Header.Get("E2b-Sandbox-Id") != "" || strings.HasPrefix(r.Host, "8000-") {
 				fmt.Fprintf(w, "node %s: %s %s %s", tag, r.Host, r.Header.Get("E2b-Sandbox-Id"), r.URL.Path)
 				return
@@ -143,6 +164,26 @@ func TestE2BForwarder(t *testing.T) {
 	host := "8000-" + sb.SandboxID + "." + domain
 	if st, _, body := call("GET", "/x", http.Header{"Host": {host}, "X-Api-Key": {""}}); st != 200 || body != "node "+ok+": "+host+"  /x" {
 		t.Fatalf("port by host name: %d %q", st, body)
+	}
+
+	// An upgraded connection to a port passes both ways.
+	conn, err := net.Dial("tcp", strings.TrimPrefix(srv.URL, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	conn.SetDeadline(time.Now().Add(30 * time.Second))
+	fmt.Fprintf(conn, "GET /ws HTTP/1.1\r\nHost: %s\r\nUpgrade: echo\r\nConnection: Upgrade\r\n\r\n", host)
+	br := bufio.NewReader(conn)
+	res, err := http.ReadResponse(br, nil)
+	if err != nil || res.StatusCode != http.StatusSwitchingProtocols {
+		t.Fatalf("upgrade through the replica: %v %v", res, err)
+	}
+	for _, msg := range []string{"one", "two"} {
+		fmt.Fprintln(conn, msg)
+		if got, err := br.ReadString('\n'); err != nil || got != ok+": "+msg+"\n" {
+			t.Fatalf("upgraded connection: %q %v", got, err)
+		}
 	}
 
 	// The list: both nodes' pages merged newest first, cut at the limit,
