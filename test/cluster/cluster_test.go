@@ -350,7 +350,7 @@ func TestCluster(t *testing.T) {
 	}
 	pythonSDK(t, controls[1].addr, key) // the Python SDK, unchanged, against a control replica
 	step("python")
-	checkE2B(t, ctx, controls, key, tags) // E2B's API and envd through the replicas (e2b_test.go)
+	checkE2B(t, ctx, controls, nodes, key, tags) // E2B's API and envd through the replicas (e2b_test.go)
 	step("e2b")
 
 	// Kill n2: after its lease ends its sandboxes are reported lost, and

@@ -16,6 +16,7 @@ import (
 	"os"
 	"os/exec"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -113,7 +114,7 @@ func (c *e2bClient) run(ctx context.Context, sb e2bSandbox, cmd string) (string,
 	return "", 0
 }
 
-func checkE2B(t *testing.T, ctx context.Context, controls []*proc, key string, tags map[string]string) {
+func checkE2B(t *testing.T, ctx context.Context, controls, nodes []*proc, key string, tags map[string]string) {
 	c1, c2 := newE2BClient(t, controls[0].e2b, key), newE2BClient(t, controls[1].e2b, key)
 	domain := func(c *proc) string { return "shoal.localhost:" + c.e2b[strings.LastIndexByte(c.e2b, ':')+1:] }
 
@@ -250,6 +251,9 @@ func checkE2B(t *testing.T, ctx context.Context, controls []*proc, key string, t
 			t.Fatalf("e2b get %s through control: %d %s", sb.SandboxID, st, b)
 		}
 	}
+	if n, _ := strconv.Atoi(os.Getenv("SHOAL_CLUSTER_E2B_MEASURE")); n > 0 {
+		measureE2B(t, ctx, n, sbs[0], c1, newE2BClient(t, nodeE2B(sbs[0].SandboxID, tags, nodes), key))
+	}
 	if os.Getenv("SHOAL_CLUSTER_NO_NPM") == "" {
 		npmSDK(t, controls[1], key, domain(controls[1]))
 	}
@@ -313,4 +317,60 @@ const { Sandbox } = require("e2b")
 		t.Fatalf("npm e2b SDK through control: %v\n%s", err, out)
 	}
 	t.Logf("npm e2b SDK through control: %s", bytes.TrimSpace(out))
+}
+
+// nodeE2B is the E2B address of the node of sandbox id.
+func nodeE2B(id string, tags map[string]string, nodes []*proc) string {
+	for _, n := range nodes {
+		if n.name == tags[cluster.TagOf(id)] {
+			return n.e2b
+		}
+	}
+	return ""
+}
+
+// measureE2B logs (asserts nothing) the latency of n envd commands and
+// n file reads in sb through the replica and straight to its node's E2B
+// endpoint, alternating: SHOAL_CLUSTER_E2B_MEASURE=n go test
+// ./test/cluster -run TestCluster -v.
+func measureE2B(t *testing.T, ctx context.Context, n int, sb e2bSandbox, viaControl, direct *e2bClient) {
+	for _, op := range []struct {
+		name string
+		do   func(c *e2bClient)
+	}{
+		{"process.Start true", func(c *e2bClient) {
+			if _, code := c.run(ctx, sb, "true"); code != 0 {
+				t.Fatalf("true: exit %d", code)
+			}
+		}},
+		{"GET /files", func(c *e2bClient) {
+			req, _ := http.NewRequestWithContext(ctx, "GET", c.base+"/files?path=/work/e.txt", nil)
+			req.Header = envdHeaders(sb)
+			res, err := c.http.Do(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			io.Copy(io.Discard, res.Body)
+			res.Body.Close()
+		}},
+	} {
+		var ctl, dir []time.Duration
+		for i := 0; i < n; i++ {
+			for j, c := range []*e2bClient{viaControl, direct} {
+				t0 := time.Now()
+				op.do(c)
+				if j == 0 {
+					ctl = append(ctl, time.Since(t0))
+				} else {
+					dir = append(dir, time.Since(t0))
+				}
+			}
+		}
+		q := func(d []time.Duration, p float64) time.Duration {
+			slices.Sort(d)
+			return d[int(p*float64(len(d)-1))]
+		}
+		t.Logf("e2b %s x%d: via control p50 %v p90 %v; direct to node p50 %v p90 %v", op.name, n,
+			q(ctl, 0.5).Round(10*time.Microsecond), q(ctl, 0.9).Round(10*time.Microsecond), q(dir, 0.5).Round(10*time.Microsecond), q(dir, 0.9).Round(10*time.Microsecond))
+	}
 }
