@@ -15,6 +15,7 @@ import (
 	"net/http"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
@@ -284,7 +285,8 @@ func checkE2BLost(t *testing.T, ctx context.Context, control *proc, key, id stri
 
 // npmSDK runs the stock e2b SDK (test/e2b's, when `npm ci` installed it
 // there) against a control replica: create, a command, a file, list,
-// kill. Skipped, saying so, where Node or the SDK is missing.
+// kill; then a create and a command by host name over TLS (no
+// E2B_SANDBOX_URL). Skipped, saying so, where Node or the SDK is missing.
 func npmSDK(t *testing.T, control *proc, key, domain string) {
 	if _, err := os.Stat("../e2b/node_modules/e2b/package.json"); err != nil {
 		t.Log("npm e2b SDK step skipped: run `npm ci` in test/e2b")
@@ -305,13 +307,28 @@ const { Sandbox } = require("e2b")
   const listed = await Sandbox.list({ query: { metadata: { via: "sdk" } } }).nextItems()
   if (listed.length !== 1 || listed[0].sandboxId !== sbx.sandboxId) throw new Error("list " + JSON.stringify(listed))
   if (!(await sbx.kill())) throw new Error("kill")
-  console.log("ok " + sbx.sandboxId)
+  // As E2B's cloud is reached: no E2B_SANDBOX_URL, envd at
+  // https://49983-ID.DOMAIN (the replica's, serving TLS with its CA).
+  delete process.env.E2B_SANDBOX_URL
+  const dns = require("node:dns"), lookup = dns.lookup
+  dns.lookup = (host, opts, cb) => {
+    if (typeof opts === "function") { cb = opts; opts = {} }
+    if (typeof host === "string" && host.endsWith(".shoal.localhost")) {
+      return opts && opts.all ? process.nextTick(cb, null, [{ address: "127.0.0.1", family: 4 }]) : process.nextTick(cb, null, "127.0.0.1", 4)
+    }
+    return lookup.call(dns, host, opts, cb)
+  }
+  const tls = await Sandbox.create("busybox:1")
+  const t = await tls.commands.run("echo over-tls")
+  if (t.stdout !== "over-tls\n") throw new Error("tls stdout " + JSON.stringify(t.stdout))
+  await tls.kill()
+  console.log("ok " + sbx.sandboxId + " " + tls.sandboxId)
 })().catch((e) => { console.error(e); process.exit(1) })
 `
 	cmd := exec.Command("node", "-e", script)
 	cmd.Dir = "../e2b"
 	cmd.Env = append(os.Environ(), "E2B_API_URL=http://"+control.e2b, "E2B_SANDBOX_URL=http://"+control.e2b,
-		"E2B_API_KEY="+key, "E2B_DOMAIN="+domain)
+		"E2B_API_KEY="+key, "E2B_DOMAIN="+domain, "NODE_EXTRA_CA_CERTS="+filepath.Join(control.data, "e2b", "tls", "ca.pem"))
 	out, err := cmd.CombinedOutput()
 	if err != nil || !strings.HasPrefix(string(out), "ok ") {
 		t.Fatalf("npm e2b SDK through control: %v\n%s", err, out)
