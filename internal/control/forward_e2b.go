@@ -444,7 +444,7 @@ func (g *e2bForwarder) list(w http.ResponseWriter, r *http.Request) {
 	}
 	wg.Wait()
 	var all []listed
-	more, running := false, 0
+	more, running, answered := false, 0, 0
 	for i, a := range answers {
 		if errs[i] != nil || a.status/100 == 5 {
 			// A node that does not answer (its lease not ended yet): its
@@ -473,10 +473,15 @@ func (g *e2bForwarder) list(w http.ResponseWriter, r *http.Request) {
 			t, _ := time.Parse(time.RFC3339Nano, s.StartedAt)
 			all = append(all, listed{raw: raw, id: s.SandboxID, started: t})
 		}
+		answered++
 		more = more || a.header.Get("X-Next-Token") != ""
 		if n, err := strconv.Atoi(a.header.Get("X-Total-Running")); err == nil {
 			running += n
 		}
+	}
+	if answered == 0 && len(live) > 0 {
+		e2b.WriteError(w, http.StatusServiceUnavailable, fmt.Sprintf("none of the %d live nodes answered the list: retry", len(live)))
+		return
 	}
 	slices.SortFunc(all, func(a, b listed) int {
 		c := a.started.Compare(b.started)

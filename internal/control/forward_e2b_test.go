@@ -211,6 +211,11 @@ func TestE2BForwarder(t *testing.T) {
 	if st, _, body := call("GET", "/sandboxes/zzzzzzzzzzzzzzzzzzzz", nil); st != http.StatusNotFound {
 		t.Fatalf("get of an unknown sandbox: %d %s", st, body)
 	}
+	// No live node answers a list: an error, not an empty list.
+	nodes[0].Close()
+	if st, _, body := call("GET", "/v2/sandboxes", nil); st != http.StatusServiceUnavailable {
+		t.Fatalf("list with no node answering: %d %s, want 503", st, body)
+	}
 }
 
 func waitUntil(t *testing.T, what string, cond func() bool) {
