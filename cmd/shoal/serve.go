@@ -150,13 +150,13 @@ func (c *serveConfig) Validate() error {
 	if err := c.Cluster.validate(c.Listen); err != nil { // serve_cluster.go
 		return err
 	}
-	if c.Cluster.Role == roleControl {
-		return nil // a control replica runs no node
-	}
 	if c.E2B.Listen != "" {
 		if _, _, err := net.SplitHostPort(c.E2B.Listen); err != nil {
 			return fmt.Errorf("--e2b-listen %q must be HOST:PORT (or empty to disable): %w", c.E2B.Listen, err)
 		}
+	}
+	if c.Cluster.Role == roleControl {
+		return nil // a control replica runs no node
 	}
 	if c.KeepCommands == 0 || c.KeepCommands < -1 {
 		return fmt.Errorf("--command-retention %d: want the number of ended commands kept per sandbox (at least 1), or -1 for no limit", c.KeepCommands)
@@ -619,7 +619,11 @@ func serve(cfg serveConfig) error {
 		ReadHeaderTimeout: 10 * time.Second,
 	}
 	if cfg.Cluster.Role == roleNode {
-		leave, err := registerNode(ctx, cfg.Cluster, mgr, layers, log) // serve_cluster.go
+		var e2bAddr net.Addr
+		if e2bSrv != nil {
+			e2bAddr = e2bLn.Addr()
+		}
+		leave, err := registerNode(ctx, cfg.Cluster, e2bAddr, mgr, layers, log) // serve_cluster.go
 		if err != nil {
 			return err
 		}

@@ -13,9 +13,11 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"net/url"
 	"os"
 	"os/signal"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -26,6 +28,7 @@ import (
 
 	"github.com/shoal-sandbox/shoal/internal/cluster"
 	"github.com/shoal-sandbox/shoal/internal/control"
+	"github.com/shoal-sandbox/shoal/internal/e2b"
 	"github.com/shoal-sandbox/shoal/internal/layer"
 	"github.com/shoal-sandbox/shoal/internal/node"
 	"github.com/shoal-sandbox/shoal/internal/placement"
@@ -42,8 +45,11 @@ type clusterConfig struct {
 	Role      string
 	Etcd      string // comma-separated endpoints
 	NodeName  string
-	Advertise string        // the node's API URL as control replicas reach it
-	NodeTTL   time.Duration // the node's lease
+	Advertise string // the node's API URL as control replicas reach it
+	// E2BAdvertise is the node's E2B endpoint as control replicas reach
+	// it (default http://<its --e2b-listen address>).
+	E2BAdvertise string
+	NodeTTL      time.Duration // the node's lease
 	// Placement: nodes tried per create, and how long a create may wait
 	// for capacity.
 	PlaceAttempts int
@@ -55,6 +61,7 @@ func addClusterFlags(cmd *cobra.Command, c *clusterConfig) {
 	cmd.Flags().StringVar(&c.Etcd, "etcd", "", "etcd endpoints, comma-separated (e.g. http://127.0.0.1:2379); required by --role node and control")
 	cmd.Flags().StringVar(&c.NodeName, "node-name", "", "--role node: this node's name in the cluster (a-z, 0-9, -; default the host name); its sandbox IDs start with a tag derived from it")
 	cmd.Flags().StringVar(&c.Advertise, "advertise", "", "--role node: the URL control replicas reach this node's API at (default http://<--listen>)")
+	cmd.Flags().StringVar(&c.E2BAdvertise, "e2b-advertise", "", "--role node: the URL control replicas reach this node's E2B endpoint at (default http://<--e2b-listen>); control replicas serve E2B for the cluster through it")
 	cmd.Flags().DurationVar(&c.NodeTTL, "node-ttl", 10*time.Second, "--role node: the node's lease in etcd; a node silent this long is down and its sandboxes reported lost")
 	cmd.Flags().IntVar(&c.PlaceAttempts, "place-attempts", 3, "--role control: nodes tried per create before it waits for capacity (a node's refusal moves it to the next)")
 	cmd.Flags().DurationVar(&c.PlaceWait, "place-wait", 60*time.Second, "--role control: how long a create may queue for capacity when no node can hold it")
@@ -123,7 +130,12 @@ func (c *clusterConfig) etcdClient() (*clientv3.Client, error) {
 
 // registerNode makes the node a member of the cluster: it registers, and
 // heartbeats until ctx ends. The returned stop waits for it to leave.
-func registerNode(ctx context.Context, c clusterConfig, mgr *node.Manager, layers *layer.Store, log *slog.Logger) (stop func(), err error) {
+// e2bAddr is the address of the node's E2B endpoint (nil: it serves none).
+func registerNode(ctx context.Context, c clusterConfig, e2bAddr net.Addr, mgr *node.Manager, layers *layer.Store, log *slog.Logger) (stop func(), err error) {
+	e2bURL, err := c.e2bURL(e2bAddr)
+	if err != nil {
+		return nil, err
+	}
 	cli, err := c.etcdClient()
 	if err != nil {
 		return nil, err
@@ -145,17 +157,39 @@ func registerNode(ctx context.Context, c clusterConfig, mgr *node.Manager, layer
 		return n, sbs
 	}
 	rctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-	reg, err := cluster.Register(rctx, cli, cluster.RegisterConfig{Name: c.NodeName, URL: c.Advertise, TTL: c.NodeTTL, Report: report, Log: log})
+	reg, err := cluster.Register(rctx, cli, cluster.RegisterConfig{Name: c.NodeName, URL: c.Advertise, E2BURL: e2bURL, TTL: c.NodeTTL, Report: report, Log: log})
 	cancel()
 	if err != nil {
 		cli.Close()
 		return nil, fmt.Errorf("register node %s in etcd: %w", c.NodeName, err)
 	}
-	log.Info("cluster: node registered", "node", c.NodeName, "tag", reg.Tag(), "url", c.Advertise, "etcd", c.Etcd)
+	log.Info("cluster: node registered", "node", c.NodeName, "tag", reg.Tag(), "url", c.Advertise, "e2b_url", e2bURL, "etcd", c.Etcd)
 	runCtx, cancelRun := context.WithCancel(ctx)
 	done := make(chan struct{})
 	go func() { defer close(done); reg.Run(runCtx) }()
 	return func() { cancelRun(); <-done; cli.Close() }, nil
+}
+
+// e2bURL is the E2B endpoint a node publishes: --e2b-advertise, else
+// http://<the address it listens on>; none when it serves no E2B.
+func (c *clusterConfig) e2bURL(addr net.Addr) (string, error) {
+	if addr == nil {
+		if c.E2BAdvertise != "" {
+			return "", errors.New("--e2b-advertise: this node serves no E2B endpoint (--e2b-listen is empty, or its default address was taken)")
+		}
+		return "", nil
+	}
+	if c.E2BAdvertise != "" {
+		u, err := url.Parse(c.E2BAdvertise)
+		if err != nil || u.Scheme != "http" || u.Host == "" {
+			return "", fmt.Errorf("--e2b-advertise %q: want http://HOST:PORT", c.E2BAdvertise)
+		}
+		return c.E2BAdvertise, nil
+	}
+	if a, ok := addr.(*net.TCPAddr); ok && a.IP.IsUnspecified() {
+		return "", fmt.Errorf("--e2b-listen %s listens on every address: give --e2b-advertise, the URL control replicas reach this node's E2B endpoint at", addr)
+	}
+	return "http://" + addr.String(), nil
 }
 
 // serveControl runs a control replica: the API in front of the cluster's
@@ -195,11 +229,25 @@ func serveControl(cfg serveConfig) error {
 	var protocols http.Protocols
 	protocols.SetHTTP1(true)
 	protocols.SetUnencryptedHTTP2(true)
-	srv := &http.Server{Handler: control.NewForwarder(dir, engine, auth, log).Handler(), Protocols: &protocols, ReadHeaderTimeout: 10 * time.Second}
+	fwd := control.NewForwarder(dir, engine, auth, log)
+	srv := &http.Server{Handler: fwd.Handler(), Protocols: &protocols, ReadHeaderTimeout: 10 * time.Second}
+	e2bLn, domain, err := listenE2B(cfg, log)
+	if err != nil {
+		ln.Close()
+		return err
+	}
 	log.Info("shoal control serving", "listen", ln.Addr().String(), "etcd", cfg.Cluster.Etcd, "nodes", len(dir.Live()),
 		"admin_key", filepath.Join(cfg.DataDir, control.AdminKeyFile))
-	errc := make(chan error, 1)
+	errc := make(chan error, 2)
 	go func() { errc <- srv.Serve(ln) }()
+	if e2bLn != nil {
+		// E2B's API and sandbox traffic for the whole cluster: creates
+		// placed, the rest passed on to the nodes' E2B endpoints.
+		e2bHTTP := &http.Server{Handler: fwd.E2BHandler(domain), Protocols: &protocols, ReadHeaderTimeout: 10 * time.Second}
+		defer e2bHTTP.Close()
+		log.Info("e2b endpoint serving (the cluster's)", "listen", e2bLn.Addr().String(), "domain", domain, "ca", filepath.Join(cfg.DataDir, e2b.CAFile))
+		go func() { errc <- e2bHTTP.Serve(e2bLn) }()
+	}
 	select {
 	case err := <-errc:
 		return err
@@ -208,4 +256,31 @@ func serveControl(cfg serveConfig) error {
 	shutdown, cancel2 := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel2()
 	return srv.Shutdown(shutdown)
+}
+
+// listenE2B opens the control replica's E2B endpoint as the all-in-one
+// serve does (serve.go): plain HTTP and TLS on one port, a default port
+// that is taken only warned about. nil: none.
+func listenE2B(cfg serveConfig, log *slog.Logger) (net.Listener, string, error) {
+	if cfg.E2B.Listen == "" {
+		return nil, "", nil
+	}
+	ln, err := net.Listen("tcp", cfg.E2B.Listen)
+	if err != nil {
+		if cfg.E2B.ListenSet {
+			return nil, "", fmt.Errorf("--e2b-listen: %w", err)
+		}
+		log.Warn("E2B endpoint disabled: its default address is taken (pass --e2b-listen to choose one)", "listen", cfg.E2B.Listen, "err", err)
+		return nil, "", nil
+	}
+	domain := cfg.E2B.Domain
+	if domain == "" {
+		domain = "shoal.localhost:" + strconv.Itoa(ln.Addr().(*net.TCPAddr).Port)
+	}
+	tl, err := e2b.Serve(ln, cfg.DataDir, domain)
+	if err != nil {
+		ln.Close()
+		return nil, "", err
+	}
+	return tl, domain, nil
 }

@@ -46,6 +46,10 @@ type NodeInfo struct {
 	Tag  string `json:"tag"`
 	// URL of its API (http://host:port), where control replicas forward.
 	URL string `json:"url"`
+	// E2BURL of its E2B endpoint (http://host:port), where control
+	// replicas forward E2B's API and sandbox traffic; empty when the node
+	// serves none.
+	E2BURL string `json:"e2b_url,omitempty"`
 	// Load: the capacity report, as placement reads it.
 	Load    placement.Node `json:"load"`
 	Started time.Time      `json:"started"`

@@ -51,7 +51,7 @@ func TestRegistryAndDirectory(t *testing.T) {
 	sbs := map[string][]CatalogEntry{}
 	register := func(name string, used int64) (*Registration, context.CancelFunc) {
 		var reg *Registration
-		reg, err := Register(ctx, client(t, ep), RegisterConfig{Name: name, URL: "http://" + name, TTL: 2 * time.Second, Log: log,
+		reg, err := Register(ctx, client(t, ep), RegisterConfig{Name: name, URL: "http://" + name, E2BURL: "http://e2b." + name, TTL: 2 * time.Second, Log: log,
 			Report: func() (placement.Node, []CatalogEntry) {
 				return placement.Node{MilliCPU: 8000, Memory: 16 << 30, UsedMilliCPU: used, Backends: []string{"container"}}, sbs[name]
 			}})
@@ -73,7 +73,7 @@ func TestRegistryAndDirectory(t *testing.T) {
 	if c := engine.Candidates(placement.Request{MilliCPU: 100}, 2); len(c) != 2 || c[0] != "node-b" {
 		t.Fatalf("placement candidates %v: want node-b (emptier) then node-a", c)
 	}
-	if n, err := dir.ForSandbox(idA); err != nil || n.Name != "node-a" || n.URL != "http://node-a" {
+	if n, err := dir.ForSandbox(idA); err != nil || n.Name != "node-a" || n.URL != "http://node-a" || n.E2BURL != "http://e2b.node-a" {
 		t.Fatalf("sandbox %s: %+v %v", idA, n, err)
 	}
 	if _, err := dir.ForSandbox("zzzz" + strings.Repeat("a", 16)); !errors.Is(err, errdefs.ErrNotFound) {

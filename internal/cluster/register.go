@@ -18,6 +18,9 @@ import (
 type RegisterConfig struct {
 	Name string
 	URL  string // the node's API as control replicas reach it
+	// E2BURL is the node's E2B endpoint as control replicas reach it
+	// (empty: it serves none).
+	E2BURL string
 	// TTL of the node's lease: a node silent this long is gone, and its
 	// sandboxes lost (default 10 s, at least 2 s).
 	TTL time.Duration
@@ -124,7 +127,7 @@ func (r *Registration) heartbeat(ctx context.Context) error {
 	}
 	load, sbs := r.cfg.Report()
 	load.Name = r.cfg.Name
-	info := NodeInfo{Name: r.cfg.Name, Tag: r.tag, URL: r.cfg.URL, Load: load, Started: r.started, Updated: time.Now().UTC()}
+	info := NodeInfo{Name: r.cfg.Name, Tag: r.tag, URL: r.cfg.URL, E2BURL: r.cfg.E2BURL, Load: load, Started: r.started, Updated: time.Now().UTC()}
 	b, err := json.Marshal(info)
 	if err != nil {
 		return err

@@ -508,8 +508,14 @@ func (f listFilter) match(l listedSandbox, created time.Time) bool {
 }
 
 // pageToken is the opaque X-Next-Token: where the next page starts.
-func pageToken(rec node.Record) string {
-	return base64.RawURLEncoding.EncodeToString([]byte(strconv.FormatInt(rec.Created.UnixNano(), 10) + "/" + rec.ID))
+func pageToken(rec node.Record) string { return PageToken(rec.Created, rec.ID) }
+
+// PageToken is the X-Next-Token of a list page that ends with the sandbox
+// id created at created: the next page starts after it (in the list's
+// order: creation time, then ID), on any node, since it names a position,
+// not a sandbox a node must hold (the control role merges nodes' pages).
+func PageToken(created time.Time, id string) string {
+	return base64.RawURLEncoding.EncodeToString([]byte(strconv.FormatInt(created.UnixNano(), 10) + "/" + id))
 }
 
 func parsePageToken(tok string) (int64, string, error) {

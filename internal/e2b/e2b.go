@@ -228,7 +228,7 @@ func New(cfg Config, db *bbolt.DB, sandboxes Sandboxes, commands Commands, apiAu
 	}
 	s.watchers = newWatcherRegistry(s)
 	s.proxy = newPortProxy(s)
-	s.api = keyAlias(apiAuth(s.apiRoutes()))
+	s.api = KeyAlias(apiAuth(s.apiRoutes()))
 	s.envd = s.envdRoutes()
 	return s, nil
 }
@@ -339,20 +339,12 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 }
 
 func (s *Server) serveHTTP(w http.ResponseWriter, r *http.Request) {
-	if id := r.Header.Get("E2b-Sandbox-Id"); id != "" {
-		port := EnvdPort
-		if p := r.Header.Get("E2b-Sandbox-Port"); p != "" {
-			n, err := strconv.Atoi(p)
-			if err != nil || n < 1 || n > 65535 {
-				writeError(w, http.StatusBadRequest, fmt.Sprintf("E2b-Sandbox-Port %q is not a port number", p))
-				return
-			}
-			port = n
-		}
-		s.sandboxTraffic(w, r, id, port)
+	id, port, ok, err := SandboxTarget(r)
+	if err != nil {
+		writeError(w, http.StatusBadRequest, err.Error())
 		return
 	}
-	if port, id, ok := parseSandboxHost(r.Host); ok {
+	if ok {
 		s.sandboxTraffic(w, r, id, port)
 		return
 	}
@@ -363,10 +355,32 @@ func (s *Server) serveHTTP(w http.ResponseWriter, r *http.Request) {
 	s.api.ServeHTTP(w, r)
 }
 
-// keyAlias accepts Shoal's generated API key ("sk_shoal_<hex>") in E2B's
+// SandboxTarget says whether r is sandbox traffic, and for which sandbox
+// and port: by the headers E2b-Sandbox-Id and E2b-Sandbox-Port (default
+// EnvdPort), else by a host name PORT-SANDBOXID.DOMAIN. ok is false for
+// the control plane. A bad E2b-Sandbox-Port is an error.
+func SandboxTarget(r *http.Request) (id string, port int, ok bool, err error) {
+	if id := r.Header.Get("E2b-Sandbox-Id"); id != "" {
+		port := EnvdPort
+		if p := r.Header.Get("E2b-Sandbox-Port"); p != "" {
+			n, err := strconv.Atoi(p)
+			if err != nil || n < 1 || n > 65535 {
+				return "", 0, false, fmt.Errorf("E2b-Sandbox-Port %q is not a port number", p)
+			}
+			port = n
+		}
+		return id, port, true, nil
+	}
+	if port, id, ok := parseSandboxHost(r.Host); ok {
+		return id, port, true, nil
+	}
+	return "", 0, false, nil
+}
+
+// KeyAlias accepts Shoal's generated API key ("sk_shoal_<hex>") in E2B's
 // format as well, "e2b_<hex>": some SDK versions refuse a key that does not
 // look like E2B's (unless E2B_VALIDATE_API_KEY=false).
-func keyAlias(next http.Handler) http.Handler {
+func KeyAlias(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if k := r.Header.Get("X-API-Key"); strings.HasPrefix(k, "e2b_") {
 			r.Header.Set("X-API-Key", "sk_shoal_"+k[len("e2b_"):])
@@ -504,6 +518,9 @@ type apiError struct {
 	Code    int    `json:"code"`
 	Message string `json:"message"`
 }
+
+// WriteError answers status with E2B's error body (what the SDK reads).
+func WriteError(w http.ResponseWriter, status int, msg string) { writeError(w, status, msg) }
 
 func writeError(w http.ResponseWriter, status int, msg string) {
 	w.Header().Set("Content-Type", "application/json")

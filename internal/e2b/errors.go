@@ -80,6 +80,10 @@ func httpStatusOf(err error) int {
 	return http.StatusInternalServerError
 }
 
+// WriteErr answers err with E2B's error body and the HTTP status its kind
+// maps to (the E2B face's one mapping).
+func WriteErr(w http.ResponseWriter, err error) { writeErr(w, err) }
+
 func writeErr(w http.ResponseWriter, err error) {
 	writeError(w, httpStatusOf(err), err.Error())
 }

@@ -6,7 +6,8 @@
 // reported lost while the other node's keep working, and the node
 // restarted on its data directory has them back. The dashboard of a
 // replica shows both nodes and the sandboxes of each, and its terminal
-// reaches a sandbox on either (dash_test.go).
+// reaches a sandbox on either (dash_test.go). E2B's API and envd, through
+// a replica's E2B endpoint, reach sandboxes on both nodes (e2b_test.go).
 //
 // It needs root, runc, mkfs.erofs and busybox (as test/e2e); without them
 // it skips, saying which is missing.
@@ -75,6 +76,7 @@ func freeAddr(t *testing.T) string {
 // proc is one serve process.
 type proc struct {
 	name, addr, data string
+	e2b              string // its E2B endpoint's address
 	args             []string
 	cmd              *exec.Cmd
 }
@@ -173,16 +175,16 @@ func TestCluster(t *testing.T) {
 	}
 	nodes := []*proc{{name: "n1"}, {name: "n2"}}
 	for i, n := range nodes {
-		n.addr, n.data = freeAddr(t), mkdata(n.name)
+		n.addr, n.e2b, n.data = freeAddr(t), freeAddr(t), mkdata(n.name)
 		n.args = []string{"--role", "node", "--etcd", etcd, "--node-name", n.name, "--node-ttl", "2s",
-			"--e2b-listen=", "--egress-subnet=", "--pool-size", "0", "--min-available", "none",
+			"--e2b-listen", n.e2b, "--egress-subnet=", "--pool-size", "0", "--min-available", "none",
 			"--userns-base", fmt.Sprint(1_500_000_000 + i*100_000_000)}
 	}
 	nodes[1].args = append(nodes[1].args, "--log-format", "json") // n2's log: JSON lines
 	controls := []*proc{{name: "c1"}, {name: "c2"}}
 	for _, c := range controls {
-		c.addr, c.data = freeAddr(t), mkdata(c.name)
-		c.args = []string{"--role", "control", "--etcd", etcd}
+		c.addr, c.e2b, c.data = freeAddr(t), freeAddr(t), mkdata(c.name)
+		c.args = []string{"--role", "control", "--etcd", etcd, "--e2b-listen", c.e2b}
 	}
 	t.Cleanup(func() {
 		for _, c := range controls {
@@ -347,10 +349,12 @@ func TestCluster(t *testing.T) {
 		t.Fatalf("list through control: %d sandboxes, %v; want 2", len(sbs), err)
 	}
 	pythonSDK(t, controls[1].addr, key) // the Python SDK, unchanged, against a control replica
+	step("python")
+	checkE2B(t, ctx, controls, nodes, key, tags) // E2B's API and envd through the replicas (e2b_test.go)
+	step("e2b")
 
 	// Kill n2: after its lease ends its sandboxes are reported lost, and
 	// n1's keep working; new creates go to n1.
-	step("python")
 	nodes[1].kill()
 	lost := onNode["n2"][0]
 	waitFor(t, "n2's sandbox reported lost", func() error {
@@ -361,6 +365,7 @@ func TestCluster(t *testing.T) {
 		return fmt.Errorf("get %s: %v", lost, err)
 	})
 	checkDashboardLost(t, controls[1].addr, key, "n2", lost)
+	checkE2BLost(t, ctx, controls[0], key, lost)
 	// The other replica lists them lost too, at once (it may not have
 	// seen the lease end yet: then the node does not answer).
 	sbs, err = c2.List(ctx)
