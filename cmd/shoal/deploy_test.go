@@ -149,11 +149,14 @@ func TestDeployFiles(t *testing.T) {
 				if !slices.ContainsFunc(c.Ports, func(cp port) bool { return fmt.Sprint(cp.ContainerPort) == p }) {
 					t.Errorf("%s/%s: listens on %s (--%s) but declares ports %v", o.Metadata.Name, c.Name, p, flag, c.Ports)
 				}
-				if fl.Changed("advertise") {
-					adv, _ := fl.GetString("advertise")
-					if !strings.HasSuffix(adv, ":"+p) && flag == "listen" {
-						t.Errorf("%s/%s: --advertise %s is not the port it listens on (%s)", o.Metadata.Name, c.Name, adv, p)
+				advFlag := map[string]string{"listen": "advertise", "e2b-listen": "e2b-advertise"}[flag]
+				if fl.Changed(advFlag) {
+					adv, _ := fl.GetString(advFlag)
+					if !strings.HasSuffix(adv, ":"+p) {
+						t.Errorf("%s/%s: --%s %s is not the port it listens on (%s)", o.Metadata.Name, c.Name, advFlag, adv, p)
 					}
+				} else if role, _ := fl.GetString("role"); role == "node" && strings.HasPrefix(addr, "0.0.0.0:") {
+					t.Errorf("%s/%s: a node listening on every address (--%s %s) must give --%s", o.Metadata.Name, c.Name, flag, addr, advFlag)
 				}
 			}
 		}
