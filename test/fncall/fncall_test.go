@@ -350,7 +350,10 @@ int main(void){
 	while(wait(0)>0);
 	return 0;
 }
-`, Limits: &pb.Limits{CpuTimeMs: 5000, MemoryBytes: 256 << 20}})
+`, Limits: &pb.Limits{CpuTimeMs: 5000, MemoryBytes: 256 << 20,
+		// What is checked is the accounting, not the wall clock: the
+		// default (2 × CPU + 1 s) ran out once on a host at load ~30.
+		WallTimeMs: 120000}})
 	if err != nil || res.Verdict != pb.Verdict_VERDICT_OK {
 		t.Fatalf("%v %s", err, describe(res))
 	}
