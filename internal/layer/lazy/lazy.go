@@ -7,8 +7,9 @@
 // ranged read of the store (concurrent readers of one chunk share one
 // fetch), checked against the chunk digest list written beside the blob at
 // push time, retried with back-off, and cached. The cache is bounded (LRU
-// over chunks, evicted as new ones come in) and survives a restart: its
-// chunks are files named by image and index, checked again on every read.
+// over pack files of chunks, evicted as new ones come in) and survives a
+// restart: chunks are appended, zstd-compressed, to pack files indexed
+// again on open, and checked again on every read.
 // A chunk that cannot be fetched within Config.FetchTimeout fails the read
 // with EIO: a store that goes away gives the reader an I/O error, never a
 // hang.
@@ -271,6 +272,7 @@ func (f *FS) Unmount() error {
 	if err != nil {
 		unix.Unmount(f.mnt, unix.MNT_DETACH)
 	}
+	f.cache.close()
 	return err
 }
 
