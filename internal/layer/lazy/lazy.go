@@ -58,7 +58,7 @@ import (
 // 3.0x at 16 KiB and 6.6x at 64 KiB; the real workload of `shoal bench
 // lazy` fetched 1.24x what the kernel read at 16 KiB. Since a read's
 // missing chunks go in one request, a small chunk costs no round trips;
-// it costs a digest (and a cache file) per chunk, so not smaller.
+// it costs a digest (and a cache record) per chunk, so not smaller.
 const DefaultChunkSize = 16 << 10
 
 // Limits on what a chunk list may say.

@@ -86,11 +86,13 @@ func (s *sched) broadcastLocked() {
 
 // tryBackground takes a background slot if no more than own demand
 // fetches are waiting or in flight (those of the caller's read, for its
-// readahead) and one is free; it never waits.
+// readahead) and one is free; it never waits. The hold does not apply:
+// the caller's read is the fault that came, and its readahead is what
+// the same process reads next.
 func (s *sched) tryBackground(own int) bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.demand > own || s.bg >= s.bgMax || time.Since(s.lastDemand) < s.hold {
+	if s.demand > own || s.bg >= s.bgMax {
 		return false
 	}
 	s.bg++

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"math/rand/v2"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -116,5 +117,38 @@ func TestDemandBeforePrefetch(t *testing.T) {
 	}
 	if got, want := f.Stats().ChunksFetched, int64(traced+reads); got != want {
 		t.Fatalf("fetched %d chunks, want %d: some were fetched twice", got, want)
+	}
+}
+
+// TestReadaheadAlone: a lone reader's sequential misses still read ahead
+// right after one another (the hold that keeps prefetch off between a
+// process's faults does not drop them).
+func TestReadaheadAlone(t *testing.T) {
+	const chunk = 16 << 10
+	st, data := slowS3(t, 0, 1<<20)
+	m, err := BuildManifest(bytes.NewReader(data), chunk)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f, err := newFS(st, Config{CacheDir: t.TempDir(), Readahead: 4}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	im, _ := f.newImage(strings.Repeat("cd", 32), "img", m)
+	defer im.stop()
+	buf := make([]byte, chunk)
+	for _, i := range []int{10, 11} { // the second miss follows the first
+		if n, err := im.readAt(context.Background(), buf, int64(i)*chunk); err != nil || !bytes.Equal(buf[:n], data[i*chunk:(i+1)*chunk]) {
+			t.Fatalf("read chunk %d: %v, or not its bytes", i, err)
+		}
+	}
+	deadline := time.Now().Add(20 * time.Second)
+	for i := 12; i < 16; i++ {
+		for !f.cache.has(im.hex, i) {
+			if time.Now().After(deadline) {
+				t.Fatalf("chunk %d not read ahead after 20s of a sequential miss", i)
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
 	}
 }
