@@ -103,8 +103,8 @@ func TestDemandBeforePrefetch(t *testing.T) {
 	// loader did, the reads get 1/(Parallel+1) of it.
 	shared := time.Duration(float64(reads*chunk*(f.cfg.Parallel+1)) / rate * float64(time.Second))
 	t.Logf("%d demand reads took %v while a prefetch ran (sharing the link evenly: ~%v, alone: ~%v)", reads, took, shared, time.Duration(float64(reads*chunk)/rate*float64(time.Second)))
-	if took > shared/2 {
-		t.Fatalf("%d demand reads took %v behind a prefetch, want under %v: demand fetches are not served first", reads, took, shared/2)
+	if took > shared*6/10 {
+		t.Fatalf("%d demand reads took %v behind a prefetch, want under %v: demand fetches are not served first", reads, took, shared*6/10)
 	}
 
 	// A traced chunk the prefetch has not reached: fetched on demand, then
