@@ -7,8 +7,9 @@
 // ranged read of the store (concurrent readers of one chunk share one
 // fetch), checked against the chunk digest list written beside the blob at
 // push time, retried with back-off, and cached. The cache is bounded (LRU
-// over chunks, evicted as new ones come in) and survives a restart: its
-// chunks are files named by image and index, checked again on every read.
+// over pack files of chunks, evicted as new ones come in) and survives a
+// restart: chunks are appended, zstd-compressed, to pack files indexed
+// again on open, and checked again on every read.
 // A chunk that cannot be fetched within Config.FetchTimeout fails the read
 // with EIO: a store that goes away gives the reader an I/O error, never a
 // hang.
@@ -17,6 +18,10 @@
 // trace, persisted per image in the cache directory); later opens prefetch
 // the traced chunks in the background in that order, so that a cold start
 // reads from the cache instead of waiting on the network.
+//
+// Reads that wait on the store come first (sched): background fetches
+// (readahead, trace prefetch) keep off the store while any such fetch
+// waits or runs, and ask for at most 256 KiB each.
 //
 // The layer package mounts EROFS from the FUSE file through a loop device
 // (the kernel's file-backed EROFS mount refuses a FUSE file).
@@ -53,7 +58,7 @@ import (
 // 3.0x at 16 KiB and 6.6x at 64 KiB; the real workload of `shoal bench
 // lazy` fetched 1.24x what the kernel read at 16 KiB. Since a read's
 // missing chunks go in one request, a small chunk costs no round trips;
-// it costs a digest (and a cache file) per chunk, so not smaller.
+// it costs a digest (and a cache record) per chunk, so not smaller.
 const DefaultChunkSize = 16 << 10
 
 // Limits on what a chunk list may say.
@@ -120,9 +125,13 @@ type Config struct {
 	CacheMax     int64         // bytes of cached chunks at most (default 10 GiB)
 	FetchTimeout time.Duration // a chunk not fetched by then fails its read with EIO (default 30s)
 	Parallel     int           // background fetches (readahead, prefetch) at once (default 8)
-	Readahead    int           // chunks fetched ahead of a sequential miss (default 4)
-	TraceChunks  int           // chunks a trace records at most (default 65536)
-	NoPrefetch   bool          // record traces but never prefetch (benchmarks)
+	// DemandParallel bounds the fetches for reads that wait on them
+	// (cache misses) in flight at once; more wait in arrival order
+	// (default 32).
+	DemandParallel int
+	Readahead      int  // chunks fetched ahead of a sequential miss (default 4)
+	TraceChunks    int  // chunks a trace records at most (default 65536)
+	NoPrefetch     bool // record traces but never prefetch (benchmarks)
 	// OnFetch, if set, is called after each chunk fetched from the store
 	// (metrics); it must not block.
 	OnFetch func(bytes int, took time.Duration)
@@ -137,6 +146,9 @@ func (c *Config) fill() {
 	}
 	if c.Parallel <= 0 {
 		c.Parallel = 8
+	}
+	if c.DemandParallel <= 0 {
+		c.DemandParallel = 32
 	}
 	if c.Readahead < 0 {
 		c.Readahead = 0
@@ -188,7 +200,7 @@ type FS struct {
 	root  *rootNode
 	srv   *fuse.Server
 	cache *cache
-	bg    chan struct{} // background fetch slots
+	sched *sched
 
 	mu     sync.Mutex
 	images map[string]*image // by hex; guarded by mu
@@ -204,14 +216,7 @@ var hexRE = regexp.MustCompile(`^[0-9a-f]{64}$`)
 // Mount mounts an FS at mnt (created if needed; a stale mount left there by
 // an earlier process is detached first) serving chunks from src.
 func Mount(mnt string, src Source, cfg Config, log *slog.Logger) (*FS, error) {
-	cfg.fill()
-	if log == nil {
-		log = slog.New(slog.DiscardHandler)
-	}
-	if cfg.CacheDir == "" {
-		return nil, errors.New("lazy: no cache directory")
-	}
-	c, err := openCache(cfg.CacheDir, cfg.CacheMax)
+	f, err := newFS(src, cfg, log)
 	if err != nil {
 		return nil, err
 	}
@@ -223,7 +228,7 @@ func Mount(mnt string, src Source, cfg Config, log *slog.Logger) (*FS, error) {
 	if err := os.MkdirAll(mnt, 0o755); err != nil {
 		return nil, fmt.Errorf("lazy mount: %w", err)
 	}
-	f := &FS{cfg: cfg, src: src, log: log, mnt: mnt, cache: c, bg: make(chan struct{}, cfg.Parallel), images: map[string]*image{}}
+	f.mnt = mnt
 	f.root = &rootNode{fs: f}
 	sec := time.Hour // images never change
 	f.srv, err = fs.Mount(mnt, f.root, &fs.Options{
@@ -240,6 +245,22 @@ func Mount(mnt string, src Source, cfg Config, log *slog.Logger) (*FS, error) {
 	return f, nil
 }
 
+// newFS makes an FS that is not mounted yet.
+func newFS(src Source, cfg Config, log *slog.Logger) (*FS, error) {
+	cfg.fill()
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	if cfg.CacheDir == "" {
+		return nil, errors.New("lazy: no cache directory")
+	}
+	c, err := openCache(cfg.CacheDir, cfg.CacheMax)
+	if err != nil {
+		return nil, err
+	}
+	return &FS{cfg: cfg, src: src, log: log, cache: c, sched: newSched(cfg.DemandParallel, cfg.Parallel), images: map[string]*image{}}, nil
+}
+
 // Unmount closes every image and unmounts the FS.
 func (f *FS) Unmount() error {
 	f.mu.Lock()
@@ -251,6 +272,7 @@ func (f *FS) Unmount() error {
 	if err != nil {
 		unix.Unmount(f.mnt, unix.MNT_DETACH)
 	}
+	f.cache.close()
 	return err
 }
 
@@ -270,10 +292,7 @@ func (f *FS) Open(hexDigest, key string, m Manifest) (string, error) {
 		im.opens++
 		return filepath.Join(f.mnt, hexDigest), nil
 	}
-	im := &image{fs: f, hex: hexDigest, key: key, m: m, opens: 1, inflight: map[int]*call{}, touched: map[int32]bool{}, done: make(chan struct{})}
-	im.loadTrace()
-	prefetch := len(im.trace) > 0 && !f.cfg.NoPrefetch
-	im.recording = !prefetch // decided before the file is visible: reads see it set
+	im, prefetch := f.newImage(hexDigest, key, m)
 	ctx := context.Background()
 	ch := f.root.NewPersistentInode(ctx, &fileNode{im: im}, fs.StableAttr{Mode: syscall.S_IFREG})
 	if !f.root.AddChild(hexDigest, ch, true) {
@@ -285,6 +304,16 @@ func (f *FS) Open(hexDigest, key string, m Manifest) (string, error) {
 	}
 	go im.flushLoop()
 	return filepath.Join(f.mnt, hexDigest), nil
+}
+
+// newImage makes the image <hex> of key, with its trace loaded; prefetch
+// says whether its trace is to be prefetched.
+func (f *FS) newImage(hexDigest, key string, m Manifest) (im *image, prefetch bool) {
+	im = &image{fs: f, hex: hexDigest, key: key, m: m, opens: 1, inflight: map[int]*call{}, touched: map[int32]bool{}, done: make(chan struct{})}
+	im.loadTrace()
+	prefetch = len(im.trace) > 0 && !f.cfg.NoPrefetch
+	im.recording = !prefetch // decided before the file is visible: reads see it set
+	return im, prefetch
 }
 
 // Close drops one Open of the image; the last one removes its file, stops
@@ -427,16 +456,19 @@ func (im *image) readAt(ctx context.Context, dest []byte, off int64) (int, error
 		calls[i-first] = c
 	}
 	if len(fresh) > 0 {
-		for _, run := range runs(fresh) {
-			go im.fetchRun(run, im.callsOf(run))
+		rs := runs(fresh)
+		for _, run := range rs {
+			f.sched.beginDemand() // before any readahead below: it sees this read's fetches
+			go im.fetchRun(run, im.callsOf(run), true)
 		}
-		// A miss right after the previous one's chunks: read ahead.
+		// A miss right after the previous one's chunks: read ahead, if
+		// no other read waits on the store.
 		im.mu.Lock()
 		seq := fresh[0] == im.lastMiss+1 || fresh[0] == im.lastMiss
 		im.lastMiss = fresh[len(fresh)-1]
 		im.mu.Unlock()
 		if seq && f.cfg.Readahead > 0 {
-			im.background(last+1, f.cfg.Readahead)
+			im.background(last+1, f.cfg.Readahead, len(rs))
 		}
 	}
 	for k, c := range calls {
@@ -531,34 +563,45 @@ func (im *image) claim(idx []int) []int {
 	return out
 }
 
+// bgChunks is how many chunks one background request asks for at most.
+func (im *image) bgChunks() int {
+	return int(max(1, min(maxRun, bgMaxBytes/im.m.ChunkSize)))
+}
+
 // background fetches up to n chunks from i on that are neither cached nor
-// being fetched, if a background slot is free; it never waits.
-func (im *image) background(i, n int) {
-	select {
-	case im.fs.bg <- struct{}{}:
-	default:
+// being fetched, if a background slot is free and no more than own demand
+// fetches (the caller's) are waiting or in flight; it never waits.
+func (im *image) background(i, n, own int) {
+	if !im.fs.sched.tryBackground(own) {
 		return
 	}
+	n = min(n, im.bgChunks())
 	idx := make([]int, 0, n)
 	for k := i; k < i+n && k < len(im.m.Digests); k++ {
 		idx = append(idx, k)
 	}
 	todo := im.claim(idx)
 	go func() {
-		defer func() { <-im.fs.bg }()
+		defer im.fs.sched.releaseBackground()
 		for _, run := range runs(todo) {
-			im.fetchRun(run, im.callsOf(run))
+			im.fetchRun(run, im.callsOf(run), false)
 		}
 	}()
 }
 
 // fetchRun gets the adjacent chunks run from the store with one ranged
 // read, checks each against its digest, caches them, and completes their
-// calls, retrying with back-off until the fetch timeout.
-func (im *image) fetchRun(run []int, calls []*call) {
+// calls, retrying with back-off until the fetch timeout. A demand fetch
+// (counted by sched.beginDemand) first takes a demand slot, within the
+// same timeout, and is uncounted when it ends; a background one runs in
+// a background slot its caller holds.
+func (im *image) fetchRun(run []int, calls []*call, demand bool) {
 	f := im.fs
 	var data [][]byte
 	var err error
+	if demand {
+		defer f.sched.endDemand()
+	}
 	defer func() {
 		im.mu.Lock()
 		for _, i := range run {
@@ -576,6 +619,13 @@ func (im *image) fetchRun(run []int, calls []*call) {
 	}()
 	ctx, cancel := context.WithTimeout(context.Background(), f.cfg.FetchTimeout)
 	defer cancel()
+	if demand {
+		if err = f.sched.demandSlot(ctx); err != nil {
+			err = fmt.Errorf("fetch chunks %d..%d of %s: waiting for a fetch slot: %w", run[0], run[len(run)-1], im.hex, err)
+			return
+		}
+		defer f.sched.releaseSlot()
+	}
 	var total int64
 	for _, i := range run {
 		total += im.chunkLen(i)
@@ -644,8 +694,9 @@ func deadline(ctx context.Context) time.Time {
 	return d
 }
 
-// prefetch fetches the traced chunks in trace order, Parallel at a time,
-// until done or closed.
+// prefetch fetches the traced chunks in trace order, in background slots
+// (Parallel at a time, none while a read waits on the store), until done
+// or closed.
 func (im *image) prefetch() {
 	im.mu.Lock()
 	im.prefetching = true
@@ -661,7 +712,7 @@ func (im *image) prefetch() {
 	for _, i := range order {
 		if n := len(groups); n > 0 {
 			g := groups[n-1]
-			if int(i) == g[len(g)-1]+1 && len(g) < maxRun {
+			if int(i) == g[len(g)-1]+1 && len(g) < im.bgChunks() {
 				groups[n-1] = append(g, int(i))
 				continue
 			}
@@ -670,24 +721,22 @@ func (im *image) prefetch() {
 	}
 	var wg sync.WaitGroup
 	for _, g := range groups {
-		select {
-		case im.fs.bg <- struct{}{}:
-		case <-im.done:
+		if !im.fs.sched.acquireBackground(im.done) {
 			wg.Wait()
 			return
 		}
 		todo := im.claim(g)
 		if len(todo) == 0 {
-			<-im.fs.bg
+			im.fs.sched.releaseBackground()
 			continue
 		}
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			defer func() { <-im.fs.bg }()
+			defer im.fs.sched.releaseBackground()
 			for _, run := range runs(todo) {
 				cs := im.callsOf(run)
-				im.fetchRun(run, cs)
+				im.fetchRun(run, cs, false)
 				if cs[0].err == nil {
 					im.fs.prefetched.Add(int64(len(run)))
 					im.mu.Lock()
