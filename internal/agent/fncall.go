@@ -492,8 +492,9 @@ func (s *Server) fnRun(c net.Conn, req *wireFnRun) {
 	// The thread that forked it joined the run's cgroups and exits with its
 	// goroutine, soon after the fork but not at once on a loaded host: the
 	// run ends when it is gone, so that the cgroups hold nothing of the
-	// agent when the host looks at them.
-	waitThreadGone(cmd.forker, 5*time.Second)
+	// agent when the host looks at them. (5 s was not enough once, with
+	// two test suites at once on 2 cores; a thread's exit always comes.)
+	waitThreadGone(cmd.forker, 30*time.Second)
 	pumped := make(chan struct{})
 	go func() { wg.Wait(); close(pumped) }()
 	select {
