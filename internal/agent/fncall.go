@@ -424,11 +424,13 @@ func (s *Server) fnRun(c net.Conn, req *wireFnRun) {
 			go func() { defer kills.Done(); killUID(req.UID, 5*time.Second) }()
 		}
 	}
+	stopTimer := func() bool { return true }
 	if req.TimeoutNs > 0 {
 		t := time.AfterFunc(time.Duration(req.TimeoutNs), func() {
 			timedOut.Store(true)
 			killAll()
 		})
+		stopTimer = t.Stop
 		defer t.Stop()
 	}
 	var wmu sync.Mutex
@@ -482,6 +484,10 @@ func (s *Server) fnRun(c net.Conn, req *wireFnRun) {
 
 	<-cmd.done
 	wall := time.Since(start)
+	// The time limit is the process's: what the run does after its exit
+	// (killing leftovers, waiting for the forking thread to leave the
+	// cgroups, which a loaded host can delay for seconds) is not timed.
+	stopTimer()
 	kmu.Lock()
 	finished = true
 	kmu.Unlock()
