@@ -409,25 +409,33 @@ func (f *Forwarder) deleteSandbox(ctx context.Context, req *connect.Request[pb.D
 	return connect.NewResponse(res.Msg), nil
 }
 
-func (f *Forwarder) listSandboxes(ctx context.Context, req *connect.Request[pb.ListSandboxesRequest]) (*connect.Response[pb.ListSandboxesResponse], error) {
-	const proc = "/shoal.v1.SandboxService/ListSandboxes"
-	live := f.dir.Live()
-	results := make([]*pb.ListSandboxesResponse, len(live))
-	errs := make([]error, len(live))
+// onEveryNode calls fn for each node at once and returns their answers and
+// errors, in the nodes' order.
+func onEveryNode[T any](nodes []cluster.NodeInfo, fn func(n cluster.NodeInfo) (T, error)) ([]T, []error) {
+	results := make([]T, len(nodes))
+	errs := make([]error, len(nodes))
 	var wg sync.WaitGroup
-	for i, n := range live {
+	for i, n := range nodes {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			res, err := clientFor[pb.ListSandboxesRequest, pb.ListSandboxesResponse](f, n, proc).CallUnary(ctx, outgoing(req.Msg, req.Header()))
-			if err != nil {
-				errs[i] = fmt.Errorf("node %s: %w", n.Name, err)
-				return
-			}
-			results[i] = res.Msg
+			results[i], errs[i] = fn(n)
 		}()
 	}
 	wg.Wait()
+	return results, errs
+}
+
+func (f *Forwarder) listSandboxes(ctx context.Context, req *connect.Request[pb.ListSandboxesRequest]) (*connect.Response[pb.ListSandboxesResponse], error) {
+	const proc = "/shoal.v1.SandboxService/ListSandboxes"
+	live := f.dir.Live()
+	results, errs := onEveryNode(live, func(n cluster.NodeInfo) (*pb.ListSandboxesResponse, error) {
+		res, err := clientFor[pb.ListSandboxesRequest, pb.ListSandboxesResponse](f, n, proc).CallUnary(ctx, outgoing(req.Msg, req.Header()))
+		if err != nil {
+			return nil, fmt.Errorf("node %s: %w", n.Name, err)
+		}
+		return res.Msg, nil
+	})
 	p := tenant.FromContext(ctx)
 	out := &pb.ListSandboxesResponse{}
 	lostAs := func(e cluster.CatalogEntry, why string) {

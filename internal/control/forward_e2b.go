@@ -43,7 +43,6 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"sync"
 	"time"
 
 	"connectrpc.com/connect"
@@ -430,19 +429,11 @@ func (g *e2bForwarder) list(w http.ResponseWriter, r *http.Request) {
 			live = append(live, n)
 		}
 	}
-	answers := make([]*nodeAnswer, len(live))
-	errs := make([]error, len(live))
-	var wg sync.WaitGroup
-	for i, n := range live {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			ctx, cancel := context.WithTimeout(r.Context(), e2bListTimeout)
-			defer cancel()
-			answers[i], errs[i] = g.call(ctx, n, r, http.MethodGet, r.URL.Path, r.URL.RawQuery, nil)
-		}()
-	}
-	wg.Wait()
+	answers, errs := onEveryNode(live, func(n cluster.NodeInfo) (*nodeAnswer, error) {
+		ctx, cancel := context.WithTimeout(r.Context(), e2bListTimeout)
+		defer cancel()
+		return g.call(ctx, n, r, http.MethodGet, r.URL.Path, r.URL.RawQuery, nil)
+	})
 	var all []listed
 	more, running, answered := false, 0, 0
 	for i, a := range answers {

@@ -16,7 +16,6 @@ import (
 	"net/url"
 	"slices"
 	"strings"
-	"sync"
 	"time"
 
 	"connectrpc.com/connect"
@@ -41,24 +40,15 @@ func (f *Forwarder) getStatus(ctx context.Context, req *connect.Request[pb.GetSt
 	const proc = "/shoal.v1.MonitorService/GetStatus"
 	p := tenant.FromContext(ctx)
 	live := f.dir.Live()
-	results := make([]*pb.Status, len(live))
-	errs := make([]error, len(live))
-	var wg sync.WaitGroup
-	for i, n := range live {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			nctx, cancel := context.WithTimeout(ctx, statusTimeout)
-			defer cancel()
-			res, err := clientFor[pb.GetStatusRequest, pb.Status](f, n, proc).CallUnary(nctx, outgoing(req.Msg, req.Header()))
-			if err != nil {
-				errs[i] = err
-				return
-			}
-			results[i] = res.Msg
-		}()
-	}
-	wg.Wait()
+	results, errs := onEveryNode(live, func(n cluster.NodeInfo) (*pb.Status, error) {
+		nctx, cancel := context.WithTimeout(ctx, statusTimeout)
+		defer cancel()
+		res, err := clientFor[pb.GetStatusRequest, pb.Status](f, n, proc).CallUnary(nctx, outgoing(req.Msg, req.Header()))
+		if err != nil {
+			return nil, err
+		}
+		return res.Msg, nil
+	})
 	out := &pb.Status{Time: timestamppb.Now()}
 	lost := func(es []cluster.CatalogEntry, node string) {
 		for _, e := range es {
