@@ -207,8 +207,12 @@ type Manager struct {
 
 	// orphans: after a restart, the sandboxes whose agents may hold
 	// commands the node never recorded, until reapOrphans has looked
-	// (guarded by mu; see orphanGate).
-	orphans map[string]*orphanGate
+	// (guarded by mu). Each one's mutex orders the search with the
+	// commands started there meanwhile: a start holds it from before it
+	// asks the agent until the command is registered, and the search holds
+	// it from its listing of the agent's commands until it has reaped what
+	// it found, so a command just started is never taken for an orphan.
+	orphans map[string]*sync.Mutex
 
 	trajLocks keyedMutex // serializes the steps of one trajectory
 }
@@ -244,7 +248,7 @@ func New(cfg Config, db *bbolt.DB, sb Sandboxes, log *slog.Logger) (*Manager, er
 	ctx, cancel := context.WithCancel(context.Background())
 	m := &Manager{cfg: cfg, log: log, db: db, sb: sb, ctx: ctx, cancel: cancel,
 		cmds: map[string]*Command{}, shells: map[string]*Shell{}, ended: map[string]*endedList{},
-		orphans: map[string]*orphanGate{}}
+		orphans: map[string]*sync.Mutex{}}
 	if err := m.shellsInit(); err != nil {
 		return nil, fmt.Errorf("open session store: %w", err)
 	}
@@ -1172,7 +1176,7 @@ func (m *Manager) Recover(ctx context.Context) error {
 		if err != nil {
 			continue
 		}
-		g := &orphanGate{}
+		g := &sync.Mutex{}
 		m.mu.Lock()
 		m.orphans[sandboxID] = g
 		m.mu.Unlock()
@@ -1181,17 +1185,8 @@ func (m *Manager) Recover(ctx context.Context) error {
 	return nil
 }
 
-// orphanGate orders the search for orphan commands in one sandbox with the
-// commands started there meanwhile: a start holds mu from before it asks
-// the agent until the command is registered, and a search holds it from
-// its listing of the agent's commands until it has reaped what it found,
-// so a command just started is never taken for an orphan.
-type orphanGate struct {
-	mu sync.Mutex
-}
-
-// holdOrphanGate holds the sandbox's orphan gate, if a search is pending,
-// and returns what releases it.
+// holdOrphanGate holds the sandbox's orphan gate (Manager.orphans), if a
+// search is pending, and returns what releases it.
 func (m *Manager) holdOrphanGate(sandboxID string) func() {
 	m.mu.Lock()
 	g := m.orphans[sandboxID]
@@ -1199,22 +1194,23 @@ func (m *Manager) holdOrphanGate(sandboxID string) func() {
 	if g == nil {
 		return func() {}
 	}
-	g.mu.Lock()
-	return g.mu.Unlock
+	g.Lock()
+	return g.Unlock
 }
 
-// tracked reports whether a command the agent of a sandbox holds is one
-// the session layer knows (recovered, or started since).
-func (m *Manager) tracked(sandboxID, agentID string) bool {
+// trackedAgentIDs is the agent IDs of a sandbox's commands the session
+// layer knows (recovered, or started since).
+func (m *Manager) trackedAgentIDs(sandboxID string) map[string]bool {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	prefix := sandboxID + "/"
+	ids := map[string]bool{}
 	for k, c := range m.cmds {
-		if strings.HasPrefix(k, prefix) && c.rec.AgentID == agentID {
-			return true
+		if strings.HasPrefix(k, prefix) {
+			ids[c.rec.AgentID] = true
 		}
 	}
-	return false
+	return ids
 }
 
 // orphanSearchPending reports whether orphans are still to be looked for
@@ -1237,8 +1233,8 @@ const (
 // that does not answer is asked again, less and less often, until it does,
 // the sandbox is gone, or Close. While the sandbox is paused its agent is
 // not asked (it cannot answer); commands started after its resume are
-// registered before the next listing (orphanGate).
-func (m *Manager) reapOrphans(sandboxID string, ag *agent.Client, g *orphanGate) {
+// registered before the next listing (Manager.orphans).
+func (m *Manager) reapOrphans(sandboxID string, ag *agent.Client, g *sync.Mutex) {
 	defer func() {
 		m.mu.Lock()
 		if m.orphans[sandboxID] == g {
@@ -1253,20 +1249,21 @@ func (m *Manager) reapOrphans(sandboxID string, ag *agent.Client, g *orphanGate)
 		}
 		err := errors.New("the sandbox is paused")
 		if !m.sb.Paused(sandboxID) {
-			g.mu.Lock()
+			g.Lock()
 			ctx, cancel := context.WithTimeout(m.ctx, orphanListTimeout)
 			var infos []agent.CommandInfo
 			infos, err = ag.Commands(ctx)
 			cancel()
 			if err == nil {
+				tracked := m.trackedAgentIDs(sandboxID)
 				for _, in := range infos {
-					if !m.tracked(sandboxID, in.ID) {
+					if !tracked[in.ID] {
 						m.log.Warn("killing a command the node never recorded", "sandbox_id", sandboxID, "agent_command", in.ID, "pid", in.Pid)
 						m.reapOrphan(ag, in)
 					}
 				}
 			}
-			g.mu.Unlock()
+			g.Unlock()
 			if err == nil {
 				return
 			}
