@@ -183,17 +183,16 @@ func armWatch(c net.Conn, req *wireWatchRequest) *watcher {
 	// Non-blocking, so os.File puts it in the runtime's poller: a waiting
 	// watch holds no OS thread, and read deadlines work.
 	f := os.NewFile(uintptr(fd), "inotify")
-	if err := f.SetReadDeadline(time.Time{}); err != nil {
-		f.Close()
-		sendError(c, CodeIO, "inotify is not pollable: "+err.Error())
-		return nil
-	}
 	armed := false
 	defer func() {
 		if !armed {
 			f.Close()
 		}
 	}()
+	if err := f.SetReadDeadline(time.Time{}); err != nil {
+		sendError(c, CodeIO, "inotify is not pollable: "+err.Error())
+		return nil
+	}
 	w := &watcher{
 		c: c, f: f, fd: fd, root: root, rootIsDir: fi.IsDir(), recursive: req.Recursive,
 		dirs:   make(map[int32]string),
