@@ -1,7 +1,8 @@
 // Package vminit is the guest agent's VM boot mode: when shoal-agent is the
 // init of a VM's initramfs (the microvm backend's guests), it loads the
 // kernel modules the initramfs carries, mounts each read-only layer from
-// its virtio-blk device, stacks them under a writable tmpfs upper with
+// its virtio-blk device, stacks them under a writable upper (a tmpfs, or the
+// ext4 disk of a disk limit) with
 // overlayfs in the same order as a container's root, switches root to that
 // overlay and serves the agent protocol on the VM's virtio-serial port,
 // many streams multiplexed over the one port (yamux).

@@ -7,10 +7,11 @@
 // static shoal-agent (as /init) and the few modules the guest loads. Each
 // read-only layer is attached as a read-only virtio-blk device of its EROFS
 // image, found in the guest by its serial number; the agent stacks them
-// under a writable tmpfs with overlayfs in the order a container's root
-// has (internal/agent/vminit), switches root and serves the usual agent
-// protocol on a virtio-serial port. On the host that port is a pair of
-// FIFOs (QEMU's pipe chardev: the sandbox's agent.in and agent.out)
+// under a writable layer (a tmpfs, or the disk) with overlayfs in the
+// order a container's root has (internal/agent/vminit), switches root and
+// serves the usual agent protocol on a virtio-serial port. On the host that
+// port is a pair of FIFOs (QEMU's pipe chardev: the sandbox's agent.in and
+// agent.out)
 // carrying one yamux session at a time, each begun with a handshake
 // (vminit.DialLink): AgentDial opens one stream per request. FIFOs and not
 // a socket chardev: QEMU holds both open for the VM's life, so there is no
@@ -26,8 +27,12 @@
 // Pause writes the VM's whole state to a file in the sandbox's directory
 // and ends QEMU; Resume restores it in a new QEMU (pause.go).
 //
-// Not yet: commit (the writable layer is in the guest), disk limits,
-// network egress, virtio-pmem/DAX and free page reporting.
+// A disk size puts the writable layer on an ext4 image (disk.go); every VM
+// has a virtio-balloon with free page reporting, so freed guest memory goes
+// back to the host.
+//
+// Not yet: commit (the writable layer is in the guest), network egress,
+// virtio-pmem/DAX.
 package microvm
 
 import (
