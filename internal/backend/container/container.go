@@ -69,8 +69,8 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/shoal-sandbox/shoal/internal/backend/container/diskimg"
 	"github.com/shoal-sandbox/shoal/internal/backend/container/seccompbpf"
+	"github.com/shoal-sandbox/shoal/internal/diskimg"
 	"github.com/shoal-sandbox/shoal/internal/errdefs"
 	"github.com/shoal-sandbox/shoal/internal/layer"
 	"github.com/shoal-sandbox/shoal/internal/sandbox"

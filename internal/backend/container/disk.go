@@ -8,7 +8,7 @@ import (
 	"path/filepath"
 	"strconv"
 
-	"github.com/shoal-sandbox/shoal/internal/backend/container/diskimg"
+	"github.com/shoal-sandbox/shoal/internal/diskimg"
 	"github.com/shoal-sandbox/shoal/internal/sandbox"
 )
 

@@ -3,7 +3,7 @@ package microvm
 import (
 	"path/filepath"
 
-	"github.com/shoal-sandbox/shoal/internal/backend/container/diskimg"
+	"github.com/shoal-sandbox/shoal/internal/diskimg"
 )
 
 // A VM's disk limit: a create with Resources.DiskBytes gets its writable

@@ -58,7 +58,7 @@ import (
 
 	"github.com/shoal-sandbox/shoal/internal/agent"
 	"github.com/shoal-sandbox/shoal/internal/agent/vminit"
-	"github.com/shoal-sandbox/shoal/internal/backend/container/diskimg"
+	"github.com/shoal-sandbox/shoal/internal/diskimg"
 	"github.com/shoal-sandbox/shoal/internal/sandbox"
 )
 
