@@ -142,13 +142,7 @@ func testVMCreateExecFilesDelete(t *testing.T, machine string) {
 	if _, err := c.WriteFile(ctx, "/work/a.txt", 0o644, strings.NewReader("hello vm")); err != nil {
 		t.Fatal(err)
 	}
-	r, _, err := c.ReadFile(ctx, "/work/a.txt")
-	if err != nil {
-		t.Fatal(err)
-	}
-	got, _ := io.ReadAll(r)
-	r.Close()
-	if string(got) != "hello vm" {
+	if got := readFile(t, ctx, c, "/work/a.txt"); got != "hello vm" {
 		t.Errorf("read back %q", got)
 	}
 	if got := run(t, ctx, c, "cat", "/work/a.txt"); got != "hello vm" {
@@ -228,4 +222,19 @@ func checkFreePageReporting(t *testing.T, ctx context.Context, c *agent.Client, 
 	if held-after < 64<<20 {
 		t.Errorf("QEMU RSS fell by %d MiB after the guest freed 96 MiB, want at least 64: free pages are not reported", (held-after)>>20)
 	}
+}
+
+// readFile reads a file of the guest through its agent.
+func readFile(t *testing.T, ctx context.Context, c *agent.Client, path string) string {
+	t.Helper()
+	r, _, err := c.ReadFile(ctx, path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	got, err := io.ReadAll(r)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(got)
 }

@@ -3,7 +3,6 @@ package microvm
 import (
 	"context"
 	"errors"
-	"io"
 	"log/slog"
 	"os"
 	"path/filepath"
@@ -199,13 +198,7 @@ func pauseResumeRound(t *testing.T, ctx context.Context, b *Backend, h sandbox.H
 		t.Errorf("the counter went from %d to %d across the pause", before, after)
 	}
 	waitCount(t, ctx, c, after)
-	r, _, err := c.ReadFile(ctx, "/work/a.txt")
-	if err != nil {
-		t.Fatal(err)
-	}
-	got, _ := io.ReadAll(r)
-	r.Close()
-	if string(got) != "kept across a pause" {
+	if got := readFile(t, ctx, c, "/work/a.txt"); got != "kept across a pause" {
 		t.Errorf("file after resume: %q", got)
 	}
 	if paused(h) {
