@@ -92,6 +92,8 @@ func cpuTime() time.Duration {
 type ClusterBurstResult struct {
 	ClusterPhaseResult
 	OtherTenantCreates int     `json:"other_tenant_creates"`
+	OtherTenantP50us   float64 `json:"other_tenant_p50_us"`
+	OtherTenantP90us   float64 `json:"other_tenant_p90_us"`
 	OtherTenantP99us   float64 `json:"other_tenant_p99_us"`
 	OtherTenantMaxUs   float64 `json:"other_tenant_max_us"`
 }
@@ -316,6 +318,8 @@ func Cluster(ctx context.Context, o ClusterOptions) (*ClusterResult, error) {
 		slices.Sort(other)
 		res.Burst.OtherTenantCreates = len(other)
 		if len(other) > 0 {
+			res.Burst.OtherTenantP50us = us(other[len(other)/2])
+			res.Burst.OtherTenantP90us = us(other[len(other)*9/10])
 			res.Burst.OtherTenantP99us = us(other[len(other)*99/100])
 			res.Burst.OtherTenantMaxUs = us(other[len(other)-1])
 		}

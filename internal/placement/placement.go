@@ -33,8 +33,21 @@
 // bounded (Config.MaxQueue): beyond it, creates are refused at once with
 // resource_exhausted.
 //
-// Concurrency: an Engine is safe for concurrent use; mu guards every field
-// below it.
+// A burst must not make the others wait even before the queue: 32,000
+// creates arriving at once all go through Place. So the queue is kept off
+// the engine's mutex (mu, which the decisions and the reports hold) and
+// off any lock the arrivals would convoy on: each tenant's waiters are a
+// lock-free queue (many arrivals push, the one holder of slotMu pops),
+// the slots and the turn order are behind slotMu, and the queue's size is
+// an atomic counter. A create that arrives while slots are taken pushes
+// itself on its tenant's queue and takes slotMu only if it starts its
+// tenant's turn or finds a slot free; each slot's release takes slotMu to
+// hand the slot on. So a burst's creates never stand in line in front of
+// another tenant's.
+//
+// Concurrency: an Engine is safe for concurrent use; mu guards the node
+// state and the stats, slotMu the turn order and each queue's consumer
+// side; mu is never held with slotMu.
 package placement
 
 import (
@@ -44,6 +57,7 @@ import (
 	"math/rand/v2"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/shoal-sandbox/shoal/internal/errdefs"
@@ -144,10 +158,71 @@ type nodeState struct {
 	refusedUntil     time.Time
 }
 
-// waiter is a create waiting for a slot.
+// waiter is a create waiting for a slot, and its node in its tenant's
+// queue.
 type waiter struct {
 	ready chan struct{} // closed when granted a slot
-	done  bool          // granted (or gave up: removed)
+	state atomic.Int32  // waiting, granted or gaveUp
+	next  atomic.Pointer[waiter]
+}
+
+const (
+	waiting int32 = iota
+	granted
+	gaveUp // its create's context ended first; the queue drops it
+)
+
+// tenantQueue is one tenant's creates waiting for a slot, first come first
+// served: an intrusive multi-producer, single-consumer queue (Vyukov's:
+// a push is one atomic swap and one store, so arrivals never wait on each
+// other) whose consumer is whoever holds Engine.slotMu.
+type tenantQueue struct {
+	tail atomic.Pointer[waiter]
+	head *waiter      // the last popped (or the stub): guarded by slotMu
+	n    atomic.Int64 // pushed and not popped yet (counted before linking)
+	// inTurn: the queue is in Engine.turn (guarded by slotMu).
+	inTurn bool
+}
+
+func newTenantQueue() *tenantQueue {
+	stub := &waiter{}
+	q := &tenantQueue{head: stub}
+	q.tail.Store(stub)
+	return q
+}
+
+// push adds w; it reports whether the queue was empty.
+func (q *tenantQueue) push(w *waiter) bool {
+	first := q.n.Add(1) == 1
+	prev := q.tail.Swap(w)
+	if h := testHookLinking.Load(); h != nil {
+		(*h)(w)
+	}
+	prev.next.Store(w) // until here a pop sees the queue end at prev
+	return first
+}
+
+// Test hooks (nil but in tests): testHookLinking runs in a push between
+// taking the tail and linking the waiter; testHookGivingUp when a waiting
+// create's context has ended, before it leaves the queue.
+var testHookLinking, testHookGivingUp atomic.Pointer[func(*waiter)]
+
+// popLive returns the first waiter still waiting, marked granted, dropping
+// those that gave up; nil when the queue is empty or its next waiter is
+// still being linked (its pusher then hands out free slots itself).
+// slotMu held.
+func (q *tenantQueue) popLive() *waiter {
+	for {
+		next := q.head.next.Load()
+		if next == nil {
+			return nil
+		}
+		q.head = next
+		q.n.Add(-1)
+		if next.state.CompareAndSwap(waiting, granted) {
+			return next
+		}
+	}
 }
 
 // Engine places creates on nodes.
@@ -156,19 +231,24 @@ type Engine struct {
 
 	mu       sync.Mutex
 	nodes    map[string]*nodeState
-	order    []*nodeState // the nodes, for scans from a random start
-	inflight int
-	queued   int                  // waiting for a slot or for capacity
-	tenants  map[string][]*waiter // waiting for a slot, FIFO per tenant
-	rr       []string             // tenants with waiters, in turn order
-	capacity chan struct{}        // closed (and replaced) when capacity may have grown
+	order    []*nodeState  // the nodes, for scans from a random start
+	capacity chan struct{} // closed (and replaced) when capacity may have grown
 	stats    Stats
+
+	queued  atomic.Int64 // creates in Place: waiting for a slot or for capacity, or deciding
+	waiting atomic.Int64 // creates waiting for a slot
+	// inflight: slots taken (written under slotMu, read without it).
+	inflight atomic.Int64
+	tenants  sync.Map // tenant name → *tenantQueue (kept: tenants are few)
+
+	slotMu sync.Mutex
+	turn   []*tenantQueue // the queues with waiters, in turn order
 }
 
 // New returns an engine with no nodes.
 func New(cfg Config) *Engine {
 	cfg.fill()
-	return &Engine{cfg: cfg, nodes: map[string]*nodeState{}, tenants: map[string][]*waiter{}, capacity: make(chan struct{})}
+	return &Engine{cfg: cfg, nodes: map[string]*nodeState{}, capacity: make(chan struct{})}
 }
 
 // Update records a node's report, replacing the last one and the
@@ -475,86 +555,106 @@ func (e *Engine) Candidates(r Request, n int) []string {
 // enqueue counts a create in the queue, or refuses it when the queue is
 // full.
 func (e *Engine) enqueue() error {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	if e.queued >= e.cfg.MaxQueue {
-		e.stats.QueueFull++
-		return errdefs.New(errdefs.ErrResourceExhausted, "placement queue full (%d creates waiting): retry later", e.queued)
+	for {
+		q := e.queued.Load()
+		if q >= int64(e.cfg.MaxQueue) {
+			e.mu.Lock()
+			e.stats.QueueFull++
+			e.mu.Unlock()
+			return errdefs.New(errdefs.ErrResourceExhausted, "placement queue full (%d creates waiting): retry later", q)
+		}
+		if e.queued.CompareAndSwap(q, q+1) {
+			return nil
+		}
 	}
-	e.queued++
-	return nil
 }
 
-func (e *Engine) dequeue() {
-	e.mu.Lock()
-	e.queued--
-	e.mu.Unlock()
+func (e *Engine) dequeue() { e.queued.Add(-1) }
+
+func (e *Engine) queueOf(t string) *tenantQueue {
+	if q, ok := e.tenants.Load(t); ok {
+		return q.(*tenantQueue)
+	}
+	q, _ := e.tenants.LoadOrStore(t, newTenantQueue())
+	return q.(*tenantQueue)
 }
 
 // acquire waits for a decision slot, granted round-robin over tenants.
 func (e *Engine) acquire(ctx context.Context, t string) error {
-	e.mu.Lock()
-	if e.inflight < e.cfg.Concurrency && len(e.rr) == 0 {
-		e.inflight++
-		e.mu.Unlock()
-		return nil
+	slots := int64(e.cfg.Concurrency)
+	if e.waiting.Load() == 0 && e.inflight.Load() < slots {
+		e.slotMu.Lock()
+		if e.inflight.Load() < slots && len(e.turn) == 0 {
+			e.inflight.Add(1)
+			e.slotMu.Unlock()
+			return nil
+		}
+		e.slotMu.Unlock()
 	}
+	tq := e.queueOf(t)
 	w := &waiter{ready: make(chan struct{})}
-	if len(e.tenants[t]) == 0 {
-		e.rr = append(e.rr, t)
+	e.waiting.Add(1)
+	first := tq.push(w)
+	// The create that makes its tenant's queue non-empty puts the queue in
+	// the turn; a create that finds a slot free hands the free slots out.
+	// Otherwise every slot is taken, and the release of one, which comes
+	// after this push, hands it on: no waiter is left behind a free slot.
+	if first || e.inflight.Load() < slots {
+		e.slotMu.Lock()
+		if !tq.inTurn && tq.n.Load() > 0 {
+			tq.inTurn = true
+			e.turn = append(e.turn, tq)
+		}
+		e.grantLocked()
+		e.slotMu.Unlock()
 	}
-	e.tenants[t] = append(e.tenants[t], w)
-	e.grantLocked()
-	e.mu.Unlock()
 	select {
 	case <-w.ready:
 		return nil
 	case <-ctx.Done():
-		e.mu.Lock()
-		defer e.mu.Unlock()
-		if w.done { // granted meanwhile: hand the slot on
-			e.inflight--
-			e.grantLocked()
+		if h := testHookGivingUp.Load(); h != nil {
+			(*h)(w)
+		}
+		if w.state.CompareAndSwap(waiting, gaveUp) {
+			e.waiting.Add(-1) // its node leaves the queue at the next pop
 			return ctx.Err()
 		}
-		w.done = true
-		q := e.tenants[t]
-		if i := slices.Index(q, w); i >= 0 {
-			e.tenants[t] = slices.Delete(q, i, i+1)
-		}
-		if len(e.tenants[t]) == 0 {
-			delete(e.tenants, t)
-			if i := slices.Index(e.rr, t); i >= 0 {
-				e.rr = slices.Delete(e.rr, i, i+1)
-			}
-		}
+		e.releaseSlot() // granted meanwhile: hand the slot on
 		return ctx.Err()
 	}
 }
 
-// grantLocked hands free slots to waiters, one tenant at a time in turn.
+// grantLocked hands free slots to waiters, one tenant at a time in turn. A
+// queue whose waiter is still being linked keeps its turn (stalled: its
+// pusher hands out free slots once linked); an empty one leaves the turn.
 func (e *Engine) grantLocked() {
-	for e.inflight < e.cfg.Concurrency && len(e.rr) > 0 {
-		t := e.rr[0]
-		q := e.tenants[t]
-		w := q[0]
-		q = q[1:]
-		e.rr = e.rr[1:]
-		if len(q) == 0 {
-			delete(e.tenants, t)
-		} else {
-			e.tenants[t] = q
-			e.rr = append(e.rr, t) // its next waiter goes to the back of the turn
+	stalled := 0
+	for e.inflight.Load() < int64(e.cfg.Concurrency) && len(e.turn) > stalled {
+		tq := e.turn[0]
+		e.turn = e.turn[1:]
+		w := tq.popLive()
+		if w == nil && tq.n.Load() > 0 {
+			e.turn = append(e.turn, tq)
+			stalled++
+			continue
 		}
-		w.done = true
-		e.inflight++
-		close(w.ready)
+		if tq.n.Load() > 0 {
+			e.turn = append(e.turn, tq) // its next waiter goes to the back of the turn
+		} else {
+			tq.inTurn = false
+		}
+		if w != nil {
+			stalled = 0
+			e.inflight.Add(1)
+			e.waiting.Add(-1)
+			close(w.ready)
+		}
 	}
 }
 
 func (e *Engine) releaseSlot() {
-	e.mu.Lock()
-	e.inflight--
+	e.slotMu.Lock()
+	e.inflight.Add(-1)
 	e.grantLocked()
-	e.mu.Unlock()
+	e.slotMu.Unlock()
 }

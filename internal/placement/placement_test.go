@@ -4,7 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math/rand/v2"
+	"runtime"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -245,10 +248,7 @@ func TestQueueFull(t *testing.T) {
 	}
 	deadline := time.Now().Add(30 * time.Second)
 	for {
-		e.mu.Lock()
-		q := e.queued
-		e.mu.Unlock()
-		if q == 2 {
+		if q := e.queued.Load(); q == 2 {
 			break
 		}
 		if time.Now().After(deadline) {
@@ -295,12 +295,7 @@ func TestTenantFairness(t *testing.T) {
 	waiting := func(n int) {
 		deadline := time.Now().Add(30 * time.Second)
 		for {
-			e.mu.Lock()
-			q := 0
-			for _, w := range e.tenants {
-				q += len(w)
-			}
-			e.mu.Unlock()
+			q := int(e.waiting.Load())
 			if q == n {
 				return
 			}
@@ -311,7 +306,7 @@ func TestTenantFairness(t *testing.T) {
 		}
 	}
 	place("burst") // holds the one slot
-	for e.Stats().Placed == 0 && func() bool { e.mu.Lock(); defer e.mu.Unlock(); return e.inflight == 0 }() {
+	for e.Stats().Placed == 0 && e.inflight.Load() == 0 {
 		time.Sleep(time.Millisecond)
 	}
 	for i := 0; i < 50; i++ {
@@ -346,5 +341,177 @@ func BenchmarkPlace160(b *testing.B) {
 	for i := 0; i < b.N; i++ {
 		n, _ := e.Place(context.Background(), r, ok)
 		e.Release(n, r)
+	}
+}
+
+// TestQueueNoLostWakeups: creates of many tenants arriving at once, with
+// few slots, some giving up while they wait: every create that did not
+// give up is placed, and the queue ends empty with every slot free (a
+// waiter left behind a free slot, or a slot never handed back, hangs or
+// fails here).
+func TestQueueNoLostWakeups(t *testing.T) {
+	e := New(Config{Concurrency: 3})
+	e.Update(node("a", 0, 0, 0, 0)) // unbounded
+	const n = 3000
+	var placed, gaveUp atomic.Int64
+	var wg sync.WaitGroup
+	for i := 0; i < n; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			ctx := context.Background()
+			if i%7 == 0 { // gives up while it waits, at a random moment
+				var cancel context.CancelFunc
+				ctx, cancel = context.WithTimeout(ctx, time.Duration(rand.IntN(2000))*time.Microsecond)
+				defer cancel()
+			}
+			_, err := e.Place(ctx, Request{Tenant: fmt.Sprintf("t%d", i%5)}, func(context.Context, string) error {
+				if i%3 == 0 {
+					runtime.Gosched()
+				}
+				return nil
+			})
+			switch {
+			case err == nil:
+				placed.Add(1)
+			case i%7 == 0 && errors.Is(err, errdefs.ErrResourceExhausted):
+				gaveUp.Add(1)
+			default:
+				t.Errorf("create %d: %v", i, err)
+			}
+		}()
+	}
+	done := make(chan struct{})
+	go func() { wg.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(2 * time.Minute):
+		t.Fatalf("hung: %d placed, %d gave up of %d; %d waiting, %d slots taken", placed.Load(), gaveUp.Load(), n, e.waiting.Load(), e.inflight.Load())
+	}
+	if placed.Load()+gaveUp.Load() != n || placed.Load() < n*6/7 {
+		t.Fatalf("%d placed + %d gave up, want %d (at least %d placed)", placed.Load(), gaveUp.Load(), n, n*6/7)
+	}
+	if q, w, f := e.queued.Load(), e.waiting.Load(), e.inflight.Load(); q != 0 || w != 0 || f != 0 {
+		t.Fatalf("after: %d queued, %d waiting, %d slots taken; want 0, 0, 0", q, w, f)
+	}
+}
+
+// holdSlot places a create of tenant t that holds its slot until the
+// returned function is called; it returns once the create holds it.
+func holdSlot(t *testing.T, e *Engine, tenant string, wg *sync.WaitGroup) (release func()) {
+	t.Helper()
+	gate, in := make(chan struct{}), make(chan struct{})
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		if _, err := e.Place(context.Background(), Request{Tenant: tenant}, func(context.Context, string) error {
+			close(in)
+			<-gate
+			return nil
+		}); err != nil {
+			t.Error(err)
+		}
+	}()
+	<-in
+	return func() { close(gate) }
+}
+
+func waitUntil(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(time.Minute)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting until %s", what)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// TestSlotFreedWhileLinking: a slot freed while the next waiter of its
+// tenant is half pushed (the release finds the queue's end not linked
+// yet) goes to that waiter once it is linked, though it did not start its
+// tenant's turn.
+func TestSlotFreedWhileLinking(t *testing.T) {
+	e := New(Config{Concurrency: 1})
+	e.Update(node("a", 0, 0, 0, 0))
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	releaseA := holdSlot(t, e, "x", &wg)
+	// W1 waits first (its push starts the tenant's turn).
+	w1 := make(chan struct{})
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		e.Place(context.Background(), Request{Tenant: "x"}, func(context.Context, string) error { <-w1; return nil })
+	}()
+	waitUntil(t, "W1 waits", func() bool { return e.waiting.Load() == 1 })
+	// W2 is stopped between taking the tail and linking itself.
+	linking, link := make(chan struct{}), make(chan struct{})
+	hook := func(*waiter) { close(linking); <-link }
+	testHookLinking.Store(&hook)
+	defer testHookLinking.Store(nil)
+	placed2 := make(chan error, 1)
+	go func() {
+		_, err := e.Place(context.Background(), Request{Tenant: "x"}, func(context.Context, string) error { return nil })
+		placed2 <- err
+	}()
+	<-linking
+	testHookLinking.Store(nil)
+	releaseA()                                                                      // the slot goes to W1
+	waitUntil(t, "W1 holds the slot", func() bool { return e.waiting.Load() == 1 }) // W2 only
+	close(w1)                                                                       // W1 ends: its release finds W2 not linked
+	waitUntil(t, "the slot is free", func() bool { return e.inflight.Load() == 0 })
+	close(link)
+	select {
+	case err := <-placed2:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(time.Minute):
+		t.Fatal("W2 was left waiting behind a free slot")
+	}
+}
+
+// TestGrantedWhileGivingUp: a create granted a slot just as its context
+// ended hands the slot on.
+func TestGrantedWhileGivingUp(t *testing.T) {
+	e := New(Config{Concurrency: 1})
+	e.Update(node("a", 0, 0, 0, 0))
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	releaseA := holdSlot(t, e, "x", &wg)
+	ctx, cancel := context.WithCancel(context.Background())
+	givingUp, proceed := make(chan struct{}), make(chan struct{})
+	hook := func(*waiter) { close(givingUp); <-proceed }
+	testHookGivingUp.Store(&hook)
+	defer testHookGivingUp.Store(nil)
+	gaveUp := make(chan error, 1)
+	go func() {
+		_, err := e.Place(ctx, Request{Tenant: "x"}, func(context.Context, string) error { return nil })
+		gaveUp <- err
+	}()
+	waitUntil(t, "W waits", func() bool { return e.waiting.Load() == 1 })
+	cancel()
+	<-givingUp
+	testHookGivingUp.Store(nil)
+	releaseA() // grants W, whose context has ended
+	waitUntil(t, "W granted", func() bool { return e.waiting.Load() == 0 })
+	close(proceed)
+	if err := <-gaveUp; err == nil {
+		t.Fatal("a create whose context ended was placed")
+	}
+	// The slot W was granted is free again: the next create gets it.
+	done := make(chan error, 1)
+	go func() {
+		_, err := e.Place(context.Background(), Request{Tenant: "y"}, func(context.Context, string) error { return nil })
+		done <- err
+	}()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(time.Minute):
+		t.Fatalf("the slot was never handed back: %d taken", e.inflight.Load())
 	}
 }
