@@ -1,3 +1,5 @@
+//go:build !client
+
 package main
 
 import (
@@ -214,7 +216,7 @@ func TestDeployFiles(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, want := range []string{"COPY bin/shoal /usr/local/bin/shoal", "COPY bin/shoal-agent /usr/local/lib/shoal/shoal-agent"} {
+	for _, want := range []string{"COPY bin/shoal bin/shoal-server /usr/local/bin/", "COPY bin/shoal-agent /usr/local/lib/shoal/shoal-agent"} {
 		if !strings.Contains(string(df), want) {
 			t.Errorf("Dockerfile lacks %q", want)
 		}

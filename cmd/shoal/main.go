@@ -1,6 +1,13 @@
 // Command shoal is Shoal's CLI and server: `shoal serve` runs the API, a node
 // agent, the embedded store and the local layer store in one process; every
 // other subcommand is a client of that API.
+//
+// Built as it is, it is the whole thing. Built with `-tags client` it is
+// the CLI alone, without the server's packages (which cost a client
+// invocation ~5x its start-up time in package initialisation and page
+// faults): its `serve` and `bench` execute the whole binary, installed
+// beside it as shoal-server (scripts/deps.sh builds both). See server.go
+// and server_exec.go.
 package main
 
 import (
@@ -21,7 +28,8 @@ func main() {
 	}
 	root.PersistentFlags().String("url", "", "API URL (default $SHOAL_URL or http://127.0.0.1:7480)")
 	root.PersistentFlags().String("api-key", "", "API key (default $SHOAL_API_KEY or /var/lib/shoal/admin.key)")
-	root.AddCommand(serveCmd(), layerCmd(), envCmd(), createCmd(), execCmd(), attachCmd(), psCmd(), killCmd(), shellCmd(), cpCmd(), lsCmd(), filesCmd(), watchCmd(), portForwardCmd(), inspectCmd(), pauseCmd(), resumeCmd(), rmCmd(), benchCmd(), runCmd(), keyCmd(), tenantCmd(), auditCmd(), whoamiCmd(), topCmd())
+	root.AddCommand(serverCmds()...)
+	root.AddCommand(layerCmd(), envCmd(), createCmd(), execCmd(), attachCmd(), psCmd(), killCmd(), shellCmd(), cpCmd(), lsCmd(), filesCmd(), watchCmd(), portForwardCmd(), inspectCmd(), pauseCmd(), resumeCmd(), rmCmd(), runCmd(), keyCmd(), tenantCmd(), auditCmd(), whoamiCmd(), topCmd())
 	completeSandboxIDs(root) // completion.go
 	if err := root.Execute(); err != nil {
 		var exit exitCode

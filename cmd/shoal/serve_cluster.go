@@ -1,3 +1,5 @@
+//go:build !client
+
 package main
 
 // The cluster roles of `shoal serve`: --role node (today's node, which
