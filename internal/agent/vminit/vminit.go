@@ -67,6 +67,11 @@ type Config struct {
 	// Env is every command's environment.
 	Env      []string `json:"env,omitempty"`
 	Hostname string   `json:"hostname,omitempty"`
+
+	// Upper is the overlay's upper directory, opened by Boot before the
+	// root switch (after it, no path reaches it) and before any workload
+	// runs: the agent exports it for a commit (agent.Config.Upper).
+	Upper *os.File `json:"-"`
 }
 
 // Active reports whether this process is the init of a Shoal VM.
@@ -267,6 +272,11 @@ func mountRoot(cfg *Config) error {
 	if err := unix.Mount("overlay", "/newroot", "overlay", 0, ovl); err != nil {
 		return fmt.Errorf("mount overlay: %w", err)
 	}
+	up, err := os.OpenFile("/rw/upper", os.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW, 0)
+	if err != nil {
+		return fmt.Errorf("open the writable layer: %w", err)
+	}
+	cfg.Upper = up
 	for _, d := range []string{"dev", "proc", "sys", "tmp"} {
 		os.MkdirAll(filepath.Join("/newroot", d), 0o755)
 	}
@@ -295,7 +305,11 @@ func mountRoot(cfg *Config) error {
 		os.Remove("/dev/ptmx")
 	}
 	os.Symlink("pts/ptmx", "/dev/ptmx")
-	os.Chmod("/tmp", 0o1777)
+	// Only if needed: a chmod copies /tmp up into the writable layer
+	// (and so into a commit of it) even when the mode is the same.
+	if fi, err := os.Stat("/tmp"); err == nil && fi.Mode()&(os.ModePerm|os.ModeSticky) != os.ModePerm|os.ModeSticky {
+		os.Chmod("/tmp", 0o1777)
+	}
 	return nil
 }
 

@@ -812,9 +812,9 @@ func ended(pid int) bool {
 }
 
 // WritableLayer implements sandbox.Committer: a VM's writable layer is in
-// the guest, so it cannot be committed (yet).
-func (b *Backend) WritableLayer(h sandbox.Handle) (string, error) {
-	return "", fmt.Errorf("the writable layer of a VM is inside the guest: %w", sandbox.ErrUnsupported)
+// the guest, exported by its agent (commit.go).
+func (b *Backend) WritableLayer(h sandbox.Handle) (sandbox.WritableLayer, error) {
+	return sandbox.WritableLayer{Export: b.exportUpper(h)}, nil
 }
 
 // agentPipe names the agent channel's FIFOs in the sandbox's directory
