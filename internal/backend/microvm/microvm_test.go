@@ -167,6 +167,7 @@ func testVMCreateExecFilesDelete(t *testing.T, machine string) {
 			t.Errorf("concurrent stat: %v", err)
 		}
 	}
+	checkExport(t, ctx, b, c, h)
 	// The host's end of the channel goes away (as when the server
 	// restarts): the next request dials the VM's socket again and the
 	// guest serves the new session.
