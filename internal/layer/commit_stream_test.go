@@ -212,13 +212,13 @@ func TestCommitStreamRefusesHostile(t *testing.T) {
 		entries []streamEntry
 		kind    error
 	}{
-		{"dotdot", []streamEntry{sDir("."), sFile("../../../../../../../../" + rel + "/victim", "pwned")}, errdefs.ErrInvalidArgument},
+		{"dotdot", []streamEntry{sDir("."), sFile("../../../../../../../../"+rel+"/victim", "pwned")}, errdefs.ErrInvalidArgument},
 		{"dotdot inside", []streamEntry{sDir("."), sDir("a"), sFile("a/../../victim", "pwned")}, errdefs.ErrInvalidArgument},
 		{"absolute", []streamEntry{sDir("."), sFile(victim, "pwned")}, errdefs.ErrInvalidArgument},
 		{"symlink then file through it", []streamEntry{sDir("."), sLink(tar.TypeSymlink, "l", outside), sFile("l/victim", "pwned")}, errdefs.ErrInvalidArgument},
 		{"symlink then file over it", []streamEntry{sDir("."), sLink(tar.TypeSymlink, "l", victim), sFile("l", "pwned")}, errdefs.ErrInvalidArgument},
 		{"symlink then dir through it", []streamEntry{sDir("."), sLink(tar.TypeSymlink, "l", outside), sDir("l/new")}, errdefs.ErrInvalidArgument},
-		{"hard link out", []streamEntry{sDir("."), sLink(tar.TypeLink, "h", "../" + rel + "/victim")}, errdefs.ErrInvalidArgument},
+		{"hard link out", []streamEntry{sDir("."), sLink(tar.TypeLink, "h", "../"+rel+"/victim")}, errdefs.ErrInvalidArgument},
 		{"hard link through a symlink", []streamEntry{sDir("."), sLink(tar.TypeSymlink, "l", outside), sLink(tar.TypeLink, "h", "l/victim")}, errdefs.ErrInvalidArgument},
 		{"hard link to a symlink", []streamEntry{sDir("."), sLink(tar.TypeSymlink, "l", victim), sLink(tar.TypeLink, "h", "l")}, errdefs.ErrInvalidArgument},
 		{"hard link to a later file", []streamEntry{sDir("."), sLink(tar.TypeLink, "h", "f"), sFile("f", "x")}, errdefs.ErrInvalidArgument},
