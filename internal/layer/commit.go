@@ -559,7 +559,15 @@ func (w *upperWalker) metaAt(src xfd, dstDir int, name string, st *unix.Stat_t) 
 // capabilities, a mode change does not. A symlink's mode is not changed.
 func (w *upperWalker) meta(src, dst xfd, st *unix.Stat_t) error {
 	uid, gid := st.Uid, st.Gid
-	if w.idmap != nil {
+	switch {
+	case st.Mode&unix.S_IFMT == unix.S_IFCHR:
+		// A whiteout (the only device a commit holds): overlayfs makes it
+		// as whoever mounted the overlay (the host's root, outside a
+		// container's id range; a VM guest's root), and its owner means
+		// nothing. Stored as 0:0, so that the same changes make the same
+		// layer on every backend.
+		uid, gid = 0, 0
+	case w.idmap != nil:
 		uid, gid = w.idmap.FromHost(uid, gid)
 	}
 	if err := unix.Fchownat(dst.fd, "", int(uid), int(gid), unix.AT_EMPTY_PATH|unix.AT_SYMLINK_NOFOLLOW); err != nil {

@@ -434,7 +434,11 @@ func (x *streamExtractor) meta(dst xfd, hdr *tar.Header, isDir, symlink bool) er
 	if hdr.Uid < 0 || hdr.Gid < 0 || hdr.Uid >= 1<<32-1 || hdr.Gid >= 1<<32-1 {
 		return streamErr(fmt.Errorf("bad owner %d:%d", hdr.Uid, hdr.Gid))
 	}
-	if err := unix.Fchownat(dst.fd, "", hdr.Uid, hdr.Gid, unix.AT_EMPTY_PATH|unix.AT_SYMLINK_NOFOLLOW); err != nil {
+	uid, gid := hdr.Uid, hdr.Gid
+	if hdr.Typeflag == tar.TypeChar {
+		uid, gid = 0, 0 // a whiteout: see upperWalker.meta
+	}
+	if err := unix.Fchownat(dst.fd, "", uid, gid, unix.AT_EMPTY_PATH|unix.AT_SYMLINK_NOFOLLOW); err != nil {
 		return fmt.Errorf("chown: %w", err)
 	}
 	for k, v := range hdr.PAXRecords {

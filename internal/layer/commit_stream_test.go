@@ -152,7 +152,7 @@ func TestCommitStreamExtract(t *testing.T) {
 	f := sFile("d/f", "hello")
 	f.hdr.Uid, f.hdr.Gid, f.hdr.Mode = 1000, 1001, 0o2750
 	f.hdr.PAXRecords = map[string]string{"SCHILY.xattr.user.k": "v\x00binary"}
-	wh := streamEntry{hdr: tar.Header{Typeflag: tar.TypeChar, Name: "d/gone", Mode: 0o600}}
+	wh := streamEntry{hdr: tar.Header{Typeflag: tar.TypeChar, Name: "d/gone", Mode: 0o600, Uid: 5, Gid: 5}}
 	tree, err := extractCrafted(t, craft(t, sDir("."), sDir("d"), f, sLink(tar.TypeSymlink, "d/s", "/etc/shadow"),
 		sLink(tar.TypeLink, "d/h", "d/f"), wh, opaque, sDir(".shoal"), sFile(".shoal/x", "skip")), commitLimits{})
 	must(t, err)
@@ -170,6 +170,10 @@ func TestCommitStreamExtract(t *testing.T) {
 	must(t, unix.Lstat(filepath.Join(tree, "d/f"), &st))
 	if st.Uid != 1000 || st.Gid != 1001 || st.Mode&0o7777 != 0o2750 || st.Nlink != 2 {
 		t.Errorf("d/f: uid %d gid %d mode %#o nlink %d", st.Uid, st.Gid, st.Mode&0o7777, st.Nlink)
+	}
+	must(t, unix.Lstat(filepath.Join(tree, "d/gone"), &st))
+	if st.Uid != 0 || st.Gid != 0 {
+		t.Errorf("whiteout owned by %d:%d, want 0:0", st.Uid, st.Gid)
 	}
 	if v, err := getXattr(filepath.Join(tree, "d/f"), "user.k"); err != nil || string(v) != "v\x00binary" {
 		t.Errorf("d/f user.k = %q, %v", v, err)

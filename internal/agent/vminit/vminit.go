@@ -277,9 +277,13 @@ func mountRoot(cfg *Config) error {
 		return fmt.Errorf("open the writable layer: %w", err)
 	}
 	cfg.Upper = up
-	for _, d := range []string{"dev", "proc", "sys", "tmp"} {
+	for _, d := range []string{"dev", "proc", "sys"} {
 		os.MkdirAll(filepath.Join("/newroot", d), 0o755)
 	}
+	// A /tmp for a root without one; one the layers have is left as it
+	// is (a chmod would copy it up into the writable layer, and so into
+	// a commit, where a container's has nothing).
+	madeTmp := os.Mkdir("/newroot/tmp", 0o755) == nil
 	for _, d := range []string{"/dev", "/proc", "/sys"} {
 		if err := unix.Mount(d, "/newroot"+d, "", unix.MS_MOVE, ""); err != nil {
 			return fmt.Errorf("move %s: %w", d, err)
@@ -305,10 +309,8 @@ func mountRoot(cfg *Config) error {
 		os.Remove("/dev/ptmx")
 	}
 	os.Symlink("pts/ptmx", "/dev/ptmx")
-	// Only if needed: a chmod copies /tmp up into the writable layer
-	// (and so into a commit of it) even when the mode is the same.
-	if fi, err := os.Stat("/tmp"); err == nil && fi.Mode()&(os.ModePerm|os.ModeSticky) != os.ModePerm|os.ModeSticky {
-		os.Chmod("/tmp", 0o1777)
+	if madeTmp {
+		unix.Chmod("/tmp", 0o1777) // os.Chmod would drop the sticky bit (os.ModeSticky is not 01000)
 	}
 	return nil
 }
