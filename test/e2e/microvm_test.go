@@ -144,7 +144,9 @@ func checkVMCommit(t *testing.T, id string) {
 	snapshot := "find /etc /root /repo /work | sort; cat /repo/link /root/new; stat -c '%a %u' /repo /repo/main.py; ls -i /repo/main.py /repo/hard.py | awk '{print $1}' | uniq | wc -l; test -e /etc/hostname || echo gone"
 	sh(t, id, changes)
 	want := sh(t, id, snapshot)
+	start := time.Now()
 	stdout, stderr, code := run3(nil, "layer", "commit", id, "--kind", "workspace", "vmws:1")
+	vmTook := time.Since(start)
 	if code != 0 || !strings.HasPrefix(stdout, "vmws@sha256:") || !strings.Contains(stderr, "from its guest") {
 		t.Fatalf("commit of a VM: %d %q %q", code, stdout, stderr)
 	}
@@ -157,7 +159,9 @@ func checkVMCommit(t *testing.T, id string) {
 	if got := sh(t, ct, snapshot); got != want {
 		t.Fatalf("the same changes in a container:\n%s\nin the VM:\n%s", got, want)
 	}
+	start = time.Now()
 	shoalOK(t, "layer", "commit", ct, "--kind", "workspace", "ctws:1")
+	t.Logf("shoal layer commit: VM %s, container %s (the same changes)", vmTook.Round(time.Millisecond), time.Since(start).Round(time.Millisecond))
 	if vm, c := inspectLayer(t, "vmws:1"), inspectLayer(t, "ctws:1"); vm.Digest != c.Digest {
 		t.Errorf("a VM's commit is %s, a container's of the same changes %s\nVM:\n%s\ncontainer:\n%s", vm.Digest, c.Digest, listImage(t, vm.Digest), listImage(t, c.Digest))
 	}

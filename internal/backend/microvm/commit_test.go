@@ -4,6 +4,8 @@ import (
 	"archive/tar"
 	"context"
 	"io"
+	"os"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -99,4 +101,31 @@ func checkExport(t *testing.T, ctx context.Context, b *Backend, c *agent.Client,
 	if fresh != "new\n" || work != "hello vm" {
 		t.Errorf("contents: /tmp/fresh %q, /work/a.txt %q", fresh, work)
 	}
+}
+
+// measureExport (with SHOAL_VM_EXPORT_MB=N): how long the export of a
+// writable layer holding an N MiB file takes, end to end (the guest's walk
+// and read, the channel, the host reading it).
+func measureExport(t *testing.T, ctx context.Context, b *Backend, c *agent.Client, h sandbox.Handle) {
+	mb, _ := strconv.Atoi(os.Getenv("SHOAL_VM_EXPORT_MB"))
+	if mb <= 0 {
+		return
+	}
+	run(t, ctx, c, "sh", "-c", "dd if=/dev/urandom of=/work/measure bs=1M count="+strconv.Itoa(mb)+" 2>/dev/null")
+	wl, _ := b.WritableLayer(h)
+	for i := 0; i < 3; i++ {
+		start := time.Now()
+		rc, err := wl.Export(ctx, 256)
+		if err != nil {
+			t.Fatal(err)
+		}
+		n, err := io.Copy(io.Discard, rc)
+		rc.Close()
+		if err != nil {
+			t.Fatal(err)
+		}
+		d := time.Since(start)
+		t.Logf("export of %d bytes: %s (%.1f MiB/s)", n, d, float64(n)/(1<<20)/d.Seconds())
+	}
+	run(t, ctx, c, "rm", "/work/measure")
 }

@@ -31,8 +31,9 @@
 // has a virtio-balloon with free page reporting, so freed guest memory goes
 // back to the host.
 //
-// Not yet: commit (the writable layer is in the guest), network egress,
-// virtio-pmem/DAX.
+// Commit: the guest's agent streams the writable layer (commit.go).
+//
+// Not yet: network egress, virtio-pmem/DAX.
 package microvm
 
 import (
