@@ -137,7 +137,7 @@ func extractCommitStream(ctx context.Context, r io.Reader, tree string, exclude 
 		}
 		if first {
 			first = false
-			if hdr.Name != "." || hdr.Typeflag != tar.TypeDir {
+			if hdr.Name != "." || hdr.Typeflag != tar.TypeDir || hdr.Size != 0 {
 				return streamErr(fmt.Errorf("the first entry must be the root directory \".\", not %q", hdr.Name))
 			}
 			if err := x.meta(xfd{fd: root}, hdr, true, false); err != nil {
@@ -290,7 +290,15 @@ func (x *streamExtractor) entry(hdr *tar.Header, r io.Reader) error {
 			return streamErr(fmt.Errorf("%q: sparse files are not part of the format", streamName(name)))
 		}
 	}
+	if hdr.Size != 0 && hdr.Typeflag != tar.TypeReg {
+		return streamErr(fmt.Errorf("%q: data in an entry that is not a regular file", streamName(name)))
+	}
 	if x.excluded(name) {
+		// Its data is skipped, but counted: a stream's bytes are bounded
+		// whatever they are for.
+		if x.bytes += hdr.Size; hdr.Size < 0 || x.bytes > x.lim.bytes {
+			return errdefs.New(errdefs.ErrResourceExhausted, "more than %d bytes (%.1f GiB) of files: a commit holds at most that", x.lim.bytes, float64(x.lim.bytes)/(1<<30))
+		}
 		return nil
 	}
 	if depth > x.lim.depth {

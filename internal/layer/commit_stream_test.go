@@ -200,6 +200,8 @@ func TestCommitStreamRefusesHostile(t *testing.T) {
 	redirect.hdr.PAXRecords = map[string]string{"SCHILY.xattr." + ovlRedirect: "/x"}
 	huge := streamEntry{hdr: tar.Header{Typeflag: tar.TypeReg, Name: "big", Mode: 0o644, Size: 1 << 40}}
 	short := streamEntry{hdr: tar.Header{Typeflag: tar.TypeReg, Name: "short", Mode: 0o644, Size: 100}, body: "ten bytes!"}
+	dirData := streamEntry{hdr: tar.Header{Typeflag: tar.TypeDir, Name: "d", Mode: 0o755, Size: 10}, body: "0123456789"}
+	excludedHuge := streamEntry{hdr: tar.Header{Typeflag: tar.TypeReg, Name: ".shoal/big", Mode: 0o644, Size: 1 << 40}}
 	dev := streamEntry{hdr: tar.Header{Typeflag: tar.TypeChar, Name: "mem", Devmajor: 1, Devminor: 1}}
 	var deep []streamEntry
 	p := ""
@@ -237,6 +239,8 @@ func TestCommitStreamRefusesHostile(t *testing.T) {
 		{"huge size", []streamEntry{sDir("."), huge}, errdefs.ErrResourceExhausted},
 		{"too many", append([]streamEntry{sDir(".")}, many...), errdefs.ErrResourceExhausted},
 		{"too deep", append([]streamEntry{sDir(".")}, deep...), errdefs.ErrFailedPrecondition},
+		{"data in a directory", []streamEntry{sDir("."), dirData}, errdefs.ErrInvalidArgument},
+		{"huge excluded file", []streamEntry{sDir("."), sDir(".shoal"), excludedHuge}, errdefs.ErrResourceExhausted},
 		{"short file", []streamEntry{sDir("."), short}, errdefs.ErrInvalidArgument},
 		{"empty", nil, errdefs.ErrInvalidArgument},
 	} {
