@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"net"
 	"os"
 	"os/exec"
 	"strings"
@@ -15,7 +16,7 @@ import (
 )
 
 // TestMicroVM drives a microvm sandbox through the CLI: create, exec, files
-// both ways, a commit (checkVMCommit), a restart of the server
+// both ways, a commit (checkVMCommit), a half-closed TCP tunnel, a restart of the server
 // that the VM survives (the new server re-dials its agent channel), a
 // pause (snapshot, QEMU ends) across another restart and a resume, and a
 // delete that ends its QEMU. It skips when this node offers no microvm
@@ -62,6 +63,21 @@ func TestMicroVM(t *testing.T) {
 		t.Fatalf("files ls: %d %s", code, out)
 	}
 	checkVMCommit(t, id)
+	// A TCP half-close through the SDK's tunnel reaches the guest's
+	// server, which answers once it has read to the end.
+	startInSandbox(t, id, "portsrv", "tcp", "127.0.0.1:7070")
+	var conn net.Conn
+	var err error
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		if conn, err = sdk(t).DialPort(context.Background(), id, 7070); err == nil || time.Now().After(deadline) {
+			break
+		}
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	halfCloseRoundTrip(t, conn, "hello through the VM's channel")
+	conn.Close()
 	// The VM outlives the server; the next one re-dials its channel.
 	killServe()
 	if err := startServe(); err != nil {

@@ -896,6 +896,11 @@ func (s closingStream) Close() error {
 	return s.Stream.Close()
 }
 
+// CloseWrite ends the host's direction only (the stream's FIN): the guest
+// reads to its end and may go on writing (a TCP half-close, passed on by
+// port forwarding).
+func (s closingStream) CloseWrite() error { return s.Stream.Close() }
+
 // session returns the live session, dialing the VM's socket for a new one
 // when there is none.
 func (m *chanMux) session(ctx context.Context) (*yamux.Session, error) {
