@@ -23,6 +23,9 @@ func checkExport(t *testing.T, ctx context.Context, b *Backend, c *agent.Client,
 	t.Helper()
 	// /work/big: more than the channel's window, so that the agent is
 	// still sending while the test looks at the guest's writer.
+	if _, err := c.WriteFile(ctx, "/work/exported.txt", 0o640, strings.NewReader("through the files API")); err != nil {
+		t.Fatal(err)
+	}
 	run(t, ctx, c, "sh", "-c", "rm /etc/base-file && rm -rf /tmp && mkdir /tmp && echo new > /tmp/fresh && dd if=/dev/zero of=/work/big bs=1M count=4 2>/dev/null")
 	// A writer that runs until the end of the VM.
 	p, err := c.Exec(ctx, agent.ExecRequest{Args: []string{"sh", "-c", "while :; do echo x >> /work/counter; sleep 0.01; done"}})
@@ -74,7 +77,7 @@ func checkExport(t *testing.T, ctx context.Context, b *Backend, c *agent.Client,
 			t.Fatal(err)
 		}
 		entries[hdr.Name] = hdr
-		if hdr.Name == "tmp/fresh" || hdr.Name == "work/a.txt" {
+		if hdr.Name == "tmp/fresh" || hdr.Name == "work/exported.txt" {
 			b, _ := io.ReadAll(tr)
 			if hdr.Name == "tmp/fresh" {
 				fresh = string(b)
@@ -98,8 +101,11 @@ func checkExport(t *testing.T, ctx context.Context, b *Backend, c *agent.Client,
 	if e := entries["tmp"]; e == nil || e.PAXRecords["SCHILY.xattr.trusted.overlay.opaque"] != "y" {
 		t.Errorf("the remade /tmp is not opaque: %+v", e)
 	}
-	if fresh != "new\n" || work != "hello vm" {
-		t.Errorf("contents: /tmp/fresh %q, /work/a.txt %q", fresh, work)
+	if fresh != "new\n" || work != "through the files API" {
+		t.Errorf("contents: /tmp/fresh %q, /work/exported.txt %q", fresh, work)
+	}
+	if e := entries["work/exported.txt"]; e == nil || e.Mode != 0o640 {
+		t.Errorf("work/exported.txt: %+v", e)
 	}
 }
 
