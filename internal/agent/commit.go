@@ -221,7 +221,7 @@ func WriteUpper(w io.Writer, root *os.File, maxDepth int) error {
 		return err
 	}
 	hdr := u.header(".", &st, tar.TypeDir)
-	if err := u.xattrs(hdr, fdPath(int(root.Fd()))); err != nil {
+	if err := u.xattrs(hdr, int(root.Fd()), false); err != nil {
 		return err
 	}
 	if err := u.tw.WriteHeader(hdr); err != nil {
@@ -253,15 +253,28 @@ func (u *upperTar) header(name string, st *unix.Stat_t, typ byte) *tar.Header {
 	}
 }
 
-// xattrs reads the extended attributes of the file at p (a /proc/self/fd
-// magic link of a descriptor: the very inode, a symlink included) into
-// hdr's pax records.
-func (u *upperTar) xattrs(hdr *tar.Header, p string) error {
+// xattrs reads the extended attributes of the file open as fd into hdr's
+// pax records; an O_PATH descriptor (a symlink, a device) is read through
+// its /proc/self/fd magic link (the very inode, a symlink included).
+func (u *upperTar) xattrs(hdr *tar.Header, fd int, opath bool) error {
+	p := fdPath(fd)
+	list := func(buf []byte) (int, error) {
+		if opath {
+			return unix.Listxattr(p, buf)
+		}
+		return unix.Flistxattr(fd, buf)
+	}
+	get := func(name string, buf []byte) (int, error) {
+		if opath {
+			return unix.Getxattr(p, name, buf)
+		}
+		return unix.Fgetxattr(fd, name, buf)
+	}
 	buf := make([]byte, 4096)
 	var n int
 	var err error
 	for {
-		n, err = unix.Listxattr(p, buf)
+		n, err = list(buf)
 		if errors.Is(err, unix.ERANGE) && len(buf) < 1<<20 {
 			buf = make([]byte, len(buf)*4)
 			continue
@@ -279,7 +292,7 @@ func (u *upperTar) xattrs(hdr *tar.Header, p string) error {
 		if name == "" {
 			continue
 		}
-		m, err := unix.Getxattr(p, name, val)
+		m, err := get(name, val)
 		if errors.Is(err, unix.ENODATA) {
 			continue
 		}
@@ -372,19 +385,23 @@ func (u *upperTar) entry(dfd int, name, rel string, depth int) error {
 	default:
 		return nil // sockets: a layer cannot hold them
 	}
-	if err := u.xattrs(hdr, fdPath(fd)); err != nil {
-		return err
-	}
 	switch hdr.Typeflag {
 	case tar.TypeReg:
-		// Read from the inode fd refers to, checked to be that regular
-		// file, exactly the size announced.
-		in, err := unix.Open(fdPath(fd), unix.O_RDONLY|unix.O_NONBLOCK|unix.O_NOCTTY|unix.O_CLOEXEC, 0)
+		// Opened again for reading (never a device or a fifo: checked to
+		// be the inode fstat saw), exactly the size announced is sent.
+		in, err := unix.Openat(dfd, name, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_NONBLOCK|unix.O_NOCTTY|unix.O_CLOEXEC, 0)
 		if err != nil {
 			return fmt.Errorf("/%s: open: %w", rel, err)
 		}
 		f := os.NewFile(uintptr(in), rel)
 		defer f.Close()
+		var ist unix.Stat_t
+		if err := unix.Fstat(in, &ist); err != nil || ist.Dev != st.Dev || ist.Ino != st.Ino {
+			return fmt.Errorf("/%s: changed while being exported", rel)
+		}
+		if err := u.xattrs(hdr, in, false); err != nil {
+			return err
+		}
 		if err := u.tw.WriteHeader(hdr); err != nil {
 			return err
 		}
@@ -396,19 +413,29 @@ func (u *upperTar) entry(dfd int, name, rel string, depth int) error {
 		}
 		return nil
 	case tar.TypeDir:
-		if err := u.tw.WriteHeader(hdr); err != nil {
-			return err
-		}
-		if depth > u.maxDepth {
-			return nil // the host refuses it; do not walk further
-		}
 		d, err := unix.Openat(fd, ".", unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 		if err != nil {
 			return fmt.Errorf("/%s: %w", rel, err)
 		}
 		unix.Close(fd)
 		fd = -1
-		return u.dir(os.NewFile(uintptr(d), rel), rel, depth)
+		df := os.NewFile(uintptr(d), rel)
+		if err := u.xattrs(hdr, d, false); err != nil {
+			df.Close()
+			return err
+		}
+		if err := u.tw.WriteHeader(hdr); err != nil {
+			df.Close()
+			return err
+		}
+		if depth > u.maxDepth {
+			df.Close()
+			return nil // the host refuses it; do not walk further
+		}
+		return u.dir(df, rel, depth)
+	}
+	if err := u.xattrs(hdr, fd, true); err != nil {
+		return err
 	}
 	return u.tw.WriteHeader(hdr)
 }
