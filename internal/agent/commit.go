@@ -18,11 +18,13 @@ import (
 	"archive/tar"
 	"bufio"
 	"bytes"
+	"cmp"
 	"errors"
 	"fmt"
 	"io"
 	"net"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -123,7 +125,11 @@ func stopOthers() (cont func(), err error) {
 		return nil, err
 	}
 	cont = func() {
-		for _, p := range listProcs() {
+		// The youngest first: a child goes on before its parent, so that
+		// a parent waiting for it (WUNTRACED) finds it running again.
+		ps := listProcs()
+		slices.SortFunc(ps, func(a, b procInfo) int { return cmp.Or(cmp.Compare(b.started, a.started), cmp.Compare(b.pid, a.pid)) })
+		for _, p := range ps {
 			if !before[p.key()] && !p.kthread {
 				unix.Kill(p.pid, unix.SIGCONT)
 			}
@@ -153,6 +159,7 @@ type procInfo struct {
 	pid     int
 	state   byte
 	start   string // start time (clock ticks since boot): with pid, who it is
+	started uint64 // start, parsed
 	kthread bool
 }
 
@@ -187,7 +194,8 @@ func listProcs() []procInfo {
 			continue
 		}
 		flags, _ := strconv.ParseUint(f[6], 10, 64)
-		out = append(out, procInfo{pid: pid, state: f[0][0], start: f[19], kthread: flags&0x00200000 != 0}) // PF_KTHREAD
+		started, _ := strconv.ParseUint(f[19], 10, 64)
+		out = append(out, procInfo{pid: pid, state: f[0][0], start: f[19], started: started, kthread: flags&0x00200000 != 0}) // PF_KTHREAD
 	}
 	return out
 }
