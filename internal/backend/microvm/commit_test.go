@@ -33,7 +33,10 @@ func checkExport(t *testing.T, ctx context.Context, b *Backend, c *agent.Client,
 		t.Fatal(err)
 	}
 	defer p.Close()
-	size := func() string { return strings.TrimSpace(run(t, ctx, c, "stat", "-c", "%s", "/work/counter")) }
+	// 0 until the writer has made its file.
+	size := func() string {
+		return strings.TrimSpace(run(t, ctx, c, "sh", "-c", "stat -c %s /work/counter 2>/dev/null || echo 0"))
+	}
 	waitGrow := func(what string) {
 		t.Helper()
 		first := size()
