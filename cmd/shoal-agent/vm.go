@@ -26,7 +26,7 @@ func runVM(log agent.Logger) {
 		log.Warn("the host name will not resolve", "err", err)
 	}
 	go prewarmThreads(8)
-	srv := agent.NewServer(agent.Config{ReapAll: true, IdleRelease: time.Second, Logger: log, Env: cfg.Env})
+	srv := agent.NewServer(agent.Config{ReapAll: true, IdleRelease: time.Second, Logger: log, Env: cfg.Env, Upper: cfg.Upper})
 	err = srv.Serve(l)
 	if err == nil {
 		err = errors.New("agent channel closed")

@@ -27,6 +27,8 @@
 //	watch: Q({"path","recursive"}) → R | X;  then D(json-array-of-events)*
 //	       until the client closes, or F when the watched path is gone
 //	       (see watch.go); list with "depth" > 1 walks subdirectories
+//	exportupper: Q({"max_depth"}) → R | X;  then D* (a tar) F | X
+//	       (a VM's writable layer for a commit; see commit.go)
 //
 // Control messages are small JSON objects; data is never JSON-encoded. Frame
 // types are printable ASCII so that a hex dump of a capture reads easily.
@@ -87,6 +89,7 @@ const (
 	OpResize      Op = 15 // set the window size of a durable command's pty
 	OpWatch       Op = 16 // stream inotify events under a path (see watch.go)
 	OpUser        Op = 17 // resolve a user of the sandbox (see users.go)
+	OpExportUpper Op = 18 // stream the writable layer for a commit (VMs; see commit.go)
 	OpFnPrepare   Op = 20 // fncall: reset a call's box and write its files (see fncall.go)
 	OpFnRun       Op = 21 // fncall: run one process of a call in given cgroups (see fncall.go)
 )
@@ -98,6 +101,7 @@ var opNames = [...]string{
 	OpPortForward: "portforward", OpClaim: "claim", OpStdin: "stdin",
 	OpCommands: "commands", OpResize: "resize", OpWatch: "watch",
 	OpFnPrepare: "fnprepare", OpFnRun: "fnrun", OpUser: "user",
+	OpExportUpper: "exportupper",
 }
 
 func (o Op) String() string {

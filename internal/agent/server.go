@@ -47,6 +47,11 @@ type Config struct {
 	// MaxExitedBytes bounds the unacknowledged output those commands hold,
 	// likewise. Default DefaultMaxExitedBytes.
 	MaxExitedBytes int64
+	// Upper is the overlay's upper directory, opened before any workload
+	// ran (a VM's, inside the guest): OpExportUpper streams it for a
+	// commit (commit.go). nil: the writable layer is the host's to read
+	// (containers), and the op is refused.
+	Upper *os.File
 }
 
 // Defaults of Config.MaxExited and Config.MaxExitedBytes.
@@ -83,6 +88,8 @@ type Server struct {
 	exited   exitedList          // guarded by mu; those of durables that exited, oldest first
 	seq      uint64              // guarded by mu; command ID counter
 	boot     string              // prefix of command IDs, from the server's start time
+
+	exportMu sync.Mutex // held by an export of the writable layer (commit.go)
 }
 
 // requestTimeout bounds how long a new connection may take to send its
@@ -261,6 +268,11 @@ func (s *Server) serveConn(c net.Conn) {
 		}
 	case OpCommands:
 		s.commands(c)
+	case OpExportUpper:
+		var req wireExportRequest
+		if decode(c, body, &req) {
+			s.exportUpper(c, &req)
+		}
 	case OpPortForward:
 		var req wirePortRequest
 		if decode(c, body, &req) {

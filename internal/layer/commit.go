@@ -27,6 +27,15 @@ type CommitOptions struct {
 	// It is read, never modified, and only through file descriptors (see
 	// Commit); the overlay may stay mounted.
 	Upper string
+	// Export, if not nil, stands for Upper when the writable layer is not
+	// on this host's file system (a VM's is inside its guest): it returns
+	// the upper as a commit stream (see commit_stream.go), which is read
+	// as the untrusted input it is; the reader is closed when the copy is
+	// over. Freeze is not called: the producer stops the sandbox's
+	// writers for as long as it sends (a VM's agent stops its processes).
+	// maxDepth is the commit's depth bound, for the producer not to walk
+	// deeper than the host accepts.
+	Export func(ctx context.Context, maxDepth int) (io.ReadCloser, error)
 	// Exclude lists paths of the sandbox's root ("/.shoal") left out of the
 	// layer, with everything under them.
 	Exclude []string
@@ -139,11 +148,13 @@ func (s *Store) commit(ctx context.Context, o CommitOptions) (Layer, error) {
 		}
 		exclude[rel] = true
 	}
-	root, err := openUpper(o.Upper)
-	if err != nil {
-		return Layer{}, err
+	if o.Export == nil {
+		root, err := openUpper(o.Upper)
+		if err != nil {
+			return Layer{}, err
+		}
+		root.Close()
 	}
-	root.Close()
 	work, err := os.MkdirTemp(s.tmp, "commit-")
 	if err != nil {
 		return Layer{}, err
@@ -151,7 +162,11 @@ func (s *Store) commit(ctx context.Context, o CommitOptions) (Layer, error) {
 	defer os.RemoveAll(work)
 
 	tree := filepath.Join(work, "root")
-	if err := copyUpper(ctx, o, tree, exclude, lim, rep); err != nil {
+	copyFn := copyUpper
+	if o.Export != nil {
+		copyFn = copyExport
+	}
+	if err := copyFn(ctx, o, tree, exclude, lim, rep); err != nil {
 		if ctx.Err() != nil {
 			return Layer{}, ctx.Err()
 		}
@@ -544,7 +559,15 @@ func (w *upperWalker) metaAt(src xfd, dstDir int, name string, st *unix.Stat_t) 
 // capabilities, a mode change does not. A symlink's mode is not changed.
 func (w *upperWalker) meta(src, dst xfd, st *unix.Stat_t) error {
 	uid, gid := st.Uid, st.Gid
-	if w.idmap != nil {
+	switch {
+	case st.Mode&unix.S_IFMT == unix.S_IFCHR:
+		// A whiteout (the only device a commit holds): overlayfs makes it
+		// as whoever mounted the overlay (the host's root, outside a
+		// container's id range; a VM guest's root), and its owner means
+		// nothing. Stored as 0:0, so that the same changes make the same
+		// layer on every backend.
+		uid, gid = 0, 0
+	case w.idmap != nil:
 		uid, gid = w.idmap.FromHost(uid, gid)
 	}
 	if err := unix.Fchownat(dst.fd, "", int(uid), int(gid), unix.AT_EMPTY_PATH|unix.AT_SYMLINK_NOFOLLOW); err != nil {
@@ -613,31 +636,44 @@ func copyXattrs(src, dst xfd, isDir bool) error {
 		return err
 	}
 	for _, n := range names {
-		if strings.HasPrefix(n, ovlPrefix) {
-			switch n {
-			case ovlRedirect, ovlMetacopy:
-				return errdefs.New(errdefs.ErrFailedPrecondition, "has overlay attribute %s (a renamed directory or a metadata-only copy): not supported in a commit; mount overlays with redirect_dir=off, metacopy=off", n)
-			case ovlOpaque:
-				if v, err := getXattrFd(src, n); err == nil && isDir && string(v) == "y" {
-					if err := dst.setxattr(n, v); err != nil {
-						return fmt.Errorf("set %s: %w", n, err)
-					}
-				}
-			}
-			continue
+		if _, err := keepXattr(n, nil, isDir); err != nil {
+			return err
 		}
 		v, err := getXattrFd(src, n)
 		if errors.Is(err, unix.ENODATA) {
 			continue
 		}
 		if err != nil {
+			if strings.HasPrefix(n, ovlPrefix) {
+				continue
+			}
 			return fmt.Errorf("read xattr %s: %w", n, err)
+		}
+		if keep, _ := keepXattr(n, v, isDir); !keep {
+			continue
 		}
 		if err := dst.setxattr(n, v); err != nil {
 			return fmt.Errorf("set xattr %s: %w", n, err)
 		}
 	}
 	return nil
+}
+
+// keepXattr says whether a commit keeps the extended attribute n (value v)
+// of an entry of an upper directory: of overlayfs's own only the opaque
+// flag of a directory ("y"), and an error for a redirect or a metacopy,
+// which a commit cannot carry; every other attribute is kept.
+func keepXattr(n string, v []byte, isDir bool) (bool, error) {
+	if !strings.HasPrefix(n, ovlPrefix) {
+		return true, nil
+	}
+	switch n {
+	case ovlRedirect, ovlMetacopy:
+		return false, errdefs.New(errdefs.ErrFailedPrecondition, "has overlay attribute %s (a renamed directory or a metadata-only copy): not supported in a commit; mount overlays with redirect_dir=off, metacopy=off", n)
+	case ovlOpaque:
+		return isDir && string(v) == "y", nil
+	}
+	return false, nil
 }
 
 func listXattrsFd(x xfd) ([]string, error) { return listXattrNames(x.listxattr) }

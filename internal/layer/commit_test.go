@@ -288,6 +288,8 @@ func TestCommitIDMap(t *testing.T) {
 	must(t, os.Symlink("root-file", filepath.Join(upper, "dir/link")))
 	must(t, os.Lchown(filepath.Join(upper, "dir/link"), base+6, base+6))
 	must(t, os.Lchown(upper, base, base))
+	// A whiteout, made by the overlay as the host's root.
+	must(t, unix.Mknod(filepath.Join(upper, "gone"), unix.S_IFCHR, 0))
 	l, err := e.store.Commit(context.Background(), CommitOptions{
 		Kind: KindWorkspace, Name: "mapped", Version: "1", Upper: upper,
 		IDMap: &sandbox.IDMap{HostUID: base, HostGID: base, Size: 65536},
@@ -298,7 +300,7 @@ func TestCommitIDMap(t *testing.T) {
 	defer e.store.Release(l.Digest)
 	for name, want := range map[string][2]uint32{
 		"root-file": {0, 7}, "user-file": {1000, 1007}, "host-file": {65534, 65534},
-		"dir": {5, 5}, "dir/link": {6, 6}, ".": {0, 0},
+		"dir": {5, 5}, "dir/link": {6, 6}, ".": {0, 0}, "gone": {0, 0},
 	} {
 		var st unix.Stat_t
 		must(t, unix.Lstat(filepath.Join(img, name), &st))

@@ -9,6 +9,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -166,14 +167,25 @@ func (m *Manager) CommitLayer(ctx context.Context, id string, o layer.CommitOpti
 		over = append(over, l.Ref)
 	}
 	if c, ok := m.backends[rec.Backend].(sandbox.Committer); ok {
-		upper, err := c.WritableLayer(rec.Handle)
+		wl, err := c.WritableLayer(rec.Handle)
 		if errors.Is(err, sandbox.ErrUnsupported) {
 			return layer.Layer{}, errdefs.New(ErrNotRunning, "commit sandbox %s: its %s backend cannot commit: %s", id, rec.Backend, err)
 		}
 		if err != nil {
 			return layer.Layer{}, fmt.Errorf("commit sandbox %s: %w", id, err)
 		}
-		o.Upper = upper
+		o.Upper = wl.Dir
+		if export := wl.Export; export != nil {
+			// Inside the sandbox (a VM's guest): streamed by the backend,
+			// which stops the sandbox's writers itself (no Freeze).
+			o.Export = func(ctx context.Context, maxDepth int) (io.ReadCloser, error) {
+				rc, err := export(ctx, maxDepth)
+				if errors.Is(err, sandbox.ErrUnsupported) {
+					return nil, errdefs.New(ErrNotRunning, "its %s backend cannot commit: %s", rec.Backend, err)
+				}
+				return rc, err
+			}
+		}
 	} else {
 		o.Upper = rec.Handle.Data["upper"] // where the backend put it (on a disk image, say)
 		if o.Upper == "" {

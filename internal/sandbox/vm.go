@@ -2,6 +2,7 @@ package sandbox
 
 import (
 	"context"
+	"io"
 	"net"
 )
 
@@ -18,12 +19,27 @@ type AgentDialer interface {
 }
 
 // Committer is implemented by backends that own where a sandbox's
-// writable layer lives. WritableLayer returns the host directory holding
-// it (the overlay's upper), for the node to copy into a layer while the
-// sandbox is frozen; ErrUnsupported when this backend's writable layer is
-// not on the host's file system (inside a VM). A backend that does not
-// implement Committer keeps it at Handle.Data["upper"], or else in
-// "upper" under the sandbox's directory.
+// writable layer lives. WritableLayer says where it is, for the node to
+// turn into a layer: a host directory (the overlay's upper), which the
+// node copies while the sandbox is frozen (Freezer), or, when it is not on
+// the host's file system (inside a VM), a function that streams it;
+// ErrUnsupported when this backend cannot give it at all. A backend that
+// does not implement Committer keeps it at Handle.Data["upper"], or else
+// in "upper" under the sandbox's directory.
 type Committer interface {
-	WritableLayer(h Handle) (string, error)
+	WritableLayer(h Handle) (WritableLayer, error)
+}
+
+// WritableLayer is where a sandbox's writable layer is: exactly one of
+// Dir and Export is set.
+type WritableLayer struct {
+	// Dir is the host directory holding the overlay's upper.
+	Dir string
+	// Export returns the upper as a commit stream (internal/layer's
+	// format: a tar of the upper, its whiteouts and opaque directories
+	// included), produced inside the sandbox and so read as untrusted
+	// input. The backend keeps the sandbox's writers stopped while it
+	// streams, until the stream ends or is closed; the caller closes it.
+	// maxDepth bounds how deep the producer walks. ctx bounds the stream.
+	Export func(ctx context.Context, maxDepth int) (io.ReadCloser, error)
 }

@@ -5,7 +5,9 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"net"
 	"os"
+	"os/exec"
 	"strings"
 	"testing"
 	"time"
@@ -14,7 +16,7 @@ import (
 )
 
 // TestMicroVM drives a microvm sandbox through the CLI: create, exec, files
-// both ways, a commit refused with the reason, a restart of the server
+// both ways, a commit (checkVMCommit), a half-closed TCP tunnel, a restart of the server
 // that the VM survives (the new server re-dials its agent channel), a
 // pause (snapshot, QEMU ends) across another restart and a resume, and a
 // delete that ends its QEMU. It skips when this node offers no microvm
@@ -60,9 +62,22 @@ func TestMicroVM(t *testing.T) {
 	if out, code := run(nil, "files", "ls", id, "/work"); code != 0 || !strings.Contains(out, "x.txt") {
 		t.Fatalf("files ls: %d %s", code, out)
 	}
-	if out, code := run(nil, "layer", "commit", id, "--kind", "workspace", "vmws:1"); code == 0 || !strings.Contains(out, "inside the guest") {
-		t.Errorf("commit of a VM: exit %d: %s", code, out)
+	checkVMCommit(t, id)
+	// A TCP half-close through the SDK's tunnel reaches the guest's
+	// server, which answers once it has read to the end.
+	startInSandbox(t, id, "portsrv", "tcp", "127.0.0.1:7070")
+	var conn net.Conn
+	var err error
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		if conn, err = sdk(t).DialPort(context.Background(), id, 7070); err == nil || time.Now().After(deadline) {
+			break
+		}
 	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	halfCloseRoundTrip(t, conn, "hello through the VM's channel")
+	conn.Close()
 	// The VM outlives the server; the next one re-dials its channel.
 	killServe()
 	if err := startServe(); err != nil {
@@ -127,4 +142,59 @@ func TestMicroVM(t *testing.T) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
+}
+
+// checkVMCommit commits the VM id's writable layer after changes that make
+// whiteouts, an opaque directory, a hard link, a symlink, owners and modes,
+// and checks that the same changes made in a container commit to the very
+// same image, and that a container from the base and the VM's commit sees
+// what the VM saw.
+func checkVMCommit(t *testing.T, id string) {
+	t.Helper()
+	changes := `set -e
+		rm /etc/hostname
+		echo old > /root/old && sync
+		rm -rf /root && mkdir /root && echo new > /root/new
+		mkdir -p /repo/.git && echo 'print(42)' > /repo/main.py && ln -s /repo/main.py /repo/link && ln /repo/main.py /repo/hard.py
+		chmod 700 /repo && chown 1000:1000 /repo/main.py`
+	snapshot := "find /etc /root /repo /work | sort; cat /repo/link /root/new; stat -c '%a %u' /repo /repo/main.py; ls -i /repo/main.py /repo/hard.py | awk '{print $1}' | uniq | wc -l; test -e /etc/hostname || echo gone"
+	sh(t, id, changes)
+	want := sh(t, id, snapshot)
+	start := time.Now()
+	stdout, stderr, code := run3(nil, "layer", "commit", id, "--kind", "workspace", "vmws:1")
+	vmTook := time.Since(start)
+	if code != 0 || !strings.HasPrefix(stdout, "vmws@sha256:") || !strings.Contains(stderr, "from its guest") {
+		t.Fatalf("commit of a VM: %d %q %q", code, stdout, stderr)
+	}
+	// The same changes in a container (and the file the VM got by cp).
+	ct := createWith(t, "--base", baseRef)
+	if out, code := run([]byte("in the vm\n"), "cp", "-", ct+":/work/x.txt"); code != 0 {
+		t.Fatalf("cp in: %d %s", code, out)
+	}
+	sh(t, ct, changes)
+	if got := sh(t, ct, snapshot); got != want {
+		t.Fatalf("the same changes in a container:\n%s\nin the VM:\n%s", got, want)
+	}
+	start = time.Now()
+	shoalOK(t, "layer", "commit", ct, "--kind", "workspace", "ctws:1")
+	t.Logf("shoal layer commit: VM %s, container %s (the same changes)", vmTook.Round(time.Millisecond), time.Since(start).Round(time.Millisecond))
+	if vm, c := inspectLayer(t, "vmws:1"), inspectLayer(t, "ctws:1"); vm.Digest != c.Digest {
+		t.Errorf("a VM's commit is %s, a container's of the same changes %s\nVM:\n%s\ncontainer:\n%s", vm.Digest, c.Digest, listImage(t, vm.Digest), listImage(t, c.Digest))
+	}
+	sb := createWith(t, "--base", baseRef, "--workspace", "vmws:1")
+	if got := sh(t, sb, snapshot); got != want {
+		t.Errorf("base + the VM's commit:\n%s\nthe VM:\n%s", got, want)
+	}
+}
+
+// listImage lists a layer image's entries with their metadata (to tell
+// two images apart).
+func listImage(t *testing.T, digest string) string {
+	dir := t.TempDir()
+	if out, err := exec.Command("mount", "-t", "erofs", "-o", "ro,loop", imagePath(digest), dir).CombinedOutput(); err != nil {
+		return fmt.Sprintf("mount: %v %s", err, out)
+	}
+	defer exec.Command("umount", dir).Run()
+	out, _ := exec.Command("sh", "-c", "cd "+dir+" && find . -printf '%p %M %U:%G %s %l\\n' | sort && python3 -c 'import os\nfor r, ds, fs in os.walk(\".\"):\n  for n in [r]+[os.path.join(r, f) for f in fs]:\n    for a in os.listxattr(n, follow_symlinks=False): print(n, a, os.getxattr(n, a, follow_symlinks=False))'").CombinedOutput()
+	return string(out)
 }

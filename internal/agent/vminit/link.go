@@ -332,18 +332,32 @@ func (l *portListener) start(nonce []byte) {
 	l.nonce = nonce
 	go func() {
 		for {
-			st, err := sess.Accept()
+			st, err := sess.AcceptStream()
 			if err != nil {
 				return
 			}
 			select {
-			case l.conns <- st:
+			case l.conns <- halfStream{st}:
 			case <-l.done:
 				st.Close()
 				return
 			}
 		}
 	}()
+}
+
+// halfStream is a stream of the channel as the agent's server takes a
+// connection: CloseWrite ends the guest's direction only (the stream's
+// FIN: the host reads to its end and may go on writing, so port
+// forwarding passes a TCP half-close on), and Close also ends a read
+// still waiting, as closing a socket does.
+type halfStream struct{ *yamux.Stream }
+
+func (s halfStream) CloseWrite() error { return s.Stream.Close() }
+
+func (s halfStream) Close() error {
+	s.Stream.SetReadDeadline(time.Now())
+	return s.Stream.Close()
 }
 
 // end closes the current session, if any: its streams end and its writes

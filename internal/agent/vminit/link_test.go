@@ -41,9 +41,22 @@ func linkPair(t *testing.T) string {
 			}
 			go func() {
 				defer c.Close()
-				line, err := bufio.NewReader(c).ReadString('\n')
+				r := bufio.NewReader(c)
+				line, err := r.ReadString('\n')
 				if err == nil {
 					io.WriteString(c, "echo "+line)
+				}
+				if line == "half\n" {
+					// Ends its own direction (as the agent passes on a
+					// TCP half-close) and reads on.
+					hc, ok := c.(interface{ CloseWrite() error })
+					if !ok {
+						halfGot <- "no CloseWrite"
+						return
+					}
+					hc.CloseWrite()
+					rest, _ := io.ReadAll(r)
+					halfGot <- string(rest)
 				}
 			}()
 		}
@@ -87,6 +100,40 @@ func linkPair(t *testing.T) string {
 	}()
 	t.Cleanup(func() { l.Close(); ln.Close(); port.Close(); guest.Close() })
 	return sock
+}
+
+// halfGot receives what a "half" stream of linkPair's guest read after
+// it ended its own direction.
+var halfGot = make(chan string, 1)
+
+// A stream's directions end on their own: the guest ends its direction
+// (the host reads its end) and still reads what the host sends after;
+// then the host ends its own.
+func TestLinkHalfClose(t *testing.T) {
+	sock := linkPair(t)
+	c := host(t, sock)
+	defer c.Close()
+	s := hostSession(t, c)
+	st, err := s.OpenStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	st.SetDeadline(time.Now().Add(20 * time.Second))
+	io.WriteString(st, "half\n")
+	got, err := io.ReadAll(st)
+	if err != nil || string(got) != "echo half\n" {
+		t.Fatalf("the guest's direction: %q, %v", got, err)
+	}
+	io.WriteString(st, "after the guest's end\n")
+	st.Close()
+	select {
+	case rest := <-halfGot:
+		if rest != "after the guest's end\n" {
+			t.Fatalf("the guest read %q after ending its direction", rest)
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatal("the guest's read did not end")
+	}
 }
 
 // host dials the channel; the previous host's connection must be gone

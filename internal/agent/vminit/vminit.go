@@ -67,6 +67,11 @@ type Config struct {
 	// Env is every command's environment.
 	Env      []string `json:"env,omitempty"`
 	Hostname string   `json:"hostname,omitempty"`
+
+	// Upper is the overlay's upper directory, opened by Boot before the
+	// root switch (after it, no path reaches it) and before any workload
+	// runs: the agent exports it for a commit (agent.Config.Upper).
+	Upper *os.File `json:"-"`
 }
 
 // Active reports whether this process is the init of a Shoal VM.
@@ -267,9 +272,18 @@ func mountRoot(cfg *Config) error {
 	if err := unix.Mount("overlay", "/newroot", "overlay", 0, ovl); err != nil {
 		return fmt.Errorf("mount overlay: %w", err)
 	}
-	for _, d := range []string{"dev", "proc", "sys", "tmp"} {
+	up, err := os.OpenFile("/rw/upper", os.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW, 0)
+	if err != nil {
+		return fmt.Errorf("open the writable layer: %w", err)
+	}
+	cfg.Upper = up
+	for _, d := range []string{"dev", "proc", "sys"} {
 		os.MkdirAll(filepath.Join("/newroot", d), 0o755)
 	}
+	// A /tmp for a root without one; one the layers have is left as it
+	// is (a chmod would copy it up into the writable layer, and so into
+	// a commit, where a container's has nothing).
+	madeTmp := os.Mkdir("/newroot/tmp", 0o755) == nil
 	for _, d := range []string{"/dev", "/proc", "/sys"} {
 		if err := unix.Mount(d, "/newroot"+d, "", unix.MS_MOVE, ""); err != nil {
 			return fmt.Errorf("move %s: %w", d, err)
@@ -295,7 +309,9 @@ func mountRoot(cfg *Config) error {
 		os.Remove("/dev/ptmx")
 	}
 	os.Symlink("pts/ptmx", "/dev/ptmx")
-	os.Chmod("/tmp", 0o1777)
+	if madeTmp {
+		unix.Chmod("/tmp", 0o1777) // os.Chmod would drop the sticky bit (os.ModeSticky is not 01000)
+	}
 	return nil
 }
 

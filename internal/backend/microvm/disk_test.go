@@ -16,7 +16,7 @@ import (
 // TestVMDiskLimit: a VM created with a disk size has its writable layer on
 // an ext4 device of that size: writing more fails with ENOSPC in the guest,
 // the host's image stays within the size (sparse, discard), and what was
-// written survives a pause and resume.
+// written survives a pause and resume, and can be committed after it.
 func TestVMDiskLimit(t *testing.T) {
 	b, img := vmTestEnv(t, MachineMicroVM)
 	if ok, why := b.DiskLimits(); !ok {
@@ -66,4 +66,7 @@ func TestVMDiskLimit(t *testing.T) {
 	if got := run(t, ctx, c, "cat", "/work/kept"); got != "kept\n" {
 		t.Errorf("after pause and resume: %q", got)
 	}
+	// A commit of the disk's writable layer, by the agent restored from
+	// the snapshot (the upper it opened at boot).
+	checkExport(t, ctx, b, c, h)
 }

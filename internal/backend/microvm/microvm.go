@@ -31,8 +31,9 @@
 // has a virtio-balloon with free page reporting, so freed guest memory goes
 // back to the host.
 //
-// Not yet: commit (the writable layer is in the guest), network egress,
-// virtio-pmem/DAX.
+// Commit: the guest's agent streams the writable layer (commit.go).
+//
+// Not yet: network egress, virtio-pmem/DAX.
 package microvm
 
 import (
@@ -812,9 +813,9 @@ func ended(pid int) bool {
 }
 
 // WritableLayer implements sandbox.Committer: a VM's writable layer is in
-// the guest, so it cannot be committed (yet).
-func (b *Backend) WritableLayer(h sandbox.Handle) (string, error) {
-	return "", fmt.Errorf("the writable layer of a VM is inside the guest: %w", sandbox.ErrUnsupported)
+// the guest, exported by its agent (commit.go).
+func (b *Backend) WritableLayer(h sandbox.Handle) (sandbox.WritableLayer, error) {
+	return sandbox.WritableLayer{Export: b.exportUpper(h)}, nil
 }
 
 // agentPipe names the agent channel's FIFOs in the sandbox's directory
@@ -894,6 +895,11 @@ func (s closingStream) Close() error {
 	s.Stream.SetReadDeadline(time.Now())
 	return s.Stream.Close()
 }
+
+// CloseWrite ends the host's direction only (the stream's FIN): the guest
+// reads to its end and may go on writing (a TCP half-close, passed on by
+// port forwarding).
+func (s closingStream) CloseWrite() error { return s.Stream.Close() }
 
 // session returns the live session, dialing the VM's socket for a new one
 // when there is none.

@@ -167,6 +167,9 @@ func testVMCreateExecFilesDelete(t *testing.T, machine string) {
 			t.Errorf("concurrent stat: %v", err)
 		}
 	}
+	checkExport(t, ctx, b, c, h)
+	measureExport(t, ctx, b, c, h)
+	checkHalfClose(t, ctx, c)
 	// The host's end of the channel goes away (as when the server
 	// restarts): the next request dials the VM's socket again and the
 	// guest serves the new session.

@@ -235,11 +235,11 @@ def _probe_backend(server: Server, backend: str) -> Optional[str]:
 
 # VM backends boot a kernel per sandbox (seconds under TCG, which CI
 # machines without KVM use): they run this subset of the backend-parametrized
-# tests (microvm: commands, files, lifecycle, pause, auto-pause; fullvm, the same code on
+# tests (microvm: commands, files, lifecycle, pause, auto-pause, commit; fullvm, the same code on
 # another machine type: commands), the rest with SHOAL_SDK_VM_ALL=1.
 VM_BACKENDS = ("microvm", "fullvm")
 VM_SUBSET = {
-    "microvm": {"test_exit_codes_stdout_stderr", "test_text_and_bytes", "test_connect_list_kill", "test_pause_resume", "test_auto_pause"},
+    "microvm": {"test_exit_codes_stdout_stderr", "test_text_and_bytes", "test_connect_list_kill", "test_pause_resume", "test_auto_pause", "test_commit_backend"},
     "fullvm": {"test_exit_codes_stdout_stderr"},
 }
 VM_ALL = os.environ.get("SHOAL_SDK_VM_ALL") == "1"

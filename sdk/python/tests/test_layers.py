@@ -106,6 +106,22 @@ def test_commit_and_compose(server, container_sb) -> None:
     layers.rm("sdk-commit-tk:1")
 
 
+def test_commit_backend(server, backend, sb) -> None:
+    """The same commit on every backend: a VM's writable layer is inside its
+    guest (its agent sends it); the layer composes into a container."""
+    sb.files.write("/work/made/in.txt", f"made in a {backend}\n")
+    sb.commands.run("rm /www/index.html && rm -rf /work/sdk 2>/dev/null; mkdir -p /root && echo x > /root/y", check=True)
+    l = sb.commit("workspace", f"sdk-commit-{backend}:1")
+    assert l.kind == "workspace" and f"sandbox {sb.sandbox_id}" in l.source
+    assert sb.is_running()
+    assert sb.commands.run("cat /root/y", check=True).stdout == "x\n"  # its processes went on
+    with shoal.Sandbox.create(base=server.base, workspaces=[l], timeout=300) as sb2:
+        assert read(sb2, "/work/made/in.txt") == f"made in a {backend}\n"
+        assert read(sb2, "/root/y") == "x\n"
+        assert not sb2.files.exists("/www/index.html")  # the whiteout
+    layers.rm(f"sdk-commit-{backend}:1")
+
+
 def test_tag_rm_in_use_and_gc(server, src) -> None:
     a = layers.build("toolkit", "sdk-tgc:1", src)
     tagged = layers.tag("sdk-tgc:1", "sdk-tgc:stable")
