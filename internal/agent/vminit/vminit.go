@@ -44,6 +44,8 @@ const (
 	LayerSerialPrefix = "shoal-l"
 	// UpperSerial is the serial of the writable layer's disk, if it has one.
 	UpperSerial = "shoal-upper"
+	// RootSerial is the serial of a full system's disk (Config.System).
+	RootSerial = "shoal-root"
 	// PortName is the name of the agent's virtio-serial port.
 	PortName = "shoal.agent"
 	// ModulesDir holds the kernel modules in the initramfs, and the file
@@ -67,6 +69,11 @@ type Config struct {
 	// Env is every command's environment.
 	Env      []string `json:"env,omitempty"`
 	Hostname string   `json:"hostname,omitempty"`
+	// System: a full system (the fullvm backend, system.go): the disk
+	// whose serial is RootSerial holds the system's tree under the
+	// layers, and the writable layer unless UpperDisk; the agent then
+	// starts the system's own init and serves as its service.
+	System bool `json:"system,omitempty"`
 }
 
 // Active reports whether this process is the init of a Shoal VM.
@@ -108,6 +115,9 @@ func Boot() (*Config, net.Listener, error) {
 	}
 	if err := mountRoot(cfg); err != nil {
 		return nil, nil, err
+	}
+	if cfg.System {
+		return nil, nil, startSystem(cfg) // returns only on failure
 	}
 	if cfg.Hostname != "" {
 		unix.Sethostname([]byte(cfg.Hostname))
@@ -241,6 +251,13 @@ func mountRoot(cfg *Config) error {
 		lower[i] = dir
 	}
 	os.MkdirAll("/rw", 0o755)
+	if cfg.System {
+		sys, err := mountSystem(cfg)
+		if err != nil {
+			return err
+		}
+		lower = append(lower, sys)
+	}
 	if cfg.UpperDisk {
 		dev, err := blockBySerial([]string{UpperSerial})
 		if err != nil {
@@ -248,6 +265,11 @@ func mountRoot(cfg *Config) error {
 		}
 		if err := unix.Mount(dev[UpperSerial], "/rw", "ext4", unix.MS_NODEV, "discard"); err != nil {
 			return fmt.Errorf("mount writable layer (%s): %w", dev[UpperSerial], err)
+		}
+	} else if cfg.System {
+		// On the system's disk: its copy-on-write overlay on the host.
+		if err := unix.Mount(systemRW, "/rw", "", unix.MS_BIND, ""); err != nil {
+			return fmt.Errorf("mount writable layer: %w", err)
 		}
 	} else {
 		opts := "mode=0755"

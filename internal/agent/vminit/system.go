@@ -1,0 +1,163 @@
+package vminit
+
+import (
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"path/filepath"
+
+	"golang.org/x/sys/unix"
+)
+
+// A full system (the fullvm backend): the VM has one more disk, serial
+// RootSerial, an ext4 file system (the node's copy-on-write qcow2 overlay
+// over a base image built once per node) that holds:
+//
+//	/rootfs   the system's tree: Debian with systemd, udev, dbus
+//	/rw       the sandbox's writable layer (upper and work), unless the
+//	          create asked for a disk of its own (Config.UpperDisk)
+//
+// The agent, as the init of the initramfs, mounts the sandbox's layers over
+// /rootfs (the system is the lowest layer: the sandbox's base and its
+// workspaces and toolkits win), switches root to the overlay as it does
+// for a microVM, then puts itself and the sandbox's config in /run/shoal (a
+// tmpfs that systemd keeps) and executes the system's init, systemd. The
+// image's shoal-agent.service runs RunAgent with --vm-service: it serves
+// the usual protocol on the VM's port (Service). So the base image does not
+// carry the agent, and a new agent needs no new image.
+
+// Paths of a full system.
+const (
+	// SystemTree is the system's tree on its disk.
+	SystemTree = "rootfs"
+	// RunDir holds, in the running system, the agent (RunAgent) and the
+	// sandbox's config (RunConfig).
+	RunDir    = "/run/shoal"
+	RunAgent  = RunDir + "/shoal-agent"
+	RunConfig = RunDir + "/config.json"
+	// SystemInit is the system's init.
+	SystemInit = "/sbin/init"
+	// sysroot is where the initramfs mounts the system's disk.
+	sysroot  = "/sysroot"
+	systemRW = sysroot + "/rw"
+)
+
+// mountSystem mounts the system's disk and returns its tree, the lowest
+// layer of the sandbox's root.
+func mountSystem(cfg *Config) (string, error) {
+	devs, err := blockBySerial([]string{RootSerial})
+	if err != nil {
+		return "", err
+	}
+	if err := os.MkdirAll(sysroot, 0o755); err != nil {
+		return "", err
+	}
+	if err := unix.Mount(devs[RootSerial], sysroot, "ext4", unix.MS_NODEV, "discard"); err != nil {
+		return "", fmt.Errorf("mount the system disk (%s): %w", devs[RootSerial], err)
+	}
+	tree := filepath.Join(sysroot, SystemTree)
+	if fi, err := os.Stat(filepath.Join(tree, "sbin")); err != nil || !fi.IsDir() {
+		return "", fmt.Errorf("the system disk has no system tree in /%s", SystemTree)
+	}
+	if !cfg.UpperDisk {
+		if err := os.MkdirAll(systemRW, 0o755); err != nil {
+			return "", err
+		}
+	}
+	return tree, nil
+}
+
+// startSystem runs in the new root: it prepares /run/shoal and the
+// sandbox's identity (host name, machine ID) and executes the system's
+// init. It returns only when that fails.
+func startSystem(cfg *Config) error {
+	// systemd keeps a /run that is mounted already.
+	if err := unix.Mount("tmpfs", "/run", "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, "mode=0755,size=20%"); err != nil {
+		return fmt.Errorf("mount /run: %w", err)
+	}
+	if err := os.MkdirAll(RunDir, 0o700); err != nil {
+		return err
+	}
+	if err := copyFile("/proc/self/exe", RunAgent, 0o700); err != nil {
+		return fmt.Errorf("install the agent: %w", err)
+	}
+	doc, err := json.Marshal(cfg)
+	if err != nil {
+		return err
+	}
+	if err := os.WriteFile(RunConfig, doc, 0o600); err != nil {
+		return err
+	}
+	if cfg.Hostname != "" {
+		unix.Sethostname([]byte(cfg.Hostname))
+		writeEtc("hostname", cfg.Hostname+"\n")
+	}
+	// A machine ID of its own per sandbox (journald, D-Bus), the same
+	// across its boots.
+	sum := sha256.Sum256([]byte("shoal-machine-id " + cfg.ID))
+	writeEtc("machine-id", hex.EncodeToString(sum[:16])+"\n")
+	env := []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "TERM=linux"}
+	err = unix.Exec(SystemInit, []string{SystemInit}, env)
+	return fmt.Errorf("execute %s: %w", SystemInit, err)
+}
+
+// writeEtc replaces a file of /etc (never following a symlink the layers
+// put there: the guest's own files, but a boot must not write elsewhere).
+func writeEtc(name, content string) {
+	root, err := os.OpenRoot("/etc")
+	if err != nil {
+		return
+	}
+	defer root.Close()
+	root.Remove(name)
+	f, err := root.OpenFile(name, os.O_CREATE|os.O_EXCL|os.O_WRONLY, 0o644)
+	if err != nil {
+		return
+	}
+	f.WriteString(content)
+	f.Close()
+}
+
+func copyFile(src, dst string, mode os.FileMode) error {
+	in, err := os.Open(src)
+	if err != nil {
+		return err
+	}
+	defer in.Close()
+	out, err := os.OpenFile(dst, os.O_CREATE|os.O_EXCL|os.O_WRONLY|unix.O_NOFOLLOW, mode)
+	if err != nil {
+		return err
+	}
+	if _, err := io.Copy(out, in); err != nil {
+		out.Close()
+		return err
+	}
+	return out.Close()
+}
+
+// Service is the agent as the system's service (shoal-agent.service, run
+// with --vm-service): it reads the sandbox's config that the initramfs left
+// in RunConfig and returns a listener of agent streams on the VM's port.
+func Service() (*Config, net.Listener, error) {
+	if os.Getpid() == 1 {
+		return nil, nil, errors.New("--vm-service: not as a VM's init")
+	}
+	b, err := os.ReadFile(RunConfig)
+	if err != nil {
+		return nil, nil, fmt.Errorf("the sandbox's config: %w", err)
+	}
+	var cfg Config
+	if err := json.Unmarshal(b, &cfg); err != nil {
+		return nil, nil, fmt.Errorf("decode %s: %w", RunConfig, err)
+	}
+	l, err := listenPort()
+	if err != nil {
+		return nil, nil, err
+	}
+	return &cfg, l, nil
+}
