@@ -21,7 +21,7 @@ func main() {
 	}
 	root.PersistentFlags().String("url", "", "API URL (default $SHOAL_URL or http://127.0.0.1:7480)")
 	root.PersistentFlags().String("api-key", "", "API key (default $SHOAL_API_KEY or /var/lib/shoal/admin.key)")
-	root.AddCommand(serveCmd(), layerCmd(), envCmd(), createCmd(), execCmd(), attachCmd(), psCmd(), killCmd(), shellCmd(), cpCmd(), lsCmd(), filesCmd(), watchCmd(), portForwardCmd(), inspectCmd(), pauseCmd(), resumeCmd(), rmCmd(), benchCmd(), runCmd(), keyCmd(), tenantCmd(), auditCmd(), whoamiCmd(), topCmd())
+	root.AddCommand(serveCmd(), layerCmd(), envCmd(), createCmd(), execCmd(), attachCmd(), psCmd(), killCmd(), shellCmd(), cpCmd(), lsCmd(), filesCmd(), watchCmd(), portForwardCmd(), inspectCmd(), pauseCmd(), resumeCmd(), rmCmd(), benchCmd(), runCmd(), keyCmd(), tenantCmd(), auditCmd(), whoamiCmd(), topCmd(), vmCmd())
 	completeSandboxIDs(root) // completion.go
 	if err := root.Execute(); err != nil {
 		var exit exitCode

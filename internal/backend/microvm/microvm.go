@@ -94,6 +94,10 @@ type Config struct {
 	// StateDir is where the built initramfs files live.
 	StateDir    string
 	AgentBinary string
+	// Image, if set, is the base image of a full system (fullvm.go): each
+	// sandbox boots it from a copy-on-write overlay. A symlink is
+	// resolved at each create.
+	Image string
 	// Accel: "auto" (default: $SHOAL_VM_ACCEL, else probe KVM), "kvm" or "tcg".
 	Accel string
 	// BootTimeout bounds a guest's boot to its agent's first answer when
@@ -118,7 +122,7 @@ func (c *Config) Check() error {
 	if _, err := c.kernel(); err != nil {
 		return err
 	}
-	return nil
+	return c.checkImage()
 }
 
 func (c *Config) kernel() (string, error) {
@@ -411,7 +415,7 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (h sandbox.Hand
 	}
 	cfgImg := filepath.Join(dir, "config.img")
 	vc := vminit.Config{ID: spec.ID, Layers: len(spec.Layers), Env: guestEnv(spec), Hostname: hostname(spec.ID),
-		UpperDisk: spec.Resources.DiskBytes > 0}
+		UpperDisk: spec.Resources.DiskBytes > 0, System: b.cfg.Image != ""}
 	doc, err := json.Marshal(vc)
 	if err != nil {
 		return h, err
@@ -443,6 +447,11 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (h sandbox.Hand
 	}}
 	if spec.Resources.DiskBytes > 0 {
 		h.Data["disk"] = strconv.FormatInt(spec.Resources.DiskBytes, 10)
+	}
+	if vc.System {
+		if h.Data["image"], err = b.makeOverlay(ctx, dir); err != nil {
+			return h, err
+		}
 	}
 	start := time.Now()
 	h, exited, err := b.start(h)
@@ -495,6 +504,7 @@ func (b *Backend) qemuArgs(h sandbox.Handle) ([]string, error) {
 			"-drive", "if=none,id=upper,format=raw,discard=unmap,file.locking=off,file="+qemuEscape(filepath.Join(dir, upperImage)),
 			"-device", b.dev("virtio-blk")+",drive=upper,serial="+vminit.UpperSerial)
 	}
+	args = append(args, systemDisk(b, h)...)
 	if h.Data["balloon"] == "1" {
 		// Free page reporting: the guest's kernel hands the pages it
 		// frees (in 2 MiB blocks, a few seconds after) back to QEMU, which
@@ -753,9 +763,11 @@ func (b *Backend) Delete(ctx context.Context, h sandbox.Handle) error {
 	// A QEMU that a resume started before the node died (its handle was
 	// not persisted): the pidfile in the sandbox's directory names it.
 	if h.Data["pid"] != "" && h.Data["dir"] != "" {
-		return kill(ctx, pidfileProcess(h.Data["dir"]))
+		if err := kill(ctx, pidfileProcess(h.Data["dir"])); err != nil {
+			return err
+		}
 	}
-	return nil
+	return removeOverlay(h)
 }
 
 // kill kills the QEMU of pid (none if 0) and waits until it is gone.
