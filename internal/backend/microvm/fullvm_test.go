@@ -115,6 +115,7 @@ func TestFullVM(t *testing.T) {
 	if strings.TrimSpace(state) != "running" {
 		t.Errorf("systemctl is-system-running: %q", state)
 	}
+	t.Logf("where the boot went:\n%s", run(t, ctx, a.c, "sh", "-c", "systemd-analyze time; systemd-analyze blame --no-pager | head -12; systemd-analyze critical-chain --no-pager shoal-agent.service || true"))
 	if got := run(t, ctx, a.c, "systemctl", "is-active", "shoal-agent.service", "systemd-journald.service", "dbus.socket"); got != "active\nactive\nactive\n" {
 		t.Errorf("units: %q", got)
 	}

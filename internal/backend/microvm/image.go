@@ -36,7 +36,7 @@ import (
 const ImageLink = "fullvm.qcow2"
 
 // imageVersion changes when BuildImage's configuration of the tree does.
-const imageVersion = "1"
+const imageVersion = "3"
 
 // DefaultImagePackages are installed over debootstrap's minbase.
 var DefaultImagePackages = []string{"systemd", "systemd-sysv", "udev", "dbus"}
@@ -228,7 +228,21 @@ func configureSystem(tree string) error {
 	// units for long-lived machines.
 	for _, u := range []string{"getty.target", "serial-getty@ttyS0.service", "getty@tty1.service",
 		"apt-daily.timer", "apt-daily-upgrade.timer", "dpkg-db-backup.timer", "e2scrub_all.timer", "fstrim.timer",
-		"systemd-pstore.service", "e2scrub_reap.service", "systemd-timesyncd.service", "systemd-networkd-wait-online.service"} {
+		"systemd-pstore.service", "e2scrub_reap.service", "systemd-timesyncd.service", "systemd-networkd-wait-online.service",
+		// Nothing to remount (the root is the initramfs's overlay, no
+		// fstab); no seed to carry from one boot to the next (the kernel
+		// seeds itself).
+		"systemd-remount-fs.service", "systemd-random-seed.service",
+		// A journal in RAM has nothing to flush; no utmp records. Under
+		// TCG every process systemd starts costs the one vCPU a sandbox
+		// usually has (measured: these two were on the agent's critical
+		// chain, ~3.5 s).
+		"systemd-journal-flush.service", "systemd-update-utmp.service",
+		// Debug and trace file systems, huge pages, and modprobe of
+		// modules the image does not carry (only the initramfs has the
+		// few the boot needs).
+		"sys-kernel-debug.mount", "sys-kernel-tracing.mount", "dev-hugepages.mount",
+		"modprobe@configfs.service", "modprobe@drm.service", "modprobe@efi_pstore.service", "modprobe@fuse.service", "modprobe@loop.service"} {
 		p := filepath.Join(sys, u)
 		os.Remove(p)
 		if err := os.Symlink("/dev/null", p); err != nil {
@@ -252,6 +266,13 @@ func configureSystem(tree string) error {
 	}
 	if err := os.WriteFile(filepath.Join(etc, "fstab"), []byte("# the root is assembled by shoal-agent in the initramfs\n"), 0o644); err != nil {
 		return err
+	}
+	// Up to date: the units of ConditionNeedsUpdate= (systemd-sysusers
+	// among them) run only when a layer's /usr is newer than the image.
+	for _, d := range []string{"etc", "var"} {
+		if err := os.WriteFile(filepath.Join(tree, d, ".updated"), []byte("# written by shoal vm image build (see man:systemd-update-done.service(8))\n"), 0o644); err != nil {
+			return err
+		}
 	}
 	for _, g := range []string{"var/cache/apt/archives/*.deb", "var/lib/apt/lists/*_*", "var/log/*.log"} {
 		files, _ := filepath.Glob(filepath.Join(tree, g))
