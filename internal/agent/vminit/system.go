@@ -10,6 +10,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 )
@@ -57,8 +58,14 @@ func mountSystem(cfg *Config) (string, error) {
 	if err := os.MkdirAll(sysroot, 0o755); err != nil {
 		return "", err
 	}
-	if err := unix.Mount(devs[RootSerial], sysroot, "ext4", unix.MS_NODEV, "discard"); err != nil {
+	// noinit_itable: no background zeroing of the inode tables that
+	// growing adds (the host's overlay reads zeros where nothing was
+	// written).
+	if err := unix.Mount(devs[RootSerial], sysroot, "ext4", unix.MS_NODEV, "discard,noinit_itable"); err != nil {
 		return "", fmt.Errorf("mount the system disk (%s): %w", devs[RootSerial], err)
+	}
+	if err := growFS(devs[RootSerial], sysroot); err != nil {
+		return "", err
 	}
 	tree := filepath.Join(sysroot, SystemTree)
 	if fi, err := os.Stat(filepath.Join(tree, "sbin")); err != nil || !fi.IsDir() {
@@ -70,6 +77,41 @@ func mountSystem(cfg *Config) (string, error) {
 		}
 	}
 	return tree, nil
+}
+
+// ext4IocResizeFS is EXT4_IOC_RESIZE_FS, _IOW('f', 16, __u64).
+const ext4IocResizeFS = 0x40086610
+
+// growFS grows the ext4 file system mounted at dir to the size of its
+// device dev (the host made the device larger than the image by the
+// sandbox's disk size); a file system as large as its device stays as it is.
+func growFS(dev, dir string) error {
+	d, err := os.Open(dev)
+	if err != nil {
+		return err
+	}
+	size, err := unix.IoctlGetUint64(int(d.Fd()), unix.BLKGETSIZE64)
+	d.Close()
+	if err != nil {
+		return fmt.Errorf("size of %s: %w", dev, err)
+	}
+	var st unix.Statfs_t
+	if err := unix.Statfs(dir, &st); err != nil {
+		return err
+	}
+	if st.Bsize <= 0 {
+		return fmt.Errorf("%s: block size %d", dir, st.Bsize)
+	}
+	f, err := os.Open(dir)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	blocks := size / uint64(st.Bsize)
+	if _, _, e := unix.Syscall(unix.SYS_IOCTL, f.Fd(), ext4IocResizeFS, uintptr(unsafe.Pointer(&blocks))); e != 0 {
+		return fmt.Errorf("grow the system disk's file system to %d blocks: %w", blocks, e)
+	}
+	return nil
 }
 
 // startSystem runs in the new root: it prepares /run/shoal and the

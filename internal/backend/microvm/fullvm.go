@@ -2,11 +2,13 @@ package microvm
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 
 	"github.com/shoal-sandbox/shoal/internal/agent/vminit"
@@ -27,8 +29,12 @@ import (
 //
 // The guest's writes reach the host's disk through QEMU's qcow2 driver
 // only: the host never mounts or reads the guest's file system. The
-// overlay grows up to the base image's size (its file system's free space
-// bounds what a guest can write: ImageSpec.FreeBytes).
+// overlay's virtual size is the image's plus the create's disk size
+// (DefaultSystemDisk without one), and the guest's agent grows the file
+// system to it before anything else writes: a guest writes at most that
+// much more than the image holds (its file system's free space, the disk
+// size and a little: ImageSpec.FreeBytes), and the host's file holds at
+// most that much (plus qcow2's metadata).
 
 // rootOverlay is a full system's disk in its sandbox's directory.
 const rootOverlay = "root.qcow2"
@@ -51,10 +57,16 @@ func (c *Config) checkImage() error {
 	return nil
 }
 
+// DefaultSystemDisk is what a full system without a disk size may write
+// (a node without disk limits).
+const DefaultSystemDisk = 4 << 30
+
 // makeOverlay makes the sandbox's root disk in dir, backed by the current
-// image, and returns that image's path (the link resolved: a rebuild does
-// not change the backing file of this sandbox).
-func (b *Backend) makeOverlay(ctx context.Context, dir string) (string, error) {
+// image and diskBytes (DefaultSystemDisk if 0) larger than it (the guest
+// grows its file system to the disk at boot), and returns that image's
+// path (the link resolved: a rebuild does not change the backing file of
+// this sandbox).
+func (b *Backend) makeOverlay(ctx context.Context, dir string, diskBytes int64) (string, error) {
 	base, err := filepath.EvalSymlinks(b.cfg.Image)
 	if err != nil {
 		return "", fmt.Errorf("%s backend: image: %w", b.cfg.Name, err)
@@ -62,8 +74,22 @@ func (b *Backend) makeOverlay(ctx context.Context, dir string) (string, error) {
 	if base, err = filepath.Abs(base); err != nil {
 		return "", err
 	}
+	info, err := exec.CommandContext(ctx, "qemu-img", "info", "--output=json", "-U", base).Output()
+	if err != nil {
+		return "", fmt.Errorf("%s backend: image %s: %w", b.cfg.Name, base, err)
+	}
+	var vi struct {
+		Size int64 `json:"virtual-size"`
+	}
+	if err := json.Unmarshal(info, &vi); err != nil || vi.Size <= 0 {
+		return "", fmt.Errorf("%s backend: image %s: no virtual size (%v)", b.cfg.Name, base, err)
+	}
+	if diskBytes <= 0 {
+		diskBytes = DefaultSystemDisk
+	}
+	size := (vi.Size + diskBytes + 1<<20 - 1) &^ (1<<20 - 1)
 	out, err := exec.CommandContext(ctx, "qemu-img", "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", base,
-		filepath.Join(dir, rootOverlay)).CombinedOutput()
+		filepath.Join(dir, rootOverlay), strconv.FormatInt(size, 10)).CombinedOutput()
 	if err != nil {
 		return "", fmt.Errorf("%s backend: root overlay: %w: %s", b.cfg.Name, err, strings.TrimSpace(string(out)))
 	}

@@ -3,6 +3,7 @@ package microvm
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"log/slog"
 	"os"
 	"os/exec"
@@ -86,8 +87,12 @@ func TestFullVM(t *testing.T) {
 		v := &vm{dir: sdir}
 		vms[i] = v
 		go func(i int) {
+			res := sandbox.Resources{MemoryBytes: 512 << 20, MilliCPU: 1000}
+			if i == 0 {
+				res.DiskBytes = 512 << 20 // the other: DefaultSystemDisk
+			}
 			v.h, v.err = b.Create(ctx, sandbox.Spec{ID: "fullvmtest" + string(rune('a'+i)) + "0", Dir: sdir, Env: []string{"FOO=bar"},
-				Resources: sandbox.Resources{MemoryBytes: 512 << 20, MilliCPU: 1000},
+				Resources: res,
 				Layers:    []sandbox.Layer{{Digest: "sha256:x", Kind: "base", ImagePath: layer}}})
 			if v.err == nil {
 				t.Logf("sandbox %d: create → agent answers in %s", i, time.Since(start).Round(time.Millisecond))
@@ -147,6 +152,23 @@ func TestFullVM(t *testing.T) {
 		if info.Format != "qcow2" || info.Backing != img {
 			t.Errorf("%s: %s backed by %q, want a qcow2 overlay backed by %s", v.h.ID, info.Format, info.Backing, img)
 		}
+	}
+	// The disk size bounds the writes: the file system grew by it (and
+	// the other's by the default).
+	for i, v := range vms {
+		want := int64(512 << 20)
+		if i == 1 {
+			want = DefaultSystemDisk
+		}
+		var size, avail int64
+		fmt.Sscan(run(t, ctx, v.c, "df", "-B1", "--output=size,avail", "/"), new(string), new(string), &size, &avail)
+		t.Logf("%s: file system %d MiB, %d MiB free", v.h.ID, size>>20, avail>>20)
+		if avail < want-32<<20 || avail > want+512<<20 {
+			t.Errorf("%s: %d MiB free, want about %d", v.h.ID, avail>>20, want>>20)
+		}
+	}
+	if got := run(t, ctx, a.c, "sh", "-c", "fallocate -l 1G /work/big 2>&1; echo $?; rm -f /work/big"); !strings.Contains(got, "No space left") {
+		t.Errorf("1 GiB on a 512 MiB disk: %q", got)
 	}
 	// The other sandbox sees none of it.
 	if got := run(t, ctx, c.c, "sh", "-c", "ls /work/a.txt /usr/share/a-marker 2>&1 || echo absent"); !strings.HasSuffix(got, "absent\n") {

@@ -36,7 +36,7 @@ import (
 const ImageLink = "fullvm.qcow2"
 
 // imageVersion changes when BuildImage's configuration of the tree does.
-const imageVersion = "3"
+const imageVersion = "4"
 
 // DefaultImagePackages are installed over debootstrap's minbase.
 var DefaultImagePackages = []string{"systemd", "systemd-sysv", "udev", "dbus"}
@@ -47,8 +47,8 @@ type ImageSpec struct {
 	Suite    string   // Debian suite (default bookworm)
 	Mirror   string   // Debian mirror (default http://deb.debian.org/debian)
 	Packages []string // installed over minbase (default DefaultImagePackages)
-	// FreeBytes is its file system's free space, which bounds what a
-	// sandbox without a disk of its own can write (default 4 GiB).
+	// FreeBytes is its file system's free space (default 256 MiB); each
+	// sandbox's disk grows it by its disk size (fullvm.go).
 	FreeBytes int64
 	Logger    *slog.Logger
 }
@@ -67,7 +67,7 @@ func (s *ImageSpec) defaults() {
 		s.Packages = DefaultImagePackages
 	}
 	if s.FreeBytes <= 0 {
-		s.FreeBytes = 4 << 30
+		s.FreeBytes = 256 << 20
 	}
 	if s.Logger == nil {
 		s.Logger = slog.New(slog.DiscardHandler)

@@ -389,7 +389,10 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (h sandbox.Hand
 	if spec.Network.Egress() {
 		return h, fmt.Errorf("%s backend: network egress is not available for VMs yet: %w", b.cfg.Name, sandbox.ErrUnsupported)
 	}
-	if spec.Resources.DiskBytes > 0 && b.disks == nil {
+	system := b.cfg.Image != ""
+	// A full system's writable layer is on its root overlay (fullvm.go).
+	upperDisk := spec.Resources.DiskBytes > 0 && !system
+	if upperDisk && b.disks == nil {
 		return h, fmt.Errorf("%s backend: no disk limits on this node (%s): %w", b.cfg.Name, b.diskMode, sandbox.ErrUnsupported)
 	}
 	accel, _, err := b.Accel(ctx)
@@ -408,14 +411,14 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (h sandbox.Hand
 			return h, fmt.Errorf("agent channel: %w", err)
 		}
 	}
-	if spec.Resources.DiskBytes > 0 {
+	if upperDisk {
 		if err := b.disks.Make(ctx, filepath.Join(dir, upperImage), spec.Resources.DiskBytes); err != nil {
 			return h, fmt.Errorf("%s backend: disk: %w", b.cfg.Name, err)
 		}
 	}
 	cfgImg := filepath.Join(dir, "config.img")
 	vc := vminit.Config{ID: spec.ID, Layers: len(spec.Layers), Env: guestEnv(spec), Hostname: hostname(spec.ID),
-		UpperDisk: spec.Resources.DiskBytes > 0, System: b.cfg.Image != ""}
+		UpperDisk: upperDisk, System: system}
 	doc, err := json.Marshal(vc)
 	if err != nil {
 		return h, err
@@ -445,11 +448,11 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (h sandbox.Hand
 		// the balloon had none, and keep none.
 		"balloon": "1",
 	}}
-	if spec.Resources.DiskBytes > 0 {
+	if upperDisk {
 		h.Data["disk"] = strconv.FormatInt(spec.Resources.DiskBytes, 10)
 	}
-	if vc.System {
-		if h.Data["image"], err = b.makeOverlay(ctx, dir); err != nil {
+	if system {
+		if h.Data["image"], err = b.makeOverlay(ctx, dir, spec.Resources.DiskBytes); err != nil {
 			return h, err
 		}
 	}
