@@ -94,7 +94,7 @@ func vmCmd() *cobra.Command {
 		},
 	}
 	build.Flags().StringVar(&spec.Dir, "dir", microvm.DefaultKernelDir, "directory of the images (serve --vm-image is DIR/"+microvm.ImageLink+", a link to the newest)")
-	build.Flags().StringSliceVar(&spec.Packages, "package", nil, "Debian packages installed over minbase (default: systemd, systemd-sysv, udev, dbus; give them all)")
+	build.Flags().StringSliceVar(&spec.Packages, "package", nil, "Debian packages installed over minbase (default: systemd, systemd-sysv, udev, dbus, procps; give them all)")
 	build.Flags().StringVar(&spec.Mirror, "mirror", "", "Debian mirror (default http://deb.debian.org/debian)")
 	build.Flags().StringVar(&free, "free", "", "free space of the image's file system: the system's slack, to which each sandbox's --disk is added (default 256M)")
 	image.AddCommand(build)

@@ -5,7 +5,10 @@
 // ext4 disk of a disk limit) with
 // overlayfs in the same order as a container's root, switches root to that
 // overlay and serves the agent protocol on the VM's virtio-serial port,
-// many streams multiplexed over the one port (yamux).
+// many streams multiplexed over the one port (yamux). For a full system
+// (the fullvm backend) the system's tree is the lowest layer and the agent
+// executes the system's init instead, which starts it again as a service
+// (system.go).
 //
 // The host describes the sandbox in a small JSON document (Config) on a
 // read-only virtio-blk device of its own, serial "shoal-cfg"; layer devices

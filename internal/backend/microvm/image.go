@@ -39,7 +39,7 @@ const ImageLink = "fullvm.qcow2"
 const imageVersion = "4"
 
 // DefaultImagePackages are installed over debootstrap's minbase.
-var DefaultImagePackages = []string{"systemd", "systemd-sysv", "udev", "dbus"}
+var DefaultImagePackages = []string{"systemd", "systemd-sysv", "udev", "dbus", "procps"}
 
 // ImageSpec describes a base image.
 type ImageSpec struct {

@@ -1,6 +1,8 @@
 // Package microvm is the sandbox backend that runs each sandbox in its own
 // QEMU virtual machine: `-M microvm` (the "microvm" backend) or, with the
-// same code and another machine type, a q35 PC with PCI devices ("fullvm").
+// same code and another machine type, a q35 PC with PCI devices that boots
+// a full Debian system from a qcow2 overlay of a base image ("fullvm":
+// fullvm.go, image.go).
 //
 // A guest boots Debian's cloud kernel (scripts/vmkernel.sh puts it in
 // Config.KernelDir) with an initramfs that this package builds from the
