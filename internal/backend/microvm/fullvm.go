@@ -45,7 +45,7 @@ func (c *Config) checkImage() error {
 	if c.Image == "" {
 		return nil
 	}
-	if c.Machine != "" && c.Machine != MachineQ35 {
+	if c.Machine != MachineQ35 {
 		return fmt.Errorf("a full system's image boots on the %s machine only", MachineQ35)
 	}
 	if _, err := os.Stat(c.Image); err != nil {
