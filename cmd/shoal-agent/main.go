@@ -34,6 +34,7 @@ func init() {
 func main() {
 	listen := flag.String("listen", "", "unix socket `path` to listen on when $SHOAL_AGENT_FD is not set")
 	version := flag.Bool("version", false, "print the version and exit")
+	vmService := flag.Bool("vm-service", false, "serve as the service of a full system's VM (the fullvm backend's shoal-agent.service)")
 	flag.Parse()
 	if *version {
 		fmt.Println(agent.Version)
@@ -49,6 +50,9 @@ func main() {
 
 	if vminit.Active() {
 		runVM(log) // the init of a VM (vm.go)
+	}
+	if *vmService {
+		runVMService(log) // a full system's service (vm.go)
 	}
 	// Not PID 1 (a test, a dev run): become a child subreaper so that
 	// orphans of our commands are still ours to reap.

@@ -2,7 +2,11 @@ package main
 
 import (
 	"errors"
+	"net"
+	"os"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/shoal-sandbox/shoal/internal/agent"
 	"github.com/shoal-sandbox/shoal/internal/agent/vminit"
@@ -17,19 +21,38 @@ func runVM(log agent.Logger) {
 	if err != nil {
 		vminit.Fatal(err)
 	}
+	vminit.Fatal(serveVM(log, cfg, l))
+}
+
+// runVMService is the agent as shoal-agent.service of a full system (the
+// fullvm backend): systemd is PID 1, started by the agent in the initramfs
+// (vminit.Boot). A failure exits, and systemd starts it again.
+func runVMService(log agent.Logger) {
+	cfg, l, err := vminit.Service()
+	if err == nil {
+		// Orphans of our commands are still ours to reap.
+		unix.Prctl(unix.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+		err = serveVM(log, cfg, l)
+	}
+	log.Warn("vm service", "err", err)
+	os.Exit(1)
+}
+
+// serveVM serves the agent protocol on the VM's port until it fails.
+func serveVM(log agent.Logger, cfg *vminit.Config, l net.Listener) error {
 	// 127.0.0.1 reachable (servers the workload starts, port forwarding)
 	// and the host name resolvable, as in a container.
 	if err := agent.LoopbackUp(); err != nil {
-		vminit.Fatal(err)
+		return err
 	}
 	if err := agent.BindHosts(cfg.Hostname); err != nil {
 		log.Warn("the host name will not resolve", "err", err)
 	}
 	go prewarmThreads(8)
-	srv := agent.NewServer(agent.Config{ReapAll: true, IdleRelease: time.Second, Logger: log, Env: cfg.Env, Upper: cfg.Upper})
-	err = srv.Serve(l)
-	if err == nil {
-		err = errors.New("agent channel closed")
+	srv := agent.NewServer(agent.Config{ReapAll: true, IdleRelease: time.Second, Logger: log, Env: cfg.Env, Upper: cfg.Upper,
+		SystemService: os.Getpid() != 1 && cfg.System})
+	if err := srv.Serve(l); err != nil {
+		return err
 	}
-	vminit.Fatal(err)
+	return errors.New("agent channel closed")
 }

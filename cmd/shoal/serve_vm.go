@@ -3,9 +3,13 @@
 package main
 
 import (
+	"context"
 	"fmt"
 	"log/slog"
+	"os"
+	"os/signal"
 	"path/filepath"
+	"syscall"
 
 	"github.com/spf13/cobra"
 
@@ -18,14 +22,16 @@ type vmConfig struct {
 	MicroVM   string // auto | on | off
 	FullVM    string // auto | on | off
 	KernelDir string
+	Image     string // the fullvm base image
 	Accel     string // auto | kvm | tcg
 	QEMU      string
 }
 
 func addVMFlags(cmd *cobra.Command, c *vmConfig) {
 	cmd.Flags().StringVar(&c.MicroVM, "microvm", "auto", "the microvm backend (QEMU -M microvm): auto (when QEMU and the guest kernel are installed), on (fail to start otherwise) or off")
-	cmd.Flags().StringVar(&c.FullVM, "fullvm", "auto", "the fullvm backend (QEMU q35, PCI devices; same guest kernel and agent as microvm for now): auto, on or off")
+	cmd.Flags().StringVar(&c.FullVM, "fullvm", "auto", "the fullvm backend (QEMU q35 booting a full Debian system from a copy-on-write overlay of --vm-image): auto, on or off")
 	cmd.Flags().StringVar(&c.KernelDir, "vm-kernel", microvm.DefaultKernelDir, "directory of the VM guest kernel and its modules (scripts/vmkernel.sh makes it)")
+	cmd.Flags().StringVar(&c.Image, "vm-image", filepath.Join(microvm.DefaultKernelDir, microvm.ImageLink), "the fullvm backend's base image (`shoal vm image build` makes it)")
 	cmd.Flags().StringVar(&c.Accel, "vm-accel", "auto", "VM accelerator: auto (KVM when a probe guest boots on it, else TCG; $SHOAL_VM_ACCEL overrides), kvm or tcg")
 	cmd.Flags().StringVar(&c.QEMU, "vm-qemu", "qemu-system-x86_64", "QEMU binary of the VM backends")
 }
@@ -34,9 +40,9 @@ func addVMFlags(cmd *cobra.Command, c *vmConfig) {
 // is required (--microvm on, --fullvm on) but cannot run here.
 func vmBackends(c vmConfig, dataDir, agentBin string, log *slog.Logger) ([]sandbox.Backend, error) {
 	var out []sandbox.Backend
-	for _, k := range []struct{ name, machine, mode string }{
-		{"microvm", microvm.MachineMicroVM, c.MicroVM},
-		{"fullvm", microvm.MachineQ35, c.FullVM},
+	for _, k := range []struct{ name, machine, mode, image string }{
+		{"microvm", microvm.MachineMicroVM, c.MicroVM, ""},
+		{"fullvm", microvm.MachineQ35, c.FullVM, c.Image},
 	} {
 		switch k.mode {
 		case "off":
@@ -45,7 +51,7 @@ func vmBackends(c vmConfig, dataDir, agentBin string, log *slog.Logger) ([]sandb
 		default:
 			return nil, fmt.Errorf("--%s %q: want auto, on or off", k.name, k.mode)
 		}
-		cfg := microvm.Config{Name: k.name, Machine: k.machine, QEMU: c.QEMU, KernelDir: c.KernelDir,
+		cfg := microvm.Config{Name: k.name, Machine: k.machine, QEMU: c.QEMU, KernelDir: c.KernelDir, Image: k.image,
 			StateDir: filepath.Join(dataDir, "vm"), AgentBinary: agentBin, Accel: c.Accel, Logger: log}
 		b, err := microvm.New(cfg)
 		if err != nil {
@@ -58,4 +64,42 @@ func vmBackends(c vmConfig, dataDir, agentBin string, log *slog.Logger) ([]sandb
 		out = append(out, b)
 	}
 	return out, nil
+}
+
+// vmCmd is `shoal vm`: the node's VM backends' local set-up.
+func vmCmd() *cobra.Command {
+	cmd := &cobra.Command{Use: "vm", Short: "Set up this node's VM backends (run on the node, as root)"}
+	image := &cobra.Command{Use: "image", Short: "The fullvm backend's base image"}
+	var spec microvm.ImageSpec
+	var free string
+	build := &cobra.Command{
+		Use:   "build [--dir DIR] [--package P]... [--mirror URL] [--free 4G]",
+		Short: "Build the full Debian system that fullvm sandboxes boot (debootstrap; cached: built again only when its packages change)",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if free != "" {
+				n, err := parseBytes(free)
+				if err != nil || n < 64<<20 || n > 1<<40 {
+					return fmt.Errorf("--free %q: want a size from 64M to 1T", free)
+				}
+				spec.FreeBytes = n
+			}
+			ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+			defer stop()
+			spec.Logger = slog.New(slog.NewTextHandler(os.Stderr, nil))
+			img, err := microvm.BuildImage(ctx, spec)
+			if err != nil {
+				return err
+			}
+			fmt.Println(img)
+			return nil
+		},
+	}
+	build.Flags().StringVar(&spec.Dir, "dir", microvm.DefaultKernelDir, "directory of the images (serve --vm-image is DIR/"+microvm.ImageLink+", a link to the newest)")
+	build.Flags().StringSliceVar(&spec.Packages, "package", nil, "Debian packages installed over minbase (default: systemd, systemd-sysv, udev, dbus, procps; give them all)")
+	build.Flags().StringVar(&spec.Mirror, "mirror", "", "Debian mirror (default http://deb.debian.org/debian)")
+	build.Flags().StringVar(&free, "free", "", "free space of the image's file system: the system's slack, to which each sandbox's --disk is added (default 256M)")
+	image.AddCommand(build)
+	cmd.AddCommand(image)
+	return cmd
 }

@@ -60,7 +60,7 @@ func (s *Server) exportUpper(c net.Conn, req *wireExportRequest) {
 	}
 	s.exportMu.Lock() // one export at a time: a second would thaw the first's processes
 	defer s.exportMu.Unlock()
-	cont, err := stopOthers()
+	cont, err := stopOthers(s.cfg.SystemService)
 	if err != nil {
 		sendError(c, CodeIO, "stop the sandbox's processes: "+err.Error())
 		return
@@ -115,10 +115,19 @@ func (w *frameWriter) Write(p []byte) (int, error) {
 // all: as PID 1, kill(-1) reaches every process but itself, also those
 // forked meanwhile), waits (bounded) until they are stopped, and returns
 // the function that continues them, except those that were stopped before.
-// Only PID 1 of a VM does this; elsewhere (tests) nothing is stopped.
-func stopOthers() (cont func(), err error) {
-	if os.Getpid() != 1 {
+// Only PID 1 of a VM, or the service of a full system's VM (system: as
+// root, kill(-1) reaches every process but init and itself; init is not
+// waited for), does this; elsewhere (tests) nothing is stopped.
+func stopOthers(system bool) (cont func(), err error) {
+	if os.Getpid() != 1 && !system {
 		return func() {}, nil
+	}
+	others := func() []procInfo {
+		ps := listProcs()
+		if system {
+			ps = slices.DeleteFunc(ps, func(p procInfo) bool { return p.pid == 1 })
+		}
+		return ps
 	}
 	before := stoppedProcs()
 	if err := unix.Kill(-1, unix.SIGSTOP); err != nil && !errors.Is(err, unix.ESRCH) {
@@ -127,7 +136,7 @@ func stopOthers() (cont func(), err error) {
 	cont = func() {
 		// The youngest first: a child goes on before its parent, so that
 		// a parent waiting for it (WUNTRACED) finds it running again.
-		ps := listProcs()
+		ps := others()
 		slices.SortFunc(ps, func(a, b procInfo) int { return cmp.Or(cmp.Compare(b.started, a.started), cmp.Compare(b.pid, a.pid)) })
 		for _, p := range ps {
 			if !before[p.key()] && !p.kthread {
@@ -141,7 +150,7 @@ func stopOthers() (cont func(), err error) {
 	deadline := time.Now().Add(5 * time.Second)
 	for time.Now().Before(deadline) {
 		running := false
-		for _, p := range listProcs() {
+		for _, p := range others() {
 			if !p.kthread && !strings.ContainsRune("TtZXx", rune(p.state)) {
 				running = true
 				break

@@ -52,6 +52,11 @@ type Config struct {
 	// commit (commit.go). nil: the writable layer is the host's to read
 	// (containers), and the op is refused.
 	Upper *os.File
+	// SystemService: the agent is a service of a full system whose init
+	// (PID 1) is not the agent (the fullvm backend): an export stops every
+	// process but init and the agent, as PID 1 of a microVM stops all but
+	// itself.
+	SystemService bool
 }
 
 // Defaults of Config.MaxExited and Config.MaxExitedBytes.

@@ -5,7 +5,10 @@
 // ext4 disk of a disk limit) with
 // overlayfs in the same order as a container's root, switches root to that
 // overlay and serves the agent protocol on the VM's virtio-serial port,
-// many streams multiplexed over the one port (yamux).
+// many streams multiplexed over the one port (yamux). For a full system
+// (the fullvm backend) the system's tree is the lowest layer and the agent
+// executes the system's init instead, which starts it again as a service
+// (system.go).
 //
 // The host describes the sandbox in a small JSON document (Config) on a
 // read-only virtio-blk device of its own, serial "shoal-cfg"; layer devices
@@ -44,6 +47,8 @@ const (
 	LayerSerialPrefix = "shoal-l"
 	// UpperSerial is the serial of the writable layer's disk, if it has one.
 	UpperSerial = "shoal-upper"
+	// RootSerial is the serial of a full system's disk (Config.System).
+	RootSerial = "shoal-root"
 	// PortName is the name of the agent's virtio-serial port.
 	PortName = "shoal.agent"
 	// ModulesDir holds the kernel modules in the initramfs, and the file
@@ -67,6 +72,11 @@ type Config struct {
 	// Env is every command's environment.
 	Env      []string `json:"env,omitempty"`
 	Hostname string   `json:"hostname,omitempty"`
+	// System: a full system (the fullvm backend, system.go): the disk
+	// whose serial is RootSerial holds the system's tree under the
+	// layers, and the writable layer unless UpperDisk; the agent then
+	// starts the system's own init and serves as its service.
+	System bool `json:"system,omitempty"`
 
 	// Upper is the overlay's upper directory, opened by Boot before the
 	// root switch (after it, no path reaches it) and before any workload
@@ -113,6 +123,9 @@ func Boot() (*Config, net.Listener, error) {
 	}
 	if err := mountRoot(cfg); err != nil {
 		return nil, nil, err
+	}
+	if cfg.System {
+		return nil, nil, startSystem(cfg) // returns only on failure
 	}
 	if cfg.Hostname != "" {
 		unix.Sethostname([]byte(cfg.Hostname))
@@ -246,6 +259,13 @@ func mountRoot(cfg *Config) error {
 		lower[i] = dir
 	}
 	os.MkdirAll("/rw", 0o755)
+	if cfg.System {
+		sys, err := mountSystem(cfg)
+		if err != nil {
+			return err
+		}
+		lower = append(lower, sys)
+	}
 	if cfg.UpperDisk {
 		dev, err := blockBySerial([]string{UpperSerial})
 		if err != nil {
@@ -253,6 +273,11 @@ func mountRoot(cfg *Config) error {
 		}
 		if err := unix.Mount(dev[UpperSerial], "/rw", "ext4", unix.MS_NODEV, "discard"); err != nil {
 			return fmt.Errorf("mount writable layer (%s): %w", dev[UpperSerial], err)
+		}
+	} else if cfg.System {
+		// On the system's disk: its copy-on-write overlay on the host.
+		if err := unix.Mount(systemRW, "/rw", "", unix.MS_BIND, ""); err != nil {
+			return fmt.Errorf("mount writable layer: %w", err)
 		}
 	} else {
 		opts := "mode=0755"

@@ -29,4 +29,9 @@ func (b *Backend) initDisks() {
 }
 
 // DiskLimits implements sandbox.DiskLimiter.
-func (b *Backend) DiskLimits() (bool, string) { return b.disks != nil, b.diskMode }
+func (b *Backend) DiskLimits() (bool, string) {
+	if b.cfg.Image != "" {
+		return true, "the root overlay (qcow2) grown by the disk's size"
+	}
+	return b.disks != nil, b.diskMode
+}

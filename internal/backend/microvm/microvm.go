@@ -1,6 +1,8 @@
 // Package microvm is the sandbox backend that runs each sandbox in its own
 // QEMU virtual machine: `-M microvm` (the "microvm" backend) or, with the
-// same code and another machine type, a q35 PC with PCI devices ("fullvm").
+// same code and another machine type, a q35 PC with PCI devices that boots
+// a full Debian system from a qcow2 overlay of a base image ("fullvm":
+// fullvm.go, image.go).
 //
 // A guest boots Debian's cloud kernel (scripts/vmkernel.sh puts it in
 // Config.KernelDir) with an initramfs that this package builds from the
@@ -95,6 +97,10 @@ type Config struct {
 	// StateDir is where the built initramfs files live.
 	StateDir    string
 	AgentBinary string
+	// Image, if set, is the base image of a full system (fullvm.go): each
+	// sandbox boots it from a copy-on-write overlay. A symlink is
+	// resolved at each create.
+	Image string
 	// Accel: "auto" (default: $SHOAL_VM_ACCEL, else probe KVM), "kvm" or "tcg".
 	Accel string
 	// BootTimeout bounds a guest's boot to its agent's first answer when
@@ -119,7 +125,7 @@ func (c *Config) Check() error {
 	if _, err := c.kernel(); err != nil {
 		return err
 	}
-	return nil
+	return c.checkImage()
 }
 
 func (c *Config) kernel() (string, error) {
@@ -386,7 +392,10 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (h sandbox.Hand
 	if spec.Network.Egress() {
 		return h, fmt.Errorf("%s backend: network egress is not available for VMs yet: %w", b.cfg.Name, sandbox.ErrUnsupported)
 	}
-	if spec.Resources.DiskBytes > 0 && b.disks == nil {
+	system := b.cfg.Image != ""
+	// A full system's writable layer is on its root overlay (fullvm.go).
+	upperDisk := spec.Resources.DiskBytes > 0 && !system
+	if upperDisk && b.disks == nil {
 		return h, fmt.Errorf("%s backend: no disk limits on this node (%s): %w", b.cfg.Name, b.diskMode, sandbox.ErrUnsupported)
 	}
 	accel, _, err := b.Accel(ctx)
@@ -405,14 +414,14 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (h sandbox.Hand
 			return h, fmt.Errorf("agent channel: %w", err)
 		}
 	}
-	if spec.Resources.DiskBytes > 0 {
+	if upperDisk {
 		if err := b.disks.Make(ctx, filepath.Join(dir, upperImage), spec.Resources.DiskBytes); err != nil {
 			return h, fmt.Errorf("%s backend: disk: %w", b.cfg.Name, err)
 		}
 	}
 	cfgImg := filepath.Join(dir, "config.img")
 	vc := vminit.Config{ID: spec.ID, Layers: len(spec.Layers), Env: guestEnv(spec), Hostname: hostname(spec.ID),
-		UpperDisk: spec.Resources.DiskBytes > 0}
+		UpperDisk: upperDisk, System: system}
 	doc, err := json.Marshal(vc)
 	if err != nil {
 		return h, err
@@ -442,8 +451,13 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (h sandbox.Hand
 		// the balloon had none, and keep none.
 		"balloon": "1",
 	}}
-	if spec.Resources.DiskBytes > 0 {
+	if upperDisk {
 		h.Data["disk"] = strconv.FormatInt(spec.Resources.DiskBytes, 10)
+	}
+	if system {
+		if h.Data["image"], err = b.makeOverlay(ctx, dir, spec.Resources.DiskBytes); err != nil {
+			return h, err
+		}
 	}
 	start := time.Now()
 	h, exited, err := b.start(h)
@@ -496,6 +510,7 @@ func (b *Backend) qemuArgs(h sandbox.Handle) ([]string, error) {
 			"-drive", "if=none,id=upper,format=raw,discard=unmap,file.locking=off,file="+qemuEscape(filepath.Join(dir, upperImage)),
 			"-device", b.dev("virtio-blk")+",drive=upper,serial="+vminit.UpperSerial)
 	}
+	args = append(args, systemDisk(b, h)...)
 	if h.Data["balloon"] == "1" {
 		// Free page reporting: the guest's kernel hands the pages it
 		// frees (in 2 MiB blocks, a few seconds after) back to QEMU, which
@@ -754,9 +769,11 @@ func (b *Backend) Delete(ctx context.Context, h sandbox.Handle) error {
 	// A QEMU that a resume started before the node died (its handle was
 	// not persisted): the pidfile in the sandbox's directory names it.
 	if h.Data["pid"] != "" && h.Data["dir"] != "" {
-		return kill(ctx, pidfileProcess(h.Data["dir"]))
+		if err := kill(ctx, pidfileProcess(h.Data["dir"])); err != nil {
+			return err
+		}
 	}
-	return nil
+	return removeOverlay(h)
 }
 
 // kill kills the QEMU of pid (none if 0) and waits until it is gone.

@@ -20,7 +20,7 @@ import (
 // vmTestEnv returns a backend on this host's QEMU and guest kernel (forced
 // to TCG unless $SHOAL_VM_ACCEL says otherwise: KVM may hang here) and a
 // busybox base layer image, or skips with the reason.
-func vmTestEnv(t *testing.T, machine string) (*Backend, string) {
+func vmTestEnv(t *testing.T, machine string, opts ...func(*Config)) (*Backend, string) {
 	t.Helper()
 	if os.Geteuid() != 0 {
 		t.Skip("needs root (QEMU, mkfs.erofs images)")
@@ -40,6 +40,9 @@ func vmTestEnv(t *testing.T, machine string) (*Backend, string) {
 	}
 	if os.Getenv("SHOAL_VM_ACCEL") == "" {
 		cfg.Accel = "tcg"
+	}
+	for _, o := range opts {
+		o(&cfg)
 	}
 	dir := t.TempDir()
 	cfg.AgentBinary = filepath.Join(dir, "shoal-agent")

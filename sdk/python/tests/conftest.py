@@ -29,6 +29,8 @@ import shoal
 
 REPO = Path(__file__).resolve().parents[3]
 BASE = "busybox:1"
+VM_IMAGE = os.environ.get("SHOAL_VM_IMAGE") or os.path.join(
+    os.environ.get("SHOAL_TEST_CACHE", "/var/cache/shoal-test"), "fullvm", "fullvm.qcow2")
 BACKENDS = ["container", "fncall", "microvm", "fullvm"]
 STRICT = os.environ.get("SHOAL_SDK_STRICT") == "1"
 
@@ -149,7 +151,10 @@ def server(request: pytest.FixtureRequest) -> Iterator[Server]:
          "--egress-subnet", "10.%d.0.0/16" % (248 + os.getpid() % 6), "--build-root", build_root,
          "--layer-store", "file://" + os.path.join(data, "layer-store")]
         # SHOAL_SDK_LAUNCHER=native: the suite against the native launcher.
-        + (["--launcher", os.environ["SHOAL_SDK_LAUNCHER"]] if os.environ.get("SHOAL_SDK_LAUNCHER") else []),
+        + (["--launcher", os.environ["SHOAL_SDK_LAUNCHER"]] if os.environ.get("SHOAL_SDK_LAUNCHER") else [])
+        # fullvm boots the Debian image the Go tests build and cache
+        # (internal/backend/microvm), when there is one.
+        + (["--vm-image", VM_IMAGE] if os.path.exists(VM_IMAGE) else []),
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
@@ -235,8 +240,8 @@ def _probe_backend(server: Server, backend: str) -> Optional[str]:
 
 # VM backends boot a kernel per sandbox (seconds under TCG, which CI
 # machines without KVM use): they run this subset of the backend-parametrized
-# tests (microvm: commands, files, lifecycle, pause, auto-pause, commit; fullvm, the same code on
-# another machine type: commands), the rest with SHOAL_SDK_VM_ALL=1.
+# tests (microvm: commands, files, lifecycle, pause, auto-pause, commit; fullvm, a full Debian
+# system booting systemd: commands), the rest with SHOAL_SDK_VM_ALL=1.
 VM_BACKENDS = ("microvm", "fullvm")
 VM_SUBSET = {
     "microvm": {"test_exit_codes_stdout_stderr", "test_text_and_bytes", "test_connect_list_kill", "test_pause_resume", "test_auto_pause", "test_commit_backend"},
