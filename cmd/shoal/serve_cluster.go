@@ -152,7 +152,7 @@ func registerNode(ctx context.Context, c clusterConfig, e2bAddr net.Addr, mgr *n
 		recs := mgr.List()
 		sbs := make([]cluster.CatalogEntry, 0, len(recs))
 		for _, r := range recs {
-			sbs = append(sbs, cluster.CatalogEntry{ID: r.ID, Tenant: r.Tenant, Created: r.Created})
+			sbs = append(sbs, cluster.CatalogEntry{ID: r.ID, Tenant: r.Tenant, Created: r.Created, MilliCPU: r.Resources.MilliCPU, Memory: r.Resources.MemoryBytes})
 		}
 		return n, sbs
 	}

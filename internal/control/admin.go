@@ -18,14 +18,38 @@ import (
 // Scopes are checked by authzInterceptor (authz.go): every method but
 // WhoAmI needs admin.
 
+// KeyStore holds the tenants' keys and quotas: one node's (*tenant.Store,
+// in its bbolt file) or a cluster's (*cluster.Tenancy, in etcd, followed by
+// every node and control replica). Reads are from memory; writes are
+// durable when they return. Implementations are safe for concurrent use.
+type KeyStore interface {
+	// Resolve returns the key whose plaintext is plaintext.
+	Resolve(plaintext string) (tenant.Key, bool)
+	// Keys lists the keys by name.
+	Keys() []tenant.Key
+	// Quota returns a tenant's quota (zero: no bound).
+	Quota(t string) tenant.Quota
+	// Tenants lists every tenant that has a key or a quota.
+	Tenants() map[string]tenant.Quota
+	// CreateKey makes and stores a key (tenant.NewKey) and returns its
+	// plaintext: already_exists when the name is taken.
+	CreateKey(ctx context.Context, name, tenant string, scopes []tenant.Scope) (string, tenant.Key, error)
+	// DeleteKey removes the key named name: not_found when there is none.
+	DeleteKey(ctx context.Context, name string) (tenant.Key, error)
+	// SetQuota sets a tenant's quota (a zero Quota removes it).
+	SetQuota(ctx context.Context, t string, q tenant.Quota) error
+}
+
+var _ KeyStore = (*tenant.Store)(nil)
+
 // SetTenancy gives the server its key store (AdminService, tenants' keys)
 // and audit log (nil: none). Call it before Handler.
-func (s *Server) SetTenancy(keys *tenant.Store, log *audit.Log) {
+func (s *Server) SetTenancy(keys KeyStore, log *audit.Log) {
 	s.keys, s.audit = keys, log
 	s.auth.SetKeys(keys)
 }
 
-func (s *Server) keyStore() (*tenant.Store, error) {
+func (s *Server) keyStore() (KeyStore, error) {
 	if s.keys == nil {
 		return nil, connect.NewError(connect.CodeFailedPrecondition, errdefs.New(errdefs.ErrFailedPrecondition, "this server has no key store"))
 	}
@@ -56,7 +80,7 @@ func (s *Server) CreateKey(ctx context.Context, req *connect.Request[pb.CreateKe
 	if len(scopes) == 0 {
 		return nil, toConnect(errdefs.New(errdefs.ErrInvalidArgument, "a key needs at least one scope (sandboxes, layers:read, layers:write, admin)"))
 	}
-	secret, k, err := ks.CreateKey(req.Msg.Name, req.Msg.Tenant, scopes)
+	secret, k, err := ks.CreateKey(ctx, req.Msg.Name, req.Msg.Tenant, scopes)
 	if err != nil {
 		return nil, toConnect(err)
 	}
@@ -81,7 +105,7 @@ func (s *Server) DeleteKey(ctx context.Context, req *connect.Request[pb.DeleteKe
 	if err != nil {
 		return nil, err
 	}
-	k, err := ks.DeleteKey(req.Msg.Name)
+	k, err := ks.DeleteKey(ctx, req.Msg.Name)
 	if err != nil {
 		return nil, toConnect(err)
 	}
@@ -105,7 +129,7 @@ func (s *Server) SetTenant(ctx context.Context, req *connect.Request[pb.SetTenan
 	if err != nil {
 		return nil, err
 	}
-	if err := ks.SetQuota(req.Msg.Name, quotaOf(req.Msg.Quota)); err != nil {
+	if err := ks.SetQuota(ctx, req.Msg.Name, quotaOf(req.Msg.Quota)); err != nil {
 		return nil, toConnect(err)
 	}
 	s.log.Info("tenant quota set", "tenant", req.Msg.Name, "quota", quotaOf(req.Msg.Quota), "by", tenant.FromContext(ctx).String())

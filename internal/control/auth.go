@@ -19,18 +19,24 @@ const AdminKeyFile = "admin.key"
 
 // Auth checks API keys: the admin key, written to DATA/admin.key (mode
 // 0600) on first start, which is the admin principal; and the tenants' keys
-// of a tenant.Store (SetKeys).
+// of a KeyStore (SetKeys): a node's own, or a cluster's in etcd.
 type Auth struct {
 	key  []byte
-	keys *tenant.Store // nil: the admin key only
+	keys keyResolver // nil: the admin key only
 	// session resolves a dashboard session token to the API key it was
 	// made from (dash.go); set once by New, before serving.
 	session func(token string) (key string, ok bool)
 }
 
+// keyResolver finds a tenant's key by its plaintext (KeyStore's Resolve),
+// from memory.
+type keyResolver interface {
+	Resolve(plaintext string) (tenant.Key, bool)
+}
+
 // SetKeys makes the middleware accept the keys of ks too. Call it before
 // serving.
-func (a *Auth) SetKeys(ks *tenant.Store) { a.keys = ks }
+func (a *Auth) SetKeys(ks keyResolver) { a.keys = ks }
 
 // principal resolves a key to its principal, or nil.
 func (a *Auth) principal(key string) *tenant.Principal {
