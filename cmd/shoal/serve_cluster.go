@@ -26,12 +26,14 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
 
+	"github.com/shoal-sandbox/shoal/internal/audit"
 	"github.com/shoal-sandbox/shoal/internal/cluster"
 	"github.com/shoal-sandbox/shoal/internal/control"
 	"github.com/shoal-sandbox/shoal/internal/e2b"
 	"github.com/shoal-sandbox/shoal/internal/layer"
 	"github.com/shoal-sandbox/shoal/internal/node"
 	"github.com/shoal-sandbox/shoal/internal/placement"
+	"github.com/shoal-sandbox/shoal/internal/tenant"
 )
 
 const (
@@ -170,6 +172,30 @@ func registerNode(ctx context.Context, c clusterConfig, e2bAddr net.Addr, mgr *n
 	return func() { cancelRun(); <-done; cli.Close() }, nil
 }
 
+// nodeTenancy follows the cluster's tenants' keys and quotas in etcd for
+// a node, until the returned stop. The node's own keys and quotas
+// (DATA/shoal.db, made while it served alone) are not used while it is a
+// node of a cluster, nor changed: it says so if it has any (they work
+// again if it serves alone again).
+func nodeTenancy(c clusterConfig, local *tenant.Store, log *slog.Logger) (*cluster.Tenancy, func(), error) {
+	cli, err := c.etcdClient()
+	if err != nil {
+		return nil, nil, err
+	}
+	ctx, cancel := context.WithCancel(context.Background()) // the watch follows for as long as the node serves
+	ten, err := cluster.WatchTenancy(ctx, cli, log)
+	if err != nil {
+		cancel()
+		cli.Close()
+		return nil, nil, fmt.Errorf("etcd %s: %w", c.Etcd, err)
+	}
+	if n, q := len(local.Keys()), len(local.Tenants()); n > 0 || q > 0 {
+		log.Warn("cluster: this node's own tenants' keys and quotas (DATA/shoal.db) are not used while it is a node of a cluster: the cluster's (etcd) are; make them again through a control replica (shoal key create, shoal tenant set)",
+			"local_keys", n, "local_tenants", q, "cluster_keys", len(ten.Keys()))
+	}
+	return ten, func() { cancel(); cli.Close() }, nil
+}
+
 // e2bURL is the E2B endpoint a node publishes: --e2b-advertise, else
 // http://<the address it listens on>; none when it serves no E2B.
 func (c *clusterConfig) e2bURL(addr net.Addr) (string, error) {
@@ -194,7 +220,8 @@ func (c *clusterConfig) e2bURL(addr net.Addr) (string, error) {
 
 // serveControl runs a control replica: the API in front of the cluster's
 // nodes. It keeps no state of its own beyond its admin key (DATA/admin.key,
-// which every node's data directory must hold too).
+// which every node's data directory must hold too) and its audit log
+// (DATA/audit.log).
 func serveControl(cfg serveConfig) error {
 	log := newLogger(cfg) // serve.go
 	if err := os.MkdirAll(cfg.DataDir, 0o700); err != nil {
@@ -222,6 +249,22 @@ func serveControl(cfg serveConfig) error {
 	if err != nil {
 		return err
 	}
+	// The cluster's tenants' keys and quotas, each tenant's usage across
+	// the cluster (the catalog), and the replica's own audit log of what
+	// it changes and refuses (DATA/audit.log).
+	keys, err := cluster.WatchTenancy(ctx, cli, log)
+	if err != nil {
+		return err
+	}
+	usage, err := cluster.WatchUsage(ctx, cli, keys, log)
+	if err != nil {
+		return err
+	}
+	auditLog, err := audit.Open(filepath.Join(cfg.DataDir, "audit.log"), 0, log, nil)
+	if err != nil {
+		return err
+	}
+	defer auditLog.Close()
 	ln, err := net.Listen("tcp", cfg.Listen)
 	if err != nil {
 		return err
@@ -230,6 +273,7 @@ func serveControl(cfg serveConfig) error {
 	protocols.SetHTTP1(true)
 	protocols.SetUnencryptedHTTP2(true)
 	fwd := control.NewForwarder(dir, engine, auth, log)
+	fwd.SetTenancy(keys, usage, auditLog)
 	srv := &http.Server{Handler: fwd.Handler(), Protocols: &protocols, ReadHeaderTimeout: 10 * time.Second}
 	e2bLn, domain, err := listenE2B(cfg, log)
 	if err != nil {

@@ -64,7 +64,9 @@ type Tenancy struct {
 // ctx ends.
 func WatchTenancy(ctx context.Context, cli *clientv3.Client, log *slog.Logger) (*Tenancy, error) {
 	t := &Tenancy{cli: cli, log: log, moved: make(chan struct{})}
-	rev, err := t.load(ctx)
+	lctx, cancel := context.WithTimeout(ctx, loadTimeout)
+	rev, err := t.load(lctx)
+	cancel()
 	if err != nil {
 		return nil, err
 	}
@@ -188,6 +190,9 @@ func (t *Tenancy) follow(ctx context.Context, rev int64) {
 		rev = r
 	}
 }
+
+// loadTimeout bounds the first read of what a watch then follows.
+const loadTimeout = 30 * time.Second
 
 // caughtUpWait bounds how long a change waits for this process's own copy
 // to show it.

@@ -94,7 +94,9 @@ const usagePage = 5000
 // quotas gives each tenant's quota.
 func WatchUsage(ctx context.Context, cli *clientv3.Client, quotas QuotaSource, log *slog.Logger) (*Usage, error) {
 	u := &Usage{cli: cli, quotas: quotas, log: log, pending: map[*Reservation]bool{}, byID: map[string]*Reservation{}, buckets: map[string]*tenant.Bucket{}}
-	rev, err := u.load(ctx)
+	lctx, cancel := context.WithTimeout(ctx, loadTimeout)
+	rev, err := u.load(lctx)
+	cancel()
 	if err != nil {
 		return nil, err
 	}

@@ -2,6 +2,7 @@ package control
 
 import (
 	"context"
+	"log/slog"
 	"sort"
 
 	"connectrpc.com/connect"
@@ -69,6 +70,11 @@ func (s *Server) CreateKey(ctx context.Context, req *connect.Request[pb.CreateKe
 	if err != nil {
 		return nil, err
 	}
+	return createKey(ctx, ks, req, s.log)
+}
+
+// createKey serves CreateKey from ks (a node's, a control replica's).
+func createKey(ctx context.Context, ks KeyStore, req *connect.Request[pb.CreateKeyRequest], log *slog.Logger) (*connect.Response[pb.CreateKeyResponse], error) {
 	var scopes []tenant.Scope
 	for _, sc := range req.Msg.Scopes {
 		p, err := tenant.ParseScopes(sc)
@@ -84,7 +90,7 @@ func (s *Server) CreateKey(ctx context.Context, req *connect.Request[pb.CreateKe
 	if err != nil {
 		return nil, toConnect(err)
 	}
-	s.log.Info("key created", "key", k.Name, "tenant", k.Tenant, "scopes", k.Scopes, "by", tenant.FromContext(ctx).String())
+	log.Info("key created", "key", k.Name, "tenant", k.Tenant, "scopes", k.Scopes, "by", tenant.FromContext(ctx).String())
 	return connect.NewResponse(&pb.CreateKeyResponse{Key: keyPB(k), Secret: secret}), nil
 }
 
@@ -93,11 +99,15 @@ func (s *Server) ListKeys(ctx context.Context, req *connect.Request[pb.ListKeysR
 	if err != nil {
 		return nil, err
 	}
+	return connect.NewResponse(listKeys(ks)), nil
+}
+
+func listKeys(ks KeyStore) *pb.ListKeysResponse {
 	out := &pb.ListKeysResponse{}
 	for _, k := range ks.Keys() {
 		out.Keys = append(out.Keys, keyPB(k))
 	}
-	return connect.NewResponse(out), nil
+	return out
 }
 
 func (s *Server) DeleteKey(ctx context.Context, req *connect.Request[pb.DeleteKeyRequest]) (*connect.Response[pb.DeleteKeyResponse], error) {
@@ -183,12 +193,9 @@ func (s *Server) ReadAudit(ctx context.Context, req *connect.Request[pb.ReadAudi
 	if s.audit == nil {
 		return nil, toConnect(errdefs.New(errdefs.ErrFailedPrecondition, "this server keeps no audit log"))
 	}
-	tail := int(req.Msg.Tail)
-	switch {
-	case tail < 0 || tail > audit.MaxTail:
-		return nil, toConnect(errdefs.New(errdefs.ErrInvalidArgument, "tail %d: want 1 to %d (0: 100)", tail, audit.MaxTail))
-	case tail == 0:
-		tail = 100
+	tail, err := auditTail(req.Msg.Tail)
+	if err != nil {
+		return nil, err
 	}
 	entries, err := audit.Read(s.audit.Path(), tail, req.Msg.Tenant)
 	if err != nil {
@@ -196,15 +203,35 @@ func (s *Server) ReadAudit(ctx context.Context, req *connect.Request[pb.ReadAudi
 	}
 	out := &pb.ReadAuditResponse{}
 	for _, e := range entries {
-		out.Entries = append(out.Entries, &pb.AuditEntry{
-			Time: timestamppb.New(e.Time), Key: e.Key, Tenant: e.Tenant, Action: e.Action,
-			Object: e.Object, Detail: e.Detail, Result: e.Result,
-		})
+		out.Entries = append(out.Entries, auditPB(e))
 	}
 	return connect.NewResponse(out), nil
 }
 
+// auditTail checks ReadAudit's tail (0: 100).
+func auditTail(n int32) (int, error) {
+	tail := int(n)
+	switch {
+	case tail < 0 || tail > audit.MaxTail:
+		return 0, toConnect(errdefs.New(errdefs.ErrInvalidArgument, "tail %d: want 1 to %d (0: 100)", tail, audit.MaxTail))
+	case tail == 0:
+		tail = 100
+	}
+	return tail, nil
+}
+
+func auditPB(e audit.Entry) *pb.AuditEntry {
+	return &pb.AuditEntry{
+		Time: timestamppb.New(e.Time), Key: e.Key, Tenant: e.Tenant, Action: e.Action,
+		Object: e.Object, Detail: e.Detail, Result: e.Result,
+	}
+}
+
 func (s *Server) WhoAmI(ctx context.Context, req *connect.Request[pb.WhoAmIRequest]) (*connect.Response[pb.Key], error) {
+	return whoAmI(ctx, req)
+}
+
+func whoAmI(ctx context.Context, _ *connect.Request[pb.WhoAmIRequest]) (*connect.Response[pb.Key], error) {
 	p := tenant.FromContext(ctx)
 	if p == nil {
 		return nil, connect.NewError(connect.CodeUnauthenticated, errdefs.New(errdefs.ErrPermissionDenied, "no key"))
