@@ -281,8 +281,9 @@ func (g *e2bForwarder) ofSandbox(w http.ResponseWriter, r *http.Request) {
 		e2b.WriteErr(w, err)
 		return
 	}
-	if r.Method == http.MethodDelete && (a.status == http.StatusNoContent || a.status == http.StatusNotFound) {
+	if r.Method == http.MethodDelete && (a.status == http.StatusNoContent || a.status == http.StatusNotFound && tenant.FromContext(ctx).IsAdmin()) {
 		// Out of the catalog now (the node's heartbeat would, later).
+		// A tenant's 404 may be another tenant's sandbox: it stays.
 		if err := g.f.dir.Uncatalog(ctx, id); err != nil {
 			g.f.log.Warn("cluster: uncatalog a deleted sandbox", "sandbox_id", id, "err", err)
 		}
