@@ -58,12 +58,15 @@ type Tenancy struct {
 	quotas map[string]tenant.Quota // guarded by mu
 	rev    int64                   // the etcd revision the copy is at; guarded by mu
 	moved  chan struct{}           // closed (and replaced) when rev moves; guarded by mu
+
+	catchMu  sync.Mutex // serializes ResolveFresh's catch-ups
+	caughtUp time.Time  // when the last catch-up started; guarded by catchMu
 }
 
 // WatchTenancy loads the cluster's keys and quotas and follows them until
 // ctx ends.
 func WatchTenancy(ctx context.Context, cli *clientv3.Client, log *slog.Logger) (*Tenancy, error) {
-	t := &Tenancy{cli: cli, log: log, moved: make(chan struct{})}
+	t := newTenancy(cli, log)
 	lctx, cancel := context.WithTimeout(ctx, loadTimeout)
 	rev, err := t.load(lctx)
 	cancel()
@@ -72,6 +75,10 @@ func WatchTenancy(ctx context.Context, cli *clientv3.Client, log *slog.Logger) (
 	}
 	go t.follow(ctx, rev)
 	return t, nil
+}
+
+func newTenancy(cli *clientv3.Client, log *slog.Logger) *Tenancy {
+	return &Tenancy{cli: cli, log: log, moved: make(chan struct{})}
 }
 
 // load reads every key and quota, replacing the copy, and returns the
@@ -203,18 +210,28 @@ const caughtUpWait = 5 * time.Second
 func (t *Tenancy) waitRev(ctx context.Context, rev int64) {
 	ctx, cancel := context.WithTimeout(ctx, caughtUpWait)
 	defer cancel()
+	if !t.waitRevFor(ctx, rev) {
+		t.mu.RLock()
+		at := t.rev
+		t.mu.RUnlock()
+		t.log.Warn("cluster: a tenants' change is not in this process's copy yet", "rev", rev, "at", at)
+	}
+}
+
+// waitRevFor waits until the copy is at revision rev or later, or ctx
+// ends; it reports whether the copy got there.
+func (t *Tenancy) waitRevFor(ctx context.Context, rev int64) bool {
 	for {
 		t.mu.RLock()
 		at, moved := t.rev, t.moved
 		t.mu.RUnlock()
 		if at >= rev {
-			return
+			return true
 		}
 		select {
 		case <-moved:
 		case <-ctx.Done():
-			t.log.Warn("cluster: a tenants' change is not in this process's copy yet", "rev", rev, "at", at)
-			return
+			return false
 		}
 	}
 }
@@ -226,6 +243,51 @@ func (t *Tenancy) Resolve(plaintext string) (tenant.Key, bool) {
 	k, ok := t.byHash[h]
 	t.mu.RUnlock()
 	return k, ok
+}
+
+// missEvery spaces the catch-ups of ResolveFresh; missWait bounds one.
+const (
+	missEvery = 50 * time.Millisecond
+	missWait  = 2 * time.Second
+)
+
+// ResolveFresh is Resolve, but on a miss it first makes sure the copy is
+// not behind etcd: it reads the revision of the last key written under
+// the prefix (one linearizable read) and waits for the watch to pass it,
+// then looks again. A key made
+// through any process is so accepted by the first request that uses it
+// here, however soon. A known key never waits on etcd. Misses share their
+// catch-ups: one that started after a miss arrived answers it, and they
+// start at most every missEvery, so wrong keys cost at most one etcd read
+// per missEvery (and wait that long themselves).
+func (t *Tenancy) ResolveFresh(ctx context.Context, plaintext string) (tenant.Key, bool) {
+	if k, ok := t.Resolve(plaintext); ok {
+		return k, true
+	}
+	arrived := time.Now()
+	t.catchMu.Lock()
+	if !t.caughtUp.After(arrived) {
+		if d := time.Until(t.caughtUp.Add(missEvery)); d > 0 {
+			select {
+			case <-time.After(d):
+			case <-ctx.Done():
+				t.catchMu.Unlock()
+				return tenant.Key{}, false
+			}
+		}
+		t.caughtUp = time.Now()
+		cctx, cancel := context.WithTimeout(ctx, missWait)
+		// The last change under the prefix that still stands (a put: what
+		// a new key is) is the revision the copy must reach.
+		resp, err := t.cli.Get(cctx, tenancyPrefix, clientv3.WithPrefix(), clientv3.WithKeysOnly(), clientv3.WithLimit(1),
+			clientv3.WithSort(clientv3.SortByModRevision, clientv3.SortDescend))
+		if err == nil && len(resp.Kvs) == 1 {
+			t.waitRevFor(cctx, resp.Kvs[0].ModRevision)
+		}
+		cancel()
+	}
+	t.catchMu.Unlock()
+	return t.Resolve(plaintext)
 }
 
 // Keys lists the keys by name.

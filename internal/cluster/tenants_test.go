@@ -10,6 +10,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/shoal-sandbox/shoal/internal/cluster/etcdtest"
 	"github.com/shoal-sandbox/shoal/internal/errdefs"
@@ -226,5 +227,59 @@ func TestUsageQuotas(t *testing.T) {
 	r.Done()
 	if _, err := u.Reserve("team-r", 1, 1); !errors.Is(err, errdefs.ErrResourceExhausted) || !strings.Contains(err.Error(), "creates-per-second") {
 		t.Fatalf("second create at 0.001/s: %v", err)
+	}
+}
+
+// TestResolveFresh: a key made through one process is accepted by the
+// first request that uses it at another whose watch has not delivered it
+// yet (the miss catches up with etcd), and a wrong key is refused in
+// bounded time.
+func TestResolveFresh(t *testing.T) {
+	ep := etcdtest.Start(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelError}))
+	a, err := WatchTenancy(ctx, client(t, ep), log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// b has loaded, but its watch starts only once its first miss is
+	// catching up: its copy is behind when the request comes.
+	b := newTenancy(client(t, ep), log)
+	rev, err := b.load(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	secret, _, err := a.CreateKey(ctx, "fresh", "team-a", []tenant.Scope{tenant.ScopeSandboxes})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := b.Resolve(secret); ok {
+		t.Fatal("b's copy has the key before its watch ran")
+	}
+	got := make(chan bool, 1)
+	go func() { _, ok := b.ResolveFresh(ctx, secret); got <- ok }()
+	eventually(t, "b's miss catching up", func() bool {
+		if b.catchMu.TryLock() { // not yet: the catch-up holds it until it ends
+			b.catchMu.Unlock()
+			return false
+		}
+		return true
+	})
+	go b.follow(ctx, rev)
+	select {
+	case ok := <-got:
+		if !ok {
+			t.Fatal("a key made elsewhere was refused at its first use")
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("ResolveFresh hung")
+	}
+	start := time.Now()
+	if _, ok := b.ResolveFresh(ctx, secret+"x"); ok {
+		t.Fatal("a wrong key resolved")
+	}
+	if d := time.Since(start); d > 10*time.Second {
+		t.Fatalf("a wrong key took %v to refuse", d)
 	}
 }
