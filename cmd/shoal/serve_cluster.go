@@ -62,7 +62,7 @@ func addClusterFlags(cmd *cobra.Command, c *clusterConfig) {
 	cmd.Flags().StringVar(&c.Role, "role", roleAll, "all (one server: API and node), node (a node of a cluster, registered in etcd) or control (the API in front of a cluster's nodes: placement and routing)")
 	cmd.Flags().StringVar(&c.Etcd, "etcd", "", "etcd endpoints, comma-separated (e.g. http://127.0.0.1:2379); required by --role node and control")
 	cmd.Flags().StringVar(&c.NodeName, "node-name", "", "--role node: this node's name in the cluster (a-z, 0-9, -; default the host name); its sandbox IDs start with a tag derived from it")
-	cmd.Flags().StringVar(&c.Advertise, "advertise", "", "--role node: the URL control replicas reach this node's API at (default http://<--listen>)")
+	cmd.Flags().StringVar(&c.Advertise, "advertise", "", "--role node: the URL control replicas reach this node's API at (default http://<--listen>); --role control: the URL the other control replicas reach this one at (default http://<--listen>; none when --listen is on every address: then it does not register, and the others' audit and creates-per-second leave it out)")
 	cmd.Flags().StringVar(&c.E2BAdvertise, "e2b-advertise", "", "--role node: the URL control replicas reach this node's E2B endpoint at (default http://<--e2b-listen>); control replicas serve E2B for the cluster through it")
 	cmd.Flags().DurationVar(&c.NodeTTL, "node-ttl", 10*time.Second, "--role node: the node's lease in etcd; a node silent this long is down and its sandboxes reported lost")
 	cmd.Flags().IntVar(&c.PlaceAttempts, "place-attempts", 3, "--role control: nodes tried per create before it waits for capacity (a node's refusal moves it to the next)")
@@ -91,6 +91,13 @@ func (c *clusterConfig) validate(listen string) error {
 		return fmt.Errorf("--place-wait %s: want 0 to 1h", c.PlaceWait)
 	}
 	if c.Role == roleControl {
+		// Its peers reach it here (audit); none: it does not register.
+		if c.Advertise == "" {
+			host, _, _ := net.SplitHostPort(listen)
+			if ip := net.ParseIP(host); host != "" && (ip == nil || !ip.IsUnspecified()) {
+				c.Advertise = "http://" + listen
+			}
+		}
 		return nil
 	}
 	if c.NodeName == "" {
@@ -274,6 +281,25 @@ func serveControl(cfg serveConfig) error {
 	protocols.SetUnencryptedHTTP2(true)
 	fwd := control.NewForwarder(dir, engine, auth, log)
 	fwd.SetTenancy(keys, usage, auditLog)
+	if adv := cfg.Cluster.Advertise; adv != "" {
+		// Known to the other replicas: they read its audit log, and split
+		// tenants' creates per second with it.
+		rctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+		rep, err := cluster.RegisterReplica(rctx, cli, adv, cfg.Cluster.NodeTTL, log)
+		cancel()
+		if err != nil {
+			return fmt.Errorf("register the control replica in etcd: %w", err)
+		}
+		runCtx, cancelRun := context.WithCancel(ctx)
+		done := make(chan struct{})
+		go func() { defer close(done); rep.Run(runCtx) }()
+		defer func() { cancelRun(); <-done }()
+		usage.SetReplicas(rep)
+		fwd.SetPeers(rep)
+		log.Info("cluster: control replica registered", "id", rep.ID(), "url", adv)
+	} else {
+		log.Warn("cluster: this control replica does not register (--listen is on every address and --advertise is not given): the other replicas' `shoal audit` leave its log out, and tenants' creates per second are not split with it")
+	}
 	srv := &http.Server{Handler: fwd.Handler(), Protocols: &protocols, ReadHeaderTimeout: 10 * time.Second}
 	e2bLn, domain, err := listenE2B(cfg, log)
 	if err != nil {

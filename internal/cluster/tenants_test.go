@@ -283,3 +283,58 @@ func TestResolveFresh(t *testing.T) {
 		t.Fatalf("a wrong key took %v to refuse", d)
 	}
 }
+
+// TestReplicasSplitRate: control replicas register; each finds the others
+// (for the audit), and a tenant's creates per second is split among them.
+func TestReplicasSplitRate(t *testing.T) {
+	ep := etcdtest.Start(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelError}))
+	r1, err := RegisterReplica(ctx, client(t, ep), "http://r1", 0, log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r2, err := RegisterReplica(ctx, client(t, ep), "http://r2", 0, log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r1.beat(ctx); err != nil { // r1 counts r2 at its next heartbeat
+		t.Fatal(err)
+	}
+	if r1.Count() != 2 || r2.Count() != 2 {
+		t.Fatalf("replicas counted %d and %d, want 2", r1.Count(), r2.Count())
+	}
+	peers, err := r1.Peers(ctx)
+	if err != nil || len(peers) != 1 || peers[0].URL != "http://r2" {
+		t.Fatalf("r1's peers: %v %v", peers, err)
+	}
+	// A burst of 2 split between 2 replicas: 1 here.
+	u, err := WatchUsage(ctx, client(t, ep), quotaMap{"team-r": {CreatesPerSecond: 0.001, Burst: 2}}, log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	u.SetReplicas(r1)
+	r, err := u.Reserve("team-r", 1, 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.Created(Tag("n1") + "r001")
+	r.Done()
+	if _, err := u.Reserve("team-r", 1, 1); !errors.Is(err, errdefs.ErrResourceExhausted) || !strings.Contains(err.Error(), "share: 1/2") {
+		t.Fatalf("second create at burst 2 over 2 replicas: %v, want refused", err)
+	}
+	// r2 leaves: r1 has the whole rate at its next heartbeat.
+	cctx, ccancel := context.WithCancel(ctx)
+	ccancel()
+	r2.Run(cctx) // revokes its lease at once
+	if err := r1.beat(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if r1.Count() != 1 {
+		t.Fatalf("after r2 left: %d replicas", r1.Count())
+	}
+	if _, err := u.Reserve("team-r", 1, 1); err != nil {
+		t.Fatalf("the second create with the whole burst: %v", err)
+	}
+}

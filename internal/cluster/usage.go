@@ -16,9 +16,11 @@ package cluster
 // replicas racing for the last of a tenant's quota may overshoot it by at
 // most the creates the other replicas have in flight for that tenant at
 // that moment (each node's own admission checks the same quota against
-// the tenant's sandboxes on that node as a second guard). creates per
-// second is a token bucket per replica (with R replicas a tenant may reach
-// R times the rate; each node's bucket bounds what one node takes).
+// the tenant's sandboxes on that node as a second guard). Creates per
+// second is a token bucket per replica holding its share of the rate and
+// burst (1/R of each with R live replicas, SetReplicas): exact when a
+// tenant's creates are spread evenly over the replicas, short of the rate
+// when they all go through one.
 
 import (
 	"context"
@@ -63,9 +65,10 @@ var reservationHold = 30 * time.Second
 // Usage is a control replica's view of what each tenant's sandboxes take
 // across the cluster, and its reservations. It is safe for concurrent use.
 type Usage struct {
-	cli    *clientv3.Client
-	quotas QuotaSource
-	log    *slog.Logger
+	cli      *clientv3.Client
+	quotas   QuotaSource
+	log      *slog.Logger
+	replicas *Replica // splits creates-per-second among the live replicas; set by SetReplicas before use
 
 	mu      sync.Mutex
 	entries map[string]usageEntry     // catalog key → entry; guarded by mu
@@ -222,6 +225,10 @@ func (u *Usage) follow(ctx context.Context, rev int64) {
 	}
 }
 
+// SetReplicas makes the replica's creates-per-second buckets its share
+// (1/Count) of each tenant's rate. Call it before Reserve.
+func (u *Usage) SetReplicas(r *Replica) { u.replicas = r }
+
 // Of returns what tenant t's catalogued sandboxes take across the cluster.
 func (u *Usage) Of(t string) Totals {
 	u.mu.Lock()
@@ -279,14 +286,20 @@ func (u *Usage) Reserve(t string, memory, milliCPU int64) (*Reservation, error) 
 	}
 	r := &Reservation{u: u, tenant: t, memory: memory, milliCPU: milliCPU}
 	if q.CreatesPerSecond > 0 {
+		// This replica's share of the rate and burst.
+		n := u.replicas.Count()
+		rate, burst := q.CreatesPerSecond/float64(n), q.Burst
+		if burst > 0 {
+			burst = max(1, burst/n)
+		}
 		b := u.buckets[t]
-		if b == nil || !b.Same(q.CreatesPerSecond, q.Burst) {
-			b = tenant.NewBucket(q.CreatesPerSecond, q.Burst, now)
+		if b == nil || !b.Same(rate, burst) {
+			b = tenant.NewBucket(rate, burst, now)
 			u.buckets[t] = b
 		}
 		if !b.Take(now) {
 			return nil, errdefs.New(errdefs.ErrResourceExhausted,
-				"tenant %s quota creates-per-second: more than %g creates a second (burst %d) through this control replica: retry later", t, q.CreatesPerSecond, q.Burst)
+				"tenant %s quota creates-per-second: more than %g creates a second (burst %d) in the cluster (this control replica's share: 1/%d): retry later", t, q.CreatesPerSecond, q.Burst, n)
 		}
 		r.bucket = b
 	} else {

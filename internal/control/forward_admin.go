@@ -19,7 +19,8 @@ package control
 //     it does itself: key and tenant changes, and the calls it refuses
 //     (a scope a key lacks, a quota); the calls it passes on are recorded
 //     by the node that serves them. ReadAudit through a replica merges its
-//     own log with every live node's.
+//     own log with every live node's and every other live replica's (the
+//     replicas register in etcd: cluster.RegisterReplica).
 
 import (
 	"context"
@@ -39,10 +40,19 @@ import (
 // forwarderTenancy is a control replica's tenants: set once by
 // SetTenancy, before serving.
 type forwarderTenancy struct {
-	keys  KeyStore       // nil: the admin key only; AdminService refuses
-	usage *cluster.Usage // nil: quotas are the nodes' only
-	audit *audit.Log     // nil: none
+	keys  KeyStore         // nil: the admin key only; AdminService refuses
+	usage *cluster.Usage   // nil: quotas are the nodes' only
+	audit *audit.Log       // nil: none
+	peers *cluster.Replica // the replica in etcd, to find the others (nil: none)
 }
+
+// SetPeers gives the replica its registration (cluster.RegisterReplica):
+// ReadAudit reads the other replicas' logs too. Call it before Handler.
+func (f *Forwarder) SetPeers(r *cluster.Replica) { f.ten.peers = r }
+
+// auditLocalHeader asks a replica's ReadAudit for its own log only (what
+// a replica asks of its peers).
+const auditLocalHeader = "Shoal-Audit-Local"
 
 // SetTenancy gives the replica the cluster's keys and quotas (tenants' keys
 // are accepted, AdminService is served), the catalog's usage (quotas are
@@ -182,9 +192,9 @@ func (f *Forwarder) listTenants(ctx context.Context, req *connect.Request[pb.Lis
 	return connect.NewResponse(out), nil
 }
 
-// readAudit merges the replica's own log with every live node's (asked
-// with the client's key), by time, and returns the last tail entries. A
-// node that does not answer is left out (logged).
+// readAudit merges the replica's own log with every live node's and every
+// other live replica's (asked with the client's key), by time, and returns
+// the last tail entries. One that does not answer is left out (logged).
 func (f *Forwarder) readAudit(ctx context.Context, req *connect.Request[pb.ReadAuditRequest]) (*connect.Response[pb.ReadAuditResponse], error) {
 	const proc = "/shoal.v1.AdminService/ReadAudit"
 	tail, err := auditTail(req.Msg.Tail)
@@ -201,11 +211,27 @@ func (f *Forwarder) readAudit(ctx context.Context, req *connect.Request[pb.ReadA
 			all = append(all, auditPB(e))
 		}
 	}
-	live := f.dir.Live()
-	results, errs := onEveryNode(live, func(n cluster.NodeInfo) (*pb.ReadAuditResponse, error) {
+	if req.Header().Get(auditLocalHeader) != "" {
+		return connect.NewResponse(&pb.ReadAuditResponse{Entries: all}), nil
+	}
+	// Every live node's log, and every other replica's own.
+	others := f.dir.Live()
+	nodes := len(others)
+	if f.ten.peers != nil {
+		peers, err := f.ten.peers.Peers(ctx)
+		if err != nil {
+			f.log.Warn("audit through a control replica: the other replicas' logs are left out", "err", err)
+		}
+		for _, p := range peers {
+			others = append(others, cluster.NodeInfo{Name: "control replica " + p.ID, URL: p.URL})
+		}
+	}
+	results, errs := onEveryNode(others, func(n cluster.NodeInfo) (*pb.ReadAuditResponse, error) {
 		nctx, cancel := context.WithTimeout(ctx, statusTimeout)
 		defer cancel()
-		res, err := clientFor[pb.ReadAuditRequest, pb.ReadAuditResponse](f, n, proc).CallUnary(nctx, outgoing(req.Msg, req.Header()))
+		out := outgoing(req.Msg, req.Header())
+		out.Header().Set(auditLocalHeader, "1") // a replica: its own log (a node ignores it)
+		res, err := clientFor[pb.ReadAuditRequest, pb.ReadAuditResponse](f, n, proc).CallUnary(nctx, out)
 		if err != nil {
 			return nil, err
 		}
@@ -213,7 +239,11 @@ func (f *Forwarder) readAudit(ctx context.Context, req *connect.Request[pb.ReadA
 	})
 	for i, r := range results {
 		if errs[i] != nil {
-			f.log.Warn("audit through a control replica: a node's log is left out", "node", live[i].Name, "err", errs[i])
+			what := "a node's"
+			if i >= nodes {
+				what = "a control replica's"
+			}
+			f.log.Warn("audit through a control replica: "+what+" log is left out", "from", others[i].Name, "err", errs[i])
 			continue
 		}
 		all = append(all, r.Entries...)
