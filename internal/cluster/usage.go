@@ -72,6 +72,7 @@ type Usage struct {
 
 	mu      sync.Mutex
 	entries map[string]usageEntry     // catalog key → entry; guarded by mu
+	names   map[string]string         // tenants' names, interned; guarded by mu
 	totals  map[string]Totals         // tenant → its catalogued sandboxes' totals; guarded by mu
 	pending map[*Reservation]bool     // creates in flight or not catalogued yet; guarded by mu
 	byID    map[string]*Reservation   // pending reservations whose create gave an ID; guarded by mu
@@ -111,6 +112,7 @@ func WatchUsage(ctx context.Context, cli *clientv3.Client, quotas QuotaSource, l
 // totals, and returns the revision read at.
 func (u *Usage) load(ctx context.Context) (int64, error) {
 	entries := map[string]usageEntry{}
+	names := map[string]string{}
 	var rev int64
 	from, end := sandboxesPrefix, clientv3.GetPrefixRangeEnd(sandboxesPrefix)
 	for {
@@ -126,8 +128,9 @@ func (u *Usage) load(ctx context.Context) (int64, error) {
 			rev = resp.Header.Revision
 		}
 		for _, kv := range resp.Kvs {
-			if e, ok := decodeUsage(kv.Key, kv.Value); ok {
-				entries[string(kv.Key)] = e
+			k := string(kv.Key)
+			if e, ok := decodeUsage(k, kv.Value, names); ok {
+				entries[k] = e
 			}
 		}
 		if !resp.More || len(resp.Kvs) == 0 {
@@ -138,6 +141,7 @@ func (u *Usage) load(ctx context.Context) (int64, error) {
 	u.mu.Lock()
 	defer u.mu.Unlock()
 	u.entries = entries
+	u.names = names
 	u.totals = map[string]Totals{}
 	for _, e := range entries {
 		u.addLocked(e, 1)
@@ -146,13 +150,19 @@ func (u *Usage) load(ctx context.Context) (int64, error) {
 	return rev, nil
 }
 
-func decodeUsage(k, v []byte) (usageEntry, bool) {
+// decodeUsage decodes the catalog entry at key k; its ID shares k's
+// bytes, and its tenant's name is interned in names.
+func decodeUsage(k string, v []byte, names map[string]string) (usageEntry, bool) {
 	var c CatalogEntry
 	if json.Unmarshal(v, &c) != nil {
 		return usageEntry{}, false
 	}
-	id := string(k[strings.LastIndexByte(string(k), '/')+1:])
-	return usageEntry{id: id, tenant: c.Tenant, memory: max(c.Memory, 0), milliCPU: max(c.MilliCPU, 0)}, true
+	t, ok := names[c.Tenant]
+	if !ok {
+		t = c.Tenant
+		names[t] = t
+	}
+	return usageEntry{id: k[strings.LastIndexByte(k, '/')+1:], tenant: t, memory: max(c.Memory, 0), milliCPU: max(c.MilliCPU, 0)}, true
 }
 
 func (u *Usage) addLocked(e usageEntry, sign int64) {
@@ -200,7 +210,7 @@ func (u *Usage) follow(ctx context.Context, rev int64) {
 				if ev.Type != clientv3.EventTypePut {
 					continue
 				}
-				if e, ok := decodeUsage(ev.Kv.Key, ev.Kv.Value); ok {
+				if e, ok := decodeUsage(k, ev.Kv.Value, u.names); ok {
 					u.entries[k] = e
 					u.addLocked(e, 1)
 					u.seenLocked(e.id)
