@@ -285,7 +285,7 @@ func serveControl(cfg serveConfig) error {
 		// Known to the other replicas: they read its audit log, and split
 		// tenants' creates per second with it.
 		rctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-		rep, err := cluster.RegisterReplica(rctx, cli, adv, cfg.Cluster.NodeTTL, log)
+		rep, err := cluster.RegisterReplica(rctx, cli, adv, 0, log) // a lease of 10 s
 		cancel()
 		if err != nil {
 			return fmt.Errorf("register the control replica in etcd: %w", err)

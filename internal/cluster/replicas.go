@@ -48,6 +48,9 @@ func RegisterReplica(ctx context.Context, cli *clientv3.Client, url string, ttl 
 	if ttl == 0 {
 		ttl = 10 * time.Second
 	}
+	if ttl < 2*time.Second || ttl > 10*time.Minute {
+		return nil, fmt.Errorf("control replica lease TTL %s: want 2s to 10m", ttl)
+	}
 	var raw [8]byte
 	if _, err := rand.Read(raw[:]); err != nil {
 		return nil, err
