@@ -121,7 +121,7 @@ func tenantCmd() *cobra.Command {
 	}
 	set := &cobra.Command{
 		Use:   "set TENANT [--max-sandboxes N] [--max-memory 8G] [--max-cpus 16] [--creates-per-second 50] [--burst N]",
-		Short: "Set a tenant's quota on this node (flags not given keep their value; 0: no bound)",
+		Short: "Set a tenant's quota: on this node, or the cluster's through a control replica (flags not given keep their value; 0: no bound)",
 		Args:  cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			c, err := client(cmd)
@@ -179,7 +179,7 @@ func tenantCmd() *cobra.Command {
 	var asJSON bool
 	ls := &cobra.Command{
 		Use:   "ls [--json]",
-		Short: "List tenants with their quotas and usage on this node",
+		Short: "List tenants with their quotas and usage: on this node, or across the cluster through a control replica",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			c, err := client(cmd)

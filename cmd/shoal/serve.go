@@ -516,9 +516,20 @@ func serve(cfg serveConfig) error {
 	}
 	// Tenants' keys and quotas (the admin key stays the admin), and the
 	// audit log of who did what (DATA/audit.log).
-	keys, err := tenant.Open(db)
+	localKeys, err := tenant.Open(db)
 	if err != nil {
 		return err
+	}
+	var keys control.KeyStore = localKeys
+	if cfg.Cluster.Role == roleNode {
+		// A node of a cluster: the cluster's keys and quotas (etcd), so
+		// that a tenant's key works at every node and replica.
+		ten, closeTen, err := nodeTenancy(cfg.Cluster, localKeys, log) // serve_cluster.go
+		if err != nil {
+			return err
+		}
+		defer closeTen()
+		keys = ten
 	}
 	auth.SetKeys(keys)
 	nodeCfg.Quotas = keys

@@ -28,12 +28,14 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
 
+	"github.com/shoal-sandbox/shoal/internal/audit"
 	"github.com/shoal-sandbox/shoal/internal/cluster"
 	"github.com/shoal-sandbox/shoal/internal/control"
 	"github.com/shoal-sandbox/shoal/internal/e2b"
 	"github.com/shoal-sandbox/shoal/internal/layer"
 	"github.com/shoal-sandbox/shoal/internal/node"
 	"github.com/shoal-sandbox/shoal/internal/placement"
+	"github.com/shoal-sandbox/shoal/internal/tenant"
 )
 
 const (
@@ -62,7 +64,7 @@ func addClusterFlags(cmd *cobra.Command, c *clusterConfig) {
 	cmd.Flags().StringVar(&c.Role, "role", roleAll, "all (one server: API and node), node (a node of a cluster, registered in etcd) or control (the API in front of a cluster's nodes: placement and routing)")
 	cmd.Flags().StringVar(&c.Etcd, "etcd", "", "etcd endpoints, comma-separated (e.g. http://127.0.0.1:2379); required by --role node and control")
 	cmd.Flags().StringVar(&c.NodeName, "node-name", "", "--role node: this node's name in the cluster (a-z, 0-9, -; default the host name); its sandbox IDs start with a tag derived from it")
-	cmd.Flags().StringVar(&c.Advertise, "advertise", "", "--role node: the URL control replicas reach this node's API at (default http://<--listen>)")
+	cmd.Flags().StringVar(&c.Advertise, "advertise", "", "--role node: the URL control replicas reach this node's API at (default http://<--listen>); --role control: the URL the other control replicas reach this one at (default http://<--listen>; none when --listen is on every address: then it does not register, and the others' audit and creates-per-second leave it out)")
 	cmd.Flags().StringVar(&c.E2BAdvertise, "e2b-advertise", "", "--role node: the URL control replicas reach this node's E2B endpoint at (default http://<--e2b-listen>); control replicas serve E2B for the cluster through it")
 	cmd.Flags().DurationVar(&c.NodeTTL, "node-ttl", 10*time.Second, "--role node: the node's lease in etcd; a node silent this long is down and its sandboxes reported lost")
 	cmd.Flags().IntVar(&c.PlaceAttempts, "place-attempts", 3, "--role control: nodes tried per create before it waits for capacity (a node's refusal moves it to the next)")
@@ -91,6 +93,13 @@ func (c *clusterConfig) validate(listen string) error {
 		return fmt.Errorf("--place-wait %s: want 0 to 1h", c.PlaceWait)
 	}
 	if c.Role == roleControl {
+		// Its peers reach it here (audit); none: it does not register.
+		if c.Advertise == "" {
+			host, _, _ := net.SplitHostPort(listen)
+			if ip := net.ParseIP(host); host != "" && (ip == nil || !ip.IsUnspecified()) {
+				c.Advertise = "http://" + listen
+			}
+		}
 		return nil
 	}
 	if c.NodeName == "" {
@@ -154,7 +163,7 @@ func registerNode(ctx context.Context, c clusterConfig, e2bAddr net.Addr, mgr *n
 		recs := mgr.List()
 		sbs := make([]cluster.CatalogEntry, 0, len(recs))
 		for _, r := range recs {
-			sbs = append(sbs, cluster.CatalogEntry{ID: r.ID, Tenant: r.Tenant, Created: r.Created})
+			sbs = append(sbs, cluster.CatalogEntry{ID: r.ID, Tenant: r.Tenant, Created: r.Created, MilliCPU: r.Resources.MilliCPU, Memory: r.Resources.MemoryBytes})
 		}
 		return n, sbs
 	}
@@ -170,6 +179,30 @@ func registerNode(ctx context.Context, c clusterConfig, e2bAddr net.Addr, mgr *n
 	done := make(chan struct{})
 	go func() { defer close(done); reg.Run(runCtx) }()
 	return func() { cancelRun(); <-done; cli.Close() }, nil
+}
+
+// nodeTenancy follows the cluster's tenants' keys and quotas in etcd for
+// a node, until the returned stop. The node's own keys and quotas
+// (DATA/shoal.db, made while it served alone) are not used while it is a
+// node of a cluster, nor changed: it says so if it has any (they work
+// again if it serves alone again).
+func nodeTenancy(c clusterConfig, local *tenant.Store, log *slog.Logger) (*cluster.Tenancy, func(), error) {
+	cli, err := c.etcdClient()
+	if err != nil {
+		return nil, nil, err
+	}
+	ctx, cancel := context.WithCancel(context.Background()) // the watch follows for as long as the node serves
+	ten, err := cluster.WatchTenancy(ctx, cli, log)
+	if err != nil {
+		cancel()
+		cli.Close()
+		return nil, nil, fmt.Errorf("etcd %s: %w", c.Etcd, err)
+	}
+	if n, q := len(local.Keys()), len(local.Tenants()); n > 0 || q > 0 {
+		log.Warn("cluster: this node's own tenants' keys and quotas (DATA/shoal.db) are not used while it is a node of a cluster: the cluster's (etcd) are; make them again through a control replica (shoal key create, shoal tenant set)",
+			"local_keys", n, "local_tenants", q, "cluster_keys", len(ten.Keys()))
+	}
+	return ten, func() { cancel(); cli.Close() }, nil
 }
 
 // e2bURL is the E2B endpoint a node publishes: --e2b-advertise, else
@@ -196,7 +229,8 @@ func (c *clusterConfig) e2bURL(addr net.Addr) (string, error) {
 
 // serveControl runs a control replica: the API in front of the cluster's
 // nodes. It keeps no state of its own beyond its admin key (DATA/admin.key,
-// which every node's data directory must hold too).
+// which every node's data directory must hold too) and its audit log
+// (DATA/audit.log).
 func serveControl(cfg serveConfig) error {
 	log := newLogger(cfg) // serve.go
 	if err := os.MkdirAll(cfg.DataDir, 0o700); err != nil {
@@ -224,6 +258,22 @@ func serveControl(cfg serveConfig) error {
 	if err != nil {
 		return err
 	}
+	// The cluster's tenants' keys and quotas, each tenant's usage across
+	// the cluster (the catalog), and the replica's own audit log of what
+	// it changes and refuses (DATA/audit.log).
+	keys, err := cluster.WatchTenancy(ctx, cli, log)
+	if err != nil {
+		return err
+	}
+	usage, err := cluster.WatchUsage(ctx, cli, keys, log)
+	if err != nil {
+		return err
+	}
+	auditLog, err := audit.Open(filepath.Join(cfg.DataDir, "audit.log"), 0, log, nil)
+	if err != nil {
+		return err
+	}
+	defer auditLog.Close()
 	ln, err := net.Listen("tcp", cfg.Listen)
 	if err != nil {
 		return err
@@ -232,6 +282,26 @@ func serveControl(cfg serveConfig) error {
 	protocols.SetHTTP1(true)
 	protocols.SetUnencryptedHTTP2(true)
 	fwd := control.NewForwarder(dir, engine, auth, log)
+	fwd.SetTenancy(keys, usage, auditLog)
+	if adv := cfg.Cluster.Advertise; adv != "" {
+		// Known to the other replicas: they read its audit log, and split
+		// tenants' creates per second with it.
+		rctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+		rep, err := cluster.RegisterReplica(rctx, cli, adv, 0, log) // a lease of 10 s
+		cancel()
+		if err != nil {
+			return fmt.Errorf("register the control replica in etcd: %w", err)
+		}
+		runCtx, cancelRun := context.WithCancel(ctx)
+		done := make(chan struct{})
+		go func() { defer close(done); rep.Run(runCtx) }()
+		defer func() { cancelRun(); <-done }()
+		usage.SetReplicas(rep)
+		fwd.SetPeers(rep)
+		log.Info("cluster: control replica registered", "id", rep.ID(), "url", adv)
+	} else {
+		log.Warn("cluster: this control replica does not register (--listen is on every address and --advertise is not given): the other replicas' `shoal audit` leave its log out, and tenants' creates per second are not split with it")
+	}
 	srv := &http.Server{Handler: fwd.Handler(), Protocols: &protocols, ReadHeaderTimeout: 10 * time.Second}
 	e2bLn, domain, err := listenE2B(cfg, log)
 	if err != nil {

@@ -13,9 +13,12 @@
 //	                      node's IDs still resolve to it)
 //	sandboxes/<tag>/<id>  CatalogEntry as JSON, written by the node in the
 //	                      background (never on a request's path)
+//	tenancy/...           tenants' keys and quotas (tenants.go)
 //
 // A node runs a Registration (node side); each control replica runs a
-// Directory, which watches the nodes and tags and feeds placement.
+// Directory, which watches the nodes and tags and feeds placement, and a
+// Usage, which follows the catalog to check tenants' quotas across the
+// cluster. Both roles follow the tenants' keys (Tenancy).
 package cluster
 
 import (
@@ -62,6 +65,11 @@ type CatalogEntry struct {
 	Node    string    `json:"node"`
 	Tenant  string    `json:"tenant,omitempty"`
 	Created time.Time `json:"created"`
+	// MilliCPU and Memory are the sandbox's limits, which tenants'
+	// cluster-wide quotas count (Usage); zero in entries written before
+	// they were recorded.
+	MilliCPU int64 `json:"millicpu,omitempty"`
+	Memory   int64 `json:"memory_bytes,omitempty"`
 }
 
 // Tag is the tag of node name: the first TagLen characters of the base32

@@ -1,6 +1,7 @@
 package control
 
 import (
+	"context"
 	"crypto/rand"
 	"crypto/subtle"
 	"encoding/hex"
@@ -19,21 +20,34 @@ const AdminKeyFile = "admin.key"
 
 // Auth checks API keys: the admin key, written to DATA/admin.key (mode
 // 0600) on first start, which is the admin principal; and the tenants' keys
-// of a tenant.Store (SetKeys).
+// of a KeyStore (SetKeys): a node's own, or a cluster's in etcd.
 type Auth struct {
 	key  []byte
-	keys *tenant.Store // nil: the admin key only
+	keys keyResolver // nil: the admin key only
 	// session resolves a dashboard session token to the API key it was
 	// made from (dash.go); set once by New, before serving.
 	session func(token string) (key string, ok bool)
 }
 
+// keyResolver finds a tenant's key by its plaintext (KeyStore's Resolve),
+// from memory.
+type keyResolver interface {
+	Resolve(plaintext string) (tenant.Key, bool)
+}
+
 // SetKeys makes the middleware accept the keys of ks too. Call it before
 // serving.
-func (a *Auth) SetKeys(ks *tenant.Store) { a.keys = ks }
+func (a *Auth) SetKeys(ks keyResolver) { a.keys = ks }
+
+// freshResolver is a keyResolver that can make sure, on a miss, that its
+// copy is not behind the store it follows (cluster.Tenancy): a key made
+// through another process works at the first request that uses it here.
+type freshResolver interface {
+	ResolveFresh(ctx context.Context, plaintext string) (tenant.Key, bool)
+}
 
 // principal resolves a key to its principal, or nil.
-func (a *Auth) principal(key string) *tenant.Principal {
+func (a *Auth) principal(ctx context.Context, key string) *tenant.Principal {
 	if a.session != nil && strings.HasPrefix(key, sessionPrefix) {
 		k, ok := a.session(key)
 		if !ok {
@@ -44,7 +58,11 @@ func (a *Auth) principal(key string) *tenant.Principal {
 	if subtle.ConstantTimeCompare([]byte(key), a.key) == 1 {
 		return tenant.Admin()
 	}
-	if a.keys != nil {
+	if fr, ok := a.keys.(freshResolver); ok {
+		if k, ok := fr.ResolveFresh(ctx, key); ok {
+			return k.Principal()
+		}
+	} else if a.keys != nil {
 		if k, ok := a.keys.Resolve(key); ok {
 			return k.Principal()
 		}
@@ -105,7 +123,7 @@ func (a *Auth) Middleware(next http.Handler, public ...string) http.Handler {
 			writeHTTPError(w, http.StatusUnauthorized, "unauthenticated", "missing API key: send \"Authorization: Bearer <key>\" (the admin key is in DATA/admin.key)")
 			return
 		}
-		p := a.principal(got)
+		p := a.principal(r.Context(), got)
 		if p == nil {
 			writeHTTPError(w, http.StatusUnauthorized, "unauthenticated", "invalid API key")
 			return

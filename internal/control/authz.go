@@ -342,10 +342,21 @@ func (s *Server) sandboxRoute(mux *http.ServeMux, pattern string, h http.Handler
 
 // auditRPC records an audited RPC: its principal, object, detail, result.
 func (s *Server) auditRPC(ctx context.Context, procedure string, req, res any, err error) {
+	if s.audit == nil {
+		return
+	}
+	if e, ok := rpcAuditEntry(ctx, procedure, req, res, err); ok {
+		s.audit.Record(e)
+	}
+}
+
+// rpcAuditEntry is the audit entry of a call of procedure (ok false: the
+// procedure is not audited). A node and a control replica write the same.
+func rpcAuditEntry(ctx context.Context, procedure string, req, res any, err error) (audit.Entry, bool) {
 	name := shortProcedure(procedure)
 	action := auditActions[name]
-	if s.audit == nil || action == "" {
-		return
+	if action == "" {
+		return audit.Entry{}, false
 	}
 	p := tenant.FromContext(ctx)
 	e := audit.Entry{Key: p.String(), Action: action, Result: rpcCode(err)}
@@ -410,7 +421,7 @@ func (s *Server) auditRPC(ctx context.Context, procedure string, req, res any, e
 	if c, ok := res.(*pb.Command); ok && c.Id != "" {
 		e.Detail = c.Id + ": " + e.Detail
 	}
-	s.audit.Record(e)
+	return e, true
 }
 
 // auditRoute records an audited plain route.

@@ -197,7 +197,7 @@ func (d *dashboard) login(w http.ResponseWriter, r *http.Request) {
 	key := strings.TrimSpace(req.Key)
 	var p *tenant.Principal
 	if key != "" && !strings.HasPrefix(key, sessionPrefix) {
-		p = d.auth.principal(key)
+		p = d.auth.principal(r.Context(), key)
 	}
 	if p == nil {
 		d.log.Info("dashboard login refused", "remote", r.RemoteAddr)
@@ -301,7 +301,7 @@ func (d *dashboard) terminal(w http.ResponseWriter, r *http.Request) {
 	key, ok := d.takeTicket(q.Get("ticket"))
 	var p *tenant.Principal
 	if ok {
-		p = d.auth.principal(key)
+		p = d.auth.principal(r.Context(), key)
 	}
 	if p == nil {
 		writeHTTPError(w, http.StatusUnauthorized, "unauthenticated", "missing, used or expired ticket: get one from POST /dash/ticket")

@@ -23,8 +23,9 @@ package control
 //     what to do instead (see forwardedProcedures).
 //
 // Keys: the control role accepts the cluster's admin key (DATA/admin.key
-// of the control role, the same file on every node) and passes the
-// client's credentials on to the node, which checks them again.
+// of the control role, the same file on every node) and the tenants' keys
+// of the cluster (in etcd: forward_admin.go), and passes the client's
+// credentials on to the node, which checks them again.
 
 import (
 	"context"
@@ -60,7 +61,8 @@ type Forwarder struct {
 	auth   *Auth
 	client *http.Client
 	log    *slog.Logger
-	dash   *dashboard // the web dashboard's sessions (dash.go); its terminal goes to the sandbox's node
+	dash   *dashboard       // the web dashboard's sessions (dash.go); its terminal goes to the sandbox's node
+	ten    forwarderTenancy // the cluster's keys, quotas and the replica's audit log (forward_admin.go)
 }
 
 // NewForwarder returns the API of a control replica over the nodes of dir,
@@ -103,9 +105,9 @@ func (f *Forwarder) routes() *http.ServeMux {
 		connect.WithReadMaxBytes(limits.MessageBytes),
 		connect.WithCodec(strictJSONCodec{name: "json"}),
 		connect.WithCodec(strictJSONCodec{name: "json; charset=utf-8"}),
-		connect.WithInterceptors(scopeInterceptor{}),
+		connect.WithInterceptors(scopeInterceptor{f}),
 	}
-	s, c, l, fn, a := "/shoal.v1.SandboxService/", "/shoal.v1.CommandService/", "/shoal.v1.LayerService/", "/shoal.v1.FnCallService/", "/shoal.v1.AdminService/"
+	s, c, l, fn := "/shoal.v1.SandboxService/", "/shoal.v1.CommandService/", "/shoal.v1.LayerService/", "/shoal.v1.FnCallService/"
 
 	mux.Handle(s+"CreateSandbox", connect.NewUnaryHandler(s+"CreateSandbox", f.createSandbox, opts...))
 	mux.Handle(s+"ListSandboxes", connect.NewUnaryHandler(s+"ListSandboxes", f.listSandboxes, opts...))
@@ -157,13 +159,7 @@ func (f *Forwarder) routes() *http.ServeMux {
 	stream[pb.RunBatchRequest, pb.RunBatchResult](f, mux, fn+"RunBatch", toAny, opts)
 	unary[pb.ListLanguagesRequest, pb.ListLanguagesResponse](f, mux, fn+"ListLanguages", toAny, opts)
 
-	unary[pb.WhoAmIRequest, pb.Key](f, mux, a+"WhoAmI", toAny, opts)
-	unary[pb.CreateKeyRequest, pb.CreateKeyResponse](f, mux, a+"CreateKey", notYet, opts)
-	unary[pb.ListKeysRequest, pb.ListKeysResponse](f, mux, a+"ListKeys", notYet, opts)
-	unary[pb.DeleteKeyRequest, pb.DeleteKeyResponse](f, mux, a+"DeleteKey", notYet, opts)
-	unary[pb.SetTenantRequest, pb.Tenant](f, mux, a+"SetTenant", notYet, opts)
-	unary[pb.ListTenantsRequest, pb.ListTenantsResponse](f, mux, a+"ListTenants", notYet, opts)
-	unary[pb.ReadAuditRequest, pb.ReadAuditResponse](f, mux, a+"ReadAudit", notYet, opts)
+	f.adminRoutes(mux, opts) // forward_admin.go: the cluster's keys, tenants and audit
 
 	for _, p := range []string{"GET /v1/sandboxes/{id}/files", "PUT /v1/sandboxes/{id}/files", "/v1/sandboxes/{id}/ports/{port}/{path...}"} {
 		mux.HandleFunc(p, f.proxySandboxRoute)
@@ -177,15 +173,27 @@ func (f *Forwarder) routes() *http.ServeMux {
 
 // scopeInterceptor checks the key's scopes for the procedure (authz.go's
 // procedureScopes), as a node does; the node checks again, with the
-// sandbox's tenant.
-type scopeInterceptor struct{}
+// sandbox's tenant. A refusal is audited here (the node never sees the
+// call), and so are the calls the replica serves itself (AdminService).
+type scopeInterceptor struct{ f *Forwarder }
 
-func (scopeInterceptor) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc {
+func (i scopeInterceptor) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc {
 	return func(ctx context.Context, req connect.AnyRequest) (connect.AnyResponse, error) {
-		if err := authorizeProcedure(ctx, req.Spec().Procedure); err != nil {
-			return nil, toConnect(err)
+		proc := req.Spec().Procedure
+		if err := authorizeProcedure(ctx, proc); err != nil {
+			err = toConnect(err)
+			i.f.auditRPC(ctx, proc, req.Any(), nil, err)
+			return nil, err
 		}
-		return next(ctx, req)
+		res, err := next(ctx, req)
+		if strings.HasPrefix(proc, "/shoal.v1.AdminService/") {
+			var out any
+			if err == nil && res != nil {
+				out = res.Any()
+			}
+			i.f.auditRPC(ctx, proc, req.Any(), out, err)
+		}
+		return res, err
 	}
 }
 
@@ -193,10 +201,13 @@ func (scopeInterceptor) WrapStreamingClient(next connect.StreamingClientFunc) co
 	return next
 }
 
-func (scopeInterceptor) WrapStreamingHandler(next connect.StreamingHandlerFunc) connect.StreamingHandlerFunc {
+func (i scopeInterceptor) WrapStreamingHandler(next connect.StreamingHandlerFunc) connect.StreamingHandlerFunc {
 	return func(ctx context.Context, conn connect.StreamingHandlerConn) error {
-		if err := authorizeProcedure(ctx, conn.Spec().Procedure); err != nil {
-			return toConnect(err)
+		proc := conn.Spec().Procedure
+		if err := authorizeProcedure(ctx, proc); err != nil {
+			err = toConnect(err)
+			i.f.auditRPC(ctx, proc, nil, nil, err)
+			return err
 		}
 		return next(ctx, conn)
 	}
@@ -355,6 +366,13 @@ func (f *Forwarder) createSandbox(ctx context.Context, req *connect.Request[pb.C
 		pr.Layers = append(pr.Layers, m.Base)
 	}
 	pr.Layers = append(append(pr.Layers, m.Workspaces...), m.Toolkits...)
+	// The tenant's quota across the cluster (forward_admin.go), before
+	// any node is asked.
+	rsv, err := f.reserve(ctx, "sandbox.create", m.Base, pr.Memory, pr.MilliCPU)
+	if err != nil {
+		return nil, toConnect(err)
+	}
+	defer rsv.Done()
 	var res *connect.Response[pb.Sandbox]
 	node, err := f.place.Place(ctx, pr, func(ctx context.Context, name string) error {
 		n, ok := f.dir.Node(name)
@@ -384,7 +402,9 @@ func (f *Forwarder) createSandbox(ctx context.Context, req *connect.Request[pb.C
 	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
 	defer cancel()
 	sb := res.Msg
-	if err := f.dir.Catalog(cctx, cluster.CatalogEntry{ID: sb.Id, Node: node, Tenant: sb.Tenant, Created: sb.GetCreatedAt().AsTime()}); err != nil {
+	rsv.Created(sb.Id)
+	if err := f.dir.Catalog(cctx, cluster.CatalogEntry{ID: sb.Id, Node: node, Tenant: sb.Tenant, Created: sb.GetCreatedAt().AsTime(),
+		MilliCPU: sb.Millicpu, Memory: sb.MemoryBytes}); err != nil {
 		f.log.Warn("cluster: catalog a new sandbox", "sandbox_id", sb.Id, "node", node, "err", err)
 	}
 	return connect.NewResponse(sb), nil

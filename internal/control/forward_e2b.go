@@ -26,8 +26,10 @@ package control
 //
 // A sandbox whose node is down answers as E2B answers for a sandbox that
 // is gone (404 on the API, 502 on its traffic), saying that its node is
-// down. Keys: the API takes the cluster's admin key, as the replica's
-// Shoal API does, and passes it on.
+// down. Keys: the API takes the cluster's admin key and tenants' keys, as
+// the replica's Shoal API does (forward_admin.go), checks a create
+// against its tenant's quota across the cluster, and passes the key on:
+// the node checks it again, and the sandbox's tenant.
 
 import (
 	"bytes"
@@ -279,8 +281,9 @@ func (g *e2bForwarder) ofSandbox(w http.ResponseWriter, r *http.Request) {
 		e2b.WriteErr(w, err)
 		return
 	}
-	if r.Method == http.MethodDelete && (a.status == http.StatusNoContent || a.status == http.StatusNotFound) {
+	if r.Method == http.MethodDelete && (a.status == http.StatusNoContent || a.status == http.StatusNotFound && tenant.FromContext(ctx).IsAdmin()) {
 		// Out of the catalog now (the node's heartbeat would, later).
+		// A tenant's 404 may be another tenant's sandbox: it stays.
 		if err := g.f.dir.Uncatalog(ctx, id); err != nil {
 			g.f.log.Warn("cluster: uncatalog a deleted sandbox", "sandbox_id", id, "err", err)
 		}
@@ -310,6 +313,12 @@ func (g *e2bForwarder) create(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	pr := g.placementRequest(ctx, r, in.TemplateID)
+	rsv, err := g.f.reserve(ctx, "e2b.sandbox.create", in.TemplateID, pr.Memory, pr.MilliCPU) // the tenant's quota across the cluster
+	if err != nil {
+		e2b.WriteErr(w, err)
+		return
+	}
+	defer rsv.Done()
 	var answer *nodeAnswer
 	node, err := g.f.place.Place(ctx, pr, func(ctx context.Context, name string) error {
 		n, ok := g.f.dir.Node(name)
@@ -342,10 +351,12 @@ func (g *e2bForwarder) create(w http.ResponseWriter, r *http.Request) {
 		SandboxID string `json:"sandboxID"`
 	}
 	if json.Unmarshal(answer.body, &sb) == nil && sb.SandboxID != "" {
+		rsv.Created(sb.SandboxID)
 		// The catalog has it before the client does, as for Shoal's
 		// creates (forward.go).
 		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
-		err := g.f.dir.Catalog(cctx, cluster.CatalogEntry{ID: sb.SandboxID, Node: node, Tenant: tenant.FromContext(ctx).Tenant, Created: time.Now().UTC()})
+		err := g.f.dir.Catalog(cctx, cluster.CatalogEntry{ID: sb.SandboxID, Node: node, Tenant: tenant.FromContext(ctx).Tenant, Created: time.Now().UTC(),
+			MilliCPU: pr.MilliCPU, Memory: pr.Memory}) // E2B's answer has no limits: a node's defaults, as placement counted
 		cancel()
 		if err != nil {
 			g.f.log.Warn("cluster: catalog a new sandbox", "sandbox_id", sb.SandboxID, "node", node, "err", err)

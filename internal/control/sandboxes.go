@@ -37,7 +37,7 @@ type Server struct {
 	log      *slog.Logger
 	metrics  *metrics.Metrics // nil: not counted, no /metrics
 	builds   BuildPolicy      // set before serving (SetBuildPolicy)
-	keys     *tenant.Store    // nil: only the admin key (AdminService refuses)
+	keys     KeyStore         // nil: only the admin key (AdminService refuses)
 	audit    *audit.Log       // nil: nothing audited
 	// sandboxRoutes are the patterns registered through sandboxRoute
 	// (authz.go). Written by Handler only.

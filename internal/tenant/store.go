@@ -1,6 +1,7 @@
 package tenant
 
 import (
+	"context"
 	"crypto/rand"
 	"crypto/sha256"
 	"encoding/hex"
@@ -114,15 +115,18 @@ func Open(db *bbolt.DB) (*Store, error) {
 	return s, nil
 }
 
-func hashKey(plaintext string) string {
+// HashKey is how a key is stored: the hex SHA-256 of its plaintext.
+func HashKey(plaintext string) string {
 	h := sha256.Sum256([]byte(plaintext))
 	return hex.EncodeToString(h[:])
 }
 
-// CreateKey makes a key named name for tenant with scopes and returns its
-// plaintext (shown once: only its hash is kept). A key with the admin scope
-// may have tenant "" (its creates belong to no tenant).
-func (s *Store) CreateKey(name, tenant string, scopes []Scope) (string, Key, error) {
+// NewKey makes a key named name for tenant with scopes and returns its
+// plaintext (shown once: only its hash is kept) and the Key to store. A key
+// with the admin scope may have tenant "" (its creates belong to no
+// tenant). Every store (this node's, a cluster's in etcd) makes its keys
+// with it.
+func NewKey(name, tenant string, scopes []Scope) (string, Key, error) {
 	if err := ValidName("key", name); err != nil {
 		return "", Key{}, err
 	}
@@ -139,12 +143,54 @@ func (s *Store) CreateKey(name, tenant string, scopes []Scope) (string, Key, err
 	if len(scopes) == 0 {
 		return "", Key{}, errdefs.New(errdefs.ErrInvalidArgument, "a key needs at least one scope")
 	}
+	for _, sc := range scopes {
+		if !slices.Contains(Scopes, sc) {
+			return "", Key{}, errdefs.New(errdefs.ErrInvalidArgument, "unknown scope %q", sc)
+		}
+	}
 	var raw [24]byte
 	if _, err := rand.Read(raw[:]); err != nil {
 		return "", Key{}, err
 	}
 	plaintext := KeyPrefix + hex.EncodeToString(raw[:])
-	k := Key{Name: name, Tenant: tenant, Scopes: scopes, Created: time.Now().UTC().Truncate(time.Second), Hash: hashKey(plaintext)}
+	k := Key{Name: name, Tenant: tenant, Scopes: scopes, Created: time.Now().UTC().Truncate(time.Second), Hash: HashKey(plaintext)}
+	return plaintext, k, nil
+}
+
+// Valid checks a stored key (one read back from a store another process
+// writes): its names, scopes and hash.
+func (k Key) Valid() error {
+	if err := ValidName("key", k.Name); err != nil {
+		return err
+	}
+	if k.Tenant != "" {
+		if err := ValidName("tenant", k.Tenant); err != nil {
+			return err
+		}
+	} else if !slices.Contains(k.Scopes, ScopeAdmin) {
+		return errdefs.New(errdefs.ErrInvalidArgument, "key %q has no tenant and no admin scope", k.Name)
+	}
+	if len(k.Scopes) == 0 {
+		return errdefs.New(errdefs.ErrInvalidArgument, "key %q has no scope", k.Name)
+	}
+	for _, sc := range k.Scopes {
+		if !slices.Contains(Scopes, sc) {
+			return errdefs.New(errdefs.ErrInvalidArgument, "key %q: unknown scope %q", k.Name, sc)
+		}
+	}
+	if b, err := hex.DecodeString(k.Hash); err != nil || len(b) != sha256.Size {
+		return errdefs.New(errdefs.ErrInvalidArgument, "key %q: its hash is not a hex SHA-256", k.Name)
+	}
+	return nil
+}
+
+// CreateKey makes a key named name for tenant with scopes (NewKey) and
+// stores it; it returns the plaintext (shown once: only its hash is kept).
+func (s *Store) CreateKey(ctx context.Context, name, tenant string, scopes []Scope) (string, Key, error) {
+	plaintext, k, err := NewKey(name, tenant, scopes)
+	if err != nil {
+		return "", Key{}, err
+	}
 	b, err := json.Marshal(k)
 	if err != nil {
 		return "", Key{}, err
@@ -170,7 +216,7 @@ func (s *Store) CreateKey(name, tenant string, scopes []Scope) (string, Key, err
 
 // DeleteKey removes the key named name; requests made with it fail from
 // now on.
-func (s *Store) DeleteKey(name string) (Key, error) {
+func (s *Store) DeleteKey(ctx context.Context, name string) (Key, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	for h, k := range s.keys {
@@ -202,7 +248,7 @@ func (s *Store) Keys() []Key {
 
 // Resolve returns the key whose plaintext is plaintext.
 func (s *Store) Resolve(plaintext string) (Key, bool) {
-	h := hashKey(plaintext)
+	h := HashKey(plaintext)
 	s.mu.RLock()
 	k, ok := s.keys[h]
 	s.mu.RUnlock()
@@ -210,7 +256,7 @@ func (s *Store) Resolve(plaintext string) (Key, bool) {
 }
 
 // SetQuota sets tenant's quota (a zero Quota removes it).
-func (s *Store) SetQuota(tenant string, q Quota) error {
+func (s *Store) SetQuota(ctx context.Context, tenant string, q Quota) error {
 	if err := ValidName("tenant", tenant); err != nil {
 		return err
 	}

@@ -4,7 +4,9 @@
 //
 // A key is stored as the SHA-256 of its plaintext (the plaintext is shown
 // once, when the key is made) with its name, tenant, scopes and creation
-// time, in the node's bbolt store; quotas are stored beside the keys. The
+// time, in the node's bbolt store (Store); quotas are stored beside the
+// keys. A node or control replica of a cluster keeps them in etcd instead
+// (internal/cluster's Tenancy, made with the same NewKey and Quota). The
 // admin key of DATA/admin.key is not stored here: it is the admin principal
 // (every scope, every tenant), checked by internal/control.
 //

@@ -29,22 +29,22 @@ func TestKeyStore(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	plain, k, err := s.CreateKey("ci", "team-a", []Scope{ScopeSandboxes})
+	plain, k, err := s.CreateKey(context.Background(), "ci", "team-a", []Scope{ScopeSandboxes})
 	if err != nil {
 		t.Fatal(err)
 	}
 	if !strings.HasPrefix(plain, KeyPrefix) || strings.Contains(k.Hash, plain) {
 		t.Fatalf("key %q hash %q", plain, k.Hash)
 	}
-	if _, _, err := s.CreateKey("ci", "team-b", []Scope{ScopeSandboxes}); !errors.Is(err, errdefs.ErrAlreadyExists) {
+	if _, _, err := s.CreateKey(context.Background(), "ci", "team-b", []Scope{ScopeSandboxes}); !errors.Is(err, errdefs.ErrAlreadyExists) {
 		t.Fatalf("duplicate name: %v", err)
 	}
 	for _, bad := range []struct{ name, tenant string }{{"", "a"}, {"admin", "a"}, {"Bad", "a"}, {"x", ""}, {"x", "-a"}, {"x", strings.Repeat("a", 64)}} {
-		if _, _, err := s.CreateKey(bad.name, bad.tenant, []Scope{ScopeSandboxes}); !errors.Is(err, errdefs.ErrInvalidArgument) {
+		if _, _, err := s.CreateKey(context.Background(), bad.name, bad.tenant, []Scope{ScopeSandboxes}); !errors.Is(err, errdefs.ErrInvalidArgument) {
 			t.Errorf("CreateKey(%q, %q): %v, want invalid", bad.name, bad.tenant, err)
 		}
 	}
-	if _, _, err := s.CreateKey("ops", "", []Scope{ScopeAdmin}); err != nil {
+	if _, _, err := s.CreateKey(context.Background(), "ops", "", []Scope{ScopeAdmin}); err != nil {
 		t.Fatalf("admin key without tenant: %v", err)
 	}
 	if got, ok := s.Resolve(plain); !ok || got.Tenant != "team-a" || got.Name != "ci" {
@@ -78,13 +78,13 @@ func TestKeyStore(t *testing.T) {
 	if len(s.Keys()) != 2 {
 		t.Fatalf("keys: %+v", s.Keys())
 	}
-	if _, err := s.DeleteKey("ci"); err != nil {
+	if _, err := s.DeleteKey(context.Background(), "ci"); err != nil {
 		t.Fatal(err)
 	}
 	if _, ok := s.Resolve(plain); ok {
 		t.Fatal("a removed key still resolves")
 	}
-	if _, err := s.DeleteKey("ci"); !errors.Is(err, errdefs.ErrNotFound) {
+	if _, err := s.DeleteKey(context.Background(), "ci"); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Fatalf("second delete: %v", err)
 	}
 }
@@ -97,7 +97,7 @@ func TestQuotas(t *testing.T) {
 		t.Fatal(err)
 	}
 	q := Quota{MaxSandboxes: 2, MaxMemory: 1 << 30, MaxMilliCPU: 2000, CreatesPerSecond: 5}
-	if err := s.SetQuota("team-a", q); err != nil {
+	if err := s.SetQuota(context.Background(), "team-a", q); err != nil {
 		t.Fatal(err)
 	}
 	if got := s.Quota("team-a"); got != q {
@@ -107,11 +107,11 @@ func TestQuotas(t *testing.T) {
 		t.Fatalf("tenants %+v", got)
 	}
 	for _, bad := range []Quota{{MaxSandboxes: -1}, {CreatesPerSecond: -1}, {Burst: -2}, {CreatesPerSecond: 1e9}} {
-		if err := s.SetQuota("team-a", bad); !errors.Is(err, errdefs.ErrInvalidArgument) {
+		if err := s.SetQuota(context.Background(), "team-a", bad); !errors.Is(err, errdefs.ErrInvalidArgument) {
 			t.Errorf("SetQuota(%+v): %v", bad, err)
 		}
 	}
-	if err := s.SetQuota("team-a", Quota{}); err != nil {
+	if err := s.SetQuota(context.Background(), "team-a", Quota{}); err != nil {
 		t.Fatal(err)
 	}
 	if got := s.Tenants(); len(got) != 0 {

@@ -352,6 +352,8 @@ func TestCluster(t *testing.T) {
 	step("python")
 	checkE2B(t, ctx, controls, nodes, key, tags) // E2B's API and envd through the replicas (e2b_test.go)
 	step("e2b")
+	checkTenants(t, ctx, bin, controls, nodes, key, tags) // tenants' keys and quotas across the cluster (tenants_test.go)
+	step("tenants")
 
 	// Kill n2: after its lease ends its sandboxes are reported lost, and
 	// n1's keep working; new creates go to n1.
