@@ -130,10 +130,12 @@ func (c *clusterConfig) etcdClient() (*clientv3.Client, error) {
 	return cli, nil
 }
 
-// registerNode makes the node a member of the cluster: it registers, and
-// heartbeats until ctx ends. The returned stop waits for it to leave.
-// e2bAddr is the address of the node's E2B endpoint (nil: it serves none).
-func registerNode(ctx context.Context, c clusterConfig, e2bAddr net.Addr, mgr *node.Manager, layers *layer.Store, log *slog.Logger) (stop func(), err error) {
+// registerNode makes the node a member of the cluster: it mirrors the
+// cluster's environments into its layer store (and sends api's
+// environment writes to etcd), registers, and heartbeats until ctx ends.
+// The returned stop waits for it to leave. e2bAddr is the address of the
+// node's E2B endpoint (nil: it serves none).
+func registerNode(ctx context.Context, c clusterConfig, e2bAddr net.Addr, mgr *node.Manager, layers *layer.Store, api *control.Server, log *slog.Logger) (stop func(), err error) {
 	e2bURL, err := c.e2bURL(e2bAddr)
 	if err != nil {
 		return nil, err
@@ -142,6 +144,16 @@ func registerNode(ctx context.Context, c clusterConfig, e2bAddr net.Addr, mgr *n
 	if err != nil {
 		return nil, err
 	}
+	runCtx, cancelRun := context.WithCancel(ctx)
+	// The environments first: a node that was down catches up before it
+	// takes creates.
+	mirror, err := cluster.MirrorEnvs(runCtx, cli, layers, log)
+	if err != nil {
+		cancelRun()
+		cli.Close()
+		return nil, fmt.Errorf("read the cluster's environments from etcd: %w", err)
+	}
+	api.SetClusterEnvs(&control.ClusterEnvs{Client: cli, Mirror: mirror})
 	report := func() (placement.Node, []cluster.CatalogEntry) {
 		l := mgr.Load()
 		n := placement.Node{MilliCPU: l.MilliCPU, Memory: l.Memory, UsedMilliCPU: l.UsedMilliCPU, UsedMemory: l.UsedMemory,
@@ -162,11 +174,11 @@ func registerNode(ctx context.Context, c clusterConfig, e2bAddr net.Addr, mgr *n
 	reg, err := cluster.Register(rctx, cli, cluster.RegisterConfig{Name: c.NodeName, URL: c.Advertise, E2BURL: e2bURL, TTL: c.NodeTTL, Report: report, Log: log})
 	cancel()
 	if err != nil {
+		cancelRun()
 		cli.Close()
 		return nil, fmt.Errorf("register node %s in etcd: %w", c.NodeName, err)
 	}
 	log.Info("cluster: node registered", "node", c.NodeName, "tag", reg.Tag(), "url", c.Advertise, "e2b_url", e2bURL, "etcd", c.Etcd)
-	runCtx, cancelRun := context.WithCancel(ctx)
 	done := make(chan struct{})
 	go func() { defer close(done); reg.Run(runCtx) }()
 	return func() { cancelRun(); <-done; cli.Close() }, nil

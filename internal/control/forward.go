@@ -17,8 +17,9 @@ package control
 //     so.
 //   - ListSandboxes asks every live node and adds the lost sandboxes of
 //     the catalog.
-//   - Layer and environment reads go to any live node; their writes
-//     (tag, delete, environments, gc, pull) to every live node in turn.
+//   - Layer reads go to any live node; their writes (tag, delete, gc,
+//     pull) to every live node in turn. Environments are etcd's
+//     (envs_cluster.go), mirrored by every node.
 //   - What the cluster does not serve yet answers unimplemented, saying
 //     what to do instead (see forwardedProcedures).
 //
@@ -146,10 +147,11 @@ func (f *Forwarder) routes() *http.ServeMux {
 	unary[pb.PushLayerRequest, pb.PushLayerResponse](f, mux, l+"PushLayer", notYet, opts)
 	stream[pb.PushLayerRequest, pb.PushLayerEvent](f, mux, l+"PushLayerProgress", notYet, opts)
 	unary[pb.PullLayerRequest, pb.Layer](f, mux, l+"PullLayer", toAll, opts)
-	unary[pb.CreateEnvironmentRequest, pb.Environment](f, mux, l+"CreateEnvironment", toAll, opts)
-	unary[pb.GetEnvironmentRequest, pb.Environment](f, mux, l+"GetEnvironment", toAny, opts)
-	unary[pb.ListEnvironmentsRequest, pb.ListEnvironmentsResponse](f, mux, l+"ListEnvironments", toAny, opts)
-	unary[pb.DeleteEnvironmentRequest, pb.DeleteEnvironmentResponse](f, mux, l+"DeleteEnvironment", toAll, opts)
+	// Environments: etcd's (envs_cluster.go).
+	mux.Handle(l+"CreateEnvironment", connect.NewUnaryHandler(l+"CreateEnvironment", f.createEnvironment, opts...))
+	mux.Handle(l+"GetEnvironment", connect.NewUnaryHandler(l+"GetEnvironment", f.getEnvironment, opts...))
+	mux.Handle(l+"ListEnvironments", connect.NewUnaryHandler(l+"ListEnvironments", f.listEnvironments, opts...))
+	mux.Handle(l+"DeleteEnvironment", connect.NewUnaryHandler(l+"DeleteEnvironment", f.deleteEnvironment, opts...))
 
 	mux.Handle("/shoal.v1.MonitorService/GetStatus", connect.NewUnaryHandler("/shoal.v1.MonitorService/GetStatus", f.getStatus, opts...))
 
@@ -340,7 +342,10 @@ const (
 
 func (f *Forwarder) createSandbox(ctx context.Context, req *connect.Request[pb.CreateSandboxRequest]) (*connect.Response[pb.Sandbox], error) {
 	const proc = "/shoal.v1.SandboxService/CreateSandbox"
-	m := req.Msg
+	m := proto.Clone(req.Msg).(*pb.CreateSandboxRequest)
+	if err := f.expandTemplate(ctx, m); err != nil {
+		return nil, toConnect(err)
+	}
 	pr := placement.Request{Tenant: tenant.FromContext(ctx).Tenant, Backend: m.Backend, MilliCPU: m.Millicpu, Memory: m.MemoryBytes}
 	if pr.Backend == "" {
 		pr.Backend = "container"

@@ -36,7 +36,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"math/rand/v2"
 	"net/http"
 	"net/http/httputil"
 	"net/url"
@@ -45,9 +44,6 @@ import (
 	"strings"
 	"time"
 
-	"connectrpc.com/connect"
-
-	pb "github.com/shoal-sandbox/shoal/api/shoal/v1"
 	"github.com/shoal-sandbox/shoal/internal/cluster"
 	"github.com/shoal-sandbox/shoal/internal/e2b"
 	"github.com/shoal-sandbox/shoal/internal/errdefs"
@@ -355,8 +351,8 @@ func (g *e2bForwarder) create(w http.ResponseWriter, r *http.Request) {
 }
 
 // placementRequest is what placement knows of an E2B create: the
-// template's backend and layers when it is a Shoal environment (asked of
-// a live node, best effort), else the template as a base layer; a node's
+// template's backend and layers when it is a Shoal environment (read from
+// etcd, best effort), else the template as a base layer; a node's
 // default CPU and memory (E2B's creates name none).
 func (g *e2bForwarder) placementRequest(ctx context.Context, r *http.Request, template string) placement.Request {
 	pr := placement.Request{Tenant: tenant.FromContext(ctx).Tenant, Backend: "container", MilliCPU: placeDefaultMilliCPU, Memory: placeDefaultMemory}
@@ -364,22 +360,15 @@ func (g *e2bForwarder) placementRequest(ctx context.Context, r *http.Request, te
 		return pr
 	}
 	pr.Layers = []string{template}
-	live := g.f.dir.Live()
-	if len(live) == 0 {
-		return pr
-	}
 	cctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 	defer cancel()
-	const proc = "/shoal.v1.LayerService/GetEnvironment"
-	h := r.Header.Clone()
-	env, err := clientFor[pb.GetEnvironmentRequest, pb.Environment](g.f, live[rand.IntN(len(live))], proc).CallUnary(cctx, outgoing(&pb.GetEnvironmentRequest{Name: template}, h))
+	e, err := cluster.GetEnv(cctx, g.f.dir.Client(), template) // the cluster's environments (envs_cluster.go)
 	if err != nil {
-		if connect.CodeOf(err) != connect.CodeNotFound {
+		if !errors.Is(err, errdefs.ErrNotFound) {
 			g.f.log.Debug("e2b create: look the template up", "template", template, "err", err)
 		}
 		return pr
 	}
-	e := env.Msg
 	if e.Backend != "" {
 		pr.Backend = e.Backend
 	}
