@@ -56,6 +56,9 @@ type clusterConfig struct {
 	// for capacity.
 	PlaceAttempts int
 	PlaceWait     time.Duration
+	// ClientKeyTTL: how long a control replica remembers a create's
+	// client key in etcd.
+	ClientKeyTTL time.Duration
 }
 
 func addClusterFlags(cmd *cobra.Command, c *clusterConfig) {
@@ -66,6 +69,7 @@ func addClusterFlags(cmd *cobra.Command, c *clusterConfig) {
 	cmd.Flags().StringVar(&c.E2BAdvertise, "e2b-advertise", "", "--role node: the URL control replicas reach this node's E2B endpoint at (default http://<--e2b-listen>); control replicas serve E2B for the cluster through it")
 	cmd.Flags().DurationVar(&c.NodeTTL, "node-ttl", 10*time.Second, "--role node: the node's lease in etcd; a node silent this long is down and its sandboxes reported lost")
 	cmd.Flags().IntVar(&c.PlaceAttempts, "place-attempts", 3, "--role control: nodes tried per create before it waits for capacity (a node's refusal moves it to the next)")
+	cmd.Flags().DurationVar(&c.ClientKeyTTL, "client-key-ttl", time.Hour, "--role control: how long a create's client key is remembered in etcd after its last use: a retry with it through any control replica gets the same sandbox")
 	cmd.Flags().DurationVar(&c.PlaceWait, "place-wait", 60*time.Second, "--role control: how long a create may queue for capacity when no node can hold it")
 }
 
@@ -89,6 +93,9 @@ func (c *clusterConfig) validate(listen string) error {
 	}
 	if c.PlaceWait < 0 || c.PlaceWait > time.Hour {
 		return fmt.Errorf("--place-wait %s: want 0 to 1h", c.PlaceWait)
+	}
+	if c.ClientKeyTTL < time.Minute || c.ClientKeyTTL > 7*24*time.Hour {
+		return fmt.Errorf("--client-key-ttl %s: want 1m to 168h", c.ClientKeyTTL)
 	}
 	if c.Role == roleControl {
 		return nil
@@ -244,6 +251,9 @@ func serveControl(cfg serveConfig) error {
 	protocols.SetHTTP1(true)
 	protocols.SetUnencryptedHTTP2(true)
 	fwd := control.NewForwarder(dir, engine, auth, log)
+	if err := fwd.SetClientKeyTTL(cfg.Cluster.ClientKeyTTL); err != nil {
+		return err
+	}
 	srv := &http.Server{Handler: fwd.Handler(), Protocols: &protocols, ReadHeaderTimeout: 10 * time.Second}
 	e2bLn, domain, err := listenE2B(cfg, log)
 	if err != nil {

@@ -62,6 +62,10 @@ type Forwarder struct {
 	client *http.Client
 	log    *slog.Logger
 	dash   *dashboard // the web dashboard's sessions (dash.go); its terminal goes to the sandbox's node
+	// claims: where creates with a client key went (idempotent.go);
+	// replica names this replica in them.
+	claims  *cluster.Claims
+	replica string
 }
 
 // NewForwarder returns the API of a control replica over the nodes of dir,
@@ -73,7 +77,8 @@ func NewForwarder(dir *cluster.Directory, engine *placement.Engine, auth *Auth, 
 		MaxIdleConnsPerHost: 256,
 		IdleConnTimeout:     90 * time.Second,
 	}
-	f := &Forwarder{dir: dir, place: engine, auth: auth, client: &http.Client{Transport: tr}, log: log}
+	claims, _ := cluster.NewClaims(dir.Client(), 0)
+	f := &Forwarder{dir: dir, place: engine, auth: auth, client: &http.Client{Transport: tr}, log: log, claims: claims, replica: attemptKey()[len("shoal-replica-"):][:8]}
 	f.dash = newDashboard(auth, log, nil, f.proxyTerminal)
 	return f
 }
@@ -341,7 +346,6 @@ const (
 )
 
 func (f *Forwarder) createSandbox(ctx context.Context, req *connect.Request[pb.CreateSandboxRequest]) (*connect.Response[pb.Sandbox], error) {
-	const proc = "/shoal.v1.SandboxService/CreateSandbox"
 	m := proto.Clone(req.Msg).(*pb.CreateSandboxRequest)
 	if err := f.expandTemplate(ctx, m); err != nil {
 		return nil, toConnect(err)
@@ -360,22 +364,10 @@ func (f *Forwarder) createSandbox(ctx context.Context, req *connect.Request[pb.C
 		pr.Layers = append(pr.Layers, m.Base)
 	}
 	pr.Layers = append(append(pr.Layers, m.Workspaces...), m.Toolkits...)
-	var res *connect.Response[pb.Sandbox]
-	node, err := f.place.Place(ctx, pr, func(ctx context.Context, name string) error {
-		n, ok := f.dir.Node(name)
-		if !ok {
-			return errdefs.New(errdefs.ErrUnavailable, "node %s left the cluster", name)
-		}
-		out, err := clientFor[pb.CreateSandboxRequest, pb.Sandbox](f, n, proc).CallUnary(ctx, outgoing(m, req.Header()))
-		if err != nil {
-			if connect.CodeOf(err) == connect.CodeUnavailable {
-				return errdefs.Mark(errdefs.ErrUnavailable, fmt.Errorf("node %s: %w", name, err)) // node full, or down: the next candidate
-			}
-			return err
-		}
-		res = out
-		return nil
-	})
+	if err := limits.String("client key", m.ClientKey, limits.IDBytes); err != nil {
+		return nil, toConnect(err)
+	}
+	node, sb, err := f.placeAndCreate(ctx, pr, m, req.Header()) // idempotent.go
 	if err != nil {
 		var ce *connect.Error
 		if errors.As(err, &ce) && !errors.Is(err, placement.ErrNoCapacity) {
@@ -388,7 +380,6 @@ func (f *Forwarder) createSandbox(ctx context.Context, req *connect.Request[pb.C
 	// reported lost. Not on the data path: only creates wait.
 	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
 	defer cancel()
-	sb := res.Msg
 	if err := f.dir.Catalog(cctx, cluster.CatalogEntry{ID: sb.Id, Node: node, Tenant: sb.Tenant, Created: sb.GetCreatedAt().AsTime()}); err != nil {
 		f.log.Warn("cluster: catalog a new sandbox", "sandbox_id", sb.Id, "node", node, "err", err)
 	}
