@@ -4,12 +4,15 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"os"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -23,6 +26,7 @@ import (
 	"github.com/shoal-sandbox/shoal/api/shoal/v1/shoalv1connect"
 	"github.com/shoal-sandbox/shoal/internal/cluster"
 	"github.com/shoal-sandbox/shoal/internal/cluster/etcdtest"
+	"github.com/shoal-sandbox/shoal/internal/e2b"
 	"github.com/shoal-sandbox/shoal/internal/placement"
 )
 
@@ -104,14 +108,26 @@ func (n *fakeNode) live() map[string]bool {
 	return out
 }
 
-// handler serves n, dropping the answer of a create while n.drop says so:
-// the sandbox is made, then the connection is closed with no answer.
+// handler serves n (Shoal's creates, and E2B's on POST /sandboxes with
+// the key of e2b.ClientKeyHeader), dropping the answer of a create while
+// n.drop says so: the sandbox is made, then the connection is closed with
+// no answer.
 func (n *fakeNode) handler() http.Handler {
 	path, h := shoalv1connect.NewSandboxServiceHandler(n)
 	mux := http.NewServeMux()
 	mux.Handle(path, h)
+	mux.HandleFunc("POST /sandboxes", func(w http.ResponseWriter, r *http.Request) {
+		res, err := n.CreateSandbox(r.Context(), connect.NewRequest(&pb.CreateSandboxRequest{ClientKey: r.Header.Get(e2b.ClientKeyHeader)}))
+		if err != nil {
+			e2b.WriteError(w, http.StatusServiceUnavailable, err.Error())
+			return
+		}
+		w.WriteHeader(http.StatusCreated)
+		fmt.Fprintf(w, `{"sandboxID":%q,"domain":"node.internal:1"}`, res.Msg.Id)
+	})
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if r.URL.Path != shoalv1connect.SandboxServiceCreateSandboxProcedure || n.drop.Load() <= 0 {
+		creating := r.URL.Path == shoalv1connect.SandboxServiceCreateSandboxProcedure || r.URL.Path == "/sandboxes"
+		if !creating || n.drop.Load() <= 0 {
 			mux.ServeHTTP(w, r)
 			return
 		}
@@ -128,6 +144,7 @@ func (n *fakeNode) handler() http.Handler {
 type replicaCluster struct {
 	nodes    map[string]*fakeNode
 	replicas []*httptest.Server
+	e2b      []*httptest.Server // the replicas' E2B endpoints
 }
 
 const replicaTestKey = "sk_shoal_replicatest"
@@ -153,7 +170,7 @@ func startReplicas(t *testing.T, ctx context.Context, names []string, delay time
 		srv := httptest.NewServer(n.handler())
 		t.Cleanup(srv.Close)
 		used := int64(i) << 32
-		reg, err := cluster.Register(ctx, cli(), cluster.RegisterConfig{Name: name, URL: srv.URL, TTL: 2 * time.Second, Log: log,
+		reg, err := cluster.Register(ctx, cli(), cluster.RegisterConfig{Name: name, URL: srv.URL, E2BURL: srv.URL, TTL: 2 * time.Second, Log: log,
 			Report: func() (placement.Node, []cluster.CatalogEntry) {
 				return placement.Node{MilliCPU: 1 << 20, Memory: 1 << 50, UsedMilliCPU: used >> 20, UsedMemory: used, Backends: []string{"container"}}, nil
 			}})
@@ -172,9 +189,13 @@ func startReplicas(t *testing.T, ctx context.Context, names []string, delay time
 			t.Fatal(err)
 		}
 		waitUntil(t, "every node in a replica's directory", func() bool { return len(dir.Live()) == len(names) })
-		srv := httptest.NewServer(NewForwarder(dir, engine, &Auth{key: []byte(replicaTestKey)}, log).Handler())
+		f := NewForwarder(dir, engine, &Auth{key: []byte(replicaTestKey)}, log)
+		srv := httptest.NewServer(f.Handler())
 		t.Cleanup(srv.Close)
 		rc.replicas = append(rc.replicas, srv)
+		e2bSrv := httptest.NewServer(f.E2BHandler("ctl.example:7481"))
+		t.Cleanup(e2bSrv.Close)
+		rc.e2b = append(rc.e2b, e2bSrv)
 	}
 	return rc
 }
@@ -282,6 +303,23 @@ func TestLostCreateAnswer(t *testing.T) {
 		if !live[id] || len(live) != i+1 || made != i+1 || rc.nodes["n1"].drop.Load() != 0 {
 			t.Fatalf("client key %q: got %s; %d sandboxes live (%v), %d made; want the one made on n1", key, id, len(live), live, made)
 		}
+	}
+
+	// E2B's create through the replica's E2B endpoint, likewise.
+	rc.nodes["n1"].drop.Store(1)
+	req, _ := http.NewRequestWithContext(ctx, "POST", rc.e2b[0].URL+"/sandboxes", strings.NewReader(`{"templateID":"base"}`))
+	req.Header.Set("X-API-Key", replicaTestKey)
+	res, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(res.Body)
+	res.Body.Close()
+	var sb struct{ SandboxID string }
+	json.Unmarshal(b, &sb)
+	live, made := rc.all()
+	if res.StatusCode != http.StatusCreated || !live[sb.SandboxID] || len(live) != 3 || made != 3 {
+		t.Fatalf("an E2B create whose first answer is lost: %d %s; %d sandboxes live (%v), %d made; want the one made on n1", res.StatusCode, b, len(live), live, made)
 	}
 }
 
