@@ -8,6 +8,7 @@
 // replica shows both nodes and the sandboxes of each, and its terminal
 // reaches a sandbox on either (dash_test.go). E2B's API and envd, through
 // a replica's E2B endpoint, reach sandboxes on both nodes (e2b_test.go).
+// Environments and keyed creates are the cluster's (state_test.go).
 //
 // It needs root, runc, mkfs.erofs and busybox (as test/e2e); without them
 // it skips, saying which is missing.
@@ -302,6 +303,9 @@ func TestCluster(t *testing.T) {
 		}
 	}
 	step("created")
+	// Environments in etcd, keyed creates across replicas (state_test.go).
+	checkClusterState(t, ctx, controls, nodes, key, c1, c2)
+	step("cluster state")
 	// Exec and files, routed by either replica to the sandbox's node.
 	for i, id := range ids {
 		c := []*shoal.Client{c2, c1}[i%2]
@@ -395,9 +399,12 @@ func TestCluster(t *testing.T) {
 		t.Fatal(err)
 	}
 
+	changeEnvsWhileDown(t, ctx, controls[0], key)
 	step("lost and the rest checked")
-	// n2 restarted on its data directory: its sandboxes are back.
+	// n2 restarted on its data directory: its sandboxes are back, and the
+	// environments changed while it was down are as etcd has them.
 	nodes[1].start(t, bin)
+	checkEnvsCaughtUp(t, ctx, nodes[1], key)
 	waitFor(t, "n2's sandbox back", func() error {
 		var out bytes.Buffer
 		st, err := c1.Exec(ctx, lost, shoal.ExecOptions{Args: []string{"cat", "/work/a.txt"}, Stdout: &out})

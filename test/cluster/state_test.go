@@ -1,0 +1,130 @@
+package cluster_test
+
+// The cluster's state in etcd, through the real processes: environments
+// written through one replica are read through the other and at every
+// node, a conflicting update is refused, a create from one through the
+// other replica works; a create retried with its client key through the
+// other replica returns the same sandbox; a node down while environments
+// change catches up when it comes back.
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"slices"
+	"testing"
+
+	"connectrpc.com/connect"
+
+	pb "github.com/shoal-sandbox/shoal/api/shoal/v1"
+	"github.com/shoal-sandbox/shoal/api/shoal/v1/shoalv1connect"
+	shoal "github.com/shoal-sandbox/shoal/sdk/go"
+)
+
+func layers(addr string) shoalv1connect.LayerServiceClient {
+	return shoalv1connect.NewLayerServiceClient(http.DefaultClient, "http://"+addr)
+}
+
+func keyed[T any](msg *T, key string) *connect.Request[T] {
+	r := connect.NewRequest(msg)
+	r.Header().Set("Authorization", "Bearer "+key)
+	return r
+}
+
+// envNames lists the environments the API at addr has.
+func envNames(ctx context.Context, addr, key string) ([]string, error) {
+	res, err := layers(addr).ListEnvironments(ctx, keyed(&pb.ListEnvironmentsRequest{}, key))
+	if err != nil {
+		return nil, err
+	}
+	var out []string
+	for _, e := range res.Msg.Environments {
+		out = append(out, e.Name)
+	}
+	return out, nil
+}
+
+func checkClusterState(t *testing.T, ctx context.Context, controls, nodes []*proc, key string, c1, c2 *shoal.Client) {
+	t.Helper()
+	a, b := layers(controls[0].addr), layers(controls[1].addr)
+	env, err := a.CreateEnvironment(ctx, keyed(&pb.CreateEnvironmentRequest{Name: "task-env", Base: baseRef}, key))
+	if err != nil {
+		t.Fatalf("create an environment through replica 1: %v", err)
+	}
+	if env.Msg.Revision == 0 || len(env.Msg.Resolved) != 1 {
+		t.Fatalf("the environment as made: %+v; want a revision and its base resolved", env.Msg)
+	}
+	got, err := b.GetEnvironment(ctx, keyed(&pb.GetEnvironmentRequest{Name: "task-env"}, key))
+	if err != nil || got.Msg.Revision != env.Msg.Revision || got.Msg.Base != baseRef {
+		t.Fatalf("the environment through replica 2: %+v %v; want revision %d", got.Msg, err, env.Msg.Revision)
+	}
+	for _, n := range nodes {
+		waitFor(t, "the environment at node "+n.name, func() error {
+			names, err := envNames(ctx, n.addr, key)
+			if err != nil || !slices.Contains(names, "task-env") {
+				return fmt.Errorf("%v %v", names, err)
+			}
+			return nil
+		})
+	}
+	// Conflicts: a second create of the name, a replace from a revision
+	// someone moved past.
+	if _, err := b.CreateEnvironment(ctx, keyed(&pb.CreateEnvironmentRequest{Name: "task-env", Base: baseRef}, key)); connect.CodeOf(err) != connect.CodeAlreadyExists {
+		t.Fatalf("create the environment again: %v; want already_exists", err)
+	}
+	moved, err := b.CreateEnvironment(ctx, keyed(&pb.CreateEnvironmentRequest{Name: "task-env", Base: baseRef, Replace: true, IfRevision: env.Msg.Revision}, key))
+	if err != nil {
+		t.Fatalf("replace at its revision: %v", err)
+	}
+	if _, err := a.CreateEnvironment(ctx, keyed(&pb.CreateEnvironmentRequest{Name: "task-env", Base: baseRef, Replace: true, IfRevision: env.Msg.Revision}, key)); connect.CodeOf(err) != connect.CodeFailedPrecondition {
+		t.Fatalf("replace from a stale revision: %v; want failed_precondition", err)
+	}
+	// A node's own API writes the cluster's too.
+	if _, err := layers(nodes[0].addr).CreateEnvironment(ctx, keyed(&pb.CreateEnvironmentRequest{Name: "task-env", Base: baseRef, Replace: true, IfRevision: env.Msg.Revision}, key)); connect.CodeOf(err) != connect.CodeFailedPrecondition {
+		t.Fatalf("replace from a stale revision on a node: %v; want failed_precondition", err)
+	}
+	// A create from it through the other replica, at once.
+	sb, err := c2.Create(ctx, &pb.CreateSandboxRequest{Template: "task-env", MemoryBytes: 64 << 20})
+	if err != nil {
+		t.Fatalf("create from the environment through replica 2: %v", err)
+	}
+	if err := c1.Delete(ctx, sb.Id); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("environment at revisions %d, %d", env.Msg.Revision, moved.Msg.Revision)
+
+	// A keyed create retried through the other replica: the same sandbox.
+	first, err := c1.Create(ctx, &pb.CreateSandboxRequest{Base: baseRef, MemoryBytes: 64 << 20, ClientKey: "state-test/1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	again, err := c2.Create(ctx, &pb.CreateSandboxRequest{Base: baseRef, MemoryBytes: 64 << 20, ClientKey: "state-test/1"})
+	if err != nil || again.Id != first.Id {
+		t.Fatalf("the keyed create retried through replica 2: %v %v; want %s", again.GetId(), err, first.Id)
+	}
+	if err := c2.Delete(ctx, first.Id); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// changeEnvsWhileDown changes the environments through a replica while a
+// node is down; checkEnvsCaughtUp checks the node has the changes once
+// back.
+func changeEnvsWhileDown(t *testing.T, ctx context.Context, control *proc, key string) {
+	t.Helper()
+	c := layers(control.addr)
+	if _, err := c.DeleteEnvironment(ctx, keyed(&pb.DeleteEnvironmentRequest{Name: "task-env"}, key)); err != nil {
+		t.Fatalf("remove an environment with a node down: %v", err)
+	}
+	if _, err := c.CreateEnvironment(ctx, keyed(&pb.CreateEnvironmentRequest{Name: "later-env", Base: baseRef}, key)); err != nil {
+		t.Fatalf("create an environment with a node down: %v", err)
+	}
+}
+
+func checkEnvsCaughtUp(t *testing.T, ctx context.Context, n *proc, key string) {
+	t.Helper()
+	names, err := envNames(ctx, n.addr, key)
+	if err != nil || !slices.Equal(names, []string{"later-env"}) {
+		t.Fatalf("%s's environments back up: %v %v; want later-env alone", n.name, names, err)
+	}
+}
