@@ -304,7 +304,7 @@ func TestCluster(t *testing.T) {
 	}
 	step("created")
 	// Environments in etcd, keyed creates across replicas (state_test.go).
-	checkClusterState(t, ctx, controls, nodes, key, c1, c2)
+	checkClusterState(t, ctx, bin, controls, nodes, key, c1, c2)
 	step("cluster state")
 	// Exec and files, routed by either replica to the sandbox's node.
 	for i, id := range ids {
@@ -484,7 +484,22 @@ func pythonSDK(t *testing.T, addr, key string) bool {
 		return false
 	}
 	script := `
-from shoal import Sandbox, monitor
+import shoal
+from shoal import Sandbox, environments, monitor
+# Environments are the cluster's: a revision, and a replace from a stale one refused.
+e = environments.create("py-env", base="busybox:1")
+assert e.revision > 0 and environments.get("py-env").revision == e.revision, e
+e2 = environments.create("py-env", base="busybox:1", replace=True, if_revision=e.revision)
+assert e2.revision > e.revision, e2
+try:
+    environments.create("py-env", base="busybox:1", replace=True, if_revision=e.revision)
+    raise AssertionError("a replace from a stale revision went through")
+except shoal.FailedPrecondition:
+    pass
+# A keyed create twice: one sandbox.
+with Sandbox.create(template="py-env", memory="64M", client_key="py-key/1") as a:
+    assert Sandbox.create(template="py-env", memory="64M", client_key="py-key/1").id == a.id
+environments.rm("py-env")
 with Sandbox.create(base="busybox:1", memory="64M") as sb:
     sb.files.write("/work/p.txt", "from python")
     r = sb.commands.run("cat /work/p.txt")

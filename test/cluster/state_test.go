@@ -11,7 +11,11 @@ import (
 	"context"
 	"fmt"
 	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
 	"slices"
+	"strings"
 	"testing"
 
 	"connectrpc.com/connect"
@@ -44,7 +48,15 @@ func envNames(ctx context.Context, addr, key string) ([]string, error) {
 	return out, nil
 }
 
-func checkClusterState(t *testing.T, ctx context.Context, controls, nodes []*proc, key string, c1, c2 *shoal.Client) {
+// cli runs the shoal CLI against the API at addr.
+func cli(t *testing.T, bin, addr, key string, args ...string) (string, error) {
+	cmd := exec.Command(filepath.Join(bin, "shoal"), args...)
+	cmd.Env = append(os.Environ(), "SHOAL_URL=http://"+addr, "SHOAL_API_KEY="+key)
+	out, err := cmd.CombinedOutput()
+	return strings.TrimSpace(string(out)), err
+}
+
+func checkClusterState(t *testing.T, ctx context.Context, bin string, controls, nodes []*proc, key string, c1, c2 *shoal.Client) {
 	t.Helper()
 	a, b := layers(controls[0].addr), layers(controls[1].addr)
 	env, err := a.CreateEnvironment(ctx, keyed(&pb.CreateEnvironmentRequest{Name: "task-env", Base: baseRef}, key))
@@ -83,6 +95,10 @@ func checkClusterState(t *testing.T, ctx context.Context, controls, nodes []*pro
 	if _, err := layers(nodes[0].addr).CreateEnvironment(ctx, keyed(&pb.CreateEnvironmentRequest{Name: "task-env", Base: baseRef, Replace: true, IfRevision: env.Msg.Revision}, key)); connect.CodeOf(err) != connect.CodeFailedPrecondition {
 		t.Fatalf("replace from a stale revision on a node: %v; want failed_precondition", err)
 	}
+	// And the CLI's.
+	if out, err := cli(t, bin, controls[0].addr, key, "env", "create", "task-env", "--base", baseRef, "--replace", "--if-revision", fmt.Sprint(env.Msg.Revision)); err == nil || !strings.Contains(out, "changed since revision") {
+		t.Fatalf("shoal env create --if-revision (stale): %v: %s; want refused", err, out)
+	}
 	// A create from it through the other replica, at once.
 	sb, err := c2.Create(ctx, &pb.CreateSandboxRequest{Template: "task-env", MemoryBytes: 64 << 20})
 	if err != nil {
@@ -103,6 +119,15 @@ func checkClusterState(t *testing.T, ctx context.Context, controls, nodes []*pro
 		t.Fatalf("the keyed create retried through replica 2: %v %v; want %s", again.GetId(), err, first.Id)
 	}
 	if err := c2.Delete(ctx, first.Id); err != nil {
+		t.Fatal(err)
+	}
+	// The CLI's --client-key, through one replica then the other.
+	id1, err1 := cli(t, bin, controls[0].addr, key, "create", "--base", baseRef, "--memory", "64M", "--client-key", "state-test/cli")
+	id2, err2 := cli(t, bin, controls[1].addr, key, "create", "--base", baseRef, "--memory", "64M", "--client-key", "state-test/cli")
+	if err1 != nil || err2 != nil || id1 != id2 {
+		t.Fatalf("shoal create --client-key through both replicas: %q %v, %q %v; want one sandbox", id1, err1, id2, err2)
+	}
+	if err := c1.Delete(ctx, id1); err != nil {
 		t.Fatal(err)
 	}
 }
