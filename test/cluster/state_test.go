@@ -16,7 +16,9 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
+	"time"
 
 	"connectrpc.com/connect"
 
@@ -129,6 +131,77 @@ func checkClusterState(t *testing.T, ctx context.Context, bin string, controls, 
 	}
 	if err := c1.Delete(ctx, id1); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// checkReplicaKilledMidBurst kills replica dead (c1's) in the middle of a
+// burst of keyed creates through it, retries every create it did not
+// answer through c2, and checks that every key has exactly one sandbox.
+func checkReplicaKilledMidBurst(t *testing.T, ctx context.Context, dead *proc, c1, c2 *shoal.Client) {
+	t.Helper()
+	const keys = 10
+	ids := make([]string, keys)
+	retried := 0
+	var mu sync.Mutex
+	answered := make(chan struct{}, keys)
+	var wg sync.WaitGroup
+	for k := range keys {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			req := &pb.CreateSandboxRequest{Base: baseRef, MemoryBytes: 32 << 20, TimeoutSeconds: 300, ClientKey: fmt.Sprintf("burst/%d", k)}
+			sb, err := c1.Create(ctx, req)
+			if err == nil {
+				answered <- struct{}{}
+			} else {
+				mu.Lock()
+				retried++
+				mu.Unlock()
+				for range 10 { // as a client does: retry, through the other replica
+					if sb, err = c2.Create(ctx, req); err == nil || connect.CodeOf(err) != connect.CodeUnavailable {
+						break
+					}
+					time.Sleep(200 * time.Millisecond)
+				}
+			}
+			if err != nil {
+				t.Errorf("key burst/%d: %v", k, err)
+				return
+			}
+			ids[k] = sb.Id
+		}()
+	}
+	select { // the first answer: the rest are under way
+	case <-answered:
+	case <-time.After(2 * time.Minute):
+		t.Fatal("no create of the burst answered within 2 minutes")
+	}
+	dead.kill()
+	wg.Wait()
+	if t.Failed() {
+		return
+	}
+	sbs, err := c2.List(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	live := map[string]bool{}
+	for _, sb := range sbs {
+		live[sb.Id] = true
+	}
+	seen := map[string]bool{}
+	for k, id := range ids {
+		if !live[id] || seen[id] {
+			t.Fatalf("key burst/%d: sandbox %s (live %v, given to another key %v)", k, id, live[id], seen[id])
+		}
+		seen[id] = true
+	}
+	if len(sbs) != keys {
+		t.Fatalf("%d sandboxes after a burst of %d keyed creates (%d retried through the other replica): a key made two", len(sbs), keys, retried)
+	}
+	t.Logf("replica killed mid-burst: %d of %d keyed creates retried through the other replica, %d sandboxes", retried, keys, len(sbs))
+	for id := range live {
+		c2.Delete(ctx, id)
 	}
 }
 
