@@ -47,7 +47,10 @@ func PutEnv(ctx context.Context, cli *clientv3.Client, e layer.Env, replace bool
 	if ifRevision < 0 || ifRevision > 0 && !replace {
 		return Env{}, errdefs.New(errdefs.ErrInvalidArgument, "environment %s: a revision to replace is for a replace", e.Name)
 	}
-	e.Created = time.Now().UTC().Truncate(time.Millisecond)
+	if e.Created.IsZero() {
+		e.Created = time.Now().UTC().Truncate(time.Millisecond)
+	}
+	e.Mirrored = 0
 	v, err := json.Marshal(e)
 	if err != nil {
 		return Env{}, err
@@ -130,6 +133,7 @@ func decodeEnv(v []byte, rev int64) (Env, error) {
 	if err := json.Unmarshal(v, &e); err != nil || e.Name == "" {
 		return Env{}, fmt.Errorf("decode environment: %w", errors.Join(err, errors.New("no name")))
 	}
+	e.Mirrored = 0
 	return Env{Env: e, Revision: rev}, nil
 }
 
@@ -142,10 +146,12 @@ type EnvSink interface {
 }
 
 // EnvMirror keeps a node's copy of the cluster's environments: it loads
-// them all (removing those etcd no longer has: a node that was down
-// catches up), then follows etcd's changes until its context ends,
-// reloading when the watch breaks. Apply writes one the node itself just
-// wrote, so that the node reads its own write at once.
+// them all (removing the copies of those etcd no longer has: a node that
+// was down catches up; one made on the node before it joined a cluster,
+// which etcd never had, is written to etcd instead), then follows etcd's
+// changes until its context ends, reloading when the watch breaks. Apply
+// writes one the node itself just wrote, so that the node reads its own
+// write at once.
 type EnvMirror struct {
 	cli  *clientv3.Client
 	sink EnvSink
@@ -186,8 +192,19 @@ func (m *EnvMirror) load(ctx context.Context) (int64, error) {
 		m.putLocked(e)
 	}
 	for _, e := range have {
-		if !in[e.Name] {
+		switch {
+		case in[e.Name]:
+		case e.Mirrored > 0: // etcd's once, removed since
 			m.deleteLocked(e.Name, rev)
+		default: // made here before the node was in a cluster
+			ce, err := PutEnv(ctx, m.cli, e, false, 0)
+			if err != nil && !errors.Is(err, errdefs.ErrAlreadyExists) {
+				return 0, fmt.Errorf("write environment %s, made on this node, to etcd: %w", e.Name, err)
+			}
+			if err == nil {
+				m.log.Info("cluster: an environment made on this node is the cluster's now", "env", e.Name)
+				m.putLocked(ce)
+			}
 		}
 	}
 	return rev, nil
@@ -197,7 +214,9 @@ func (m *EnvMirror) putLocked(e Env) {
 	if m.revs[e.Name] >= e.Revision {
 		return // a newer write is in already
 	}
-	if err := m.sink.MirrorEnv(e.Env); err != nil {
+	le := e.Env
+	le.Mirrored = e.Revision
+	if err := m.sink.MirrorEnv(le); err != nil {
 		m.log.Warn("cluster: mirror an environment", "env", e.Name, "err", err)
 		return
 	}

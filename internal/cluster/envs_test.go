@@ -92,8 +92,8 @@ func TestEnvs(t *testing.T) {
 	}
 	eventually(t, "node 1 mirrors the replace", func() bool { e, ok := n1.get("task"); return ok && e.Base == "debian:13" })
 
-	// A node down meanwhile: its copy has "old" (removed since) and the
-	// first "task".
+	// A node down meanwhile: its copy has "old" (removed since), the
+	// first "task", and "local", made on it before it was in a cluster.
 	if _, err := PutEnv(ctx, a, layer.Env{Name: "old", Base: "x:1"}, false, 0); err != nil {
 		t.Fatal(err)
 	}
@@ -103,13 +103,26 @@ func TestEnvs(t *testing.T) {
 	if _, err := DeleteEnv(ctx, b, "old"); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Fatalf("remove an environment twice: %v; want not found", err)
 	}
-	n2 := &memSink{envs: map[string]layer.Env{"old": {Name: "old", Base: "x:1"}, "task": e1.Env}}
+	n2 := &memSink{envs: map[string]layer.Env{
+		"old":   {Name: "old", Base: "x:1", Mirrored: e1.Revision},
+		"task":  {Name: "task", Base: "debian:12", Mirrored: e1.Revision},
+		"local": {Name: "local", Base: "mine:1"},
+	}}
 	m2, err := MirrorEnvs(ctx, client(t, ep), n2, log)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if _, ok := n2.get("old"); ok {
 		t.Fatal("a node back up keeps an environment removed while it was down")
+	}
+	if e, err := GetEnv(ctx, b, "local"); err != nil || e.Base != "mine:1" {
+		t.Fatalf("an environment made on a node before it joined: %+v %v; want it in etcd", e, err)
+	}
+	if e, _ := n2.get("local"); e.Mirrored == 0 {
+		t.Fatalf("the node's copy of its own environment, now etcd's: %+v; want it mirrored", e)
+	}
+	if _, err := DeleteEnv(ctx, a, "local"); err != nil {
+		t.Fatal(err)
 	}
 	if e, _ := n2.get("task"); e.Base != "debian:13" || m2.Revision("task") != e2.Revision {
 		t.Fatalf("a node back up has %+v at revision %d; want the replace at %d", e, m2.Revision("task"), e2.Revision)

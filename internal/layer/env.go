@@ -24,6 +24,9 @@ type Env struct {
 	// names one ("": the node's default). The node checks it exists.
 	Backend string    `json:"backend,omitempty"`
 	Created time.Time `json:"created"`
+	// Mirrored: on a node of a cluster, the etcd revision this copy was
+	// mirrored at (internal/cluster's EnvMirror); 0 for one made here.
+	Mirrored int64 `json:"mirrored,omitempty"`
 }
 
 // refs returns every reference of the environment.
