@@ -16,9 +16,11 @@ package control
 //     sent to a node. A retry through any replica reads the claim and asks
 //     the node it names, where the node's own client-key check returns
 //     the sandbox (or waits for the one being made). A claim moves to
-//     another node only by compare-and-swap, when its node refuses; a
-//     replica whose sandbox was made on a node the claim has moved away
-//     from deletes it and follows the claim.
+//     another node only by compare-and-swap, when its node refuses or is
+//     down before the sandbox was recorded (a recorded sandbox on a node
+//     that is down is lost: the retry says so); a replica whose sandbox
+//     was made on a node the claim has moved away from deletes it and
+//     follows the claim.
 
 import (
 	"context"
@@ -141,14 +143,16 @@ func (f *Forwarder) createKeyed(ctx context.Context, pr placement.Request, m *pb
 		if err != nil {
 			return "", nil, err
 		}
-		if rev != 0 {
-			n, live := f.dir.Node(cl.Node)
-			if !live {
-				if cl.ID != "" {
-					return "", nil, errdefs.Mark(errdefs.ErrUnavailable, fmt.Errorf("%w: sandbox %s, made for client key %q, is on node %s, which is down", cluster.ErrLost, cl.ID, m.ClientKey, cl.Node))
-				}
-				return "", nil, errdefs.New(errdefs.ErrUnavailable, "the create with client key %q went to node %s, which is down: retry when it is back", m.ClientKey, cl.Node)
-			}
+		n, live := f.dir.Node(cl.Node)
+		switch {
+		case rev != 0 && !live && cl.ID != "":
+			return "", nil, errdefs.Mark(errdefs.ErrUnavailable, fmt.Errorf("%w: sandbox %s, made for client key %q, is on node %s, which is down", cluster.ErrLost, cl.ID, m.ClientKey, cl.Node))
+		case rev != 0 && !live:
+			// Its node went down before the sandbox was recorded: placed
+			// anew. (If that node made it, it is reported lost, and ends
+			// with its timeout.)
+			f.log.Warn("cluster: a keyed create's node is down before its sandbox was recorded: placing it anew", "node", cl.Node)
+		case rev != 0:
 			sb, err := f.sendCreate(ctx, n, m, h)
 			if err == nil {
 				if sb.Id != cl.ID {

@@ -142,6 +142,8 @@ func (n *fakeNode) handler() http.Handler {
 // replicaCluster is two control replicas in front of fake nodes, in a real
 // (embedded) etcd.
 type replicaCluster struct {
+	cli      *clientv3.Client
+	leave    map[string]func() // a node leaves the cluster (its lease revoked)
 	nodes    map[string]*fakeNode
 	replicas []*httptest.Server
 	e2b      []*httptest.Server // the replicas' E2B endpoints
@@ -163,7 +165,7 @@ func startReplicas(t testing.TB, ctx context.Context, names []string, delay time
 		t.Cleanup(func() { c.Close() })
 		return c
 	}
-	rc := &replicaCluster{nodes: map[string]*fakeNode{}}
+	rc := &replicaCluster{cli: cli(), leave: map[string]func(){}, nodes: map[string]*fakeNode{}}
 	for i, name := range names {
 		n := newFakeNode(name, delay)
 		rc.nodes[name] = n
@@ -180,7 +182,8 @@ func startReplicas(t testing.TB, ctx context.Context, names []string, delay time
 		rctx, stop := context.WithCancel(ctx)
 		done := make(chan struct{})
 		go func() { defer close(done); reg.Run(rctx) }()
-		t.Cleanup(func() { stop(); <-done })
+		rc.leave[name] = func() { stop(); <-done }
+		t.Cleanup(rc.leave[name])
 	}
 	for range 2 {
 		engine := placement.New(placement.Config{MaxWait: 5 * time.Second})
@@ -282,6 +285,32 @@ func TestKeyedCreateAcrossReplicas(t *testing.T) {
 	rc.nodes["n1"].full.Store(false)
 	if again, err := rc.create(ctx, 1, "full/1"); err != nil || again != id2 {
 		t.Fatalf("its retry once n1 has room: %s %v; want %s", again, err, id2)
+	}
+
+	// n1 goes down: a key claimed there with no sandbox recorded (its
+	// replica died between claim and answer) is placed anew on n2; a key
+	// whose sandbox n1 made is lost, and the retry says so.
+	claims, err := cluster.NewClaims(rc.cli, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, _, ok, err := claims.Put(ctx, cluster.ClaimKey("", "orphan/1"), cluster.CreateClaim{Node: "n1"}, 0); !ok || err != nil {
+		t.Fatalf("claim: %v %v", ok, err)
+	}
+	rc.leave["n1"]()
+	var orphan string
+	waitUntil(t, "the orphan claim placed anew", func() bool {
+		orphan, err = rc.create(ctx, 0, "orphan/1")
+		return err == nil
+	})
+	if cluster.TagOf(orphan) != cluster.Tag("n2") {
+		t.Fatalf("the orphan claim: %s; want a sandbox on n2", orphan)
+	}
+	if again, err := rc.create(ctx, 1, "orphan/1"); err != nil || again != orphan {
+		t.Fatalf("its retry: %s %v; want %s", again, err, orphan)
+	}
+	if _, err := rc.create(ctx, 1, "rollout-1/env-1"); connect.CodeOf(err) != connect.CodeUnavailable || !strings.Contains(err.Error(), "lost") {
+		t.Fatalf("a key whose sandbox is on n1, down: %v; want unavailable, lost", err)
 	}
 }
 
