@@ -52,6 +52,10 @@ const keyRounds = 8
 // errClaimMoved stops a placement whose claim another replica moved.
 var errClaimMoved = errors.New("the client key's claim moved to another node")
 
+// errNotReached marks a create whose request never left (the dial
+// failed): this try made nothing there, though an earlier one may have.
+var errNotReached = errors.New("not reached")
+
 // attemptKey is the client key a replica gives a create that has none.
 func attemptKey() string {
 	var b [16]byte
@@ -92,7 +96,7 @@ func (f *Forwarder) sendCreate(ctx context.Context, n cluster.NodeInfo, m *pb.Cr
 			}
 			return nil, err // the create's own fault: the client's answer
 		case try == 0 && notSent(err):
-			return nil, errdefs.Mark(errdefs.ErrUnavailable, fmt.Errorf("node %s not reached: %w", n.Name, err))
+			return nil, errdefs.Mark(errdefs.ErrUnavailable, fmt.Errorf("node %s %w: %v", n.Name, errNotReached, err))
 		case ctx.Err() != nil:
 			return nil, err
 		}
@@ -161,10 +165,15 @@ func (f *Forwarder) createKeyed(ctx context.Context, pr placement.Request, m *pb
 				}
 				return cl.Node, sb, nil
 			}
+			if errors.Is(err, errNotReached) {
+				// A try before this one may have made it there: not moved.
+				return "", nil, errdefs.Mark(errdefs.ErrUnavailable, fmt.Errorf("the create with client key %q went to node %s: %w; retry", m.ClientKey, cl.Node, err))
+			}
 			if !errors.Is(err, errdefs.ErrUnavailable) {
 				return "", nil, err
 			}
-			// Its node refused: placed anew, the claim moved from rev.
+			// Its node refused (full: it has no sandbox for the key, which
+			// it checks first): placed anew, the claim moved from rev.
 		}
 		node, sb, err := f.placeKeyed(ctx, pr, m, h, ck, rev)
 		if errors.Is(err, errClaimMoved) {

@@ -144,6 +144,7 @@ func (n *fakeNode) handler() http.Handler {
 type replicaCluster struct {
 	cli      *clientv3.Client
 	leave    map[string]func() // a node leaves the cluster (its lease revoked)
+	servers  map[string]*httptest.Server
 	nodes    map[string]*fakeNode
 	replicas []*httptest.Server
 	e2b      []*httptest.Server // the replicas' E2B endpoints
@@ -165,12 +166,13 @@ func startReplicas(t testing.TB, ctx context.Context, names []string, delay time
 		t.Cleanup(func() { c.Close() })
 		return c
 	}
-	rc := &replicaCluster{cli: cli(), leave: map[string]func(){}, nodes: map[string]*fakeNode{}}
+	rc := &replicaCluster{cli: cli(), leave: map[string]func(){}, servers: map[string]*httptest.Server{}, nodes: map[string]*fakeNode{}}
 	for i, name := range names {
 		n := newFakeNode(name, delay)
 		rc.nodes[name] = n
 		srv := httptest.NewServer(n.handler())
 		t.Cleanup(srv.Close)
+		rc.servers[name] = srv
 		used := int64(i) << 32
 		reg, err := cluster.Register(ctx, cli(), cluster.RegisterConfig{Name: name, URL: srv.URL, E2BURL: srv.URL, TTL: 2 * time.Second, Log: log,
 			Report: func() (placement.Node, []cluster.CatalogEntry) {
@@ -238,7 +240,7 @@ func (rc *replicaCluster) all() (map[string]bool, int) {
 func TestKeyedCreateAcrossReplicas(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	rc := startReplicas(t, ctx, []string{"n1", "n2"}, 0)
+	rc := startReplicas(t, ctx, []string{"n1", "n2", "n3"}, 0)
 
 	id, err := rc.create(ctx, 0, "rollout-1/env-1")
 	if err != nil {
@@ -287,13 +289,28 @@ func TestKeyedCreateAcrossReplicas(t *testing.T) {
 		t.Fatalf("its retry once n1 has room: %s %v; want %s", again, err, id2)
 	}
 
-	// n1 goes down: a key claimed there with no sandbox recorded (its
-	// replica died between claim and answer) is placed anew on n2; a key
-	// whose sandbox n1 made is lost, and the retry says so.
+	// A key claimed on n3, live but not reached (its API gone): not moved
+	// (a try before may have made it there), the retry says so.
 	claims, err := cluster.NewClaims(rc.cli, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
+	if _, _, ok, err := claims.Put(ctx, cluster.ClaimKey("", "unreached/1"), cluster.CreateClaim{Node: "n3"}, 0); !ok || err != nil {
+		t.Fatalf("claim: %v %v", ok, err)
+	}
+	rc.servers["n3"].Close()
+	before, _ := rc.all()
+	if _, err := rc.create(ctx, 0, "unreached/1"); connect.CodeOf(err) != connect.CodeUnavailable || !strings.Contains(err.Error(), "not reached") {
+		t.Fatalf("a key claimed on a node not reached: %v; want unavailable, not reached", err)
+	}
+	if after, _ := rc.all(); len(after) != len(before) {
+		t.Fatalf("a key claimed on a node not reached made a sandbox elsewhere: %d sandboxes, %d before", len(after), len(before))
+	}
+	rc.leave["n3"]()
+
+	// n1 goes down: a key claimed there with no sandbox recorded (its
+	// replica died between claim and answer) is placed anew on n2; a key
+	// whose sandbox n1 made is lost, and the retry says so.
 	if _, _, ok, err := claims.Put(ctx, cluster.ClaimKey("", "orphan/1"), cluster.CreateClaim{Node: "n1"}, 0); !ok || err != nil {
 		t.Fatalf("claim: %v %v", ok, err)
 	}
