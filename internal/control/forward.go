@@ -78,7 +78,7 @@ func NewForwarder(dir *cluster.Directory, engine *placement.Engine, auth *Auth, 
 		IdleConnTimeout:     90 * time.Second,
 	}
 	claims, _ := cluster.NewClaims(dir.Client(), 0)
-	f := &Forwarder{dir: dir, place: engine, auth: auth, client: &http.Client{Transport: tr}, log: log, claims: claims, replica: attemptKey()[len("shoal-replica-"):][:8]}
+	f := &Forwarder{dir: dir, place: engine, auth: auth, client: &http.Client{Transport: tr}, log: log, claims: claims, replica: randomHex(4)}
 	f.dash = newDashboard(auth, log, nil, f.proxyTerminal)
 	return f
 }

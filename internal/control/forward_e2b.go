@@ -355,9 +355,9 @@ func (g *e2bForwarder) create(w http.ResponseWriter, r *http.Request) {
 	pr := g.placementRequest(ctx, r, in.TemplateID)
 	// Every create reaches its node with a client key (idempotent.go): a
 	// lost answer is asked of the same node again.
-	in2 := r.Clone(ctx)
-	if in2.Header.Get(e2b.ClientKeyHeader) == "" {
-		in2.Header.Set(e2b.ClientKeyHeader, attemptKey())
+	keyed := r.Clone(ctx)
+	if keyed.Header.Get(e2b.ClientKeyHeader) == "" {
+		keyed.Header.Set(e2b.ClientKeyHeader, attemptKey())
 	}
 	var answer *nodeAnswer
 	node, err := g.f.place.Place(ctx, pr, func(ctx context.Context, name string) error {
@@ -365,7 +365,7 @@ func (g *e2bForwarder) create(w http.ResponseWriter, r *http.Request) {
 		if !ok {
 			return errdefs.New(errdefs.ErrUnavailable, "node %s left the cluster", name)
 		}
-		a, err := g.createOn(ctx, n, in2, body)
+		a, err := g.createOn(ctx, n, keyed, body)
 		if err != nil {
 			return err // unavailable (no endpoint, not reached): the next candidate
 		}

@@ -33,7 +33,6 @@ import (
 	"time"
 
 	"connectrpc.com/connect"
-	"google.golang.org/protobuf/proto"
 
 	pb "github.com/shoal-sandbox/shoal/api/shoal/v1"
 	"github.com/shoal-sandbox/shoal/internal/cluster"
@@ -57,10 +56,12 @@ var errClaimMoved = errors.New("the client key's claim moved to another node")
 var errNotReached = errors.New("not reached")
 
 // attemptKey is the client key a replica gives a create that has none.
-func attemptKey() string {
-	var b [16]byte
-	rand.Read(b[:])
-	return "shoal-replica-" + hex.EncodeToString(b[:])
+func attemptKey() string { return "shoal-replica-" + randomHex(16) }
+
+func randomHex(n int) string {
+	b := make([]byte, n)
+	rand.Read(b)
+	return hex.EncodeToString(b)
 }
 
 // notSent says whether a call's error is one that left the request unsent
@@ -243,11 +244,11 @@ func (f *Forwarder) SetClientKeyTTL(ttl time.Duration) error {
 	return nil
 }
 
-// placeAndCreate is the replica's create: the template expanded, then
-// placed, with the client's key claimed in etcd or a key of the replica's.
+// placeAndCreate places create m (the replica's own copy, its template
+// expanded), with the client's key claimed in etcd or a key of the
+// replica's.
 func (f *Forwarder) placeAndCreate(ctx context.Context, pr placement.Request, m *pb.CreateSandboxRequest, h http.Header) (string, *pb.Sandbox, error) {
 	if m.ClientKey == "" {
-		m = proto.Clone(m).(*pb.CreateSandboxRequest)
 		m.ClientKey = attemptKey()
 		return f.placeCreate(ctx, pr, m, h)
 	}
