@@ -13,6 +13,8 @@
 //	                      node's IDs still resolve to it)
 //	sandboxes/<tag>/<id>  CatalogEntry as JSON, written by the node in the
 //	                      background (never on a request's path)
+//	envs/<name>           an environment (envs.go), mirrored by every node
+//	creates/<hash>        where a create with a client key went (creates.go)
 //
 // A node runs a Registration (node side); each control replica runs a
 // Directory, which watches the nodes and tags and feeds placement.
