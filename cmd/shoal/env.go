@@ -24,14 +24,17 @@ func envCmd() *cobra.Command {
 func envCreateCmd() *cobra.Command {
 	var req pb.CreateEnvironmentRequest
 	cmd := &cobra.Command{
-		Use:   "create NAME --base REF [--workspace REF]... [--toolkit REF]... [--backend B] [--replace]",
+		Use:   "create NAME --base REF [--workspace REF]... [--toolkit REF]... [--backend B] [--replace [--if-revision N]]",
 		Short: "Save a stack of layers under a name",
 		Long: `Save a stack of layers under a name. The references are kept as given and
 resolved each time a sandbox is created from the environment: moving a tag
 (rebuilding toolkit pytest:8, say) upgrades every later sandbox, while
 running ones keep the layers they were created on. --backend makes the
 sandboxes created from it (and E2B sandboxes of this template) run on that
-backend unless their create names one (microvm, say).`,
+backend unless their create names one (microvm, say). On a cluster,
+--replace --if-revision N replaces it only if it is still at revision N
+('shoal env inspect' shows it): a change by someone else in between is
+refused.`,
 		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			c, err := client(cmd)
@@ -55,6 +58,7 @@ backend unless their create names one (microvm, say).`,
 	f.StringArrayVar(&req.Toolkits, "toolkit", nil, "toolkit layer ref (repeatable)")
 	f.BoolVar(&req.Replace, "replace", false, "replace an environment of that name")
 	f.StringVar(&req.Backend, "backend", "", "backend of its sandboxes unless a create names one (default: the node's)")
+	f.Int64Var(&req.IfRevision, "if-revision", 0, "with --replace, on a cluster: replace only if the environment is still at this revision")
 	cmd.MarkFlagRequired("base")
 	return cmd
 }

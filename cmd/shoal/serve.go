@@ -636,7 +636,7 @@ func serve(cfg serveConfig) error {
 		if e2bSrv != nil {
 			e2bAddr = e2bLn.Addr()
 		}
-		leave, err := registerNode(ctx, cfg.Cluster, e2bAddr, mgr, layers, log) // serve_cluster.go
+		leave, err := registerNode(ctx, cfg.Cluster, e2bAddr, mgr, layers, api, log) // serve_cluster.go
 		if err != nil {
 			return err
 		}

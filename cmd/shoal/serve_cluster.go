@@ -58,6 +58,9 @@ type clusterConfig struct {
 	// for capacity.
 	PlaceAttempts int
 	PlaceWait     time.Duration
+	// ClientKeyTTL: how long a control replica remembers a create's
+	// client key in etcd.
+	ClientKeyTTL time.Duration
 }
 
 func addClusterFlags(cmd *cobra.Command, c *clusterConfig) {
@@ -68,6 +71,7 @@ func addClusterFlags(cmd *cobra.Command, c *clusterConfig) {
 	cmd.Flags().StringVar(&c.E2BAdvertise, "e2b-advertise", "", "--role node: the URL control replicas reach this node's E2B endpoint at (default http://<--e2b-listen>); control replicas serve E2B for the cluster through it")
 	cmd.Flags().DurationVar(&c.NodeTTL, "node-ttl", 10*time.Second, "--role node: the node's lease in etcd; a node silent this long is down and its sandboxes reported lost")
 	cmd.Flags().IntVar(&c.PlaceAttempts, "place-attempts", 3, "--role control: nodes tried per create before it waits for capacity (a node's refusal moves it to the next)")
+	cmd.Flags().DurationVar(&c.ClientKeyTTL, "client-key-ttl", time.Hour, "--role control: how long a create's client key is remembered in etcd after its last use: a retry with it through any control replica gets the same sandbox")
 	cmd.Flags().DurationVar(&c.PlaceWait, "place-wait", 60*time.Second, "--role control: how long a create may queue for capacity when no node can hold it")
 }
 
@@ -91,6 +95,9 @@ func (c *clusterConfig) validate(listen string) error {
 	}
 	if c.PlaceWait < 0 || c.PlaceWait > time.Hour {
 		return fmt.Errorf("--place-wait %s: want 0 to 1h", c.PlaceWait)
+	}
+	if c.ClientKeyTTL < time.Minute || c.ClientKeyTTL > 7*24*time.Hour {
+		return fmt.Errorf("--client-key-ttl %s: want 1m to 168h", c.ClientKeyTTL)
 	}
 	if c.Role == roleControl {
 		// Its peers reach it here (audit); none: it does not register.
@@ -139,10 +146,12 @@ func (c *clusterConfig) etcdClient() (*clientv3.Client, error) {
 	return cli, nil
 }
 
-// registerNode makes the node a member of the cluster: it registers, and
-// heartbeats until ctx ends. The returned stop waits for it to leave.
-// e2bAddr is the address of the node's E2B endpoint (nil: it serves none).
-func registerNode(ctx context.Context, c clusterConfig, e2bAddr net.Addr, mgr *node.Manager, layers *layer.Store, log *slog.Logger) (stop func(), err error) {
+// registerNode makes the node a member of the cluster: it mirrors the
+// cluster's environments into its layer store (and sends api's
+// environment writes to etcd), registers, and heartbeats until ctx ends.
+// The returned stop waits for it to leave. e2bAddr is the address of the
+// node's E2B endpoint (nil: it serves none).
+func registerNode(ctx context.Context, c clusterConfig, e2bAddr net.Addr, mgr *node.Manager, layers *layer.Store, api *control.Server, log *slog.Logger) (stop func(), err error) {
 	e2bURL, err := c.e2bURL(e2bAddr)
 	if err != nil {
 		return nil, err
@@ -151,6 +160,16 @@ func registerNode(ctx context.Context, c clusterConfig, e2bAddr net.Addr, mgr *n
 	if err != nil {
 		return nil, err
 	}
+	runCtx, cancelRun := context.WithCancel(ctx)
+	// The environments first: a node that was down catches up before it
+	// takes creates.
+	mirror, err := cluster.MirrorEnvs(runCtx, cli, layers, log)
+	if err != nil {
+		cancelRun()
+		cli.Close()
+		return nil, fmt.Errorf("read the cluster's environments from etcd: %w", err)
+	}
+	api.SetClusterEnvs(&control.ClusterEnvs{Client: cli, Mirror: mirror})
 	report := func() (placement.Node, []cluster.CatalogEntry) {
 		l := mgr.Load()
 		n := placement.Node{MilliCPU: l.MilliCPU, Memory: l.Memory, UsedMilliCPU: l.UsedMilliCPU, UsedMemory: l.UsedMemory,
@@ -171,11 +190,11 @@ func registerNode(ctx context.Context, c clusterConfig, e2bAddr net.Addr, mgr *n
 	reg, err := cluster.Register(rctx, cli, cluster.RegisterConfig{Name: c.NodeName, URL: c.Advertise, E2BURL: e2bURL, TTL: c.NodeTTL, Report: report, Log: log})
 	cancel()
 	if err != nil {
+		cancelRun()
 		cli.Close()
 		return nil, fmt.Errorf("register node %s in etcd: %w", c.NodeName, err)
 	}
 	log.Info("cluster: node registered", "node", c.NodeName, "tag", reg.Tag(), "url", c.Advertise, "e2b_url", e2bURL, "etcd", c.Etcd)
-	runCtx, cancelRun := context.WithCancel(ctx)
 	done := make(chan struct{})
 	go func() { defer close(done); reg.Run(runCtx) }()
 	return func() { cancelRun(); <-done; cli.Close() }, nil
@@ -301,6 +320,9 @@ func serveControl(cfg serveConfig) error {
 		log.Info("cluster: control replica registered", "id", rep.ID(), "url", adv)
 	} else {
 		log.Warn("cluster: this control replica does not register (--listen is on every address and --advertise is not given): the other replicas' `shoal audit` leave its log out, and tenants' creates per second are not split with it")
+	}
+	if err := fwd.SetClientKeyTTL(cfg.Cluster.ClientKeyTTL); err != nil {
+		return err
 	}
 	srv := &http.Server{Handler: fwd.Handler(), Protocols: &protocols, ReadHeaderTimeout: 10 * time.Second}
 	e2bLn, domain, err := listenE2B(cfg, log)

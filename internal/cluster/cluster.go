@@ -14,6 +14,8 @@
 //	sandboxes/<tag>/<id>  CatalogEntry as JSON, written by the node in the
 //	                      background (never on a request's path)
 //	tenancy/...           tenants' keys and quotas (tenants.go)
+//	envs/<name>           an environment (envs.go), mirrored by every node
+//	creates/<hash>        where a create with a client key went (creates.go)
 //
 // A node runs a Registration (node side); each control replica runs a
 // Directory, which watches the nodes and tags and feeds placement, and a

@@ -141,6 +141,9 @@ func (d *Directory) follow(ctx context.Context, rev int64) {
 	}
 }
 
+// Client is the etcd client the directory follows etcd with.
+func (d *Directory) Client() *clientv3.Client { return d.cli }
+
 // Live returns the live nodes, by name.
 func (d *Directory) Live() []NodeInfo {
 	d.mu.RLock()

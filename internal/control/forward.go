@@ -17,8 +17,9 @@ package control
 //     so.
 //   - ListSandboxes asks every live node and adds the lost sandboxes of
 //     the catalog.
-//   - Layer and environment reads go to any live node; their writes
-//     (tag, delete, environments, gc, pull) to every live node in turn.
+//   - Layer reads go to any live node; their writes (tag, delete, gc,
+//     pull) to every live node in turn. Environments are etcd's
+//     (envs_cluster.go), mirrored by every node.
 //   - What the cluster does not serve yet answers unimplemented, saying
 //     what to do instead (see forwardedProcedures).
 //
@@ -63,6 +64,10 @@ type Forwarder struct {
 	log    *slog.Logger
 	dash   *dashboard       // the web dashboard's sessions (dash.go); its terminal goes to the sandbox's node
 	ten    forwarderTenancy // the cluster's keys, quotas and the replica's audit log (forward_admin.go)
+	// claims: where creates with a client key went (idempotent.go);
+	// replica names this replica in them.
+	claims  *cluster.Claims
+	replica string
 }
 
 // NewForwarder returns the API of a control replica over the nodes of dir,
@@ -74,7 +79,8 @@ func NewForwarder(dir *cluster.Directory, engine *placement.Engine, auth *Auth, 
 		MaxIdleConnsPerHost: 256,
 		IdleConnTimeout:     90 * time.Second,
 	}
-	f := &Forwarder{dir: dir, place: engine, auth: auth, client: &http.Client{Transport: tr}, log: log}
+	claims, _ := cluster.NewClaims(dir.Client(), 0)
+	f := &Forwarder{dir: dir, place: engine, auth: auth, client: &http.Client{Transport: tr}, log: log, claims: claims, replica: randomHex(4)}
 	f.dash = newDashboard(auth, log, nil, f.proxyTerminal)
 	return f
 }
@@ -148,10 +154,11 @@ func (f *Forwarder) routes() *http.ServeMux {
 	unary[pb.PushLayerRequest, pb.PushLayerResponse](f, mux, l+"PushLayer", notYet, opts)
 	stream[pb.PushLayerRequest, pb.PushLayerEvent](f, mux, l+"PushLayerProgress", notYet, opts)
 	unary[pb.PullLayerRequest, pb.Layer](f, mux, l+"PullLayer", toAll, opts)
-	unary[pb.CreateEnvironmentRequest, pb.Environment](f, mux, l+"CreateEnvironment", toAll, opts)
-	unary[pb.GetEnvironmentRequest, pb.Environment](f, mux, l+"GetEnvironment", toAny, opts)
-	unary[pb.ListEnvironmentsRequest, pb.ListEnvironmentsResponse](f, mux, l+"ListEnvironments", toAny, opts)
-	unary[pb.DeleteEnvironmentRequest, pb.DeleteEnvironmentResponse](f, mux, l+"DeleteEnvironment", toAll, opts)
+	// Environments: etcd's (envs_cluster.go).
+	mux.Handle(l+"CreateEnvironment", connect.NewUnaryHandler(l+"CreateEnvironment", f.createEnvironment, opts...))
+	mux.Handle(l+"GetEnvironment", connect.NewUnaryHandler(l+"GetEnvironment", f.getEnvironment, opts...))
+	mux.Handle(l+"ListEnvironments", connect.NewUnaryHandler(l+"ListEnvironments", f.listEnvironments, opts...))
+	mux.Handle(l+"DeleteEnvironment", connect.NewUnaryHandler(l+"DeleteEnvironment", f.deleteEnvironment, opts...))
 
 	mux.Handle("/shoal.v1.MonitorService/GetStatus", connect.NewUnaryHandler("/shoal.v1.MonitorService/GetStatus", f.getStatus, opts...))
 
@@ -350,8 +357,10 @@ const (
 )
 
 func (f *Forwarder) createSandbox(ctx context.Context, req *connect.Request[pb.CreateSandboxRequest]) (*connect.Response[pb.Sandbox], error) {
-	const proc = "/shoal.v1.SandboxService/CreateSandbox"
-	m := req.Msg
+	m := proto.Clone(req.Msg).(*pb.CreateSandboxRequest)
+	if err := f.expandTemplate(ctx, m); err != nil {
+		return nil, toConnect(err)
+	}
 	pr := placement.Request{Tenant: tenant.FromContext(ctx).Tenant, Backend: m.Backend, MilliCPU: m.Millicpu, Memory: m.MemoryBytes}
 	if pr.Backend == "" {
 		pr.Backend = "container"
@@ -366,29 +375,22 @@ func (f *Forwarder) createSandbox(ctx context.Context, req *connect.Request[pb.C
 		pr.Layers = append(pr.Layers, m.Base)
 	}
 	pr.Layers = append(append(pr.Layers, m.Workspaces...), m.Toolkits...)
-	// The tenant's quota across the cluster (forward_admin.go), before
-	// any node is asked.
-	rsv, err := f.reserve(ctx, "sandbox.create", m.Base, pr.Memory, pr.MilliCPU)
-	if err != nil {
+	if err := limits.String("client key", m.ClientKey, limits.IDBytes); err != nil {
 		return nil, toConnect(err)
 	}
-	defer rsv.Done()
-	var res *connect.Response[pb.Sandbox]
-	node, err := f.place.Place(ctx, pr, func(ctx context.Context, name string) error {
-		n, ok := f.dir.Node(name)
-		if !ok {
-			return errdefs.New(errdefs.ErrUnavailable, "node %s left the cluster", name)
-		}
-		out, err := clientFor[pb.CreateSandboxRequest, pb.Sandbox](f, n, proc).CallUnary(ctx, outgoing(m, req.Header()))
+	// The tenant's quota across the cluster (forward_admin.go), before
+	// any node is asked; not for the retry of a keyed create whose
+	// sandbox is made already (it adds none).
+	var rsv *cluster.Reservation
+	if !f.keyedCreateMade(ctx, pr.Tenant, m.ClientKey) {
+		r, err := f.reserve(ctx, "sandbox.create", m.Base, pr.Memory, pr.MilliCPU)
 		if err != nil {
-			if connect.CodeOf(err) == connect.CodeUnavailable {
-				return errdefs.Mark(errdefs.ErrUnavailable, fmt.Errorf("node %s: %w", name, err)) // node full, or down: the next candidate
-			}
-			return err
+			return nil, toConnect(err)
 		}
-		res = out
-		return nil
-	})
+		rsv = r
+	}
+	defer rsv.Done()
+	node, sb, err := f.placeAndCreate(ctx, pr, m, req.Header()) // idempotent.go
 	if err != nil {
 		var ce *connect.Error
 		if errors.As(err, &ce) && !errors.Is(err, placement.ErrNoCapacity) {
@@ -401,7 +403,6 @@ func (f *Forwarder) createSandbox(ctx context.Context, req *connect.Request[pb.C
 	// reported lost. Not on the data path: only creates wait.
 	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
 	defer cancel()
-	sb := res.Msg
 	rsv.Created(sb.Id)
 	if err := f.dir.Catalog(cctx, cluster.CatalogEntry{ID: sb.Id, Node: node, Tenant: sb.Tenant, Created: sb.GetCreatedAt().AsTime(),
 		MilliCPU: sb.Millicpu, Memory: sb.MemoryBytes}); err != nil {

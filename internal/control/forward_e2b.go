@@ -38,7 +38,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"math/rand/v2"
 	"net/http"
 	"net/http/httputil"
 	"net/url"
@@ -47,9 +46,6 @@ import (
 	"strings"
 	"time"
 
-	"connectrpc.com/connect"
-
-	pb "github.com/shoal-sandbox/shoal/api/shoal/v1"
 	"github.com/shoal-sandbox/shoal/internal/cluster"
 	"github.com/shoal-sandbox/shoal/internal/e2b"
 	"github.com/shoal-sandbox/shoal/internal/errdefs"
@@ -208,21 +204,68 @@ func (g *e2bForwarder) call(ctx context.Context, n cluster.NodeInfo, in *http.Re
 	if err != nil {
 		return nil, err
 	}
-	for _, k := range []string{"X-Api-Key", "Authorization", "Content-Type"} {
+	for _, k := range []string{"X-Api-Key", "Authorization", "Content-Type", e2b.ClientKeyHeader} {
 		if v := in.Header.Get(k); v != "" {
 			req.Header.Set(k, v)
 		}
 	}
 	res, err := g.f.client.Do(req)
 	if err != nil {
-		return nil, errdefs.Mark(errdefs.ErrUnavailable, fmt.Errorf("node %s: %w", n.Name, err))
+		return nil, errdefs.Mark(errdefs.ErrUnavailable, &noAnswerError{node: n.Name, err: err})
 	}
 	defer res.Body.Close()
 	b, err := io.ReadAll(limits.Reader(res.Body, e2bAnswerBytes, "a node's E2B answer"))
 	if err != nil {
-		return nil, errdefs.Mark(errdefs.ErrUnavailable, fmt.Errorf("node %s: read its answer: %w", n.Name, err))
+		return nil, errdefs.Mark(errdefs.ErrUnavailable, &noAnswerError{node: n.Name, err: fmt.Errorf("read its answer: %w", err)})
 	}
 	return &nodeAnswer{status: res.StatusCode, header: res.Header, body: b}, nil
+}
+
+// noAnswerError is a call to a node that got no (whole) answer.
+type noAnswerError struct {
+	node string
+	err  error
+}
+
+func (e *noAnswerError) Error() string { return fmt.Sprintf("node %s: %v", e.node, e.err) }
+func (e *noAnswerError) Unwrap() error { return e.err }
+
+// createOn sends an E2B create (with its client key, ClientKeyHeader) to
+// node n, as sendCreate does a Shoal create: a request that never left is
+// unavailable (the next node); an answer lost on the way is asked for
+// again, from the same node, until it answers, leaves or lostAnswerWait
+// passes.
+func (g *e2bForwarder) createOn(ctx context.Context, n cluster.NodeInfo, r *http.Request, body []byte) (*nodeAnswer, error) {
+	var deadline time.Time
+	backoff := 100 * time.Millisecond
+	for try := 0; ; try++ {
+		a, err := g.call(ctx, n, r, http.MethodPost, r.URL.Path, r.URL.RawQuery, body)
+		var na *noAnswerError
+		switch {
+		case err == nil:
+			return a, nil
+		case !errors.As(err, &na), try == 0 && notSent(err):
+			return nil, err
+		case ctx.Err() != nil:
+			return nil, ctx.Err()
+		}
+		if deadline.IsZero() {
+			deadline = time.Now().Add(lostAnswerWait)
+			g.f.log.Warn("cluster: an E2B create's answer was lost: asking its node again", "node", n.Name, "err", err)
+		}
+		if _, live := g.f.dir.Node(n.Name); !live || time.Now().After(deadline) {
+			// The client's answer, not a refusal: no other node.
+			msg, _ := json.Marshal(map[string]any{"code": http.StatusBadGateway,
+				"message": fmt.Sprintf("node %s did not answer the create (%v): the sandbox may exist there", n.Name, na.err)})
+			return nil, &nodeAnswer{status: http.StatusBadGateway, header: http.Header{"Content-Type": {"application/json"}}, body: msg}
+		}
+		select {
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		case <-time.After(backoff):
+		}
+		backoff = min(2*backoff, 2*time.Second)
+	}
 }
 
 // write relays a node's answer, with the replica's domain in a sandbox's
@@ -319,13 +362,19 @@ func (g *e2bForwarder) create(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	defer rsv.Done()
+	// Every create reaches its node with a client key (idempotent.go): a
+	// lost answer is asked of the same node again.
+	keyed := r.Clone(ctx)
+	if keyed.Header.Get(e2b.ClientKeyHeader) == "" {
+		keyed.Header.Set(e2b.ClientKeyHeader, attemptKey())
+	}
 	var answer *nodeAnswer
 	node, err := g.f.place.Place(ctx, pr, func(ctx context.Context, name string) error {
 		n, ok := g.f.dir.Node(name)
 		if !ok {
 			return errdefs.New(errdefs.ErrUnavailable, "node %s left the cluster", name)
 		}
-		a, err := g.call(ctx, n, r, http.MethodPost, r.URL.Path, r.URL.RawQuery, body)
+		a, err := g.createOn(ctx, n, keyed, body)
 		if err != nil {
 			return err // unavailable (no endpoint, not reached): the next candidate
 		}
@@ -366,8 +415,8 @@ func (g *e2bForwarder) create(w http.ResponseWriter, r *http.Request) {
 }
 
 // placementRequest is what placement knows of an E2B create: the
-// template's backend and layers when it is a Shoal environment (asked of
-// a live node, best effort), else the template as a base layer; a node's
+// template's backend and layers when it is a Shoal environment (read from
+// etcd, best effort), else the template as a base layer; a node's
 // default CPU and memory (E2B's creates name none).
 func (g *e2bForwarder) placementRequest(ctx context.Context, r *http.Request, template string) placement.Request {
 	pr := placement.Request{Tenant: tenant.FromContext(ctx).Tenant, Backend: "container", MilliCPU: placeDefaultMilliCPU, Memory: placeDefaultMemory}
@@ -375,22 +424,15 @@ func (g *e2bForwarder) placementRequest(ctx context.Context, r *http.Request, te
 		return pr
 	}
 	pr.Layers = []string{template}
-	live := g.f.dir.Live()
-	if len(live) == 0 {
-		return pr
-	}
 	cctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 	defer cancel()
-	const proc = "/shoal.v1.LayerService/GetEnvironment"
-	h := r.Header.Clone()
-	env, err := clientFor[pb.GetEnvironmentRequest, pb.Environment](g.f, live[rand.IntN(len(live))], proc).CallUnary(cctx, outgoing(&pb.GetEnvironmentRequest{Name: template}, h))
+	e, err := cluster.GetEnv(cctx, g.f.dir.Client(), template) // the cluster's environments (envs_cluster.go)
 	if err != nil {
-		if connect.CodeOf(err) != connect.CodeNotFound {
+		if !errors.Is(err, errdefs.ErrNotFound) {
 			g.f.log.Debug("e2b create: look the template up", "template", template, "err", err)
 		}
 		return pr
 	}
-	e := env.Msg
 	if e.Backend != "" {
 		pr.Backend = e.Backend
 	}

@@ -481,6 +481,16 @@ func (s *Server) CreateEnvironment(ctx context.Context, req *connect.Request[pb.
 			return nil, toConnect(fmt.Errorf("create environment %s: %w", r.Name, err))
 		}
 	}
+	if s.envs != nil { // a node of a cluster: etcd's (envs_cluster.go)
+		out, err := s.createClusterEnvironment(ctx, r)
+		if err != nil {
+			return nil, toConnect(err)
+		}
+		return connect.NewResponse(out), nil
+	}
+	if r.IfRevision != 0 {
+		return nil, toConnect(errdefs.New(errdefs.ErrInvalidArgument, "create environment %s: if_revision is for a cluster's environments (this server keeps its own)", r.Name))
+	}
 	e, err := s.node.Layers().CreateEnv(layer.Env{Name: r.Name, Base: r.Base, Workspaces: r.Workspaces, Toolkits: r.Toolkits, Backend: r.Backend}, r.Replace)
 	if err != nil {
 		return nil, toConnect(err)
@@ -509,6 +519,12 @@ func (s *Server) ListEnvironments(ctx context.Context, req *connect.Request[pb.L
 }
 
 func (s *Server) DeleteEnvironment(ctx context.Context, req *connect.Request[pb.DeleteEnvironmentRequest]) (*connect.Response[pb.DeleteEnvironmentResponse], error) {
+	if s.envs != nil {
+		if err := s.deleteClusterEnvironment(ctx, req.Msg.Name); err != nil {
+			return nil, toConnect(err)
+		}
+		return connect.NewResponse(&pb.DeleteEnvironmentResponse{}), nil
+	}
 	if err := s.node.Layers().DeleteEnv(req.Msg.Name); err != nil {
 		return nil, toConnect(err)
 	}
@@ -519,6 +535,9 @@ func (s *Server) DeleteEnvironment(ctx context.Context, req *connect.Request[pb.
 // to now (left empty if one of them no longer resolves).
 func (s *Server) environmentPB(e layer.Env) *pb.Environment {
 	out := &pb.Environment{Name: e.Name, Base: e.Base, Workspaces: e.Workspaces, Toolkits: e.Toolkits, Backend: e.Backend, CreatedAt: timestamppb.New(e.Created)}
+	if s.envs != nil {
+		out.Revision = s.envs.Mirror.Revision(e.Name)
+	}
 	if stack, err := s.node.Layers().ResolveStack(e.Base, e.Workspaces, e.Toolkits); err == nil {
 		for _, l := range stack {
 			out.Resolved = append(out.Resolved, layerPB(l))

@@ -27,6 +27,13 @@ import (
 	"github.com/shoal-sandbox/shoal/internal/tenant"
 )
 
+// ClientKeyHeader makes a create idempotent, as CreateSandboxRequest's
+// client_key does: a repeated create with the same key (and tenant)
+// answers with the sandbox already made for it. A control replica sends
+// one with every create it passes on, so that it can ask again when the
+// answer is lost.
+const ClientKeyHeader = "Shoal-Client-Key"
+
 const (
 	listDefaultLimit = 100
 	listMaxLimit     = 100
@@ -354,7 +361,8 @@ func (s *Server) createSandbox(w http.ResponseWriter, r *http.Request) {
 		timeout = limits.Seconds(*in.Timeout)
 	}
 	autoPause := in.AutoPause != nil && *in.AutoPause
-	req := node.CreateRequest{Timeout: s.nodeTimeout(autoPause, timeout), Metadata: in.Metadata, Env: in.EnvVars, Tenant: tenant.FromContext(r.Context()).Tenant}
+	req := node.CreateRequest{Timeout: s.nodeTimeout(autoPause, timeout), Metadata: in.Metadata, Env: in.EnvVars, Tenant: tenant.FromContext(r.Context()).Tenant,
+		ClientKey: r.Header.Get(ClientKeyHeader)} // bounded by the node
 	// Network: E2B's allowInternetAccess (the public internet; unset is
 	// false here: Shoal sandboxes have no network unless asked), denyOut
 	// taken out of it, allowOut allowed whatever denyOut says.

@@ -8,6 +8,7 @@ import (
 	"go.etcd.io/bbolt"
 
 	"github.com/shoal-sandbox/shoal/internal/errdefs"
+	"github.com/shoal-sandbox/shoal/internal/limits"
 )
 
 // Env is a named environment (a template): a stack of layer references,
@@ -23,6 +24,9 @@ type Env struct {
 	// names one ("": the node's default). The node checks it exists.
 	Backend string    `json:"backend,omitempty"`
 	Created time.Time `json:"created"`
+	// Mirrored: on a node of a cluster, the etcd revision this copy was
+	// mirrored at (internal/cluster's EnvMirror); 0 for one made here.
+	Mirrored int64 `json:"mirrored,omitempty"`
 }
 
 // refs returns every reference of the environment.
@@ -162,4 +166,51 @@ func (s *Store) DeleteEnv(name string) error {
 	}
 	s.log.Info("environment removed", "env", name)
 	return nil
+}
+
+// CheckEnv checks what can be checked of an environment without its
+// layers: its name, the length of its backend's name and of its stack.
+// CreateEnv does this too; a cluster (internal/cluster) checks with it
+// before it writes an environment to etcd.
+func CheckEnv(e Env) error {
+	if err := validateName(e.Name); err != nil {
+		return errdefs.Mark(errdefs.ErrInvalidArgument, fmt.Errorf("environment: %w", err))
+	}
+	if len(e.Backend) > 64 {
+		return errdefs.New(errdefs.ErrInvalidArgument, "environment %s: a backend name of %d bytes (at most 64)", e.Name, len(e.Backend))
+	}
+	if e.Base == "" {
+		return errdefs.New(errdefs.ErrInvalidArgument, "environment %s: a base layer is required", e.Name)
+	}
+	if n := len(e.refs()); n > limits.Layers {
+		return errdefs.New(errdefs.ErrInvalidArgument, "environment %s: %d layers in one stack: at most %d", e.Name, n, limits.Layers)
+	}
+	for _, r := range e.refs() {
+		if err := limits.String("layer ref", r, limits.RefBytes); err != nil {
+			return fmt.Errorf("environment %s: %w", e.Name, err)
+		}
+	}
+	return nil
+}
+
+// MirrorEnv saves an environment as the cluster has it (a node of a
+// cluster keeps a copy of etcd's environments, internal/cluster's
+// EnvMirror), replacing one of the same name, without checking that its
+// layers are here: a create from it resolves them then, as for a tag
+// moved after the environment was saved.
+func (s *Store) MirrorEnv(e Env) error {
+	if err := CheckEnv(e); err != nil {
+		return err
+	}
+	v, err := json.Marshal(e)
+	if err != nil {
+		return err
+	}
+	return s.db.Update(func(tx *bbolt.Tx) error { return tx.Bucket(envsBucket).Put([]byte(e.Name), v) })
+}
+
+// UnmirrorEnv removes an environment the cluster no longer has; one
+// already gone is not an error.
+func (s *Store) UnmirrorEnv(name string) error {
+	return s.db.Update(func(tx *bbolt.Tx) error { return tx.Bucket(envsBucket).Delete([]byte(name)) })
 }

@@ -8,6 +8,7 @@
 // replica shows both nodes and the sandboxes of each, and its terminal
 // reaches a sandbox on either (dash_test.go). E2B's API and envd, through
 // a replica's E2B endpoint, reach sandboxes on both nodes (e2b_test.go).
+// Environments and keyed creates are the cluster's (state_test.go).
 //
 // It needs root, runc, mkfs.erofs and busybox (as test/e2e); without them
 // it skips, saying which is missing.
@@ -302,6 +303,9 @@ func TestCluster(t *testing.T) {
 		}
 	}
 	step("created")
+	// Environments in etcd, keyed creates across replicas (state_test.go).
+	checkClusterState(t, ctx, bin, controls, nodes, key, c1, c2)
+	step("cluster state")
 	// Exec and files, routed by either replica to the sandbox's node.
 	for i, id := range ids {
 		c := []*shoal.Client{c2, c1}[i%2]
@@ -397,9 +401,12 @@ func TestCluster(t *testing.T) {
 		t.Fatal(err)
 	}
 
+	changeEnvsWhileDown(t, ctx, controls[0], key)
 	step("lost and the rest checked")
-	// n2 restarted on its data directory: its sandboxes are back.
+	// n2 restarted on its data directory: its sandboxes are back, and the
+	// environments changed while it was down are as etcd has them.
 	nodes[1].start(t, bin)
+	checkEnvsCaughtUp(t, ctx, nodes[1], key)
 	waitFor(t, "n2's sandbox back", func() error {
 		var out bytes.Buffer
 		st, err := c1.Exec(ctx, lost, shoal.ExecOptions{Args: []string{"cat", "/work/a.txt"}, Stdout: &out})
@@ -434,6 +441,10 @@ func TestCluster(t *testing.T) {
 	if connect.CodeOf(err) != connect.CodeUnimplemented {
 		t.Fatalf("build through control: %v, want unimplemented", err)
 	}
+	// Last (it leaves replica 1 dead): killed mid-burst of keyed creates,
+	// retried through replica 2, one sandbox per key (state_test.go).
+	checkReplicaKilledMidBurst(t, ctx, controls[0], c1, c2)
+	step("replica killed mid-burst")
 }
 
 // busyboxRootfs makes a minimal root file system: busybox with its
@@ -479,7 +490,25 @@ func pythonSDK(t *testing.T, addr, key string) bool {
 		return false
 	}
 	script := `
-from shoal import Sandbox, monitor
+import shoal
+from shoal import Sandbox, environments, monitor
+# Environments are the cluster's: a revision, and a replace from a stale one refused.
+e = environments.create("py-env", base="busybox:1")
+assert e.revision > 0 and environments.get("py-env").revision == e.revision, e
+e2 = environments.create("py-env", base="busybox:1", replace=True, if_revision=e.revision)
+assert e2.revision > e.revision, e2
+try:
+    environments.create("py-env", base="busybox:1", replace=True, if_revision=e.revision)
+    raise AssertionError("a replace from a stale revision went through")
+except shoal.FailedPrecondition:
+    pass
+# A keyed create twice: one sandbox.
+with Sandbox.create(template="py-env", memory="64M", client_key="py-key/1") as a:
+    b = Sandbox.create(template="py-env", memory="64M", client_key="py-key/1")
+    if b.id != a.id:
+        b.kill()
+    assert b.id == a.id, (a.id, b.id)
+environments.rm("py-env")
 with Sandbox.create(base="busybox:1", memory="64M") as sb:
     sb.files.write("/work/p.txt", "from python")
     r = sb.commands.run("cat /work/p.txt")

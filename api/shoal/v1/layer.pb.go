@@ -1428,7 +1428,11 @@ type Environment struct {
 	Resolved []*Layer `protobuf:"bytes,6,rep,name=resolved,proto3" json:"resolved,omitempty"`
 	// The backend a sandbox made from it runs on unless its create names
 	// one ("": the node's default). E2B templates take it too.
-	Backend       string `protobuf:"bytes,7,opt,name=backend,proto3" json:"backend,omitempty"`
+	Backend string `protobuf:"bytes,7,opt,name=backend,proto3" json:"backend,omitempty"`
+	// revision of its last write, in a cluster (etcd's): a replace that
+	// gives it as if_revision fails if someone changed it since. 0 on a
+	// single server.
+	Revision      int64 `protobuf:"varint,8,opt,name=revision,proto3" json:"revision,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1512,14 +1516,25 @@ func (x *Environment) GetBackend() string {
 	return ""
 }
 
+func (x *Environment) GetRevision() int64 {
+	if x != nil {
+		return x.Revision
+	}
+	return 0
+}
+
 type CreateEnvironmentRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Name          string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"` // [a-z0-9][a-z0-9._-]{0,127}
-	Base          string                 `protobuf:"bytes,2,opt,name=base,proto3" json:"base,omitempty"`
-	Workspaces    []string               `protobuf:"bytes,3,rep,name=workspaces,proto3" json:"workspaces,omitempty"`
-	Toolkits      []string               `protobuf:"bytes,4,rep,name=toolkits,proto3" json:"toolkits,omitempty"`
-	Replace       bool                   `protobuf:"varint,5,opt,name=replace,proto3" json:"replace,omitempty"` // replace an environment of that name instead of failing
-	Backend       string                 `protobuf:"bytes,6,opt,name=backend,proto3" json:"backend,omitempty"`  // see Environment.backend; must be one the node offers
+	state      protoimpl.MessageState `protogen:"open.v1"`
+	Name       string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"` // [a-z0-9][a-z0-9._-]{0,127}
+	Base       string                 `protobuf:"bytes,2,opt,name=base,proto3" json:"base,omitempty"`
+	Workspaces []string               `protobuf:"bytes,3,rep,name=workspaces,proto3" json:"workspaces,omitempty"`
+	Toolkits   []string               `protobuf:"bytes,4,rep,name=toolkits,proto3" json:"toolkits,omitempty"`
+	Replace    bool                   `protobuf:"varint,5,opt,name=replace,proto3" json:"replace,omitempty"` // replace an environment of that name instead of failing
+	Backend    string                 `protobuf:"bytes,6,opt,name=backend,proto3" json:"backend,omitempty"`  // see Environment.backend; must be one the node offers
+	// With replace, in a cluster: replace only if the environment is still
+	// at this revision (Environment.revision), else failed_precondition.
+	// 0: unconditional.
+	IfRevision    int64 `protobuf:"varint,7,opt,name=if_revision,json=ifRevision,proto3" json:"if_revision,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1594,6 +1609,13 @@ func (x *CreateEnvironmentRequest) GetBackend() string {
 		return x.Backend
 	}
 	return ""
+}
+
+func (x *CreateEnvironmentRequest) GetIfRevision() int64 {
+	if x != nil {
+		return x.IfRevision
+	}
+	return 0
 }
 
 type GetEnvironmentRequest struct {
@@ -1904,7 +1926,7 @@ const file_shoal_v1_layer_proto_rawDesc = "" +
 	"\aremoved\x18\x01 \x03(\v2\x0f.shoal.v1.LayerR\aremoved\x12\x1f\n" +
 	"\vfreed_bytes\x18\x02 \x01(\x03R\n" +
 	"freedBytes\x12\x12\n" +
-	"\x04kept\x18\x03 \x01(\x05R\x04kept\"\xf3\x01\n" +
+	"\x04kept\x18\x03 \x01(\x05R\x04kept\"\x8f\x02\n" +
 	"\vEnvironment\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x12\n" +
 	"\x04base\x18\x02 \x01(\tR\x04base\x12\x1e\n" +
@@ -1915,7 +1937,8 @@ const file_shoal_v1_layer_proto_rawDesc = "" +
 	"\n" +
 	"created_at\x18\x05 \x01(\v2\x1a.google.protobuf.TimestampR\tcreatedAt\x12+\n" +
 	"\bresolved\x18\x06 \x03(\v2\x0f.shoal.v1.LayerR\bresolved\x12\x18\n" +
-	"\abackend\x18\a \x01(\tR\abackend\"\xb2\x01\n" +
+	"\abackend\x18\a \x01(\tR\abackend\x12\x1a\n" +
+	"\brevision\x18\b \x01(\x03R\brevision\"\xd3\x01\n" +
 	"\x18CreateEnvironmentRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x12\n" +
 	"\x04base\x18\x02 \x01(\tR\x04base\x12\x1e\n" +
@@ -1924,7 +1947,9 @@ const file_shoal_v1_layer_proto_rawDesc = "" +
 	"workspaces\x12\x1a\n" +
 	"\btoolkits\x18\x04 \x03(\tR\btoolkits\x12\x18\n" +
 	"\areplace\x18\x05 \x01(\bR\areplace\x12\x18\n" +
-	"\abackend\x18\x06 \x01(\tR\abackend\"+\n" +
+	"\abackend\x18\x06 \x01(\tR\abackend\x12\x1f\n" +
+	"\vif_revision\x18\a \x01(\x03R\n" +
+	"ifRevision\"+\n" +
 	"\x15GetEnvironmentRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\"\x19\n" +
 	"\x17ListEnvironmentsRequest\"U\n" +

@@ -33,7 +33,9 @@ def _refs(refs: Optional[Sequence[Any]], what: str) -> List[str]:
     return [r.pinned if isinstance(r, Layer) else str(r) for r in refs]
 
 
-def _create_body(name: str, base: Any, workspaces: Optional[Sequence[Any]], toolkits: Optional[Sequence[Any]], replace: bool, backend: Optional[str] = None) -> Dict[str, Any]:
+def _create_body(
+    name: str, base: Any, workspaces: Optional[Sequence[Any]], toolkits: Optional[Sequence[Any]], replace: bool, backend: Optional[str] = None, if_revision: int = 0
+) -> Dict[str, Any]:
     if not isinstance(name, str) or not name:
         raise InvalidArgument("an environment name is required ([a-z0-9][a-z0-9._-]{0,127})")
     if not base:
@@ -48,6 +50,10 @@ def _create_body(name: str, base: Any, workspaces: Optional[Sequence[Any]], tool
         body["replace"] = True
     if backend:
         body["backend"] = backend
+    if if_revision:
+        if not replace or not isinstance(if_revision, int) or if_revision < 0:
+            raise InvalidArgument("if_revision is a positive revision (Environment.revision), for a replace")
+        body["ifRevision"] = str(if_revision)
     return body
 
 
@@ -76,6 +82,7 @@ def create(
     *,
     replace: bool = False,
     backend: Optional[str] = None,
+    if_revision: int = 0,
     api_key: Optional[str] = None,
     url: Optional[str] = None,
     request_timeout: Optional[float] = None,
@@ -92,10 +99,15 @@ def create(
         template) run on unless their create names one (``"microvm"``, say;
         default: the node's); one the node does not offer raises
         :class:`~shoal.InvalidArgument`.
+    :param if_revision: with ``replace``, on a cluster: replace it only if
+        it is still at this :attr:`Environment.revision` (someone else's
+        change in between raises :class:`~shoal.FailedPrecondition`).
     Every reference must resolve now (:class:`~shoal.LayerNotFound` otherwise).
     """
-    body = _create_body(name, base, workspaces, toolkits, replace, backend)
-    return Environment.from_json(_t(api_key, url).call("LayerService", "CreateEnvironment", body, idempotent=replace, request_timeout=request_timeout))
+    body = _create_body(name, base, workspaces, toolkits, replace, backend, if_revision)
+    return Environment.from_json(
+        _t(api_key, url).call("LayerService", "CreateEnvironment", body, idempotent=replace and not if_revision, request_timeout=request_timeout)
+    )
 
 
 def list(api_key: Optional[str] = None, url: Optional[str] = None, request_timeout: Optional[float] = None) -> List[Environment]:  # noqa: A001
@@ -136,13 +148,16 @@ async def acreate(
     *,
     replace: bool = False,
     backend: Optional[str] = None,
+    if_revision: int = 0,
     api_key: Optional[str] = None,
     url: Optional[str] = None,
     request_timeout: Optional[float] = None,
 ) -> Environment:
     """:func:`create` for asyncio."""
-    body = _create_body(name, base, workspaces, toolkits, replace, backend)
-    return Environment.from_json(await _at(api_key, url).call("LayerService", "CreateEnvironment", body, idempotent=replace, request_timeout=request_timeout))
+    body = _create_body(name, base, workspaces, toolkits, replace, backend, if_revision)
+    return Environment.from_json(
+        await _at(api_key, url).call("LayerService", "CreateEnvironment", body, idempotent=replace and not if_revision, request_timeout=request_timeout)
+    )
 
 
 async def alist(api_key: Optional[str] = None, url: Optional[str] = None, request_timeout: Optional[float] = None) -> List[Environment]:

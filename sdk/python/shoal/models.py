@@ -646,6 +646,7 @@ class Environment:
     created_at: Optional[datetime]
     resolved: List[Layer] = field(default_factory=list)
     backend: str = ""  # its sandboxes' backend unless a create names one ("": the node's)
+    revision: int = 0  # of its last write, on a cluster (etcd's); 0 on one server
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> "Environment":
@@ -657,4 +658,5 @@ class Environment:
             created_at=_time(d.get("createdAt")),
             resolved=[Layer.from_json(x) for x in d.get("resolved") or []],
             backend=d.get("backend", ""),
+            revision=int(d.get("revision") or 0),
         )

@@ -197,6 +197,10 @@ def test_environments(server, src) -> None:
 
     replaced = environments.create("sdk-env", base=server.base, replace=True)
     assert replaced.workspaces == [] and len(replaced.resolved) == 1
+    # Revisions are a cluster's (etcd's): one server has none.
+    assert replaced.revision == 0
+    with pytest.raises(shoal.InvalidArgument, match="cluster"):
+        environments.create("sdk-env", base=server.base, replace=True, if_revision=5)
     environments.rm("sdk-env")
     with pytest.raises(shoal.NotFound):
         environments.get("sdk-env")

@@ -517,6 +517,9 @@ def test_layer_requests(monkeypatch: pytest.MonkeyPatch) -> None:
         shoal.layers.export("w:1", 42)  # type: ignore[arg-type]
     with pytest.raises(shoal.InvalidArgument):
         shoal.environments.create("e", base="b:1", workspaces="w:1")
+    with pytest.raises(shoal.InvalidArgument, match="for a replace"):
+        shoal.environments.create("e", base="b:1", if_revision=3)
+    assert shoal.Environment.from_json({"name": "e", "revision": "42"}).revision == 42
     body = proto.create_body(
         template=shoal.Environment.from_json({"name": "tmpl"}), base=l, workspaces=["x:1", l], toolkits=None, backend=None,
         cpus=None, memory=None, timeout=None, metadata=None, envs=None, qos=None, client_key=None,

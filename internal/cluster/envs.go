@@ -1,0 +1,295 @@
+package cluster
+
+// Environments (named stacks of layer references, layer.Env) are cluster
+// state: one key per environment in etcd, written in one transaction
+// through any control replica or node, and mirrored by every node into its
+// own layer store (where its creates and its E2B templates resolve them,
+// and where its garbage collection sees the layers they name).
+//
+//	envs/<name>   layer.Env as JSON; the key's ModRevision is the
+//	              environment's revision, which a conditional replace
+//	              names
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strings"
+	"sync"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/shoal-sandbox/shoal/internal/errdefs"
+	"github.com/shoal-sandbox/shoal/internal/layer"
+)
+
+const envsPrefix = Prefix + "envs/"
+
+// Env is an environment as etcd has it: the stack, and the revision of its
+// last write.
+type Env struct {
+	layer.Env
+	Revision int64
+}
+
+// PutEnv writes an environment in one transaction. Without replace, an
+// environment of that name already there is refused (already exists);
+// with replace and ifRevision > 0, the environment must still be at that
+// revision (else failed precondition: someone else changed it). The
+// layers are not checked here: the caller checks them first.
+func PutEnv(ctx context.Context, cli *clientv3.Client, e layer.Env, replace bool, ifRevision int64) (Env, error) {
+	if err := layer.CheckEnv(e); err != nil {
+		return Env{}, err
+	}
+	if ifRevision < 0 || ifRevision > 0 && !replace {
+		return Env{}, errdefs.New(errdefs.ErrInvalidArgument, "environment %s: a revision to replace is for a replace", e.Name)
+	}
+	if e.Created.IsZero() {
+		e.Created = time.Now().UTC().Truncate(time.Millisecond)
+	}
+	e.Mirrored = 0
+	v, err := json.Marshal(e)
+	if err != nil {
+		return Env{}, err
+	}
+	k := envsPrefix + e.Name
+	var cmps []clientv3.Cmp
+	switch {
+	case !replace:
+		cmps = append(cmps, clientv3.Compare(clientv3.CreateRevision(k), "=", 0))
+	case ifRevision > 0:
+		cmps = append(cmps, clientv3.Compare(clientv3.ModRevision(k), "=", ifRevision))
+	}
+	resp, err := cli.Txn(ctx).If(cmps...).Then(clientv3.OpPut(k, string(v))).Else(clientv3.OpGet(k)).Commit()
+	if err != nil {
+		return Env{}, errdefs.Mark(errdefs.ErrUnavailable, fmt.Errorf("write environment %s to etcd: %w", e.Name, err))
+	}
+	if !resp.Succeeded {
+		kvs := resp.Responses[0].GetResponseRange().Kvs
+		switch {
+		case !replace:
+			return Env{}, errdefs.New(errdefs.ErrAlreadyExists, "environment %s exists: remove it first or replace it", e.Name)
+		case len(kvs) == 0:
+			return Env{}, errdefs.New(errdefs.ErrFailedPrecondition, "environment %s was removed since revision %d: read it again", e.Name, ifRevision)
+		default:
+			return Env{}, errdefs.New(errdefs.ErrFailedPrecondition, "environment %s changed since revision %d (it is at %d now): read it again", e.Name, ifRevision, kvs[0].ModRevision)
+		}
+	}
+	return Env{Env: e, Revision: resp.Header.Revision}, nil
+}
+
+// DeleteEnv removes an environment and returns the revision of its
+// removal; an unknown one is not found.
+func DeleteEnv(ctx context.Context, cli *clientv3.Client, name string) (int64, error) {
+	if name == "" || len(name) > 256 || strings.Contains(name, "/") {
+		return 0, errdefs.New(errdefs.ErrNotFound, "no environment %q (see shoal env ls)", name)
+	}
+	resp, err := cli.Delete(ctx, envsPrefix+name)
+	if err != nil {
+		return 0, errdefs.Mark(errdefs.ErrUnavailable, fmt.Errorf("remove environment %s from etcd: %w", name, err))
+	}
+	if resp.Deleted == 0 {
+		return 0, errdefs.New(errdefs.ErrNotFound, "no environment %q (see shoal env ls)", name)
+	}
+	return resp.Header.Revision, nil
+}
+
+// GetEnv reads an environment from etcd (a linearizable read: a write
+// through any replica is seen).
+func GetEnv(ctx context.Context, cli *clientv3.Client, name string) (Env, error) {
+	if name == "" || len(name) > 256 || strings.Contains(name, "/") {
+		return Env{}, errdefs.New(errdefs.ErrNotFound, "no environment %q (see shoal env ls)", name)
+	}
+	resp, err := cli.Get(ctx, envsPrefix+name)
+	if err != nil {
+		return Env{}, errdefs.Mark(errdefs.ErrUnavailable, fmt.Errorf("read environment %s from etcd: %w", name, err))
+	}
+	if len(resp.Kvs) == 0 {
+		return Env{}, errdefs.New(errdefs.ErrNotFound, "no environment %q (see shoal env ls)", name)
+	}
+	return decodeEnv(resp.Kvs[0].Value, resp.Kvs[0].ModRevision)
+}
+
+// ListEnvs reads every environment, by name.
+func ListEnvs(ctx context.Context, cli *clientv3.Client) ([]Env, int64, error) {
+	resp, err := cli.Get(ctx, envsPrefix, clientv3.WithPrefix())
+	if err != nil {
+		return nil, 0, errdefs.Mark(errdefs.ErrUnavailable, fmt.Errorf("read environments from etcd: %w", err))
+	}
+	out := make([]Env, 0, len(resp.Kvs))
+	for _, kv := range resp.Kvs {
+		if e, err := decodeEnv(kv.Value, kv.ModRevision); err == nil {
+			out = append(out, e)
+		}
+	}
+	return out, resp.Header.Revision, nil
+}
+
+func decodeEnv(v []byte, rev int64) (Env, error) {
+	var e layer.Env
+	if err := json.Unmarshal(v, &e); err != nil || e.Name == "" {
+		return Env{}, fmt.Errorf("decode environment: %w", errors.Join(err, errors.New("no name")))
+	}
+	e.Mirrored = 0
+	return Env{Env: e, Revision: rev}, nil
+}
+
+// EnvSink is where a node keeps its copy of the environments (its layer
+// store).
+type EnvSink interface {
+	MirrorEnv(layer.Env) error
+	UnmirrorEnv(name string) error
+	Envs() ([]layer.Env, error)
+}
+
+// EnvMirror keeps a node's copy of the cluster's environments: it loads
+// them all (removing the copies of those etcd no longer has: a node that
+// was down catches up; one made on the node before it joined a cluster,
+// which etcd never had, is written to etcd instead), then follows etcd's
+// changes until its context ends, reloading when the watch breaks. Apply
+// writes one the node itself just wrote, so that the node reads its own
+// write at once.
+type EnvMirror struct {
+	cli  *clientv3.Client
+	sink EnvSink
+	log  *slog.Logger
+
+	mu   sync.Mutex       // serializes writes to sink, guards revs
+	revs map[string]int64 // name → revision applied (of a put or a delete)
+}
+
+// MirrorEnvs loads etcd's environments into sink (giving up after 30 s)
+// and follows them until ctx ends.
+func MirrorEnvs(ctx context.Context, cli *clientv3.Client, sink EnvSink, log *slog.Logger) (*EnvMirror, error) {
+	m := &EnvMirror{cli: cli, sink: sink, log: log, revs: map[string]int64{}}
+	lctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	rev, err := m.load(lctx)
+	cancel()
+	if err != nil {
+		return nil, err
+	}
+	go m.follow(ctx, rev)
+	return m, nil
+}
+
+func (m *EnvMirror) load(ctx context.Context) (int64, error) {
+	envs, rev, err := ListEnvs(ctx, m.cli)
+	if err != nil {
+		return 0, err
+	}
+	have, err := m.sink.Envs()
+	if err != nil {
+		return 0, err
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	in := map[string]bool{}
+	for _, e := range envs {
+		in[e.Name] = true
+		m.putLocked(e)
+	}
+	for _, e := range have {
+		switch {
+		case in[e.Name]:
+		case e.Mirrored > 0: // etcd's once, removed since
+			m.deleteLocked(e.Name, rev)
+		default: // made here before the node was in a cluster
+			ce, err := PutEnv(ctx, m.cli, e, false, 0)
+			if err != nil && !errors.Is(err, errdefs.ErrAlreadyExists) {
+				return 0, fmt.Errorf("write environment %s, made on this node, to etcd: %w", e.Name, err)
+			}
+			if err == nil {
+				m.log.Info("cluster: an environment made on this node is the cluster's now", "env", e.Name)
+				m.putLocked(ce)
+			}
+		}
+	}
+	return rev, nil
+}
+
+func (m *EnvMirror) putLocked(e Env) {
+	if m.revs[e.Name] >= e.Revision {
+		return // a newer write is in already
+	}
+	le := e.Env
+	le.Mirrored = e.Revision
+	if err := m.sink.MirrorEnv(le); err != nil {
+		m.log.Warn("cluster: mirror an environment", "env", e.Name, "err", err)
+		return
+	}
+	m.revs[e.Name] = e.Revision
+}
+
+func (m *EnvMirror) deleteLocked(name string, rev int64) {
+	if m.revs[name] > rev {
+		return
+	}
+	if err := m.sink.UnmirrorEnv(name); err != nil {
+		m.log.Warn("cluster: mirror an environment's removal", "env", name, "err", err)
+		return
+	}
+	m.revs[name] = rev
+}
+
+// Revision is the revision of the environment's copy (0: none).
+func (m *EnvMirror) Revision(name string) int64 {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.revs[name]
+}
+
+// Apply writes into the copy an environment just written to etcd (PutEnv's
+// answer), unless a newer write is in already.
+func (m *EnvMirror) Apply(e Env) {
+	m.mu.Lock()
+	m.putLocked(e)
+	m.mu.Unlock()
+}
+
+// ApplyDelete removes from the copy an environment just removed from etcd
+// at revision rev.
+func (m *EnvMirror) ApplyDelete(name string, rev int64) {
+	m.mu.Lock()
+	m.deleteLocked(name, rev)
+	m.mu.Unlock()
+}
+
+func (m *EnvMirror) follow(ctx context.Context, rev int64) {
+	for ctx.Err() == nil {
+		wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
+		for resp := range m.cli.Watch(wctx, envsPrefix, clientv3.WithPrefix(), clientv3.WithRev(rev+1)) {
+			if err := resp.Err(); err != nil {
+				m.log.Warn("cluster: watch environments", "err", err)
+				break
+			}
+			m.mu.Lock()
+			for _, ev := range resp.Events {
+				if ev.Type == clientv3.EventTypePut {
+					if e, err := decodeEnv(ev.Kv.Value, ev.Kv.ModRevision); err == nil {
+						m.putLocked(e)
+					}
+					continue
+				}
+				m.deleteLocked(strings.TrimPrefix(string(ev.Kv.Key), envsPrefix), ev.Kv.ModRevision)
+			}
+			m.mu.Unlock()
+			rev = resp.Header.Revision
+		}
+		cancel()
+		if ctx.Err() != nil {
+			return
+		}
+		time.Sleep(200 * time.Millisecond) // do not spin on a broken etcd
+		lctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		r, err := m.load(lctx)
+		cancel()
+		if err != nil {
+			m.log.Warn("cluster: reload environments", "err", err)
+			continue
+		}
+		rev = r
+	}
+}

@@ -1,0 +1,202 @@
+package control
+
+// Environments in a cluster live in etcd (internal/cluster's envs.go): a
+// write through a control replica or through a node's own API is one etcd
+// transaction, and every node mirrors them into its layer store, where its
+// creates (and its E2B templates) resolve them.
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+
+	"connectrpc.com/connect"
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	pb "github.com/shoal-sandbox/shoal/api/shoal/v1"
+	"github.com/shoal-sandbox/shoal/internal/cluster"
+	"github.com/shoal-sandbox/shoal/internal/errdefs"
+	"github.com/shoal-sandbox/shoal/internal/layer"
+)
+
+// ClusterEnvs makes a node's environment writes the cluster's: set by
+// SetClusterEnvs on a node of a cluster (serve --role node).
+type ClusterEnvs struct {
+	Client *clientv3.Client
+	Mirror *cluster.EnvMirror
+}
+
+// SetClusterEnvs sends the node's environment writes to etcd (c) instead
+// of its own store, which then follows etcd (c.Mirror). Call before
+// serving.
+func (s *Server) SetClusterEnvs(c *ClusterEnvs) { s.envs = c }
+
+// createClusterEnvironment checks an environment against this node's
+// layers and writes it to etcd.
+func (s *Server) createClusterEnvironment(ctx context.Context, r *pb.CreateEnvironmentRequest) (*pb.Environment, error) {
+	e := layer.Env{Name: r.Name, Base: r.Base, Workspaces: r.Workspaces, Toolkits: r.Toolkits, Backend: r.Backend}
+	if err := layer.CheckEnv(e); err != nil {
+		return nil, err
+	}
+	if _, err := s.node.Layers().ResolveStack(e.Base, e.Workspaces, e.Toolkits); err != nil {
+		return nil, fmt.Errorf("create environment %s: %w", e.Name, err)
+	}
+	ce, err := cluster.PutEnv(ctx, s.envs.Client, e, r.Replace, r.IfRevision)
+	if err != nil {
+		return nil, err
+	}
+	s.envs.Mirror.Apply(ce)
+	out := s.environmentPB(ce.Env)
+	out.Revision = ce.Revision
+	return out, nil
+}
+
+func (s *Server) deleteClusterEnvironment(ctx context.Context, name string) error {
+	rev, err := cluster.DeleteEnv(ctx, s.envs.Client, name)
+	if err != nil {
+		return err
+	}
+	s.envs.Mirror.ApplyDelete(name, rev)
+	return nil
+}
+
+// --- a control replica's environments ---
+
+func envPB(e cluster.Env) *pb.Environment {
+	return &pb.Environment{Name: e.Name, Base: e.Base, Workspaces: e.Workspaces, Toolkits: e.Toolkits, Backend: e.Backend,
+		CreatedAt: timestamppb.New(e.Created), Revision: e.Revision}
+}
+
+// anyNode returns a live node, or unavailable.
+func (f *Forwarder) anyNode() (cluster.NodeInfo, error) {
+	live := f.dir.Live()
+	if len(live) == 0 {
+		return cluster.NodeInfo{}, errdefs.New(errdefs.ErrUnavailable, "no node is up in the cluster")
+	}
+	return live[rand.IntN(len(live))], nil
+}
+
+// resolveStack resolves an environment's references on node n, top to
+// bottom as a node does (toolkits, workspaces, base), checking each
+// one's kind.
+func (f *Forwarder) resolveStack(ctx context.Context, n cluster.NodeInfo, e layer.Env, h map[string][]string) ([]*pb.Layer, error) {
+	const proc = "/shoal.v1.LayerService/GetLayer"
+	var out []*pb.Layer
+	add := func(ref string, want pb.LayerKind) error {
+		res, err := clientFor[pb.GetLayerRequest, pb.Layer](f, n, proc).CallUnary(ctx, outgoing(&pb.GetLayerRequest{Ref: ref}, h))
+		if err != nil {
+			return relay(err)
+		}
+		if res.Msg.Kind != want {
+			return errdefs.New(errdefs.ErrInvalidArgument, "layer %s is a %s layer, not a %s layer", ref, kindName(res.Msg.Kind), kindName(want))
+		}
+		out = append(out, res.Msg)
+		return nil
+	}
+	for _, r := range e.Toolkits {
+		if err := add(r, pb.LayerKind_LAYER_KIND_TOOLKIT); err != nil {
+			return nil, err
+		}
+	}
+	for _, r := range e.Workspaces {
+		if err := add(r, pb.LayerKind_LAYER_KIND_WORKSPACE); err != nil {
+			return nil, err
+		}
+	}
+	if err := add(e.Base, pb.LayerKind_LAYER_KIND_BASE); err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (f *Forwarder) createEnvironment(ctx context.Context, req *connect.Request[pb.CreateEnvironmentRequest]) (*connect.Response[pb.Environment], error) {
+	r := req.Msg
+	e := layer.Env{Name: r.Name, Base: r.Base, Workspaces: r.Workspaces, Toolkits: r.Toolkits, Backend: r.Backend}
+	if err := layer.CheckEnv(e); err != nil {
+		return nil, toConnect(fmt.Errorf("create environment: %w", err))
+	}
+	n, err := f.anyNode()
+	if err != nil {
+		return nil, toConnect(err)
+	}
+	if e.Backend != "" {
+		offered := false
+		for _, l := range f.dir.Live() {
+			for _, b := range l.Load.Backends {
+				offered = offered || b == e.Backend
+			}
+		}
+		if !offered {
+			return nil, toConnect(errdefs.New(errdefs.ErrInvalidArgument, "create environment %s: backend %q is offered by no live node", e.Name, e.Backend))
+		}
+	}
+	resolved, err := f.resolveStack(ctx, n, e, req.Header())
+	if err != nil {
+		return nil, toConnect(fmt.Errorf("create environment %s: %w", e.Name, err))
+	}
+	ce, err := cluster.PutEnv(ctx, f.dir.Client(), e, r.Replace, r.IfRevision)
+	if err != nil {
+		return nil, toConnect(err)
+	}
+	out := envPB(ce)
+	out.Resolved = resolved
+	return connect.NewResponse(out), nil
+}
+
+func (f *Forwarder) getEnvironment(ctx context.Context, req *connect.Request[pb.GetEnvironmentRequest]) (*connect.Response[pb.Environment], error) {
+	e, err := cluster.GetEnv(ctx, f.dir.Client(), req.Msg.Name)
+	if err != nil {
+		return nil, toConnect(err)
+	}
+	out := envPB(e)
+	if n, err := f.anyNode(); err == nil {
+		// What it resolves to now (left empty if a reference does not).
+		out.Resolved, _ = f.resolveStack(ctx, n, e.Env, req.Header())
+	}
+	return connect.NewResponse(out), nil
+}
+
+func (f *Forwarder) listEnvironments(ctx context.Context, req *connect.Request[pb.ListEnvironmentsRequest]) (*connect.Response[pb.ListEnvironmentsResponse], error) {
+	envs, _, err := cluster.ListEnvs(ctx, f.dir.Client())
+	if err != nil {
+		return nil, toConnect(err)
+	}
+	out := &pb.ListEnvironmentsResponse{}
+	for _, e := range envs {
+		out.Environments = append(out.Environments, envPB(e))
+	}
+	return connect.NewResponse(out), nil
+}
+
+func (f *Forwarder) deleteEnvironment(ctx context.Context, req *connect.Request[pb.DeleteEnvironmentRequest]) (*connect.Response[pb.DeleteEnvironmentResponse], error) {
+	if _, err := cluster.DeleteEnv(ctx, f.dir.Client(), req.Msg.Name); err != nil {
+		return nil, toConnect(err)
+	}
+	return connect.NewResponse(&pb.DeleteEnvironmentResponse{}), nil
+}
+
+// expandTemplate fills a create that names a template with the
+// environment's stack and backend, read from etcd: what placement weighs,
+// and what the node is sent (so that the node need not have mirrored an
+// environment written a moment ago).
+func (f *Forwarder) expandTemplate(ctx context.Context, m *pb.CreateSandboxRequest) error {
+	if m.Template == "" {
+		return nil
+	}
+	if m.Base != "" {
+		return errdefs.New(errdefs.ErrInvalidArgument, "give a template or a base, not both (environment %s has its own base)", m.Template)
+	}
+	e, err := cluster.GetEnv(ctx, f.dir.Client(), m.Template)
+	if err != nil {
+		return err
+	}
+	m.Base = e.Base
+	if m.Backend == "" {
+		m.Backend = e.Backend
+	}
+	m.Workspaces = append(append([]string(nil), e.Workspaces...), m.Workspaces...)
+	m.Toolkits = append(append([]string(nil), e.Toolkits...), m.Toolkits...)
+	m.Template = ""
+	return nil
+}
