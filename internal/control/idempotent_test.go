@@ -277,12 +277,12 @@ func TestKeyedCreateAcrossReplicas(t *testing.T) {
 		t.Fatalf("%d sandboxes live, %d made, for %d keys", len(live), made, keys+1)
 	}
 
-	// The first node fills up: a new key goes to n2; its retry (n1 full
-	// still) follows the claim there.
+	// The first node fills up: a new key goes to another node (n2 or n3);
+	// its retry (n1 full still) follows the claim there.
 	rc.nodes["n1"].full.Store(true)
 	id2, err := rc.create(ctx, 0, "full/1")
-	if err != nil || cluster.TagOf(id2) != cluster.Tag("n2") {
-		t.Fatalf("a create with n1 full: %s %v; want one on n2", id2, err)
+	if err != nil || cluster.TagOf(id2) == cluster.Tag("n1") || cluster.TagOf(id2) == "" {
+		t.Fatalf("a create with n1 full: %s %v; want one on n2 or n3", id2, err)
 	}
 	rc.nodes["n1"].full.Store(false)
 	if again, err := rc.create(ctx, 1, "full/1"); err != nil || again != id2 {
