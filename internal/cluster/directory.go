@@ -102,17 +102,12 @@ func (d *Directory) goneLocked(name string) {
 // follow applies the watch's events; when the watch breaks (etcd
 // compacted past it, or a long partition) it reloads and watches anew.
 func (d *Directory) follow(ctx context.Context, rev int64) {
-	for ctx.Err() == nil {
-		// Only nodes/: a node's report carries its tag (claimed before its
-		// first report), and the catalog is read when asked.
-		wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
-		w := d.cli.Watch(wctx, nodesPrefix, clientv3.WithPrefix(), clientv3.WithRev(rev+1))
-		for resp := range w {
-			if err := resp.Err(); err != nil {
-				d.log.Warn("cluster: watch", "err", err)
-				break
-			}
+	// Only nodes/: a node's report carries its tag (claimed before its
+	// first report), and the catalog is read when asked.
+	follower{cli: d.cli, prefix: nodesPrefix, what: "nodes", log: d.log, load: d.load, reloadTimeout: 5 * time.Second,
+		apply: func(resp clientv3.WatchResponse) {
 			d.mu.Lock()
+			defer d.mu.Unlock()
 			for _, ev := range resp.Events {
 				k := string(ev.Kv.Key)
 				switch {
@@ -122,23 +117,7 @@ func (d *Directory) follow(ctx context.Context, rev int64) {
 					d.goneLocked(strings.TrimPrefix(k, nodesPrefix))
 				}
 			}
-			d.mu.Unlock()
-			rev = resp.Header.Revision
-		}
-		cancel()
-		if ctx.Err() != nil {
-			return
-		}
-		time.Sleep(200 * time.Millisecond) // do not spin on a broken etcd
-		lctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-		r, err := d.load(lctx)
-		cancel()
-		if err != nil {
-			d.log.Warn("cluster: reload", "err", err)
-			continue
-		}
-		rev = r
-	}
+		}}.run(ctx, rev)
 }
 
 // Client is the etcd client the directory follows etcd with.

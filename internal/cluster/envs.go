@@ -258,14 +258,10 @@ func (m *EnvMirror) ApplyDelete(name string, rev int64) {
 }
 
 func (m *EnvMirror) follow(ctx context.Context, rev int64) {
-	for ctx.Err() == nil {
-		wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
-		for resp := range m.cli.Watch(wctx, envsPrefix, clientv3.WithPrefix(), clientv3.WithRev(rev+1)) {
-			if err := resp.Err(); err != nil {
-				m.log.Warn("cluster: watch environments", "err", err)
-				break
-			}
+	follower{cli: m.cli, prefix: envsPrefix, what: "environments", log: m.log, load: m.load, reloadTimeout: 5 * time.Second,
+		apply: func(resp clientv3.WatchResponse) {
 			m.mu.Lock()
+			defer m.mu.Unlock()
 			for _, ev := range resp.Events {
 				if ev.Type == clientv3.EventTypePut {
 					if e, err := decodeEnv(ev.Kv.Value, ev.Kv.ModRevision); err == nil {
@@ -275,21 +271,5 @@ func (m *EnvMirror) follow(ctx context.Context, rev int64) {
 				}
 				m.deleteLocked(strings.TrimPrefix(string(ev.Kv.Key), envsPrefix), ev.Kv.ModRevision)
 			}
-			m.mu.Unlock()
-			rev = resp.Header.Revision
-		}
-		cancel()
-		if ctx.Err() != nil {
-			return
-		}
-		time.Sleep(200 * time.Millisecond) // do not spin on a broken etcd
-		lctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-		r, err := m.load(lctx)
-		cancel()
-		if err != nil {
-			m.log.Warn("cluster: reload environments", "err", err)
-			continue
-		}
-		rev = r
-	}
+		}}.run(ctx, rev)
 }

@@ -162,15 +162,11 @@ func (t *Tenancy) deleteLocked(k string) {
 // follow applies the watch's events; when the watch breaks it reloads and
 // watches anew (as Directory does).
 func (t *Tenancy) follow(ctx context.Context, rev int64) {
-	for ctx.Err() == nil {
-		wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
-		w := t.cli.Watch(wctx, tenancyPrefix, clientv3.WithPrefix(), clientv3.WithRev(rev+1), clientv3.WithProgressNotify())
-		for resp := range w {
-			if err := resp.Err(); err != nil {
-				t.log.Warn("cluster: watch tenants' keys", "err", err)
-				break
-			}
+	follower{cli: t.cli, prefix: tenancyPrefix, what: "tenants' keys", log: t.log, load: t.load, reloadTimeout: 5 * time.Second,
+		opts: []clientv3.OpOption{clientv3.WithProgressNotify()},
+		apply: func(resp clientv3.WatchResponse) {
 			t.mu.Lock()
+			defer t.mu.Unlock()
 			for _, ev := range resp.Events {
 				if ev.Type == clientv3.EventTypePut {
 					t.putLocked(string(ev.Kv.Key), ev.Kv.Value)
@@ -179,23 +175,7 @@ func (t *Tenancy) follow(ctx context.Context, rev int64) {
 				}
 			}
 			t.advanceLocked(resp.Header.Revision)
-			t.mu.Unlock()
-			rev = resp.Header.Revision
-		}
-		cancel()
-		if ctx.Err() != nil {
-			return
-		}
-		time.Sleep(200 * time.Millisecond) // do not spin on a broken etcd
-		lctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-		r, err := t.load(lctx)
-		cancel()
-		if err != nil {
-			t.log.Warn("cluster: reload tenants' keys", "err", err)
-			continue
-		}
-		rev = r
-	}
+		}}.run(ctx, rev)
 }
 
 // loadTimeout bounds the first read of what a watch then follows.

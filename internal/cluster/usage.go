@@ -192,15 +192,10 @@ func (u *Usage) seenLocked(id string) {
 // follow applies the watch's events; when the watch breaks it reloads and
 // watches anew.
 func (u *Usage) follow(ctx context.Context, rev int64) {
-	for ctx.Err() == nil {
-		wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
-		w := u.cli.Watch(wctx, sandboxesPrefix, clientv3.WithPrefix(), clientv3.WithRev(rev+1))
-		for resp := range w {
-			if err := resp.Err(); err != nil {
-				u.log.Warn("cluster: watch the sandbox catalog", "err", err)
-				break
-			}
+	follower{cli: u.cli, prefix: sandboxesPrefix, what: "the sandbox catalog", log: u.log, load: u.load, reloadTimeout: 30 * time.Second,
+		apply: func(resp clientv3.WatchResponse) {
 			u.mu.Lock()
+			defer u.mu.Unlock()
 			for _, ev := range resp.Events {
 				k := string(ev.Kv.Key)
 				if old, ok := u.entries[k]; ok {
@@ -216,23 +211,7 @@ func (u *Usage) follow(ctx context.Context, rev int64) {
 					u.seenLocked(e.id)
 				}
 			}
-			u.mu.Unlock()
-			rev = resp.Header.Revision
-		}
-		cancel()
-		if ctx.Err() != nil {
-			return
-		}
-		time.Sleep(200 * time.Millisecond)
-		lctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-		r, err := u.load(lctx)
-		cancel()
-		if err != nil {
-			u.log.Warn("cluster: reload the sandbox catalog", "err", err)
-			continue
-		}
-		rev = r
-	}
+		}}.run(ctx, rev)
 }
 
 // SetReplicas makes the replica's creates-per-second buckets its share

@@ -1,0 +1,57 @@
+package cluster
+
+import (
+	"context"
+	"log/slog"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+)
+
+// follower keeps an in-memory copy of a prefix of etcd: a load of it all,
+// then its watch's events from the revision that load read at.
+type follower struct {
+	cli    *clientv3.Client
+	prefix string
+	what   string // for the log: "nodes", "environments", ...
+	log    *slog.Logger
+	// load reads the whole prefix into the copy and returns the revision
+	// it read at; reloadTimeout bounds it after a broken watch.
+	load          func(context.Context) (int64, error)
+	reloadTimeout time.Duration
+	// apply applies one watch response (its events, or none: a progress
+	// notification) to the copy.
+	apply func(clientv3.WatchResponse)
+	opts  []clientv3.OpOption // more watch options
+}
+
+// run applies the watch's events from revision rev on until ctx ends;
+// when the watch breaks (etcd compacted past it, or a long partition) it
+// reloads and watches anew.
+func (f follower) run(ctx context.Context, rev int64) {
+	for ctx.Err() == nil {
+		wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
+		opts := append([]clientv3.OpOption{clientv3.WithPrefix(), clientv3.WithRev(rev + 1)}, f.opts...)
+		for resp := range f.cli.Watch(wctx, f.prefix, opts...) {
+			if err := resp.Err(); err != nil {
+				f.log.Warn("cluster: watch "+f.what, "err", err)
+				break
+			}
+			f.apply(resp)
+			rev = resp.Header.Revision
+		}
+		cancel()
+		if ctx.Err() != nil {
+			return
+		}
+		time.Sleep(200 * time.Millisecond) // do not spin on a broken etcd
+		lctx, cancel := context.WithTimeout(ctx, f.reloadTimeout)
+		r, err := f.load(lctx)
+		cancel()
+		if err != nil {
+			f.log.Warn("cluster: reload "+f.what, "err", err)
+			continue
+		}
+		rev = r
+	}
+}
