@@ -664,6 +664,9 @@ func (b *Backend) createCold(ctx context.Context, spec sandbox.Spec, dir string)
 		if err := setSchedIdle(filepath.Join(dir, pidFileName)); err != nil {
 			return h, fmt.Errorf("create sandbox %s: %w", spec.ID, err)
 		}
+		if err := b.setCPUIdle(spec.ID); err != nil {
+			return h, fmt.Errorf("create sandbox %s: %w", spec.ID, err)
+		}
 	}
 
 	log.Debug("sandbox created cold", "rootfs", rootfs, "took", time.Since(start))

@@ -61,7 +61,9 @@ func (b *Backend) setLimits(runcID string, r sandbox.Resources) error {
 				{"memory.swap.max", "0"},
 				{"pids.max", pidsStr},
 				{"cpu.max", cpuMax(quota)},
+				{"cpu.idle", "0"}, // before the weight: an idle group refuses one
 				{"cpu.weight", map[bool]string{false: "100", true: "1"}[r.BestEffort]},
+				{"cpu.idle", map[bool]string{false: "0", true: "1"}[r.BestEffort]},
 			} {
 				if err := writeIfExists(filepath.Join(dir, w.file), w.value); err != nil {
 					return err
@@ -84,8 +86,17 @@ func (b *Backend) setLimits(runcID string, r sandbox.Resources) error {
 			if r.BestEffort {
 				shares = beCPUShares
 			}
+			// An idle group refuses new shares: not idle first.
+			if err := writeIfExists(filepath.Join(dir, "cpu.idle"), "0"); err != nil {
+				return err
+			}
 			if err := writeCgroup(filepath.Join(dir, "cpu.shares"), strconv.Itoa(shares)); err != nil {
 				return err
+			}
+			if r.BestEffort {
+				if err := writeIfExists(filepath.Join(dir, "cpu.idle"), "1"); err != nil {
+					return err
+				}
 			}
 			if err := writeCgroup(filepath.Join(dir, "cpu.cfs_period_us"), strconv.Itoa(cpuPeriod)); err != nil {
 				return err
@@ -157,6 +168,29 @@ func writeIfExists(path, value string) error {
 		return nil
 	}
 	return err
+}
+
+// setCPUIdle makes a best-effort sandbox's CPU cgroup idle (cpu.idle, v1
+// and v2, where the kernel has it): the group as a whole is scheduled as
+// SCHED_IDLE against its siblings and, above them, against everything
+// else, so a waking task of any other group (a latency-sensitive
+// sandbox's, the node's) preempts it at once. SCHED_IDLE on the tasks
+// alone (setSchedIdle) ranks them only within their own group: the
+// group's entity still competed with its weight. runc's spec has no
+// field for it on cgroup v1.
+func (b *Backend) setCPUIdle(runcID string) error {
+	mounts, err := b.cgroupMounts()
+	if err != nil {
+		return err
+	}
+	for _, m := range mounts {
+		if m.v2 || slices.Contains(m.options, "cpu") {
+			if err := writeIfExists(filepath.Join(m.dir, b.cgroupParent, runcID, "cpu.idle"), "1"); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
 }
 
 // setSchedIdle puts every thread of the process whose pid is in pidFile

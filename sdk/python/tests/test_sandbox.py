@@ -192,5 +192,12 @@ def test_best_effort_qos(server) -> None:
         assert be.commands.run("cut -d' ' -f41 /proc/self/stat").stdout.strip() == "5"
         assert be.commands.run("sh -c 'sleep 0 & cut -d\" \" -f41 /proc/self/stat'").stdout.strip() == "5"
         assert ls.commands.run("cut -d' ' -f41 /proc/self/stat").stdout.strip() == "0"
+        # And the best-effort sandbox's CPU cgroup is idle as a group (so
+        # any other group's waking task preempts it), where the kernel has
+        # cpu.idle (v1: /sys/fs/cgroup/cpu/, v2: /sys/fs/cgroup/).
+        idle = "cat /sys/fs/cgroup/cpu/cpu.idle 2>/dev/null || cat /sys/fs/cgroup/cpu.idle 2>/dev/null || echo none"
+        if ls.commands.run(idle).stdout.strip() != "none":
+            assert be.commands.run(idle).stdout.strip() == "1"
+            assert ls.commands.run(idle).stdout.strip() == "0"
     with pytest.raises(shoal.InvalidArgument):
         Sandbox.create(base=server.base, qos="fast")
