@@ -97,18 +97,28 @@ func unescapeMountinfo(s string) string {
 }
 
 // cgroupDirs returns the sandbox's cgroup directory in every hierarchy,
-// whether or not it exists; the pids and freezer hierarchies come first.
+// whether or not it exists; the pids and freezer hierarchies come first,
+// and a best-effort sandbox's group under the idle parent (see idleParent)
+// last.
 func (b *Backend) cgroupDirs(id string) ([]string, error) {
 	mounts, err := b.cgroupMounts()
 	if err != nil {
 		return nil, err
 	}
-	dirs := make([]string, len(mounts))
-	for i, m := range mounts {
-		dirs[i] = filepath.Join(m.dir, b.cgroupParent, id)
+	dirs := make([]string, 0, len(mounts)+1)
+	for _, m := range mounts {
+		dirs = append(dirs, filepath.Join(m.dir, b.cgroupParent, id))
+	}
+	for _, m := range mounts {
+		if isV1CPU(m) {
+			dirs = append(dirs, filepath.Join(m.dir, b.idleParent(), id))
+		}
 	}
 	return dirs, nil
 }
+
+// isV1CPU tells whether m is the cgroup v1 hierarchy of the cpu controller.
+func isV1CPU(m cgroupMount) bool { return !m.v2 && slices.Contains(m.options, "cpu") }
 
 // killCgroup SIGKILLs every task of the sandbox's cgroup, thaws it if it is
 // frozen (frozen tasks do not die) and waits until they have exited. It is

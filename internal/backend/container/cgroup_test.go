@@ -1,11 +1,15 @@
 package container
 
 import (
+	"context"
 	"fmt"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
+
+	"github.com/shoal-sandbox/shoal/internal/sandbox"
 )
 
 // The bound of all sandboxes' tasks together is pids.max of their parent
@@ -36,5 +40,93 @@ func TestParentPidsMax(t *testing.T) {
 	got, err := os.ReadFile(filepath.Join(dir, "pids.max"))
 	if err != nil || strings.TrimSpace(string(got)) != "12345" {
 		t.Fatalf("pids.max = %q, %v", got, err)
+	}
+}
+
+// A best-effort sandbox's tasks are scheduled, on a cgroup v1 host, in a
+// group of the cpu hierarchy under an idle parent beside the sandboxes'
+// parent (so that the node and latency-sensitive sandboxes preempt them:
+// makeIdle), with its CPU limit; what they start is born there; its other
+// controllers' groups stay under the parent; a latency-sensitive sandbox
+// stays where it was made; delete removes the group. Cold and pooled.
+func TestBestEffortIdleGroup(t *testing.T) {
+	requireRoot(t)
+	cpu := "/sys/fs/cgroup/cpu"
+	if _, err := os.Stat(filepath.Join(cpu, "cpu.shares")); err != nil {
+		t.Skip("no cgroup v1 cpu hierarchy at /sys/fs/cgroup/cpu")
+	}
+	for _, pooled := range []bool{false, true} {
+		t.Run(map[bool]string{false: "cold", true: "pooled"}[pooled], func(t *testing.T) {
+			var b *Backend
+			if pooled {
+				b = newPoolBackend(t, t.TempDir(), 2)
+				waitPool(t, b, 2)
+			} else {
+				b = newBackend(t)
+			}
+			be := poolSpec(t)
+			be.Resources = sandbox.Resources{BestEffort: true, MilliCPU: 500}
+			hb := create(t, b, be)
+			ls := create(t, b, poolSpec(t))
+			if got := hb.Data["pooled"] == "true"; got != pooled {
+				t.Fatalf("pooled = %v", got)
+			}
+			cpuGroup := func(h sandbox.Handle, pid string) string {
+				t.Helper()
+				for _, l := range strings.Split(readTrim(t, "/proc/"+pid+"/cgroup"), "\n") {
+					if f := strings.SplitN(l, ":", 3); len(f) == 3 && strings.Contains(","+f[1]+",", ",cpu,") {
+						return f[2]
+					}
+				}
+				t.Fatalf("no cpu line in /proc/%s/cgroup", pid)
+				return ""
+			}
+			agentPid := func(h sandbox.Handle) string {
+				pids, err := b.cgroupPids(h.Data["runc_id"])
+				if err != nil || len(pids) == 0 {
+					t.Fatalf("pids of %s: %v %v", h.ID, pids, err)
+				}
+				return strconv.Itoa(pids[0])
+			}
+			idle := filepath.Join(cpu, testCgroupParent+"-be")
+			want := "/" + testCgroupParent + "-be/" + hb.Data["runc_id"]
+			if got := cpuGroup(hb, agentPid(hb)); got != want {
+				t.Errorf("best-effort agent in cpu group %s, want %s", got, want)
+			}
+			if got := readTrim(t, filepath.Join(idle, hb.Data["runc_id"], "cpu.cfs_quota_us")); got != "50000" {
+				t.Errorf("best-effort group's quota %s, want 50000", got)
+			}
+			if _, err := os.Stat(filepath.Join(idle, "cpu.idle")); err == nil {
+				if got := readTrim(t, filepath.Join(idle, "cpu.idle")); got != "1" {
+					t.Errorf("%s/cpu.idle = %s", idle, got)
+				}
+			} else if got := readTrim(t, filepath.Join(idle, "cpu.shares")); got != "2" {
+				t.Errorf("%s/cpu.shares = %s (no cpu.idle)", idle, got)
+			}
+			// A command's process (started after the move) is there too,
+			// and the sandbox's pids group has not moved.
+			out, code := run(t, hb, "sleep 30 & echo $!")
+			if code != 0 {
+				t.Fatalf("sleep: %d %s", code, out)
+			}
+			pids, _ := b.cgroupPids(hb.Data["runc_id"])
+			if len(pids) < 2 {
+				t.Fatalf("the sandbox's pids group lists %v", pids)
+			}
+			for _, p := range pids {
+				if got := cpuGroup(hb, strconv.Itoa(p)); got != want {
+					t.Errorf("task %d of the best-effort sandbox in cpu group %s", p, got)
+				}
+			}
+			if got := cpuGroup(ls, agentPid(ls)); got != "/"+testCgroupParent+"/"+ls.Data["runc_id"] {
+				t.Errorf("latency-sensitive agent in cpu group %s", got)
+			}
+			if err := b.Delete(context.Background(), hb); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := os.Stat(filepath.Join(idle, hb.Data["runc_id"])); !os.IsNotExist(err) {
+				t.Errorf("best-effort cpu group left after delete: %v", err)
+			}
+		})
 	}
 }

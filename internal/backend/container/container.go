@@ -664,7 +664,7 @@ func (b *Backend) createCold(ctx context.Context, spec sandbox.Spec, dir string)
 		if err := setSchedIdle(filepath.Join(dir, pidFileName)); err != nil {
 			return h, fmt.Errorf("create sandbox %s: %w", spec.ID, err)
 		}
-		if err := b.setCPUIdle(spec.ID); err != nil {
+		if err := b.makeIdle(spec.ID, spec.Resources); err != nil {
 			return h, fmt.Errorf("create sandbox %s: %w", spec.ID, err)
 		}
 	}

@@ -86,17 +86,9 @@ func (b *Backend) setLimits(runcID string, r sandbox.Resources) error {
 			if r.BestEffort {
 				shares = beCPUShares
 			}
-			// An idle group refuses new shares: not idle first.
-			if err := writeIfExists(filepath.Join(dir, "cpu.idle"), "0"); err != nil {
-				return err
-			}
+			// A best-effort sandbox's tasks leave this group (makeIdle).
 			if err := writeCgroup(filepath.Join(dir, "cpu.shares"), strconv.Itoa(shares)); err != nil {
 				return err
-			}
-			if r.BestEffort {
-				if err := writeIfExists(filepath.Join(dir, "cpu.idle"), "1"); err != nil {
-					return err
-				}
 			}
 			if err := writeCgroup(filepath.Join(dir, "cpu.cfs_period_us"), strconv.Itoa(cpuPeriod)); err != nil {
 				return err
@@ -170,27 +162,97 @@ func writeIfExists(path, value string) error {
 	return err
 }
 
-// setCPUIdle makes a best-effort sandbox's CPU cgroup idle (cpu.idle, v1
-// and v2, where the kernel has it): the group as a whole is scheduled as
-// SCHED_IDLE against its siblings and, above them, against everything
-// else, so a waking task of any other group (a latency-sensitive
-// sandbox's, the node's) preempts it at once. SCHED_IDLE on the tasks
-// alone (setSchedIdle) ranks them only within their own group: the
-// group's entity still competed with its weight. runc's spec has no
-// field for it on cgroup v1.
-func (b *Backend) setCPUIdle(runcID string) error {
+// idleParent is the cgroup, beside --cgroup-parent (the same level of
+// each hierarchy: "shoal-be" for the default "shoal"), under which a
+// best-effort sandbox's CPU group goes on a cgroup v1 host (see makeIdle).
+func (b *Backend) idleParent() string { return b.cgroupParent + "-be" }
+
+// makeIdle makes a best-effort sandbox's CPU scheduling idle against all
+// that is not best-effort: the node's own process and the latency-
+// sensitive sandboxes preempt it as soon as they wake.
+//
+// SCHED_IDLE on its tasks (setSchedIdle) ranks them only within their own
+// group, and an idle group (cpu.idle 1) only among its siblings: under
+// --cgroup-parent, the sandboxes' parent as a whole still competed with
+// the node (serve, in its own cgroup above) at its full weight, so a
+// waking serve waited for a burner's slice to end (an LS exec's p99 went
+// from 3.5 to 22.6 ms with best-effort burners on a quiet host). So on a
+// cgroup v1 host, whose cpu controller is a hierarchy of its own, the
+// sandbox's tasks move, in that hierarchy only, to idleParent()/runcID,
+// idleParent itself idle: at the top of the hierarchy, where the node and
+// the latency-sensitive sandboxes' parent are its siblings. Its memory,
+// pids and freezer groups stay where they are. On the unified (v2)
+// hierarchy every controller would move with it: there the group stays
+// under --cgroup-parent and is idle among its siblings only.
+//
+// It runs when the sandbox is made, before anything of the workload runs,
+// so no task of the sandbox is left behind; the tasks a moved task starts
+// are born in its group.
+func (b *Backend) makeIdle(runcID string, r sandbox.Resources) error {
 	mounts, err := b.cgroupMounts()
 	if err != nil {
 		return err
 	}
 	for _, m := range mounts {
-		if m.v2 || slices.Contains(m.options, "cpu") {
+		switch {
+		case m.v2:
 			if err := writeIfExists(filepath.Join(m.dir, b.cgroupParent, runcID, "cpu.idle"), "1"); err != nil {
 				return err
+			}
+		case isV1CPU(m):
+			if err := b.moveToIdleParent(m, runcID, r); err != nil {
+				return fmt.Errorf("best-effort CPU group: %w", err)
 			}
 		}
 	}
 	return nil
+}
+
+func (b *Backend) moveToIdleParent(m cgroupMount, runcID string, r sandbox.Resources) error {
+	parent := filepath.Join(m.dir, b.idleParent())
+	if err := os.Mkdir(parent, 0o755); err != nil && !errors.Is(err, os.ErrExist) {
+		return err
+	}
+	// The lowest weight first (a kernel without cpu.idle keeps it; an
+	// idle group refuses a weight), then idle.
+	if idle, err := os.ReadFile(filepath.Join(parent, "cpu.idle")); err != nil || strings.TrimSpace(string(idle)) != "1" {
+		if err := writeCgroup(filepath.Join(parent, "cpu.shares"), strconv.Itoa(beCPUShares)); err != nil {
+			return err
+		}
+		if err := writeIfExists(filepath.Join(parent, "cpu.idle"), "1"); err != nil {
+			return err
+		}
+	}
+	dst := filepath.Join(parent, runcID)
+	if err := os.Mkdir(dst, 0o755); err != nil && !errors.Is(err, os.ErrExist) {
+		return err
+	}
+	quota := int64(-1)
+	if r.MilliCPU > 0 {
+		quota = r.MilliCPU * cpuPeriod / 1000
+	}
+	if err := writeCgroup(filepath.Join(dst, "cpu.cfs_period_us"), strconv.Itoa(cpuPeriod)); err != nil {
+		return err
+	}
+	if err := writeCgroup(filepath.Join(dst, "cpu.cfs_quota_us"), strconv.FormatInt(quota, 10)); err != nil {
+		return err
+	}
+	src := filepath.Join(m.dir, b.cgroupParent, runcID, "cgroup.procs")
+	for range 10 {
+		pids, err := readPids(src)
+		if err != nil {
+			return err
+		}
+		if len(pids) == 0 {
+			return nil
+		}
+		for _, pid := range pids {
+			if err := writeCgroup(filepath.Join(dst, "cgroup.procs"), strconv.Itoa(pid)); err != nil && !errors.Is(err, unix.ESRCH) {
+				return err
+			}
+		}
+	}
+	return fmt.Errorf("tasks keep appearing in %s", src)
 }
 
 // setSchedIdle puts every thread of the process whose pid is in pidFile

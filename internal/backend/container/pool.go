@@ -614,6 +614,9 @@ func (b *Backend) claim(ctx context.Context, spec sandbox.Spec, dir string, m *m
 		if err := setSchedIdle(filepath.Join(claimed, pidFileName)); err != nil {
 			return h, fmt.Errorf("claim for sandbox %s: %w", spec.ID, err)
 		}
+		if err := b.makeIdle(m.id, spec.Resources); err != nil {
+			return h, fmt.Errorf("claim for sandbox %s: %w", spec.ID, err)
+		}
 	}
 
 	// 3. The root, as a detached mount handed to the agent; its writable

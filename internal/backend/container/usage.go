@@ -34,10 +34,17 @@ func (b *Backend) cpuUsec(runcID string) int64 {
 		return -1
 	}
 	for _, m := range mounts {
-		dir := filepath.Join(m.dir, b.cgroupParent, runcID)
 		if !m.v2 && slices.Contains(m.options, "cpuacct") {
-			if ns := readInt(filepath.Join(dir, "cpuacct.usage")); ns >= 0 {
-				return ns / 1000
+			dirs := []string{filepath.Join(m.dir, b.cgroupParent, runcID)}
+			if isV1CPU(m) {
+				// cpu,cpuacct mounted together: a best-effort sandbox's
+				// tasks, and its account, are under the idle parent.
+				dirs = append([]string{filepath.Join(m.dir, b.idleParent(), runcID)}, dirs...)
+			}
+			for _, dir := range dirs {
+				if ns := readInt(filepath.Join(dir, "cpuacct.usage")); ns >= 0 {
+					return ns / 1000
+				}
 			}
 		}
 	}

@@ -192,12 +192,21 @@ def test_best_effort_qos(server) -> None:
         assert be.commands.run("cut -d' ' -f41 /proc/self/stat").stdout.strip() == "5"
         assert be.commands.run("sh -c 'sleep 0 & cut -d\" \" -f41 /proc/self/stat'").stdout.strip() == "5"
         assert ls.commands.run("cut -d' ' -f41 /proc/self/stat").stdout.strip() == "0"
-        # And the best-effort sandbox's CPU cgroup is idle as a group (so
-        # any other group's waking task preempts it), where the kernel has
-        # cpu.idle (v1: /sys/fs/cgroup/cpu/, v2: /sys/fs/cgroup/).
-        idle = "cat /sys/fs/cgroup/cpu/cpu.idle 2>/dev/null || cat /sys/fs/cgroup/cpu.idle 2>/dev/null || echo none"
-        if ls.commands.run(idle).stdout.strip() != "none":
-            assert be.commands.run(idle).stdout.strip() == "1"
-            assert ls.commands.run(idle).stdout.strip() == "0"
+        # And the best-effort sandbox's CPU is idle as a group against
+        # everything else: on a cgroup v1 host its tasks are in a cpu group
+        # under the idle parent beside the sandboxes' (outside the
+        # sandbox's cgroup namespace: "/../../<parent>-be/ID"), a
+        # latency-sensitive sandbox's at its namespace's root; on v2 its
+        # own group is idle (cpu.idle).
+        v1 = "test -e /sys/fs/cgroup/cpu/cpu.shares && grep -E '^[0-9]+:([^:]*,)?cpu(,[^:]*)?:' /proc/self/cgroup | cut -d: -f3"
+        be_cpu, ls_cpu = be.commands.run(v1).stdout.strip(), ls.commands.run(v1).stdout.strip()
+        if ls_cpu:
+            assert ls_cpu == "/"
+            assert be_cpu.startswith("/../../") and "-be/" in be_cpu, be_cpu
+        else:
+            idle = "cat /sys/fs/cgroup/cpu.idle 2>/dev/null || echo none"
+            if ls.commands.run(idle).stdout.strip() != "none":
+                assert be.commands.run(idle).stdout.strip() == "1"
+                assert ls.commands.run(idle).stdout.strip() == "0"
     with pytest.raises(shoal.InvalidArgument):
         Sandbox.create(base=server.base, qos="fast")
