@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -128,5 +129,23 @@ func TestBestEffortIdleGroup(t *testing.T) {
 				t.Errorf("best-effort cpu group left after delete: %v", err)
 			}
 		})
+	}
+}
+
+// The core scheduling probe agrees with the kernel's configuration (where
+// /proc/config.gz tells it) and with the host's SMT.
+func TestProbeCoreSched(t *testing.T) {
+	ok, why := probeCoreSched()
+	t.Logf("core scheduling: %v %s", ok, why)
+	out, err := exec.Command("sh", "-c", "zcat /proc/config.gz | grep -E '^(# )?CONFIG_SCHED_CORE[ =]'").Output()
+	if err != nil {
+		t.Skip("no /proc/config.gz to compare with")
+	}
+	built := strings.Contains(string(out), "CONFIG_SCHED_CORE=y")
+	switch {
+	case !built && (ok || !strings.Contains(why, "CONFIG_SCHED_CORE")):
+		t.Errorf("kernel without CONFIG_SCHED_CORE: probe says %v (%s)", ok, why)
+	case built && ok != smtActive():
+		t.Errorf("kernel with CONFIG_SCHED_CORE, SMT %v: probe says %v (%s)", smtActive(), ok, why)
 	}
 }

@@ -255,6 +255,7 @@ type Backend struct {
 	runtime      string // absolute path of the runtime binary
 	stateDir     string
 	cgroupParent string // relative to each hierarchy's root, no leading or trailing slash
+	coreSched    bool   // latency-sensitive sandboxes get a core scheduling cookie (coresched.go)
 	poolDir      string
 	prefetch     bool // Config.ResumePrefetch
 	log          *slog.Logger
@@ -383,6 +384,12 @@ func New(cfg Config) (*Backend, error) {
 		} else {
 			cfg.Log.Info("container backend: node-wide pids limit", "cgroup", cfg.CgroupParent, "pids_max", cfg.PidsMax)
 		}
+	}
+	if ok, why := probeCoreSched(); ok {
+		b.coreSched = true
+		cfg.Log.Info("container backend: core scheduling: each latency-sensitive sandbox gets a core of its own while it runs")
+	} else {
+		cfg.Log.Info("container backend: no core scheduling for latency-sensitive sandboxes", "why", why)
 	}
 	if cfg.EgressSubnet != "" {
 		e, err := newEgress(cfg.EgressSubnet, cfg.StateDir, "/run/shoal", cfg.Log)
@@ -665,6 +672,11 @@ func (b *Backend) createCold(ctx context.Context, spec sandbox.Spec, dir string)
 			return h, fmt.Errorf("create sandbox %s: %w", spec.ID, err)
 		}
 		if err := b.makeIdle(spec.ID, spec.Resources); err != nil {
+			return h, fmt.Errorf("create sandbox %s: %w", spec.ID, err)
+		}
+	}
+	if !spec.Resources.BestEffort && b.coreSched {
+		if err := setCoreCookie(filepath.Join(dir, pidFileName)); err != nil {
 			return h, fmt.Errorf("create sandbox %s: %w", spec.ID, err)
 		}
 	}

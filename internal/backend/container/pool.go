@@ -618,6 +618,11 @@ func (b *Backend) claim(ctx context.Context, spec sandbox.Spec, dir string, m *m
 			return h, fmt.Errorf("claim for sandbox %s: %w", spec.ID, err)
 		}
 	}
+	if !spec.Resources.BestEffort && b.coreSched {
+		if err := setCoreCookie(filepath.Join(claimed, pidFileName)); err != nil {
+			return h, fmt.Errorf("claim for sandbox %s: %w", spec.ID, err)
+		}
+	}
 
 	// 3. The root, as a detached mount handed to the agent; its writable
 	// layer on the disk the container brought, when it is of the size
