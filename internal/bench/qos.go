@@ -43,6 +43,50 @@ type QoSResult struct {
 	BEWorkRate float64 `json:"be_burner_iterations_per_s"`
 	LSWorkRate float64 `json:"ls_burner_iterations_per_s"`
 	BEWorkKept float64 `json:"be_work_vs_ls_work"`
+	// The spare CPU: the node's CPUs less what its host used (the node's
+	// cpu_usec) while only the latency-sensitive execs ran, in CPUs; and
+	// what the burners of each class used (their sandboxes' cpu_usec), in
+	// CPUs. On a busy host latency-sensitive burners take CPU from the
+	// host's other work too, so be_work_vs_ls_work understates what best-
+	// effort work keeps of the spare CPU: be_cpu_vs_spare says it.
+	SpareCPUs    float64 `json:"spare_cpus_unloaded"`
+	BECPUs       float64 `json:"be_burner_cpus"`
+	LSCPUs       float64 `json:"ls_burner_cpus"`
+	BECPUOfSpare float64 `json:"be_cpu_vs_spare"`
+}
+
+// cpuSnap is the node's busy CPU time and its sandboxes' CPU times at one
+// moment (GetStatus).
+type cpuSnap struct {
+	at   time.Time
+	host int64            // µs, all CPUs
+	sbx  map[string]int64 // µs per sandbox
+}
+
+func snapCPU(ctx context.Context, c *shoal.Client) (cpuSnap, error) {
+	st, err := c.Status(ctx)
+	if err != nil {
+		return cpuSnap{}, err
+	}
+	s := cpuSnap{at: time.Now(), sbx: map[string]int64{}}
+	for _, n := range st.Nodes {
+		s.host += n.CpuUsec
+	}
+	for _, u := range st.Sandboxes {
+		s.sbx[u.Id] = u.CpuUsec
+	}
+	return s, nil
+}
+
+// cpus is the CPU used between a and b by the sandboxes ids, in CPUs.
+func cpusBetween(a, b cpuSnap, ids []string) float64 {
+	var us int64
+	for _, id := range ids {
+		if b.sbx[id] >= 0 && a.sbx[id] >= 0 {
+			us += b.sbx[id] - a.sbx[id]
+		}
+	}
+	return float64(us) / float64(b.at.Sub(a.at).Microseconds())
 }
 
 // QoS measures what CPU classes buy: the exec latency of a latency-
@@ -103,16 +147,32 @@ func QoS(ctx context.Context, c *shoal.Client, o QoSOptions) (*QoSResult, error)
 	if _, err := execs(); err != nil { // warm-up
 		return nil, err
 	}
+	s0, err := snapCPU(ctx, c)
+	if err != nil {
+		return nil, err
+	}
 	unloaded, err := execs()
 	if err != nil {
 		return nil, err
 	}
 	res.Unloaded = dist(unloaded)
+	// The spare CPU over at least 3 s (the execs are done by then or not).
+	time.Sleep(time.Until(s0.at.Add(3 * time.Second)))
+	s1, err := snapCPU(ctx, c)
+	if err != nil {
+		return nil, err
+	}
+	busy := float64(s1.host-s0.host) / float64(s1.at.Sub(s0.at).Microseconds())
+	res.SpareCPUs = math.Round(max(float64(res.CPUs)-busy, 0)*100) / 100
 	// burn runs the burners of a class for o.Duration while the
 	// latency-sensitive sandbox runs its execs; it returns their latency
 	// and the burners' iterations per second.
-	burn := func(qos string) ([]time.Duration, float64, error) {
+	burn := func(qos string) ([]time.Duration, float64, float64, error) {
 		ids := sets[qos]
+		b0, err := snapCPU(ctx, c)
+		if err != nil {
+			return nil, 0, 0, err
+		}
 		secs := int(math.Ceil(o.Duration.Seconds()))
 		script := fmt.Sprintf(`n=0; trap 'echo $n; exit 0' TERM; (sleep %d; kill -TERM $$) & while :; do n=$((n+1)); done`, secs)
 		var wg sync.WaitGroup
@@ -134,32 +194,37 @@ func QoS(ctx context.Context, c *shoal.Client, o QoSOptions) (*QoSResult, error)
 		d, err := execs()
 		wg.Wait()
 		if err != nil {
-			return nil, 0, err
+			return nil, 0, 0, err
+		}
+		b1, err := snapCPU(ctx, c)
+		if err != nil {
+			return nil, 0, 0, err
 		}
 		var total int64
 		for i := range counts {
 			if errs[i] != nil {
-				return nil, 0, fmt.Errorf("burner: %w", errs[i])
+				return nil, 0, 0, fmt.Errorf("burner: %w", errs[i])
 			}
 			total += counts[i]
 		}
-		return d, float64(total) / float64(secs), nil
+		return d, float64(total) / float64(secs), cpusBetween(b0, b1, ids), nil
 	}
 	// Alternating rounds (be, ls, ls, be), so that a host whose load
 	// drifts during the run favours neither class.
 	var beD, lsD []time.Duration
-	var beW, lsW float64
+	var beW, lsW, beC, lsC float64
 	for _, qos := range []string{"be", "ls", "ls", "be"} {
-		d, w, err := burn(qos)
+		d, w, cpus, err := burn(qos)
 		if err != nil {
 			return nil, err
 		}
 		if qos == "be" {
-			beD, beW = append(beD, d...), beW+w/2
+			beD, beW, beC = append(beD, d...), beW+w/2, beC+cpus/2
 		} else {
-			lsD, lsW = append(lsD, d...), lsW+w/2
+			lsD, lsW, lsC = append(lsD, d...), lsW+w/2, lsC+cpus/2
 		}
 	}
+	res.BECPUs, res.LSCPUs = math.Round(beC*100)/100, math.Round(lsC*100)/100
 	res.BEBurning, res.LSBurning = dist(beD), dist(lsD)
 	res.BEWorkRate, res.LSWorkRate = math.Round(beW), math.Round(lsW)
 	ratio := func(a, b float64) float64 {
@@ -171,5 +236,6 @@ func QoS(ctx context.Context, c *shoal.Client, o QoSOptions) (*QoSResult, error)
 	res.RatioBEP99 = ratio(res.BEBurning.P99, res.Unloaded.P99)
 	res.RatioLSP99 = ratio(res.LSBurning.P99, res.Unloaded.P99)
 	res.BEWorkKept = ratio(res.BEWorkRate, res.LSWorkRate)
+	res.BECPUOfSpare = ratio(beC, res.SpareCPUs)
 	return res, nil
 }
