@@ -538,7 +538,7 @@ func serve(cfg serveConfig) error {
 		return err
 	}
 	defer auditLog.Close()
-	vms, err := vmBackends(cfg.VM, cfg.DataDir, cfg.Agent, log)
+	vms, err := vmBackends(cfg.VM, cfg.DataDir, cfg.Agent, cfg.CgroupParent, log)
 	if err != nil {
 		return err
 	}

@@ -38,7 +38,7 @@ func addVMFlags(cmd *cobra.Command, c *vmConfig) {
 
 // vmBackends returns the VM backends this node offers, or an error when one
 // is required (--microvm on, --fullvm on) but cannot run here.
-func vmBackends(c vmConfig, dataDir, agentBin string, log *slog.Logger) ([]sandbox.Backend, error) {
+func vmBackends(c vmConfig, dataDir, agentBin, cgroupParent string, log *slog.Logger) ([]sandbox.Backend, error) {
 	var out []sandbox.Backend
 	for _, k := range []struct{ name, machine, mode, image string }{
 		{"microvm", microvm.MachineMicroVM, c.MicroVM, ""},
@@ -52,7 +52,7 @@ func vmBackends(c vmConfig, dataDir, agentBin string, log *slog.Logger) ([]sandb
 			return nil, fmt.Errorf("--%s %q: want auto, on or off", k.name, k.mode)
 		}
 		cfg := microvm.Config{Name: k.name, Machine: k.machine, QEMU: c.QEMU, KernelDir: c.KernelDir, Image: k.image,
-			StateDir: filepath.Join(dataDir, "vm"), AgentBinary: agentBin, Accel: c.Accel, Logger: log}
+			StateDir: filepath.Join(dataDir, "vm"), AgentBinary: agentBin, Accel: c.Accel, CgroupParent: cgroupParent, Logger: log}
 		b, err := microvm.New(cfg)
 		if err != nil {
 			if k.mode == "on" {

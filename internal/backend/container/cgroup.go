@@ -1,7 +1,6 @@
 package container
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"errors"
@@ -10,48 +9,28 @@ import (
 	"path/filepath"
 	"slices"
 	"strconv"
-	"strings"
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/shoal-sandbox/shoal/internal/cgroups"
 )
 
-// cgroupMount is one mounted cgroup hierarchy.
+// cgroupMount is one mounted cgroup hierarchy (cgroups.Mount).
 type cgroupMount struct {
 	dir     string   // mount point, e.g. /sys/fs/cgroup/memory
 	v2      bool     // cgroup2 (the unified hierarchy)
 	options []string // super options: the v1 controllers, "name=systemd", ...
 }
 
-// cgroupMounts lists the cgroup hierarchies mounted in our mount namespace,
-// each once (the first mount of a hierarchy wins).
+// cgroupMounts lists the cgroup hierarchies mounted in our mount namespace.
 func cgroupMounts() ([]cgroupMount, error) {
-	data, err := os.ReadFile("/proc/self/mountinfo")
-	if err != nil {
-		return nil, fmt.Errorf("list cgroup mounts: %w", err)
+	ms, err := cgroups.Mounts()
+	mounts := make([]cgroupMount, len(ms))
+	for i, m := range ms {
+		mounts[i] = cgroupMount{dir: m.Dir, v2: m.V2, options: m.Options}
 	}
-	var mounts []cgroupMount
-	seen := map[string]bool{}
-	sc := bufio.NewScanner(bytes.NewReader(data))
-	sc.Buffer(make([]byte, 64<<10), 1<<20)
-	for sc.Scan() {
-		// 36 25 0:31 / /sys/fs/cgroup/memory rw,relatime shared:14 - cgroup cgroup rw,memory
-		pre, post, ok := strings.Cut(sc.Text(), " - ")
-		if !ok {
-			continue
-		}
-		f, g := strings.Fields(pre), strings.Fields(post)
-		if len(f) < 5 || len(g) < 3 || (g[0] != "cgroup" && g[0] != "cgroup2") || f[3] != "/" {
-			continue
-		}
-		key := g[0] + " " + g[2]
-		if seen[key] {
-			continue
-		}
-		seen[key] = true
-		mounts = append(mounts, cgroupMount{dir: unescapeMountinfo(f[4]), v2: g[0] == "cgroup2", options: strings.Split(g[2], ",")})
-	}
-	return mounts, sc.Err()
+	return mounts, err
 }
 
 // cgroupMounts returns the host's cgroup hierarchies, read once (they are
@@ -77,24 +56,7 @@ func (b *Backend) cgroupMounts() ([]cgroupMount, error) {
 	return b.cgroups, b.cgroupsErr
 }
 
-// unescapeMountinfo undoes the octal escapes (\040 ...) of mountinfo paths.
-func unescapeMountinfo(s string) string {
-	if !strings.Contains(s, `\`) {
-		return s
-	}
-	var b strings.Builder
-	for i := 0; i < len(s); i++ {
-		if s[i] == '\\' && i+4 <= len(s) {
-			if n, err := strconv.ParseUint(s[i+1:i+4], 8, 8); err == nil {
-				b.WriteByte(byte(n))
-				i += 3
-				continue
-			}
-		}
-		b.WriteByte(s[i])
-	}
-	return b.String()
-}
+var unescapeMountinfo = cgroups.UnescapeMountinfo
 
 // cgroupDirs returns the sandbox's cgroup directory in every hierarchy,
 // whether or not it exists; the pids and freezer hierarchies come first,
@@ -186,21 +148,7 @@ func thaw(dirs []string) {
 	}
 }
 
-func readPids(procs string) ([]int, error) {
-	data, err := os.ReadFile(procs)
-	if err != nil {
-		return nil, err
-	}
-	var pids []int
-	for _, f := range strings.Fields(string(data)) {
-		pid, err := strconv.Atoi(f)
-		if err != nil {
-			return nil, fmt.Errorf("parse %s: %w", procs, err)
-		}
-		pids = append(pids, pid)
-	}
-	return pids, nil
-}
+var readPids = cgroups.ReadPids
 
 // waitPidfds waits until every process behind pidfds has exited.
 func waitPidfds(ctx context.Context, pidfds []int) error {
@@ -239,23 +187,7 @@ func (b *Backend) removeCgroups(id string) error {
 	}
 	var errs []error
 	for _, d := range dirs {
-		// Killed tasks may take a while to leave the cgroup on a loaded
-		// host (55 ms of retries was too short at load 88).
-		var err error
-		deadline := time.Now().Add(5 * time.Second)
-		for i := 1; ; i++ {
-			if err = unix.Rmdir(d); err == nil || errors.Is(err, unix.ENOENT) {
-				err = nil
-				break
-			}
-			if !errors.Is(err, unix.EBUSY) || time.Now().After(deadline) {
-				break
-			}
-			time.Sleep(time.Duration(min(i, 50)) * time.Millisecond) // tasks still exiting
-		}
-		if err != nil {
-			errs = append(errs, fmt.Errorf("remove cgroup %s: %w", d, err))
-		}
+		errs = append(errs, cgroups.Remove(d, 5*time.Second))
 	}
 	return errors.Join(errs...)
 }

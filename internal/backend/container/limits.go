@@ -11,6 +11,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/shoal-sandbox/shoal/internal/cgroups"
 	"github.com/shoal-sandbox/shoal/internal/sandbox"
 )
 
@@ -72,7 +73,7 @@ func (b *Backend) setLimits(runcID string, r sandbox.Resources) error {
 			continue
 		}
 		if has("memory") {
-			if err := setMemoryV1(dir, memStr, mem); err != nil {
+			if err := cgroups.SetMemoryV1(dir, mem); err != nil {
 				return err
 			}
 		}
@@ -101,36 +102,6 @@ func (b *Backend) setLimits(runcID string, r sandbox.Resources) error {
 	return nil
 }
 
-// setMemoryV1 sets memory and memory+swap to the same limit. The kernel
-// keeps memory <= memory+swap at every step, so the order depends on
-// whether the limit goes down or up.
-func setMemoryV1(dir, value string, limit int64) error {
-	memFile := filepath.Join(dir, "memory.limit_in_bytes")
-	swFile := filepath.Join(dir, "memory.memsw.limit_in_bytes")
-	cur, err := os.ReadFile(memFile)
-	if err != nil {
-		return fmt.Errorf("read %s: %w", memFile, err)
-	}
-	curLimit, _ := strconv.ParseInt(strings.TrimSpace(string(cur)), 10, 64)
-	order := []string{memFile, swFile}
-	if limit > curLimit {
-		order = []string{swFile, memFile}
-	}
-	for _, f := range order {
-		if f == swFile {
-			// No swap accounting (swapaccount=0): nothing to bound.
-			if err := writeIfExists(f, value); err != nil {
-				return err
-			}
-			continue
-		}
-		if err := writeCgroup(f, value); err != nil {
-			return err
-		}
-	}
-	return nil
-}
-
 func cpuMax(quota int64) string {
 	if quota < 0 {
 		return "max " + strconv.Itoa(cpuPeriod)
@@ -138,29 +109,10 @@ func cpuMax(quota int64) string {
 	return strconv.FormatInt(quota, 10) + " " + strconv.Itoa(cpuPeriod)
 }
 
-// writeCgroup writes a cgroup control file (never creating it: cgroupfs
-// answers EACCES, not ENOENT, to a create).
-func writeCgroup(path, value string) error {
-	f, err := os.OpenFile(path, os.O_WRONLY|os.O_TRUNC, 0)
-	if err == nil {
-		_, err = f.WriteString(value)
-		if cerr := f.Close(); err == nil {
-			err = cerr
-		}
-	}
-	if err != nil {
-		return fmt.Errorf("write %s = %s: %w", path, value, err)
-	}
-	return nil
-}
-
-func writeIfExists(path, value string) error {
-	err := writeCgroup(path, value)
-	if errors.Is(err, os.ErrNotExist) {
-		return nil
-	}
-	return err
-}
+var (
+	writeCgroup   = cgroups.Write
+	writeIfExists = cgroups.WriteIfExists
+)
 
 // idleParent is the cgroup, beside --cgroup-parent (the same level of
 // each hierarchy: "shoal-be" for the default "shoal"), under which a

@@ -107,7 +107,10 @@ type Config struct {
 	// the create's context has no deadline (default 60 s with KVM, 180 s
 	// with TCG).
 	BootTimeout time.Duration
-	Logger      *slog.Logger
+	// CgroupParent: each VM's QEMU runs in CgroupParent/ID in every
+	// hierarchy, with the sandbox's limits (cgroup.go); "": no cgroups.
+	CgroupParent string
+	Logger       *slog.Logger
 }
 
 // Check reports why this node cannot run VMs (nil if it can): no QEMU or
@@ -450,7 +453,12 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (h sandbox.Hand
 		// A snapshot restores only into the same devices: VMs made before
 		// the balloon had none, and keep none.
 		"balloon": "1",
+		// Its QEMU's CPU limit and class (cgroup.go).
+		"millicpu": strconv.FormatInt(max(spec.Resources.MilliCPU, 0), 10),
 	}}
+	if spec.Resources.BestEffort {
+		h.Data["qos"] = "be"
+	}
 	if upperDisk {
 		h.Data["disk"] = strconv.FormatInt(spec.Resources.DiskBytes, 10)
 	}
@@ -553,6 +561,12 @@ func (b *Backend) start(h sandbox.Handle, extra ...string) (sandbox.Handle, <-ch
 	}
 	exited := make(chan struct{})
 	go func() { cmd.Wait(); close(exited) }()
+	if err := b.enterCgroup(h, cmd.Process.Pid); err != nil {
+		// Unbounded, it does not run.
+		cmd.Process.Kill()
+		<-exited
+		return h, nil, err
+	}
 	return withPid(h, cmd.Process.Pid), exited, nil
 }
 
@@ -772,6 +786,9 @@ func (b *Backend) Delete(ctx context.Context, h sandbox.Handle) error {
 		if err := kill(ctx, pidfileProcess(h.Data["dir"])); err != nil {
 			return err
 		}
+	}
+	if err := b.removeCgroup(h); err != nil {
+		return err
 	}
 	return removeOverlay(h)
 }

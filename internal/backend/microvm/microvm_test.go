@@ -113,7 +113,9 @@ func TestVMCreateExecFilesDelete(t *testing.T) {
 }
 
 func testVMCreateExecFilesDelete(t *testing.T, machine string) {
-	b, img := vmTestEnv(t, machine)
+	// Its QEMU in cgroups of its own (a best-effort VM's: TestVMCgroup).
+	b, img := vmTestEnv(t, machine, func(c *Config) { c.CgroupParent = "shoal-test-vm" })
+	res := sandbox.Resources{MemoryBytes: 256 << 20, MilliCPU: 1000}
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
 	sdir, err := os.MkdirTemp("/tmp", "vmt") // short: unix socket paths
@@ -123,7 +125,7 @@ func testVMCreateExecFilesDelete(t *testing.T, machine string) {
 	defer os.RemoveAll(sdir)
 	start := time.Now()
 	h, err := b.Create(ctx, sandbox.Spec{ID: "vmtest-" + machine, Dir: sdir, Env: []string{"FOO=bar"},
-		Resources: sandbox.Resources{MemoryBytes: 256 << 20, MilliCPU: 1000},
+		Resources: res,
 		Layers:    []sandbox.Layer{{Digest: "sha256:x", Kind: "base", ImagePath: img}}})
 	if err != nil {
 		t.Fatal(err)
@@ -155,6 +157,10 @@ func testVMCreateExecFilesDelete(t *testing.T, machine string) {
 	// (this test's own directory, say) are not there.
 	if out := run(t, ctx, c, "sh", "-c", "ls / ; test -e "+sdir+" && echo HOST-VISIBLE || true"); strings.Contains(out, "HOST-VISIBLE") {
 		t.Errorf("the guest sees the host's %s: %s", sdir, out)
+	}
+	groups := checkCgroup(t, h, res)
+	if u := b.Usage(h); groups != nil && (u.MemoryBytes < 32<<20 || u.CPUUsec <= 0) {
+		t.Errorf("a booted VM's usage from its groups: %+v", u)
 	}
 	checkFreePageReporting(t, ctx, c, h)
 	// Several requests at once share the one channel.
@@ -194,12 +200,81 @@ func testVMCreateExecFilesDelete(t *testing.T, machine string) {
 	if ok, _ := b.Alive(h); ok {
 		t.Error("alive after delete")
 	}
+	for _, g := range groups {
+		if _, err := os.Stat(g); !os.IsNotExist(err) {
+			t.Errorf("cgroup %s left after delete: %v", g, err)
+		}
+	}
 	if st, _ := b.Recover(ctx, h); st != sandbox.StatusStopped {
 		t.Errorf("recover after delete: %s", st)
 	}
 	if err := b.Delete(ctx, h); err != nil {
 		t.Errorf("second delete: %v", err)
 	}
+}
+
+// checkCgroup: the VM's QEMU, every thread of it, is in its own groups
+// (cgroup v1 here) with the sandbox's limits: memory (guest RAM plus
+// QEMU's overhead, memory+swap the same), tasks, CPU quota; a
+// best-effort VM's cpu group under the idle parent. It returns the
+// groups' directories.
+func checkCgroup(t *testing.T, h sandbox.Handle, res sandbox.Resources) []string {
+	t.Helper()
+	if _, err := os.Stat("/sys/fs/cgroup/memory/memory.limit_in_bytes"); err != nil {
+		t.Log("no cgroup v1 memory hierarchy: cgroups not checked")
+		return nil
+	}
+	pid := h.Data["pid"]
+	cpuParent := "/shoal-test-vm/"
+	if res.BestEffort {
+		cpuParent = "/shoal-test-vm-be/"
+	}
+	var groups []string
+	tasks, _ := filepath.Glob("/proc/" + pid + "/task/*/cgroup")
+	if len(tasks) == 0 {
+		t.Fatalf("no process %s", pid)
+	}
+	for _, task := range tasks {
+		data, err := os.ReadFile(task)
+		if err != nil {
+			continue
+		}
+		for _, l := range strings.Split(strings.TrimSpace(string(data)), "\n") {
+			f := strings.SplitN(l, ":", 3)
+			if len(f) != 3 {
+				continue
+			}
+			want := ""
+			switch f[1] {
+			case "memory", "pids", "cpuacct":
+				want = "/shoal-test-vm/" + h.ID
+			case "cpu", "cpu,cpuacct":
+				want = cpuParent + h.ID
+			}
+			if want != "" && f[2] != want {
+				t.Errorf("%s: %s group %s, want %s", task, f[1], f[2], want)
+			}
+		}
+	}
+	mem := "/sys/fs/cgroup/memory/shoal-test-vm/" + h.ID
+	cpu := "/sys/fs/cgroup/cpu" + cpuParent + h.ID
+	pids := "/sys/fs/cgroup/pids/shoal-test-vm/" + h.ID
+	for file, want := range map[string]string{
+		mem + "/memory.limit_in_bytes": strconv.FormatInt(res.MemoryBytes+qemuOverhead, 10),
+		pids + "/pids.max":             strconv.Itoa(qemuPids),
+		cpu + "/cpu.cfs_quota_us":      strconv.FormatInt(res.MilliCPU*cpuPeriod/1000, 10),
+	} {
+		data, err := os.ReadFile(file)
+		if err != nil || strings.TrimSpace(string(data)) != want {
+			t.Errorf("%s = %q (%v), want %s", file, data, err, want)
+		}
+	}
+	if res.BestEffort {
+		if data, err := os.ReadFile("/sys/fs/cgroup/cpu/shoal-test-vm-be/cpu.idle"); err == nil && strings.TrimSpace(string(data)) != "1" {
+			t.Errorf("the best-effort parent is not idle: %q", data)
+		}
+	}
+	return append(groups, mem, cpu, pids)
 }
 
 // checkFreePageReporting: memory the guest frees goes back to the host
