@@ -56,6 +56,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -336,6 +337,9 @@ func (e *Engine) Place(ctx context.Context, r Request, try func(ctx context.Cont
 	if r.MilliCPU < 0 || r.Memory < 0 {
 		return "", errdefs.New(errdefs.ErrInvalidArgument, "negative CPU or memory")
 	}
+	if err := e.offered(r.Backend); err != nil {
+		return "", err
+	}
 	ctx, cancel := context.WithTimeout(ctx, e.cfg.MaxWait)
 	defer cancel()
 	if err := e.enqueue(); err != nil {
@@ -368,6 +372,36 @@ func (e *Engine) Place(ctx context.Context, r Request, try func(ctx context.Cont
 			return "", e.timedOut(r, lastRefusal, ctx.Err())
 		}
 	}
+}
+
+// offered refuses at once (invalid argument, as a node refuses it) a
+// backend that none of the nodes the engine knows offers: waiting would
+// not bring one (a node's backends come with its start). With no node at
+// all (a cluster starting), it waits as for capacity.
+func (e *Engine) offered(backend string) error {
+	if backend == "" {
+		return nil
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if len(e.nodes) == 0 {
+		return nil
+	}
+	all := map[string]bool{}
+	for _, st := range e.nodes {
+		if st.backends[backend] {
+			return nil
+		}
+		for b := range st.backends {
+			all[b] = true
+		}
+	}
+	names := make([]string, 0, len(all))
+	for b := range all {
+		names = append(names, b)
+	}
+	slices.Sort(names)
+	return errdefs.New(errdefs.ErrInvalidArgument, "backend %q is not offered by any node of the cluster (offered: %s)", backend, strings.Join(names, ", "))
 }
 
 func (e *Engine) timedOut(r Request, refusal, err error) error {

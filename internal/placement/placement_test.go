@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"runtime"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -513,5 +514,33 @@ func TestGrantedWhileGivingUp(t *testing.T) {
 		}
 	case <-time.After(time.Minute):
 		t.Fatalf("the slot was never handed back: %d taken", e.inflight.Load())
+	}
+}
+
+// A backend no node offers is refused at once with the backends offered
+// (a node refuses it the same way), not queued until the deadline; with
+// no node at all, a create waits as for capacity.
+func TestPlaceBackendNoNodeOffers(t *testing.T) {
+	e := New(Config{MaxWait: time.Minute})
+	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+	_, err := e.Place(ctx, Request{Backend: "teleport"}, func(context.Context, string) error { return nil })
+	cancel()
+	if !errors.Is(err, ErrNoCapacity) || errors.Is(err, errdefs.ErrInvalidArgument) {
+		t.Fatalf("no nodes yet: %v, want a wait for capacity until the deadline", err)
+	}
+	e.Update(node("a", 8000, 16*gib, 0, 0))
+	t0 := time.Now()
+	_, err = e.Place(context.Background(), Request{Backend: "teleport"}, func(context.Context, string) error {
+		t.Fatal("tried a node that does not offer the backend")
+		return nil
+	})
+	if !errors.Is(err, errdefs.ErrInvalidArgument) || !strings.Contains(err.Error(), `"teleport"`) || !strings.Contains(err.Error(), "offered: container") {
+		t.Fatalf("err %v, want invalid argument naming the backend and what is offered", err)
+	}
+	if time.Since(t0) > 30*time.Second {
+		t.Fatalf("the refusal waited %s", time.Since(t0))
+	}
+	if got, err := e.Place(context.Background(), Request{Backend: "container"}, func(context.Context, string) error { return nil }); err != nil || got != "a" {
+		t.Fatalf("container: %q %v", got, err)
 	}
 }
