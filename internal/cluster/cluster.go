@@ -55,6 +55,10 @@ type NodeInfo struct {
 	// replicas forward E2B's API and sandbox traffic; empty when the node
 	// serves none.
 	E2BURL string `json:"e2b_url,omitempty"`
+	// LayerStore is the URL of the layer store the node shares with
+	// others (empty: none): control replicas send layer builds, imports
+	// and tags to a node with one, so that every node sees the layer.
+	LayerStore string `json:"layer_store,omitempty"`
 	// Load: the capacity report, as placement reads it.
 	Load    placement.Node `json:"load"`
 	Started time.Time      `json:"started"`

@@ -24,7 +24,7 @@ import (
 // SetClusterEnvs on a node of a cluster (serve --role node).
 type ClusterEnvs struct {
 	Client *clientv3.Client
-	Mirror *cluster.EnvMirror
+	Mirror *cluster.LayerMirror
 }
 
 // SetClusterEnvs sends the node's environment writes to etcd (c) instead

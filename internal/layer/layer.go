@@ -88,6 +88,10 @@ type Layer struct {
 	// holds no copy of it (resolved from the store, not pulled); "" for a
 	// local image.
 	Remote string `json:"remote,omitempty"`
+	// Mirrored: on a node of a cluster, the etcd revision of the tag
+	// this copy was mirrored at (internal/cluster's LayerMirror); 0 for
+	// a tag made here. Never sent anywhere (push, export).
+	Mirrored int64 `json:"mirrored,omitempty"`
 }
 
 // Ref returns the layer's tag, "name:version".
