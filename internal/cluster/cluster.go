@@ -15,6 +15,7 @@
 //	                      background (never on a request's path)
 //	tenancy/...           tenants' keys and quotas (tenants.go)
 //	envs/<name>           an environment (envs.go), mirrored by every node
+//	layers/tags/<n>/<v>   a layer tag (layertags.go), mirrored by every node
 //	creates/<hash>        where a create with a client key went (creates.go)
 //
 // A node runs a Registration (node side); each control replica runs a

@@ -374,6 +374,23 @@ func (m *LayerMirror) DeleteTag(ctx context.Context, ref string) error {
 	return nil
 }
 
+// LookupTag reads a tag from etcd (GetLayerTag), for a node whose copy
+// does not have it (yet: the watch brings it within milliseconds), and
+// writes it into the copy.
+func (m *LayerMirror) LookupTag(ctx context.Context, ref string) (layer.Layer, error) {
+	t, err := GetLayerTag(ctx, m.cli, ref)
+	if err != nil {
+		return layer.Layer{}, fmt.Errorf("resolve layer %s: %w", ref, err)
+	}
+	if m.tags != nil {
+		m.mu.Lock()
+		m.putTagLocked(t)
+		m.mu.Unlock()
+	}
+	t.Layer.Mirrored = t.Revision
+	return t.Layer, nil
+}
+
 func (m *LayerMirror) follow(ctx context.Context, rev int64) {
 	f := follower{cli: m.cli, prefix: envsPrefix, what: "environments", log: m.log, load: m.load, reloadTimeout: 5 * time.Second,
 		apply: func(resp clientv3.WatchResponse) {

@@ -192,4 +192,21 @@ func TestLayerTags(t *testing.T) {
 		t.Fatalf("a tag made on a node before it joined: %+v %v; want it in etcd", got, err)
 	}
 	eventually(t, "node 1 resolves mine:1", func() bool { return resolvesTo(n1, "mine:1", digestOf(6)) })
+
+	// A node whose copy lags (its watch stopped here): a tag it does not
+	// have yet is read from etcd, not refused.
+	n4 := openStore(t)
+	mctx, stop := context.WithCancel(ctx)
+	m4, err := MirrorLayers(mctx, client(t, ep), n4, log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n4.SetClusterTags(m4)
+	stop()
+	if _, _, err := PutLayerTag(ctx, a, baseLayer("fresh:1", 7)); err != nil {
+		t.Fatal(err)
+	}
+	if !resolvesTo(n4, "fresh:1", digestOf(7)) {
+		t.Fatal("a node whose copy lags does not resolve a tag made a moment ago")
+	}
 }

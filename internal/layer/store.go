@@ -163,6 +163,14 @@ func (s *Store) Resolve(ref string) (Layer, error) {
 	if err != nil {
 		return Layer{}, fmt.Errorf("resolve layer %s: %w", ref, err)
 	}
+	if !found && s.cluster != nil && p.version != "" {
+		// A tag is the cluster's: one made a moment ago through another
+		// node may not be in this copy yet. Not from the layer store's
+		// tags: etcd's are the ones.
+		ctx, cancel := context.WithTimeout(context.Background(), clusterTagTimeout)
+		defer cancel()
+		return s.cluster.LookupTag(ctx, ref)
+	}
 	if !found {
 		if s.remote != nil {
 			return s.resolveRemote(ref)
@@ -263,6 +271,9 @@ type ClusterTags interface {
 	PutTag(ctx context.Context, l Layer) (Layer, string, error)
 	// DeleteTag removes a tag; an unknown one wraps ErrNotFound.
 	DeleteTag(ctx context.Context, ref string) error
+	// LookupTag reads a tag this store's copy does not have (yet) from
+	// the cluster, and copies it here; an unknown one wraps ErrNotFound.
+	LookupTag(ctx context.Context, ref string) (Layer, error)
 }
 
 // clusterTagTimeout bounds a tag's move in the cluster.
