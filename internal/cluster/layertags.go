@@ -20,6 +20,7 @@ import (
 
 	"github.com/shoal-sandbox/shoal/internal/errdefs"
 	"github.com/shoal-sandbox/shoal/internal/layer"
+	"github.com/shoal-sandbox/shoal/internal/limits"
 )
 
 const layerTagsPrefix = Prefix + "layers/tags/"
@@ -164,4 +165,34 @@ type TagSink interface {
 	// List returns every tag of the copy (layer.Layer.Mirrored is 0 for
 	// one made on the node before it joined the cluster).
 	List() ([]layer.Layer, error)
+}
+
+// TagRevisions reads the revisions of the tags refs (at most limits.Layers
+// of them, a stack's most; others are left out) in one etcd transaction: ref → the
+// revision of its last move; a tag etcd does not have is left out.
+func TagRevisions(ctx context.Context, cli *clientv3.Client, refs []string) (map[string]int64, error) {
+	var ops []clientv3.Op
+	var keys []string
+	for _, r := range refs {
+		k, err := layerTagKey(r)
+		if err != nil || len(ops) == limits.Layers {
+			continue
+		}
+		ops = append(ops, clientv3.OpGet(k, clientv3.WithKeysOnly()))
+		keys = append(keys, r)
+	}
+	out := map[string]int64{}
+	if len(ops) == 0 {
+		return out, nil
+	}
+	resp, err := cli.Txn(ctx).Then(ops...).Commit()
+	if err != nil {
+		return nil, errdefs.Mark(errdefs.ErrUnavailable, fmt.Errorf("read layer tags from etcd: %w", err))
+	}
+	for i, r := range resp.Responses {
+		if kvs := r.GetResponseRange().GetKvs(); len(kvs) > 0 {
+			out[keys[i]] = kvs[0].ModRevision
+		}
+	}
+	return out, nil
 }

@@ -262,7 +262,7 @@ func (f *Forwarder) targets(proc string, how route, m proto.Message) ([]cluster.
 // client's credentials.
 func outgoing[T any](msg *T, h http.Header) *connect.Request[T] {
 	out := connect.NewRequest(msg)
-	for _, k := range []string{"Authorization", "X-Api-Key"} {
+	for _, k := range []string{"Authorization", "X-Api-Key", LayerTagsHeader} {
 		if v := h.Get(k); v != "" {
 			out.Header().Set(k, v)
 		}
@@ -402,7 +402,14 @@ func (f *Forwarder) createSandbox(ctx context.Context, req *connect.Request[pb.C
 		rsv = r
 	}
 	defer rsv.Done()
-	node, sb, err := f.placeAndCreate(ctx, pr, m, req.Header()) // idempotent.go
+	// The node is told the revisions of the tags the create names, so
+	// that it resolves them as etcd has them now.
+	h := req.Header().Clone()
+	h.Del(LayerTagsHeader)
+	if v := f.layerTagsHeader(ctx, m); v != "" {
+		h.Set(LayerTagsHeader, v)
+	}
+	node, sb, err := f.placeAndCreate(ctx, pr, m, h) // idempotent.go
 	if err != nil {
 		var ce *connect.Error
 		if errors.As(err, &ce) && !errors.Is(err, placement.ErrNoCapacity) {

@@ -22,12 +22,16 @@ package control
 // does for its own clients.
 
 import (
+	"context"
+	"fmt"
 	"math/rand/v2"
 	"net/http"
 	"net/http/httputil"
 	"net/url"
 	"slices"
+	"strconv"
 	"strings"
+	"time"
 
 	"google.golang.org/protobuf/proto"
 
@@ -35,6 +39,7 @@ import (
 	"github.com/shoal-sandbox/shoal/internal/cluster"
 	"github.com/shoal-sandbox/shoal/internal/errdefs"
 	"github.com/shoal-sandbox/shoal/internal/layer"
+	"github.com/shoal-sandbox/shoal/internal/limits"
 )
 
 // layerRef is the layer a layer request names ("" if none).
@@ -134,4 +139,58 @@ func (f *Forwarder) proxyTo(w http.ResponseWriter, r *http.Request, n cluster.No
 		},
 	}
 	p.ServeHTTP(w, r)
+}
+
+// LayerTagsHeader carries, from a control replica to a node with a
+// create, the revisions (in etcd) of the tags the create names:
+// "name:version=REV,...". A node whose copy of one of them is older reads
+// it from etcd before it resolves the stack: a create right after a tag
+// moved through another node or replica gets the new layer.
+const LayerTagsHeader = "Shoal-Layer-Tags"
+
+// layerTagsHeader reads the revisions of the tags m names from etcd (one
+// transaction, bounded by a second); "" if it names none or etcd does not
+// answer (the node resolves from its copy then).
+func (f *Forwarder) layerTagsHeader(ctx context.Context, m *pb.CreateSandboxRequest) string {
+	var refs []string
+	for _, r := range append(append([]string{m.Base}, m.Workspaces...), m.Toolkits...) {
+		if isTag(r) && len(refs) < limits.Layers {
+			refs = append(refs, r)
+		}
+	}
+	if len(refs) == 0 {
+		return ""
+	}
+	ctx, cancel := context.WithTimeout(ctx, time.Second)
+	defer cancel()
+	revs, err := cluster.TagRevisions(ctx, f.dir.Client(), refs)
+	if err != nil {
+		f.log.Warn("cluster: read the revisions of a create's layer tags", "err", err)
+		return ""
+	}
+	var b strings.Builder
+	for _, r := range refs {
+		if rev, ok := revs[r]; ok {
+			if b.Len() > 0 {
+				b.WriteByte(',')
+			}
+			fmt.Fprintf(&b, "%s=%d", r, rev)
+		}
+	}
+	return b.String()
+}
+
+// parseLayerTags parses LayerTagsHeader: at most limits.Layers tags, each
+// a valid tag with a positive revision (the rest is ignored).
+func parseLayerTags(v string) map[string]int64 {
+	out := map[string]int64{}
+	for _, p := range strings.Split(v, ",") {
+		ref, rev, ok := strings.Cut(p, "=")
+		n, err := strconv.ParseInt(rev, 10, 64)
+		if !ok || err != nil || n <= 0 || !isTag(ref) || len(out) == limits.Layers {
+			continue
+		}
+		out[ref] = n
+	}
+	return out
 }

@@ -2,22 +2,27 @@ package control
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
 	"connectrpc.com/connect"
+	"go.etcd.io/bbolt"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	pb "github.com/shoal-sandbox/shoal/api/shoal/v1"
 	"github.com/shoal-sandbox/shoal/api/shoal/v1/shoalv1connect"
 	"github.com/shoal-sandbox/shoal/internal/cluster"
 	"github.com/shoal-sandbox/shoal/internal/cluster/etcdtest"
+	"github.com/shoal-sandbox/shoal/internal/layer"
+	"github.com/shoal-sandbox/shoal/internal/limits"
 	"github.com/shoal-sandbox/shoal/internal/placement"
 )
 
@@ -152,5 +157,71 @@ func TestForwarderLayers(t *testing.T) {
 				t.Fatalf("%s %s through the replica: %d %q; want %q", c.method, c.path, res.StatusCode, b, c.want)
 			}
 		}
+	}
+}
+
+// TestParseLayerTags: the header a node reads from its replica (or from
+// anyone calling it) is bounded and strict.
+func TestParseLayerTags(t *testing.T) {
+	got := parseLayerTags("a:1=5,b:2=0,c=3,sha256:00=4,d:1=x,e:1=-2,f:1=9223372036854775807,a:1=7")
+	if len(got) != 2 || got["a:1"] != 7 || got["f:1"] != 9223372036854775807 {
+		t.Fatalf("parsed %v; want a:1=7 and f:1 alone", got)
+	}
+	var b strings.Builder
+	for i := range 1000 {
+		fmt.Fprintf(&b, "t%d:1=%d,", i, i+1)
+	}
+	if n := len(parseLayerTags(b.String())); n != limits.Layers {
+		t.Fatalf("%d tags parsed from 1000; want at most %d", n, limits.Layers)
+	}
+}
+
+// TestCatchUpTags: a node whose copy of a tag is older than the revision
+// its replica read (LayerTagsHeader) reads the tag from etcd before the
+// create resolves it.
+func TestCatchUpTags(t *testing.T) {
+	ep := etcdtest.Start(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelError}))
+	c, err := clientv3.New(clientv3.Config{Endpoints: []string{ep}, DialTimeout: 5 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	dir := t.TempDir()
+	db, err := bbolt.Open(filepath.Join(dir, "shoal.db"), 0o600, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer db.Close()
+	store, err := layer.Open(filepath.Join(dir, "layers"), db, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	at := func(i int) layer.Layer {
+		return layer.Layer{Name: "x", Version: "1", Kind: layer.KindBase, Digest: fmt.Sprintf("sha256:%064x", i), Size: 1}
+	}
+	if _, _, err := cluster.PutLayerTag(ctx, c, at(1)); err != nil {
+		t.Fatal(err)
+	}
+	// The node's copy has x:1 at its first layer, and follows no more.
+	mctx, stop := context.WithCancel(ctx)
+	m, err := cluster.MirrorLayers(mctx, c, store, log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	store.SetClusterTags(m)
+	stop()
+	moved, _, err := cluster.PutLayerTag(ctx, c, at(2))
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := &Server{envs: &ClusterEnvs{Client: c, Mirror: m}, log: log}
+	h := http.Header{}
+	h.Set(LayerTagsHeader, fmt.Sprintf("x:1=%d", moved.Revision))
+	s.catchUpTags(ctx, h)
+	if l, err := store.Resolve("x:1"); err != nil || l.Digest != at(2).Digest {
+		t.Fatalf("x:1 after the node caught up with revision %d: %s %v; want %s", moved.Revision, l.Digest, err, at(2).Digest)
 	}
 }
