@@ -147,8 +147,8 @@ func (c *clusterConfig) etcdClient() (*clientv3.Client, error) {
 }
 
 // registerNode makes the node a member of the cluster: it mirrors the
-// cluster's environments into its layer store (and sends api's
-// environment writes to etcd), registers, and heartbeats until ctx ends.
+// cluster's environments and layer tags into its layer store (and sends
+// api's environment writes, and the store's tag moves, to etcd), registers, and heartbeats until ctx ends.
 // The returned stop waits for it to leave. e2bAddr is the address of the
 // node's E2B endpoint (nil: it serves none).
 func registerNode(ctx context.Context, c clusterConfig, e2bAddr net.Addr, mgr *node.Manager, layers *layer.Store, api *control.Server, log *slog.Logger) (stop func(), err error) {
@@ -163,20 +163,23 @@ func registerNode(ctx context.Context, c clusterConfig, e2bAddr net.Addr, mgr *n
 	runCtx, cancelRun := context.WithCancel(ctx)
 	// The environments first: a node that was down catches up before it
 	// takes creates.
-	mirror, err := cluster.MirrorEnvs(runCtx, cli, layers, log)
+	mirror, err := cluster.MirrorLayers(runCtx, cli, layers, log)
 	if err != nil {
 		cancelRun()
 		cli.Close()
-		return nil, fmt.Errorf("read the cluster's environments from etcd: %w", err)
+		return nil, fmt.Errorf("read the cluster's environments and layer tags from etcd: %w", err)
 	}
 	api.SetClusterEnvs(&control.ClusterEnvs{Client: cli, Mirror: mirror})
+	layers.SetClusterTags(mirror)
 	report := func() (placement.Node, []cluster.CatalogEntry) {
 		l := mgr.Load()
 		n := placement.Node{MilliCPU: l.MilliCPU, Memory: l.Memory, UsedMilliCPU: l.UsedMilliCPU, UsedMemory: l.UsedMemory,
 			Sandboxes: l.Sandboxes, Backends: l.Backends}
 		if ls, err := layers.List(); err == nil {
-			for _, x := range ls {
-				n.Layers = append(n.Layers, x.Ref())
+			for _, x := range ls { // the cluster's tags: those whose image is here
+				if layers.Holds(x.Digest) {
+					n.Layers = append(n.Layers, x.Ref())
+				}
 			}
 		}
 		recs := mgr.List()
@@ -186,8 +189,13 @@ func registerNode(ctx context.Context, c clusterConfig, e2bAddr net.Addr, mgr *n
 		}
 		return n, sbs
 	}
+	var storeURL string
+	if rs := layers.RemoteStore(); rs != nil {
+		storeURL = rs.URL()
+	}
 	rctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-	reg, err := cluster.Register(rctx, cli, cluster.RegisterConfig{Name: c.NodeName, URL: c.Advertise, E2BURL: e2bURL, TTL: c.NodeTTL, Report: report, Log: log})
+	reg, err := cluster.Register(rctx, cli, cluster.RegisterConfig{Name: c.NodeName, URL: c.Advertise, E2BURL: e2bURL, LayerStore: storeURL,
+		TTL: c.NodeTTL, Report: report, Log: log})
 	cancel()
 	if err != nil {
 		cancelRun()

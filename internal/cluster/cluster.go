@@ -15,6 +15,7 @@
 //	                      background (never on a request's path)
 //	tenancy/...           tenants' keys and quotas (tenants.go)
 //	envs/<name>           an environment (envs.go), mirrored by every node
+//	layers/tags/<n>/<v>   a layer tag (layertags.go), mirrored by every node
 //	creates/<hash>        where a create with a client key went (creates.go)
 //
 // A node runs a Registration (node side); each control replica runs a
@@ -55,6 +56,10 @@ type NodeInfo struct {
 	// replicas forward E2B's API and sandbox traffic; empty when the node
 	// serves none.
 	E2BURL string `json:"e2b_url,omitempty"`
+	// LayerStore is the URL of the layer store the node shares with
+	// others (empty: none): control replicas send layer builds, imports
+	// and tags to a node with one, so that every node sees the layer.
+	LayerStore string `json:"layer_store,omitempty"`
 	// Load: the capacity report, as placement reads it.
 	Load    placement.Node `json:"load"`
 	Started time.Time      `json:"started"`

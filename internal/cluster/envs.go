@@ -145,26 +145,31 @@ type EnvSink interface {
 	Envs() ([]layer.Env, error)
 }
 
-// EnvMirror keeps a node's copy of the cluster's environments: it loads
-// them all (removing the copies of those etcd no longer has: a node that
-// was down catches up; one made on the node before it joined a cluster,
-// which etcd never had, is written to etcd instead), then follows etcd's
-// changes until its context ends, reloading when the watch breaks. Apply
-// writes one the node itself just wrote, so that the node reads its own
-// write at once.
-type EnvMirror struct {
+// LayerMirror keeps a node's copy of the cluster's environments and, when
+// its sink is a TagSink too, of its layer tags: it loads them all
+// (removing the copies of those etcd no longer has: a node that was down
+// catches up; one made on the node before it joined a cluster, which etcd
+// never had, is written to etcd instead), then follows etcd's changes of
+// both with one follower until its context ends, reloading when the watch
+// breaks. Apply and ApplyTag write one the node itself just wrote, so
+// that the node reads its own write at once.
+type LayerMirror struct {
 	cli  *clientv3.Client
 	sink EnvSink
+	tags TagSink // nil: the sink keeps no tags
 	log  *slog.Logger
 
-	mu   sync.Mutex       // serializes writes to sink, guards revs
-	revs map[string]int64 // name → revision applied (of a put or a delete)
+	mu      sync.Mutex       // serializes writes to sink, guards revs and tagRevs
+	revs    map[string]int64 // environment name → revision applied (of a put or a delete)
+	tagRevs map[string]int64 // tag "name:version" → revision applied
 }
 
-// MirrorEnvs loads etcd's environments into sink (giving up after 30 s)
-// and follows them until ctx ends.
-func MirrorEnvs(ctx context.Context, cli *clientv3.Client, sink EnvSink, log *slog.Logger) (*EnvMirror, error) {
-	m := &EnvMirror{cli: cli, sink: sink, log: log, revs: map[string]int64{}}
+// MirrorLayers loads etcd's environments (and layer tags, if sink is a
+// TagSink) into sink (giving up after 30 s) and follows them until ctx
+// ends.
+func MirrorLayers(ctx context.Context, cli *clientv3.Client, sink EnvSink, log *slog.Logger) (*LayerMirror, error) {
+	m := &LayerMirror{cli: cli, sink: sink, log: log, revs: map[string]int64{}, tagRevs: map[string]int64{}}
+	m.tags, _ = sink.(TagSink)
 	lctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	rev, err := m.load(lctx)
 	cancel()
@@ -175,10 +180,24 @@ func MirrorEnvs(ctx context.Context, cli *clientv3.Client, sink EnvSink, log *sl
 	return m, nil
 }
 
-func (m *EnvMirror) load(ctx context.Context) (int64, error) {
+func (m *LayerMirror) load(ctx context.Context) (int64, error) {
 	envs, rev, err := ListEnvs(ctx, m.cli)
 	if err != nil {
 		return 0, err
+	}
+	var tags []LayerTag
+	if m.tags != nil {
+		// Read at the environments' revision: one snapshot of both,
+		// which the watch goes on from.
+		resp, err := m.cli.Get(ctx, layerTagsPrefix, clientv3.WithPrefix(), clientv3.WithRev(rev))
+		if err != nil {
+			return 0, errdefs.Mark(errdefs.ErrUnavailable, fmt.Errorf("read layer tags from etcd: %w", err))
+		}
+		for _, kv := range resp.Kvs {
+			if t, err := decodeLayerTag(kv.Value, kv.ModRevision); err == nil {
+				tags = append(tags, t)
+			}
+		}
 	}
 	have, err := m.sink.Envs()
 	if err != nil {
@@ -207,10 +226,42 @@ func (m *EnvMirror) load(ctx context.Context) (int64, error) {
 			}
 		}
 	}
+	if m.tags == nil {
+		return rev, nil
+	}
+	haveTags, err := m.tags.List()
+	if err != nil {
+		return 0, err
+	}
+	inTags := map[string]bool{}
+	for _, t := range tags {
+		inTags[t.Ref()] = true
+		m.putTagLocked(t)
+	}
+	for _, l := range haveTags {
+		switch {
+		case inTags[l.Ref()]:
+		case l.Mirrored > 0: // etcd's once, removed since
+			m.deleteTagLocked(l.Ref(), rev)
+		default: // built here before the node was in a cluster
+			t, _, err := PutLayerTag(ctx, m.cli, l)
+			if err != nil {
+				return 0, fmt.Errorf("write tag %s, made on this node, to etcd: %w", l.Ref(), err)
+			}
+			if t.Digest != l.Digest {
+				// etcd had it already (since this load's read), at
+				// another layer: etcd's stands.
+				m.log.Warn("cluster: a tag made on this node points elsewhere in the cluster; the cluster's stands", "layer", l.Ref(), "digest", l.Digest, "cluster_digest", t.Digest)
+			} else {
+				m.log.Info("cluster: a layer tag made on this node is the cluster's now", "layer", l.Ref())
+			}
+			m.putTagLocked(t)
+		}
+	}
 	return rev, nil
 }
 
-func (m *EnvMirror) putLocked(e Env) {
+func (m *LayerMirror) putLocked(e Env) {
 	if m.revs[e.Name] >= e.Revision {
 		return // a newer write is in already
 	}
@@ -223,7 +274,7 @@ func (m *EnvMirror) putLocked(e Env) {
 	m.revs[e.Name] = e.Revision
 }
 
-func (m *EnvMirror) deleteLocked(name string, rev int64) {
+func (m *LayerMirror) deleteLocked(name string, rev int64) {
 	if m.revs[name] > rev {
 		return
 	}
@@ -234,16 +285,47 @@ func (m *EnvMirror) deleteLocked(name string, rev int64) {
 	m.revs[name] = rev
 }
 
+func (m *LayerMirror) putTagLocked(t LayerTag) {
+	if m.tagRevs[t.Ref()] >= t.Revision {
+		return // a newer move is in already
+	}
+	l := t.Layer
+	l.Mirrored = t.Revision
+	if err := m.tags.MirrorTag(l); err != nil {
+		m.log.Warn("cluster: mirror a layer tag", "layer", t.Ref(), "err", err)
+		return
+	}
+	m.tagRevs[t.Ref()] = t.Revision
+}
+
+func (m *LayerMirror) deleteTagLocked(ref string, rev int64) {
+	if m.tagRevs[ref] > rev {
+		return
+	}
+	if err := m.tags.UnmirrorTag(ref); err != nil {
+		m.log.Warn("cluster: mirror a layer tag's removal", "layer", ref, "err", err)
+		return
+	}
+	m.tagRevs[ref] = rev
+}
+
 // Revision is the revision of the environment's copy (0: none).
-func (m *EnvMirror) Revision(name string) int64 {
+func (m *LayerMirror) Revision(name string) int64 {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	return m.revs[name]
 }
 
+// TagRevision is the revision of the copy of tag ref (0: none).
+func (m *LayerMirror) TagRevision(ref string) int64 {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.tagRevs[ref]
+}
+
 // Apply writes into the copy an environment just written to etcd (PutEnv's
 // answer), unless a newer write is in already.
-func (m *EnvMirror) Apply(e Env) {
+func (m *LayerMirror) Apply(e Env) {
 	m.mu.Lock()
 	m.putLocked(e)
 	m.mu.Unlock()
@@ -251,25 +333,93 @@ func (m *EnvMirror) Apply(e Env) {
 
 // ApplyDelete removes from the copy an environment just removed from etcd
 // at revision rev.
-func (m *EnvMirror) ApplyDelete(name string, rev int64) {
+func (m *LayerMirror) ApplyDelete(name string, rev int64) {
 	m.mu.Lock()
 	m.deleteLocked(name, rev)
 	m.mu.Unlock()
 }
 
-func (m *EnvMirror) follow(ctx context.Context, rev int64) {
-	follower{cli: m.cli, prefix: envsPrefix, what: "environments", log: m.log, load: m.load, reloadTimeout: 5 * time.Second,
+// PutTag moves a tag in etcd (PutLayerTag) and then in the copy, so that
+// the node reads its own write at once; it returns the layer the tag
+// points at and the digest it pointed at before. It is what a node of a
+// cluster writes its tags with (layer.ClusterTags).
+func (m *LayerMirror) PutTag(ctx context.Context, l layer.Layer) (layer.Layer, string, error) {
+	if m.tags == nil {
+		return layer.Layer{}, "", errdefs.New(errdefs.ErrFailedPrecondition, "this node keeps no copy of the cluster's tags")
+	}
+	t, old, err := PutLayerTag(ctx, m.cli, l)
+	if err != nil {
+		return layer.Layer{}, "", err
+	}
+	m.mu.Lock()
+	m.putTagLocked(t)
+	m.mu.Unlock()
+	t.Layer.Mirrored = t.Revision
+	return t.Layer, old, nil
+}
+
+// DeleteTag removes a tag from etcd (DeleteLayerTag) and then from the
+// copy.
+func (m *LayerMirror) DeleteTag(ctx context.Context, ref string) error {
+	if m.tags == nil {
+		return errdefs.New(errdefs.ErrFailedPrecondition, "this node keeps no copy of the cluster's tags")
+	}
+	rev, err := DeleteLayerTag(ctx, m.cli, ref)
+	if err != nil {
+		return err
+	}
+	m.mu.Lock()
+	m.deleteTagLocked(ref, rev)
+	m.mu.Unlock()
+	return nil
+}
+
+// LookupTag reads a tag from etcd (GetLayerTag), for a node whose copy
+// does not have it (yet: the watch brings it within milliseconds), and
+// writes it into the copy.
+func (m *LayerMirror) LookupTag(ctx context.Context, ref string) (layer.Layer, error) {
+	t, err := GetLayerTag(ctx, m.cli, ref)
+	if err != nil {
+		return layer.Layer{}, fmt.Errorf("resolve layer %s: %w", ref, err)
+	}
+	if m.tags != nil {
+		m.mu.Lock()
+		m.putTagLocked(t)
+		m.mu.Unlock()
+	}
+	t.Layer.Mirrored = t.Revision
+	return t.Layer, nil
+}
+
+func (m *LayerMirror) follow(ctx context.Context, rev int64) {
+	f := follower{cli: m.cli, prefix: envsPrefix, what: "environments", log: m.log, load: m.load, reloadTimeout: 5 * time.Second,
 		apply: func(resp clientv3.WatchResponse) {
 			m.mu.Lock()
 			defer m.mu.Unlock()
 			for _, ev := range resp.Events {
+				k := string(ev.Kv.Key)
+				if strings.HasPrefix(k, layerTagsPrefix) {
+					if ev.Type == clientv3.EventTypePut {
+						if t, err := decodeLayerTag(ev.Kv.Value, ev.Kv.ModRevision); err == nil && refOfTagKey(k) == t.Ref() {
+							m.putTagLocked(t)
+						}
+						continue
+					}
+					m.deleteTagLocked(refOfTagKey(k), ev.Kv.ModRevision)
+					continue
+				}
 				if ev.Type == clientv3.EventTypePut {
 					if e, err := decodeEnv(ev.Kv.Value, ev.Kv.ModRevision); err == nil {
 						m.putLocked(e)
 					}
 					continue
 				}
-				m.deleteLocked(strings.TrimPrefix(string(ev.Kv.Key), envsPrefix), ev.Kv.ModRevision)
+				m.deleteLocked(strings.TrimPrefix(k, envsPrefix), ev.Kv.ModRevision)
 			}
-		}}.run(ctx, rev)
+		}}
+	if m.tags != nil {
+		f.what = "environments and layer tags"
+		f.more = []string{layerTagsPrefix}
+	}
+	f.run(ctx, rev)
 }

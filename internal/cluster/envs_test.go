@@ -64,7 +64,7 @@ func TestEnvs(t *testing.T) {
 	a, b := client(t, ep), client(t, ep)
 
 	n1 := &memSink{envs: map[string]layer.Env{}}
-	if _, err := MirrorEnvs(ctx, client(t, ep), n1, log); err != nil {
+	if _, err := MirrorLayers(ctx, client(t, ep), n1, log); err != nil {
 		t.Fatal(err)
 	}
 
@@ -108,7 +108,7 @@ func TestEnvs(t *testing.T) {
 		"task":  {Name: "task", Base: "debian:12", Mirrored: e1.Revision},
 		"local": {Name: "local", Base: "mine:1"},
 	}}
-	m2, err := MirrorEnvs(ctx, client(t, ep), n2, log)
+	m2, err := MirrorLayers(ctx, client(t, ep), n2, log)
 	if err != nil {
 		t.Fatal(err)
 	}

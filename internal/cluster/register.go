@@ -21,6 +21,8 @@ type RegisterConfig struct {
 	// E2BURL is the node's E2B endpoint as control replicas reach it
 	// (empty: it serves none).
 	E2BURL string
+	// LayerStore is the URL of the node's shared layer store ("": none).
+	LayerStore string
 	// TTL of the node's lease: a node silent this long is gone, and its
 	// sandboxes lost (default 10 s, at least 2 s).
 	TTL time.Duration
@@ -127,7 +129,7 @@ func (r *Registration) heartbeat(ctx context.Context) error {
 	}
 	load, sbs := r.cfg.Report()
 	load.Name = r.cfg.Name
-	info := NodeInfo{Name: r.cfg.Name, Tag: r.tag, URL: r.cfg.URL, E2BURL: r.cfg.E2BURL, Load: load, Started: r.started, Updated: time.Now().UTC()}
+	info := NodeInfo{Name: r.cfg.Name, Tag: r.tag, URL: r.cfg.URL, E2BURL: r.cfg.E2BURL, LayerStore: r.cfg.LayerStore, Load: load, Started: r.started, Updated: time.Now().UTC()}
 	b, err := json.Marshal(info)
 	if err != nil {
 		return err

@@ -9,6 +9,8 @@ import (
 	"context"
 	"fmt"
 	"math/rand/v2"
+	"net/http"
+	"time"
 
 	"connectrpc.com/connect"
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -24,7 +26,7 @@ import (
 // SetClusterEnvs on a node of a cluster (serve --role node).
 type ClusterEnvs struct {
 	Client *clientv3.Client
-	Mirror *cluster.EnvMirror
+	Mirror *cluster.LayerMirror
 }
 
 // SetClusterEnvs sends the node's environment writes to etcd (c) instead
@@ -59,6 +61,26 @@ func (s *Server) deleteClusterEnvironment(ctx context.Context, name string) erro
 	}
 	s.envs.Mirror.ApplyDelete(name, rev)
 	return nil
+}
+
+// catchUpTags brings this node's copy of the tags a create names up to
+// the revisions its control replica read in etcd (LayerTagsHeader): a tag
+// whose copy is older is read from etcd now. Not on a node alone.
+func (s *Server) catchUpTags(ctx context.Context, h http.Header) {
+	v := h.Get(LayerTagsHeader)
+	if s.envs == nil || v == "" {
+		return
+	}
+	for ref, rev := range parseLayerTags(v) {
+		if s.envs.Mirror.TagRevision(ref) >= rev {
+			continue
+		}
+		lctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		if _, err := s.envs.Mirror.LookupTag(lctx, ref); err != nil {
+			s.log.Warn("cluster: read a create's layer tag from etcd", "layer", ref, "err", err)
+		}
+		cancel()
+	}
 }
 
 // --- a control replica's environments ---

@@ -17,11 +17,11 @@ package control
 //     so.
 //   - ListSandboxes asks every live node and adds the lost sandboxes of
 //     the catalog.
-//   - Layer reads go to any live node; their writes (tag, delete, gc,
-//     pull) to every live node in turn. Environments are etcd's
-//     (envs_cluster.go), mirrored by every node.
-//   - What the cluster does not serve yet answers unimplemented, saying
-//     what to do instead (see forwardedProcedures).
+//   - Layer tags and environments are etcd's, mirrored by every node: a
+//     layer call goes to one node chosen for the layer (a read to a node
+//     that holds it, a build or tag to one with a layer store:
+//     forward_layers.go); GC, pulls and removals by digest to every live
+//     node in turn. Environments: envs_cluster.go.
 //
 // Keys: the control role accepts the cluster's admin key (DATA/admin.key
 // of the control role, the same file on every node) and the tenants' keys
@@ -36,8 +36,6 @@ import (
 	"math/rand/v2"
 	"net"
 	"net/http"
-	"net/http/httputil"
-	"net/url"
 	"slices"
 	"strings"
 	"sync"
@@ -49,7 +47,6 @@ import (
 
 	pb "github.com/shoal-sandbox/shoal/api/shoal/v1"
 	"github.com/shoal-sandbox/shoal/internal/cluster"
-	"github.com/shoal-sandbox/shoal/internal/errdefs"
 	"github.com/shoal-sandbox/shoal/internal/limits"
 	"github.com/shoal-sandbox/shoal/internal/placement"
 	"github.com/shoal-sandbox/shoal/internal/tenant"
@@ -89,10 +86,12 @@ func NewForwarder(dir *cluster.Directory, engine *placement.Engine, auth *Auth, 
 type route int
 
 const (
-	toSandbox route = iota // the node of the sandbox the request names
-	toAny                  // any live node
-	toAll                  // every live node, in turn
-	notYet                 // not served by the cluster yet
+	toSandbox    route = iota // the node of the sandbox the request names
+	toAny                     // any live node
+	toAll                     // every live node, in turn
+	toLayer                   // a node that holds the layer the request names, else any (forward_layers.go)
+	toLayerStore              // a node that holds it and has a layer store, else one with a store, else any
+	toTagOrAll                // a tag: one node (toLayer); a digest: every live node
 )
 
 // Handler returns the HTTP handler of the whole API, and the dashboard
@@ -144,15 +143,16 @@ func (f *Forwarder) routes() *http.ServeMux {
 	unary[pb.ListShellsRequest, pb.ListShellsResponse](f, mux, c+"ListShells", toSandbox, opts)
 	unary[pb.DeleteShellRequest, pb.DeleteShellResponse](f, mux, c+"DeleteShell", toSandbox, opts)
 
-	stream[pb.BuildLayerRequest, pb.BuildLayerResponse](f, mux, l+"BuildLayer", notYet, opts)
+	// Layers: tags are etcd's, mirrored by every node (forward_layers.go).
+	stream[pb.BuildLayerRequest, pb.BuildLayerResponse](f, mux, l+"BuildLayer", toLayerStore, opts)
 	stream[pb.CommitLayerRequest, pb.BuildLayerResponse](f, mux, l+"CommitLayer", toSandbox, opts)
 	unary[pb.ListLayersRequest, pb.ListLayersResponse](f, mux, l+"ListLayers", toAny, opts)
-	unary[pb.GetLayerRequest, pb.Layer](f, mux, l+"GetLayer", toAny, opts)
-	unary[pb.TagLayerRequest, pb.TagLayerResponse](f, mux, l+"TagLayer", toAll, opts)
-	unary[pb.DeleteLayerRequest, pb.DeleteLayerResponse](f, mux, l+"DeleteLayer", toAll, opts)
+	unary[pb.GetLayerRequest, pb.Layer](f, mux, l+"GetLayer", toLayer, opts)
+	unary[pb.TagLayerRequest, pb.TagLayerResponse](f, mux, l+"TagLayer", toLayerStore, opts)
+	unary[pb.DeleteLayerRequest, pb.DeleteLayerResponse](f, mux, l+"DeleteLayer", toTagOrAll, opts)
 	unary[pb.GarbageCollectLayersRequest, pb.GarbageCollectLayersResponse](f, mux, l+"GarbageCollectLayers", toAll, opts)
-	unary[pb.PushLayerRequest, pb.PushLayerResponse](f, mux, l+"PushLayer", notYet, opts)
-	stream[pb.PushLayerRequest, pb.PushLayerEvent](f, mux, l+"PushLayerProgress", notYet, opts)
+	unary[pb.PushLayerRequest, pb.PushLayerResponse](f, mux, l+"PushLayer", toLayer, opts)
+	stream[pb.PushLayerRequest, pb.PushLayerEvent](f, mux, l+"PushLayerProgress", toLayer, opts)
 	unary[pb.PullLayerRequest, pb.Layer](f, mux, l+"PullLayer", toAll, opts)
 	// Environments: etcd's (envs_cluster.go).
 	mux.Handle(l+"CreateEnvironment", connect.NewUnaryHandler(l+"CreateEnvironment", f.createEnvironment, opts...))
@@ -171,10 +171,11 @@ func (f *Forwarder) routes() *http.ServeMux {
 	for _, p := range []string{"GET /v1/sandboxes/{id}/files", "PUT /v1/sandboxes/{id}/files", "/v1/sandboxes/{id}/ports/{port}/{path...}"} {
 		mux.HandleFunc(p, f.proxySandboxRoute)
 	}
-	mux.HandleFunc("/v1/layers/", func(w http.ResponseWriter, r *http.Request) {
-		writeHTTPError(w, http.StatusNotImplemented, connect.CodeUnimplemented.String(),
-			"layer uploads, imports and exports through a control replica are not implemented yet: do them on a node's API (with a shared --layer-store, the other nodes resolve the layer from it)")
-	})
+	// Exports to a node that holds the layer; imports and builds from an
+	// upload to one with a layer store (forward_layers.go).
+	mux.HandleFunc("GET /v1/layers/export", f.proxyLayerRoute)
+	mux.HandleFunc("POST /v1/layers/import", f.proxyLayerRoute)
+	mux.HandleFunc("POST /v1/layers/build", f.proxyLayerRoute)
 	return mux
 }
 
@@ -233,6 +234,17 @@ func (f *Forwarder) targets(proc string, how route, m proto.Message) ([]cluster.
 			return nil, toConnect(err)
 		}
 		return []cluster.NodeInfo{n}, nil
+	case toTagOrAll:
+		if !isTag(layerRef(m)) {
+			return f.targets(proc, toAll, m)
+		}
+		return f.targets(proc, toLayer, m)
+	case toLayer, toLayerStore:
+		n, err := f.layerNode(layerRef(m), how == toLayerStore)
+		if err != nil {
+			return nil, toConnect(err)
+		}
+		return []cluster.NodeInfo{n}, nil
 	case toAny, toAll:
 		live := f.dir.Live()
 		if len(live) == 0 {
@@ -250,7 +262,7 @@ func (f *Forwarder) targets(proc string, how route, m proto.Message) ([]cluster.
 // client's credentials.
 func outgoing[T any](msg *T, h http.Header) *connect.Request[T] {
 	out := connect.NewRequest(msg)
-	for _, k := range []string{"Authorization", "X-Api-Key"} {
+	for _, k := range []string{"Authorization", "X-Api-Key", LayerTagsHeader} {
 		if v := h.Get(k); v != "" {
 			out.Header().Set(k, v)
 		}
@@ -390,7 +402,14 @@ func (f *Forwarder) createSandbox(ctx context.Context, req *connect.Request[pb.C
 		rsv = r
 	}
 	defer rsv.Done()
-	node, sb, err := f.placeAndCreate(ctx, pr, m, req.Header()) // idempotent.go
+	// The node is told the revisions of the tags the create names, so
+	// that it resolves them as etcd has them now.
+	h := req.Header().Clone()
+	h.Del(LayerTagsHeader)
+	if v := f.layerTagsHeader(ctx, m); v != "" {
+		h.Set(LayerTagsHeader, v)
+	}
+	node, sb, err := f.placeAndCreate(ctx, pr, m, h) // idempotent.go
 	if err != nil {
 		var ce *connect.Error
 		if errors.As(err, &ce) && !errors.Is(err, placement.ErrNoCapacity) {
@@ -510,21 +529,5 @@ func (f *Forwarder) proxySandboxRoute(w http.ResponseWriter, r *http.Request) {
 		writeConnectError(w, err)
 		return
 	}
-	target, err := url.Parse(n.URL)
-	if err != nil {
-		writeConnectError(w, errdefs.New(errdefs.ErrUnavailable, "node %s has a bad URL %q", n.Name, n.URL))
-		return
-	}
-	p := &httputil.ReverseProxy{
-		Rewrite: func(pr *httputil.ProxyRequest) {
-			pr.SetURL(target)
-			pr.Out.Host = r.Host
-		},
-		Transport:     f.client.Transport,
-		FlushInterval: -1,
-		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
-			writeConnectError(w, errdefs.New(errdefs.ErrUnavailable, "node %s: %v", n.Name, err))
-		},
-	}
-	p.ServeHTTP(w, r)
+	f.proxyTo(w, r, n) // forward_layers.go
 }

@@ -98,6 +98,7 @@ func (s *Server) CreateSandbox(ctx context.Context, req *connect.Request[pb.Crea
 		d := limits.Seconds(*r.AutoPauseSeconds) // the node checks the range
 		autoPause = &d
 	}
+	s.catchUpTags(ctx, req.Header()) // envs_cluster.go
 	// Every value is checked by the node (node.Manager.validate), the same
 	// for every API face.
 	rec, err := s.node.Create(ctx, node.CreateRequest{

@@ -355,12 +355,21 @@ func (s *Store) installAndTag(img string, l Layer) (Layer, error) {
 	if err := s.install(img, l.Digest); err != nil {
 		return Layer{}, err
 	}
+	if s.cluster != nil {
+		// In the store before the cluster's tag names it: every node
+		// that resolves the tag finds the image.
+		if err := s.pushAfterInstall(l); err != nil {
+			return Layer{}, err
+		}
+	}
 	tagged, old, err := s.tag(l)
 	if err != nil {
 		return Layer{}, fmt.Errorf("tag: %w", err)
 	}
-	if err := s.pushAfterInstall(tagged); err != nil {
-		return Layer{}, err
+	if s.cluster == nil {
+		if err := s.pushAfterInstall(tagged); err != nil {
+			return Layer{}, err
+		}
 	}
 	switch old {
 	case "":

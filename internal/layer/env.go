@@ -25,7 +25,7 @@ type Env struct {
 	Backend string    `json:"backend,omitempty"`
 	Created time.Time `json:"created"`
 	// Mirrored: on a node of a cluster, the etcd revision this copy was
-	// mirrored at (internal/cluster's EnvMirror); 0 for one made here.
+	// mirrored at (internal/cluster's LayerMirror); 0 for one made here.
 	Mirrored int64 `json:"mirrored,omitempty"`
 }
 
@@ -195,7 +195,7 @@ func CheckEnv(e Env) error {
 
 // MirrorEnv saves an environment as the cluster has it (a node of a
 // cluster keeps a copy of etcd's environments, internal/cluster's
-// EnvMirror), replacing one of the same name, without checking that its
+// LayerMirror), replacing one of the same name, without checking that its
 // layers are here: a create from it resolves them then, as for a tag
 // moved after the environment was saved.
 func (s *Store) MirrorEnv(e Env) error {

@@ -1,6 +1,7 @@
 package layer
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -36,7 +37,26 @@ func (s *Store) Tag(source, target string) (Layer, string, error) {
 	if err != nil {
 		return Layer{}, "", fmt.Errorf("tag %s as %s: %w", source, target, err)
 	}
-	l.Name, l.Version = name, version
+	l.Name, l.Version, l.Mirrored = name, version, 0
+	if s.cluster != nil { // the cluster's tag, moved in etcd first
+		if _, err := os.Stat(s.ImagePath(l.Digest)); err == nil && s.remote != nil {
+			// An image this node holds: in the store before the tag
+			// names it (the store keeps what it has already).
+			if err := s.pushAfterInstall(l); err != nil {
+				return Layer{}, "", fmt.Errorf("tag %s as %s: %w", source, target, err)
+			}
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), clusterTagTimeout)
+		defer cancel()
+		tagged, old, err := s.cluster.PutTag(ctx, l)
+		if err != nil {
+			return Layer{}, "", fmt.Errorf("tag %s as %s: %w", source, target, err)
+		}
+		if old != tagged.Digest {
+			s.log.Info("layer tagged in the cluster", "layer", target, "digest", tagged.Digest, "from", old)
+		}
+		return tagged, old, nil
+	}
 	v, err := json.Marshal(l)
 	if err != nil {
 		return Layer{}, "", err
@@ -189,8 +209,14 @@ func (s *Store) remove(ref string, usage Usage) (RemoveResult, error) {
 				return RemoveResult{}, inUse("environment %s names it: change or remove the environment first (shoal env rm %s)", e.Name, e.Name)
 			}
 		}
-		err := s.db.Update(func(tx *bbolt.Tx) error { return tx.Bucket(tagsBucket).Delete([]byte(ref)) })
-		if err != nil {
+		if s.cluster != nil { // the cluster's tag: out of etcd first
+			ctx, cancel := context.WithTimeout(context.Background(), clusterTagTimeout)
+			err := s.cluster.DeleteTag(ctx, ref)
+			cancel()
+			if err != nil {
+				return RemoveResult{}, err
+			}
+		} else if err := s.db.Update(func(tx *bbolt.Tx) error { return tx.Bucket(tagsBucket).Delete([]byte(ref)) }); err != nil {
 			return RemoveResult{}, err
 		}
 		res.Untagged = append(res.Untagged, ref)
@@ -281,7 +307,8 @@ func (s *Store) GC(usage Usage, dryRun bool) (GCResult, error) {
 		}
 		doomed = append(doomed, im.Layer)
 	}
-	// Image files nothing records.
+	// Image files nothing records (nor tags: a node of a cluster has the
+	// cluster's tags, some of them naming images it never recorded).
 	files, err := os.ReadDir(s.blobs)
 	if err != nil {
 		return GCResult{}, fmt.Errorf("gc layers: %w", err)
@@ -290,6 +317,10 @@ func (s *Store) GC(usage Usage, dryRun bool) (GCResult, error) {
 		hex, ok := strings.CutSuffix(f.Name(), ".erofs")
 		digest := "sha256:" + hex
 		if !ok || validateDigest(digest) != nil || known[digest] || len(usage[digest]) > 0 || s.Refs(digest) > 0 {
+			continue
+		}
+		if tags, err := s.Tags(digest); err != nil || len(tags) > 0 {
+			res.Kept++
 			continue
 		}
 		var size int64

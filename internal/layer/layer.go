@@ -7,7 +7,8 @@
 // (Commit: its whiteouts and opaque directories kept, so the layer stacked as
 // a lower hides what the sandbox deleted). It is named by tags "name:version"
 // that point at its digest ("sha256:<hex>" of the image file); a tag moves
-// in one bbolt transaction.
+// in one bbolt transaction (on a node of a cluster, in one etcd transaction
+// first: the Store's ClusterTags, whose copy it keeps in bbolt).
 //
 // The Store keeps the images under DATA/layers/blobs, the tags, image
 // metadata and environments (named stacks) in bbolt (buckets prefixed
@@ -88,6 +89,10 @@ type Layer struct {
 	// holds no copy of it (resolved from the store, not pulled); "" for a
 	// local image.
 	Remote string `json:"remote,omitempty"`
+	// Mirrored: on a node of a cluster, the etcd revision of the tag
+	// this copy was mirrored at (internal/cluster's LayerMirror); 0 for
+	// a tag made here. Never sent anywhere (push, export).
+	Mirrored int64 `json:"mirrored,omitempty"`
 }
 
 // Ref returns the layer's tag, "name:version".

@@ -1,6 +1,7 @@
 package layer
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"log/slog"
@@ -47,6 +48,9 @@ type Store struct {
 	gcMu sync.RWMutex
 
 	remote *RemoteConfig // set by SetRemote before serving; nil: no layer store
+	// cluster: where a node of a cluster moves its tags first (set by
+	// SetClusterTags before serving); nil: the tags are this store's own.
+	cluster ClusterTags
 
 	mu     sync.Mutex
 	mounts map[string]*mount // by digest; guarded by mu; only entries with refs > 0
@@ -159,6 +163,14 @@ func (s *Store) Resolve(ref string) (Layer, error) {
 	if err != nil {
 		return Layer{}, fmt.Errorf("resolve layer %s: %w", ref, err)
 	}
+	if !found && s.cluster != nil && p.version != "" {
+		// A tag is the cluster's: one made a moment ago through another
+		// node may not be in this copy yet. Not from the layer store's
+		// tags: etcd's are the ones.
+		ctx, cancel := context.WithTimeout(context.Background(), clusterTagTimeout)
+		defer cancel()
+		return s.cluster.LookupTag(ctx, ref)
+	}
 	if !found {
 		if s.remote != nil {
 			return s.resolveRemote(ref)
@@ -197,11 +209,23 @@ func (s *Store) List() ([]Layer, error) {
 // tag points l.Ref() at l and records l as the latest build of its digest,
 // in one transaction, and returns the layer the tag now points at and the
 // digest it pointed at before ("" if none). Rebuilding a tag with the same
-// content and kind changes nothing and returns the existing layer.
+// content and kind changes nothing and returns the existing layer. On a
+// node of a cluster the image is recorded here, then the tag moved in the
+// cluster (which writes this store's copy of it).
 func (s *Store) tag(l Layer) (tagged Layer, old string, err error) {
+	l.Mirrored = 0
 	v, err := json.Marshal(l)
 	if err != nil {
 		return Layer{}, "", err
+	}
+	if s.cluster != nil {
+		err := s.db.Update(func(tx *bbolt.Tx) error { return tx.Bucket(blobsBucket).Put([]byte(l.Digest), v) })
+		if err != nil {
+			return Layer{}, "", err
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), clusterTagTimeout)
+		defer cancel()
+		return s.cluster.PutTag(ctx, l)
 	}
 	err = s.db.Update(func(tx *bbolt.Tx) error {
 		var prev Layer
@@ -235,4 +259,67 @@ func get(b *bbolt.Bucket, key string, v any) (found bool, err error) {
 		return false, fmt.Errorf("decode %s: %w", key, err)
 	}
 	return true, nil
+}
+
+// ClusterTags is where a node of a cluster moves its tags (internal/
+// cluster's LayerMirror): in etcd first, then in this store's copy of the
+// cluster's tags (MirrorTag, UnmirrorTag), which every node keeps.
+type ClusterTags interface {
+	// PutTag points l.Ref() at l and returns the layer the tag points at
+	// and the digest it pointed at before ("" if none); a tag at l's
+	// digest and kind already is left as it is.
+	PutTag(ctx context.Context, l Layer) (Layer, string, error)
+	// DeleteTag removes a tag; an unknown one wraps ErrNotFound.
+	DeleteTag(ctx context.Context, ref string) error
+	// LookupTag reads a tag this store's copy does not have (yet) from
+	// the cluster, and copies it here; an unknown one wraps ErrNotFound.
+	LookupTag(ctx context.Context, ref string) (Layer, error)
+}
+
+// clusterTagTimeout bounds a tag's move in the cluster.
+const clusterTagTimeout = 30 * time.Second
+
+// SetClusterTags makes the store's tags the cluster's: builds, commits,
+// imports, pulls, Tag and Remove move them through c, which writes this
+// store's copy. Call it before serving.
+func (s *Store) SetClusterTags(c ClusterTags) { s.cluster = c }
+
+// MirrorTag points l.Ref() at l as the cluster has it (l.Mirrored: the
+// revision), replacing what this store had under that tag, without
+// checking that the image is here: a create resolves it then (from the
+// layer store, if it is not here).
+func (s *Store) MirrorTag(l Layer) error {
+	if _, _, err := ParseTag(l.Ref()); err != nil {
+		return err
+	}
+	if err := validateDigest(l.Digest); err != nil {
+		return err
+	}
+	if _, err := ParseKind(string(l.Kind)); err != nil {
+		return err
+	}
+	l.Remote = ""
+	v, err := json.Marshal(l)
+	if err != nil {
+		return err
+	}
+	return s.db.Update(func(tx *bbolt.Tx) error { return tx.Bucket(tagsBucket).Put([]byte(l.Ref()), v) })
+}
+
+// UnmirrorTag removes a tag the cluster no longer has; one already gone
+// is not an error. The image stays until garbage collection.
+func (s *Store) UnmirrorTag(ref string) error {
+	return s.db.Update(func(tx *bbolt.Tx) error { return tx.Bucket(tagsBucket).Delete([]byte(ref)) })
+}
+
+// Holds says whether this node holds the image of digest: its file is
+// here, or it is mounted (from the layer store). Placement's locality
+// weighs the tags of the images a node holds, not every tag it knows.
+func (s *Store) Holds(digest string) bool {
+	if p := s.ImagePath(digest); p != "" {
+		if _, err := os.Stat(p); err == nil {
+			return true
+		}
+	}
+	return s.Refs(digest) > 0
 }

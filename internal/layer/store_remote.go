@@ -154,7 +154,7 @@ func (s *Store) push(ctx context.Context, l Layer, img *os.File, rep *reporter) 
 		}
 	}
 	pushed := l
-	pushed.Remote = ""
+	pushed.Remote, pushed.Mirrored = "", 0
 	b, err := json.Marshal(pushed)
 	if err != nil {
 		return res, err
@@ -206,8 +206,11 @@ func (p *progressSection) Seek(off int64, whence int) (int64, error) { return p.
 func (p *progressSection) Size() int64                               { return p.sr.Size() }
 
 // pushAfterInstall is the write-through push of a layer just installed.
+// On a node of a cluster it is always done (before the cluster's tag
+// names the layer): every node resolves the cluster's tags, and mounts
+// what it does not hold from the store.
 func (s *Store) pushAfterInstall(l Layer) error {
-	if s.remote == nil || !s.remote.WriteThrough {
+	if s.remote == nil || !s.remote.WriteThrough && s.cluster == nil {
 		return nil
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), time.Hour)

@@ -75,6 +75,7 @@ func (s *Store) export(ctx context.Context, ref string, w io.Writer) (Layer, err
 
 // WriteExport writes the export tar of layer l, whose image is img.
 func WriteExport(ctx context.Context, w io.Writer, l Layer, img io.Reader) error {
+	l.Remote, l.Mirrored = "", 0
 	meta, err := json.MarshalIndent(exportMeta{Format: ExportFormat, Layer: l}, "", "  ")
 	if err != nil {
 		return err

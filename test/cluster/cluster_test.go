@@ -8,7 +8,8 @@
 // replica shows both nodes and the sandboxes of each, and its terminal
 // reaches a sandbox on either (dash_test.go). E2B's API and envd, through
 // a replica's E2B endpoint, reach sandboxes on both nodes (e2b_test.go).
-// Environments and keyed creates are the cluster's (state_test.go).
+// Environments and keyed creates are the cluster's (state_test.go), and
+// so are layer tags (layers_test.go).
 //
 // It needs root, runc, mkfs.erofs and busybox (as test/e2e); without them
 // it skips, saying which is missing.
@@ -174,10 +175,17 @@ func TestCluster(t *testing.T) {
 		}
 		return d
 	}
+	// The nodes share a layer store (a directory here; a shared file
+	// system or S3 in a fleet).
+	store, err := os.MkdirTemp("/tmp", "scstore")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(store) })
 	nodes := []*proc{{name: "n1"}, {name: "n2"}}
 	for i, n := range nodes {
 		n.addr, n.e2b, n.data = freeAddr(t), freeAddr(t), mkdata(n.name)
-		n.args = []string{"--role", "node", "--etcd", etcd, "--node-name", n.name, "--node-ttl", "2s",
+		n.args = []string{"--role", "node", "--etcd", etcd, "--node-name", n.name, "--node-ttl", "2s", "--layer-store", "file://" + store,
 			"--e2b-listen", n.e2b, "--egress-subnet=", "--pool-size", "0", "--min-available", "none",
 			"--userns-base", fmt.Sprint(1_500_000_000 + i*100_000_000)}
 	}
@@ -220,8 +228,8 @@ func TestCluster(t *testing.T) {
 		c.start(t, bin)
 	}
 	step("started")
-	// The base layer, built on each node (layer builds are not forwarded
-	// by control replicas yet).
+	// The base layer, built on each node through its own API (the same
+	// content: the cluster's tag, which the second build leaves as it is).
 	rootfs := busyboxRootfs(t)
 	for _, n := range nodes {
 		cmd := exec.Command(filepath.Join(bin, "shoal"), "layer", "build", "--kind", "base", baseRef, rootfs)
@@ -306,6 +314,10 @@ func TestCluster(t *testing.T) {
 	// Environments in etcd, keyed creates across replicas (state_test.go).
 	checkClusterState(t, ctx, bin, controls, nodes, key, c1, c2)
 	step("cluster state")
+	// Layer tags in etcd, layer builds and tags through the replicas
+	// (layers_test.go).
+	checkLayerTags(t, ctx, bin, controls, nodes, key, c1, c2)
+	step("layer tags")
 	// Exec and files, routed by either replica to the sandbox's node.
 	for i, id := range ids {
 		c := []*shoal.Client{c2, c1}[i%2]
@@ -430,7 +442,7 @@ func TestCluster(t *testing.T) {
 	if sbs, err := c1.List(ctx); err != nil || len(sbs) != 0 {
 		t.Fatalf("list after deleting all: %d %v", len(sbs), err)
 	}
-	// What the cluster does not serve yet says so.
+	// A build through a replica is a node's: its refusal relayed.
 	st, err := c1.Layers.BuildLayer(ctx, connect.NewRequest(&pb.BuildLayerRequest{Ref: "x:1"}))
 	if err == nil {
 		for st.Receive() {
@@ -438,8 +450,8 @@ func TestCluster(t *testing.T) {
 		err = st.Err()
 		st.Close()
 	}
-	if connect.CodeOf(err) != connect.CodeUnimplemented {
-		t.Fatalf("build through control: %v, want unimplemented", err)
+	if connect.CodeOf(err) != connect.CodeInvalidArgument {
+		t.Fatalf("a build with no kind through control: %v, want invalid_argument", err)
 	}
 	// Last (it leaves replica 1 dead): killed mid-burst of keyed creates,
 	// retried through replica 2, one sandbox per key (state_test.go).
@@ -509,6 +521,14 @@ with Sandbox.create(template="py-env", memory="64M", client_key="py-key/1") as a
         b.kill()
     assert b.id == a.id, (a.id, b.id)
 environments.rm("py-env")
+# Layer tags are the cluster's: a tag made through this replica, a create
+# from it at once (on whichever node), the tag removed.
+from shoal import layers
+t = layers.tag("busybox:1", "py-base:1")
+assert t.layer.digest == layers.get("busybox:1").digest, t
+with Sandbox.create(base="py-base:1", memory="64M") as sb2:
+    assert sb2.commands.run("true").exit_code == 0
+layers.rm("py-base:1")
 with Sandbox.create(base="busybox:1", memory="64M") as sb:
     sb.files.write("/work/p.txt", "from python")
     r = sb.commands.run("cat /work/p.txt")

@@ -1,0 +1,196 @@
+package control
+
+// Layers through a control replica. Tags are the cluster's (etcd,
+// internal/cluster's layertags.go), mirrored by every node, so a layer
+// call goes to one node, chosen for the layer:
+//
+//   - a read of a layer (GetLayer, a push, an export) goes to a node that
+//     holds its image (its capacity report lists the tag), else any;
+//   - a write that makes a layer (a build, an upload, an import) or names
+//     one (a tag) goes to a node with a layer store, which pushes the
+//     image there before the tag is the cluster's: every node then
+//     resolves the tag and mounts the image from the store. A tag goes to
+//     a node that holds its source if there is one (it has the image to
+//     push). Without any node with a store, it goes to any node (then
+//     only that node holds the image);
+//   - the removal of a tag goes to one node (the tag leaves etcd, and
+//     every node's copy); of an image by digest, to every node in turn
+//     (images are each node's); GC and pulls, to every node.
+//
+// The streams (builds' progress, uploads, exports) are relayed as they
+// come; the node enforces its bounds (upload size, build roots) as it
+// does for its own clients.
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"net/http"
+	"net/http/httputil"
+	"net/url"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"google.golang.org/protobuf/proto"
+
+	pb "github.com/shoal-sandbox/shoal/api/shoal/v1"
+	"github.com/shoal-sandbox/shoal/internal/cluster"
+	"github.com/shoal-sandbox/shoal/internal/errdefs"
+	"github.com/shoal-sandbox/shoal/internal/layer"
+	"github.com/shoal-sandbox/shoal/internal/limits"
+)
+
+// layerRef is the layer a layer request names ("" if none).
+func layerRef(m proto.Message) string {
+	switch r := m.(type) {
+	case *pb.GetLayerRequest:
+		return r.Ref
+	case *pb.TagLayerRequest:
+		return r.Source
+	case *pb.DeleteLayerRequest:
+		return r.Ref
+	case *pb.PushLayerRequest:
+		return r.Ref
+	case *pb.PullLayerRequest:
+		return r.Ref
+	}
+	return ""
+}
+
+// layerNode picks the node for a call about layer ref ("": none): one
+// that holds it if any (for a write, one of those with a layer store
+// first), else for a write one with a layer store, else any live node.
+func (f *Forwarder) layerNode(ref string, write bool) (cluster.NodeInfo, error) {
+	live := f.dir.Live()
+	if len(live) == 0 {
+		return cluster.NodeInfo{}, errdefs.New(errdefs.ErrUnavailable, "no node is up in the cluster")
+	}
+	pick := func(ns []cluster.NodeInfo) cluster.NodeInfo { return ns[rand.IntN(len(ns))] }
+	withStore := func(ns []cluster.NodeInfo) []cluster.NodeInfo {
+		var out []cluster.NodeInfo
+		for _, n := range ns {
+			if n.LayerStore != "" {
+				out = append(out, n)
+			}
+		}
+		return out
+	}
+	if ref != "" {
+		var holders []cluster.NodeInfo
+		for _, n := range live {
+			if slices.Contains(n.Load.Layers, ref) {
+				holders = append(holders, n)
+			}
+		}
+		if s := withStore(holders); write && len(s) > 0 {
+			return pick(s), nil
+		}
+		if len(holders) > 0 {
+			return pick(holders), nil
+		}
+	}
+	if s := withStore(live); write && len(s) > 0 {
+		return pick(s), nil
+	}
+	return pick(live), nil
+}
+
+// isTag says whether ref is a tag (name:version), not a digest.
+func isTag(ref string) bool {
+	_, _, err := layer.ParseTag(ref)
+	return err == nil
+}
+
+// proxyLayerRoute passes a plain HTTP layer route (export, import, build
+// from an upload) to the node layerNode picks, streaming both ways.
+func (f *Forwarder) proxyLayerRoute(w http.ResponseWriter, r *http.Request) {
+	var ref string
+	write := true
+	if strings.HasSuffix(r.URL.Path, "/export") {
+		ref, write = r.URL.Query().Get("ref"), false
+	}
+	n, err := f.layerNode(ref, write)
+	if err != nil {
+		writeConnectError(w, err)
+		return
+	}
+	f.proxyTo(w, r, n)
+}
+
+// proxyTo passes r to node n as it is, streaming both ways (Upgrades
+// too).
+func (f *Forwarder) proxyTo(w http.ResponseWriter, r *http.Request, n cluster.NodeInfo) {
+	target, err := url.Parse(n.URL)
+	if err != nil {
+		writeConnectError(w, errdefs.New(errdefs.ErrUnavailable, "node %s has a bad URL %q", n.Name, n.URL))
+		return
+	}
+	p := &httputil.ReverseProxy{
+		Rewrite: func(pr *httputil.ProxyRequest) {
+			pr.SetURL(target)
+			pr.Out.Host = r.Host
+		},
+		Transport:     f.client.Transport,
+		FlushInterval: -1,
+		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
+			writeConnectError(w, errdefs.New(errdefs.ErrUnavailable, "node %s: %v", n.Name, err))
+		},
+	}
+	p.ServeHTTP(w, r)
+}
+
+// LayerTagsHeader carries, from a control replica to a node with a
+// create, the revisions (in etcd) of the tags the create names:
+// "name:version=REV,...". A node whose copy of one of them is older reads
+// it from etcd before it resolves the stack: a create right after a tag
+// moved through another node or replica gets the new layer.
+const LayerTagsHeader = "Shoal-Layer-Tags"
+
+// layerTagsHeader reads the revisions of the tags m names from etcd (one
+// transaction, bounded by a second); "" if it names none or etcd does not
+// answer (the node resolves from its copy then).
+func (f *Forwarder) layerTagsHeader(ctx context.Context, m *pb.CreateSandboxRequest) string {
+	var refs []string
+	for _, r := range append(append([]string{m.Base}, m.Workspaces...), m.Toolkits...) {
+		if isTag(r) && len(refs) < limits.Layers {
+			refs = append(refs, r)
+		}
+	}
+	if len(refs) == 0 {
+		return ""
+	}
+	ctx, cancel := context.WithTimeout(ctx, time.Second)
+	defer cancel()
+	revs, err := cluster.TagRevisions(ctx, f.dir.Client(), refs)
+	if err != nil {
+		f.log.Warn("cluster: read the revisions of a create's layer tags", "err", err)
+		return ""
+	}
+	var b strings.Builder
+	for _, r := range refs {
+		if rev, ok := revs[r]; ok {
+			if b.Len() > 0 {
+				b.WriteByte(',')
+			}
+			fmt.Fprintf(&b, "%s=%d", r, rev)
+		}
+	}
+	return b.String()
+}
+
+// parseLayerTags parses LayerTagsHeader: at most limits.Layers tags, each
+// a valid tag with a positive revision (the rest is ignored).
+func parseLayerTags(v string) map[string]int64 {
+	out := map[string]int64{}
+	for _, p := range strings.Split(v, ",") {
+		ref, rev, ok := strings.Cut(p, "=")
+		n, err := strconv.ParseInt(rev, 10, 64)
+		if !ok || err != nil || n <= 0 || !isTag(ref) || len(out) == limits.Layers {
+			continue
+		}
+		out[ref] = n
+	}
+	return out
+}
