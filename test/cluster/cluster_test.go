@@ -186,7 +186,7 @@ func TestCluster(t *testing.T) {
 	for i, n := range nodes {
 		n.addr, n.e2b, n.data = freeAddr(t), freeAddr(t), mkdata(n.name)
 		n.args = []string{"--role", "node", "--etcd", etcd, "--node-name", n.name, "--node-ttl", "2s", "--layer-store", "file://" + store,
-			"--e2b-listen", n.e2b, "--egress-subnet=", "--pool-size", "0", "--min-available", "none",
+			"--e2b-listen", n.e2b, "--egress-subnet", fmt.Sprintf("10.%d.0.0/16", 254+i), "--pool-size", "0", "--min-available", "none",
 			"--userns-base", fmt.Sprint(1_500_000_000 + i*100_000_000)}
 	}
 	nodes[1].args = append(nodes[1].args, "--log-format", "json") // n2's log: JSON lines
@@ -366,6 +366,8 @@ func TestCluster(t *testing.T) {
 	}
 	pythonSDK(t, controls[1].addr, key) // the Python SDK, unchanged, against a control replica
 	step("python")
+	pythonSuite(t, bin, controls[0].addr, key) // the SDK's own end-to-end suite through a replica
+	step("python suite")
 	checkE2B(t, ctx, controls, nodes, key, tags) // E2B's API and envd through the replicas (e2b_test.go)
 	step("e2b")
 	checkTenants(t, ctx, bin, controls, nodes, key, tags) // tenants' keys and quotas across the cluster (tenants_test.go)
@@ -486,8 +488,22 @@ func busyboxRootfs(t *testing.T) string {
 			os.Symlink("busybox", filepath.Join(root, "bin", applet))
 		}
 	}
-	os.WriteFile(filepath.Join(root, "etc", "passwd"), []byte("root:x:0:0:root:/root:/bin/sh\n"), 0o644)
-	os.WriteFile(filepath.Join(root, "etc", "group"), []byte("root:x:0:\n"), 0o644)
+	// The same tree as the Python SDK's tests build (sdk/python/tests/
+	// conftest.py), which run on it through a replica (pythonSuite).
+	for p, content := range map[string]string{
+		"etc/passwd":     "root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/false\nuser:x:1000:1000:user:/home/user:/bin/sh\n",
+		"etc/group":      "root:x:0:\nnogroup:x:65534:\nuser:x:1000:\nusers:x:100:user\n",
+		"www/index.html": "hello from the sandbox\n",
+	} {
+		os.MkdirAll(filepath.Dir(filepath.Join(root, p)), 0o755)
+		if err := os.WriteFile(filepath.Join(root, p), []byte(content), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := os.MkdirAll(filepath.Join(root, "home", "user"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	os.Chown(filepath.Join(root, "home", "user"), 1000, 1000)
 	return root
 }
 
@@ -495,6 +511,34 @@ func busyboxRootfs(t *testing.T) string {
 // control replica at addr: a create, a file write, a command and the
 // cluster's status (monitor.status: both nodes, the sandbox's node). It is
 // skipped (returns false) where the SDK's dependency httpx is missing.
+// pythonSuite runs the Python SDK's end-to-end suite (sdk/python/tests)
+// against a control replica (SHOAL_SDK_CLUSTER: container sandboxes, the
+// busybox base built on every node; what a replica does not serve skips,
+// saying why). SHOAL_CLUSTER_PYTEST=0 leaves it out.
+func pythonSuite(t *testing.T, bin, addr, key string) {
+	py := "/usr/bin/python3"
+	if os.Getenv("SHOAL_CLUSTER_PYTEST") == "0" {
+		t.Log("python suite skipped: SHOAL_CLUSTER_PYTEST=0")
+		return
+	}
+	if exec.Command(py, "-c", "import httpx, pytest").Run() != nil {
+		t.Log("python suite skipped: /usr/bin/python3 has no httpx or pytest")
+		return
+	}
+	cmd := exec.Command(py, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "tests")
+	cmd.Dir = "../../sdk/python"
+	cmd.Env = append(os.Environ(), "SHOAL_SDK_CLUSTER=http://"+addr+"|"+key, "SHOAL_BIN_DIR="+bin)
+	out, err := cmd.CombinedOutput()
+	tail := string(out)
+	if i := strings.LastIndex(tail, "\n="); i > 0 {
+		tail = tail[i:]
+	}
+	t.Logf("python suite through a control replica: %s", strings.TrimSpace(tail))
+	if err != nil {
+		t.Fatalf("python suite through a control replica: %v\n%s", err, out)
+	}
+}
+
 func pythonSDK(t *testing.T, addr, key string) bool {
 	py := "/usr/bin/python3"
 	if exec.Command(py, "-c", "import httpx").Run() != nil {

@@ -7,6 +7,11 @@ Binaries come from $SHOAL_BIN_DIR (shoal and shoal-agent) or are built from
 the repository with `go build`. SHOAL_SDK_KEEP=1 keeps the data directory;
 SHOAL_SDK_STRICT=1 turns the skips of not-yet-implemented server features
 (test_session_*.py) into failures.
+
+SHOAL_SDK_CLUSTER=URL|KEY runs the suite against a running cluster's
+control replica instead (test/cluster does, with the busybox base built on
+every node): container sandboxes only; what a replica does not serve, or
+what needs the one server's own files, skips saying so (CLUSTER_SKIP).
 """
 
 from __future__ import annotations
@@ -33,6 +38,26 @@ VM_IMAGE = os.environ.get("SHOAL_VM_IMAGE") or os.path.join(
     os.environ.get("SHOAL_TEST_CACHE", "/var/cache/shoal-test"), "fullvm", "fullvm.qcow2")
 BACKENDS = ["container", "fncall", "microvm", "fullvm"]
 STRICT = os.environ.get("SHOAL_SDK_STRICT") == "1"
+CLUSTER = os.environ.get("SHOAL_SDK_CLUSTER", "")
+
+# Through a control replica: what is not served there (or not the same), by
+# test file or test name, with the reason.
+CLUSTER_SKIP = {
+    "test_upload_same_as_server_path": "builds from a path on the server: the nodes of this cluster have no build root",
+    "test_fncall.py": "FnCall is not routed by control replicas",
+    "test_tenants.py": "needs the server's own data directory",
+    "test_install.py": "installs and runs a server of its own",
+    "test_monitor.py": "needs the server's own process and data directory",
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item]) -> None:
+    if not CLUSTER:
+        return
+    for item in items:
+        reason = CLUSTER_SKIP.get(item.path.name) or CLUSTER_SKIP.get(item.originalname if hasattr(item, "originalname") else item.name)
+        if reason:
+            item.add_marker(pytest.mark.skip(reason=f"through a control replica: {reason}"))
 
 
 @dataclass
@@ -132,6 +157,9 @@ def server(request: pytest.FixtureRequest) -> Iterator[Server]:
         raise KeyboardInterrupt("SIGTERM")  # so the teardown below still runs
 
     signal.signal(signal.SIGTERM, on_term)
+    if CLUSTER:
+        yield from _cluster_server()
+        return
     built = None
     bin_dir = os.environ.get("SHOAL_BIN_DIR")
     if not bin_dir:
@@ -217,6 +245,29 @@ def server(request: pytest.FixtureRequest) -> Iterator[Server]:
             shutil.rmtree(built, ignore_errors=True)
 
 
+def _cluster_server() -> Iterator[Server]:
+    """The control replica of a running cluster (SHOAL_SDK_CLUSTER=URL|KEY)."""
+    url, key = CLUSTER.split("|", 1)
+    saved_env = {k: os.environ.get(k) for k in ("SHOAL_URL", "SHOAL_API_KEY")}
+    os.environ["SHOAL_URL"], os.environ["SHOAL_API_KEY"] = url, key
+    before = {s.sandbox_id for s in shoal.Sandbox.list()}  # the cluster's own: left alone
+    try:
+        yield Server(url=url, api_key=key, data_dir="", bin_dir=os.environ.get("SHOAL_BIN_DIR", ""), base=BASE, log="")
+    finally:
+        try:
+            for s in shoal.Sandbox.list():
+                if s.sandbox_id not in before:
+                    shoal.Sandbox.kill(s.sandbox_id)
+        except Exception:
+            pass
+        shoal.close()
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 _backend_skip: Dict[str, Optional[str]] = {}
 
 
@@ -253,6 +304,8 @@ VM_ALL = os.environ.get("SHOAL_SDK_VM_ALL") == "1"
 @pytest.fixture(params=BACKENDS)
 def backend(request: pytest.FixtureRequest, server: Server) -> str:
     """Each backend in turn; those the server does not offer skip with its reason."""
+    if CLUSTER and request.param != "container":
+        pytest.skip(f"backend {request.param}: the cluster run is of containers")
     if request.param in VM_BACKENDS and not VM_ALL and request.node.originalname not in VM_SUBSET[request.param]:
         pytest.skip(f"backend {request.param}: not in the VM subset (SHOAL_SDK_VM_ALL=1 runs it)")
     reason = _probe_backend(server, request.param)
