@@ -71,6 +71,10 @@ import (
 // compresses the files of an lz4 layer: those are read through the guest's
 // page cache, as from a block device.
 
+// ErrNoPmem marks New's error when Config.Layers is "pmem" and this node
+// cannot map layers as persistent memory.
+var ErrNoPmem = errors.New("no pmem layers on this node")
+
 // Layer device modes (Config.Layers).
 const (
 	LayersAuto = "auto"
@@ -223,7 +227,7 @@ func (b *Backend) choosePmem() error {
 	why, err := b.pmemSupported()
 	if err != nil {
 		if mode == LayersPmem {
-			return fmt.Errorf("vm backend: pmem layers: %w", err)
+			return fmt.Errorf("vm backend: %w: %w", ErrNoPmem, err)
 		}
 		b.pmemWhy = err.Error()
 		return nil

@@ -147,12 +147,17 @@ func readBig(t *testing.T, ctx context.Context, c *agent.Client, want [32]byte) 
 // that read the file, the layers' bytes are not in it) and the resumed VM
 // reads them again, still with DAX.
 func TestVMPmem(t *testing.T) {
-	const size = 24 << 20
+	// SHOAL_VM_PMEM_MIB: the file's size (default 24 MiB), for the
+	// snapshot sizes it logs.
+	size := int64(24 << 20)
+	if n, err := strconv.Atoi(os.Getenv("SHOAL_VM_PMEM_MIB")); err == nil && n > 0 && n <= 160 {
+		size = int64(n) << 20
+	}
 	b, base := vmTestEnv(t, MachineMicroVM, func(c *Config) { c.Layers = LayersPmem })
 	if b.LayerDevices() != LayersPmem {
 		t.Fatalf("layers as %s: %s", b.LayerDevices(), b.pmemWhy)
 	}
-	big, sum := vmBigLayer(t, size)
+	big, sum := vmBigLayer(t, int(size))
 	imgSum := fileSum(t, big)
 	ctx, cancel := context.WithTimeout(context.Background(), 6*time.Minute)
 	defer cancel()
