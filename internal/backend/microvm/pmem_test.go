@@ -5,6 +5,7 @@ import (
 	"crypto/rand"
 	"crypto/sha256"
 	"encoding/hex"
+	"errors"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -262,5 +263,50 @@ func TestVMPmem(t *testing.T) {
 	t.Logf("blk VM snapshot after the read: %d MiB", fb.Size()>>20)
 	if fb.Size() <= fi.Size() {
 		t.Errorf("snapshots: blk %d MiB, pmem %d MiB: the guest's cache of the layer should make the difference", fb.Size()>>20, fi.Size()>>20)
+	}
+}
+
+// The layer mode: blk when configured; for auto, blk with the reason when
+// the machine or the guest kernel cannot have pmem layers; a forced pmem
+// that cannot be is an error (serve fails to start); a bad mode is an
+// error.
+func TestChoosePmem(t *testing.T) {
+	noPmem := t.TempDir() // a kernel directory without modules/order.pmem
+	os.MkdirAll(filepath.Join(noPmem, "modules"), 0o755)
+	noDAX := t.TempDir() // modules, but a kernel config without FS DAX
+	os.MkdirAll(filepath.Join(noDAX, "modules"), 0o755)
+	os.WriteFile(filepath.Join(noDAX, "modules", pmemModules), []byte("nd_pmem.ko\n"), 0o644)
+	os.WriteFile(filepath.Join(noDAX, "config"), []byte("#\nCONFIG_X86_PMEM_LEGACY=m\nCONFIG_ZONE_DEVICE=y\n"), 0o644)
+	for _, tc := range []struct {
+		name, machine, kdir, mode string
+		wantErr                   bool
+		why                       string
+	}{
+		{"blk", MachineMicroVM, noPmem, LayersBlk, false, "configured"},
+		{"auto, q35", MachineQ35, noPmem, LayersAuto, false, "microvm only"},
+		{"auto, no modules", MachineMicroVM, noPmem, "", false, "no pmem modules"},
+		{"auto, no FS DAX", MachineMicroVM, noDAX, LayersAuto, false, "CONFIG_FS_DAX"},
+		{"pmem, no modules", MachineMicroVM, noPmem, LayersPmem, true, ""},
+		{"bad mode", MachineMicroVM, noPmem, "virtio-pmem", true, ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			b := &Backend{cfg: Config{Machine: tc.machine, KernelDir: tc.kdir, StateDir: t.TempDir(), Layers: tc.mode}}
+			err := b.choosePmem()
+			if tc.wantErr {
+				if err == nil {
+					t.Fatalf("no error; layers as %s (%s)", b.LayerDevices(), b.pmemWhy)
+				}
+				if tc.mode == LayersPmem && !errors.Is(err, ErrNoPmem) {
+					t.Errorf("error %v is not ErrNoPmem", err)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if b.LayerDevices() != LayersBlk || !strings.Contains(b.pmemWhy, tc.why) {
+				t.Errorf("layers as %s, why %q; want blk, why with %q", b.LayerDevices(), b.pmemWhy, tc.why)
+			}
+		})
 	}
 }
