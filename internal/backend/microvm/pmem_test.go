@@ -84,20 +84,21 @@ func TestPlanPmem(t *testing.T) {
 	}
 }
 
-// vmBigLayer makes an EROFS layer holding /big/data (size bytes of random
-// data, in whole 4 KiB blocks: stored in plain blocks, which DAX reads in
-// place) and returns its image and the data's SHA-256.
+// vmBigLayer makes an EROFS layer holding /big/data (size+100 bytes of
+// random data) as `shoal layer build --compression plain` does (its tail in
+// a block of its own, not packed into its inode: DAX reads it in place) and
+// returns its image and the data's SHA-256.
 func vmBigLayer(t *testing.T, size int) (string, [32]byte) {
 	t.Helper()
 	dir := t.TempDir()
-	data := make([]byte, size)
+	data := make([]byte, size+100)
 	rand.Read(data)
 	os.MkdirAll(filepath.Join(dir, "root", "big"), 0o755)
 	if err := os.WriteFile(filepath.Join(dir, "root", "big", "data"), data, 0o644); err != nil {
 		t.Fatal(err)
 	}
 	img := filepath.Join(dir, "big.erofs")
-	if out, err := exec.Command("mkfs.erofs", "--quiet", "--all-root", img, filepath.Join(dir, "root")).CombinedOutput(); err != nil {
+	if out, err := exec.Command("mkfs.erofs", "--quiet", "--all-root", "-Enoinline_data", img, filepath.Join(dir, "root")).CombinedOutput(); err != nil {
 		t.Fatalf("mkfs.erofs: %v\n%s", err, out)
 	}
 	return img, sha256.Sum256(data)
