@@ -23,8 +23,8 @@ type VMOptions struct {
 	Boots     int    // sandboxes created one after another
 	Execs     int    // `true` round trips in the first one
 	MemoryMiB int64
-	// ReadFile, if set, is a file of the base (a layer) that each VM reads
-	// whole after its first exec: then the host memory of the booted VMs
+	// ReadFile, if set, is a file (or a directory: all its files) of the
+	// base (a layer) that each VM reads whole after its first exec: then the host memory of the booted VMs
 	// (QEMU's RSS, PSS, anonymous memory) and of the layers' page cache
 	// say what a layer's cache costs per VM (blk: a copy in each guest;
 	// pmem: the host's one, shared).
@@ -142,7 +142,7 @@ func readInVMs(ctx context.Context, c *shoal.Client, path string, ids []string, 
 	for _, id := range ids {
 		step()
 		var out strings.Builder
-		st, err := c.Exec(ctx, id, shoal.ExecOptions{Args: []string{"sh", "-c", `wc -c < "$1"`, "sh", path}, Stdout: &out})
+		st, err := c.Exec(ctx, id, shoal.ExecOptions{Args: []string{"sh", "-c", `find "$1" -type f -exec cat {} + | wc -c`, "sh", path}, Stdout: &out})
 		if err != nil {
 			return err
 		}
