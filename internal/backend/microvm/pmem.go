@@ -13,8 +13,6 @@ import (
 	"syscall"
 	"time"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/shoal-sandbox/shoal/internal/agent/vminit"
 	"github.com/shoal-sandbox/shoal/internal/sandbox"
 )
@@ -262,33 +260,33 @@ func (b *Backend) pmemSupported() (string, error) {
 	return "the guest kernel has legacy pmem and FS DAX, QEMU maps read-only shared file memory on microvm", nil
 }
 
-// makePad makes (or reuses) the sparse zero file of pads and gaps.
+// makePad makes (or reuses) the sparse zero file of pads and gaps. One of
+// another size is replaced, never changed: running VMs map it.
 func makePad(dir string) (string, error) {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return "", err
 	}
 	p := filepath.Join(dir, pmemPadFile)
-	f, err := os.OpenFile(p, os.O_RDWR|os.O_CREATE|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o444)
+	if fi, err := os.Lstat(p); err == nil && fi.Mode().IsRegular() && fi.Size() == pmemPadSize {
+		return p, nil
+	}
+	f, err := os.CreateTemp(dir, "."+pmemPadFile+"-*")
 	if err != nil {
 		return "", fmt.Errorf("pmem pad: %w", err)
 	}
-	defer f.Close()
-	fi, err := f.Stat()
+	defer os.Remove(f.Name())
+	err = f.Truncate(pmemPadSize) // zeros, no blocks
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil {
+		err = os.Chmod(f.Name(), 0o444)
+	}
+	if err == nil {
+		err = os.Rename(f.Name(), p)
+	}
 	if err != nil {
-		return "", err
-	}
-	if !fi.Mode().IsRegular() {
-		return "", fmt.Errorf("pmem pad %s: not a regular file", p)
-	}
-	if fi.Size() != pmemPadSize {
-		// Zero: a pad must read as zeros (a guest never wrote it: its
-		// mappings are read-only).
-		if err := f.Truncate(0); err != nil {
-			return "", err
-		}
-		if err := f.Truncate(pmemPadSize); err != nil {
-			return "", err
-		}
+		return "", fmt.Errorf("pmem pad: %w", err)
 	}
 	return p, nil
 }

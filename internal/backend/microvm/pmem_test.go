@@ -15,6 +15,8 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/shoal-sandbox/shoal/internal/agent"
 	"github.com/shoal-sandbox/shoal/internal/sandbox"
 )
@@ -309,5 +311,51 @@ func TestChoosePmem(t *testing.T) {
 				t.Errorf("layers as %s, why %q; want blk, why with %q", b.LayerDevices(), b.pmemWhy, tc.why)
 			}
 		})
+	}
+}
+
+// The pad file: made sparse and read-only, reused as it is, and one of
+// another size replaced by a new file (running VMs keep mapping the old
+// one: it is never truncated in place).
+func TestMakePad(t *testing.T) {
+	dir := t.TempDir()
+	p, err := makePad(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fi, err := os.Stat(p)
+	if err != nil || fi.Size() != pmemPadSize || fi.Mode().Perm() != 0o444 {
+		t.Fatalf("pad %v, %v", fi, err)
+	}
+	var st1 unix.Stat_t
+	unix.Stat(p, &st1)
+	if st1.Blocks != 0 {
+		t.Errorf("pad has %d blocks, want a sparse file", st1.Blocks)
+	}
+	if again, err := makePad(dir); err != nil || again != p {
+		t.Fatalf("again: %s, %v", again, err)
+	}
+	var st2 unix.Stat_t
+	unix.Stat(p, &st2)
+	if st2.Ino != st1.Ino {
+		t.Error("a good pad was replaced")
+	}
+	old, err := os.Open(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer old.Close()
+	os.Chmod(p, 0o644)
+	os.Truncate(p, 1<<20) // another size (an older version's)
+	if _, err := makePad(dir); err != nil {
+		t.Fatal(err)
+	}
+	var st3 unix.Stat_t
+	unix.Stat(p, &st3)
+	if st3.Ino == st1.Ino || st3.Size != pmemPadSize {
+		t.Errorf("a pad of another size was not replaced (inode %d, %d bytes)", st3.Ino, st3.Size)
+	}
+	if fi, _ := old.Stat(); fi.Size() != 1<<20 {
+		t.Errorf("the old pad changed: %d bytes", fi.Size())
 	}
 }
