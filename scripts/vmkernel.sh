@@ -7,7 +7,9 @@
 # DIR/vmlinux (uncompressed, booted via PVH) and DIR/vmlinuz are the kernel of linux-image-cloud-amd64 (Debian 12's cloud
 # flavour: virtio, ext4, tmpfs, devtmpfs, PVH built in), DIR/modules/ the
 # few modules the guest loads itself (virtio transport, block and console,
-# balloon, EROFS and overlayfs) and DIR/modules/order their load order.
+# balloon, EROFS and overlayfs) and DIR/modules/order their load order;
+# DIR/modules/order.pmem lists the persistent-memory modules (libnvdimm,
+# nd_pmem, nd_e820) a guest with pmem layers loads after them.
 # `shoal serve` builds each guest's initramfs from these and its shoal-agent.
 # Running it again replaces DIR's content with the archive's current kernel.
 set -euo pipefail
@@ -29,6 +31,9 @@ mods="$tmp/x/lib/modules/$kver/kernel"
 # the transports and drivers; libcrc32c <- erofs; crc32c is built in).
 order="virtio_ring virtio virtio_mmio virtio_pci_legacy_dev virtio_pci_modern_dev virtio_pci
 virtio_blk virtio_console virtio_balloon libcrc32c erofs overlay"
+# Loaded only by a guest whose layers are persistent memory (the microvm
+# backend's pmem layers: legacy e820 pmem regions, DAX), after the others.
+pmem_order="libnvdimm nd_btt nd_pmem nd_e820"
 new="$dest.new.$$"
 rm -rf "$new"
 mkdir -p "$new/modules"
@@ -55,6 +60,16 @@ for m in $order; do
 	fi
 	cp "$f" "$new/modules/"
 	echo "$m.ko" >>"$new/modules/order"
+done
+for m in $pmem_order; do
+	f=$(find "$mods" -name "$m.ko" | head -1)
+	if [ -z "$f" ]; then
+		echo "vmkernel: $pkg has no module $m: guests' layers stay block devices" >&2
+		rm -f "$new/modules/order.pmem"
+		break
+	fi
+	cp "$f" "$new/modules/"
+	echo "$m.ko" >>"$new/modules/order.pmem"
 done
 echo "$pkg $kver" >"$new/version"
 mkdir -p "$(dirname "$dest")"

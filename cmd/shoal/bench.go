@@ -49,7 +49,7 @@ func benchCmd() *cobra.Command {
 	execb.Flags().StringVar(&eo.Runtime, "runtime", "runc", "OCI runtime for the baseline")
 	var vo bench.VMOptions
 	vmb := &cobra.Command{
-		Use:   "vm [--backend microvm|fullvm] [--boots N] [--execs N] [--base REF]",
+		Use:   "vm [--backend microvm|fullvm] [--boots N] [--execs N] [--base REF] [--read-file PATH]",
 		Short: "VM sandboxes: create to first exec, exec round trips, host memory of an idle VM",
 		Args:  cobra.NoArgs,
 		RunE:  runBench(func(ctx context.Context, c *shoal.Client) (any, error) { return bench.VM(ctx, c, vo) }),
@@ -59,6 +59,7 @@ func benchCmd() *cobra.Command {
 	vmb.Flags().IntVar(&vo.Execs, "execs", 50, "`true` round trips in the first sandbox")
 	vmb.Flags().StringVar(&vo.Base, "base", "debian:12", "base layer")
 	vmb.Flags().Int64Var(&vo.MemoryMiB, "memory-mib", 256, "guest memory in MiB")
+	vmb.Flags().StringVar(&vo.ReadFile, "read-file", "", "a file (or directory: all its files) of the base that every VM reads after its boot; then the host memory of the VMs and of the layers' page cache (blk vs pmem layers: serve --vm-layers)")
 	var qo bench.QoSOptions
 	qosb := &cobra.Command{
 		Use:   "qos [-n N] [--burners B] [--duration D] [--base REF]",

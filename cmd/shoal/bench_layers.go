@@ -55,7 +55,7 @@ the new version. Everything it builds is removed afterwards (--keep keeps).`,
 	f.IntVar(&o.ToolkitMiB, "toolkit-mib", 32, "size of each synthetic toolkit")
 	f.IntVar(&o.WorkspaceMiB, "workspace-mib", 4, "size of each synthetic workspace")
 	f.IntVar(&o.MonolithicSample, "sample", 10, "monolithic images really built (the rest extrapolated); N or 0 for all")
-	f.StringVar(&o.Compression, "compression", "none", "image compression: none, lz4, lz4hc")
+	f.StringVar(&o.Compression, "compression", "none", "image compression: none, plain, lz4, lz4hc")
 	f.StringVar(&o.WorkDir, "work", "", "directory for the trees (default: a temporary one under /var/tmp)")
 	f.BoolVar(&o.Keep, "keep", false, "keep the layers built")
 	return cmd

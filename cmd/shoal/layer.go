@@ -100,7 +100,7 @@ Progress goes to stderr (a bar on a terminal); the layer's ref to stdout.`,
 		},
 	}
 	cmd.Flags().StringVar(&kind, "kind", "", "layer kind: base, workspace or toolkit")
-	cmd.Flags().StringVar(&compression, "compression", "", "none (default), lz4 or lz4hc")
+	cmd.Flags().StringVar(&compression, "compression", "", "none (default), plain (uncompressed, every file in whole blocks: DAX for all of it in a microVM's pmem layer; a little bigger), lz4 or lz4hc")
 	cmd.Flags().StringVar(&image, "image", "", "for an image archive with several images: which one (e.g. debian:12)")
 	cmd.Flags().BoolVar(&push, "push", false, "then push it to the server's layer store (shoal serve --layer-store), so every node of the fleet resolves it")
 	cmd.Flags().BoolVar(&serverPath, "server-path", false, "SRC is a path on the server, inside one of its --build-root directories (read in place, not uploaded)")
@@ -145,7 +145,7 @@ workspace: create from a base, run the setup commands, commit.`,
 		},
 	}
 	cmd.Flags().StringVar(&kind, "kind", "", "layer kind: workspace or toolkit")
-	cmd.Flags().StringVar(&compression, "compression", "", "none (default), lz4 or lz4hc")
+	cmd.Flags().StringVar(&compression, "compression", "", "none (default), plain (uncompressed, every file in whole blocks: DAX for all of it in a microVM's pmem layer; a little bigger), lz4 or lz4hc")
 	cmd.Flags().BoolVar(&push, "push", false, "then push it to the server's layer store (shoal serve --layer-store)")
 	cmd.MarkFlagRequired("kind")
 	return cmd

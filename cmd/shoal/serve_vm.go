@@ -4,6 +4,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"os"
@@ -24,6 +25,7 @@ type vmConfig struct {
 	KernelDir string
 	Image     string // the fullvm base image
 	Accel     string // auto | kvm | tcg
+	Layers    string // auto | pmem | blk
 	QEMU      string
 }
 
@@ -33,6 +35,7 @@ func addVMFlags(cmd *cobra.Command, c *vmConfig) {
 	cmd.Flags().StringVar(&c.KernelDir, "vm-kernel", microvm.DefaultKernelDir, "directory of the VM guest kernel and its modules (scripts/vmkernel.sh makes it)")
 	cmd.Flags().StringVar(&c.Image, "vm-image", filepath.Join(microvm.DefaultKernelDir, microvm.ImageLink), "the fullvm backend's base image (`shoal vm image build` makes it)")
 	cmd.Flags().StringVar(&c.Accel, "vm-accel", "auto", "VM accelerator: auto (KVM when a probe guest boots on it, else TCG; $SHOAL_VM_ACCEL overrides), kvm or tcg")
+	cmd.Flags().StringVar(&c.Layers, "vm-layers", "auto", "how layers reach a microVM: pmem (persistent memory mounted with DAX: guests share the host's page cache of a layer), blk (read-only virtio-blk devices) or auto (pmem when the guest kernel and QEMU support it, else blk; logged with the reason)")
 	cmd.Flags().StringVar(&c.QEMU, "vm-qemu", "qemu-system-x86_64", "QEMU binary of the VM backends")
 }
 
@@ -40,6 +43,11 @@ func addVMFlags(cmd *cobra.Command, c *vmConfig) {
 // is required (--microvm on, --fullvm on) but cannot run here.
 func vmBackends(c vmConfig, dataDir, agentBin, cgroupParent string, log *slog.Logger) ([]sandbox.Backend, error) {
 	var out []sandbox.Backend
+	switch c.Layers {
+	case microvm.LayersAuto, microvm.LayersPmem, microvm.LayersBlk:
+	default:
+		return nil, fmt.Errorf("--vm-layers %q: want auto, pmem or blk", c.Layers)
+	}
 	for _, k := range []struct{ name, machine, mode, image string }{
 		{"microvm", microvm.MachineMicroVM, c.MicroVM, ""},
 		{"fullvm", microvm.MachineQ35, c.FullVM, c.Image},
@@ -53,10 +61,16 @@ func vmBackends(c vmConfig, dataDir, agentBin, cgroupParent string, log *slog.Lo
 		}
 		cfg := microvm.Config{Name: k.name, Machine: k.machine, QEMU: c.QEMU, KernelDir: c.KernelDir, Image: k.image,
 			StateDir: filepath.Join(dataDir, "vm"), AgentBinary: agentBin, Accel: c.Accel, CgroupParent: cgroupParent, Logger: log}
+		if k.machine == microvm.MachineMicroVM {
+			cfg.Layers = c.Layers
+		}
 		b, err := microvm.New(cfg)
 		if err != nil {
 			if k.mode == "on" {
 				return nil, fmt.Errorf("--%s on: %w", k.name, err)
+			}
+			if errors.Is(err, microvm.ErrNoPmem) {
+				return nil, fmt.Errorf("--vm-layers pmem: %w", err)
 			}
 			log.Info("backend "+k.name+": not available on this node", "why", err)
 			continue

@@ -2,11 +2,15 @@ package bench
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"os"
 	"strconv"
 	"strings"
 	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
 
 	pb "github.com/shoal-sandbox/shoal/api/shoal/v1"
 	shoal "github.com/shoal-sandbox/shoal/sdk/go"
@@ -19,6 +23,12 @@ type VMOptions struct {
 	Boots     int    // sandboxes created one after another
 	Execs     int    // `true` round trips in the first one
 	MemoryMiB int64
+	// ReadFile, if set, is a file (or a directory: all its files) of the
+	// base (a layer) that each VM reads whole after its first exec: then the host memory of the booted VMs
+	// (QEMU's RSS, PSS, anonymous memory) and of the layers' page cache
+	// say what a layer's cache costs per VM (blk: a copy in each guest;
+	// pmem: the host's one, shared).
+	ReadFile string
 }
 
 // VMResult is the JSON printed by `shoal bench vm`.
@@ -36,6 +46,23 @@ type VMResult struct {
 	// process, when the server runs on this machine), after its boot.
 	IdleRSSKiB []int64 `json:"idle_qemu_rss_kib,omitempty"`
 	MemoryMiB  int64   `json:"guest_memory_mib"`
+	// LayerDevices: how the layers reached the guests (pmem or blk).
+	LayerDevices string `json:"layer_devices,omitempty"`
+	// With ReadFile: after every VM read it, each VM's QEMU (from
+	// /proc/PID/smaps_rollup) and guest page cache (Cached), and the
+	// host's page cache of the layers' images (resident pages, counted
+	// once: the VMs share it).
+	ReadFile          string  `json:"read_file,omitempty"`
+	ReadFileKiB       int64   `json:"read_file_kib,omitempty"`
+	QEMURSSKiB        []int64 `json:"qemu_rss_kib,omitempty"`
+	QEMUPSSKiB        []int64 `json:"qemu_pss_kib,omitempty"`
+	QEMUAnonKiB       []int64 `json:"qemu_anon_kib,omitempty"`
+	GuestCachedKiB    []int64 `json:"guest_cached_kib,omitempty"`
+	LayerPageCacheKiB int64   `json:"layers_page_cache_kib,omitempty"`
+	// HostKiBPerVM: (the QEMUs' anonymous memory, their guests' RAM, +
+	// the layers' page cache, shared) / VMs: what each VM costs the host
+	// beyond QEMU's own binary.
+	HostKiBPerVM int64 `json:"host_kib_per_vm,omitempty"`
 }
 
 // VM measures VM sandboxes: boot to first exec, exec round trips, and the
@@ -76,6 +103,7 @@ func VM(ctx context.Context, c *shoal.Client, o VMOptions) (*VMResult, error) {
 		}
 		first = append(first, time.Since(t0))
 		res.Accel = sb.Runtime["accel"]
+		res.LayerDevices = sb.Runtime["layer_devices"]
 		if rss := rssKiB(sb.Runtime["pid"]); rss > 0 {
 			res.IdleRSSKiB = append(res.IdleRSSKiB, rss)
 		}
@@ -97,7 +125,118 @@ func VM(ctx context.Context, c *shoal.Client, o VMOptions) (*VMResult, error) {
 	}
 	res.CreateToFirstExec = dist(first)
 	res.Exec = dist(execs)
+	if o.ReadFile != "" {
+		if err := readInVMs(ctx, c, o.ReadFile, ids, res); err != nil {
+			return nil, err
+		}
+	}
 	return res, nil
+}
+
+// readInVMs has each VM read path, then measures the host's memory.
+func readInVMs(ctx context.Context, c *shoal.Client, path string, ids []string, res *VMResult) error {
+	res.ReadFile = path
+	images := map[string]bool{}
+	var pids []string
+	step := progress(ctx, "read", len(ids))
+	for _, id := range ids {
+		step()
+		var out strings.Builder
+		st, err := c.Exec(ctx, id, shoal.ExecOptions{Args: []string{"sh", "-c", `find "$1" -type f -exec cat {} + | wc -c`, "sh", path}, Stdout: &out})
+		if err != nil {
+			return err
+		}
+		if st.Code != 0 {
+			return fmt.Errorf("read %s in %s: exit %d", path, id, st.Code)
+		}
+		n, _ := strconv.ParseInt(strings.TrimSpace(out.String()), 10, 64)
+		res.ReadFileKiB = n >> 10
+		out.Reset()
+		if _, err := c.Exec(ctx, id, shoal.ExecOptions{Args: []string{"sh", "-c", "grep '^Cached:' /proc/meminfo"}, Stdout: &out}); err != nil {
+			return err
+		}
+		if f := strings.Fields(out.String()); len(f) >= 2 {
+			kib, _ := strconv.ParseInt(f[1], 10, 64)
+			res.GuestCachedKiB = append(res.GuestCachedKiB, kib)
+		}
+		sb, err := c.Get(ctx, id)
+		if err != nil {
+			return err
+		}
+		var imgs []string
+		json.Unmarshal([]byte(sb.Runtime["layers"]), &imgs)
+		for _, img := range imgs {
+			images[img] = true
+		}
+		pids = append(pids, sb.Runtime["pid"])
+	}
+	var anon int64
+	for _, pid := range pids {
+		m := smapsRollup(pid)
+		if m == nil {
+			continue // not on this machine
+		}
+		res.QEMURSSKiB = append(res.QEMURSSKiB, m["Rss"])
+		res.QEMUPSSKiB = append(res.QEMUPSSKiB, m["Pss"])
+		res.QEMUAnonKiB = append(res.QEMUAnonKiB, m["Anonymous"])
+		anon += m["Anonymous"]
+	}
+	for img := range images {
+		res.LayerPageCacheKiB += residentKiB(img)
+	}
+	if len(res.QEMUAnonKiB) > 0 {
+		res.HostKiBPerVM = (anon + res.LayerPageCacheKiB) / int64(len(res.QEMUAnonKiB))
+	}
+	return nil
+}
+
+// smapsRollup is a local process's /proc/PID/smaps_rollup in KiB by field
+// (nil when unknown).
+func smapsRollup(pid string) map[string]int64 {
+	if _, err := strconv.Atoi(pid); err != nil {
+		return nil
+	}
+	b, err := os.ReadFile("/proc/" + pid + "/smaps_rollup")
+	if err != nil {
+		return nil
+	}
+	m := map[string]int64{}
+	for _, l := range strings.Split(string(b), "\n") {
+		k, v, ok := strings.Cut(l, ":")
+		if f := strings.Fields(v); ok && len(f) == 2 && f[1] == "kB" {
+			m[k], _ = strconv.ParseInt(f[0], 10, 64)
+		}
+	}
+	return m
+}
+
+// residentKiB is how much of a local file is in the page cache (mincore
+// of a read-only mapping; 0 when unknown).
+func residentKiB(path string) int64 {
+	f, err := os.Open(path)
+	if err != nil {
+		return 0
+	}
+	defer f.Close()
+	fi, err := f.Stat()
+	if err != nil || fi.Size() == 0 || !fi.Mode().IsRegular() {
+		return 0
+	}
+	mem, err := unix.Mmap(int(f.Fd()), 0, int(fi.Size()), unix.PROT_READ, unix.MAP_SHARED)
+	if err != nil {
+		return 0
+	}
+	defer unix.Munmap(mem)
+	page := os.Getpagesize()
+	vec := make([]byte, (len(mem)+page-1)/page)
+	if _, _, e := unix.Syscall(unix.SYS_MINCORE, uintptr(unsafe.Pointer(&mem[0])), uintptr(len(mem)), uintptr(unsafe.Pointer(&vec[0]))); e != 0 {
+		return 0
+	}
+	var n int64
+	for _, v := range vec {
+		n += int64(v & 1)
+	}
+	return n * int64(page) >> 10
 }
 
 // rssKiB is VmRSS of a local process, 0 when unknown.

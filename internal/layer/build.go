@@ -46,7 +46,10 @@ type BuildOptions struct {
 	// with one image; refused for other sources.
 	Image string
 	// Compression is "" or "none" (uncompressed, the fastest to mount and
-	// read), "lz4" or "lz4hc" (about half the size, slower to build).
+	// read), "plain" (uncompressed, and no file's tail packed into its
+	// inode: every file's data in whole blocks, which a VM's pmem layer
+	// mounted with DAX reads in place; a little bigger), "lz4" or "lz4hc"
+	// (about half the size, slower to build).
 	Compression string
 	// Progress, if not nil, receives a report at each stage (with a line
 	// to print) and updates within stages (for a progress bar). It is
@@ -195,13 +198,14 @@ func unpackSource(ctx context.Context, o BuildOptions, work string, rep *reporte
 
 // buildSpec is what make needs: validated options and the tree to image.
 type buildSpec struct {
-	kind               Kind
-	name, version      string
-	compression, mkfsZ string
-	source             string // description recorded in the Layer
-	tree               string
-	whiteouts          bool // the tree may hold overlay whiteouts (a commit)
-	start              time.Time
+	kind          Kind
+	name, version string
+	compression   string
+	mkfsArgs      []string // mkfs.erofs's options of the compression
+	source        string   // description recorded in the Layer
+	tree          string
+	whiteouts     bool // the tree may hold overlay whiteouts (a commit)
+	start         time.Time
 }
 
 // newSpec validates the parts of a build common to every source; its
@@ -216,11 +220,11 @@ func newSpec(kind Kind, name, version, compression string) (buildSpec, error) {
 	if err := validateVersion(version); err != nil {
 		return buildSpec{}, errdefs.Mark(errdefs.ErrInvalidArgument, err)
 	}
-	c, z, err := parseCompression(compression)
+	c, args, err := parseCompression(compression)
 	if err != nil {
 		return buildSpec{}, errdefs.Mark(errdefs.ErrInvalidArgument, err)
 	}
-	return buildSpec{kind: kind, name: name, version: version, compression: c, mkfsZ: z}, nil
+	return buildSpec{kind: kind, name: name, version: version, compression: c, mkfsArgs: args}, nil
 }
 
 // make checks the tree, runs mkfs.erofs into work, installs the image and
@@ -275,9 +279,7 @@ func (s *Store) make(ctx context.Context, work string, b buildSpec, rep *reporte
 // content it has read.
 func runMkfs(ctx context.Context, img string, b buildSpec, total int64, rep *reporter) error {
 	args := []string{mkfsTimestamp, mkfsUUID, "--quiet"}
-	if b.mkfsZ != "" {
-		args = append(args, "-z"+b.mkfsZ)
-	}
+	args = append(args, b.mkfsArgs...)
 	args = append(args, img, b.tree)
 	cmd := exec.CommandContext(ctx, "mkfs.erofs", args...)
 	var out bytes.Buffer
@@ -316,14 +318,18 @@ func runMkfs(ctx context.Context, img string, b buildSpec, total int64, rep *rep
 	return nil
 }
 
-func parseCompression(c string) (name, mkfsZ string, err error) {
+func parseCompression(c string) (name string, mkfsArgs []string, err error) {
 	switch c {
 	case "", "none":
-		return "none", "", nil
+		return "none", nil, nil
+	case "plain":
+		// EROFS's DAX reads only files of the FLAT_PLAIN layout
+		// (fs/erofs/inode.c), which packing a tail makes FLAT_INLINE.
+		return c, []string{"-Enoinline_data"}, nil
 	case "lz4", "lz4hc":
-		return c, c, nil
+		return c, []string{"-z" + c}, nil
 	}
-	return "", "", fmt.Errorf("unknown compression %q: valid are none, lz4, lz4hc", c)
+	return "", nil, fmt.Errorf("unknown compression %q: valid are none, plain, lz4, lz4hc", c)
 }
 
 // seal hashes the image, flushes it to disk and returns its digest and size.

@@ -416,7 +416,7 @@ func TestBuild(t *testing.T) {
 	}, {
 		name:    "bad compression",
 		opts:    BuildOptions{Compression: "zstd"},
-		wantErr: "valid are none, lz4, lz4hc",
+		wantErr: "valid are none, plain, lz4, lz4hc",
 	}}
 	for i, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -508,6 +508,33 @@ func TestBuildDeterministic(t *testing.T) {
 				t.Errorf("two builds of the same source: %s != %s", digests[0], digests[1])
 			}
 		})
+	}
+}
+
+// Compression "plain" stores every file's data in whole blocks (EROFS's
+// FLAT_PLAIN layout, which DAX reads in place: a microVM's pmem layers),
+// where "none" packs a file's tail into its inode (FLAT_INLINE).
+func TestBuildPlain(t *testing.T) {
+	if _, err := exec.LookPath("dump.erofs"); err != nil {
+		t.Skip("needs dump.erofs (erofs-utils) to read an inode's layout")
+	}
+	e := newEnv(t)
+	tree := writeTree(t, filepath.Join(t.TempDir(), "tree"), map[string]string{"f": strings.Repeat("x", 5000)})
+	for c, want := range map[string]string{"none": "Layout: 2", "plain": "Layout: 0"} {
+		l, err := e.store.Build(context.Background(), BuildOptions{Kind: KindToolkit, Name: "plain", Version: c, Source: tree, Compression: c})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if l.Compression != c {
+			t.Errorf("compression %q recorded as %q", c, l.Compression)
+		}
+		out, err := exec.Command("dump.erofs", "--path=/f", e.store.ImagePath(l.Digest)).CombinedOutput()
+		if err != nil {
+			t.Fatalf("dump.erofs: %v: %s", err, out)
+		}
+		if !strings.Contains(string(out), want) {
+			t.Errorf("compression %s: /f's inode %q, want %q", c, out, want)
+		}
 	}
 }
 

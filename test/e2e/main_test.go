@@ -141,6 +141,15 @@ func startServe() error {
 		// runc (the default) or native: the suite against either launcher.
 		serveCmd.Args = append(serveCmd.Args, "--launcher", l)
 	}
+	if k := os.Getenv("SHOAL_VM_KERNEL_DIR"); k != "" {
+		// Another guest kernel directory (scripts/vmkernel.sh DIR), as
+		// the microvm package's tests take it.
+		serveCmd.Args = append(serveCmd.Args, "--vm-kernel", k)
+	}
+	if l := os.Getenv("SHOAL_VM_LAYERS"); l != "" {
+		// pmem or blk: the VM tests with one layer mode (default auto).
+		serveCmd.Args = append(serveCmd.Args, "--vm-layers", l)
+	}
 	serveCmd.Stdout, serveCmd.Stderr = log, log
 	serveCmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
 	if err := serveCmd.Start(); err != nil {

@@ -47,7 +47,10 @@ func TestMicroVM(t *testing.T) {
 	if code != 0 || json.Unmarshal([]byte(out), &info) != nil || info.Backend != "microvm" || info.State != "running" {
 		t.Fatalf("inspect: %d %s", code, out)
 	}
-	t.Logf("accel %s", info.Runtime["accel"])
+	t.Logf("accel %s, layers as %s", info.Runtime["accel"], info.Runtime["layer_devices"])
+	if want := os.Getenv("SHOAL_VM_LAYERS"); want != "" && info.Runtime["layer_devices"] != want {
+		t.Fatalf("layers as %q, SHOAL_VM_LAYERS=%s", info.Runtime["layer_devices"], want)
+	}
 	pid := info.Runtime["pid"]
 	if out, code := run(nil, "exec", id, "--", "sh", "-c", "echo $GREETING; cat /proc/1/comm; uname -r"); code != 0 ||
 		!strings.HasPrefix(out, "hello\ninit\n") {

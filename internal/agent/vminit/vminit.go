@@ -1,7 +1,8 @@
 // Package vminit is the guest agent's VM boot mode: when shoal-agent is the
 // init of a VM's initramfs (the microvm backend's guests), it loads the
 // kernel modules the initramfs carries, mounts each read-only layer from
-// its virtio-blk device, stacks them under a writable upper (a tmpfs, or the
+// its virtio-blk device (or its persistent memory device, with DAX: pmem.go),
+// stacks them under a writable upper (a tmpfs, or the
 // ext4 disk of a disk limit) with
 // overlayfs in the same order as a container's root, switches root to that
 // overlay and serves the agent protocol on the VM's virtio-serial port,
@@ -52,8 +53,10 @@ const (
 	// PortName is the name of the agent's virtio-serial port.
 	PortName = "shoal.agent"
 	// ModulesDir holds the kernel modules in the initramfs, and the file
-	// "order" in it their names in load order.
+	// "order" in it their names in load order; "order.pmem" lists those
+	// a guest with pmem layers loads after them (pmem.go).
 	ModulesDir = "/lib/shoal/modules"
+	PmemOrder  = "order.pmem"
 	// ConfigMax bounds the config document.
 	ConfigMax = 1 << 20
 )
@@ -77,6 +80,10 @@ type Config struct {
 	// layers, and the writable layer unless UpperDisk; the agent then
 	// starts the system's own init and serves as its service.
 	System bool `json:"system,omitempty"`
+	// PmemAddrs, if set, has one guest-physical address per layer (top
+	// first): each layer is the persistent memory region that starts
+	// there, not a virtio-blk device (pmem.go).
+	PmemAddrs []uint64 `json:"pmem_addrs,omitempty"`
 
 	// Upper is the overlay's upper directory, opened by Boot before the
 	// root switch (after it, no path reaches it) and before any workload
@@ -114,12 +121,17 @@ func Boot() (*Config, net.Listener, error) {
 		unix.Reboot(unix.LINUX_REBOOT_CMD_POWER_OFF)
 		select {}
 	}
-	if err := loadModules(); err != nil {
+	if err := loadModules("order"); err != nil {
 		return nil, nil, err
 	}
 	cfg, err := readConfig()
 	if err != nil {
 		return nil, nil, err
+	}
+	if len(cfg.PmemAddrs) > 0 {
+		if err := loadModules(PmemOrder); err != nil {
+			return nil, nil, err
+		}
 	}
 	if err := mountRoot(cfg); err != nil {
 		return nil, nil, err
@@ -149,8 +161,9 @@ func Fatal(err error) {
 	select {}
 }
 
-func loadModules() error {
-	order, err := os.ReadFile(filepath.Join(ModulesDir, "order"))
+// loadModules loads the modules that ModulesDir/list names.
+func loadModules(list string) error {
+	order, err := os.ReadFile(filepath.Join(ModulesDir, list))
 	if errors.Is(err, os.ErrNotExist) {
 		return nil // a kernel with everything built in
 	}
@@ -233,29 +246,30 @@ func readConfig() (*Config, error) {
 	if cfg.Layers < 1 || cfg.Layers > 128 {
 		return nil, fmt.Errorf("config: %d layers", cfg.Layers)
 	}
+	if len(cfg.PmemAddrs) != 0 && len(cfg.PmemAddrs) != cfg.Layers {
+		return nil, fmt.Errorf("config: %d pmem addresses for %d layers", len(cfg.PmemAddrs), cfg.Layers)
+	}
 	return &cfg, nil
 }
 
 // mountRoot mounts the layers and the overlay at /newroot and makes it the
 // root, moving /dev, /proc and /sys into it.
 func mountRoot(cfg *Config) error {
-	serials := make([]string, cfg.Layers)
-	for i := range serials {
-		serials[i] = fmt.Sprintf("%s%d", LayerSerialPrefix, i)
-	}
-	devs, err := blockBySerial(serials)
+	devs, err := layerDevices(cfg)
 	if err != nil {
 		return err
 	}
 	lower := make([]string, cfg.Layers)
-	for i, s := range serials {
+	for i, dev := range devs {
 		dir := fmt.Sprintf("/layers/%d", i)
 		if err := os.MkdirAll(dir, 0o755); err != nil {
 			return err
 		}
-		if err := unix.Mount(devs[s], dir, "erofs", unix.MS_RDONLY|unix.MS_NODEV, ""); err != nil {
-			return fmt.Errorf("mount layer %d (%s): %w", i, devs[s], err)
+		opts, err := mountLayer(dev, dir, len(cfg.PmemAddrs) > 0)
+		if err != nil {
+			return fmt.Errorf("mount layer %d (%s): %w", i, dev, err)
 		}
+		kmsg(fmt.Sprintf("shoal-agent: layer %d: %s (erofs, %s)", i, dev, opts))
 		lower[i] = dir
 	}
 	os.MkdirAll("/rw", 0o755)

@@ -23,7 +23,7 @@ func TestGuestEnv(t *testing.T) {
 // in paths escaped.
 func TestBaseArgs(t *testing.T) {
 	b := &Backend{cfg: Config{Machine: MachineMicroVM}, kernel: "/k/vmlinux", initrd: "/i/initrd"}
-	args := strings.Join(b.baseArgs("tcg", 256<<20, 2, "X=1"), " ")
+	args := strings.Join(b.baseArgs("tcg", 256<<20, 2, "X=1", nil, nil, ""), " ")
 	for _, want := range []string{"-M microvm,", "-accel tcg,tb-size=64", "-m 256", "-smp 2", "-kernel /k/vmlinux", "-initrd /i/initrd", "SHOAL_VM=1 X=1", "tsc_early_khz="} {
 		if !strings.Contains(args, want) {
 			t.Errorf("args %q lack %q", args, want)
@@ -33,7 +33,7 @@ func TestBaseArgs(t *testing.T) {
 		t.Errorf("microvm device %s", b.dev("virtio-blk"))
 	}
 	q := &Backend{cfg: Config{Machine: MachineQ35}, kernel: "k", initrd: "i"}
-	if args := strings.Join(q.baseArgs("kvm", 256<<20, 1, ""), " "); !strings.Contains(args, "-M q35 -accel kvm -cpu host") || strings.Contains(args, "tb-size") {
+	if args := strings.Join(q.baseArgs("kvm", 256<<20, 1, "", nil, nil, ""), " "); !strings.Contains(args, "-M q35 -accel kvm -cpu host") || strings.Contains(args, "tb-size") {
 		t.Errorf("q35/kvm args %q", args)
 	}
 	if q.dev("virtio-blk") != "virtio-blk-pci" {

@@ -82,8 +82,16 @@ func buildInitrd(dir, kernelDir, agentBin string) (string, error) {
 	}
 	var mods []file
 	modDir := filepath.Join(kernelDir, "modules")
-	if order, err := os.ReadFile(filepath.Join(modDir, "order")); err == nil {
-		mods = append(mods, file{"order", order})
+	// The modules every guest loads, then those of pmem layers (pmem.go).
+	for _, list := range []string{"order", vminit.PmemOrder} {
+		order, err := os.ReadFile(filepath.Join(modDir, list))
+		if os.IsNotExist(err) {
+			continue
+		}
+		if err != nil {
+			return "", err
+		}
+		mods = append(mods, file{list, order})
 		for _, n := range strings.Fields(string(order)) {
 			if n != filepath.Base(n) {
 				return "", fmt.Errorf("module %q in %s: not a file name", n, modDir)
@@ -94,8 +102,6 @@ func buildInitrd(dir, kernelDir, agentBin string) (string, error) {
 			}
 			mods = append(mods, file{n, b})
 		}
-	} else if !os.IsNotExist(err) {
-		return "", err
 	}
 	h := sha256.New()
 	h.Write(agentData)

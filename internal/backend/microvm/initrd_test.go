@@ -9,7 +9,7 @@ import (
 )
 
 // The initramfs is a newc cpio archive that cpio(1) reads back: /init (the
-// agent) and the modules in their order.
+// agent) and the modules in their order, the pmem layers' ones too.
 func TestBuildInitrd(t *testing.T) {
 	if _, err := exec.LookPath("cpio"); err != nil {
 		t.Skip("needs cpio(1) to read the archive back")
@@ -20,6 +20,8 @@ func TestBuildInitrd(t *testing.T) {
 	os.WriteFile(filepath.Join(kdir, "modules", "order"), []byte("a.ko\nb.ko\n"), 0o644)
 	os.WriteFile(filepath.Join(kdir, "modules", "a.ko"), []byte("module a"), 0o644)
 	os.WriteFile(filepath.Join(kdir, "modules", "b.ko"), []byte("module bb"), 0o644)
+	os.WriteFile(filepath.Join(kdir, "modules", "order.pmem"), []byte("c.ko\n"), 0o644)
+	os.WriteFile(filepath.Join(kdir, "modules", "c.ko"), []byte("module c"), 0o644)
 	agentBin := filepath.Join(dir, "agent")
 	os.WriteFile(agentBin, []byte("#!agent"), 0o755)
 	out, err := buildInitrd(filepath.Join(dir, "out"), kdir, agentBin)
@@ -38,6 +40,7 @@ func TestBuildInitrd(t *testing.T) {
 	for name, want := range map[string]string{
 		"init": "#!agent", "lib/shoal/modules/order": "a.ko\nb.ko\n",
 		"lib/shoal/modules/a.ko": "module a", "lib/shoal/modules/b.ko": "module bb",
+		"lib/shoal/modules/order.pmem": "c.ko\n", "lib/shoal/modules/c.ko": "module c",
 	} {
 		b, err := os.ReadFile(filepath.Join(x, name))
 		if err != nil || string(b) != want {

@@ -8,7 +8,9 @@
 // Config.KernelDir) with an initramfs that this package builds from the
 // static shoal-agent (as /init) and the few modules the guest loads. Each
 // read-only layer is attached as a read-only virtio-blk device of its EROFS
-// image, found in the guest by its serial number; the agent stacks them
+// image, found in the guest by its serial number, or as persistent memory
+// that the guest mounts with DAX, sharing the host's page cache of the
+// image with every other VM (Config.Layers, pmem.go); the agent stacks them
 // under a writable layer (a tmpfs, or the disk) with overlayfs in the
 // order a container's root has (internal/agent/vminit), switches root and
 // serves the usual agent protocol on a virtio-serial port. On the host that
@@ -35,7 +37,7 @@
 //
 // Commit: the guest's agent streams the writable layer (commit.go).
 //
-// Not yet: network egress, virtio-pmem/DAX.
+// Not yet: network egress.
 package microvm
 
 import (
@@ -110,7 +112,12 @@ type Config struct {
 	// CgroupParent: each VM's QEMU runs in CgroupParent/ID in every
 	// hierarchy, with the sandbox's limits (cgroup.go); "": no cgroups.
 	CgroupParent string
-	Logger       *slog.Logger
+	// Layers: how layers reach a microVM's guest: "pmem" (persistent
+	// memory, mounted with DAX: pmem.go), "blk" (read-only virtio-blk
+	// devices) or "auto" (default: pmem when the machine, the guest kernel
+	// and QEMU support it, logged with the reason).
+	Layers string
+	Logger *slog.Logger
 }
 
 // Check reports why this node cannot run VMs (nil if it can): no QEMU or
@@ -153,6 +160,12 @@ type Backend struct {
 	accel     string        // "kvm" or "tcg"; set before probed is closed
 	accelWhy  string
 	bootLimit time.Duration
+
+	// pmem: layers are persistent memory (pmem.go), mapping pad, the
+	// pad file; pmemWhy says why or why not. Set by New.
+	pmem    bool
+	pmemWhy string
+	pad     string
 
 	mu    sync.Mutex
 	muxes map[string]*chanMux // guarded by mu; by sandbox ID
@@ -210,6 +223,10 @@ func New(cfg Config) (*Backend, error) {
 	b := &Backend{cfg: cfg, log: cfg.Logger.With("backend", cfg.Name), kernel: kernel, initrd: initrd,
 		probed: make(chan struct{}), muxes: map[string]*chanMux{}}
 	b.initDisks()
+	if err := b.choosePmem(); err != nil {
+		return nil, err
+	}
+	b.log.Info("vm layers", "as", b.LayerDevices(), "why", b.pmemWhy)
 	return b, nil
 }
 
@@ -250,7 +267,7 @@ func (b *Backend) chooseAccel() {
 func (b *Backend) probe(accel string) error {
 	ctx, cancel := context.WithTimeout(context.Background(), ProbeTimeout)
 	defer cancel()
-	args := b.baseArgs(accel, 256<<20, 1, vminit.EnvProbe+"=1")
+	args := b.baseArgs(accel, 256<<20, 1, vminit.EnvProbe+"=1", nil, nil, "")
 	args = append(args, "-serial", "stdio")
 	cmd := exec.CommandContext(ctx, b.cfg.QEMU, args...)
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
@@ -311,6 +328,14 @@ func (b *Backend) Accel(ctx context.Context) (string, string, error) {
 	}
 }
 
+// LayerDevices says how layers reach the guests: "pmem" or "blk".
+func (b *Backend) LayerDevices() string {
+	if b.pmem {
+		return LayersPmem
+	}
+	return LayersBlk
+}
+
 // Name implements sandbox.Backend.
 func (b *Backend) Name() string { return b.cfg.Name }
 
@@ -321,13 +346,26 @@ func (b *Backend) Capabilities() sandbox.Capabilities { return sandbox.Capabilit
 // qemuEscape doubles commas, QEMU's option separator, in a value.
 func qemuEscape(s string) string { return strings.ReplaceAll(s, ",", ",,") }
 
-// baseArgs is the QEMU command line shared by sandboxes and the probe.
-func (b *Backend) baseArgs(accel string, mem int64, cpus int, extraAppend string) []string {
+// baseArgs is the QEMU command line shared by sandboxes and the probe;
+// pmem, if not nil, places the guest's RAM and layers (pmem.go) in it.
+func (b *Backend) baseArgs(accel string, mem int64, cpus int, extraAppend string, pmem *pmemLayout, images []string, pad string) []string {
 	machine := b.cfg.Machine
 	if machine == MachineMicroVM {
 		// No option ROMs; an RTC for the guest's clock; the guest finds its
 		// virtio-mmio devices through ACPI.
 		machine += ",x-option-roms=off,rtc=on,isa-serial=on"
+		if pmem != nil {
+			// The guest's PCI set-up puts its pmem regions in its
+			// resource tree (pmem.go).
+			machine += ",pcie=on"
+		}
+	}
+	var memArgs []string
+	if pmem != nil {
+		var kargs string
+		memArgs, kargs = pmem.qemuArgs(images, pad)
+		mem = pmem.total()
+		extraAppend = strings.TrimSpace(extraAppend + " " + kargs)
 	}
 	cpu := "max"
 	if accel == "kvm" {
@@ -350,12 +388,12 @@ func (b *Backend) baseArgs(accel string, mem int64, cpus int, extraAppend string
 		// to 1 GiB of host memory per VM).
 		accelOpt += ",tb-size=64"
 	}
-	return []string{
+	return append([]string{
 		"-M", machine, "-accel", accelOpt, "-cpu", cpu,
 		"-m", strconv.FormatInt(mem>>20, 10), "-smp", strconv.Itoa(cpus),
 		"-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
 		"-kernel", b.kernel, "-initrd", b.initrd, "-append", appendLine,
-	}
+	}, memArgs...)
 }
 
 // hostTSCkHz is the host's TSC frequency as /proc/cpuinfo's "cpu MHz" of
@@ -422,9 +460,20 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (h sandbox.Hand
 			return h, fmt.Errorf("%s backend: disk: %w", b.cfg.Name, err)
 		}
 	}
+	mem := alignUp(max(spec.Resources.MemoryBytes, MinMemoryBytes), pmemAlign)
+	cpus := int(max((spec.Resources.MilliCPU+999)/1000, 1))
+	images := make([]string, len(spec.Layers))
+	for i, l := range spec.Layers {
+		images[i] = l.ImagePath
+	}
+	var pmem *pmemLayout
+	if !system {
+		pmem = b.planLayers(spec, mem, images)
+	}
 	cfgImg := filepath.Join(dir, "config.img")
 	vc := vminit.Config{ID: spec.ID, Layers: len(spec.Layers), Env: guestEnv(spec), Hostname: hostname(spec.ID),
 		UpperDisk: upperDisk, System: system}
+	pmemGuestConfig(&vc, pmem)
 	doc, err := json.Marshal(vc)
 	if err != nil {
 		return h, err
@@ -436,12 +485,6 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (h sandbox.Hand
 	copy(padded, doc)
 	if err := os.WriteFile(cfgImg, padded, 0o600); err != nil {
 		return h, err
-	}
-	mem := max(spec.Resources.MemoryBytes, MinMemoryBytes)
-	cpus := int(max((spec.Resources.MilliCPU+999)/1000, 1))
-	images := make([]string, len(spec.Layers))
-	for i, l := range spec.Layers {
-		images[i] = l.ImagePath
 	}
 	layers, err := json.Marshal(images)
 	if err != nil {
@@ -461,6 +504,14 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (h sandbox.Hand
 	}
 	if upperDisk {
 		h.Data["disk"] = strconv.FormatInt(spec.Resources.DiskBytes, 10)
+	}
+	h.Data["layer_devices"] = LayersBlk
+	if pmem != nil {
+		doc, err := json.Marshal(pmem)
+		if err != nil {
+			return h, err
+		}
+		h.Data["pmem"], h.Data["pmem_pad"], h.Data["layer_devices"] = string(doc), b.pad, LayersPmem
 	}
 	if system {
 		if h.Data["image"], err = b.makeOverlay(ctx, dir, spec.Resources.DiskBytes); err != nil {
@@ -500,7 +551,11 @@ func (b *Backend) qemuArgs(h sandbox.Handle) ([]string, error) {
 	if accel != "kvm" && accel != "tcg" {
 		return nil, fmt.Errorf("%s backend: sandbox %s: accel %q", b.cfg.Name, h.ID, accel)
 	}
-	args := b.baseArgs(accel, mem, cpus, "")
+	pmem, err := handlePmem(h, images)
+	if err != nil {
+		return nil, fmt.Errorf("%s backend: sandbox %s: %w", b.cfg.Name, h.ID, err)
+	}
+	args := b.baseArgs(accel, mem, cpus, "", pmem, images, h.Data["pmem_pad"])
 	args = append(args,
 		"-chardev", "ringbuf,id=con,size=65536", "-serial", "chardev:con",
 		"-qmp", "unix:"+qemuEscape(filepath.Join(dir, "qmp.sock"))+",server=on,wait=off",
@@ -527,6 +582,9 @@ func (b *Backend) qemuArgs(h sandbox.Handle) ([]string, error) {
 		args = append(args, "-device", b.dev("virtio-balloon")+",free-page-reporting=on")
 	}
 	for i, img := range images {
+		if pmem != nil {
+			break // memory (baseArgs)
+		}
 		id := "l" + strconv.Itoa(i)
 		args = append(args,
 			"-drive", "if=none,id="+id+",format=raw,readonly=on,file.locking=off,file="+qemuEscape(img),

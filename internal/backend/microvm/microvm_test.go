@@ -41,6 +41,11 @@ func vmTestEnv(t *testing.T, machine string, opts ...func(*Config)) (*Backend, s
 	if os.Getenv("SHOAL_VM_ACCEL") == "" {
 		cfg.Accel = "tcg"
 	}
+	// SHOAL_VM_LAYERS=blk|pmem: the microvm tests with one layer mode
+	// (default auto: pmem where the guest kernel has it).
+	if machine == MachineMicroVM {
+		cfg.Layers = os.Getenv("SHOAL_VM_LAYERS")
+	}
 	for _, o := range opts {
 		o(&cfg)
 	}

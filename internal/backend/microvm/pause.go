@@ -72,7 +72,7 @@ func (b *Backend) Pause(ctx context.Context, h sandbox.Handle) (sandbox.PauseSta
 	}
 	stats.FreezeTook = time.Since(start)
 	start = time.Now()
-	if err := b.snapshot(ctx, q, state); err != nil {
+	if err := b.snapshot(ctx, q, state, h.Data["pmem"] != ""); err != nil {
 		// Running again as it was; the partial file goes.
 		q.c.SetDeadline(time.Now().Add(5 * time.Second))
 		if cerr := q.run("cont", nil, nil); cerr != nil {
@@ -93,8 +93,9 @@ func (b *Backend) Pause(ctx context.Context, h sandbox.Handle) (sandbox.PauseSta
 	return stats, nil
 }
 
-// snapshot writes the stopped VM's state to path (through path.tmp).
-func (b *Backend) snapshot(ctx context.Context, q *qmpConn, path string) error {
+// snapshot writes the stopped VM's state to path (through path.tmp);
+// shared leaves its shared file-backed memory (pmem layers) out.
+func (b *Backend) snapshot(ctx context.Context, q *qmpConn, path string, shared bool) error {
 	tmp := path + ".tmp"
 	f, err := os.OpenFile(tmp, os.O_CREATE|os.O_TRUNC|os.O_WRONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o600)
 	if err != nil {
@@ -102,6 +103,9 @@ func (b *Backend) snapshot(ctx context.Context, q *qmpConn, path string) error {
 	}
 	defer f.Close()
 	if err := q.run("migrate-set-parameters", map[string]any{"max-bandwidth": migrateBandwidth}, nil); err != nil {
+		return err
+	}
+	if err := ignoreShared(q, shared); err != nil {
 		return err
 	}
 	if err := q.runFD("getfd", map[string]any{"fdname": "state"}, f, nil); err != nil {
@@ -168,6 +172,12 @@ func (b *Backend) Resume(ctx context.Context, h sandbox.Handle) (sandbox.Handle,
 		return h, fmt.Errorf("%s backend: resume sandbox %s: no snapshot: %w", b.cfg.Name, h.ID, err)
 	}
 	defer f.Close()
+	if pad := h.Data["pmem_pad"]; pad != "" {
+		// Its pmem layers' pad, as it was (made again if it went).
+		if _, err := makePad(filepath.Dir(pad)); err != nil {
+			return h, fmt.Errorf("%s backend: resume sandbox %s: %w", b.cfg.Name, h.ID, err)
+		}
+	}
 	b.dropMux(h.ID)
 	// A QEMU a resume started before the node died.
 	if err := kill(ctx, pidfileProcess(dir)); err != nil {
@@ -221,6 +231,9 @@ func (b *Backend) restore(ctx context.Context, h sandbox.Handle, f *os.File, exi
 	if err := q.runFD("getfd", map[string]any{"fdname": "state"}, f, nil); err != nil {
 		return err
 	}
+	if err := ignoreShared(q, h.Data["pmem"] != ""); err != nil {
+		return err
+	}
 	if err := q.run("migrate-incoming", map[string]any{"uri": "fd:state"}, nil); err != nil {
 		return err
 	}
@@ -250,6 +263,18 @@ func (b *Backend) restore(ctx context.Context, h sandbox.Handle, f *os.File, exi
 	}
 	loaded = time.Since(t0)
 	return b.waitAgent(ctx, h, exited)
+}
+
+// ignoreShared sets the x-ignore-shared migration capability when on: the
+// layers mapped as pmem (shared, read-only file memory) stay out of a
+// snapshot, and a restore maps the same files again (pmem.go). Both ends
+// must agree: the stream's layout depends on it.
+func ignoreShared(q *qmpConn, on bool) error {
+	if !on {
+		return nil
+	}
+	return q.run("migrate-set-capabilities", map[string]any{"capabilities": []map[string]any{
+		{"capability": "x-ignore-shared", "state": true}}}, nil)
 }
 
 // paused tells whether h has a snapshot (if its QEMU is gone too, it is

@@ -389,7 +389,9 @@ def build(
         on the server's machine (also an OCI layout directory), read in
         place; the server allows only paths inside its ``--build-root``
         directories (else :class:`PermissionDenied`).
-    :param compression: ``"none"``, ``"lz4"`` or ``"lz4hc"`` (server default if unset).
+    :param compression: ``"none"``, ``"plain"`` (uncompressed, every file in
+        whole blocks: a microVM's pmem layer reads all of it with DAX),
+        ``"lz4"`` or ``"lz4hc"`` (server default if unset).
     :param image: for an image source holding several images, which one.
     :param on_progress: called with each :class:`BuildProgress`: a line per
         stage, and status updates (``done``/``total``) for a progress bar;
