@@ -146,7 +146,7 @@ func (f *Forwarder) routes() *http.ServeMux {
 	// Layers: tags are etcd's, mirrored by every node (forward_layers.go).
 	stream[pb.BuildLayerRequest, pb.BuildLayerResponse](f, mux, l+"BuildLayer", toLayerStore, opts)
 	stream[pb.CommitLayerRequest, pb.BuildLayerResponse](f, mux, l+"CommitLayer", toSandbox, opts)
-	unary[pb.ListLayersRequest, pb.ListLayersResponse](f, mux, l+"ListLayers", toAny, opts)
+	mux.Handle(l+"ListLayers", connect.NewUnaryHandler(l+"ListLayers", f.listLayers, opts...))
 	unary[pb.GetLayerRequest, pb.Layer](f, mux, l+"GetLayer", toLayer, opts)
 	unary[pb.TagLayerRequest, pb.TagLayerResponse](f, mux, l+"TagLayer", toLayerStore, opts)
 	unary[pb.DeleteLayerRequest, pb.DeleteLayerResponse](f, mux, l+"DeleteLayer", toTagOrAll, opts)

@@ -33,6 +33,7 @@ import (
 	"strings"
 	"time"
 
+	"connectrpc.com/connect"
 	"google.golang.org/protobuf/proto"
 
 	pb "github.com/shoal-sandbox/shoal/api/shoal/v1"
@@ -193,4 +194,33 @@ func parseLayerTags(v string) map[string]int64 {
 		out[ref] = n
 	}
 	return out
+}
+
+// listLayers lists the cluster's tags from etcd, where a build or a move
+// writes them first (a node's mirror may be a moment behind: a layer
+// built through one node, listed at once through another, was missing).
+// With all (every image, tagged or not) the images are a node's: one
+// live node answers for its own.
+func (f *Forwarder) listLayers(ctx context.Context, req *connect.Request[pb.ListLayersRequest]) (*connect.Response[pb.ListLayersResponse], error) {
+	const proc = "/shoal.v1.LayerService/ListLayers"
+	if req.Msg.All {
+		nodes, err := f.targets(proc, toAny, req.Msg)
+		if err != nil {
+			return nil, err
+		}
+		res, err := clientFor[pb.ListLayersRequest, pb.ListLayersResponse](f, nodes[0], proc).CallUnary(ctx, outgoing(req.Msg, req.Header()))
+		if err != nil {
+			return nil, relay(err)
+		}
+		return connect.NewResponse(res.Msg), nil
+	}
+	tags, _, err := cluster.ListLayerTags(ctx, f.dir.Client())
+	if err != nil {
+		return nil, toConnect(err)
+	}
+	out := &pb.ListLayersResponse{}
+	for _, t := range tags {
+		out.Layers = append(out.Layers, layerPB(t.Layer))
+	}
+	return connect.NewResponse(out), nil
 }

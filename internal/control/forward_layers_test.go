@@ -110,6 +110,17 @@ func TestForwarderLayers(t *testing.T) {
 	keyed := func(r interface{ Header() http.Header }) { r.Header().Set("Authorization", "Bearer "+adminKey) }
 	lc := shoalv1connect.NewLayerServiceClient(http.DefaultClient, rep.URL)
 
+	// The cluster's tags are listed from etcd (no node lists them here).
+	if _, _, err := cluster.PutLayerTag(ctx, cli(), layer.Layer{Name: "etcdonly", Version: "1", Kind: layer.KindBase,
+		Digest: "sha256:" + strings.Repeat("ab", 32), Size: 4096}); err != nil {
+		t.Fatal(err)
+	}
+	ls := connect.NewRequest(&pb.ListLayersRequest{})
+	keyed(ls)
+	if res, err := lc.ListLayers(ctx, ls); err != nil || len(res.Msg.Layers) != 1 || res.Msg.Layers[0].Ref != "etcdonly:1" {
+		t.Fatalf("list through the replica: %v %v; want etcd's one tag", res, err)
+	}
+
 	// Each call a few times: a random pick would miss sometimes.
 	for range 8 {
 		get := connect.NewRequest(&pb.GetLayerRequest{Ref: "own:1"})

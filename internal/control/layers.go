@@ -328,7 +328,7 @@ func (s *Server) exportLayer(w http.ResponseWriter, r *http.Request) {
 		writeHTTPError(w, http.StatusBadRequest, "invalid_argument", "ref is required: /v1/layers/export?ref=NAME:VERSION")
 		return
 	}
-	l, img, err := s.node.Layers().OpenExport(ref)
+	l, img, err := s.node.Layers().OpenExport(r.Context(), ref)
 	if err != nil {
 		writeConnectError(w, err)
 		return

@@ -110,7 +110,7 @@ func (s *Store) PushProgress(ctx context.Context, ref string, progress func(Prog
 	if s.remote == nil {
 		return Layer{}, PushResult{}, fmt.Errorf("push layer %s: %w", ref, ErrNoStore)
 	}
-	l, f, err := s.OpenExport(ref)
+	l, f, err := s.OpenExport(ctx, ref)
 	if err != nil {
 		return Layer{}, PushResult{}, fmt.Errorf("push layer %s: %w", ref, err)
 	}

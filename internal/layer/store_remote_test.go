@@ -555,3 +555,31 @@ func TestPushProgress(t *testing.T) {
 		})
 	}
 }
+
+// A node that knows a layer by its tag but lacks the image (a cluster's
+// tag, built on another node) exports it all the same: the image comes
+// from the layer store first.
+func TestExportFetchesFromStore(t *testing.T) {
+	a := newEnv(t)
+	st, err := remote.Open("file://"+filepath.Join(a.root, "store"), remote.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	a.store.SetRemote(RemoteConfig{Store: st})
+	src := writeTree(t, filepath.Join(a.root, "src"), map[string]string{"etc/os-release": "shoal\n"})
+	l := a.build(t, "xfer", "1", src)
+	if _, _, err := a.store.Push(context.Background(), "xfer:1"); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Remove(a.store.ImagePath(l.Digest)); err != nil {
+		t.Fatal(err)
+	}
+	var out bytes.Buffer
+	got, err := a.store.Export(context.Background(), "xfer:1", &out)
+	if err != nil || got.Digest != l.Digest || out.Len() < int(l.Size) {
+		t.Fatalf("export without the image here: %+v, %d bytes, %v", got, out.Len(), err)
+	}
+	if _, err := os.Stat(a.store.ImagePath(l.Digest)); err != nil {
+		t.Errorf("the image fetched from the store is not kept: %v", err)
+	}
+}

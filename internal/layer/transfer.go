@@ -7,6 +7,7 @@ import (
 	"encoding/binary"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -46,13 +47,21 @@ func (s *Store) Export(ctx context.Context, ref string, w io.Writer) (Layer, err
 
 // OpenExport resolves ref and opens its image, for callers that want to
 // know the layer (and fail cleanly) before they start writing. Close the
-// returned file after WriteExport.
-func (s *Store) OpenExport(ref string) (Layer, *os.File, error) {
+// returned file after WriteExport. A layer this node knows by a tag (the
+// cluster's) but whose image it does not hold is fetched from the layer
+// store first, when the node has one.
+func (s *Store) OpenExport(ctx context.Context, ref string) (Layer, *os.File, error) {
 	l, err := s.Resolve(ref)
 	if err != nil {
 		return Layer{}, nil, fmt.Errorf("export layer %s: %w", ref, err)
 	}
 	f, err := os.Open(s.ImagePath(l.Digest))
+	if errors.Is(err, os.ErrNotExist) && s.remote != nil {
+		if derr := s.download(ctx, l); derr != nil {
+			return Layer{}, nil, fmt.Errorf("export layer %s: image of %s: not on this node, and from %s: %w", ref, l.Digest, s.remote.Store.URL(), derr)
+		}
+		f, err = os.Open(s.ImagePath(l.Digest))
+	}
 	if err != nil {
 		return Layer{}, nil, fmt.Errorf("export layer %s: image of %s: %w", ref, l.Digest, err)
 	}
@@ -65,7 +74,7 @@ func (s *Store) OpenExport(ref string) (Layer, *os.File, error) {
 }
 
 func (s *Store) export(ctx context.Context, ref string, w io.Writer) (Layer, error) {
-	l, f, err := s.OpenExport(ref)
+	l, f, err := s.OpenExport(ctx, ref)
 	if err != nil {
 		return Layer{}, err
 	}

@@ -162,11 +162,12 @@ func checkE2B(t *testing.T, ctx context.Context, controls, nodes []*proc, key st
 		if out, code := c.run(ctx, sb, "echo hi from $(hostname)"); code != 0 || !strings.HasPrefix(out, "hi from ") {
 			t.Fatalf("e2b command in %s: %q exit %d", sb.SandboxID, out, code)
 		}
-		// A file written and read back through envd's /files.
+		// A file written and read back through envd's /files. As E2B's user
+		// (its default), in its home.
 		content := "e2b " + sb.SandboxID
 		h := envdHeaders(sb)
 		h.Set("Content-Type", "application/octet-stream")
-		req, _ := http.NewRequestWithContext(ctx, "POST", c.base+"/files?path=/work/e.txt", strings.NewReader(content))
+		req, _ := http.NewRequestWithContext(ctx, "POST", c.base+"/files?path=/home/user/e.txt", strings.NewReader(content))
 		req.Header = h
 		res, err := c.http.Do(req)
 		if err != nil {
@@ -177,7 +178,7 @@ func checkE2B(t *testing.T, ctx context.Context, controls, nodes []*proc, key st
 		if res.StatusCode != http.StatusOK {
 			t.Fatalf("e2b upload to %s: %d %s", sb.SandboxID, res.StatusCode, b)
 		}
-		req, _ = http.NewRequestWithContext(ctx, "GET", c.base+"/files?path=/work/e.txt", nil)
+		req, _ = http.NewRequestWithContext(ctx, "GET", c.base+"/files?path=/home/user/e.txt", nil)
 		req.Header = envdHeaders(sb)
 		res, err = c.http.Do(req)
 		if err != nil {
@@ -189,8 +190,8 @@ func checkE2B(t *testing.T, ctx context.Context, controls, nodes []*proc, key st
 			t.Fatalf("e2b download from %s: %d %q, want %q", sb.SandboxID, res.StatusCode, b, content)
 		}
 		// A port by host name (getHost: PORT-ID.DOMAIN, to the replica):
-		// busybox's httpd serves /work inside the sandbox.
-		if out, code := c.run(ctx, sb, "httpd -p 8000 -h /work && echo up"); code != 0 || out != "up\n" {
+		// busybox's httpd serves the user's home inside the sandbox.
+		if out, code := c.run(ctx, sb, "httpd -p 8000 -h /home/user && echo up"); code != 0 || out != "up\n" {
 			t.Fatalf("start httpd in %s: %q exit %d", sb.SandboxID, out, code)
 		}
 		waitFor(t, "the sandbox's port 8000 through the replica", func() error {
@@ -311,8 +312,8 @@ const { Sandbox } = require("e2b")
   const sbx = await Sandbox.create("busybox:1", { metadata: { via: "sdk" } })
   const r = await sbx.commands.run("echo $((6*7))")
   if (r.stdout !== "42\n") throw new Error("stdout " + JSON.stringify(r.stdout))
-  await sbx.files.write("/work/sdk.txt", "from the sdk")
-  if (await sbx.files.read("/work/sdk.txt") !== "from the sdk") throw new Error("read back")
+  await sbx.files.write("/home/user/sdk.txt", "from the sdk")
+  if (await sbx.files.read("/home/user/sdk.txt") !== "from the sdk") throw new Error("read back")
   const listed = await Sandbox.list({ query: { metadata: { via: "sdk" } } }).nextItems()
   if (listed.length !== 1 || listed[0].sandboxId !== sbx.sandboxId) throw new Error("list " + JSON.stringify(listed))
   if (!(await sbx.kill())) throw new Error("kill")
@@ -370,7 +371,7 @@ func measureE2B(t *testing.T, ctx context.Context, n int, sb e2bSandbox, viaCont
 			}
 		}},
 		{"GET /files", func(c *e2bClient) {
-			req, _ := http.NewRequestWithContext(ctx, "GET", c.base+"/files?path=/work/e.txt", nil)
+			req, _ := http.NewRequestWithContext(ctx, "GET", c.base+"/files?path=/home/user/e.txt", nil)
 			req.Header = envdHeaders(sb)
 			res, err := c.http.Do(req)
 			if err != nil {

@@ -44,6 +44,10 @@ CLUSTER = os.environ.get("SHOAL_SDK_CLUSTER", "")
 # test file or test name, with the reason.
 CLUSTER_SKIP = {
     "test_upload_same_as_server_path": "builds from a path on the server: the nodes of this cluster have no build root",
+    "test_tag_rm_in_use_and_gc": "a layer's users (used_by_sandboxes, the in-use refusal of a removal by digest) are each node's: GetLayer answers for one node",
+    "test_build_list_inspect": "list(all=True) lists one node's images (the build may be on another)",
+    "test_push_pull_layer_store": "a cluster's build pushes to the shared store already (a push uploads nothing), and a removed tag leaves etcd (it does not resolve from the store)",
+    "test_environments": "a cluster's environments have etcd revisions (0 on one server)",
     "test_fncall.py": "FnCall is not routed by control replicas",
     "test_tenants.py": "needs the server's own data directory",
     "test_install.py": "installs and runs a server of its own",
@@ -215,18 +219,9 @@ def server(request: pytest.FixtureRequest) -> Iterator[Server]:
         os.environ["SHOAL_URL"], os.environ["SHOAL_API_KEY"] = url, key
         yield srv
     finally:
-        try:
-            if srv is not None:
-                for s in shoal.Sandbox.list():
-                    shoal.Sandbox.kill(s.sandbox_id)
-        except Exception:
-            pass
-        shoal.close()
-        for k, v in saved_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        if srv is not None:
+            _kill_sandboxes(keep=set())
+        _restore_env(saved_env)
         if request.session.testsfailed and srv is not None:
             print(f"\n--- last lines of {log_path} ---\n{srv.log_tail()}")
         proc.send_signal(signal.SIGTERM)
@@ -254,18 +249,27 @@ def _cluster_server() -> Iterator[Server]:
     try:
         yield Server(url=url, api_key=key, data_dir="", bin_dir=os.environ.get("SHOAL_BIN_DIR", ""), base=BASE, log="")
     finally:
-        try:
-            for s in shoal.Sandbox.list():
-                if s.sandbox_id not in before:
-                    shoal.Sandbox.kill(s.sandbox_id)
-        except Exception:
-            pass
-        shoal.close()
-        for k, v in saved_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        _kill_sandboxes(keep=before)
+        _restore_env(saved_env)
+
+
+def _kill_sandboxes(keep: set) -> None:
+    """Kill what the tests left (but the sandboxes in keep), then close the SDK's clients."""
+    try:
+        for s in shoal.Sandbox.list():
+            if s.sandbox_id not in keep:
+                shoal.Sandbox.kill(s.sandbox_id)
+    except Exception:
+        pass
+    shoal.close()
+
+
+def _restore_env(saved: Dict[str, Optional[str]]) -> None:
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 _backend_skip: Dict[str, Optional[str]] = {}
