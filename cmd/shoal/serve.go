@@ -97,6 +97,8 @@ type serveConfig struct {
 	// pressure pauses idle sandboxes, longest idle first (node.Pressure).
 	ReclaimBelow   string
 	ReclaimMinIdle time.Duration
+	// ReclaimPSI: node.Pressure.PSI (percent; 0: off).
+	ReclaimPSI float64
 	// LayerStore: where layers live beyond this node (file:///dir or
 	// s3://bucket/prefix; "" none) and how to reach and cache it.
 	LayerStore layerStoreConfig
@@ -273,6 +275,10 @@ func (c *serveConfig) nodeConfig() (node.Config, error) {
 		nc.Capacity.MinAvailable = n
 	}
 	nc.Pressure.MinIdle = c.ReclaimMinIdle
+	if c.ReclaimPSI < 0 || c.ReclaimPSI > 100 {
+		return nc, fmt.Errorf("--reclaim-psi %v: want a share of time from 0 (off) to 100", c.ReclaimPSI)
+	}
+	nc.Pressure.PSI = c.ReclaimPSI
 	switch c.ReclaimBelow {
 	case "none", "0":
 	case "auto", "":
@@ -403,6 +409,7 @@ func serveCmd() *cobra.Command {
 	cmd.Flags().DurationVar(&cfg.PausedTimeout, "paused-timeout", 24*time.Hour, "delete sandboxes paused this long (a paused sandbox's idle timeout is suspended)")
 	cmd.Flags().StringVar(&cfg.ZramSize, "zram-size", "0", "set up a zram swap device of this size (e.g. 8GiB) for the memory of paused sandboxes, unless a zram swap is active already; 0: leave the host's swap alone")
 	cmd.Flags().StringVar(&cfg.ReclaimBelow, "reclaim-below", "auto", "when the host's MemAvailable falls below this, pause idle sandboxes (and reclaim their memory), longest idle first, until it is a quarter above it; \"auto\": 10% of its memory, at least 1 GiB; \"none\": never")
+	cmd.Flags().Float64Var(&cfg.ReclaimPSI, "reclaim-psi", 20, "also when tasks on the host stall on memory this share of the time (percent, /proc/pressure/memory some avg10), pause up to 4 idle sandboxes, longest idle first, every 10 s while it lasts; 0: never")
 	cmd.Flags().DurationVar(&cfg.ReclaimMinIdle, "reclaim-min-idle", node.DefaultPressureMinIdle, "memory pressure pauses only sandboxes idle (no request, no running command) at least this long")
 	cmd.Flags().BoolVar(&cfg.ResumePrefetch, "resume-prefetch", false, "before thawing a paused sandbox, ask the kernel to read its swapped-out memory back (MADV_WILLNEED); measured slower")
 	cmd.Flags().StringVar(&cfg.E2B.Listen, "e2b-listen", "127.0.0.1:7481", "E2B-compatible endpoint (API and sandbox traffic, HTTP and HTTPS on one port); empty disables it")

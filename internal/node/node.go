@@ -196,6 +196,9 @@ type Manager struct {
 
 	autoPausing atomic.Bool // an autoPause round is running
 	reclaiming  atomic.Bool // a memory-pressure round is running (pressure.go)
+	// lastStallRound: when the last round for memory stalls (PSI) began, in
+	// Unix nanoseconds (pressure.go).
+	lastStallRound atomic.Int64
 }
 
 // entry is the in-memory state of one sandbox. Its fields are guarded by

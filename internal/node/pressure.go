@@ -4,7 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
 	"sort"
+	"strconv"
+	"strings"
 	"time"
 
 	"github.com/shoal-sandbox/shoal/internal/sandbox"
@@ -20,6 +23,15 @@ import (
 // Below plus a quarter (so that it does not pause one sandbox per second
 // around the threshold) or no sandbox idle for at least Pressure.MinIdle
 // is left. A paused sandbox resumes on its next request, as always.
+//
+// MemAvailable can look fine while tasks already stall on memory (a host
+// swapping to zram, or reclaiming page cache that is in use): the kernel's
+// pressure stall information says so. When the share of time some task
+// waited on memory over the last 10 s (/proc/pressure/memory, "some
+// avg10") reaches Pressure.PSI, the node pauses up to psiBatch idle
+// sandboxes, the longest idle first, then waits psiCooldown (the
+// average's own window) before it judges again, so that one episode does
+// not pause a sandbox a second while the average decays.
 
 // Pressure configures the memory-pressure reclaim; the zero value is off.
 type Pressure struct {
@@ -31,14 +43,43 @@ type Pressure struct {
 	MinIdle time.Duration
 	// Available reads the host's MemAvailable (bytes); nil: /proc/meminfo.
 	Available func() (int64, error)
+	// PSI: reclaim also while the host's memory pressure (percent of the
+	// last 10 s some task stalled on memory) is at least this; 0: never.
+	PSI float64
+	// Stall reads that pressure; nil: /proc/pressure/memory (no file: no
+	// PSI on this kernel, never).
+	Stall func() (float64, error)
+}
+
+const (
+	psiBatch    = 4                // sandboxes paused per PSI round
+	psiCooldown = 10 * time.Second // between PSI rounds (avg10's window)
+)
+
+// memoryStall reads "some avg10" of /proc/pressure/memory.
+func memoryStall() (float64, error) {
+	b, err := os.ReadFile("/proc/pressure/memory")
+	if err != nil {
+		return 0, err
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		f := strings.Fields(line)
+		if len(f) < 2 || f[0] != "some" {
+			continue
+		}
+		if v, ok := strings.CutPrefix(f[1], "avg10="); ok {
+			return strconv.ParseFloat(v, 64)
+		}
+	}
+	return 0, fmt.Errorf("/proc/pressure/memory: no some avg10 in %q", b)
 }
 
 // DefaultPressureMinIdle is Pressure.MinIdle when none is given.
 const DefaultPressureMinIdle = time.Minute
 
 func (p *Pressure) validate() error {
-	if p.Below < 0 || p.MinIdle < 0 {
-		return errors.New("node config: negative memory-pressure threshold or idle time")
+	if p.Below < 0 || p.MinIdle < 0 || p.PSI < 0 || p.PSI > 100 {
+		return errors.New("node config: negative memory-pressure threshold or idle time, or a stall share outside 0-100%")
 	}
 	if p.MinIdle == 0 {
 		p.MinIdle = DefaultPressureMinIdle
@@ -49,6 +90,9 @@ func (p *Pressure) validate() error {
 			return avail, err
 		}
 	}
+	if p.Stall == nil {
+		p.Stall = memoryStall
+	}
 	return nil
 }
 
@@ -56,11 +100,18 @@ func (p *Pressure) validate() error {
 // none is running.
 func (m *Manager) checkPressure() {
 	p := m.cfg.Pressure
-	if p.Below <= 0 {
-		return
+	low := false
+	if p.Below > 0 {
+		avail, err := p.Available()
+		low = err == nil && avail < p.Below
 	}
-	avail, err := p.Available()
-	if err != nil || avail >= p.Below {
+	stalled := 0.0
+	if !low && p.PSI > 0 && p.Stall != nil && time.Since(time.Unix(0, m.lastStallRound.Load())) >= psiCooldown {
+		if v, err := p.Stall(); err == nil && v >= p.PSI {
+			stalled = v
+		}
+	}
+	if !low && stalled == 0 {
 		return
 	}
 	if !m.reclaiming.CompareAndSwap(false, true) {
@@ -68,8 +119,37 @@ func (m *Manager) checkPressure() {
 	}
 	go func() {
 		defer m.reclaiming.Store(false)
-		m.relievePressure(context.Background())
+		if low {
+			m.relievePressure(context.Background())
+			return
+		}
+		m.lastStallRound.Store(time.Now().UnixNano())
+		m.relieveStall(context.Background(), stalled)
 	}()
+}
+
+// relieveStall pauses up to psiBatch idle sandboxes, the longest idle
+// first, for a host whose tasks stall on memory. It returns how many it
+// paused.
+func (m *Manager) relieveStall(ctx context.Context, stalled float64) int {
+	paused := 0
+	for _, id := range m.longestIdle(time.Now(), m.cfg.Pressure.MinIdle) {
+		if paused == psiBatch {
+			break
+		}
+		_, ok, err := m.pause(ctx, id, pausePressure)
+		switch {
+		case err != nil && !errors.Is(err, ErrNotFound):
+			m.log.Warn("memory pressure: pause", "sandbox_id", id, "err", err)
+		case ok:
+			paused++
+		}
+	}
+	if paused > 0 {
+		m.log.Info(fmt.Sprintf("memory pressure: paused %d idle sandboxes, longest idle first, tasks stalling on memory", paused),
+			"stall_some_avg10", stalled, "psi", m.cfg.Pressure.PSI)
+	}
+	return paused
 }
 
 // relievePressure pauses idle sandboxes, longest idle first, until the

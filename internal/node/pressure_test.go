@@ -2,6 +2,7 @@ package node
 
 import (
 	"context"
+	"os"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -80,5 +81,81 @@ func TestMemoryPressure(t *testing.T) {
 	}
 	if stopped, _, _ := be.state(ids[3]); stopped {
 		t.Fatal("a sandbox idle less than MinIdle was paused")
+	}
+}
+
+// TestMemoryStall: with MemAvailable fine but tasks stalling on memory
+// (PSI "some avg10" at or above Pressure.PSI), a round pauses at most
+// psiBatch idle sandboxes, the longest idle first, and the next round
+// waits psiCooldown; below the threshold, or with PSI 0, nothing.
+func TestMemoryStall(t *testing.T) {
+	be := newPauseBackend()
+	var stall atomic.Int64 // percent
+	plenty := func() (int64, error) { return 1 << 40, nil }
+	paths := make([]string, psiBatch+2)
+	for i := range paths {
+		paths[i] = "/nonexistent/" + string(rune('a'+i))
+	}
+	m, _, ids := newTestManagerWith(t, be, Config{Pressure: Pressure{Below: 1000, PSI: 20, MinIdle: time.Minute, Available: plenty,
+		Stall: func() (float64, error) { return float64(stall.Load()), nil }}}, paths...)
+	recoverManager(t, m)
+	now := time.Now()
+	m.mu.Lock()
+	for i, id := range ids {
+		m.sandboxes[id].lastActive = now.Add(-time.Duration(i+1) * time.Hour) // the last the longest idle
+	}
+	m.mu.Unlock()
+	wait := func() {
+		t.Helper()
+		deadline := time.Now().Add(10 * time.Second)
+		for m.reclaiming.Load() {
+			if time.Now().After(deadline) {
+				t.Fatal("a reclaim round did not end within 10 s")
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+	}
+	stall.Store(5) // below the threshold
+	m.checkPressure()
+	wait()
+	if _, n, _ := be.state(""); n != 0 {
+		t.Fatalf("%d pauses with memory stalls below the threshold", n)
+	}
+	stall.Store(35)
+	m.checkPressure()
+	wait()
+	if _, n, _ := be.state(""); n != psiBatch {
+		t.Fatalf("%d pauses in a stall round, want %d", n, psiBatch)
+	}
+	for i, id := range ids {
+		want := i >= len(ids)-psiBatch // the longest idle
+		if stopped, _, _ := be.state(id); stopped != want {
+			t.Errorf("sandbox %d: paused %v, want %v", i, stopped, want)
+		}
+	}
+	// Within the cooldown: no new round, however high the stall.
+	m.checkPressure()
+	wait()
+	if _, n, _ := be.state(""); n != psiBatch {
+		t.Fatalf("%d pauses: a second round within the cooldown", n)
+	}
+	// After it: the next round.
+	m.lastStallRound.Store(time.Now().Add(-psiCooldown).UnixNano())
+	m.checkPressure()
+	wait()
+	if _, n, _ := be.state(""); n != len(ids) {
+		t.Fatalf("%d pauses after the cooldown, want %d", n, len(ids))
+	}
+}
+
+// The stall share is "some avg10" of /proc/pressure/memory, where the
+// kernel has PSI.
+func TestMemoryStallReads(t *testing.T) {
+	if _, err := os.Stat("/proc/pressure/memory"); err != nil {
+		t.Skip("no PSI on this kernel")
+	}
+	v, err := memoryStall()
+	if err != nil || v < 0 || v > 100 {
+		t.Fatalf("memory stall %v %v", v, err)
 	}
 }
