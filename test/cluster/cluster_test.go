@@ -1,5 +1,6 @@
 // Package cluster_test runs a cluster on one machine: an embedded etcd, two
-// `shoal serve --role node` processes and two `--role control` processes on
+// `shoal serve --role node` processes (a third joins for the Python SDK's
+// suite) and two `--role control` processes on
 // 127.0.0.1, and drives it through the control replicas with the Go SDK
 // (the client the CLI is built on): creates spread over the nodes, exec and
 // files are routed to the sandbox's node, a node killed has its sandboxes
@@ -190,6 +191,14 @@ func TestCluster(t *testing.T) {
 			"--userns-base", fmt.Sprint(1_500_000_000 + i*100_000_000)}
 	}
 	nodes[1].args = append(nodes[1].args, "--log-format", "json") // n2's log: JSON lines
+	// n3 joins later (before the Python suite, which runs on three nodes)
+	// and stays; the steps before it and the node-loss steps are of n1
+	// and n2.
+	n3 := &proc{name: "n3"}
+	n3.addr, n3.e2b, n3.data = freeAddr(t), freeAddr(t), mkdata(n3.name)
+	n3.args = []string{"--role", "node", "--etcd", etcd, "--node-name", n3.name, "--node-ttl", "2s", "--layer-store", "file://" + store,
+		"--e2b-listen", n3.e2b, "--egress-subnet", "10.252.0.0/16", "--pool-size", "0", "--min-available", "none",
+		"--userns-base", fmt.Sprint(1_700_000_000)}
 	controls := []*proc{{name: "c1"}, {name: "c2"}}
 	for _, c := range controls {
 		c.addr, c.e2b, c.data = freeAddr(t), freeAddr(t), mkdata(c.name)
@@ -217,6 +226,20 @@ func TestCluster(t *testing.T) {
 			}
 			os.RemoveAll(n.data)
 		}
+		if n3.cmd != nil {
+			c := client(t, n3.addr, key)
+			if sbs, err := c.List(context.Background()); err == nil {
+				for _, sb := range sbs {
+					c.Delete(context.Background(), sb.Id)
+				}
+			}
+			n3.stop()
+			if t.Failed() {
+				b, _ := os.ReadFile(filepath.Join(n3.data, "serve.log"))
+				t.Logf("%s log:\n%s", n3.name, b)
+			}
+		}
+		os.RemoveAll(n3.data)
 		for _, c := range controls {
 			os.RemoveAll(c.data)
 		}
@@ -366,15 +389,35 @@ func TestCluster(t *testing.T) {
 	}
 	pythonSDK(t, controls[1].addr, key) // the Python SDK, unchanged, against a control replica
 	step("python")
+	// A third node joins (it mirrors the tags and mounts the base from
+	// the shared store: nothing is built on it), then the SDK's own
+	// end-to-end suite runs through a replica over the three.
+	n3.start(t, bin)
+	tags[cluster.Tag("n3")] = "n3"
+	waitFor(t, "three nodes seen by both control replicas", func() error {
+		for _, c := range controls {
+			res, err := http.Get("http://" + c.addr + "/healthz")
+			if err != nil {
+				return err
+			}
+			var b bytes.Buffer
+			b.ReadFrom(res.Body)
+			res.Body.Close()
+			if !strings.Contains(b.String(), `"nodes":3`) {
+				return fmt.Errorf("%s: %s", c.name, b.String())
+			}
+		}
+		return nil
+	})
 	pythonSuite(t, bin, controls[0].addr, key) // the SDK's own end-to-end suite through a replica
-	step("python suite")
+	step("python suite on three nodes")
 	checkE2B(t, ctx, controls, nodes, key, tags) // E2B's API and envd through the replicas (e2b_test.go)
 	step("e2b")
 	checkTenants(t, ctx, bin, controls, nodes, key, tags) // tenants' keys and quotas across the cluster (tenants_test.go)
 	step("tenants")
 
 	// Kill n2: after its lease ends its sandboxes are reported lost, and
-	// n1's keep working; new creates go to n1.
+	// n1's keep working; new creates go to the live nodes.
 	nodes[1].kill()
 	lost := onNode["n2"][0]
 	waitFor(t, "n2's sandbox reported lost", func() error {
@@ -408,8 +451,8 @@ func TestCluster(t *testing.T) {
 		}
 	}
 	sb, err := c1.Create(ctx, &pb.CreateSandboxRequest{Base: baseRef, MemoryBytes: 64 << 20})
-	if err != nil || tags[cluster.TagOf(sb.GetId())] != "n1" {
-		t.Fatalf("create with n2 down: %v on %q, want n1", err, tags[cluster.TagOf(sb.GetId())])
+	if n := tags[cluster.TagOf(sb.GetId())]; err != nil || n != "n1" && n != "n3" {
+		t.Fatalf("create with n2 down: %v on %q, want n1 or n3", err, n)
 	}
 	if err := c1.Delete(ctx, sb.Id); err != nil {
 		t.Fatal(err)

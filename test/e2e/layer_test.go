@@ -778,7 +778,7 @@ func TestLayerBadInput(t *testing.T) {
 		{[]string{"layer", "build", "--kind", "toolkit", "bad:1", junk}, []string{"invalid_argument", "not a tar archive"}},
 		{[]string{"layer", "build", "--kind", "toolkit", "bad:1", devdir}, []string{"invalid_argument", "null is a character device"}},
 		{[]string{"layer", "build", "--kind", "toolkit", "bad", devdir}, []string{"invalid_argument", "NAME:VERSION"}},
-		{[]string{"layer", "build", "--kind", "toolkit", "--compression", "zstd", "bad:1", devdir}, []string{"invalid_argument", "valid are none, lz4, lz4hc"}},
+		{[]string{"layer", "build", "--kind", "toolkit", "--compression", "zstd", "bad:1", devdir}, []string{"invalid_argument", "valid are none, plain, lz4, lz4hc"}},
 		{[]string{"layer", "build", "--kind", "toolkit", "--image", "x:1", "bad:1", t.TempDir()}, []string{"invalid_argument", "not an image"}},
 		{[]string{"layer", "tag", "nosuch:1", "x:1"}, []string{"not_found", "nosuch:1"}},
 		{[]string{"layer", "tag", baseRef, "x"}, []string{"invalid_argument", "name:version"}},
