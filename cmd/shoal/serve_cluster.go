@@ -31,6 +31,7 @@ import (
 	"github.com/shoal-sandbox/shoal/internal/audit"
 	"github.com/shoal-sandbox/shoal/internal/cluster"
 	"github.com/shoal-sandbox/shoal/internal/control"
+	"github.com/shoal-sandbox/shoal/internal/metrics"
 	"github.com/shoal-sandbox/shoal/internal/e2b"
 	"github.com/shoal-sandbox/shoal/internal/layer"
 	"github.com/shoal-sandbox/shoal/internal/node"
@@ -310,6 +311,7 @@ func serveControl(cfg serveConfig) error {
 	protocols.SetUnencryptedHTTP2(true)
 	fwd := control.NewForwarder(dir, engine, auth, log)
 	fwd.SetTenancy(keys, usage, auditLog)
+	fwd.SetMetrics(metrics.New()) // GET /metrics: this replica's requests, placement, nodes
 	if adv := cfg.Cluster.Advertise; adv != "" {
 		// Known to the other replicas: they read its audit log, and split
 		// tenants' creates per second with it.

@@ -48,6 +48,7 @@ import (
 	pb "github.com/shoal-sandbox/shoal/api/shoal/v1"
 	"github.com/shoal-sandbox/shoal/internal/cluster"
 	"github.com/shoal-sandbox/shoal/internal/limits"
+	"github.com/shoal-sandbox/shoal/internal/metrics"
 	"github.com/shoal-sandbox/shoal/internal/placement"
 	"github.com/shoal-sandbox/shoal/internal/tenant"
 )
@@ -65,6 +66,7 @@ type Forwarder struct {
 	// replica names this replica in them.
 	claims  *cluster.Claims
 	replica string
+	metrics *metrics.Metrics // nil: none (forward_metrics.go)
 }
 
 // NewForwarder returns the API of a control replica over the nodes of dir,
@@ -97,7 +99,7 @@ const (
 // Handler returns the HTTP handler of the whole API, and the dashboard
 // (/dash/...: the cluster's nodes and sandboxes, forward_monitor.go).
 func (f *Forwarder) Handler() http.Handler {
-	return f.dash.handler(f.dash.withSessionKeys(f.auth.Middleware(unknownProcedures(f.routes()), "/healthz")))
+	return f.dash.handler(f.dash.withSessionKeys(f.auth.Middleware(countRoutes(f.metrics, unknownProcedures(f.routes())), "/healthz")))
 }
 
 func (f *Forwarder) routes() *http.ServeMux {
@@ -110,7 +112,13 @@ func (f *Forwarder) routes() *http.ServeMux {
 		connect.WithReadMaxBytes(limits.MessageBytes),
 		connect.WithCodec(strictJSONCodec{name: "json"}),
 		connect.WithCodec(strictJSONCodec{name: "json; charset=utf-8"}),
-		connect.WithInterceptors(scopeInterceptor{f}),
+	}
+	// Counted first (refusals too), then the scopes checked.
+	if f.metrics != nil {
+		opts = append(opts, connect.WithInterceptors(metricsInterceptor{f.metrics}, scopeInterceptor{f}))
+		mux.HandleFunc("GET /metrics", f.serveMetrics)
+	} else {
+		opts = append(opts, connect.WithInterceptors(scopeInterceptor{f}))
 	}
 	s, c, l, fn := "/shoal.v1.SandboxService/", "/shoal.v1.CommandService/", "/shoal.v1.LayerService/", "/shoal.v1.FnCallService/"
 

@@ -22,6 +22,7 @@ import (
 	"github.com/shoal-sandbox/shoal/internal/cluster"
 	"github.com/shoal-sandbox/shoal/internal/cluster/etcdtest"
 	"github.com/shoal-sandbox/shoal/internal/layer"
+	"github.com/shoal-sandbox/shoal/internal/metrics"
 	"github.com/shoal-sandbox/shoal/internal/limits"
 	"github.com/shoal-sandbox/shoal/internal/placement"
 )
@@ -105,6 +106,7 @@ func TestForwarderLayers(t *testing.T) {
 		}
 	}
 	f := NewForwarder(dir, engine, &Auth{key: []byte(adminKey)}, log)
+	f.SetMetrics(metrics.New())
 	rep := httptest.NewServer(f.Handler())
 	defer rep.Close()
 	keyed := func(r interface{ Header() http.Header }) { r.Header().Set("Authorization", "Bearer "+adminKey) }
@@ -167,6 +169,36 @@ func TestForwarderLayers(t *testing.T) {
 			if res.StatusCode != 200 || string(b) != c.want {
 				t.Fatalf("%s %s through the replica: %d %q; want %q", c.method, c.path, res.StatusCode, b, c.want)
 			}
+		}
+	}
+
+	// The replica's own /metrics (admin): its RPCs and routes, placement,
+	// the nodes it knows; without the key, refused.
+	get := func(key string) (int, string) {
+		req, _ := http.NewRequest("GET", rep.URL+"/metrics", nil)
+		if key != "" {
+			req.Header.Set("Authorization", "Bearer "+key)
+		}
+		res, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(res.Body)
+		res.Body.Close()
+		return res.StatusCode, string(b)
+	}
+	if st, _ := get(""); st != http.StatusUnauthorized {
+		t.Fatalf("/metrics without a key: %d", st)
+	}
+	st, body := get(adminKey)
+	for _, want := range []string{
+		`shoal_api_requests_total{code="ok",procedure="/shoal.v1.LayerService/GetLayer"} 8`,
+		`shoal_api_requests_total{code="ok",procedure="GET /v1/layers/export"} 8`,
+		`shoal_cluster_nodes{state="live"} 2`,
+		`shoal_placement_decisions_total{result="placed"} 0`,
+	} {
+		if st != 200 || !strings.Contains(body, want) {
+			t.Fatalf("/metrics of the replica: %d, no %s in\n%s", st, want, body)
 		}
 	}
 }

@@ -52,8 +52,10 @@ func rpcCode(err error) string {
 // /metrics) by their pattern and the Connect code of their HTTP status;
 // RPCs are counted by the interceptor. Requests no route matched count
 // under "unmatched", so that a scan of random paths makes no new series.
-func (s *Server) countRoutes(next http.Handler) http.Handler {
-	if s.metrics == nil {
+func (s *Server) countRoutes(next http.Handler) http.Handler { return countRoutes(s.metrics, next) }
+
+func countRoutes(mt *metrics.Metrics, next http.Handler) http.Handler {
+	if mt == nil {
 		return next
 	}
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -68,7 +70,7 @@ func (s *Server) countRoutes(next http.Handler) http.Handler {
 		if route == "" {
 			route = "unmatched"
 		}
-		s.metrics.Request(route, httpCode(sw.status), time.Since(start))
+		mt.Request(route, httpCode(sw.status), time.Since(start))
 	})
 }
 
