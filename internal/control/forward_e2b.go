@@ -70,9 +70,29 @@ const e2bListMax = 100
 // "shoal.localhost:7481"); empty: clients use their E2B_DOMAIN.
 func (f *Forwarder) E2BHandler(domain string) http.Handler {
 	g := &e2bForwarder{f: f, domain: domain}
-	api := e2b.KeyAlias(f.auth.Middleware(g.routes(), "/health"))
+	routes := g.routes()
+	api := e2b.KeyAlias(f.auth.Middleware(routes, "/health"))
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		id, _, ok, err := e2b.SandboxTarget(r)
+		id, port, ok, err := e2b.SandboxTarget(r)
+		if f.metrics != nil {
+			// Counted as a node counts its own (shoal_e2b_requests_total):
+			// an API route by pattern, sandbox traffic as "envd" or "port".
+			route := "unmatched"
+			switch {
+			case ok && port == e2b.EnvdPort:
+				route = "envd"
+			case ok:
+				route = "port"
+			default:
+				if _, pattern := routes.Handler(r); pattern != "" && pattern != "/" {
+					route = pattern
+				}
+			}
+			start := time.Now()
+			sw := &statusWriter{ResponseWriter: w, status: http.StatusOK}
+			w = sw
+			defer func() { f.metrics.E2BRequest(route, strconv.Itoa(sw.status), time.Since(start)) }()
+		}
 		switch {
 		case err != nil:
 			e2b.WriteError(w, http.StatusBadRequest, err.Error())

@@ -21,6 +21,7 @@ import (
 	"github.com/shoal-sandbox/shoal/internal/cluster"
 	"github.com/shoal-sandbox/shoal/internal/cluster/etcdtest"
 	"github.com/shoal-sandbox/shoal/internal/e2b"
+	"github.com/shoal-sandbox/shoal/internal/metrics"
 	"github.com/shoal-sandbox/shoal/internal/placement"
 )
 
@@ -121,7 +122,10 @@ func TestE2BForwarder(t *testing.T) {
 		defer stops[name]()
 	}
 	waitUntil(t, "both nodes in the directory", func() bool { return len(dir.Live()) == 2 })
-	srv := httptest.NewServer(NewForwarder(dir, engine, &Auth{key: []byte(key)}, log).E2BHandler(domain))
+	fwd := NewForwarder(dir, engine, &Auth{key: []byte(key)}, log)
+	mt := metrics.New()
+	fwd.SetMetrics(mt)
+	srv := httptest.NewServer(fwd.E2BHandler(domain))
 	defer srv.Close()
 
 	call := func(method, path string, h http.Header) (int, http.Header, string) {
@@ -215,6 +219,18 @@ func TestE2BForwarder(t *testing.T) {
 	nodes[0].Close()
 	if st, _, body := call("GET", "/v2/sandboxes", nil); st != http.StatusServiceUnavailable {
 		t.Fatalf("list with no node answering: %d %s, want 503", st, body)
+	}
+	// The replica counted its E2B requests, as a node counts its own.
+	rec := httptest.NewRecorder()
+	mt.Handler().ServeHTTP(rec, httptest.NewRequest("GET", "/metrics", nil))
+	for _, want := range []string{
+		`shoal_e2b_requests_total{code="503",route="GET /v2/sandboxes"} 1`,
+		`shoal_e2b_requests_total{code="502",route="envd"} 1`,
+		`shoal_e2b_requests_total{code="404",route="GET /sandboxes/{id}"} 2`,
+	} {
+		if !strings.Contains(rec.Body.String(), want) {
+			t.Fatalf("the replica's E2B metrics lack %s:\n%s", want, rec.Body.String())
+		}
 	}
 }
 
