@@ -155,7 +155,7 @@ func (f *Forwarder) routes() *http.ServeMux {
 	stream[pb.BuildLayerRequest, pb.BuildLayerResponse](f, mux, l+"BuildLayer", toLayerStore, opts)
 	stream[pb.CommitLayerRequest, pb.BuildLayerResponse](f, mux, l+"CommitLayer", toSandbox, opts)
 	mux.Handle(l+"ListLayers", connect.NewUnaryHandler(l+"ListLayers", f.listLayers, opts...))
-	unary[pb.GetLayerRequest, pb.Layer](f, mux, l+"GetLayer", toLayer, opts)
+	mux.Handle(l+"GetLayer", connect.NewUnaryHandler(l+"GetLayer", f.getLayer, opts...))
 	unary[pb.TagLayerRequest, pb.TagLayerResponse](f, mux, l+"TagLayer", toLayerStore, opts)
 	unary[pb.DeleteLayerRequest, pb.DeleteLayerResponse](f, mux, l+"DeleteLayer", toTagOrAll, opts)
 	unary[pb.GarbageCollectLayersRequest, pb.GarbageCollectLayersResponse](f, mux, l+"GarbageCollectLayers", toAll, opts)

@@ -23,6 +23,7 @@ package control
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"net/http"
@@ -222,5 +223,92 @@ func (f *Forwarder) listLayers(ctx context.Context, req *connect.Request[pb.List
 	for _, t := range tags {
 		out.Layers = append(out.Layers, layerPB(t.Layer))
 	}
+	return connect.NewResponse(out), nil
+}
+
+// getLayerTimeout bounds one node's answer to an inspect.
+const getLayerTimeout = 15 * time.Second
+
+// getLayer inspects a layer on every live node: its users are each
+// node's (the sandboxes that run on it, its mounts), so the answer is the
+// union of the sandboxes and environments, the sum of the mounts, and the
+// rest from a node that holds the image (else any that knows it). A node
+// that does not answer is left out; none knowing the layer is the
+// nodes' not-found.
+func (f *Forwarder) getLayer(ctx context.Context, req *connect.Request[pb.GetLayerRequest]) (*connect.Response[pb.Layer], error) {
+	const proc = "/shoal.v1.LayerService/GetLayer"
+	nodes := f.dir.Live()
+	if len(nodes) == 0 {
+		return nil, connect.NewError(connect.CodeUnavailable, errors.New("no node of the cluster is up"))
+	}
+	res, errs := onEveryNode(nodes, func(n cluster.NodeInfo) (*pb.Layer, error) {
+		cctx, cancel := context.WithTimeout(ctx, getLayerTimeout)
+		defer cancel()
+		r, err := clientFor[pb.GetLayerRequest, pb.Layer](f, n, proc).CallUnary(cctx, outgoing(req.Msg, req.Header()))
+		if err != nil {
+			return nil, err
+		}
+		return r.Msg, nil
+	})
+	// The answer of a node that holds it, as the node's reports say (the
+	// one an inspect went to before), else of one that has a copy.
+	var out *pb.Layer
+	holders := map[string]bool{}
+	for _, n := range nodes {
+		if slices.Contains(n.Load.Layers, req.Msg.Ref) {
+			holders[n.Name] = true
+		}
+	}
+	rank := func(i int) int { // higher is better
+		r := 0
+		if holders[nodes[i].Name] {
+			r += 2
+		}
+		if res[i].Remote == "" {
+			r++
+		}
+		return r
+	}
+	best := -1
+	sbx, envs, tags := map[string]bool{}, map[string]bool{}, map[string]bool{}
+	var mounts int32
+	for i, l := range res {
+		if errs[i] != nil {
+			continue
+		}
+		if best < 0 || rank(i) > rank(best) {
+			best = i
+		}
+		for _, id := range l.UsedBySandboxes {
+			sbx[id] = true
+		}
+		for _, e := range l.UsedByEnvironments {
+			envs[e] = true
+		}
+		for _, t := range l.Tags {
+			tags[t] = true
+		}
+		mounts += l.Mounts
+	}
+	if best >= 0 {
+		out = proto.Clone(res[best]).(*pb.Layer)
+	}
+	if out == nil {
+		for _, err := range errs {
+			if connect.CodeOf(err) != connect.CodeNotFound {
+				return nil, relay(err)
+			}
+		}
+		return nil, relay(errs[0])
+	}
+	sorted := func(m map[string]bool) []string {
+		keys := make([]string, 0, len(m))
+		for k := range m {
+			keys = append(keys, k)
+		}
+		slices.Sort(keys)
+		return keys
+	}
+	out.UsedBySandboxes, out.UsedByEnvironments, out.Tags, out.Mounts = sorted(sbx), sorted(envs), sorted(tags), mounts
 	return connect.NewResponse(out), nil
 }

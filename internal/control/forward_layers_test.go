@@ -2,6 +2,7 @@ package control
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -22,8 +23,8 @@ import (
 	"github.com/shoal-sandbox/shoal/internal/cluster"
 	"github.com/shoal-sandbox/shoal/internal/cluster/etcdtest"
 	"github.com/shoal-sandbox/shoal/internal/layer"
-	"github.com/shoal-sandbox/shoal/internal/metrics"
 	"github.com/shoal-sandbox/shoal/internal/limits"
+	"github.com/shoal-sandbox/shoal/internal/metrics"
 	"github.com/shoal-sandbox/shoal/internal/placement"
 )
 
@@ -34,7 +35,12 @@ type fakeLayerNode struct {
 }
 
 func (n *fakeLayerNode) GetLayer(ctx context.Context, req *connect.Request[pb.GetLayerRequest]) (*connect.Response[pb.Layer], error) {
-	return connect.NewResponse(&pb.Layer{Ref: req.Msg.Ref, Source: n.name}), nil
+	if req.Msg.Ref == "nope:1" {
+		return nil, connect.NewError(connect.CodeNotFound, errors.New("layer nope:1 not found"))
+	}
+	// Each node's own users of the layer.
+	return connect.NewResponse(&pb.Layer{Ref: req.Msg.Ref, Source: n.name, UsedBySandboxes: []string{n.name + "-sb"},
+		UsedByEnvironments: []string{"env"}, Mounts: 1}), nil
 }
 
 func (n *fakeLayerNode) TagLayer(ctx context.Context, req *connect.Request[pb.TagLayerRequest]) (*connect.Response[pb.TagLayerResponse], error) {
@@ -123,6 +129,20 @@ func TestForwarderLayers(t *testing.T) {
 		t.Fatalf("list through the replica: %v %v; want etcd's one tag", res, err)
 	}
 
+	// An inspect through the replica: the holder's answer, with every
+	// node's users; a layer no node knows is not found.
+	inspect := connect.NewRequest(&pb.GetLayerRequest{Ref: "own:1"})
+	keyed(inspect)
+	if res, err := lc.GetLayer(ctx, inspect); err != nil || res.Msg.Source != "n2" || strings.Join(res.Msg.UsedBySandboxes, ",") != "n1-sb,n2-sb" ||
+		strings.Join(res.Msg.UsedByEnvironments, ",") != "env" || res.Msg.Mounts != 2 {
+		t.Fatalf("inspect through the replica: %v %v; want n2's answer with both nodes' sandboxes, one environment, 2 mounts", res, err)
+	}
+	nope := connect.NewRequest(&pb.GetLayerRequest{Ref: "nope:1"})
+	keyed(nope)
+	if _, err := lc.GetLayer(ctx, nope); connect.CodeOf(err) != connect.CodeNotFound {
+		t.Fatalf("inspect of an unknown layer through the replica: %v, want not found", err)
+	}
+
 	// Each call a few times: a random pick would miss sometimes.
 	for range 8 {
 		get := connect.NewRequest(&pb.GetLayerRequest{Ref: "own:1"})
@@ -192,7 +212,8 @@ func TestForwarderLayers(t *testing.T) {
 	}
 	st, body := get(adminKey)
 	for _, want := range []string{
-		`shoal_api_requests_total{code="ok",procedure="/shoal.v1.LayerService/GetLayer"} 8`,
+		`shoal_api_requests_total{code="ok",procedure="/shoal.v1.LayerService/GetLayer"} 9`,
+		`shoal_api_requests_total{code="not_found",procedure="/shoal.v1.LayerService/GetLayer"} 1`,
 		`shoal_api_requests_total{code="ok",procedure="GET /v1/layers/export"} 8`,
 		`shoal_cluster_nodes{state="live"} 2`,
 		`shoal_placement_decisions_total{result="placed"} 0`,

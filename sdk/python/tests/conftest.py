@@ -44,7 +44,7 @@ CLUSTER = os.environ.get("SHOAL_SDK_CLUSTER", "")
 # test file or test name, with the reason.
 CLUSTER_SKIP = {
     "test_upload_same_as_server_path": "builds from a path on the server: the nodes of this cluster have no build root",
-    "test_tag_rm_in_use_and_gc": "a layer's users (used_by_sandboxes, the in-use refusal of a removal by digest) are each node's: GetLayer answers for one node",
+    "test_tag_rm_in_use_and_gc": "the removal of an image by digest, gc and list(all=True) are each node's (a replica asks the nodes in turn, or one)",
     "test_build_list_inspect": "list(all=True) lists one node's images (the build may be on another)",
     "test_push_pull_layer_store": "a cluster's build pushes to the shared store already (a push uploads nothing), and a removed tag leaves etcd (it does not resolve from the store)",
     "test_environments": "a cluster's environments have etcd revisions (0 on one server)",
