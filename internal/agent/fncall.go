@@ -653,11 +653,24 @@ func (s *Server) startFn(cmd *command, req *wireFnRun, cgfds []int, pidsMax int)
 			err      error
 		}
 		ch := make(chan forked, 1)
-		go func() {
+		var join func()
+		join = func() {
 			// Never unlocked: this thread joins the run's cgroups, so it
 			// must not run anything else; it exits with the goroutine.
 			runtime.LockOSThread()
 			tid := unix.Gettid()
+			if tid == unix.Getpid() {
+				// The process's main thread: the runtime cannot end it
+				// with the goroutine (it parks it instead), so it would
+				// stay in the run's cgroups, the agent's whole process
+				// listed there. Hold it while another thread (not this
+				// one: it is locked) does the work, then give it back.
+				done := make(chan struct{})
+				go func() { defer close(done); join() }()
+				<-done
+				runtime.UnlockOSThread()
+				return
+			}
 			for _, fd := range cgfds {
 				if _, err := unix.Write(fd, []byte("0")); err != nil {
 					ch <- forked{tid: tid, err: fmt.Errorf("join cgroup: %w", err)}
@@ -672,7 +685,8 @@ func (s *Server) startFn(cmd *command, req *wireFnRun, cgfds []int, pidsMax int)
 				}
 			}
 			ch <- forked{pid, tid, err}
-		}()
+		}
+		go join()
 		r := <-ch
 		pid, err = r.pid, r.err
 		cmd.forker = r.tid

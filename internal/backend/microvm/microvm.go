@@ -618,7 +618,16 @@ func (b *Backend) start(h sandbox.Handle, extra ...string) (sandbox.Handle, <-ch
 		return h, nil, fmt.Errorf("start qemu: %w", err)
 	}
 	exited := make(chan struct{})
-	go func() { cmd.Wait(); close(exited) }()
+	go func() {
+		cmd.Wait()
+		// How it ended (a signal leaves nothing in its log): the boot's
+		// error quotes the log (console).
+		if f, err := os.OpenFile(filepath.Join(h.Data["dir"], "qemu.log"), os.O_WRONLY|os.O_APPEND|unix.O_NOFOLLOW, 0); err == nil {
+			fmt.Fprintf(f, "[shoal: qemu ended: %v]\n", cmd.ProcessState)
+			f.Close()
+		}
+		close(exited)
+	}()
 	if err := b.enterCgroup(h, cmd.Process.Pid); err != nil {
 		// Unbounded, it does not run.
 		cmd.Process.Kill()
