@@ -599,9 +599,6 @@ func (im *image) fetchRun(run []int, calls []*call, demand bool) {
 	f := im.fs
 	var data [][]byte
 	var err error
-	if demand {
-		defer f.sched.endDemand()
-	}
 	defer func() {
 		im.mu.Lock()
 		for _, i := range run {
@@ -617,6 +614,13 @@ func (im *image) fetchRun(run []int, calls []*call, demand bool) {
 			close(c.done)
 		}
 	}()
+	if demand {
+		// Uncounted before the waiters wake (deferred last, so run
+		// first): a process's next read, right after this one, must not
+		// see this fetch still counted, which would keep its readahead
+		// off the store (tryBackground).
+		defer f.sched.endDemand()
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), f.cfg.FetchTimeout)
 	defer cancel()
 	if demand {
