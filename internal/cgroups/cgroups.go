@@ -169,3 +169,37 @@ func Remove(dir string, wait time.Duration) error {
 		time.Sleep(time.Duration(min(i, 50)) * time.Millisecond) // tasks still exiting
 	}
 }
+
+// IdleParent names the cgroup, beside parent at the same level of each
+// hierarchy ("shoal-be" for "shoal"), under which best-effort sandboxes'
+// CPU groups go on a cgroup v1 host (containers' and VMs' alike).
+func IdleParent(parent string) string { return parent + "-be" }
+
+// MakeIdle makes the v1 cpu group dir (if need be) and makes it idle
+// (cpu.idle 1), the lowest weight first: a kernel without cpu.idle keeps
+// that, and an idle group refuses a weight.
+func MakeIdle(dir string) error {
+	if err := os.Mkdir(dir, 0o755); err != nil && !errors.Is(err, os.ErrExist) {
+		return err
+	}
+	if idle, err := os.ReadFile(dir + "/cpu.idle"); err == nil && strings.TrimSpace(string(idle)) == "1" {
+		return nil
+	}
+	if err := Write(dir+"/cpu.shares", "2"); err != nil {
+		return err
+	}
+	return WriteIfExists(dir+"/cpu.idle", "1")
+}
+
+// ReadInt reads a control file holding one integer; -1 if it cannot.
+func ReadInt(path string) int64 {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return -1
+	}
+	n, err := strconv.ParseInt(strings.TrimSpace(string(data)), 10, 64)
+	if err != nil {
+		return -1
+	}
+	return n
+}

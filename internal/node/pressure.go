@@ -137,11 +137,7 @@ func (m *Manager) relieveStall(ctx context.Context, stalled float64) int {
 		if paused == psiBatch {
 			break
 		}
-		_, ok, err := m.pause(ctx, id, pausePressure)
-		switch {
-		case err != nil && !errors.Is(err, ErrNotFound):
-			m.log.Warn("memory pressure: pause", "sandbox_id", id, "err", err)
-		case ok:
+		if m.pauseForPressure(ctx, id) {
 			paused++
 		}
 	}
@@ -171,11 +167,7 @@ func (m *Manager) relievePressure(ctx context.Context) int {
 		if avail >= target {
 			break
 		}
-		_, ok, err := m.pause(ctx, id, pausePressure)
-		switch {
-		case err != nil && !errors.Is(err, ErrNotFound):
-			m.log.Warn("memory pressure: pause", "sandbox_id", id, "err", err)
-		case ok:
+		if m.pauseForPressure(ctx, id) {
 			paused++
 		}
 	}
@@ -185,6 +177,17 @@ func (m *Manager) relievePressure(ctx context.Context) int {
 			"available_before", first, "available_after", avail, "below", p.Below)
 	}
 	return paused
+}
+
+// pauseForPressure pauses sandbox id for memory pressure and tells
+// whether it did (one gone meanwhile is not an error).
+func (m *Manager) pauseForPressure(ctx context.Context, id string) bool {
+	_, ok, err := m.pause(ctx, id, pausePressure)
+	if err != nil && !errors.Is(err, ErrNotFound) {
+		m.log.Warn("memory pressure: pause", "sandbox_id", id, "err", err)
+		return false
+	}
+	return ok
 }
 
 // longestIdle lists the running sandboxes that can pause, have no command

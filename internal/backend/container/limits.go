@@ -7,7 +7,6 @@ import (
 	"path/filepath"
 	"slices"
 	"strconv"
-	"strings"
 
 	"golang.org/x/sys/unix"
 
@@ -117,7 +116,7 @@ var (
 // idleParent is the cgroup, beside --cgroup-parent (the same level of
 // each hierarchy: "shoal-be" for the default "shoal"), under which a
 // best-effort sandbox's CPU group goes on a cgroup v1 host (see makeIdle).
-func (b *Backend) idleParent() string { return b.cgroupParent + "-be" }
+func (b *Backend) idleParent() string { return cgroups.IdleParent(b.cgroupParent) }
 
 // makeIdle makes a best-effort sandbox's CPU scheduling idle against all
 // that is not best-effort: the node's own process and the latency-
@@ -162,18 +161,8 @@ func (b *Backend) makeIdle(runcID string, r sandbox.Resources) error {
 
 func (b *Backend) moveToIdleParent(m cgroupMount, runcID string, r sandbox.Resources) error {
 	parent := filepath.Join(m.dir, b.idleParent())
-	if err := os.Mkdir(parent, 0o755); err != nil && !errors.Is(err, os.ErrExist) {
+	if err := cgroups.MakeIdle(parent); err != nil {
 		return err
-	}
-	// The lowest weight first (a kernel without cpu.idle keeps it; an
-	// idle group refuses a weight), then idle.
-	if idle, err := os.ReadFile(filepath.Join(parent, "cpu.idle")); err != nil || strings.TrimSpace(string(idle)) != "1" {
-		if err := writeCgroup(filepath.Join(parent, "cpu.shares"), strconv.Itoa(beCPUShares)); err != nil {
-			return err
-		}
-		if err := writeIfExists(filepath.Join(parent, "cpu.idle"), "1"); err != nil {
-			return err
-		}
 	}
 	dst := filepath.Join(parent, runcID)
 	if err := os.Mkdir(dst, 0o755); err != nil && !errors.Is(err, os.ErrExist) {

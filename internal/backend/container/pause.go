@@ -19,6 +19,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/shoal-sandbox/shoal/internal/cgroups"
 	"github.com/shoal-sandbox/shoal/internal/sandbox"
 )
 
@@ -106,17 +107,7 @@ func (b *Backend) memoryCgroup(runcID string) memCgroup {
 	return memCgroup{}
 }
 
-func readInt(path string) int64 {
-	data, err := os.ReadFile(path)
-	if err != nil {
-		return -1
-	}
-	n, err := strconv.ParseInt(strings.TrimSpace(string(data)), 10, 64)
-	if err != nil {
-		return -1
-	}
-	return n
-}
+var readInt = cgroups.ReadInt
 
 // usage is the cgroup's charged memory (page cache included), -1 if unknown.
 func (c memCgroup) usage() int64 {

@@ -71,7 +71,7 @@ func (b *Backend) vmGroups(h sandbox.Handle) ([]cgroups.Mount, []string, error) 
 		case m.V2 && !v1:
 			dir = filepath.Join(m.Dir, b.cfg.CgroupParent, h.ID)
 		case m.Has("cpu") && h.Data["qos"] == "be":
-			dir = filepath.Join(m.Dir, b.cfg.CgroupParent+"-be", h.ID)
+			dir = filepath.Join(m.Dir, cgroups.IdleParent(b.cfg.CgroupParent), h.ID)
 		case m.Has("memory"), m.Has("cpu"), m.Has("cpuacct"), m.Has("pids"):
 			dir = filepath.Join(m.Dir, b.cfg.CgroupParent, h.ID)
 		default:
@@ -108,8 +108,8 @@ func (b *Backend) enterCgroup(h sandbox.Handle, pid int) error {
 	for i, m := range ms {
 		dir := dirs[i]
 		if m.Has("cpu") && h.Data["qos"] == "be" {
-			if err := idleParent(filepath.Dir(dir)); err != nil {
-				return err
+			if err := cgroups.MakeIdle(filepath.Dir(dir)); err != nil {
+				return fmt.Errorf("vm cgroup: %w", err)
 			}
 		}
 		if m.V2 {
@@ -161,21 +161,6 @@ func (b *Backend) enterCgroup(h sandbox.Handle, pid int) error {
 	return nil
 }
 
-// idleParent makes the parent of best-effort VMs' cpu groups, idle (or at
-// the lowest weight on a kernel without cpu.idle).
-func idleParent(dir string) error {
-	if err := os.Mkdir(dir, 0o755); err != nil && !errors.Is(err, os.ErrExist) {
-		return fmt.Errorf("vm cgroup: %w", err)
-	}
-	if idle, err := os.ReadFile(filepath.Join(dir, "cpu.idle")); err == nil && string(idle) == "1\n" {
-		return nil
-	}
-	if err := cgroups.Write(filepath.Join(dir, "cpu.shares"), "2"); err != nil {
-		return fmt.Errorf("vm cgroup: %w", err)
-	}
-	return cgroups.WriteIfExists(filepath.Join(dir, "cpu.idle"), "1")
-}
-
 // enableV2 enables the memory, pids and cpu controllers for the groups
 // below parent, from the unified hierarchy's root down (as runc does for
 // a container).
@@ -222,17 +207,7 @@ func (b *Backend) Usage(h sandbox.Handle) sandbox.Usage {
 	if err != nil {
 		return u
 	}
-	read := func(path string) int64 {
-		data, err := os.ReadFile(path)
-		if err != nil {
-			return -1
-		}
-		n, err := strconv.ParseInt(strings.TrimSpace(string(data)), 10, 64)
-		if err != nil {
-			return -1
-		}
-		return n
-	}
+	read := cgroups.ReadInt
 	for i, m := range ms {
 		switch {
 		case m.V2:
