@@ -79,7 +79,7 @@ func main() {
 		boot.Ready(err)
 		os.Exit(1)
 	}
-	srv := agent.NewServer(agent.Config{ReapAll: true, IdleRelease: time.Second, Logger: log})
+	srv := agent.NewServer(agent.Config{ReapAll: true, IdleRelease: time.Second, Logger: log, CommandsIdle: boot.CommandsIdle()})
 	if boot.Pooled() {
 		if err := srv.AcceptClaims(boot, func() { go prewarmThreads(8) }); err != nil {
 			log.Warn("boot", "err", err)

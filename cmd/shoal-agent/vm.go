@@ -49,6 +49,10 @@ func serveVM(log agent.Logger, cfg *vminit.Config, l net.Listener) error {
 		log.Warn("the host name will not resolve", "err", err)
 	}
 	go prewarmThreads(8)
+	// Above the commands (see agent.AgentNice); root of the guest may.
+	if err := agent.Prioritize(os.Getpid()); err != nil {
+		log.Warn("the agent runs at its commands' priority", "err", err)
+	}
 	srv := agent.NewServer(agent.Config{ReapAll: true, IdleRelease: time.Second, Logger: log, Env: cfg.Env, Upper: cfg.Upper,
 		SystemService: os.Getpid() != 1 && cfg.System})
 	if err := srv.Serve(l); err != nil {

@@ -33,6 +33,8 @@ import (
 //     It serves nothing but ping and claim until a claim gives it its root
 //     (see claim.go); the filter is installed by the claim, after the root
 //     switch that needs the mount system calls.
+//   - $SHOAL_BEST_EFFORT=1: a best-effort sandbox; its commands run under
+//     SCHED_IDLE (see AgentNice; a pooled agent learns it from its claim).
 //   - $SHOAL_LIFELINE_FD (pooled only): the read end of a pipe whose write
 //     end only the node process holds. When it reads EOF (the node died or
 //     exited) before a claim, the agent exits: an unclaimed pool container
@@ -42,10 +44,11 @@ import (
 // The variables are removed from the environment so that commands do not
 // inherit them, and the descriptors are closed.
 const (
-	EnvSeccompFD = "SHOAL_SECCOMP_FD"
-	EnvReadyFD   = "SHOAL_READY_FD"
-	EnvPool      = "SHOAL_POOL"
-	EnvLifeline  = "SHOAL_LIFELINE_FD"
+	EnvSeccompFD  = "SHOAL_SECCOMP_FD"
+	EnvReadyFD    = "SHOAL_READY_FD"
+	EnvPool       = "SHOAL_POOL"
+	EnvLifeline   = "SHOAL_LIFELINE_FD"
+	EnvBestEffort = "SHOAL_BEST_EFFORT"
 )
 
 // Boot is what the backend handed the agent at start-up.
@@ -54,6 +57,7 @@ type Boot struct {
 	ready    *os.File          // nil when the backend waits for nothing
 	lifeline *os.File          // pooled: EOF when the node is gone; may be nil
 	pooled   bool
+	idle     bool // $SHOAL_BEST_EFFORT
 }
 
 // StartBoot makes the process non-dumpable (SetNotDumpable) and its log
@@ -78,6 +82,8 @@ func StartBoot() (*Boot, error) {
 	}
 	b.pooled = os.Getenv(EnvPool) == "1"
 	os.Unsetenv(EnvPool)
+	b.idle = os.Getenv(EnvBestEffort) == "1"
+	os.Unsetenv(EnvBestEffort)
 	if s, ok := os.LookupEnv(EnvLifeline); ok {
 		os.Unsetenv(EnvLifeline)
 		fd, err := envFD(EnvLifeline, s)
@@ -128,6 +134,10 @@ func StartBoot() (*Boot, error) {
 	}
 	return b, nil
 }
+
+// CommandsIdle reports whether the agent's commands run under SCHED_IDLE
+// (Config.CommandsIdle).
+func (b *Boot) CommandsIdle() bool { return b.idle }
 
 // Pooled reports whether the agent waits for a claim.
 func (b *Boot) Pooled() bool { return b.pooled }

@@ -48,8 +48,9 @@ import (
 
 // wireClaimRequest is the JSON part of a claim.
 type wireClaimRequest struct {
-	Hostname string   `json:"hostname"`
-	Env      []string `json:"env"` // the environment of every command
+	Hostname   string   `json:"hostname"`
+	Env        []string `json:"env"`                   // the environment of every command
+	BestEffort bool     `json:"best_effort,omitempty"` // commands under SCHED_IDLE (see AgentNice)
 }
 
 // claimState is the claim state of a pooled server.
@@ -271,6 +272,7 @@ func (s *Server) becomeSandbox(st *claimState, mfd int, req *wireClaimRequest) e
 	}
 	// Published to exec by st.claimed (admit loads it before any exec).
 	s.env = env
+	s.spawn.idle.Store(req.BestEffort)
 	st.claimed.Store(true)
 	st.stopWatch()
 	return nil

@@ -10,8 +10,9 @@ import (
 
 // ClaimRequest is what a pooled sandbox learns when it is claimed.
 type ClaimRequest struct {
-	Hostname string
-	Env      []string // the complete environment of every command
+	Hostname   string
+	Env        []string // the complete environment of every command
+	BestEffort bool     // a best-effort sandbox: its commands run under SCHED_IDLE
 }
 
 // Claim hands a pooled agent its root: rootFD is a detached mount (from

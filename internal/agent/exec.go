@@ -354,7 +354,7 @@ func (s *Server) startCommand(cmd *command, req *wireExecRequest) ([3]*os.File, 
 		Sys:   &syscall.SysProcAttr{Setpgid: true, Credential: cred},
 	}
 	pid, err := s.reaper.start(cmd, func() (int, error) {
-		return syscall.ForkExec(path, req.Args, attr)
+		return s.spawn.fork(func() (int, error) { return syscall.ForkExec(path, req.Args, attr) })
 	})
 	if err == nil {
 		raiseOOMScore(pid)
@@ -398,7 +398,7 @@ func (s *Server) startPTY(cmd *command, req *wireExecRequest, path, cwd string, 
 		Sys:   &syscall.SysProcAttr{Setsid: true, Setctty: true, Ctty: 0, Credential: cred},
 	}
 	pid, err := s.reaper.start(cmd, func() (int, error) {
-		return syscall.ForkExec(path, req.Args, attr)
+		return s.spawn.fork(func() (int, error) { return syscall.ForkExec(path, req.Args, attr) })
 	})
 	syscall.Close(slave)
 	if err != nil {

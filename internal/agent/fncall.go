@@ -646,7 +646,7 @@ func (s *Server) startFn(cmd *command, req *wireFnRun, cgfds []int, pidsMax int)
 	}
 	var pid int
 	if len(cgfds) == 0 {
-		pid, err = fork()
+		pid, err = s.spawn.fork(fork)
 	} else {
 		type forked struct {
 			pid, tid int
@@ -677,6 +677,7 @@ func (s *Server) startFn(cmd *command, req *wireFnRun, cgfds []int, pidsMax int)
 					return
 				}
 			}
+			commandSched(s.spawn.idle.Load()) // this thread ends with the goroutine
 			pid, err := fork()
 			if err == nil && pidsMax >= 0 {
 				if _, werr := unix.Write(pidsMax, []byte(strconv.Itoa(req.Pids))); werr != nil {

@@ -3,6 +3,7 @@ package agent
 import (
 	"os"
 	"os/signal"
+	"slices"
 	"sync"
 	"syscall"
 )
@@ -18,19 +19,36 @@ import (
 // child subreaper). Without it (a server embedded in a process that has other
 // children, as in tests) it only waits for the pids it started.
 //
-// Processes are started under mu, and wait4 is only called under mu, so a
-// child that exits before its pid is registered is still dispatched to it:
-// the reap pass that finds it runs after the registration.
+// A fork is not done under mu: it runs on the spawner's thread, at the
+// commands' priority (see AgentNice), and a kill must not wait for it. So
+// with all set, a child that exits before its pid is registered may be
+// reaped first: while forks are in flight, a status no one waits for is
+// kept (early), with the count of statuses reaped before it, and the
+// registration takes it from there. A fork can only have made a pid reaped
+// after the fork began, so older statuses of the same pid (an orphan's,
+// the pid reused since) are not taken; they are dropped once no fork that
+// began before them is in flight. Without all, a child is only waited for
+// once registered.
 type reaper struct {
 	all  bool
 	kick chan struct{} // cap 1: ask for a reap pass
 
 	mu      sync.Mutex
-	waiting map[int]*command // guarded by mu; started and not yet reaped
+	waiting map[int]*command  // guarded by mu; started and not yet reaped
+	reaped  uint64            // guarded by mu; statuses collected so far
+	forking []uint64          // guarded by mu; reaped when each fork in flight began
+	early   map[int]earlyExit // guarded by mu; see above
+}
+
+// earlyExit is the status of a pid reaped while forks were in flight and
+// before any registered it; seq is the reaper's count once it was reaped.
+type earlyExit struct {
+	ws  syscall.WaitStatus
+	seq uint64
 }
 
 func newReaper(all bool) *reaper {
-	r := &reaper{all: all, kick: make(chan struct{}, 1), waiting: make(map[int]*command)}
+	r := &reaper{all: all, kick: make(chan struct{}, 1), waiting: make(map[int]*command), early: make(map[int]earlyExit)}
 	sigc := make(chan os.Signal, 1)
 	signal.Notify(sigc, syscall.SIGCHLD)
 	go func() {
@@ -47,13 +65,37 @@ func newReaper(all bool) *reaper {
 }
 
 // start runs fork (which must create exactly one child and return its pid)
-// under the lock and registers c as the waiter of that pid.
+// and registers c as the waiter of that pid (see reaper: not under mu).
 func (r *reaper) start(c *command, fork func() (int, error)) (int, error) {
 	r.mu.Lock()
+	began := r.reaped
+	r.forking = append(r.forking, began)
+	r.mu.Unlock()
+
 	pid, err := fork()
+
+	r.mu.Lock()
+	if i := slices.Index(r.forking, began); i >= 0 {
+		r.forking = slices.Delete(r.forking, i, i+1)
+	}
 	if err == nil {
 		c.pid = pid
-		r.waiting[pid] = c
+		if e, ok := r.early[pid]; ok && e.seq > began {
+			delete(r.early, pid)
+			c.exited(e.ws)
+		} else {
+			r.waiting[pid] = c
+		}
+	}
+	// Statuses no fork in flight can have made.
+	oldest := r.reaped
+	if len(r.forking) > 0 {
+		oldest = slices.Min(r.forking)
+	}
+	for p, e := range r.early {
+		if e.seq <= oldest {
+			delete(r.early, p)
+		}
 	}
 	r.mu.Unlock()
 	if err == nil && !r.all {
@@ -106,9 +148,13 @@ func (r *reaper) reap() {
 			if err != nil || pid <= 0 {
 				return
 			}
+			r.reaped++
 			if c := r.waiting[pid]; c != nil {
 				delete(r.waiting, pid)
 				c.exited(ws)
+			} else if len(r.forking) > 0 {
+				// Maybe a command not registered yet (see reaper).
+				r.early[pid] = earlyExit{ws, r.reaped}
 			}
 			// Otherwise an orphan: its status is nobody's business.
 		}

@@ -57,6 +57,9 @@ type Config struct {
 	// process but init and the agent, as PID 1 of a microVM stops all but
 	// itself.
 	SystemService bool
+	// CommandsIdle: commands run under SCHED_IDLE (a best-effort
+	// sandbox's; a pooled agent learns it from its claim). See AgentNice.
+	CommandsIdle bool
 }
 
 // Defaults of Config.MaxExited and Config.MaxExitedBytes.
@@ -82,6 +85,7 @@ type Server struct {
 	cfg    Config
 	log    Logger
 	reaper *reaper
+	spawn  *spawner // forks the commands (see AgentNice)
 	env    []string
 
 	active    atomic.Int64 // open connections
@@ -124,11 +128,13 @@ func NewServer(cfg Config) *Server {
 		cfg:      cfg,
 		log:      log,
 		reaper:   newReaper(cfg.ReapAll),
+		spawn:    newSpawner(),
 		env:      cfg.Env,
 		cmds:     make(map[string]*command),
 		durables: make(map[string]*durable),
 		boot:     strconv.FormatInt(time.Now().UnixNano()%(1<<32), 36),
 	}
+	s.spawn.idle.Store(cfg.CommandsIdle)
 	if cfg.IdleRelease > 0 {
 		s.idleTimer = time.AfterFunc(time.Hour, func() {
 			if s.active.Load() == 0 {

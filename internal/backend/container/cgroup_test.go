@@ -10,6 +10,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/shoal-sandbox/shoal/internal/agent"
 	"github.com/shoal-sandbox/shoal/internal/sandbox"
 )
 
@@ -117,6 +118,22 @@ func TestBestEffortIdleGroup(t *testing.T) {
 			for _, p := range pids {
 				if got := cpuGroup(hb, strconv.Itoa(p)); got != want {
 					t.Errorf("task %d of the best-effort sandbox in cpu group %s", p, got)
+				}
+			}
+			// Its commands run under SCHED_IDLE at nice 0 (fields 41 and
+			// 19 of /proc/PID/stat), a latency-sensitive sandbox's under
+			// SCHED_OTHER; the agents' threads, above them, at
+			// agent.AgentNice under SCHED_OTHER (but the one that forks).
+			for _, c := range []struct {
+				h    sandbox.Handle
+				want string
+			}{{hb, "0 5"}, {ls, "0 0"}} {
+				if out, code := run(t, c.h, "cut -d' ' -f19,41 /proc/self/stat"); code != 0 || strings.TrimSpace(out) != c.want {
+					t.Errorf("a command of %s runs at nice and policy %q (%d), want %q", c.h.ID, out, code, c.want)
+				}
+				out, code := run(t, c.h, "cat /proc/1/task/*/stat | sed 's/.*) //' | cut -d' ' -f17,39 | sort | uniq -c")
+				if want := strconv.Itoa(agent.AgentNice) + " 0"; code != 0 || !strings.Contains(out, " "+want+"\n") {
+					t.Errorf("the agent's threads of %s (count, nice, policy):\n%s(%d), want some at %q", c.h.ID, out, code, want)
 				}
 			}
 			if got := cpuGroup(ls, agentPid(ls)); got != "/"+testCgroupParent+"/"+ls.Data["runc_id"] {

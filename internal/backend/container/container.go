@@ -667,10 +667,11 @@ func (b *Backend) createCold(ctx context.Context, spec sandbox.Spec, dir string)
 	if err := b.startContainer(ctx, spec.ID, bundle, dir, lnFile, false, 0); err != nil {
 		return h, fmt.Errorf("create sandbox %s: %w", spec.ID, err)
 	}
+	if err := prioritizeAgent(filepath.Join(dir, pidFileName)); err != nil {
+		return h, fmt.Errorf("create sandbox %s: %w", spec.ID, err)
+	}
 	if spec.Resources.BestEffort {
-		if err := setSchedIdle(filepath.Join(dir, pidFileName)); err != nil {
-			return h, fmt.Errorf("create sandbox %s: %w", spec.ID, err)
-		}
+		// Its commands run under SCHED_IDLE ($SHOAL_BEST_EFFORT, oci.go).
 		if err := b.makeIdle(spec.ID, spec.Resources); err != nil {
 			return h, fmt.Errorf("create sandbox %s: %w", spec.ID, err)
 		}
@@ -745,7 +746,7 @@ func (b *Backend) agentFiles(ln, ready *os.File, pooled bool) []*os.File {
 // A pool container (pooled) is started at the lowest CPU priority (nice 19,
 // see startMember) and gets the read end of the node's lifeline.
 //
-// nice is runc's nice value (and so the agent's until resetPriority).
+// nice is runc's nice value (and so the agent's until prioritizeAgent).
 func (b *Backend) startContainer(ctx context.Context, runcID, bundle, dir string, ln *os.File, pooled bool, nice int) error {
 	devNull, err := os.Open(os.DevNull)
 	if err != nil {

@@ -122,7 +122,7 @@ func (b *Backend) idleParent() string { return cgroups.IdleParent(b.cgroupParent
 // that is not best-effort: the node's own process and the latency-
 // sensitive sandboxes preempt it as soon as they wake.
 //
-// SCHED_IDLE on its tasks (setSchedIdle) ranks them only within their own
+// SCHED_IDLE on its commands (agent.AgentNice) ranks them only within their own
 // group, and an idle group (cpu.idle 1) only among its siblings: under
 // --cgroup-parent, the sandboxes' parent as a whole still competed with
 // the node (serve, in its own cgroup above) at its full weight, so a
@@ -194,18 +194,4 @@ func (b *Backend) moveToIdleParent(m cgroupMount, runcID string, r sandbox.Resou
 		}
 	}
 	return fmt.Errorf("tasks keep appearing in %s", src)
-}
-
-// setSchedIdle puts every thread of the process whose pid is in pidFile
-// (a best-effort sandbox's agent) under SCHED_IDLE, which what it starts
-// inherits: they run when nothing else wants the CPU (see eachThread; the
-// sandbox has no CAP_SYS_NICE over the host to leave it).
-func setSchedIdle(pidFile string) error {
-	return eachThread(pidFile, "SCHED_IDLE", func(tid int) (bool, error) {
-		attr, err := unix.SchedGetAttr(tid, 0)
-		if err != nil || attr.Policy == unix.SCHED_IDLE {
-			return true, err
-		}
-		return false, unix.SchedSetAttr(tid, &unix.SchedAttr{Size: unix.SizeofSchedAttr, Policy: unix.SCHED_IDLE}, 0)
-	})
 }

@@ -78,7 +78,7 @@ func sandboxEnv(spec sandbox.Spec) []string {
 	for _, kv := range spec.Env {
 		k, _, _ := strings.Cut(kv, "=")
 		switch k {
-		case "SHOAL_AGENT_FD", agent.EnvSeccompFD, agent.EnvReadyFD, agent.EnvPool:
+		case "SHOAL_AGENT_FD", agent.EnvSeccompFD, agent.EnvReadyFD, agent.EnvPool, agent.EnvLifeline, agent.EnvBestEffort:
 			continue
 		}
 		env = append(env, kv)
@@ -159,6 +159,9 @@ func (b *Backend) containerSpec(o containerOptions) (*specs.Spec, error) {
 	}
 	if b.filter != nil {
 		fdEnv = append(fdEnv, agent.EnvSeccompFD+"="+strconv.Itoa(fdSeccomp))
+	}
+	if o.res.BestEffort && !o.pooled {
+		fdEnv = append(fdEnv, agent.EnvBestEffort+"=1")
 	}
 	if o.pooled {
 		fdEnv = append(fdEnv, agent.EnvPool+"=1")

@@ -491,61 +491,26 @@ func (b *Backend) startMember(ctx context.Context, agentBinary string, urgent bo
 	if err != nil {
 		return m, fmt.Errorf("pool container %s: %w", id, err)
 	}
-	if err := resetPriority(filepath.Join(dir, pidFileName)); err != nil {
+	if err := prioritizeAgent(filepath.Join(dir, pidFileName)); err != nil {
 		return m, fmt.Errorf("pool container %s: %w", id, err)
 	}
 	b.premakeDisk(ctx, m)
 	return m, nil
 }
 
-// resetPriority sets the nice value of every thread of the process whose
-// pid is in pidFile back to 0 (see eachThread: the agent could only raise
-// its value, and does not).
-func resetPriority(pidFile string) error {
-	return eachThread(pidFile, "reset priority", func(tid int) (bool, error) {
-		// getpriority returns 20-nice.
-		prio, err := unix.Getpriority(unix.PRIO_PROCESS, tid)
-		if err != nil || prio == 20 {
-			return true, err
-		}
-		return false, unix.Setpriority(unix.PRIO_PROCESS, tid, 0)
-	})
-}
-
-// eachThread applies fix to every thread of the process whose pid is in
-// pidFile until a pass finds every thread as wanted: fix reports whether
-// tid already was (and sets it when not). A thread inherits its creator's
-// scheduling attributes, so once every thread is as wanted, none can appear
-// otherwise. A thread gone meanwhile (ESRCH) is skipped; what is an error
-// is named by what.
-func eachThread(pidFile, what string, fix func(tid int) (ok bool, err error)) error {
+// prioritizeAgent sets every thread of the agent whose pid is in pidFile
+// to agent.AgentNice, above the commands it starts (which it forks at nice
+// 0: see agent.AgentNice). The agent could not do it itself.
+func prioritizeAgent(pidFile string) error {
 	data, err := os.ReadFile(pidFile)
 	if err != nil {
 		return err
 	}
-	pid := string(trimSpace(data))
-	for range 10 {
-		ents, err := os.ReadDir("/proc/" + pid + "/task")
-		if err != nil {
-			return fmt.Errorf("%s: %w", what, err)
-		}
-		clean := true
-		for _, e := range ents {
-			tid, err := strconv.Atoi(e.Name())
-			if err != nil {
-				continue
-			}
-			ok, err := fix(tid)
-			if err != nil && !errors.Is(err, unix.ESRCH) {
-				return fmt.Errorf("%s: %w", what, err)
-			}
-			clean = clean && ok
-		}
-		if clean {
-			return nil
-		}
+	pid, err := strconv.Atoi(string(trimSpace(data)))
+	if err != nil || pid <= 0 {
+		return fmt.Errorf("pid file %s: %q", pidFile, data)
 	}
-	return fmt.Errorf("%s: threads keep appearing", what)
+	return agent.Prioritize(pid)
 }
 
 // removeMember destroys an unclaimed pool container and removes its dir.
@@ -611,9 +576,7 @@ func (b *Backend) claim(ctx context.Context, spec sandbox.Spec, dir string, m *m
 		return h, fmt.Errorf("claim for sandbox %s: %w", spec.ID, err)
 	}
 	if spec.Resources.BestEffort {
-		if err := setSchedIdle(filepath.Join(claimed, pidFileName)); err != nil {
-			return h, fmt.Errorf("claim for sandbox %s: %w", spec.ID, err)
-		}
+		// Its commands run under SCHED_IDLE: the claim says so.
 		if err := b.makeIdle(m.id, spec.Resources); err != nil {
 			return h, fmt.Errorf("claim for sandbox %s: %w", spec.ID, err)
 		}
@@ -660,8 +623,9 @@ func (b *Backend) claim(ctx context.Context, spec sandbox.Spec, dir string, m *m
 	// well: the member is destroyed (undo) and the caller tries another.
 	cctx, cancel := context.WithTimeout(ctx, claimTimeout)
 	err = agent.NewClient(sock).Claim(cctx, mfd, agent.ClaimRequest{
-		Hostname: hostname(spec.ID),
-		Env:      sandboxEnv(spec),
+		Hostname:   hostname(spec.ID),
+		Env:        sandboxEnv(spec),
+		BestEffort: spec.Resources.BestEffort,
 	})
 	cancel()
 	unix.Close(mfd)

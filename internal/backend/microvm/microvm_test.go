@@ -3,6 +3,7 @@ package microvm
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"io"
 	"log/slog"
 	"os"
@@ -148,6 +149,12 @@ func testVMCreateExecFilesDelete(t *testing.T, machine string) {
 	c := agent.NewClientDialer(h.ID, b.AgentDial(h))
 	if got := run(t, ctx, c, "sh", "-c", "echo $FOO; cat /etc/base-file"); got != "bar\nfrom the base\n" {
 		t.Errorf("exec output %q", got)
+	}
+	// Commands start at nice 0, below the agent's threads (the guest's
+	// agent sets its own: agent.AgentNice).
+	sched := run(t, ctx, c, "sh", "-c", "cut -d' ' -f19 /proc/self/stat; cat /proc/$PPID/task/*/stat | sed 's/.*) //' | cut -d' ' -f17 | sort | uniq -c")
+	if want := fmt.Sprintf(" %d\n", agent.AgentNice); !strings.HasPrefix(sched, "0\n") || !strings.Contains(sched, want) {
+		t.Errorf("a command's nice value, then the agent's threads' (count, nice):\n%s", sched)
 	}
 	if _, err := c.WriteFile(ctx, "/work/a.txt", 0o644, strings.NewReader("hello vm")); err != nil {
 		t.Fatal(err)

@@ -192,6 +192,14 @@ def test_best_effort_qos(server) -> None:
         assert be.commands.run("cut -d' ' -f41 /proc/self/stat").stdout.strip() == "5"
         assert be.commands.run("sh -c 'sleep 0 & cut -d\" \" -f41 /proc/self/stat'").stdout.strip() == "5"
         assert ls.commands.run("cut -d' ' -f41 /proc/self/stat").stdout.strip() == "0"
+        # Commands start at nice 0 (field 19) below their agent, whose
+        # threads run at nice -20 under SCHED_OTHER, so that a command that
+        # keeps a thousand tasks runnable cannot starve the agent's kill of
+        # it (all but the one thread that forks the commands).
+        for sb in (be, ls):
+            assert sb.commands.run("cut -d' ' -f19 /proc/self/stat").stdout.strip() == "0"
+            agent = sb.commands.run("cat /proc/1/task/*/stat | sed 's/.*) //' | cut -d' ' -f17,39").stdout.split("\n")
+            assert agent.count("-20 0") >= len([t for t in agent if t]) - 1, agent
         # And the best-effort sandbox's CPU is idle as a group against
         # everything else: on a cgroup v1 host its tasks are in a cpu group
         # under the idle parent beside the sandboxes' (outside the
