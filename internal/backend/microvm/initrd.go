@@ -2,7 +2,9 @@ package microvm
 
 import (
 	"bufio"
+	"bytes"
 	"crypto/sha256"
+	"encoding/binary"
 	"encoding/hex"
 	"fmt"
 	"os"
@@ -67,6 +69,32 @@ func (c *cpioWriter) close() error {
 	return c.w.Flush()
 }
 
+// moduleSigMagic ends a signed kernel module, after its signature and
+// the signature's description (the kernel's struct module_signature: 12
+// bytes, the signature's length big-endian in the last 4).
+const moduleSigMagic = "~Module signature appended~\n"
+
+// stripModuleSignature returns the module m without its signature (m itself
+// when it has none). The guest kernel then loads it without verifying the
+// signature (RSA under TCG: the modules of a boot loaded in ~0.43 s instead
+// of ~0.69 s, medians of 10 boots), tainting itself once ("module
+// verification failed"); Debian's kernel enforces signatures only under
+// lockdown, which a guest does not have. The check would guard the guest
+// against its own initramfs, which the host builds from the kernel package.
+func stripModuleSignature(m []byte) []byte {
+	const infoLen = 12
+	if !bytes.HasSuffix(m, []byte(moduleSigMagic)) || len(m) < len(moduleSigMagic)+infoLen {
+		return m
+	}
+	end := len(m) - len(moduleSigMagic)
+	sigLen := int(binary.BigEndian.Uint32(m[end-4 : end]))
+	end -= infoLen
+	if sigLen > end {
+		return m
+	}
+	return m[:end-sigLen]
+}
+
 // buildInitrd writes, under dir, the initramfs of the guests: the agent
 // binary as /init and the kernel's modules (kernelDir/modules, in the order
 // its "order" file lists them). Its name carries a digest of its content,
@@ -100,7 +128,7 @@ func buildInitrd(dir, kernelDir, agentBin string) (string, error) {
 			if err != nil {
 				return "", fmt.Errorf("module: %w", err)
 			}
-			mods = append(mods, file{n, b})
+			mods = append(mods, file{n, stripModuleSignature(b)})
 		}
 	}
 	h := sha256.New()

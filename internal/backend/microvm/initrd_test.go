@@ -1,6 +1,8 @@
 package microvm
 
 import (
+	"bytes"
+	"encoding/binary"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -71,4 +73,37 @@ func TestWriteInitrdForManualBoot(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Log(p)
+}
+
+// A signed module loses its signature, and only it; an unsigned one, or
+// one whose signature length does not fit, is left as it is. The real
+// modules, where installed, are signed and stripped to their ELF.
+func TestStripModuleSignature(t *testing.T) {
+	body := []byte("\x7fELF module body")
+	sig := []byte("SIGNATURE BYTES")
+	info := make([]byte, 12)
+	binary.BigEndian.PutUint32(info[8:], uint32(len(sig)))
+	signed := append(append(append(append([]byte{}, body...), sig...), info...), moduleSigMagic...)
+	if got := stripModuleSignature(signed); !bytes.Equal(got, body) {
+		t.Errorf("stripped %q, want %q", got, body)
+	}
+	if got := stripModuleSignature(body); !bytes.Equal(got, body) {
+		t.Errorf("unsigned module changed: %q", got)
+	}
+	binary.BigEndian.PutUint32(info[8:], 1<<20)
+	bad := append(append(append([]byte{}, body...), info...), moduleSigMagic...)
+	if got := stripModuleSignature(bad); !bytes.Equal(got, bad) {
+		t.Errorf("a module with an impossible signature length changed: %q", got)
+	}
+	mods, _ := filepath.Glob(filepath.Join(DefaultKernelDir, "modules", "*.ko"))
+	for _, m := range mods {
+		b, err := os.ReadFile(m)
+		if err != nil {
+			t.Fatal(err)
+		}
+		s := stripModuleSignature(b)
+		if !bytes.HasPrefix(s, []byte("\x7fELF")) || bytes.Contains(s, []byte(moduleSigMagic)) || len(s) >= len(b) {
+			t.Errorf("%s: %d bytes stripped to %d", m, len(b), len(s))
+		}
+	}
 }

@@ -377,8 +377,16 @@ func (b *Backend) baseArgs(accel string, mem int64, cpus int, extraAppend string
 	// mitigations=off: the guest's kernel does not guard its processes
 	// from each other (they are one sandbox's); the host's kernel and KVM
 	// keep guarding the host from the guest. It makes TCG boots faster.
+	// The rest skip what costs a TCG boot most and the sandbox nothing
+	// (measured with initcall_debug, a 256 MiB microvm; together the
+	// kernel reached /init in 0.85 s instead of 1.17 s):
+	// cryptomgr.notests: the crypto self-tests (229 ms); tsc=reliable:
+	// no clocksource watchdog (the TSC is the host's); audit=0 and
+	// nowatchdog: no audit subsystem and lockup detector; 8250.nr_uarts=1:
+	// one serial port probed, not four.
 	khz := hostTSCkHz()
-	appendLine := fmt.Sprintf("console=ttyS0 quiet panic=-1 tsc_early_khz=%d lpj=%d mitigations=off %s=1", khz, khz*2, vminit.EnvVM)
+	appendLine := fmt.Sprintf("console=ttyS0 quiet panic=-1 tsc_early_khz=%d lpj=%d mitigations=off"+
+		" cryptomgr.notests tsc=reliable audit=0 nowatchdog 8250.nr_uarts=1 %s=1", khz, khz*2, vminit.EnvVM)
 	if extraAppend != "" {
 		appendLine += " " + extraAppend
 	}
