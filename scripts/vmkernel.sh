@@ -9,7 +9,8 @@
 # few modules the guest loads itself (virtio transport, block and console,
 # balloon, EROFS and overlayfs) and DIR/modules/order their load order;
 # DIR/modules/order.pmem lists the persistent-memory modules (libnvdimm,
-# nd_pmem, nd_e820) a guest with pmem layers loads after them.
+# nd_pmem, nd_e820) a guest with pmem layers loads after them, and
+# DIR/modules/order.net those of a guest with network egress (virtio_net).
 # `shoal serve` builds each guest's initramfs from these and its shoal-agent.
 # Running it again replaces DIR's content with the archive's current kernel.
 set -euo pipefail
@@ -34,6 +35,8 @@ virtio_blk virtio_console virtio_balloon libcrc32c erofs overlay"
 # Loaded only by a guest whose layers are persistent memory (the microvm
 # backend's pmem layers: legacy e820 pmem regions, DAX), after the others.
 pmem_order="libnvdimm nd_btt nd_pmem nd_e820"
+# Loaded only by a guest with network egress (a virtio-net device on a tap).
+net_order="failover net_failover virtio_net"
 new="$dest.new.$$"
 rm -rf "$new"
 mkdir -p "$new/modules"
@@ -70,6 +73,16 @@ for m in $pmem_order; do
 	fi
 	cp "$f" "$new/modules/"
 	echo "$m.ko" >>"$new/modules/order.pmem"
+done
+for m in $net_order; do
+	f=$(find "$mods" -name "$m.ko" | head -1)
+	if [ -z "$f" ]; then
+		echo "vmkernel: $pkg has no module $m: no network egress for VMs" >&2
+		rm -f "$new/modules/order.net"
+		break
+	fi
+	cp "$f" "$new/modules/"
+	echo "$m.ko" >>"$new/modules/order.net"
 done
 echo "$pkg $kver" >"$new/version"
 mkdir -p "$(dirname "$dest")"

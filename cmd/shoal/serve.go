@@ -26,6 +26,7 @@ import (
 	"github.com/shoal-sandbox/shoal/internal/cluster"
 	"github.com/shoal-sandbox/shoal/internal/control"
 	"github.com/shoal-sandbox/shoal/internal/e2b"
+	"github.com/shoal-sandbox/shoal/internal/egress"
 	"github.com/shoal-sandbox/shoal/internal/layer"
 	"github.com/shoal-sandbox/shoal/internal/layer/lazy"
 	"github.com/shoal-sandbox/shoal/internal/layer/remote"
@@ -65,7 +66,7 @@ type serveConfig struct {
 	// UserNS and UserNSBase: container.Config's.
 	UserNS     string
 	UserNSBase uint32
-	// EgressSubnet: the sandboxes' links (container.Config.EgressSubnet).
+	// EgressSubnet: the sandboxes' links (internal/egress), every backend's.
 	EgressSubnet string
 	// Per-sandbox limits and the node's budgets (node.Config); the strings
 	// are sizes or counts as given, parsed by Validate.
@@ -373,7 +374,7 @@ func serveCmd() *cobra.Command {
 	cmd.Flags().StringVar(&cfg.LogFormat, "log-format", "text", "log format on stderr: text or json (slog's; stable keys such as sandbox_id, tenant, layer)")
 	cmd.Flags().IntVar(&cfg.PoolSize, "pool-size", container.DefaultPoolSize, "pre-started blank containers kept ready for creates (0: none)")
 	cmd.Flags().IntVar(&cfg.PoolMax, "pool-max", container.DefaultPoolMax, fmt.Sprintf("how many ready containers demand may grow the pool to (each holds about %d MiB)", container.PoolMemberBytes>>20))
-	cmd.Flags().StringVar(&cfg.EgressSubnet, "egress-subnet", container.DefaultEgressSubnet, "IPv4 subnet of the links of sandboxes created with network egress (a /31 each; nodes sharing a host need their own); empty disables egress")
+	cmd.Flags().StringVar(&cfg.EgressSubnet, "egress-subnet", egress.DefaultSubnet, "IPv4 subnet of the links of sandboxes created with network egress (a /31 each; nodes sharing a host need their own); empty disables egress")
 	cmd.Flags().StringVar(&cfg.Launcher, "launcher", container.LauncherRunc, "how pool containers start: runc (runc run), or native (the node and the agent set the container up themselves, the same isolation; a create that finds the pool empty starts one instead of running runc)")
 	cmd.Flags().StringVar(&cfg.CgroupParent, "cgroup-parent", container.DefaultCgroupParent, "the cgroup (in every hierarchy, from its root) under which each sandbox gets its own; nodes sharing a host need their own")
 	cmd.Flags().BoolVar(&cfg.RuncSeccomp, "runc-seccomp", false, "let runc compile docker's seccomp profile per container instead of once per node (slower; disables the pool)")
@@ -490,6 +491,13 @@ func serve(cfg serveConfig) error {
 	if err != nil {
 		return err
 	}
+	// One egress for every backend (one allocator of links, one table).
+	var eg *egress.Egress
+	if cfg.EgressSubnet != "" {
+		if eg, err = egress.New(cfg.EgressSubnet, filepath.Join(cfg.DataDir, "runc"), "/run/shoal", log); err != nil {
+			return err
+		}
+	}
 	ctr, err := container.New(container.Config{
 		DiskDir:        filepath.Join(cfg.DataDir, "disk"),
 		PremadeDisk:    max(nodeCfg.DefaultDisk, 0),
@@ -504,7 +512,7 @@ func serve(cfg serveConfig) error {
 		Runtime:        cfg.Runtime,
 		StateDir:       filepath.Join(cfg.DataDir, "runc"),
 		Log:            log,
-		EgressSubnet:   cfg.EgressSubnet,
+		Egress:         eg,
 		UserNS:         cfg.UserNS,
 		UserNSBase:     cfg.UserNSBase,
 	})
@@ -545,7 +553,7 @@ func serve(cfg serveConfig) error {
 		return err
 	}
 	defer auditLog.Close()
-	vms, err := vmBackends(cfg.VM, cfg.DataDir, cfg.Agent, cfg.CgroupParent, log)
+	vms, err := vmBackends(cfg.VM, cfg.DataDir, cfg.Agent, cfg.CgroupParent, eg, log)
 	if err != nil {
 		return err
 	}
@@ -671,6 +679,12 @@ func serve(cfg serveConfig) error {
 	err = srv.Shutdown(shutdown)
 	if cerr := ctr.Close(shutdown); cerr != nil {
 		log.Warn("drain the container pool", "err", cerr)
+	}
+	if eg != nil {
+		// The rules go only when no sandbox has egress (they outlive us).
+		if cerr := eg.Close(); cerr != nil {
+			log.Warn("egress rules", "err", cerr)
+		}
 	}
 	return err
 }

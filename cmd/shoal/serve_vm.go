@@ -15,6 +15,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/shoal-sandbox/shoal/internal/backend/microvm"
+	"github.com/shoal-sandbox/shoal/internal/egress"
 	"github.com/shoal-sandbox/shoal/internal/sandbox"
 )
 
@@ -41,7 +42,7 @@ func addVMFlags(cmd *cobra.Command, c *vmConfig) {
 
 // vmBackends returns the VM backends this node offers, or an error when one
 // is required (--microvm on, --fullvm on) but cannot run here.
-func vmBackends(c vmConfig, dataDir, agentBin, cgroupParent string, log *slog.Logger) ([]sandbox.Backend, error) {
+func vmBackends(c vmConfig, dataDir, agentBin, cgroupParent string, eg *egress.Egress, log *slog.Logger) ([]sandbox.Backend, error) {
 	var out []sandbox.Backend
 	switch c.Layers {
 	case microvm.LayersAuto, microvm.LayersPmem, microvm.LayersBlk:
@@ -60,7 +61,7 @@ func vmBackends(c vmConfig, dataDir, agentBin, cgroupParent string, log *slog.Lo
 			return nil, fmt.Errorf("--%s %q: want auto, on or off", k.name, k.mode)
 		}
 		cfg := microvm.Config{Name: k.name, Machine: k.machine, QEMU: c.QEMU, KernelDir: c.KernelDir, Image: k.image,
-			StateDir: filepath.Join(dataDir, "vm"), AgentBinary: agentBin, Accel: c.Accel, CgroupParent: cgroupParent, Logger: log}
+			StateDir: filepath.Join(dataDir, "vm"), AgentBinary: agentBin, Accel: c.Accel, CgroupParent: cgroupParent, Egress: eg, Logger: log}
 		if k.machine == microvm.MachineMicroVM {
 			cfg.Layers = c.Layers
 		}

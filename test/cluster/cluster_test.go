@@ -93,6 +93,14 @@ func (p *proc) start(t *testing.T, bin string) {
 	defer log.Close()
 	p.cmd = exec.Command(filepath.Join(bin, "shoal"), append([]string{"serve", "--data", p.data, "--listen", p.addr}, p.args...)...)
 	p.cmd.Stdout, p.cmd.Stderr = log, log
+	// FnCall: the Python suite's shell language on the cluster's base (as
+	// its own server fixture configures it), on every node.
+	fncall := filepath.Join(p.data, "fncall.json")
+	lang := `{"languages": [{"name": "sh", "base": "` + baseRef + `", "source": "main.sh", "run": ["sh", "main.sh", "{args}"]}]}`
+	if err := os.WriteFile(fncall, []byte(lang), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	p.cmd.Env = append(os.Environ(), "SHOAL_FNCALL_CONFIG="+fncall)
 	p.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
 	if err := p.cmd.Start(); err != nil {
 		t.Fatal(err)

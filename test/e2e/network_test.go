@@ -295,3 +295,79 @@ func sdkInspect(t *testing.T, id string) map[string]string {
 	}
 	return sb.Runtime
 }
+
+// A microVM with egress reaches what its policy allows and nothing else
+// (the same rules as a container's, on its tap), keeps it across a pause
+// (QEMU ends, the tap stays) and a resume; one without egress has no
+// network device; a delete removes the tap and the rules. Skips when this
+// node offers no microvm backend.
+func TestMicroVMEgress(t *testing.T) {
+	need(t)
+	newFakeInternet(t)
+	hostPort := hostListener(t)
+	stdout, stderr, code := run3(nil, "create", "--backend", "microvm", "--base", baseRef, "--memory", "256M", "--allow-out", fakeIP+":8080")
+	if code != 0 {
+		if strings.Contains(stderr, "not available on this node") {
+			t.Skipf("no microvm backend on this node: %s", strings.TrimSpace(stderr))
+		}
+		t.Fatalf("create: %s %s", stdout, stderr)
+	}
+	id := strings.TrimSpace(stdout)
+	t.Cleanup(func() { run(nil, "rm", id) })
+	inspect := sdkInspect(t, id)
+	sbIP, hostIf := inspect["egress_addr"], inspect["egress_if"]
+	if sbIP == "" || hostIf == "" || !linkExists(hostIf) {
+		t.Fatalf("microVM with egress: runtime %v, link %s exists: %v", inspect, hostIf, linkExists(hostIf))
+	}
+	hostEnd := net.ParseIP(sbIP).To4()
+	hostEnd[3]--
+	check := func(when string) {
+		t.Helper()
+		targets := []string{fakeIP + ":8080", fakeIP + ":8081", fakeIP2 + ":8080", hostEnd.String() + ":" + hostPort, "169.254.169.254:80"}
+		for _, ip := range hostIPs(t) {
+			targets = append(targets, ip+":"+hostPort)
+		}
+		got := reach(t, id, targets...)
+		for _, tg := range targets {
+			want := ""
+			if tg == fakeIP+":8080" {
+				want = "hello from " + fakeIP + ":8080"
+			}
+			if got[tg] != want {
+				t.Errorf("%s: microVM allowed %s:8080 reaching %s: got %q, want %q", when, fakeIP, tg, got[tg], want)
+			}
+		}
+	}
+	check("after boot")
+	if out := sh(t, id, "ls /sys/class/net; grep -c '"+sbIP+"' /proc/net/fib_trie"); !strings.Contains(out, "eth0") || strings.HasSuffix(strings.TrimSpace(out), "\n0") {
+		t.Errorf("the guest's eth0 and its address %s: %q", sbIP, out)
+	}
+	if n := dispatchRules(t, id); n != 1 {
+		t.Errorf("%d dispatch rules for microVM %s, want 1", n, id)
+	}
+	shoalOK(t, "pause", id)
+	if !linkExists(hostIf) {
+		t.Errorf("tap %s gone while its VM is paused", hostIf)
+	}
+	shoalOK(t, "resume", id)
+	check("after a pause and resume")
+
+	// Without egress: no network device at all.
+	stdout, stderr, code = run3(nil, "create", "--backend", "microvm", "--base", baseRef, "--memory", "256M")
+	if code != 0 {
+		t.Fatalf("create: %s %s", stdout, stderr)
+	}
+	none := strings.TrimSpace(stdout)
+	t.Cleanup(func() { run(nil, "rm", none) })
+	if out := sh(t, none, "ls /sys/class/net"); strings.TrimSpace(out) != "lo" {
+		t.Errorf("a microVM without egress has network devices: %q", out)
+	}
+
+	shoalOK(t, "rm", id)
+	if linkExists(hostIf) {
+		t.Errorf("tap %s left after delete", hostIf)
+	}
+	if n := dispatchRules(t, id); n != 0 {
+		t.Errorf("%d dispatch rules left after delete", n)
+	}
+}

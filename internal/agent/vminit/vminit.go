@@ -54,9 +54,11 @@ const (
 	PortName = "shoal.agent"
 	// ModulesDir holds the kernel modules in the initramfs, and the file
 	// "order" in it their names in load order; "order.pmem" lists those
-	// a guest with pmem layers loads after them (pmem.go).
+	// a guest with pmem layers loads after them (pmem.go), "order.net"
+	// those a guest with network egress loads (net.go).
 	ModulesDir = "/lib/shoal/modules"
 	PmemOrder  = "order.pmem"
+	NetOrder   = "order.net"
 	// ConfigMax bounds the config document.
 	ConfigMax = 1 << 20
 )
@@ -84,6 +86,9 @@ type Config struct {
 	// first): each layer is the persistent memory region that starts
 	// there, not a virtio-blk device (pmem.go).
 	PmemAddrs []uint64 `json:"pmem_addrs,omitempty"`
+	// Net, if set, is the guest's link for network egress (net.go);
+	// without it the guest has only loopback.
+	Net *Net `json:"net,omitempty"`
 
 	// Upper is the overlay's upper directory, opened by Boot before the
 	// root switch (after it, no path reaches it) and before any workload
@@ -130,6 +135,11 @@ func Boot() (*Config, net.Listener, error) {
 	}
 	if len(cfg.PmemAddrs) > 0 {
 		if err := loadModules(PmemOrder); err != nil {
+			return nil, nil, err
+		}
+	}
+	if cfg.Net != nil {
+		if err := setUpNet(cfg.Net); err != nil {
 			return nil, nil, err
 		}
 	}

@@ -71,6 +71,7 @@ import (
 
 	"github.com/shoal-sandbox/shoal/internal/backend/container/seccompbpf"
 	"github.com/shoal-sandbox/shoal/internal/diskimg"
+	"github.com/shoal-sandbox/shoal/internal/egress"
 	"github.com/shoal-sandbox/shoal/internal/errdefs"
 	"github.com/shoal-sandbox/shoal/internal/layer"
 	"github.com/shoal-sandbox/shoal/internal/sandbox"
@@ -146,11 +147,11 @@ type Config struct {
 	// Nofile is the RLIMIT_NOFILE (soft and hard) of sandbox processes; 0
 	// means DefaultNofile.
 	Nofile uint64
-	// EgressSubnet is the IPv4 subnet sandboxes with egress get their
-	// links from (network.go), e.g. DefaultEgressSubnet; "" disables
-	// egress: a create that asks for it fails with ErrUnsupported. Nodes
-	// sharing a host need subnets of their own.
-	EgressSubnet string
+	// Egress attaches the networks of sandboxes that ask for egress
+	// (internal/egress, shared with the node's other backends); nil
+	// disables egress: a create that asks for it fails with
+	// ErrUnsupported.
+	Egress *egress.Egress
 	// RuncSeccomp makes runc compile and load docker's seccomp profile in
 	// every container, as before the node compiled it once (seccomp.go).
 	// It disables the pool. For comparison and as a way out.
@@ -272,7 +273,7 @@ type Backend struct {
 	lifeline, lifelineW *os.File
 
 	// egress attaches sandboxes' networks (network.go); nil when disabled.
-	egress *egress
+	egress *egress.Egress
 	// userns allocates the sandboxes' id ranges (userns.go); nil when
 	// sandboxes run without a user namespace.
 	userns *usernsSlots
@@ -391,13 +392,7 @@ func New(cfg Config) (*Backend, error) {
 	} else {
 		cfg.Log.Info("container backend: no core scheduling for latency-sensitive sandboxes", "why", why)
 	}
-	if cfg.EgressSubnet != "" {
-		e, err := newEgress(cfg.EgressSubnet, cfg.StateDir, "/run/shoal", cfg.Log)
-		if err != nil {
-			return nil, fmt.Errorf("container backend: %w", err)
-		}
-		b.egress = e
-	}
+	b.egress = cfg.Egress
 	if b.userns != nil {
 		b.userns.prune(b.known)
 	}
@@ -427,15 +422,11 @@ func New(cfg Config) (*Backend, error) {
 }
 
 // Close stops refilling the pool and deletes the pool containers not yet
-// claimed, and the egress rules when no sandbox has egress. Sandboxes keep
-// running. Create must not be called afterwards.
+// claimed. Sandboxes keep running. Create must not be called afterwards.
 func (b *Backend) Close(ctx context.Context) error {
 	var errs []error
 	if b.pool != nil {
 		errs = append(errs, b.pool.close(ctx))
-	}
-	if b.egress != nil {
-		errs = append(errs, b.egress.close())
 	}
 	if b.userns != nil {
 		b.userns.close()
@@ -512,7 +503,7 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (h sandbox.Hand
 	if err != nil || !spec.Network.Egress() {
 		return h, err
 	}
-	data, err := b.egress.attach(b, spec.ID, h.Data["runc_id"], spec.Network)
+	data, err := b.attachEgress(spec.ID, h.Data["runc_id"], spec.Network)
 	if err != nil {
 		dctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 		defer cancel()
@@ -928,10 +919,10 @@ func (b *Backend) Recover(ctx context.Context, h sandbox.Handle) (sandbox.Status
 // sandbox.
 func (b *Backend) recoverRunning(h sandbox.Handle, id string) (sandbox.Status, error) {
 	if b.egress != nil {
-		if err := b.egress.recover(h.ID, h.Data); err != nil {
+		if err := b.egress.Recover(h.ID, h.Data); err != nil {
 			return "", fmt.Errorf("recover sandbox %s: network egress: %w", h.ID, err)
 		}
-	} else if h.Data[dataEgressSlot] != "" {
+	} else if egress.Has(h.Data) {
 		return "", fmt.Errorf("recover sandbox %s: it has network egress, which is disabled on this node (serve --egress-subnet)", h.ID)
 	}
 	if err := b.reattachLog(h, id); err != nil {
@@ -958,7 +949,7 @@ func (b *Backend) Delete(ctx context.Context, h sandbox.Handle) error {
 	}
 	var errs []error
 	if b.egress != nil {
-		if err := b.egress.detach(h.ID, h.Data); err != nil {
+		if err := b.egress.Detach(h.ID, h.Data); err != nil {
 			errs = append(errs, err)
 		}
 	}

@@ -37,7 +37,9 @@
 //
 // Commit: the guest's agent streams the writable layer (commit.go).
 //
-// Not yet: network egress.
+// No network but loopback, unless the sandbox asks for egress: then a tap
+// on the host under the node's egress rules, and a virtio-net device
+// (egress.go).
 package microvm
 
 import (
@@ -64,6 +66,7 @@ import (
 	"github.com/shoal-sandbox/shoal/internal/agent"
 	"github.com/shoal-sandbox/shoal/internal/agent/vminit"
 	"github.com/shoal-sandbox/shoal/internal/diskimg"
+	"github.com/shoal-sandbox/shoal/internal/egress"
 	"github.com/shoal-sandbox/shoal/internal/sandbox"
 )
 
@@ -117,6 +120,10 @@ type Config struct {
 	// devices) or "auto" (default: pmem when the machine, the guest kernel
 	// and QEMU support it, logged with the reason).
 	Layers string
+	// Egress attaches the networks of sandboxes that ask for egress
+	// (internal/egress, shared with the node's other backends;
+	// egress.go); nil disables egress.
+	Egress *egress.Egress
 	Logger *slog.Logger
 }
 
@@ -439,7 +446,9 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (h sandbox.Hand
 		return h, fmt.Errorf("%s backend: %d layers: a VM takes 1 to %d: %w", b.cfg.Name, len(spec.Layers), MaxLayers, sandbox.ErrUnsupported)
 	}
 	if spec.Network.Egress() {
-		return h, fmt.Errorf("%s backend: network egress is not available for VMs yet: %w", b.cfg.Name, sandbox.ErrUnsupported)
+		if err := b.checkEgress(); err != nil {
+			return h, err
+		}
 	}
 	system := b.cfg.Image != ""
 	// A full system's writable layer is on its root overlay (fullvm.go).
@@ -481,6 +490,20 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (h sandbox.Hand
 	cfgImg := filepath.Join(dir, "config.img")
 	vc := vminit.Config{ID: spec.ID, Layers: len(spec.Layers), Env: guestEnv(spec), Hostname: hostname(spec.ID),
 		UpperDisk: upperDisk, System: system}
+	var netData map[string]string
+	if spec.Network.Egress() {
+		// The link (a tap QEMU opens) and its rules before QEMU starts.
+		if netData, vc.Net, err = b.attachEgress(spec.ID, spec.Network); err != nil {
+			return h, fmt.Errorf("%s backend: create sandbox %s: network egress: %w", b.cfg.Name, spec.ID, err)
+		}
+		defer func() {
+			if err != nil {
+				if derr := b.cfg.Egress.Detach(spec.ID, netData); derr != nil {
+					b.log.Error("undo egress", "sandbox_id", spec.ID, "err", derr)
+				}
+			}
+		}()
+	}
 	pmemGuestConfig(&vc, pmem)
 	doc, err := json.Marshal(vc)
 	if err != nil {
@@ -509,6 +532,9 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (h sandbox.Hand
 	}}
 	if spec.Resources.BestEffort {
 		h.Data["qos"] = "be"
+	}
+	for k, v := range netData {
+		h.Data[k] = v
 	}
 	if upperDisk {
 		h.Data["disk"] = strconv.FormatInt(spec.Resources.DiskBytes, 10)
@@ -582,6 +608,7 @@ func (b *Backend) qemuArgs(h sandbox.Handle) ([]string, error) {
 			"-device", b.dev("virtio-blk")+",drive=upper,serial="+vminit.UpperSerial)
 	}
 	args = append(args, systemDisk(b, h)...)
+	args = append(args, b.netArgs(h)...)
 	if h.Data["balloon"] == "1" {
 		// Free page reporting: the guest's kernel hands the pages it
 		// frees (in 2 MiB blocks, a few seconds after) back to QEMU, which
@@ -821,6 +848,14 @@ func (b *Backend) Alive(h sandbox.Handle) (bool, error) {
 // QEMU whose snapshot is complete but which a pause did not kill yet (the
 // node died in the middle, and so still has it running) continues.
 func (b *Backend) Recover(ctx context.Context, h sandbox.Handle) (sandbox.Status, error) {
+	if egress.Has(h.Data) {
+		if b.cfg.Egress == nil {
+			return "", fmt.Errorf("recover sandbox %s: it has network egress, which is disabled on this node (serve --egress-subnet)", h.ID)
+		}
+		if err := b.cfg.Egress.Recover(h.ID, h.Data); err != nil {
+			return "", fmt.Errorf("recover sandbox %s: network egress: %w", h.ID, err)
+		}
+	}
 	if process(h) != 0 {
 		if paused(h) {
 			if err := qmp(ctx, filepath.Join(h.Data["dir"], "qmp.sock"), "cont", nil, nil); err != nil {
@@ -859,6 +894,11 @@ func (b *Backend) Delete(ctx context.Context, h sandbox.Handle) error {
 	// not persisted): the pidfile in the sandbox's directory names it.
 	if h.Data["pid"] != "" && h.Data["dir"] != "" {
 		if err := kill(ctx, pidfileProcess(h.Data["dir"])); err != nil {
+			return err
+		}
+	}
+	if b.cfg.Egress != nil {
+		if err := b.cfg.Egress.Detach(h.ID, h.Data); err != nil {
 			return err
 		}
 	}

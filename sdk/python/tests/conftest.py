@@ -48,7 +48,6 @@ CLUSTER_SKIP = {
     "test_build_list_inspect": "list(all=True) lists one node's images (the build may be on another)",
     "test_push_pull_layer_store": "a cluster's build pushes to the shared store already (a push uploads nothing), and a removed tag leaves etcd (it does not resolve from the store)",
     "test_environments": "a cluster's environments have etcd revisions (0 on one server)",
-    "test_fncall.py": "FnCall is not routed by control replicas",
     "test_tenants.py": "needs the server's own data directory",
     "test_install.py": "installs and runs a server of its own",
     "test_monitor.py": "needs the server's own process and data directory",
