@@ -114,7 +114,7 @@ func (r *reaper) start(c *command, fork func() (int, error)) (int, error) {
 func (r *reaper) signalGroup(c *command, sig syscall.Signal, timeout bool) bool {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if c.reaped {
+	if c.reaped || c.pid == 0 { // 0: still forking (kill(0) would be the agent's own group)
 		return false
 	}
 	if timeout {

@@ -94,6 +94,9 @@ def test_pause_resume(sb) -> None:
     snapshot, in a new QEMU)."""
     sb.files.write("/work/keep.txt", "kept")
     h = sb.commands.run("i=0; while :; do i=$((i+1)); echo $i > /work/n; sleep 0.05; done", background=True)
+    # The loop runs before the pause (its commands start below the agent,
+    # which a VM's one vCPU runs first: its first write can come late).
+    sb.commands.run("while [ ! -s /work/n ]; do sleep 0.01; done", timeout=60)
     info = sb.pause()
     assert info.state == "paused"
     assert info.pause is not None and info.pause.memory_before > 0 and info.pause.resumed_at is None
