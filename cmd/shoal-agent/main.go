@@ -71,7 +71,7 @@ func main() {
 	// agent starts them once claimed: the claim's capability drop visits
 	// every thread.
 	if !boot.Pooled() {
-		go prewarmThreads(8)
+		go prewarmThreads(prewarm)
 	}
 	l, err := agent.Listen(*listen)
 	if err != nil {
@@ -81,7 +81,7 @@ func main() {
 	}
 	srv := agent.NewServer(agent.Config{ReapAll: true, IdleRelease: time.Second, Logger: log, CommandsIdle: boot.CommandsIdle()})
 	if boot.Pooled() {
-		if err := srv.AcceptClaims(boot, func() { go prewarmThreads(8) }); err != nil {
+		if err := srv.AcceptClaims(boot, func() { go prewarmThreads(prewarm) }); err != nil {
 			log.Warn("boot", "err", err)
 			boot.Ready(err)
 			os.Exit(1)
@@ -101,6 +101,12 @@ func main() {
 		os.Exit(1)
 	}
 }
+
+// prewarm is how many threads prewarmThreads starts: with the thread the
+// server keeps for forking commands (agent.AgentNice), eight in reserve,
+// as before that thread existed (each costs the sandbox ~30 KiB of kernel
+// and runtime memory).
+const prewarm = 7
 
 // prewarmThreads makes the Go runtime start n OS threads now, while the
 // sandbox's pids cgroup has room. The runtime keeps idle threads and reuses

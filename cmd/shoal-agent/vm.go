@@ -48,7 +48,7 @@ func serveVM(log agent.Logger, cfg *vminit.Config, l net.Listener) error {
 	if err := agent.BindHosts(cfg.Hostname); err != nil {
 		log.Warn("the host name will not resolve", "err", err)
 	}
-	go prewarmThreads(8)
+	go prewarmThreads(prewarm)
 	// Above the commands (see agent.AgentNice); root of the guest may.
 	if err := agent.Prioritize(os.Getpid()); err != nil {
 		log.Warn("the agent runs at its commands' priority", "err", err)
