@@ -64,26 +64,25 @@ for m in $order; do
 	cp "$f" "$new/modules/"
 	echo "$m.ko" >>"$new/modules/order"
 done
-for m in $pmem_order; do
-	f=$(find "$mods" -name "$m.ko" | head -1)
-	if [ -z "$f" ]; then
-		echo "vmkernel: $pkg has no module $m: guests' layers stay block devices" >&2
-		rm -f "$new/modules/order.pmem"
-		break
-	fi
-	cp "$f" "$new/modules/"
-	echo "$m.ko" >>"$new/modules/order.pmem"
-done
-for m in $net_order; do
-	f=$(find "$mods" -name "$m.ko" | head -1)
-	if [ -z "$f" ]; then
-		echo "vmkernel: $pkg has no module $m: no network egress for VMs" >&2
-		rm -f "$new/modules/order.net"
-		break
-	fi
-	cp "$f" "$new/modules/"
-	echo "$m.ko" >>"$new/modules/order.net"
-done
+# optional LIST MODULES... WHY: copies the modules into DIR/modules and
+# lists them in DIR/modules/LIST, or, when the package lacks one, leaves
+# the list out (saying WHY: what guests then go without).
+optional() {
+	local list=$1 why=$2 m f
+	shift 2
+	for m in "$@"; do
+		f=$(find "$mods" -name "$m.ko" | head -1)
+		if [ -z "$f" ]; then
+			echo "vmkernel: $pkg has no module $m: $why" >&2
+			rm -f "$new/modules/$list"
+			return
+		fi
+		cp "$f" "$new/modules/"
+		echo "$m.ko" >>"$new/modules/$list"
+	done
+}
+optional order.pmem "guests' layers stay block devices" $pmem_order
+optional order.net "no network egress for VMs" $net_order
 echo "$pkg $kver" >"$new/version"
 mkdir -p "$(dirname "$dest")"
 rm -rf "$dest.old"

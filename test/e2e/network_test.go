@@ -223,27 +223,13 @@ func TestEgress(t *testing.T) {
 	otherIP := sdkInspect(t, other)["egress_addr"]
 	sh(t, other, "(nc -lk -p 9000 -e echo hello from a sandbox </dev/null >/dev/null 2>&1 &)")
 
-	targets := []string{fakeIP + ":8080", fakeIP + ":8081", fakeIP2 + ":8080", hostEnd.String() + ":" + hostPort,
-		"169.254.169.254:80", otherIP + ":9000", "127.0.0.1:" + hostPort}
-	for _, ip := range hostIPs(t) {
-		targets = append(targets, ip+":"+hostPort)
-	}
-	got := reach(t, allowed, targets...)
-	for _, tg := range targets {
-		want := ""
-		if tg == fakeIP+":8080" {
-			want = "hello from " + fakeIP + ":8080"
-		}
-		if got[tg] != want {
-			t.Errorf("sandbox allowed %s:8080 reaching %s: got %q, want %q", fakeIP, tg, got[tg], want)
-		}
-	}
+	checkAllowedOnly(t, "a sandbox", allowed, hostEnd.String(), hostPort, otherIP+":9000", "127.0.0.1:"+hostPort)
 
 	// The internet: every public address, still not the host, other
 	// sandboxes or metadata.
-	targets = []string{fakeIP + ":8081", fakeIP2 + ":8080", "169.254.169.254:80", sbIP + ":9000", hostEnd.String() + ":" + hostPort}
+	targets := []string{fakeIP + ":8081", fakeIP2 + ":8080", "169.254.169.254:80", sbIP + ":9000", hostEnd.String() + ":" + hostPort}
 	sh(t, allowed, "(nc -lk -p 9000 -e echo hello from a sandbox </dev/null >/dev/null 2>&1 &)")
-	got = reach(t, other, targets...)
+	got := reach(t, other, targets...)
 	for i, tg := range targets {
 		want := ""
 		if i < 2 {
@@ -268,13 +254,7 @@ func TestEgress(t *testing.T) {
 	}
 
 	// Delete removes the link and the rules.
-	shoalOK(t, "rm", allowed)
-	if linkExists(hostIf) {
-		t.Errorf("link %s left after delete", hostIf)
-	}
-	if n := dispatchRules(t, allowed); n != 0 {
-		t.Errorf("%d dispatch rules left after delete", n)
-	}
+	deleteAndCheckGone(t, allowed, hostIf)
 
 	// Bad policies are refused before anything is made.
 	for _, bad := range [][]string{{"--allow-out", "example.com"}, {"--allow-out", "2001:db8::1"}, {"--allow-out", "1.2.3.4:0"}} {
@@ -282,6 +262,41 @@ func TestEgress(t *testing.T) {
 		if code == 0 || !strings.Contains(out, "invalid") {
 			t.Errorf("create %v: exit %d: %s", bad, code, out)
 		}
+	}
+}
+
+// checkAllowedOnly checks that sandbox id, allowed fakeIP:8080 only,
+// reaches that and not the fake internet's other port or address, its
+// link's host end, metadata, any of the host's addresses, nor the extra
+// targets.
+func checkAllowedOnly(t *testing.T, what, id, hostEnd, hostPort string, extra ...string) {
+	t.Helper()
+	targets := append([]string{fakeIP + ":8080", fakeIP + ":8081", fakeIP2 + ":8080", hostEnd + ":" + hostPort, "169.254.169.254:80"}, extra...)
+	for _, ip := range hostIPs(t) {
+		targets = append(targets, ip+":"+hostPort)
+	}
+	got := reach(t, id, targets...)
+	for _, tg := range targets {
+		want := ""
+		if tg == fakeIP+":8080" {
+			want = "hello from " + fakeIP + ":8080"
+		}
+		if got[tg] != want {
+			t.Errorf("%s allowed %s:8080 reaching %s: got %q, want %q", what, fakeIP, tg, got[tg], want)
+		}
+	}
+}
+
+// deleteAndCheckGone deletes sandbox id and checks that its link (the host
+// end hostIf) and its rules went with it.
+func deleteAndCheckGone(t *testing.T, id, hostIf string) {
+	t.Helper()
+	shoalOK(t, "rm", id)
+	if linkExists(hostIf) {
+		t.Errorf("link %s of %s left after delete", hostIf, id)
+	}
+	if n := dispatchRules(t, id); n != 0 {
+		t.Errorf("%d dispatch rules of %s left after delete", n, id)
 	}
 }
 
@@ -321,24 +336,7 @@ func TestMicroVMEgress(t *testing.T) {
 	}
 	hostEnd := net.ParseIP(sbIP).To4()
 	hostEnd[3]--
-	check := func(when string) {
-		t.Helper()
-		targets := []string{fakeIP + ":8080", fakeIP + ":8081", fakeIP2 + ":8080", hostEnd.String() + ":" + hostPort, "169.254.169.254:80"}
-		for _, ip := range hostIPs(t) {
-			targets = append(targets, ip+":"+hostPort)
-		}
-		got := reach(t, id, targets...)
-		for _, tg := range targets {
-			want := ""
-			if tg == fakeIP+":8080" {
-				want = "hello from " + fakeIP + ":8080"
-			}
-			if got[tg] != want {
-				t.Errorf("%s: microVM allowed %s:8080 reaching %s: got %q, want %q", when, fakeIP, tg, got[tg], want)
-			}
-		}
-	}
-	check("after boot")
+	checkAllowedOnly(t, "a microVM", id, hostEnd.String(), hostPort)
 	if out := sh(t, id, "ls /sys/class/net; grep -c '"+sbIP+"' /proc/net/fib_trie"); !strings.Contains(out, "eth0") || strings.HasSuffix(strings.TrimSpace(out), "\n0") {
 		t.Errorf("the guest's eth0 and its address %s: %q", sbIP, out)
 	}
@@ -350,7 +348,7 @@ func TestMicroVMEgress(t *testing.T) {
 		t.Errorf("tap %s gone while its VM is paused", hostIf)
 	}
 	shoalOK(t, "resume", id)
-	check("after a pause and resume")
+	checkAllowedOnly(t, "a microVM after a pause and resume", id, hostEnd.String(), hostPort)
 
 	// Without egress: no network device at all.
 	stdout, stderr, code = run3(nil, "create", "--backend", "microvm", "--base", baseRef, "--memory", "256M")
@@ -363,11 +361,5 @@ func TestMicroVMEgress(t *testing.T) {
 		t.Errorf("a microVM without egress has network devices: %q", out)
 	}
 
-	shoalOK(t, "rm", id)
-	if linkExists(hostIf) {
-		t.Errorf("tap %s left after delete", hostIf)
-	}
-	if n := dispatchRules(t, id); n != 0 {
-		t.Errorf("%d dispatch rules left after delete", n)
-	}
+	deleteAndCheckGone(t, id, hostIf)
 }
