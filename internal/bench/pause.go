@@ -16,6 +16,7 @@ type PauseOptions struct {
 	N           int    // sandboxes
 	MiB         int    // random bytes each one's resident shell holds (as base64 text, ~1.35x)
 	Concurrency int    // creates in flight while setting up
+	Pausers     int    // pauses in flight (default 1)
 }
 
 // PauseResult is the JSON printed by `shoal bench pause`.
@@ -34,8 +35,12 @@ type PauseResult struct {
 	MemoryAfter  int64  `json:"memory_after_bytes"`
 	SwappedOut   int64  `json:"swapped_out_bytes"`
 	Method       string `json:"method"` // of the first sandbox
-	// PauseSecondsPerGiB: total pause time over GiB reclaimed.
-	PauseSecondsPerGiB float64 `json:"pause_seconds_per_gib_reclaimed"`
+	// PauseSecondsPerGiB: the pause calls' summed time over GiB
+	// reclaimed; PauseWallSecondsPerGiB: the wall time of pausing them
+	// all (Pausers at a time) over it, the node's throughput.
+	PauseSecondsPerGiB     float64 `json:"pause_seconds_per_gib_reclaimed"`
+	PauseWallSecondsPerGiB float64 `json:"pause_wall_seconds_per_gib_reclaimed"`
+	Pausers                int     `json:"pausers"`
 	// ResumeFirstExec: an exec (`true`) sent to a paused sandbox, which
 	// resumes it transparently, until its exit came back; one at a time.
 	ResumeFirstExec Dist `json:"resume_first_exec"`
@@ -107,13 +112,20 @@ func Pause(ctx context.Context, c *shoal.Client, o PauseOptions) (*PauseResult, 
 		running = append(running, time.Since(t))
 	}
 	var total time.Duration
-	for _, id := range ids {
+	res.Pausers = max(o.Pausers, 1)
+	wall := time.Now()
+	parallel(len(ids), res.Pausers, func(i int) {
 		t := time.Now()
-		sb, _, err := c.Pause(ctx, id)
-		if err != nil {
-			return nil, err
-		}
+		sb, _, err := c.Pause(ctx, ids[i])
 		d := time.Since(t)
+		mu.Lock()
+		defer mu.Unlock()
+		if err != nil {
+			if firstErr == nil {
+				firstErr = err
+			}
+			return
+		}
 		total += d
 		pauses = append(pauses, d)
 		p := sb.Pause
@@ -125,9 +137,13 @@ func Pause(ctx context.Context, c *shoal.Client, o PauseOptions) (*PauseResult, 
 		if res.Method == "" {
 			res.Method = p.Method
 		}
+	})
+	if firstErr != nil {
+		return nil, firstErr
 	}
 	if gib := float64(res.MemoryBefore-res.MemoryAfter) / (1 << 30); gib > 0 {
 		res.PauseSecondsPerGiB = total.Seconds() / gib
+		res.PauseWallSecondsPerGiB = time.Since(wall).Seconds() / gib
 	}
 	for _, id := range ids {
 		t := time.Now()

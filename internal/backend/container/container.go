@@ -253,6 +253,9 @@ func (c Config) withDefaults() Config {
 
 // Backend runs sandboxes as runc containers. Create one with New.
 type Backend struct {
+	// reclaimSlot (capacity 1) is held by the one pause that reclaims
+	// memory at a time (pause.go).
+	reclaimSlot chan struct{}
 	runtime      string // absolute path of the runtime binary
 	stateDir     string
 	cgroupParent string // relative to each hierarchy's root, no leading or trailing slash
@@ -333,7 +336,7 @@ func New(cfg Config) (*Backend, error) {
 	if err := os.MkdirAll(cfg.StateDir, 0o700); err != nil {
 		return nil, fmt.Errorf("container backend: create state dir: %w", err)
 	}
-	b := &Backend{runtime: bin, stateDir: cfg.StateDir, cgroupParent: cfg.CgroupParent, poolDir: cfg.PoolDir, prefetch: cfg.ResumePrefetch, log: cfg.Log, nofile: cfg.Nofile, premadeDisk: cfg.PremadeDisk}
+	b := &Backend{reclaimSlot: make(chan struct{}, 1), runtime: bin, stateDir: cfg.StateDir, cgroupParent: cfg.CgroupParent, poolDir: cfg.PoolDir, prefetch: cfg.ResumePrefetch, log: cfg.Log, nofile: cfg.Nofile, premadeDisk: cfg.PremadeDisk}
 	if data, err := os.ReadFile(bin); err != nil {
 		cfg.Log.Warn("container backend: read runtime binary", "err", err)
 	} else if f, err := sealedFile(filepath.Base(bin), data); err != nil {

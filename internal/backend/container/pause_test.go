@@ -7,6 +7,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/shoal-sandbox/shoal/internal/sandbox"
 )
 
 func swapAvailable() bool {
@@ -154,5 +156,62 @@ func TestSplitRanges(t *testing.T) {
 				t.Fatalf("k=%d: part sizes %v, want equal and page-aligned but the last", tc.k, sizes)
 			}
 		}
+	}
+}
+
+// One reclaim at a time: a pause whose reclaim waits for another's turn is
+// frozen meanwhile and reclaims once the slot is free; one whose context
+// ends while it waits stays paused (frozen), its stats saying why nothing
+// was reclaimed.
+func TestReclaimOneAtATime(t *testing.T) {
+	requireRoot(t)
+	b := newBackend(t)
+	h := create(t, b, newSpec(t))
+	id, _ := b.runcID(h)
+	frozen := func() bool {
+		f, _ := b.freezer(id)
+		data, _ := os.ReadFile(filepath.Join(f.dir, "freezer.state"))
+		return f.v2 || strings.TrimSpace(string(data)) == "FROZEN"
+	}
+
+	b.reclaimSlot <- struct{}{} // another sandbox's reclaim
+	done := make(chan error, 1)
+	var st sandbox.PauseStats
+	go func() {
+		var err error
+		st, err = b.Pause(context.Background(), h)
+		done <- err
+	}()
+	for deadline := time.Now().Add(30 * time.Second); !frozen(); time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the pause did not freeze the sandbox within 30 s")
+		}
+	}
+	select {
+	case err := <-done:
+		t.Fatalf("the pause ended (%v, %+v) while another reclaim held the slot", err, st)
+	case <-time.After(300 * time.Millisecond):
+	}
+	<-b.reclaimSlot
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if !strings.HasPrefix(st.Method, "process_madvise") && st.Method != "memory.reclaim" {
+		t.Errorf("pause after its turn: method %q", st.Method)
+	}
+	if _, err := b.Resume(context.Background(), h); err != nil {
+		t.Fatal(err)
+	}
+
+	b.reclaimSlot <- struct{}{}
+	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	defer cancel()
+	st, err := b.Pause(ctx, h)
+	<-b.reclaimSlot
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(st.Method, "waiting for another sandbox's reclaim") || !frozen() {
+		t.Errorf("a pause whose wait ended: method %q, frozen %v", st.Method, frozen())
 	}
 }
