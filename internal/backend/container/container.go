@@ -255,7 +255,7 @@ func (c Config) withDefaults() Config {
 type Backend struct {
 	// reclaimSlot (capacity 1) is held by the one pause that reclaims
 	// memory at a time (pause.go).
-	reclaimSlot chan struct{}
+	reclaimSlot  chan struct{}
 	runtime      string // absolute path of the runtime binary
 	stateDir     string
 	cgroupParent string // relative to each hierarchy's root, no leading or trailing slash
