@@ -166,6 +166,9 @@ func Fatal(err error) {
 		fmt.Fprintf(f, "shoal-agent: vm boot: %v\n", err)
 		f.Close()
 	}
+	// The host reads the console while the guest boots, every 250 ms
+	// (the ring goes with QEMU): let it read this before the power-off.
+	time.Sleep(time.Second)
 	unix.Sync()
 	unix.Reboot(unix.LINUX_REBOOT_CMD_POWER_OFF)
 	select {}

@@ -384,6 +384,9 @@ func (b *Backend) baseArgs(accel string, mem int64, cpus int, extraAppend string
 	// mitigations=off: the guest's kernel does not guard its processes
 	// from each other (they are one sandbox's); the host's kernel and KVM
 	// keep guarding the host from the guest. It makes TCG boots faster.
+	// panic=1: a guest whose init dies (a crashed agent) reboots, and so
+	// its QEMU exits (-no-reboot), one second after the kernel's panic:
+	// time for consoleDuringBoot to read why.
 	// The rest skip what costs a TCG boot most and the sandbox nothing
 	// (measured with initcall_debug, a 256 MiB microvm; together the
 	// kernel reached /init in 0.85 s instead of 1.17 s):
@@ -392,7 +395,7 @@ func (b *Backend) baseArgs(accel string, mem int64, cpus int, extraAppend string
 	// nowatchdog: no audit subsystem and lockup detector; 8250.nr_uarts=1:
 	// one serial port probed, not four.
 	khz := hostTSCkHz()
-	appendLine := fmt.Sprintf("console=ttyS0 quiet panic=-1 tsc_early_khz=%d lpj=%d mitigations=off"+
+	appendLine := fmt.Sprintf("console=ttyS0 quiet panic=1 tsc_early_khz=%d lpj=%d mitigations=off"+
 		" cryptomgr.notests tsc=reliable audit=0 nowatchdog 8250.nr_uarts=1 %s=1", khz, khz*2, vminit.EnvVM)
 	if extraAppend != "" {
 		appendLine += " " + extraAppend
@@ -562,8 +565,13 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (h sandbox.Hand
 			b.Delete(context.Background(), h)
 		}
 	}()
-	if err := b.waitAgent(ctx, h, exited); err != nil {
-		return h, fmt.Errorf("%s backend: boot (%s): %w%s", b.cfg.Name, accel, err, b.console(filepath.Join(dir, "qmp.sock"), dir, exited))
+	qmpSock := filepath.Join(dir, "qmp.sock")
+	stopConsole := make(chan struct{})
+	bootConsole := consoleDuringBoot(qmpSock, stopConsole, exited)
+	err = b.waitAgent(ctx, h, exited)
+	close(stopConsole)
+	if err != nil {
+		return h, fmt.Errorf("%s backend: boot (%s): %w%s", b.cfg.Name, accel, err, b.console(qmpSock, dir, exited, bootConsole()))
 	}
 	b.log.Debug("vm booted", "sandbox_id", spec.ID, "accel", accel, "took", time.Since(start))
 	return h, nil
@@ -700,9 +708,10 @@ func (b *Backend) waitAgent(ctx context.Context, h sandbox.Handle, exited <-chan
 	}
 }
 
-// console returns the end of the guest's console (a bounded ring in QEMU)
-// and of QEMU's own log, for a boot error.
-func (b *Backend) console(qmpSock, dir string, exited <-chan struct{}) string {
+// console returns the end of the guest's console (a bounded ring in QEMU;
+// earlier: what consoleDuringBoot read of it before) and of QEMU's own
+// log, for a boot error.
+func (b *Backend) console(qmpSock, dir string, exited <-chan struct{}, earlier string) string {
 	var out string
 	select {
 	case <-exited:
@@ -710,9 +719,12 @@ func (b *Backend) console(qmpSock, dir string, exited <-chan struct{}) string {
 		ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
 		var s string
 		if err := qmp(ctx, qmpSock, "ringbuf-read", map[string]any{"device": "con", "size": 4096, "format": "utf8"}, &s); err == nil {
-			out += "; console: " + lastLines(s, 8)
+			earlier += s
 		}
 		cancel()
+	}
+	if strings.TrimSpace(earlier) != "" {
+		out += "; console: " + lastLines(earlier, 8)
 	}
 	if f, err := os.Open(filepath.Join(dir, "qemu.log")); err == nil {
 		buf := make([]byte, 2048)
@@ -723,6 +735,47 @@ func (b *Backend) console(qmpSock, dir string, exited <-chan struct{}) string {
 		}
 	}
 	return out
+}
+
+// consoleDuringBoot reads the guest's console ring (QMP ringbuf-read,
+// which empties it) every 250 ms until stop or QEMU's exit, and returns a
+// function giving what it read (its last 8 KiB). A guest that powers off
+// while it boots (its init failed, or died: QEMU then exits with status 0)
+// takes the ring with its QEMU; its last words (the agent's boot error, a
+// Go panic) are then the boot error's cause.
+func consoleDuringBoot(sock string, stop, exited <-chan struct{}) func() string {
+	var mu sync.Mutex
+	var got []byte
+	go func() {
+		t := time.NewTicker(250 * time.Millisecond)
+		defer t.Stop()
+		for {
+			select {
+			case <-stop:
+				return
+			case <-exited:
+				return
+			case <-t.C:
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+			var s string
+			err := qmp(ctx, sock, "ringbuf-read", map[string]any{"device": "con", "size": 65536, "format": "utf8"}, &s)
+			cancel()
+			if err == nil && s != "" {
+				mu.Lock()
+				got = append(got, s...)
+				if len(got) > 8<<10 {
+					got = got[len(got)-8<<10:]
+				}
+				mu.Unlock()
+			}
+		}
+	}()
+	return func() string {
+		mu.Lock()
+		defer mu.Unlock()
+		return string(got)
+	}
 }
 
 func lastLines(s string, n int) string {

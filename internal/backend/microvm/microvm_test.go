@@ -331,3 +331,31 @@ func readFile(t *testing.T, ctx context.Context, c *agent.Client, path string) s
 	}
 	return string(got)
 }
+
+// A guest that powers off while it boots (here its init cannot mount a
+// layer that is not EROFS) takes its console with its QEMU; the boot error
+// still quotes the agent's last words, read while it booted.
+func TestVMBootFailureSaysWhy(t *testing.T) {
+	b, _ := vmTestEnv(t, MachineMicroVM)
+	bad := filepath.Join(t.TempDir(), "bad.erofs")
+	if err := os.WriteFile(bad, make([]byte, 4<<20), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	sdir, err := os.MkdirTemp("/tmp", "vmt")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer os.RemoveAll(sdir)
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	h, err := b.Create(ctx, sandbox.Spec{ID: "vmbad", Dir: sdir, Resources: sandbox.Resources{MemoryBytes: 256 << 20, MilliCPU: 1000},
+		Layers: []sandbox.Layer{{Digest: "sha256:x", Kind: "base", ImagePath: bad}}})
+	if err == nil {
+		b.Delete(context.Background(), h)
+		t.Fatal("a VM whose layer is not EROFS booted")
+	}
+	t.Logf("boot error: %v", err)
+	if !strings.Contains(err.Error(), "console:") || !strings.Contains(err.Error(), "vm boot:") {
+		t.Errorf("the boot error does not say what the guest said: %v", err)
+	}
+}

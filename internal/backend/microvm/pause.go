@@ -193,7 +193,7 @@ func (b *Backend) Resume(ctx context.Context, h sandbox.Handle) (sandbox.Handle,
 			b.log.Error("kill a VM whose resume failed", "sandbox_id", h.ID, "err", kerr)
 		}
 		b.dropMux(h.ID)
-		return h, fmt.Errorf("%s backend: resume sandbox %s: %w%s", b.cfg.Name, h.ID, err, b.console(filepath.Join(dir, "qmp.sock"), dir, exited))
+		return h, fmt.Errorf("%s backend: resume sandbox %s: %w%s", b.cfg.Name, h.ID, err, b.console(filepath.Join(dir, "qmp.sock"), dir, exited, ""))
 	}
 	if err := os.Remove(state); err != nil {
 		b.log.Warn("remove a resumed VM's snapshot", "sandbox_id", h.ID, "err", err)
