@@ -29,6 +29,10 @@ type VMOptions struct {
 	// say what a layer's cache costs per VM (blk: a copy in each guest;
 	// pmem: the host's one, shared).
 	ReadFile string
+	// Pauses: rounds in which every booted VM is paused (its state
+	// snapshotted to a file, its QEMU ended) and then resumed by an exec
+	// (a new QEMU restores the file); 0: none.
+	Pauses int
 }
 
 // VMResult is the JSON printed by `shoal bench vm`.
@@ -63,13 +67,26 @@ type VMResult struct {
 	// the layers' page cache, shared) / VMs: what each VM costs the host
 	// beyond QEMU's own binary.
 	HostKiBPerVM int64 `json:"host_kib_per_vm,omitempty"`
+	// With Pauses: the pause call (stop, snapshot, QEMU ended), the
+	// snapshot's size, the host memory a VM held before it (QEMU's RSS)
+	// and after (none: no process), and an exec sent to the paused VM
+	// until its exit came back (the restore into a new QEMU, the agent's
+	// session, the exec).
+	Pause              Dist    `json:"pause,omitempty"`
+	SnapshotMiB        []int64 `json:"snapshot_mib,omitempty"`
+	PausedHostKiB      int64   `json:"paused_vm_host_memory_kib"`
+	RestoreToFirstExec Dist    `json:"restore_to_first_exec,omitempty"`
+	// IdleVMsInMemory: how many idle, booted VMs this host's available
+	// memory holds at the idle VMs' mean RSS (server on this machine);
+	// paused VMs hold no memory (bounded by the disk their snapshots take).
+	IdleVMsInMemory int64 `json:"idle_vms_in_memory,omitempty"`
 }
 
 // VM measures VM sandboxes: boot to first exec, exec round trips, and the
 // host memory of an idle VM.
 func VM(ctx context.Context, c *shoal.Client, o VMOptions) (*VMResult, error) {
-	if o.Boots <= 0 || o.Execs < 0 || o.Boots > 100 || o.Execs > 10000 {
-		return nil, fmt.Errorf("--boots must be 1..100 and --execs 0..10000")
+	if o.Boots <= 0 || o.Execs < 0 || o.Boots > 100 || o.Execs > 10000 || o.Pauses < 0 || o.Pauses > 100 {
+		return nil, fmt.Errorf("--boots must be 1..100, --execs 0..10000 and --pauses 0..100")
 	}
 	if o.Backend == "" {
 		o.Backend = "microvm"
@@ -125,13 +142,67 @@ func VM(ctx context.Context, c *shoal.Client, o VMOptions) (*VMResult, error) {
 	}
 	res.CreateToFirstExec = dist(first)
 	res.Exec = dist(execs)
+	if len(res.IdleRSSKiB) > 0 {
+		var sum int64
+		for _, k := range res.IdleRSSKiB {
+			sum += k
+		}
+		if avail := memAvailableKiB(); avail > 0 && sum > 0 {
+			res.IdleVMsInMemory = avail / (sum / int64(len(res.IdleRSSKiB)))
+		}
+	}
 	if o.ReadFile != "" {
 		if err := readInVMs(ctx, c, o.ReadFile, ids, res); err != nil {
 			return nil, err
 		}
 	}
+	if o.Pauses > 0 {
+		if err := pauseVMs(ctx, c, o.Pauses, ids, res); err != nil {
+			return nil, err
+		}
+	}
 	return res, nil
 }
+
+// pauseVMs pauses every VM, then resumes each by an exec, rounds times.
+func pauseVMs(ctx context.Context, c *shoal.Client, rounds int, ids []string, res *VMResult) error {
+	var pauses, restores []time.Duration
+	step := progress(ctx, "pause", rounds*len(ids))
+	for range rounds {
+		for _, id := range ids {
+			step()
+			t0 := time.Now()
+			sb, _, err := c.Pause(ctx, id)
+			if err != nil {
+				return fmt.Errorf("pause %s: %w", id, err)
+			}
+			pauses = append(pauses, time.Since(t0))
+			if p := sb.Pause; p != nil {
+				res.SnapshotMiB = append(res.SnapshotMiB, p.SwappedOutBytes>>20)
+				if p.MemoryAfterBytes > 0 {
+					res.PausedHostKiB = max(res.PausedHostKiB, p.MemoryAfterBytes>>10)
+				}
+			}
+		}
+		for _, id := range ids {
+			t0 := time.Now()
+			st, err := c.Exec(ctx, id, shoal.ExecOptions{Args: []string{"true"}})
+			if err != nil {
+				return fmt.Errorf("exec in paused %s: %w", id, err)
+			}
+			if st.Code != 0 {
+				return fmt.Errorf("true exited %d", st.Code)
+			}
+			restores = append(restores, time.Since(t0))
+		}
+	}
+	res.Pause = dist(pauses)
+	res.RestoreToFirstExec = dist(restores)
+	return nil
+}
+
+// memAvailableKiB is this machine's MemAvailable (0 when unknown).
+func memAvailableKiB() int64 { return kibField("/proc/meminfo", "MemAvailable:") }
 
 // readInVMs has each VM read path, then measures the host's memory.
 func readInVMs(ctx context.Context, c *shoal.Client, path string, ids []string, res *VMResult) error {
@@ -244,12 +315,17 @@ func rssKiB(pid string) int64 {
 	if _, err := strconv.Atoi(pid); err != nil {
 		return 0
 	}
-	b, err := os.ReadFile("/proc/" + pid + "/status")
+	return kibField("/proc/"+pid+"/status", "VmRSS:")
+}
+
+// kibField is the "KEY: N kB" line's N of a /proc file, 0 when unknown.
+func kibField(path, key string) int64 {
+	b, err := os.ReadFile(path)
 	if err != nil {
 		return 0
 	}
 	for _, l := range strings.Split(string(b), "\n") {
-		if v, ok := strings.CutPrefix(l, "VmRSS:"); ok {
+		if v, ok := strings.CutPrefix(l, key); ok {
 			n, _ := strconv.ParseInt(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(v), "kB")), 10, 64)
 			return n
 		}

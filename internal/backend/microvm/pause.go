@@ -90,6 +90,10 @@ func (b *Backend) Pause(ctx context.Context, h sandbox.Handle) (sandbox.PauseSta
 	// the channel's lock until its read fails, which QEMU's end makes it.
 	b.dropMux(h.ID)
 	stats.ReclaimTook = time.Since(start)
+	// What left memory went to the node's disk: the snapshot's size.
+	if fi, err := os.Stat(state); err == nil {
+		stats.SwappedOut = fi.Size()
+	}
 	return stats, nil
 }
 
