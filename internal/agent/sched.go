@@ -23,8 +23,8 @@ import (
 // not its members' nice values, is what the host's other groups compete
 // with), and every command is forked from one thread (spawner) that first
 // raises its own nice value to 0, which the command inherits, and for a
-// best-effort sandbox puts itself under SCHED_IDLE. Both directions need
-// no privilege; lowering the agent's value does: the host sets it for a
+// best-effort sandbox puts itself under SCHED_IDLE: neither needs a
+// privilege. Lowering the agent's nice value does: the host sets it for a
 // container's agent (which has no CAP_SYS_NICE over the host), the agent
 // itself as the init of a VM: both with Prioritize.
 const AgentNice = -20
