@@ -10,7 +10,7 @@ import pytest
 import shoal
 from shoal import Sandbox
 
-from .conftest import _create_timeout
+from .conftest import CLUSTER, _create_timeout, _probe_backend
 
 
 def test_create_with_resources_metadata_and_envs(server, backend) -> None:
@@ -174,6 +174,20 @@ def test_ports_helpers(server, sb) -> None:
         assert c.headers["authorization"] == f"Bearer {server.api_key}"
     with pytest.raises(shoal.InvalidArgument):
         sb.get_host(0)
+
+
+def test_network_egress_microvm(server) -> None:
+    # A microVM asks for egress the same way: a virtio-net eth0 on a tap
+    # under the node's rules (what it reaches: TestMicroVMEgress).
+    if CLUSTER:
+        pytest.skip("the cluster run is of containers")
+    reason = _probe_backend(server, "microvm")
+    if reason:
+        pytest.skip(f"backend microvm: {reason}")
+    with Sandbox.create(base=server.base, backend="microvm", allow_out=["203.0.113.9:443"],
+                        request_timeout=_create_timeout("microvm")) as sb:
+        assert "inet 10." in sb.commands.run("ip -o -4 addr show eth0").stdout
+        assert "default via 10." in sb.commands.run("ip route").stdout
 
 
 def test_network_egress_opt_in(server) -> None:
