@@ -3,7 +3,6 @@ package container
 import (
 	"fmt"
 	"os"
-	"strconv"
 	"strings"
 	"unsafe"
 
@@ -58,13 +57,9 @@ func smtActive() bool {
 // threads a core scheduling cookie of their own, which what it starts
 // inherits.
 func setCoreCookie(pidFile string) error {
-	data, err := os.ReadFile(pidFile)
+	pid, err := readPidFile(pidFile)
 	if err != nil {
 		return err
-	}
-	pid, err := strconv.Atoi(strings.TrimSpace(string(data)))
-	if err != nil || pid <= 0 {
-		return fmt.Errorf("pid file %s: %q", pidFile, data)
 	}
 	_, _, errno := unix.Syscall6(unix.SYS_PRCTL, prSchedCore, prSchedCoreCreate, uintptr(pid), pidtypeTGID, 0, 0)
 	if errno != 0 {

@@ -104,11 +104,11 @@ const (
 // processState describes the process whose pid is in pidFile, for an error
 // message: its state and kernel wait channel, with those of its threads.
 func processState(pidFile string) string {
-	data, err := os.ReadFile(pidFile)
+	p, err := readPidFile(pidFile)
 	if err != nil {
 		return "pid unknown: " + err.Error()
 	}
-	pid := string(trimSpace(data))
+	pid := strconv.Itoa(p)
 	ents, err := os.ReadDir("/proc/" + pid + "/task")
 	if err != nil {
 		return "pid " + pid + ": gone"
@@ -502,15 +502,25 @@ func (b *Backend) startMember(ctx context.Context, agentBinary string, urgent bo
 // to agent.AgentNice, above the commands it starts (which it forks at nice
 // 0: see agent.AgentNice). The agent could not do it itself.
 func prioritizeAgent(pidFile string) error {
-	data, err := os.ReadFile(pidFile)
+	pid, err := readPidFile(pidFile)
 	if err != nil {
 		return err
 	}
+	return agent.Prioritize(pid)
+}
+
+// readPidFile returns the pid a pid file (runc's, the native launcher's)
+// holds.
+func readPidFile(pidFile string) (int, error) {
+	data, err := os.ReadFile(pidFile)
+	if err != nil {
+		return 0, err
+	}
 	pid, err := strconv.Atoi(string(trimSpace(data)))
 	if err != nil || pid <= 0 {
-		return fmt.Errorf("pid file %s: %q", pidFile, data)
+		return 0, fmt.Errorf("pid file %s: %q", pidFile, data)
 	}
-	return agent.Prioritize(pid)
+	return pid, nil
 }
 
 // removeMember destroys an unclaimed pool container and removes its dir.
