@@ -14,8 +14,6 @@ package microvm
 
 import (
 	"fmt"
-	"os"
-	"path/filepath"
 
 	"github.com/vishvananda/netlink"
 
@@ -27,13 +25,14 @@ import (
 )
 
 // checkEgress says why this backend cannot give sandbox egress (nil if it
-// can): none on the node, or a guest kernel without the network modules.
+// can): none on the node, or an initramfs without the network modules (the
+// guest kernel's directory had none when the node started).
 func (b *Backend) checkEgress() error {
 	if b.cfg.Egress == nil {
 		return fmt.Errorf("%s backend: network egress is disabled on this node (serve --egress-subnet): %w%.0w", b.cfg.Name, sandbox.ErrUnsupported, errdefs.ErrFailedPrecondition)
 	}
-	if _, err := os.Stat(filepath.Join(b.cfg.KernelDir, "modules", vminit.NetOrder)); err != nil {
-		return fmt.Errorf("%s backend: network egress: the guest kernel in %s has no network modules (run scripts/vmkernel.sh again): %w%.0w", b.cfg.Name, b.cfg.KernelDir, sandbox.ErrUnsupported, errdefs.ErrFailedPrecondition)
+	if !b.netModules {
+		return fmt.Errorf("%s backend: network egress: the guest kernel in %s had no network modules when serve started (run scripts/vmkernel.sh again, then restart serve): %w%.0w", b.cfg.Name, b.cfg.KernelDir, sandbox.ErrUnsupported, errdefs.ErrFailedPrecondition)
 	}
 	return nil
 }

@@ -173,6 +173,9 @@ type Backend struct {
 	pmem    bool
 	pmemWhy string
 	pad     string
+	// netModules: the initramfs holds the guest's network modules
+	// (egress.go). Set by New.
+	netModules bool
 
 	mu    sync.Mutex
 	muxes map[string]*chanMux // guarded by mu; by sandbox ID
@@ -229,6 +232,9 @@ func New(cfg Config) (*Backend, error) {
 	}
 	b := &Backend{cfg: cfg, log: cfg.Logger.With("backend", cfg.Name), kernel: kernel, initrd: initrd,
 		probed: make(chan struct{}), muxes: map[string]*chanMux{}}
+	// The initramfs just built has them if the directory had them.
+	_, err = os.Stat(filepath.Join(cfg.KernelDir, "modules", vminit.NetOrder))
+	b.netModules = err == nil
 	b.initDisks()
 	if err := b.choosePmem(); err != nil {
 		return nil, err

@@ -92,9 +92,6 @@ const (
 	// pmemPadFile is the sparse zero file of pads and gaps, in StateDir.
 	pmemPadFile = "pmem-pad"
 	pmemPadSize = pmemAlign + pmemGap
-	// pmemModules lists the guest's pmem modules in the kernel
-	// directory's modules/.
-	pmemModules = "order.pmem"
 )
 
 // pmemLayout places a VM's RAM and layers in its physical address space
@@ -239,7 +236,7 @@ func (b *Backend) pmemSupported() (string, error) {
 	if b.cfg.Machine != MachineMicroVM {
 		return "", fmt.Errorf("machine %s: pmem layers are made for microvm only", b.cfg.Machine)
 	}
-	if _, err := os.Stat(filepath.Join(b.cfg.KernelDir, "modules", pmemModules)); err != nil {
+	if _, err := os.Stat(filepath.Join(b.cfg.KernelDir, "modules", vminit.PmemOrder)); err != nil {
 		return "", fmt.Errorf("the guest kernel's directory has no pmem modules (run scripts/vmkernel.sh again): %w", err)
 	}
 	if cfg, err := os.ReadFile(filepath.Join(b.cfg.KernelDir, "config")); err == nil {

@@ -18,6 +18,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/shoal-sandbox/shoal/internal/agent"
+	"github.com/shoal-sandbox/shoal/internal/agent/vminit"
 	"github.com/shoal-sandbox/shoal/internal/sandbox"
 )
 
@@ -278,7 +279,7 @@ func TestChoosePmem(t *testing.T) {
 	os.MkdirAll(filepath.Join(noPmem, "modules"), 0o755)
 	noDAX := t.TempDir() // modules, but a kernel config without FS DAX
 	os.MkdirAll(filepath.Join(noDAX, "modules"), 0o755)
-	os.WriteFile(filepath.Join(noDAX, "modules", pmemModules), []byte("nd_pmem.ko\n"), 0o644)
+	os.WriteFile(filepath.Join(noDAX, "modules", vminit.PmemOrder), []byte("nd_pmem.ko\n"), 0o644)
 	os.WriteFile(filepath.Join(noDAX, "config"), []byte("#\nCONFIG_X86_PMEM_LEGACY=m\nCONFIG_ZONE_DEVICE=y\n"), 0o644)
 	for _, tc := range []struct {
 		name, machine, kdir, mode string
