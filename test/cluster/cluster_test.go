@@ -119,6 +119,27 @@ func (p *proc) start(t *testing.T, bin string) {
 	}
 }
 
+// waitNodes waits until every control replica's /healthz counts n live
+// nodes.
+func waitNodes(t *testing.T, controls []*proc, n int) {
+	t.Helper()
+	waitFor(t, fmt.Sprintf("%d nodes seen by every control replica", n), func() error {
+		for _, c := range controls {
+			res, err := http.Get("http://" + c.addr + "/healthz")
+			if err != nil {
+				return err
+			}
+			var b bytes.Buffer
+			b.ReadFrom(res.Body)
+			res.Body.Close()
+			if !strings.Contains(b.String(), fmt.Sprintf(`"nodes":%d`, n)) {
+				return fmt.Errorf("%s: %s", c.name, b.String())
+			}
+		}
+		return nil
+	})
+}
+
 // kill ends the process at once (a crash: no lease revoked).
 func (p *proc) kill() {
 	if p.cmd != nil && p.cmd.Process != nil {
@@ -273,21 +294,7 @@ func TestCluster(t *testing.T) {
 	c1, c2 := client(t, controls[0].addr, key), client(t, controls[1].addr, key)
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
-	waitFor(t, "both nodes seen by both control replicas", func() error {
-		for _, c := range controls {
-			res, err := http.Get("http://" + c.addr + "/healthz")
-			if err != nil {
-				return err
-			}
-			var b bytes.Buffer
-			b.ReadFrom(res.Body)
-			res.Body.Close()
-			if !strings.Contains(b.String(), `"nodes":2`) {
-				return fmt.Errorf("%s: %s", c.name, b.String())
-			}
-		}
-		return nil
-	})
+	waitNodes(t, controls, 2)
 
 	// Creates spread: 2 through one replica land on both nodes (the first
 	// one's reservation makes the other node the emptier; two replicas
@@ -402,21 +409,7 @@ func TestCluster(t *testing.T) {
 	// end-to-end suite runs through a replica over the three.
 	n3.start(t, bin)
 	tags[cluster.Tag("n3")] = "n3"
-	waitFor(t, "three nodes seen by both control replicas", func() error {
-		for _, c := range controls {
-			res, err := http.Get("http://" + c.addr + "/healthz")
-			if err != nil {
-				return err
-			}
-			var b bytes.Buffer
-			b.ReadFrom(res.Body)
-			res.Body.Close()
-			if !strings.Contains(b.String(), `"nodes":3`) {
-				return fmt.Errorf("%s: %s", c.name, b.String())
-			}
-		}
-		return nil
-	})
+	waitNodes(t, controls, 3)
 	pythonSuite(t, bin, controls[0].addr, key) // the SDK's own end-to-end suite through a replica
 	step("python suite on three nodes")
 	checkE2B(t, ctx, controls, nodes, key, tags) // E2B's API and envd through the replicas (e2b_test.go)
