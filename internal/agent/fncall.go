@@ -10,7 +10,6 @@ import (
 	"net"
 	"os"
 	"path/filepath"
-	"runtime"
 	"strconv"
 	"strings"
 	"sync"
@@ -653,24 +652,11 @@ func (s *Server) startFn(cmd *command, req *wireFnRun, cgfds []int, pidsMax int)
 			err      error
 		}
 		ch := make(chan forked, 1)
-		var join func()
-		join = func() {
-			// Never unlocked: this thread joins the run's cgroups, so it
-			// must not run anything else; it exits with the goroutine.
-			runtime.LockOSThread()
+		// This thread joins the run's cgroups, so it must not run
+		// anything else, and ends with fn; never the main thread, which
+		// would stay in them, the agent's whole process listed there.
+		goLocked(func() {
 			tid := unix.Gettid()
-			if tid == unix.Getpid() {
-				// The process's main thread: the runtime cannot end it
-				// with the goroutine (it parks it instead), so it would
-				// stay in the run's cgroups, the agent's whole process
-				// listed there. Hold it while another thread (not this
-				// one: it is locked) does the work, then give it back.
-				done := make(chan struct{})
-				go func() { defer close(done); join() }()
-				<-done
-				runtime.UnlockOSThread()
-				return
-			}
 			for _, fd := range cgfds {
 				if _, err := unix.Write(fd, []byte("0")); err != nil {
 					ch <- forked{tid: tid, err: fmt.Errorf("join cgroup: %w", err)}
@@ -686,8 +672,7 @@ func (s *Server) startFn(cmd *command, req *wireFnRun, cgfds []int, pidsMax int)
 				}
 			}
 			ch <- forked{pid, tid, err}
-		}
-		go join()
+		})
 		r := <-ch
 		pid, err = r.pid, r.err
 		cmd.forker = r.tid

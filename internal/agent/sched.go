@@ -90,30 +90,39 @@ type spawner struct {
 func newSpawner() *spawner {
 	s := &spawner{reqs: make(chan func())}
 	ready := make(chan struct{})
-	go s.loop(ready)
+	// Not on the process's main thread, whose nice value ps and
+	// /proc/PID show as the agent's.
+	goLocked(func() {
+		close(ready)
+		for f := range s.reqs {
+			commandSched(s.idle.Load())
+			f()
+		}
+	})
 	<-ready
 	return s
 }
 
-// loop runs the forks on its locked thread. The thread is never
-// the process's main thread, whose nice value ps and /proc/PID show as the
-// agent's: on it, loop starts again on another thread (the main one held
-// meanwhile, so that the new goroutine cannot land on it) and gives it back.
-func (s *spawner) loop(ready chan<- struct{}) {
-	runtime.LockOSThread() // never unlocked but on the main thread
-	if unix.Gettid() == unix.Getpid() {
-		moved := make(chan struct{})
-		go s.loop(moved)
-		<-moved
-		runtime.UnlockOSThread()
-		close(ready)
-		return
-	}
-	close(ready)
-	for f := range s.reqs {
-		commandSched(s.idle.Load())
-		f()
-	}
+// goLocked runs fn in a new goroutine locked to an OS thread that is not
+// the process's main thread, and never unlocked: the thread ends with fn
+// (the runtime cannot end the main thread: it would park it, still as fn
+// left it). Landing on the main thread, it starts again from there and
+// holds the main thread until the new goroutine has locked another.
+func goLocked(fn func()) {
+	go func() {
+		runtime.LockOSThread()
+		if unix.Gettid() == unix.Getpid() {
+			moved := make(chan struct{})
+			goLocked(func() {
+				close(moved)
+				fn()
+			})
+			<-moved
+			runtime.UnlockOSThread()
+			return
+		}
+		fn()
+	}()
 }
 
 // fork runs fork on the spawner's thread.
