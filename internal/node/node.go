@@ -462,6 +462,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (rec Record, er
 		}
 	}
 	start := time.Now()
+	ph := sandbox.StartPhases()
 	defer func() {
 		m.cfg.Metrics.Create(req.Backend, rec.Handle.Data["pooled"] == "true", time.Since(start), errdefs.Code(err))
 	}()
@@ -469,6 +470,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (rec Record, er
 	if err != nil {
 		return Record{}, err
 	}
+	ph.Mark("resolve")
 	be := m.backends[req.Backend]
 	id := m.newSandboxID() // cluster.go
 	dir := filepath.Join(m.cfg.DataDir, "sandboxes", id)
@@ -511,6 +513,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (rec Record, er
 		return Record{}, err
 	}
 	undo = append(undo, func() { m.admitted(id) })
+	ph.Mark("admit")
 
 	// Persist first, so that a crash from here on is cleaned up by Recover.
 	if err := m.db.Batch(func(tx *bbolt.Tx) error { return putRecord(tx, &rec) }); err != nil {
@@ -521,6 +524,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (rec Record, er
 		return Record{}, fmt.Errorf("create sandbox dir: %w", err)
 	}
 	undo = append(undo, func() { os.RemoveAll(dir) })
+	ph.Mark("persist")
 
 	spec := sandbox.Spec{
 		ID:          id,
@@ -545,12 +549,14 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (rec Record, er
 		spec.Layers = append(spec.Layers, sl)
 	}
 
+	ph.Mark("layers")
 	tBackend := time.Now()
 	h, err := be.Create(ctx, spec)
 	if err != nil {
 		return Record{}, fmt.Errorf("create %s sandbox: %w", req.Backend, err)
 	}
 	backendTook := time.Since(tBackend)
+	ph.Mark("backend")
 	undo = append(undo, func() {
 		dctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 		defer cancel()
@@ -573,12 +579,13 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (rec Record, er
 	}); err != nil {
 		return Record{}, fmt.Errorf("persist sandbox %s: %w", id, err)
 	}
+	ph.Mark("commit")
 	m.mu.Lock()
 	m.sandboxes[id] = &entry{rec: rec, agent: m.agentClient(be, h), acquired: hostMounts, lastActive: time.Now()}
 	delete(m.admitting, id) // counted by its entry from now on
 	m.mu.Unlock()
 	m.log.Info("sandbox created", "sandbox_id", id, "tenant", req.Tenant, "backend", req.Backend, "layer", req.Base,
-		"took", time.Since(start), "backend_took", backendTook, "pooled", h.Data["pooled"] == "true")
+		"took", time.Since(start), "backend_took", backendTook, "pooled", h.Data["pooled"] == "true", "phases", ph.String())
 	return rec, nil
 }
 

@@ -41,6 +41,7 @@ import (
 	"github.com/shoal-sandbox/shoal/internal/agent"
 	"github.com/shoal-sandbox/shoal/internal/errdefs"
 	"github.com/shoal-sandbox/shoal/internal/limits"
+	"github.com/shoal-sandbox/shoal/internal/sandbox"
 )
 
 // ackEvery is how much log the pump writes between acknowledgements (the
@@ -423,6 +424,8 @@ func quoteArgs(args []string) string {
 }
 
 func (m *Manager) start(ctx context.Context, sandboxID string, req StartRequest) (*Command, error) {
+	ph := sandbox.StartPhases()
+	defer func() { m.log.Debug("command started", "sandbox_id", sandboxID, "phases", ph.String()) }()
 	ag, err := m.sb.Agent(sandboxID)
 	if err != nil {
 		return nil, err
@@ -447,6 +450,7 @@ func (m *Manager) start(ctx context.Context, sandboxID string, req StartRequest)
 		release()
 		return nil, fmt.Errorf("create command log: %w", err)
 	}
+	ph.Mark("prep")
 	// While orphans are looked for in this sandbox (after a restart), a
 	// command started here must be registered before the next listing of
 	// the agent's commands, or it would be taken for one.
@@ -467,6 +471,7 @@ func (m *Manager) start(ctx context.Context, sandboxID string, req StartRequest)
 	pctx, cancel := context.WithCancel(m.ctx)
 	stop := context.AfterFunc(ctx, cancel)
 	att, err := ag.Start(pctx, sreq)
+	ph.Mark("agent")
 	var agentID string
 	var pid int
 	if err == nil {
@@ -515,6 +520,7 @@ func (m *Manager) start(ctx context.Context, sandboxID string, req StartRequest)
 		release()
 		return nil, fmt.Errorf("persist command: %w", err)
 	}
+	ph.Mark("persist")
 	m.mu.Lock()
 	m.cmds[key(sandboxID, id)] = c
 	m.mu.Unlock()

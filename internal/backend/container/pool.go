@@ -546,6 +546,7 @@ func (b *Backend) removeMember(m *member) error {
 func (b *Backend) claim(ctx context.Context, spec sandbox.Spec, dir string, m *member) (h sandbox.Handle, err error) {
 	log := b.log.With("sandbox_id", spec.ID, "runc_id", m.id)
 	start := time.Now()
+	ph := sandbox.StartPhases()
 	claimed := b.claimedDir(spec.ID)
 	sock := filepath.Join(claimed, socketName)
 	if len(sock) > maxSocketPath {
@@ -581,6 +582,7 @@ func (b *Backend) claim(ctx context.Context, spec sandbox.Spec, dir string, m *m
 		return removeAll(claimed, b.memberBundle(m.id))
 	})
 
+	ph.Mark("rename")
 	// 2. Limits, before anything of the sandbox runs.
 	if err := b.setLimits(m.id, spec.Resources); err != nil {
 		return h, fmt.Errorf("claim for sandbox %s: %w", spec.ID, err)
@@ -597,6 +599,7 @@ func (b *Backend) claim(ctx context.Context, spec sandbox.Spec, dir string, m *m
 		}
 	}
 
+	ph.Mark("limits")
 	// 3. The root, as a detached mount handed to the agent; its writable
 	// layer on the disk the container brought, when it is of the size
 	// asked (it moved here with the container's dir).
@@ -625,10 +628,12 @@ func (b *Backend) claim(ctx context.Context, spec sandbox.Spec, dir string, m *m
 			return h, fmt.Errorf("claim for sandbox %s: %w", spec.ID, err)
 		}
 	}
+	ph.Mark("upper")
 	mfd, err := layer.ComposeFDMapped(lowers, m.nsfd, upper, work, true)
 	if err != nil {
 		return h, fmt.Errorf("claim for sandbox %s: %w", spec.ID, err)
 	}
+	ph.Mark("overlay")
 	// A claim takes milliseconds; one that takes seconds will not end
 	// well: the member is destroyed (undo) and the caller tries another.
 	cctx, cancel := context.WithTimeout(ctx, claimTimeout)
@@ -645,7 +650,8 @@ func (b *Backend) claim(ctx context.Context, spec sandbox.Spec, dir string, m *m
 		return h, fmt.Errorf("claim for sandbox %s: %w (agent %s); agent log: %q", spec.ID, err,
 			processState(filepath.Join(claimed, pidFileName)), tail(filepath.Join(claimed, agentLogName), 0))
 	}
-	log.Debug("sandbox created from the pool", "took", time.Since(start))
+	ph.Mark("agent")
+	log.Debug("sandbox created from the pool", "took", time.Since(start), "phases", ph.String())
 	return sandbox.Handle{
 		ID:          spec.ID,
 		Backend:     Name,
