@@ -24,7 +24,10 @@ import (
 func client(cmd *cobra.Command) (*shoal.Client, error) {
 	url, _ := cmd.Flags().GetString("url")
 	key, _ := cmd.Flags().GetString("api-key")
-	return shoal.New(shoal.Options{URL: url, APIKey: key})
+	ca, _ := cmd.Flags().GetString("ca")
+	cert, _ := cmd.Flags().GetString("cert")
+	certKey, _ := cmd.Flags().GetString("cert-key")
+	return shoal.New(shoal.Options{URL: url, APIKey: key, CAFile: ca, CertFile: cert, KeyFile: certKey})
 }
 
 // cmdContext is cancelled by Ctrl-C.

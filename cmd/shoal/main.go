@@ -28,6 +28,9 @@ func main() {
 	}
 	root.PersistentFlags().String("url", "", "API URL (default $SHOAL_URL or http://127.0.0.1:7480)")
 	root.PersistentFlags().String("api-key", "", "API key (default $SHOAL_API_KEY or /var/lib/shoal/admin.key)")
+	root.PersistentFlags().String("ca", "", "for an https:// URL: the CA (PEM) that signed the server's certificate (default $SHOAL_CA, else the system's)")
+	root.PersistentFlags().String("cert", "", "a client certificate (PEM) to present, with --cert-key (default $SHOAL_CERT)")
+	root.PersistentFlags().String("cert-key", "", "the private key of --cert (default $SHOAL_CERT_KEY)")
 	root.AddCommand(serverCmds()...)
 	root.AddCommand(layerCmd(), envCmd(), createCmd(), execCmd(), attachCmd(), psCmd(), killCmd(), shellCmd(), cpCmd(), lsCmd(), filesCmd(), watchCmd(), portForwardCmd(), inspectCmd(), pauseCmd(), resumeCmd(), rmCmd(), runCmd(), keyCmd(), tenantCmd(), auditCmd(), whoamiCmd(), topCmd())
 	completeSandboxIDs(root) // completion.go

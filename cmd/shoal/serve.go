@@ -42,6 +42,7 @@ import (
 type serveConfig struct {
 	DataDir string
 	Listen  string
+	TLS     apiTLS // serve_tls.go
 	Agent   string
 	Runtime string
 	Debug   bool
@@ -152,6 +153,10 @@ func (c *serveConfig) Validate() error {
 	if _, _, err := net.SplitHostPort(c.Listen); err != nil {
 		return fmt.Errorf("--listen %q must be HOST:PORT: %w", c.Listen, err)
 	}
+	if err := c.TLS.validate(); err != nil {
+		return err
+	}
+	c.Cluster.scheme = c.TLS.scheme()
 	if err := c.Cluster.validate(c.Listen); err != nil { // serve_cluster.go
 		return err
 	}
@@ -421,6 +426,7 @@ func serveCmd() *cobra.Command {
 	cmd.Flags().StringArrayVar(&cfg.E2B.TemplateUsers, "e2b-template-user", nil, "TEMPLATE=USER: the default E2B user of sandboxes of that template (repeatable)")
 	cmd.Flags().StringVar(&cfg.E2B.Pause, "e2b-pause", e2b.PauseOn, "E2B pause: on (pauses the sandbox for real; connect resumes it) or refuse (501)")
 	addClusterFlags(cmd, &cfg.Cluster) // serve_cluster.go
+	addTLSFlags(cmd, &cfg.TLS, &cfg.Cluster.TLS)
 	return cmd
 }
 
@@ -641,8 +647,12 @@ func serve(cfg serveConfig) error {
 	if cfg.Cluster.Role == roleNode {
 		api.SetNodeName(cfg.Cluster.NodeName)
 	}
+	ln, handler, err := cfg.TLS.wrap(ln, api.Handler())
+	if err != nil {
+		return err
+	}
 	srv := &http.Server{
-		Handler:           api.Handler(),
+		Handler:           handler,
 		Protocols:         &protocols,
 		ReadHeaderTimeout: 10 * time.Second,
 	}
@@ -657,7 +667,7 @@ func serve(cfg serveConfig) error {
 		}
 		defer leave()
 	}
-	log.Info("shoal serving", "listen", ln.Addr().String(), "data", cfg.DataDir,
+	log.Info("shoal serving", "listen", ln.Addr().String(), "tls", cfg.TLS.Cert != "", "client_certs", cfg.TLS.ClientCA != "", "data", cfg.DataDir,
 		"admin_key", filepath.Join(cfg.DataDir, control.AdminKeyFile), "build_roots", cfg.buildRoots.Dirs())
 	errc := make(chan error, 2)
 	go func() { errc <- srv.Serve(ln) }()

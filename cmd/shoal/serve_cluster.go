@@ -62,13 +62,15 @@ type clusterConfig struct {
 	// ClientKeyTTL: how long a control replica remembers a create's
 	// client key in etcd.
 	ClientKeyTTL time.Duration
+	TLS          clusterTLS // serve_tls.go
+	scheme       string     // of this server's API: http or https
 }
 
 func addClusterFlags(cmd *cobra.Command, c *clusterConfig) {
 	cmd.Flags().StringVar(&c.Role, "role", roleAll, "all (one server: API and node), node (a node of a cluster, registered in etcd) or control (the API in front of a cluster's nodes: placement and routing)")
 	cmd.Flags().StringVar(&c.Etcd, "etcd", "", "etcd endpoints, comma-separated (e.g. http://127.0.0.1:2379); required by --role node and control")
 	cmd.Flags().StringVar(&c.NodeName, "node-name", "", "--role node: this node's name in the cluster (a-z, 0-9, -; default the host name); its sandbox IDs start with a tag derived from it")
-	cmd.Flags().StringVar(&c.Advertise, "advertise", "", "--role node: the URL control replicas reach this node's API at (default http://<--listen>); --role control: the URL the other control replicas reach this one at (default http://<--listen>; none when --listen is on every address: then it does not register, and the others' audit and creates-per-second leave it out)")
+	cmd.Flags().StringVar(&c.Advertise, "advertise", "", "--role node: the URL control replicas reach this node's API at (default http://<--listen>, https:// with --tls-cert); --role control: the URL the other control replicas reach this one at (default http(s)://<--listen>; none when --listen is on every address: then it does not register, and the others' audit and creates-per-second leave it out)")
 	cmd.Flags().StringVar(&c.E2BAdvertise, "e2b-advertise", "", "--role node: the URL control replicas reach this node's E2B endpoint at (default http://<--e2b-listen>); control replicas serve E2B for the cluster through it")
 	cmd.Flags().DurationVar(&c.NodeTTL, "node-ttl", 10*time.Second, "--role node: the node's lease in etcd; a node silent this long is down and its sandboxes reported lost")
 	cmd.Flags().IntVar(&c.PlaceAttempts, "place-attempts", 3, "--role control: nodes tried per create before it waits for capacity (a node's refusal moves it to the next)")
@@ -80,8 +82,11 @@ func addClusterFlags(cmd *cobra.Command, c *clusterConfig) {
 func (c *clusterConfig) validate(listen string) error {
 	switch c.Role {
 	case roleAll:
-		if c.Etcd != "" {
-			return errors.New("--etcd is for --role node or control (the default role, all, keeps its state on this machine)")
+		if c.Etcd != "" || c.TLS.EtcdCA != "" || c.TLS.EtcdCert != "" {
+			return errors.New("--etcd and --etcd-ca/--etcd-cert are for --role node or control (the default role, all, keeps its state on this machine)")
+		}
+		if c.TLS.CA != "" || c.TLS.Cert != "" {
+			return errors.New("--cluster-ca/--cluster-cert are for --role control (the calls of a control replica to nodes)")
 		}
 		return nil
 	case roleNode, roleControl:
@@ -90,6 +95,12 @@ func (c *clusterConfig) validate(listen string) error {
 	}
 	if c.Etcd == "" {
 		return fmt.Errorf("--role %s needs --etcd", c.Role)
+	}
+	if c.Role == roleNode && (c.TLS.CA != "" || c.TLS.Cert != "") {
+		return errors.New("--cluster-ca/--cluster-cert are for --role control (a node calls no other member; it requires control replicas' certificates with --tls-client-ca)")
+	}
+	if err := c.TLS.validate(); err != nil {
+		return err
 	}
 	if c.PlaceAttempts < 1 || c.PlaceAttempts > 100 {
 		return fmt.Errorf("--place-attempts %d: want 1 to 100", c.PlaceAttempts)
@@ -105,7 +116,7 @@ func (c *clusterConfig) validate(listen string) error {
 		if c.Advertise == "" {
 			host, _, _ := net.SplitHostPort(listen)
 			if ip := net.ParseIP(host); host != "" && (ip == nil || !ip.IsUnspecified()) {
-				c.Advertise = "http://" + listen
+				c.Advertise = c.scheme + "://" + listen
 			}
 		}
 		return nil
@@ -128,7 +139,7 @@ func (c *clusterConfig) validate(listen string) error {
 		if ip := net.ParseIP(host); host == "" || ip != nil && ip.IsUnspecified() {
 			return fmt.Errorf("--listen %s listens on every address: give --advertise, the URL control replicas reach this node at", listen)
 		}
-		c.Advertise = "http://" + listen
+		c.Advertise = c.scheme + "://" + listen
 	}
 	return nil
 }
@@ -140,7 +151,11 @@ func (c *clusterConfig) etcdClient() (*clientv3.Client, error) {
 			eps = append(eps, e)
 		}
 	}
-	cli, err := clientv3.New(clientv3.Config{Endpoints: eps, DialTimeout: 5 * time.Second, Logger: zap.NewNop()})
+	tlsCfg, err := c.TLS.etcd()
+	if err != nil {
+		return nil, err
+	}
+	cli, err := clientv3.New(clientv3.Config{Endpoints: eps, DialTimeout: 5 * time.Second, Logger: zap.NewNop(), TLS: tlsCfg})
 	if err != nil {
 		return nil, fmt.Errorf("etcd %s: %w", c.Etcd, err)
 	}
@@ -310,6 +325,12 @@ func serveControl(cfg serveConfig) error {
 	protocols.SetHTTP1(true)
 	protocols.SetUnencryptedHTTP2(true)
 	fwd := control.NewForwarder(dir, engine, auth, log)
+	nodesTLS, err := cfg.Cluster.TLS.nodes()
+	if err != nil {
+		ln.Close()
+		return err
+	}
+	fwd.SetNodeTLS(nodesTLS)
 	fwd.SetTenancy(keys, usage, auditLog)
 	fwd.SetMetrics(metrics.New()) // GET /metrics: this replica's requests, placement, nodes
 	if adv := cfg.Cluster.Advertise; adv != "" {
@@ -334,13 +355,17 @@ func serveControl(cfg serveConfig) error {
 	if err := fwd.SetClientKeyTTL(cfg.Cluster.ClientKeyTTL); err != nil {
 		return err
 	}
-	srv := &http.Server{Handler: fwd.Handler(), Protocols: &protocols, ReadHeaderTimeout: 10 * time.Second}
+	ln, handler, err := cfg.TLS.wrap(ln, fwd.Handler())
+	if err != nil {
+		return err
+	}
+	srv := &http.Server{Handler: handler, Protocols: &protocols, ReadHeaderTimeout: 10 * time.Second}
 	e2bLn, domain, err := listenE2B(cfg, log)
 	if err != nil {
 		ln.Close()
 		return err
 	}
-	log.Info("shoal control serving", "listen", ln.Addr().String(), "etcd", cfg.Cluster.Etcd, "nodes", len(dir.Live()),
+	log.Info("shoal control serving", "listen", ln.Addr().String(), "tls", cfg.TLS.Cert != "", "etcd", cfg.Cluster.Etcd, "nodes", len(dir.Live()),
 		"admin_key", filepath.Join(cfg.DataDir, control.AdminKeyFile))
 	errc := make(chan error, 2)
 	go func() { errc <- srv.Serve(ln) }()

@@ -17,7 +17,7 @@ import (
 // executes for the commands that run server code.
 const serverBinary = "shoal-server"
 
-// serverCmds stand in for `serve`, `bench` and `vm` in the CLI-only build: each
+// serverCmds stand in for `serve`, `bench`, `vm` and `tls` in the CLI-only build: each
 // executes shoal-server (beside this executable, else on $PATH) with the
 // same arguments, in this process (exec: same PID, signals and exit code).
 func serverCmds() []*cobra.Command {
@@ -40,6 +40,7 @@ func serverCmds() []*cobra.Command {
 		proxy("serve", "Run the API, a node agent and the local layer store (all in one): executes shoal-server"),
 		proxy("bench", "Benchmarks (JSON on stdout): executes shoal-server"),
 		proxy("vm", "The VM backends' images (shoal vm image build): executes shoal-server"),
+		proxy("tls", "Make a private CA and certificates (serve --tls-cert, --cluster-cert): executes shoal-server"),
 	}
 }
 

@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 
 	"github.com/shoal-sandbox/shoal/internal/tenant"
@@ -129,5 +130,24 @@ func (a *Auth) Middleware(next http.Handler, public ...string) http.Handler {
 			return
 		}
 		next.ServeHTTP(w, r.WithContext(tenant.WithPrincipal(r.Context(), p)))
+	})
+}
+
+// RequireClientCert refuses (unauthenticated) a request that came without
+// a client certificate the server verified (serve --tls-client-ca: the
+// TLS configuration verifies one when given), except GET of the paths in
+// open (health checks of load balancers and kubelets).
+func RequireClientCert(next http.Handler, open ...string) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.TLS == nil || len(r.TLS.VerifiedChains) == 0 {
+			if r.Method == http.MethodGet && slices.Contains(open, r.URL.Path) {
+				next.ServeHTTP(w, r)
+				return
+			}
+			writeHTTPError(w, http.StatusUnauthorized, "unauthenticated",
+				"this API requires a client certificate signed by the CA it was started with (--tls-client-ca): present one (--cert and --cert-key, $SHOAL_CERT and $SHOAL_CERT_KEY)")
+			return
+		}
+		next.ServeHTTP(w, r)
 	})
 }

@@ -30,6 +30,7 @@ package control
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -82,6 +83,12 @@ func NewForwarder(dir *cluster.Directory, engine *placement.Engine, auth *Auth, 
 	f := &Forwarder{dir: dir, place: engine, auth: auth, client: &http.Client{Transport: tr}, log: log, claims: claims, replica: randomHex(4)}
 	f.dash = newDashboard(auth, log, nil, f.proxyTerminal)
 	return f
+}
+
+// SetNodeTLS sets what the replica trusts and presents when it calls a
+// node or another replica at an https:// URL (before it serves).
+func (f *Forwarder) SetNodeTLS(cfg *tls.Config) {
+	f.client.Transport.(*http.Transport).TLSClientConfig = cfg
 }
 
 // route says where a procedure's calls go.

@@ -9,24 +9,15 @@ package e2b
 // plain HTTP.
 
 import (
-	"bytes"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
 	"crypto/tls"
-	"crypto/x509"
-	"crypto/x509/pkix"
-	"encoding/pem"
 	"errors"
-	"fmt"
 	"io"
-	"math/big"
 	"net"
-	"os"
 	"path/filepath"
-	"slices"
 	"sync"
 	"time"
+
+	"github.com/shoal-sandbox/shoal/internal/pki"
 )
 
 // CAFile is the CA certificate clients trust, relative to the data dir.
@@ -53,7 +44,7 @@ func Serve(ln net.Listener, dataDir, domain string) (net.Listener, error) {
 			hosts = append(hosts, d, "*."+d)
 		}
 	}
-	cert, err := loadOrCreateCert(filepath.Join(dataDir, "e2b", "tls"), hosts)
+	cert, err := pki.LoadOrCreateCert(filepath.Join(dataDir, "e2b", "tls"), "Shoal local CA (E2B endpoint)", "Shoal E2B endpoint", hosts)
 	if err != nil {
 		return nil, err
 	}
@@ -141,123 +132,4 @@ func (c *peekedConn) Read(p []byte) (int, error) {
 		return n, nil
 	}
 	return c.Conn.Read(p)
-}
-
-// loadOrCreateCert returns a server certificate for hosts signed by the CA
-// in dir, creating the CA (valid 10 years) and the certificate (1 year)
-// when missing, expiring within 30 days, or not covering every host.
-func loadOrCreateCert(dir string, hosts []string) (tls.Certificate, error) {
-	if err := os.MkdirAll(dir, 0o700); err != nil {
-		return tls.Certificate{}, err
-	}
-	caCert, caKey, err := loadOrCreateCA(dir)
-	if err != nil {
-		return tls.Certificate{}, err
-	}
-	certPath, keyPath := filepath.Join(dir, "server.pem"), filepath.Join(dir, "server.key")
-	if c, err := tls.LoadX509KeyPair(certPath, keyPath); err == nil && c.Leaf != nil &&
-		time.Until(c.Leaf.NotAfter) > 30*24*time.Hour && covers(c.Leaf, hosts) && c.Leaf.CheckSignatureFrom(caCert) == nil {
-		return c, nil
-	}
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		return tls.Certificate{}, err
-	}
-	tmpl := &x509.Certificate{
-		SerialNumber: serial(),
-		Subject:      pkix.Name{CommonName: "Shoal E2B endpoint"},
-		NotBefore:    time.Now().Add(-time.Hour),
-		NotAfter:     time.Now().Add(365 * 24 * time.Hour),
-		KeyUsage:     x509.KeyUsageDigitalSignature,
-		ExtKeyUsage:  []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
-	}
-	for _, h := range hosts {
-		if ip := net.ParseIP(h); ip != nil {
-			tmpl.IPAddresses = append(tmpl.IPAddresses, ip)
-		} else if !slices.Contains(tmpl.DNSNames, h) {
-			tmpl.DNSNames = append(tmpl.DNSNames, h)
-		}
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, caCert, &key.PublicKey, caKey)
-	if err != nil {
-		return tls.Certificate{}, fmt.Errorf("sign e2b server certificate: %w", err)
-	}
-	if err := writePEM(certPath, "CERTIFICATE", der, 0o644); err != nil {
-		return tls.Certificate{}, err
-	}
-	kb, err := x509.MarshalECPrivateKey(key)
-	if err != nil {
-		return tls.Certificate{}, err
-	}
-	if err := writePEM(keyPath, "EC PRIVATE KEY", kb, 0o600); err != nil {
-		return tls.Certificate{}, err
-	}
-	return tls.LoadX509KeyPair(certPath, keyPath)
-}
-
-func loadOrCreateCA(dir string) (*x509.Certificate, *ecdsa.PrivateKey, error) {
-	certPath, keyPath := filepath.Join(dir, "ca.pem"), filepath.Join(dir, "ca.key")
-	if c, err := tls.LoadX509KeyPair(certPath, keyPath); err == nil && c.Leaf != nil && time.Until(c.Leaf.NotAfter) > 30*24*time.Hour {
-		if k, ok := c.PrivateKey.(*ecdsa.PrivateKey); ok {
-			return c.Leaf, k, nil
-		}
-	}
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		return nil, nil, err
-	}
-	tmpl := &x509.Certificate{
-		SerialNumber:          serial(),
-		Subject:               pkix.Name{CommonName: "Shoal local CA (E2B endpoint)", Organization: []string{"Shoal"}},
-		NotBefore:             time.Now().Add(-time.Hour),
-		NotAfter:              time.Now().Add(10 * 365 * 24 * time.Hour),
-		KeyUsage:              x509.KeyUsageCertSign | x509.KeyUsageCRLSign,
-		BasicConstraintsValid: true,
-		IsCA:                  true,
-		MaxPathLenZero:        true,
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
-	if err != nil {
-		return nil, nil, fmt.Errorf("create e2b CA: %w", err)
-	}
-	kb, err := x509.MarshalECPrivateKey(key)
-	if err != nil {
-		return nil, nil, err
-	}
-	if err := writePEM(keyPath, "EC PRIVATE KEY", kb, 0o600); err != nil {
-		return nil, nil, err
-	}
-	if err := writePEM(certPath, "CERTIFICATE", der, 0o644); err != nil {
-		return nil, nil, err
-	}
-	cert, err := x509.ParseCertificate(der)
-	return cert, key, err
-}
-
-func covers(c *x509.Certificate, hosts []string) bool {
-	for _, h := range hosts {
-		if ip := net.ParseIP(h); ip != nil {
-			if !slices.ContainsFunc(c.IPAddresses, func(x net.IP) bool { return x.Equal(ip) }) {
-				return false
-			}
-		} else if !slices.Contains(c.DNSNames, h) {
-			return false
-		}
-	}
-	return true
-}
-
-func serial() *big.Int {
-	n, _ := rand.Int(rand.Reader, new(big.Int).Lsh(big.NewInt(1), 120))
-	return n
-}
-
-func writePEM(path, typ string, der []byte, mode os.FileMode) error {
-	var buf bytes.Buffer
-	pem.Encode(&buf, &pem.Block{Type: typ, Bytes: der})
-	tmp := path + ".tmp"
-	if err := os.WriteFile(tmp, buf.Bytes(), mode); err != nil {
-		return err
-	}
-	return os.Rename(tmp, path)
 }

@@ -7,6 +7,8 @@ package shoal
 import (
 	"bytes"
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -37,6 +39,11 @@ type Options struct {
 	URL        string
 	APIKey     string
 	HTTPClient *http.Client
+	// TLS, for an https:// URL when HTTPClient is nil: CAFile is the CA
+	// (PEM) that signed the server's certificate (default $SHOAL_CA, else
+	// the system's roots); CertFile and KeyFile a client certificate to
+	// present (default $SHOAL_CERT and $SHOAL_CERT_KEY).
+	CAFile, CertFile, KeyFile string
 }
 
 // Client talks to one Shoal API endpoint. It is safe for concurrent use.
@@ -73,7 +80,13 @@ func New(o Options) (*Client, error) {
 		}
 	}
 	if o.HTTPClient == nil {
+		tlsCfg, err := clientTLS(o)
+		if err != nil {
+			return nil, err
+		}
 		tr := &http.Transport{
+			TLSClientConfig:     tlsCfg,
+			ForceAttemptHTTP2:   true,
 			Proxy:               http.ProxyFromEnvironment,
 			DialContext:         (&net.Dialer{Timeout: 10 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
 			MaxIdleConns:        1024,
@@ -96,6 +109,56 @@ func New(o Options) (*Client, error) {
 	c.Commands = shoalv1connect.NewCommandServiceClient(c.hc, c.url, noGzip)
 	c.Admin = shoalv1connect.NewAdminServiceClient(c.hc, c.url, noGzip)
 	return c, nil
+}
+
+// clientTLS is the TLS configuration of o (and the environment), nil for
+// the default one.
+func clientTLS(o Options) (*tls.Config, error) {
+	env := func(v *string, name string) {
+		if *v == "" {
+			*v = os.Getenv(name)
+		}
+	}
+	env(&o.CAFile, "SHOAL_CA")
+	env(&o.CertFile, "SHOAL_CERT")
+	env(&o.KeyFile, "SHOAL_CERT_KEY")
+	if o.CAFile == "" && o.CertFile == "" && o.KeyFile == "" {
+		return nil, nil
+	}
+	cfg, err := ClientTLS(o.CAFile, o.CertFile, o.KeyFile)
+	if err != nil {
+		return nil, fmt.Errorf("TLS ($SHOAL_CA, $SHOAL_CERT, $SHOAL_CERT_KEY): %w", err)
+	}
+	return cfg, nil
+}
+
+// ClientTLS is the TLS configuration of a client that trusts caFile's
+// certificates (PEM; none: the system's roots) and, with certFile and
+// keyFile, presents that certificate. Shoal's control replicas use it to
+// call nodes too.
+func ClientTLS(caFile, certFile, keyFile string) (*tls.Config, error) {
+	cfg := &tls.Config{MinVersion: tls.VersionTLS12}
+	if caFile != "" {
+		b, err := os.ReadFile(caFile)
+		if err != nil {
+			return nil, fmt.Errorf("CA certificates: %w", err)
+		}
+		cfg.RootCAs = x509.NewCertPool()
+		if !cfg.RootCAs.AppendCertsFromPEM(b) {
+			return nil, fmt.Errorf("CA certificates %s: no PEM certificate in it", caFile)
+		}
+	}
+	if (certFile == "") != (keyFile == "") {
+		return nil, errors.New("a client certificate needs both its certificate file and its key file")
+	}
+	if certFile != "" {
+		cert, err := tls.LoadX509KeyPair(certFile, keyFile)
+		if err != nil {
+			return nil, fmt.Errorf("TLS client certificate %s and key %s: %w", certFile, keyFile, err)
+		}
+		cfg.Certificates = []tls.Certificate{cert}
+	}
+	return cfg, nil
 }
 
 func transportOf(hc *http.Client) http.RoundTripper {

@@ -10,7 +10,9 @@
 // reaches a sandbox on either (dash_test.go). E2B's API and envd, through
 // a replica's E2B endpoint, reach sandboxes on both nodes (e2b_test.go).
 // Environments and keyed creates are the cluster's (state_test.go), and
-// so are layer tags (layers_test.go).
+// so are layer tags (layers_test.go). Its links are TLS (tls_test.go): etcd
+// and the nodes' APIs require client certificates, which the replicas
+// present.
 //
 // It needs root, runc, mkfs.erofs and busybox (as test/e2e); without them
 // it skips, saying which is missing.
@@ -22,7 +24,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"net"
-	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -107,7 +108,7 @@ func (p *proc) start(t *testing.T, bin string) {
 	}
 	deadline := time.Now().Add(2 * time.Minute)
 	for {
-		if res, err := http.Get("http://" + p.addr + "/healthz"); err == nil {
+		if res, err := apiHTTP.Get(apiURL(p.addr) + "/healthz"); err == nil {
 			res.Body.Close()
 			return
 		}
@@ -125,7 +126,7 @@ func waitNodes(t *testing.T, controls []*proc, n int) {
 	t.Helper()
 	waitFor(t, fmt.Sprintf("%d nodes seen by every control replica", n), func() error {
 		for _, c := range controls {
-			res, err := http.Get("http://" + c.addr + "/healthz")
+			res, err := apiHTTP.Get(apiURL(c.addr) + "/healthz")
 			if err != nil {
 				return err
 			}
@@ -165,7 +166,7 @@ func (p *proc) stop() {
 }
 
 func client(t *testing.T, addr, key string) *shoal.Client {
-	c, err := shoal.New(shoal.Options{URL: "http://" + addr, APIKey: key})
+	c, err := shoal.New(shoal.Options{URL: apiURL(addr), APIKey: key, CAFile: certs.ca, CertFile: certs.clientCert, KeyFile: certs.clientKey})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -193,7 +194,8 @@ func TestCluster(t *testing.T) {
 	step := func(what string) { t.Logf("%6.1fs %s", time.Since(t0).Seconds(), what) }
 	bin := build(t)
 	step("built")
-	etcd := etcdtest.Start(t)
+	tlsSetup(t) // tls_test.go
+	etcd := etcdtest.StartTLS(t, etcdtest.TLS{Cert: certs.nodeCert, Key: certs.nodeKey, ClientCA: certs.ca})
 	key := "sk_shoal_clustertest_" + fmt.Sprint(time.Now().UnixNano())
 	mkdata := func(name string) string {
 		d, err := os.MkdirTemp("/tmp", "sc"+name) // short: unix socket paths live under it
@@ -218,6 +220,7 @@ func TestCluster(t *testing.T) {
 		n.args = []string{"--role", "node", "--etcd", etcd, "--node-name", n.name, "--node-ttl", "2s", "--layer-store", "file://" + store,
 			"--e2b-listen", n.e2b, "--egress-subnet", fmt.Sprintf("10.%d.0.0/16", 254+i), "--pool-size", "0", "--min-available", "none",
 			"--userns-base", fmt.Sprint(1_500_000_000 + i*100_000_000)}
+		n.args = append(n.args, nodeTLS(n)...)
 	}
 	nodes[1].args = append(nodes[1].args, "--log-format", "json") // n2's log: JSON lines
 	// n3 joins later (before the Python suite, which runs on three nodes)
@@ -228,10 +231,11 @@ func TestCluster(t *testing.T) {
 	n3.args = []string{"--role", "node", "--etcd", etcd, "--node-name", n3.name, "--node-ttl", "2s", "--layer-store", "file://" + store,
 		"--e2b-listen", n3.e2b, "--egress-subnet", "10.252.0.0/16", "--pool-size", "0", "--min-available", "none",
 		"--userns-base", fmt.Sprint(1_700_000_000)}
+	n3.args = append(n3.args, nodeTLS(n3)...)
 	controls := []*proc{{name: "c1"}, {name: "c2"}}
 	for _, c := range controls {
 		c.addr, c.e2b, c.data = freeAddr(t), freeAddr(t), mkdata(c.name)
-		c.args = []string{"--role", "control", "--etcd", etcd, "--e2b-listen", c.e2b}
+		c.args = append([]string{"--role", "control", "--etcd", etcd, "--e2b-listen", c.e2b}, controlTLS()...)
 	}
 	t.Cleanup(func() {
 		for _, c := range controls {
@@ -285,12 +289,13 @@ func TestCluster(t *testing.T) {
 	rootfs := busyboxRootfs(t)
 	for _, n := range nodes {
 		cmd := exec.Command(filepath.Join(bin, "shoal"), "layer", "build", "--kind", "base", baseRef, rootfs)
-		cmd.Env = append(os.Environ(), "SHOAL_URL=http://"+n.addr, "SHOAL_API_KEY="+key)
+		cmd.Env = append(os.Environ(), cliEnv(n.addr, key)...)
 		if out, err := cmd.CombinedOutput(); err != nil {
 			t.Fatalf("layer build on %s: %v\n%s", n.name, err, out)
 		}
 	}
 	step("layers built")
+	checkNodeTLS(t, context.Background(), nodes[0].addr, key) // tls_test.go
 	c1, c2 := client(t, controls[0].addr, key), client(t, controls[1].addr, key)
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()

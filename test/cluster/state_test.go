@@ -10,7 +10,6 @@ package cluster_test
 import (
 	"context"
 	"fmt"
-	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -28,7 +27,7 @@ import (
 )
 
 func layers(addr string) shoalv1connect.LayerServiceClient {
-	return shoalv1connect.NewLayerServiceClient(http.DefaultClient, "http://"+addr)
+	return shoalv1connect.NewLayerServiceClient(apiHTTP, apiURL(addr))
 }
 
 func keyed[T any](msg *T, key string) *connect.Request[T] {
@@ -53,7 +52,7 @@ func envNames(ctx context.Context, addr, key string) ([]string, error) {
 // cli runs the shoal CLI against the API at addr.
 func cli(t *testing.T, bin, addr, key string, args ...string) (string, error) {
 	cmd := exec.Command(filepath.Join(bin, "shoal"), args...)
-	cmd.Env = append(os.Environ(), "SHOAL_URL=http://"+addr, "SHOAL_API_KEY="+key)
+	cmd.Env = append(os.Environ(), cliEnv(addr, key)...)
 	out, err := cmd.CombinedOutput()
 	return strings.TrimSpace(string(out)), err
 }

@@ -359,3 +359,29 @@ func create(t *testing.T, extra ...string) string {
 	t.Cleanup(func() { run(nil, "rm", id) })
 	return id
 }
+
+// startExtraServe starts a serve of its own on data (its log in
+// data/serve.log) at a free loopback address with args besides --data and
+// --listen, stopped (SIGTERM) when the test ends; it returns the address.
+func startExtraServe(t *testing.T, data string, args ...string) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	ln.Close()
+	log, err := os.Create(filepath.Join(data, "serve.log"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer log.Close()
+	srv := exec.Command(filepath.Join(binDir, "shoal"), append([]string{"serve", "--data", data, "--listen", addr}, args...)...)
+	srv.Stdout, srv.Stderr = log, log
+	srv.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	if err := srv.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { srv.Process.Signal(syscall.SIGTERM); srv.Wait() })
+	return addr
+}

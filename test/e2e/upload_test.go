@@ -10,7 +10,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
@@ -143,22 +142,8 @@ func TestLayerUploadBounded(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer func() { unmountUnder(data); os.RemoveAll(data) }()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	addr := ln.Addr().String()
-	ln.Close()
-	log, _ := os.Create(filepath.Join(data, "serve.log"))
-	defer log.Close()
-	srv := exec.Command(filepath.Join(binDir, "shoal"), "serve", "--data", data, "--listen", addr, "--e2b-listen=", "--pool-size", "0", "--build-upload-max", "1M")
-	srv.Stdout, srv.Stderr = log, log
-	srv.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
-	if err := srv.Start(); err != nil {
-		t.Fatal(err)
-	}
-	defer func() { srv.Process.Signal(syscall.SIGTERM); srv.Wait() }()
+	t.Cleanup(func() { unmountUnder(data); os.RemoveAll(data) }) // after the serve stops (cleanups run last first)
+	addr := startExtraServe(t, data, "--e2b-listen=", "--pool-size", "0", "--build-upload-max", "1M")
 	url := "http://" + addr
 	waitFor(t, 2*time.Minute, "the second serve", func() bool {
 		res, err := http.Get(url + "/healthz")

@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"go.etcd.io/etcd/client/pkg/v3/transport"
 	"go.etcd.io/etcd/server/v3/embed"
 	"go.uber.org/zap"
 )
@@ -17,10 +18,29 @@ import (
 // client endpoint (http://127.0.0.1:PORT).
 func Start(t testing.TB) string {
 	t.Helper()
+	return start(t, nil)
+}
+
+// TLS is what StartTLS's etcd serves with: its certificate and key, and
+// the CA whose client certificates it requires (PEM files).
+type TLS struct{ Cert, Key, ClientCA string }
+
+// StartTLS is Start with TLS on the client endpoint (https://) and client
+// certificates required (etcd's --client-cert-auth).
+func StartTLS(t testing.TB, tls TLS) string {
+	t.Helper()
+	return start(t, &tls)
+}
+
+func start(t testing.TB, tls *TLS) string {
 	cfg := embed.NewConfig()
 	cfg.Dir = t.TempDir()
 	cfg.ZapLoggerBuilder = embed.NewZapLoggerBuilder(zap.NewNop()) // its shutdown "errors" are noise
 	client, peer := freeURL(t), freeURL(t)
+	if tls != nil {
+		client.Scheme = "https"
+		cfg.ClientTLSInfo = transport.TLSInfo{CertFile: tls.Cert, KeyFile: tls.Key, TrustedCAFile: tls.ClientCA, ClientCertAuth: true}
+	}
 	cfg.ListenClientUrls, cfg.AdvertiseClientUrls = []url.URL{client}, []url.URL{client}
 	cfg.ListenPeerUrls, cfg.AdvertisePeerUrls = []url.URL{peer}, []url.URL{peer}
 	cfg.InitialCluster = cfg.Name + "=" + peer.String()

@@ -12,7 +12,8 @@ where it has the same thing. ``shoal.layers`` builds, lists, commits, tags,
 removes, exports and imports layers; ``shoal.environments`` manages named
 stacks of layers (templates); ``shoal.fncall`` runs judged one-shot calls.
 Configuration: arguments, else ``SHOAL_URL`` and ``SHOAL_API_KEY``, else
-``/var/lib/shoal/admin.key``.
+``/var/lib/shoal/admin.key``; TLS from ``SHOAL_CA``, ``SHOAL_CERT`` and
+``SHOAL_CERT_KEY``.
 """
 
 from . import environments, fncall, layers, monitor

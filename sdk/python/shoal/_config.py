@@ -1,11 +1,13 @@
 """Connection settings: arguments first, then SHOAL_URL / SHOAL_API_KEY, then
-the admin key file of a local `shoal serve`."""
+the admin key file of a local `shoal serve`; TLS files from SHOAL_CA,
+SHOAL_CERT and SHOAL_CERT_KEY."""
 
 from __future__ import annotations
 
 import os
+import ssl
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple, Union
 
 DEFAULT_URL = "http://127.0.0.1:7480"
 DEFAULT_KEY_FILE = "/var/lib/shoal/admin.key"
@@ -33,12 +35,20 @@ class ConnectionConfig:
     :param retries: how many times an idempotent call is retried, with
         exponential back-off and jitter, after ``resource_exhausted``,
         ``unavailable`` or a lost connection.
+    :param ca: for an ``https://`` URL, the CA certificate (PEM file) that
+        signed the server's certificate (``SHOAL_CA``; default: the
+        system's).
+    :param cert: a client certificate (PEM file) to present, with
+        ``cert_key`` (``SHOAL_CERT``, ``SHOAL_CERT_KEY``).
     """
 
     url: str = DEFAULT_URL
     api_key: Optional[str] = None
     request_timeout: float = DEFAULT_REQUEST_TIMEOUT
     retries: int = DEFAULT_RETRIES
+    ca: Optional[str] = None
+    cert: Optional[str] = None
+    cert_key: Optional[str] = None
 
     @classmethod
     def resolve(
@@ -55,16 +65,34 @@ class ConnectionConfig:
             raise InvalidArgument(f"Shoal URL {url!r} must look like http://HOST:PORT")
         if not api_key:
             api_key = os.environ.get("SHOAL_API_KEY") or _read_key_file()
+        cert, cert_key = os.environ.get("SHOAL_CERT") or None, os.environ.get("SHOAL_CERT_KEY") or None
+        if (cert is None) != (cert_key is None):
+            from .exceptions import InvalidArgument
+
+            raise InvalidArgument("a client certificate needs both SHOAL_CERT and SHOAL_CERT_KEY")
         return cls(
             url=url.rstrip("/"),
             api_key=api_key or None,
             request_timeout=DEFAULT_REQUEST_TIMEOUT if request_timeout is None else float(request_timeout),
             retries=DEFAULT_RETRIES if retries is None else int(retries),
+            ca=os.environ.get("SHOAL_CA") or None,
+            cert=cert,
+            cert_key=cert_key,
         )
 
     @property
-    def key(self) -> Tuple[str, Optional[str], float, int]:
-        return (self.url, self.api_key, self.request_timeout, self.retries)
+    def key(self) -> Tuple[Any, ...]:
+        return (self.url, self.api_key, self.request_timeout, self.retries, self.ca, self.cert, self.cert_key)
+
+    def ssl_context(self) -> Union[bool, ssl.SSLContext]:
+        """What httpx verifies TLS with: its default, or a context that
+        trusts ``ca`` and presents ``cert``."""
+        if not (self.ca or self.cert):
+            return True
+        ctx = ssl.create_default_context(cafile=self.ca)
+        if self.cert:
+            ctx.load_cert_chain(self.cert, self.cert_key)
+        return ctx
 
 
 def _read_key_file() -> Optional[str]:

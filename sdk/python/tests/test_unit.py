@@ -541,3 +541,26 @@ def test_monitor_status_of_a_cluster() -> None:
     assert n2.state == "down" and n2.sandboxes == 3 and n2.heartbeat_at is None
     assert single.state == "up"  # a server older than the field
     assert [(s.sandbox_id, s.node, s.state, s.memory_bytes) for s in st.sandboxes] == [("a", "n1", "running", 0), ("b", "n2", "lost", -1)]
+
+
+def test_tls_settings_from_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """SHOAL_CA / SHOAL_CERT / SHOAL_CERT_KEY make the TLS context (the
+    handshake itself: test/e2e's TestServeTLS); a certificate without its
+    key is refused, and so is a CA file that is not one."""
+    from shoal._config import ConnectionConfig
+
+    for k in ("SHOAL_CA", "SHOAL_CERT", "SHOAL_CERT_KEY"):
+        monkeypatch.delenv(k, raising=False)
+    plain = ConnectionConfig.resolve(url="https://h:1", api_key="k")
+    assert plain.ssl_context() is True and plain.ca is None
+    monkeypatch.setenv("SHOAL_CERT", str(tmp_path / "c.pem"))
+    with pytest.raises(shoal.InvalidArgument, match="SHOAL_CERT_KEY"):
+        ConnectionConfig.resolve(url="https://h:1", api_key="k")
+    monkeypatch.delenv("SHOAL_CERT")
+    bad = tmp_path / "ca.pem"
+    bad.write_text("not a certificate\n")
+    monkeypatch.setenv("SHOAL_CA", str(bad))
+    c = ConnectionConfig.resolve(url="https://h:1", api_key="k")
+    assert c.ca == str(bad) and c.key != plain.key  # its own connection pool
+    with pytest.raises(Exception):
+        c.ssl_context()

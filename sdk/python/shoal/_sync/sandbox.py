@@ -287,7 +287,7 @@ class Sandbox:
         """An ``httpx.Client`` whose relative URLs go to ``port`` inside the
         sandbox, authenticated. Close it (or use ``with``) when done."""
         kw = _client_kwargs(self._transport.config)
-        kw["transport"] = _nodelay_transport(kw.pop("limits"), kw["trust_env"])
+        kw["transport"] = _nodelay_transport(kw.pop("limits"), kw["trust_env"], kw["verify"])
         kw["base_url"] = self.get_url(port)
         kw.update(kwargs)
         return httpx.Client(**kw)

@@ -32,7 +32,7 @@ from ..exceptions import ConnectionLost, ShoalError
 _LOOPBACK = ("127.", "localhost", "[::1]", "::1")
 
 
-def _nodelay_transport(limits: httpx.Limits, trust_env: bool) -> httpx.HTTPTransport:
+def _nodelay_transport(limits: httpx.Limits, trust_env: bool, verify: Any = True) -> httpx.HTTPTransport:
     """An httpx transport whose sockets have TCP_NODELAY.
 
     httpx's blocking transport (httpcore 0.16) leaves Nagle's algorithm on:
@@ -42,8 +42,8 @@ def _nodelay_transport(limits: httpx.Limits, trust_env: bool) -> httpx.HTTPTrans
     """
     opt = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
     if "socket_options" in inspect.signature(httpx.HTTPTransport).parameters:  # httpx >= 0.24
-        return httpx.HTTPTransport(limits=limits, trust_env=trust_env, socket_options=opt)  # type: ignore[call-arg]
-    t = httpx.HTTPTransport(limits=limits, trust_env=trust_env)
+        return httpx.HTTPTransport(limits=limits, trust_env=trust_env, verify=verify, socket_options=opt)  # type: ignore[call-arg]
+    t = httpx.HTTPTransport(limits=limits, trust_env=trust_env, verify=verify)
     try:
         from httpcore.backends.sync import SyncBackend  # httpcore 0.16 (Debian 12)
 
@@ -78,6 +78,7 @@ def _client_kwargs(config: ConnectionConfig) -> Dict[str, Any]:
         limits=httpx.Limits(max_connections=None, max_keepalive_connections=16, keepalive_expiry=5.0),
         # Like Go's ProxyFromEnvironment: never send a local server through a proxy.
         trust_env=not host.startswith(_LOOPBACK),
+        verify=config.ssl_context(),
     )
 
 
@@ -124,7 +125,7 @@ class Transport:
     def __init__(self, config: ConnectionConfig) -> None:
         self.config = config
         kw = _client_kwargs(config)
-        kw["transport"] = _nodelay_transport(kw.pop("limits"), kw["trust_env"])
+        kw["transport"] = _nodelay_transport(kw.pop("limits"), kw["trust_env"], kw["verify"])
         self.client = httpx.Client(**kw)
 
     def close(self) -> None:
