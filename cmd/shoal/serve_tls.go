@@ -108,7 +108,9 @@ func (c clusterTLS) validate() error {
 // nodes is the TLS client configuration for calls to nodes and other
 // replicas (used for their https:// URLs).
 func (c clusterTLS) nodes() (*tls.Config, error) {
-	return shoal.ClientTLS(c.CA, c.Cert, c.Key)
+	cfg, err := shoal.ClientTLS(c.CA, c.Cert, c.Key)
+	pki.ReloadClientCert(cfg, c.Cert, c.Key) // renewed in place: no restart
+	return cfg, err
 }
 
 // etcd is the TLS client configuration for etcd, nil when none is set
@@ -117,5 +119,7 @@ func (c clusterTLS) etcd() (*tls.Config, error) {
 	if c.EtcdCA == "" && c.EtcdCert == "" {
 		return nil, nil
 	}
-	return shoal.ClientTLS(c.EtcdCA, c.EtcdCert, c.EtcdKey)
+	cfg, err := shoal.ClientTLS(c.EtcdCA, c.EtcdCert, c.EtcdKey)
+	pki.ReloadClientCert(cfg, c.EtcdCert, c.EtcdKey)
+	return cfg, err
 }

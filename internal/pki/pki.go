@@ -25,6 +25,9 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
+	"sync"
+	"syscall"
 	"time"
 )
 
@@ -156,24 +159,114 @@ func LoadOrCreateCert(dir, caName, name string, hosts []string) (tls.Certificate
 // certificate certFile and key keyFile (HTTP/2 and HTTP/1.1). With
 // clientCAFile, clients may present a certificate signed by that CA, which
 // is verified (control.RequireClientCert refuses requests without one).
+// The files are read again at the next handshake after they change (see
+// Watched): a renewed certificate needs no restart.
 func ServerConfig(certFile, keyFile, clientCAFile string) (*tls.Config, error) {
-	cert, err := tls.LoadX509KeyPair(certFile, keyFile)
-	if err != nil {
-		return nil, fmt.Errorf("TLS certificate %s and key %s: %w", certFile, keyFile, err)
+	cert := KeyPair(certFile, keyFile)
+	if _, err := cert.Get(); err != nil {
+		return nil, err
 	}
-	cfg := &tls.Config{Certificates: []tls.Certificate{cert}, NextProtos: []string{"h2", "http/1.1"}, MinVersion: tls.VersionTLS12}
+	base := &tls.Config{NextProtos: []string{"h2", "http/1.1"}, MinVersion: tls.VersionTLS12}
+	var pool *Watched[*x509.CertPool]
 	if clientCAFile != "" {
-		pool, err := loadPool(clientCAFile)
-		if err != nil {
+		pool = NewWatched([]string{clientCAFile}, func() (*x509.CertPool, error) { return loadPool(clientCAFile) })
+		if _, err := pool.Get(); err != nil {
 			return nil, err
 		}
 		// Verified when given; required by the API's middleware
 		// (control.RequireClientCert), which lets health checks (load
 		// balancers, kubelets) in without one.
-		cfg.ClientAuth = tls.VerifyClientCertIfGiven
-		cfg.ClientCAs = pool
+		base.ClientAuth = tls.VerifyClientCertIfGiven
+	}
+	cfg := base.Clone()
+	cfg.GetConfigForClient = func(*tls.ClientHelloInfo) (*tls.Config, error) {
+		c := base.Clone()
+		kp, err := cert.Get()
+		if err != nil {
+			return nil, err
+		}
+		c.Certificates = []tls.Certificate{*kp}
+		if pool != nil {
+			if c.ClientCAs, err = pool.Get(); err != nil {
+				return nil, err
+			}
+		}
+		return c, nil
 	}
 	return cfg, nil
+}
+
+// KeyPair is the certificate certFile with its key keyFile, read again
+// when they change.
+func KeyPair(certFile, keyFile string) *Watched[*tls.Certificate] {
+	return NewWatched([]string{certFile, keyFile}, func() (*tls.Certificate, error) {
+		c, err := tls.LoadX509KeyPair(certFile, keyFile)
+		if err != nil {
+			return nil, fmt.Errorf("TLS certificate %s and key %s: %w", certFile, keyFile, err)
+		}
+		return &c, nil
+	})
+}
+
+// ReloadClientCert makes cfg present certFile (with keyFile) read again
+// when the files change, instead of the certificate loaded once.
+func ReloadClientCert(cfg *tls.Config, certFile, keyFile string) {
+	if cfg == nil || certFile == "" {
+		return
+	}
+	kp := KeyPair(certFile, keyFile)
+	cfg.Certificates = nil
+	cfg.GetClientCertificate = func(*tls.CertificateRequestInfo) (*tls.Certificate, error) { return kp.Get() }
+}
+
+// Watched is a value loaded from files and loaded again when one of them
+// changes (size, modification time or inode): certificates renewed in
+// place (by an operator, cert-manager, `shoal tls cert`) take effect at
+// the next handshake. While a changed set does not load (a certificate
+// written before its key), the last good value stays and the load is
+// tried again at the next Get.
+type Watched[T any] struct {
+	files []string
+	load  func() (T, error)
+	mu    sync.Mutex
+	stamp string // of the files the value was loaded from; "" before the first load
+	val   T
+}
+
+// NewWatched returns the value of files as load makes it.
+func NewWatched[T any](files []string, load func() (T, error)) *Watched[T] {
+	return &Watched[T]{files: files, load: load}
+}
+
+// Get returns the value, loading it again when the files changed.
+func (w *Watched[T]) Get() (T, error) {
+	stamp := fileStamp(w.files)
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if stamp != w.stamp {
+		v, err := w.load()
+		if err != nil {
+			if w.stamp == "" {
+				return v, err
+			}
+			return w.val, nil
+		}
+		w.val, w.stamp = v, stamp
+	}
+	return w.val, nil
+}
+
+func fileStamp(files []string) string {
+	var b strings.Builder
+	for _, f := range files {
+		var st syscall.Stat_t
+		if err := syscall.Stat(f, &st); err != nil {
+			b.WriteString("missing;")
+			continue
+		}
+		fmt.Fprintf(&b, "%d:%d:%d.%d;", st.Ino, st.Size, st.Mtim.Sec, st.Mtim.Nsec)
+	}
+	return b.String()
 }
 
 // loadPool reads the PEM certificates of file (the client side is the

@@ -151,3 +151,62 @@ func TestLoadOrCreateCert(t *testing.T) {
 		t.Errorf("server key mode: %v %v, want 0600", st.Mode(), err)
 	}
 }
+
+// TestReload: a server's certificate renewed in place is served from the
+// next handshake on, without a restart; a renewal caught half-written
+// (a certificate without its key) keeps the last good one.
+func TestReload(t *testing.T) {
+	dir := t.TempDir()
+	caFile, certFile, keyFile := issue(t, dir, "ca", "srv", Server)
+	cfg, err := ServerConfig(certFile, keyFile, "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ln, err := tls.Listen("tcp", "127.0.0.1:0", cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			c.(*tls.Conn).Handshake()
+			c.Close()
+		}
+	}()
+	served := func() string {
+		t.Helper()
+		ccfg, err := shoal.ClientTLS(caFile, "", "")
+		if err != nil {
+			t.Fatal(err)
+		}
+		c, err := tls.Dial("tcp", ln.Addr().String(), ccfg)
+		if err != nil {
+			t.Fatalf("handshake: %v", err)
+		}
+		defer c.Close()
+		return c.ConnectionState().PeerCertificates[0].SerialNumber.String()
+	}
+	first := served()
+	if again := served(); again != first {
+		t.Fatalf("the certificate changed without a renewal: %s then %s", first, again)
+	}
+	issue(t, dir, "ca", "srv", Server) // renewed in place
+	renewed := served()
+	if renewed == first {
+		t.Fatal("the renewed certificate was not served")
+	}
+	// Half-written: a new certificate, the old key. The last good stays.
+	other := t.TempDir()
+	_, otherCert, _ := issue(t, other, "ca", "srv", Server)
+	b, _ := os.ReadFile(otherCert)
+	if err := os.WriteFile(certFile, b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if got := served(); got != renewed {
+		t.Errorf("a mismatched certificate and key: served %s, want the last good %s", got, renewed)
+	}
+}
