@@ -156,7 +156,7 @@ func (c *serveConfig) Validate() error {
 	if err := c.TLS.validate(); err != nil {
 		return err
 	}
-	c.Cluster.scheme = c.TLS.scheme()
+	c.Cluster.scheme, c.Cluster.e2bClosed = c.TLS.scheme(), c.nodeE2BClosed()
 	if err := c.Cluster.validate(c.Listen); err != nil { // serve_cluster.go
 		return err
 	}
@@ -593,8 +593,10 @@ func serve(cfg serveConfig) error {
 		if domain == "" {
 			domain = "shoal.localhost:" + strconv.Itoa(e2bLn.Addr().(*net.TCPAddr).Port)
 		}
-		if e2bLn, err = e2b.Serve(e2bLn, cfg.DataDir, domain); err != nil {
-			return err
+		if !cfg.nodeE2BClosed() {
+			if e2bLn, err = e2b.Serve(e2bLn, cfg.DataDir, domain); err != nil {
+				return err
+			}
 		}
 		defer e2bLn.Close()
 		tusers, err := keyValues(cfg.E2B.TemplateUsers, "--e2b-template-user")
@@ -647,7 +649,7 @@ func serve(cfg serveConfig) error {
 	if cfg.Cluster.Role == roleNode {
 		api.SetNodeName(cfg.Cluster.NodeName)
 	}
-	ln, handler, err := cfg.TLS.wrap(ln, api.Handler())
+	ln, handler, err := cfg.TLS.wrap(ln, api.Handler(), "/healthz")
 	if err != nil {
 		return err
 	}
@@ -672,7 +674,13 @@ func serve(cfg serveConfig) error {
 	errc := make(chan error, 2)
 	go func() { errc <- srv.Serve(ln) }()
 	if e2bSrv != nil {
-		e2bHTTP := &http.Server{Handler: e2bSrv, Protocols: &protocols, ReadHeaderTimeout: 10 * time.Second}
+		var e2bHandler http.Handler = e2bSrv
+		if cfg.nodeE2BClosed() {
+			if e2bLn, e2bHandler, err = cfg.TLS.wrap(e2bLn, e2bSrv, "/health"); err != nil {
+				return err
+			}
+		}
+		e2bHTTP := &http.Server{Handler: e2bHandler, Protocols: &protocols, ReadHeaderTimeout: 10 * time.Second}
 		defer e2bHTTP.Close()
 		log.Info("e2b endpoint serving", "listen", e2bLn.Addr().String(), "ca", filepath.Join(cfg.DataDir, e2b.CAFile))
 		go func() { errc <- e2bHTTP.Serve(e2bLn) }()

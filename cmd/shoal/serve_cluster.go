@@ -64,6 +64,7 @@ type clusterConfig struct {
 	ClientKeyTTL time.Duration
 	TLS          clusterTLS // serve_tls.go
 	scheme       string     // of this server's API: http or https
+	e2bClosed    bool       // the node's E2B endpoint is for control replicas only (serveConfig.nodeE2BClosed)
 }
 
 func addClusterFlags(cmd *cobra.Command, c *clusterConfig) {
@@ -257,17 +258,21 @@ func (c *clusterConfig) e2bURL(addr net.Addr) (string, error) {
 		}
 		return "", nil
 	}
+	scheme := "http"
+	if c.e2bClosed {
+		scheme = "https"
+	}
 	if c.E2BAdvertise != "" {
 		u, err := url.Parse(c.E2BAdvertise)
-		if err != nil || u.Scheme != "http" || u.Host == "" {
-			return "", fmt.Errorf("--e2b-advertise %q: want http://HOST:PORT", c.E2BAdvertise)
+		if err != nil || u.Scheme != scheme || u.Host == "" {
+			return "", fmt.Errorf("--e2b-advertise %q: want %s://HOST:PORT", c.E2BAdvertise, scheme)
 		}
 		return c.E2BAdvertise, nil
 	}
 	if a, ok := addr.(*net.TCPAddr); ok && a.IP.IsUnspecified() {
 		return "", fmt.Errorf("--e2b-listen %s listens on every address: give --e2b-advertise, the URL control replicas reach this node's E2B endpoint at", addr)
 	}
-	return "http://" + addr.String(), nil
+	return scheme + "://" + addr.String(), nil
 }
 
 // serveControl runs a control replica: the API in front of the cluster's
@@ -355,7 +360,7 @@ func serveControl(cfg serveConfig) error {
 	if err := fwd.SetClientKeyTTL(cfg.Cluster.ClientKeyTTL); err != nil {
 		return err
 	}
-	ln, handler, err := cfg.TLS.wrap(ln, fwd.Handler())
+	ln, handler, err := cfg.TLS.wrap(ln, fwd.Handler(), "/healthz")
 	if err != nil {
 		return err
 	}

@@ -74,8 +74,8 @@ func (t apiTLS) scheme() string {
 }
 
 // wrap serves ln over TLS when configured, h requiring client certificates
-// when --tls-client-ca is given.
-func (t apiTLS) wrap(ln net.Listener, h http.Handler) (net.Listener, http.Handler, error) {
+// when --tls-client-ca is given, but for GET of the health paths open.
+func (t apiTLS) wrap(ln net.Listener, h http.Handler, open ...string) (net.Listener, http.Handler, error) {
 	if t.Cert == "" {
 		return ln, h, nil
 	}
@@ -84,9 +84,18 @@ func (t apiTLS) wrap(ln net.Listener, h http.Handler) (net.Listener, http.Handle
 		return nil, nil, err
 	}
 	if t.ClientCA != "" {
-		h = control.RequireClientCert(h, "/healthz")
+		h = control.RequireClientCert(h, open...)
 	}
 	return tls.NewListener(ln, cfg), h, nil
+}
+
+// nodeE2BClosed: a node whose API requires client certificates serves its
+// E2B endpoint to control replicas only, the same way (TLS with its
+// --tls-cert, their client certificates), instead of to anyone in plain
+// HTTP or with the E2B endpoint's own CA: E2B clients of a cluster go
+// through a replica.
+func (c *serveConfig) nodeE2BClosed() bool {
+	return c.Cluster.Role == roleNode && c.TLS.ClientCA != ""
 }
 
 func (c clusterTLS) validate() error {

@@ -295,7 +295,7 @@ func TestCluster(t *testing.T) {
 		}
 	}
 	step("layers built")
-	checkNodeTLS(t, context.Background(), nodes[0].addr, key) // tls_test.go
+	checkNodeTLS(t, context.Background(), nodes[0], key) // tls_test.go
 	c1, c2 := client(t, controls[0].addr, key), client(t, controls[1].addr, key)
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()

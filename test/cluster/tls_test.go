@@ -3,6 +3,7 @@ package cluster_test
 import (
 	"context"
 	"crypto/tls"
+	"io"
 	"net/http"
 	"path/filepath"
 	"strings"
@@ -82,10 +83,13 @@ func cliEnv(addr, key string) []string {
 		"SHOAL_CA=" + certs.ca, "SHOAL_CERT=" + certs.clientCert, "SHOAL_CERT_KEY=" + certs.clientKey}
 }
 
-// checkNodeTLS: a node's API refuses a caller without a client
-// certificate of the CA, and plain HTTP; its health check needs none.
-func checkNodeTLS(t *testing.T, ctx context.Context, addr, key string) {
+// checkNodeTLS: a node's API and its E2B endpoint refuse a caller
+// without a client certificate of the CA, and plain HTTP; their health
+// checks need none. (The E2B suite through the replicas shows that they
+// reach it.)
+func checkNodeTLS(t *testing.T, ctx context.Context, n *proc, key string) {
 	t.Helper()
+	addr := n.addr
 	noCert, err := shoal.New(shoal.Options{URL: "https://" + addr, APIKey: key, CAFile: certs.ca})
 	if err != nil {
 		t.Fatal(err)
@@ -108,6 +112,31 @@ func checkNodeTLS(t *testing.T, ctx context.Context, addr, key string) {
 	res.Body.Close()
 	if res.StatusCode != http.StatusOK {
 		t.Errorf("a node's health check without a client certificate: %s, want 200", res.Status)
+	}
+	// Its E2B endpoint: the same.
+	get := func(hc *http.Client, url string) (int, string) {
+		req, _ := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+		req.Header.Set("X-API-Key", key)
+		res, err := hc.Do(req)
+		if err != nil {
+			return 0, err.Error()
+		}
+		defer res.Body.Close()
+		var b strings.Builder
+		io.Copy(&b, io.LimitReader(res.Body, 4096))
+		return res.StatusCode, b.String()
+	}
+	if code, body := get(hc, "https://"+n.e2b+"/sandboxes"); code != http.StatusUnauthorized || !strings.Contains(body, "client certificate") {
+		t.Errorf("a node's E2B endpoint without a client certificate: %d %s, want 401 saying why", code, body)
+	}
+	if code, body := get(apiHTTP, "https://"+n.e2b+"/sandboxes"); code != http.StatusOK {
+		t.Errorf("a node's E2B endpoint with the control certificate: %d %s, want 200", code, body)
+	}
+	if code, _ := get(http.DefaultClient, "http://"+n.e2b+"/health"); code == http.StatusOK {
+		t.Error("a node's E2B endpoint answered plain HTTP")
+	}
+	if code, body := get(hc, "https://"+n.e2b+"/health"); code != http.StatusOK {
+		t.Errorf("a node's E2B health check without a client certificate: %d %s, want 200", code, body)
 	}
 }
 

@@ -105,6 +105,11 @@ test('process tags: start with a tag, find, signal and connect by it', async () 
   const first = await call.messages.next()
   const pid = first.value.event.start.pid
   assert.ok(pid > 0)
+  // Its output first: the agent answers ahead of its commands, so a
+  // signal sent at once could land before the shell ran its echo.
+  for (let m = await call.messages.next(); !m.done; m = await call.messages.next()) {
+    if (m.value.event.data?.stdout) break
+  }
   call.abort() // the process goes on
   const { processes } = await unary('process.Process/List', {})
   const p = processes.find((p) => p.tag === 'my-tag')
