@@ -8,6 +8,8 @@ import (
 	"time"
 
 	"go.etcd.io/bbolt"
+
+	"github.com/shoal-sandbox/shoal/internal/boltgroup"
 )
 
 // What the E2B face adds to Shoal's own records, persisted in the node's
@@ -132,7 +134,7 @@ func (st *store) putSandbox(id string, m sandboxMeta) error {
 	if err != nil {
 		return err
 	}
-	if err := st.db.Batch(func(tx *bbolt.Tx) error { return tx.Bucket(bucketSandboxes).Put([]byte(id), b) }); err != nil {
+	if err := boltgroup.Update(st.db, func(tx *bbolt.Tx) error { return tx.Bucket(bucketSandboxes).Put([]byte(id), b) }); err != nil {
 		return fmt.Errorf("persist e2b sandbox %s: %w", id, err)
 	}
 	st.mu.Lock()
@@ -161,7 +163,7 @@ func (st *store) putCommand(sandboxID, commandID string, m commandMeta, done fun
 	go func() {
 		b, err := json.Marshal(m)
 		if err == nil {
-			err = st.db.Batch(func(tx *bbolt.Tx) error {
+			err = boltgroup.Update(st.db, func(tx *bbolt.Tx) error {
 				st.mu.Lock()
 				_, live := st.commands[k]
 				st.mu.Unlock()
@@ -209,7 +211,7 @@ func (st *store) dropCommands(sandboxID string, ids []string) error {
 	if len(keys) == 0 {
 		return nil
 	}
-	return st.db.Batch(func(tx *bbolt.Tx) error {
+	return boltgroup.Update(st.db, func(tx *bbolt.Tx) error {
 		for _, k := range keys {
 			if err := tx.Bucket(bucketCommands).Delete(k); err != nil {
 				return err

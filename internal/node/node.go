@@ -23,6 +23,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/shoal-sandbox/shoal/internal/agent"
+	"github.com/shoal-sandbox/shoal/internal/boltgroup"
 	"github.com/shoal-sandbox/shoal/internal/errdefs"
 	"github.com/shoal-sandbox/shoal/internal/layer"
 	"github.com/shoal-sandbox/shoal/internal/limits"
@@ -516,7 +517,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (rec Record, er
 	ph.Mark("admit")
 
 	// Persist first, so that a crash from here on is cleaned up by Recover.
-	if err := m.db.Batch(func(tx *bbolt.Tx) error { return putRecord(tx, &rec) }); err != nil {
+	if err := boltgroup.Update(m.db, func(tx *bbolt.Tx) error { return putRecord(tx, &rec) }); err != nil {
 		return Record{}, fmt.Errorf("persist sandbox %s: %w", id, err)
 	}
 	undo = append(undo, func() { m.forget(id) })
@@ -569,7 +570,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (rec Record, er
 	rec.Handle = h
 	rec.State = StateRunning
 	rec.ClientKey = req.ClientKey
-	if err := m.db.Batch(func(tx *bbolt.Tx) error {
+	if err := boltgroup.Update(m.db, func(tx *bbolt.Tx) error {
 		if rec.ClientKey != "" {
 			if err := tx.Bucket(bucketClientKeys).Put([]byte(clientKeyOf(rec.Tenant, rec.ClientKey)), []byte(id)); err != nil {
 				return err
@@ -625,7 +626,7 @@ func (m *Manager) lockKey(ctx context.Context, key string) (unlock func(), err e
 
 // forget removes a sandbox's record (and its client key) from the store.
 func (m *Manager) forget(id string) {
-	if err := m.db.Batch(func(tx *bbolt.Tx) error {
+	if err := boltgroup.Update(m.db, func(tx *bbolt.Tx) error {
 		b := tx.Bucket(bucketSandboxes)
 		var rec Record
 		if v := b.Get([]byte(id)); v != nil && json.Unmarshal(v, &rec) == nil && rec.ClientKey != "" {
@@ -709,7 +710,7 @@ func (m *Manager) SetTimeout(id string, d time.Duration) (Record, error) {
 	e.dirty = false
 	rec, stored := e.rec, e.persisted()
 	m.mu.Unlock()
-	err = m.db.Batch(func(tx *bbolt.Tx) error { return putRecord(tx, &stored) })
+	err = boltgroup.Update(m.db, func(tx *bbolt.Tx) error { return putRecord(tx, &stored) })
 	return rec, err
 }
 
@@ -859,7 +860,7 @@ func (m *Manager) Hold(id string) (release func(), err error) {
 // left half-created or half-deleted by a crash.
 func (m *Manager) destroy(ctx context.Context, rec *Record, release bool) error {
 	rec.State = StateDeleting
-	if err := m.db.Batch(func(tx *bbolt.Tx) error { return putRecord(tx, rec) }); err != nil {
+	if err := boltgroup.Update(m.db, func(tx *bbolt.Tx) error { return putRecord(tx, rec) }); err != nil {
 		return fmt.Errorf("persist sandbox %s: %w", rec.ID, err)
 	}
 	if be, ok := m.backends[rec.Backend]; ok {
@@ -960,7 +961,7 @@ func (m *Manager) Recover(ctx context.Context) error {
 		}
 		if rec.State == StateError {
 			log.Warn("sandbox recovered in error state", "err", rec.Error)
-			m.db.Batch(func(tx *bbolt.Tx) error { return putRecord(tx, rec) })
+			boltgroup.Update(m.db, func(tx *bbolt.Tx) error { return putRecord(tx, rec) })
 		}
 		m.mu.Lock()
 		m.sandboxes[rec.ID] = e
@@ -1150,7 +1151,7 @@ func (m *Manager) probe() {
 		rec := e.rec
 		m.mu.Unlock()
 		m.log.Warn("sandbox init exited", "sandbox_id", c.id)
-		if err := m.db.Batch(func(tx *bbolt.Tx) error { return putRecord(tx, &rec) }); err != nil {
+		if err := boltgroup.Update(m.db, func(tx *bbolt.Tx) error { return putRecord(tx, &rec) }); err != nil {
 			m.log.Error("persist sandbox state", "sandbox_id", c.id, "err", err)
 		}
 	}

@@ -9,6 +9,7 @@ import (
 	"go.etcd.io/bbolt"
 
 	"github.com/shoal-sandbox/shoal/internal/agent"
+	"github.com/shoal-sandbox/shoal/internal/boltgroup"
 	"github.com/shoal-sandbox/shoal/internal/errdefs"
 	"github.com/shoal-sandbox/shoal/internal/sandbox"
 )
@@ -127,7 +128,7 @@ func (m *Manager) pause(ctx context.Context, id string, why pauseReason) (Record
 	e.rec.Expires = now.Add(m.cfg.PausedTimeout)
 	e.dirty = false
 	stored := e.persisted()
-	if err := m.db.Batch(func(tx *bbolt.Tx) error { return putRecord(tx, &stored) }); err != nil {
+	if err := boltgroup.Update(m.db, func(tx *bbolt.Tx) error { return putRecord(tx, &stored) }); err != nil {
 		// Still paused in memory; a restart finds it running and thaws it.
 		m.log.Error("persist paused sandbox", "sandbox_id", id, "err", err)
 	}
@@ -230,7 +231,7 @@ func (m *Manager) Resume(ctx context.Context, id string) (rec Record, resumed bo
 	m.touchLocked(e)
 	e.dirty = false
 	stored := e.persisted()
-	if err := m.db.Batch(func(tx *bbolt.Tx) error { return putRecord(tx, &stored) }); err != nil {
+	if err := boltgroup.Update(m.db, func(tx *bbolt.Tx) error { return putRecord(tx, &stored) }); err != nil {
 		m.log.Error("persist resumed sandbox", "sandbox_id", id, "err", err)
 	}
 	m.cfg.Metrics.Resume(e.rec.Backend, took)

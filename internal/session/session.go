@@ -39,6 +39,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/shoal-sandbox/shoal/internal/agent"
+	"github.com/shoal-sandbox/shoal/internal/boltgroup"
 	"github.com/shoal-sandbox/shoal/internal/errdefs"
 	"github.com/shoal-sandbox/shoal/internal/limits"
 	"github.com/shoal-sandbox/shoal/internal/sandbox"
@@ -499,7 +500,7 @@ func (m *Manager) start(ctx context.Context, sandboxID string, req StartRequest)
 	if req.Trajectory != "" {
 		c.rec.Digest = req.digest()
 	}
-	err = m.db.Update(func(tx *bbolt.Tx) error {
+	err = boltgroup.Update(m.db, func(tx *bbolt.Tx) error {
 		if err := putRecord(tx, &c.rec); err != nil {
 			return err
 		}
@@ -764,7 +765,7 @@ func (m *Manager) finish(c *Command, exit *agent.ExitStatus, why string) {
 	// forget only after this returns), and Recover records the same exit.
 	c.notifyLocked()
 	c.mu.Unlock()
-	if err := m.db.Batch(func(tx *bbolt.Tx) error {
+	if err := boltgroup.Update(m.db, func(tx *bbolt.Tx) error {
 		if tx.Bucket(bucketCommands).Get([]byte(key(rec.SandboxID, rec.ID))) == nil {
 			return nil // the sandbox was deleted meanwhile
 		}
@@ -1482,7 +1483,7 @@ func (m *Manager) prune(sandboxID string, now time.Time) {
 	for i, c := range gone {
 		ids[i] = c.rec.ID
 	}
-	err := m.db.Batch(func(tx *bbolt.Tx) error {
+	err := boltgroup.Update(m.db, func(tx *bbolt.Tx) error {
 		for i, id := range ids {
 			k := []byte(key(sandboxID, id))
 			if tx.Bucket(bucketCommands).Get(k) == nil {
