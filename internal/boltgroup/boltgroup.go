@@ -13,6 +13,7 @@
 package boltgroup
 
 import (
+	"fmt"
 	"sync"
 
 	"go.etcd.io/bbolt"
@@ -43,10 +44,24 @@ type committer struct {
 }
 
 type call struct {
-	fn   func(*bbolt.Tx) error
-	err  error
-	done chan struct{} // closed when err is set
-	lead chan struct{} // closed when this call's goroutine is to commit the queue
+	fn    func(*bbolt.Tx) error
+	err   error
+	panic any           // what fn panicked with, raised again in its caller's goroutine
+	done  chan struct{} // closed when err is set
+	lead  chan struct{} // closed when this call's goroutine is to commit the queue
+}
+
+// run calls fn in tx, turning a panic into an error of the call (and
+// keeping it for its caller): one function's panic must not leave the
+// others of its group, nor the next commits, waiting.
+func (cl *call) run(tx *bbolt.Tx) (err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			cl.panic = p
+			err = fmt.Errorf("boltgroup: a write panicked: %v", p)
+		}
+	}()
+	return cl.fn(tx)
 }
 
 func (c *committer) update(fn func(*bbolt.Tx) error) error {
@@ -57,7 +72,7 @@ func (c *committer) update(fn func(*bbolt.Tx) error) error {
 		c.mu.Unlock()
 		select {
 		case <-me.done:
-			return me.err
+			return me.result()
 		case <-me.lead: // the previous leader handed over: commit the queue
 		}
 		c.mu.Lock()
@@ -80,7 +95,14 @@ func (c *committer) update(fn func(*bbolt.Tx) error) error {
 	}
 	c.mu.Unlock()
 	<-me.done
-	return me.err
+	return me.result()
+}
+
+func (cl *call) result() error {
+	if cl.panic != nil {
+		panic(cl.panic)
+	}
+	return cl.err
 }
 
 // commit runs group in one transaction; if it fails, each function again
@@ -88,7 +110,7 @@ func (c *committer) update(fn func(*bbolt.Tx) error) error {
 func (c *committer) commit(group []*call) {
 	err := c.db.Update(func(tx *bbolt.Tx) error {
 		for _, cl := range group {
-			if err := cl.fn(tx); err != nil {
+			if err := cl.run(tx); err != nil {
 				return err
 			}
 		}
@@ -96,7 +118,9 @@ func (c *committer) commit(group []*call) {
 	})
 	if err != nil && len(group) > 1 {
 		for _, cl := range group {
-			cl.err = c.db.Update(cl.fn)
+			if cl.panic == nil { // a function that panicked is not run again
+				cl.err = c.db.Update(cl.run)
+			}
 			close(cl.done)
 		}
 		return

@@ -115,3 +115,36 @@ func BenchmarkLoneWrite(b *testing.B) {
 // defaultServeBatchDelay is serve's MaxBatchDelay (1 ms), for the
 // comparison.
 const defaultServeBatchDelay = 1e6
+
+// TestPanic: a write that panics panics in its caller, fails nothing else
+// of its group, and leaves the committer working.
+func TestPanic(t *testing.T) {
+	db := open(t)
+	var wg sync.WaitGroup
+	recovered := make(chan any, 1)
+	errs := make([]error, 20)
+	for i := range 20 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if i == 5 {
+				defer func() { recovered <- recover() }()
+				Update(db, func(*bbolt.Tx) error { panic("boom") })
+				return
+			}
+			errs[i] = Update(db, put(fmt.Sprint(i)))
+		}()
+	}
+	wg.Wait()
+	if p := <-recovered; p != "boom" {
+		t.Errorf("the panicking write's caller recovered %v, want boom", p)
+	}
+	for i, err := range errs {
+		if i != 5 && err != nil {
+			t.Errorf("write %d: %v", i, err)
+		}
+	}
+	if err := Update(db, put("after")); err != nil {
+		t.Errorf("a write after the panic: %v", err)
+	}
+}
