@@ -465,10 +465,6 @@ func serve(cfg serveConfig) error {
 		return fmt.Errorf("open store %s (is another shoal serve using this data dir?): %w", filepath.Join(cfg.DataDir, "shoal.db"), err)
 	}
 	defer db.Close()
-	// Concurrent writers still share a commit, but a lone create or delete
-	// no longer waits bbolt's default 10 ms for company (measured: ~20 ms
-	// of every create went there).
-	db.MaxBatchDelay = time.Millisecond
 	layers, err := layer.Open(filepath.Join(cfg.DataDir, "layers"), db, log)
 	if err != nil {
 		return err

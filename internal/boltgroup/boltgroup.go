@@ -38,8 +38,8 @@ type committer struct {
 	mu      sync.Mutex
 	leading bool    // a goroutine is committing (guarded by mu)
 	queue   []*call // writes waiting for the next commit (guarded by mu)
-	// Commits and Writes count commits and the writes they carried (for
-	// tests).
+	// commits and writes count commits and the writes they carried
+	// (for tests).
 	commits, writes int
 }
 

@@ -112,8 +112,8 @@ func BenchmarkLoneWrite(b *testing.B) {
 	})
 }
 
-// defaultServeBatchDelay is serve's MaxBatchDelay (1 ms), for the
-// comparison.
+// defaultServeBatchDelay is the MaxBatchDelay serve set (1 ms) while its
+// writes went through DB.Batch, for the comparison.
 const defaultServeBatchDelay = 1e6
 
 // TestPanic: a write that panics panics in its caller, fails nothing else

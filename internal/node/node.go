@@ -551,12 +551,10 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (rec Record, er
 	}
 
 	ph.Mark("layers")
-	tBackend := time.Now()
 	h, err := be.Create(ctx, spec)
 	if err != nil {
 		return Record{}, fmt.Errorf("create %s sandbox: %w", req.Backend, err)
 	}
-	backendTook := time.Since(tBackend)
 	ph.Mark("backend")
 	undo = append(undo, func() {
 		dctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
@@ -586,7 +584,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (rec Record, er
 	delete(m.admitting, id) // counted by its entry from now on
 	m.mu.Unlock()
 	m.log.Info("sandbox created", "sandbox_id", id, "tenant", req.Tenant, "backend", req.Backend, "layer", req.Base,
-		"took", time.Since(start), "backend_took", backendTook, "pooled", h.Data["pooled"] == "true", "phases", ph.String())
+		"took", time.Since(start), "pooled", h.Data["pooled"] == "true", "phases", ph.String())
 	return rec, nil
 }
 
