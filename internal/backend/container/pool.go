@@ -495,6 +495,13 @@ func (b *Backend) startMember(ctx context.Context, agentBinary string, urgent bo
 		return m, fmt.Errorf("pool container %s: %w", id, err)
 	}
 	b.premakeDisk(ctx, m)
+	// Once more, off the claim's path: a thread whose clone was under way
+	// during the first pass (its parent still at the pool's nice 19, the
+	// new thread not yet listed) keeps 19 (seen in CI: one agent thread of
+	// a pooled sandbox at 19).
+	if err := prioritizeAgent(filepath.Join(dir, pidFileName)); err != nil {
+		return m, fmt.Errorf("pool container %s: %w", id, err)
+	}
 	return m, nil
 }
 
