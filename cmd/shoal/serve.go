@@ -749,7 +749,7 @@ func registerGauges(mt *metrics.Metrics, mgr *node.Manager, ctr *container.Backe
 			{Labels: []string{"target"}, Value: float64(st.Target)}, {Labels: []string{"max"}, Value: float64(st.Max)},
 		}
 	})
-	mt.Counters("shoal_pool_events_total", "Counts of the warm pool since serve started: claims (creates it served), misses (creates that found it empty), started and shrunk containers.", []string{"event"}, func() []metrics.Gauge {
+	mt.Counters("shoal_pool_events_total", "Counts of the warm pool since serve started: claims (creates it served), misses (creates that found it empty), started and shrunk containers, and yields (the refill waiting for a burst of claims to pause).", []string{"event"}, func() []metrics.Gauge {
 		st, ok := ctr.PoolStats()
 		if !ok {
 			return nil
@@ -757,6 +757,7 @@ func registerGauges(mt *metrics.Metrics, mgr *node.Manager, ctr *container.Backe
 		return []metrics.Gauge{
 			{Labels: []string{"claims"}, Value: float64(st.Claims)}, {Labels: []string{"misses"}, Value: float64(st.Misses)},
 			{Labels: []string{"started"}, Value: float64(st.Started)}, {Labels: []string{"shrunk"}, Value: float64(st.Shrunk)},
+			{Labels: []string{"yields"}, Value: float64(st.Yields)},
 		}
 	})
 }

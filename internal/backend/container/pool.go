@@ -163,25 +163,26 @@ type pool struct {
 	min, max int
 	// Tuning, copied from the variables below at creation (shrinkIdle is
 	// read under mu).
-	urgentFor, shrinkIdle, shrinkEvery time.Duration
-	fillParallel                       int
+	urgentFor, shrinkIdle, shrinkEvery, yieldFor time.Duration
+	fillParallel                                 int
 
 	ctx    context.Context // cancelled by close: stops the filler
 	cancel context.CancelFunc
 	wake   chan struct{} // cap 1: a member was taken, or the target grew
 
-	mu       sync.Mutex
-	agent    string    // guarded by mu; the agent binary, set by the first take
-	ready    []*member // guarded by mu; oldest first
-	starting int       // guarded by mu; members being started
-	target   int       // guarded by mu; between min and max
-	urgentTo time.Time // guarded by mu; fill at full speed until then
-	lastTake time.Time // guarded by mu
-	lastMiss time.Time // guarded by mu
-	stats    PoolStats // guarded by mu
-	started  bool      // guarded by mu; the filler runs
-	closed   bool      // guarded by mu
-	done     chan struct{}
+	mu        sync.Mutex
+	agent     string    // guarded by mu; the agent binary, set by the first take
+	ready     []*member // guarded by mu; oldest first
+	starting  int       // guarded by mu; members being started
+	target    int       // guarded by mu; between min and max
+	urgentTo  time.Time // guarded by mu; fill at full speed until then
+	lastTake  time.Time // guarded by mu
+	lastClaim time.Time // guarded by mu; the last take that got a member
+	lastMiss  time.Time // guarded by mu
+	stats     PoolStats // guarded by mu
+	started   bool      // guarded by mu; the filler runs
+	closed    bool      // guarded by mu
+	done      chan struct{}
 }
 
 // PoolStats counts what the pool did; see Backend.PoolStats.
@@ -190,10 +191,16 @@ type PoolStats struct {
 	Claims                       int64 // creates served from the pool
 	Misses                       int64 // creates that found the pool empty
 	Started, Shrunk              int64 // containers started, and deleted by a shrink
+	Yields                       int64 // times the filler waited for a burst of claims to pause
 }
 
 // Tuning of the pool; variables so that tests can shorten them.
 var (
+	// yieldFor: while creates keep claiming from a pool that is more than
+	// a quarter full, the filler waits until none came for this long: a
+	// refill costs about as much CPU as the claims it would slow down,
+	// and the pool covers the burst anyway.
+	yieldFor     = 250 * time.Millisecond
 	urgentFor    = 10 * time.Second
 	shrinkIdle   = 60 * time.Second
 	shrinkEvery  = 10 * time.Second
@@ -208,7 +215,7 @@ const PoolMemberBytes = 8 << 20
 func newPool(b *Backend, min, max int) *pool {
 	ctx, cancel := context.WithCancel(context.Background())
 	return &pool{b: b, min: min, max: max, target: min, ctx: ctx, cancel: cancel,
-		urgentFor: urgentFor, shrinkIdle: shrinkIdle, shrinkEvery: shrinkEvery, fillParallel: fillParallel,
+		urgentFor: urgentFor, shrinkIdle: shrinkIdle, shrinkEvery: shrinkEvery, yieldFor: yieldFor, fillParallel: fillParallel,
 		wake: make(chan struct{}, 1), done: make(chan struct{})}
 }
 
@@ -250,6 +257,7 @@ func (p *pool) take(agentBinary string) *member {
 	m := p.ready[0]
 	p.ready = slices.Delete(p.ready, 0, 1)
 	p.stats.Claims++
+	p.lastClaim = now
 	return m
 }
 
@@ -298,18 +306,28 @@ func (p *pool) fill() {
 		default:
 		}
 		p.mu.Lock()
-		urgent := time.Now().Before(p.urgentTo)
+		now := time.Now()
+		urgent := now.Before(p.urgentTo)
 		limit := 1
 		if urgent {
 			limit = p.fillParallel
 		}
 		need := !p.closed && len(p.ready)+p.starting < p.target && p.starting < limit
+		// Claims are coming and the pool still holds plenty: refill after.
+		var yield <-chan time.Time
+		if need && !urgent && 4*len(p.ready) > p.target {
+			if wait := p.lastClaim.Add(p.yieldFor).Sub(now); wait > 0 {
+				need, yield = false, time.After(wait)
+				p.stats.Yields++
+			}
+		}
 		if need {
 			p.starting++
 		}
 		p.mu.Unlock()
 		if !need {
 			select {
+			case <-yield:
 			case <-p.wake:
 			case err := <-results:
 				if !handle(err) {

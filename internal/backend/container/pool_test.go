@@ -567,6 +567,63 @@ func TestPoolGrowsWithDemandAndShrinksWhenIdle(t *testing.T) {
 	}
 }
 
+// TestPoolYieldsToClaims: while creates keep taking from a pool that is
+// still more than a quarter full, the filler starts nothing (a refill costs
+// the CPU the claims need); once they pause, it fills the pool again.
+func TestPoolYieldsToClaims(t *testing.T) {
+	requireRoot(t)
+	defer func(y time.Duration) { yieldFor = y }(yieldFor)
+	yieldFor = time.Minute // longer than any removeMember on a loaded host
+	b := newPoolBackend(t, t.TempDir(), 4)
+	waitPool(t, b, 4)
+	st0, _ := b.PoolStats()
+	// Takes 300 ms apart, each within yieldFor of the last: no refill.
+	for range 2 {
+		m := b.pool.take(realAgent)
+		if m == nil {
+			t.Fatal("the pool gave nothing with 4 ready")
+		}
+		if err := b.removeMember(m); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(300 * time.Millisecond)
+	}
+	st, _ := b.PoolStats()
+	if st.Started != st0.Started || st.Starting != 0 || st.Ready != 2 {
+		t.Fatalf("the filler refilled during the takes: before %+v, after %+v", st0, st)
+	}
+	if st.Yields == 0 {
+		t.Errorf("no yield counted: %+v", st)
+	}
+	// The takes have paused (for longer than a shorter yieldFor): the
+	// pool fills up again.
+	setYield := func(d time.Duration) {
+		b.pool.mu.Lock()
+		b.pool.yieldFor = d
+		b.pool.mu.Unlock()
+		b.pool.poke()
+	}
+	setYield(100 * time.Millisecond)
+	waitPool(t, b, 4)
+	setYield(time.Minute)
+	// A pool down to a quarter refills at once whatever the takes do.
+	for range 3 {
+		if err := b.removeMember(b.pool.take(realAgent)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		if st, _ := b.PoolStats(); st.Starting > 0 || st.Ready > 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("a pool down to a quarter waited for the takes to pause: %+v", st)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
 // TestPoolClaimNotAnswered: a pool member whose agent never answers the
 // claim (stopped, as a hung or starved agent would be) costs the create at
 // most claimTimeout: the member is destroyed with all it had (bundle, dir,
