@@ -693,6 +693,7 @@ func (b *Backend) waitAgent(ctx context.Context, h sandbox.Handle, exited <-chan
 	for {
 		pctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 		_, err := c.Ping(pctx)
+		fast := pctx.Err() == nil // before cancel, after which it never is
 		cancel()
 		if err == nil {
 			return nil
@@ -704,7 +705,7 @@ func (b *Backend) waitAgent(ctx context.Context, h sandbox.Handle, exited <-chan
 			return fmt.Errorf("the agent did not answer: %w", ctx.Err())
 		default:
 		}
-		if pctx.Err() == nil { // failed fast (no socket yet): do not spin
+		if fast { // failed fast (QEMU has not opened the channel yet): do not spin
 			select {
 			case <-time.After(20 * time.Millisecond):
 			case <-exited:
