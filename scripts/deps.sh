@@ -13,7 +13,7 @@ install_deps() {
 # The microvm backend's guest kernel, from Debian's archive (not installed as
 # the host's kernel): scripts/vmkernel.sh puts it in /usr/local/lib/shoal/vm.
 install_vm_kernel() {
-	[ -s /usr/local/lib/shoal/vm/version ] && [ -s /usr/local/lib/shoal/vm/modules/order.pmem ] && [ -s /usr/local/lib/shoal/vm/modules/order.net ] && grep -q "$(apt-cache depends linux-image-cloud-amd64 2>/dev/null | awk '/Depends: linux-image-[0-9]/ {print $2; exit}')" /usr/local/lib/shoal/vm/version && return 0
+	[ -s /usr/local/lib/shoal/vm/version ] && [ -s /usr/local/lib/shoal/vm/modules/order.pmem ] && [ -s /usr/local/lib/shoal/vm/modules/order.net ] && [ -s /usr/local/lib/shoal/vm/modules/order.pci ] && grep -q "$(apt-cache depends linux-image-cloud-amd64 2>/dev/null | awk '/Depends: linux-image-[0-9]/ {print $2; exit}')" /usr/local/lib/shoal/vm/version && return 0
 	"$(dirname "${BASH_SOURCE[0]}")/vmkernel.sh" /usr/local/lib/shoal/vm
 }
 

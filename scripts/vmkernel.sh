@@ -10,7 +10,9 @@
 # balloon, EROFS and overlayfs) and DIR/modules/order their load order;
 # DIR/modules/order.pmem lists the persistent-memory modules (libnvdimm,
 # nd_pmem, nd_e820) a guest with pmem layers loads after them, and
-# DIR/modules/order.net those of a guest with network egress (virtio_net).
+# DIR/modules/order.net those of a guest with network egress (virtio_net),
+# DIR/modules/order.pci the virtio PCI transport (loaded where virtio
+# devices are on PCI: fullvm's q35).
 # `shoal serve` builds each guest's initramfs from these and its shoal-agent.
 # Running it again replaces DIR's content with the archive's current kernel.
 set -euo pipefail
@@ -30,8 +32,11 @@ kver=$(ls "$tmp/x/lib/modules")
 mods="$tmp/x/lib/modules/$kver/kernel"
 # In dependency order (modinfo -F depends of each: virtio_ring <- virtio <-
 # the transports and drivers; libcrc32c <- erofs; crc32c is built in).
-order="virtio_ring virtio virtio_mmio virtio_pci_legacy_dev virtio_pci_modern_dev virtio_pci
-virtio_blk virtio_console virtio_balloon libcrc32c erofs overlay"
+order="virtio_ring virtio virtio_mmio virtio_blk virtio_console virtio_balloon
+libcrc32c erofs overlay"
+# The virtio PCI transport: loaded after them, only by a guest with virtio
+# devices on PCI (fullvm's q35; a microvm's devices are virtio-mmio).
+pci_order="virtio_pci_legacy_dev virtio_pci_modern_dev virtio_pci"
 # Loaded only by a guest whose layers are persistent memory (the microvm
 # backend's pmem layers: legacy e820 pmem regions, DAX), after the others.
 pmem_order="libnvdimm nd_btt nd_pmem nd_e820"
@@ -55,14 +60,17 @@ if command -v lz4 >/dev/null; then
 	fi
 fi
 cp "$tmp/x/boot/config-$kver" "$new/config"
-for m in $order; do
-	f=$(find "$mods" -name "$m.ko" | head -1)
-	if [ -z "$f" ]; then
-		echo "vmkernel: $pkg has no module $m" >&2
-		exit 1
-	fi
-	cp "$f" "$new/modules/"
-	echo "$m.ko" >>"$new/modules/order"
+for list in order order.pci; do
+	[ "$list" = order ] && set -- $order || set -- $pci_order
+	for m in "$@"; do
+		f=$(find "$mods" -name "$m.ko" | head -1)
+		if [ -z "$f" ]; then
+			echo "vmkernel: $pkg has no module $m" >&2
+			exit 1
+		fi
+		cp "$f" "$new/modules/"
+		echo "$m.ko" >>"$new/modules/$list"
+	done
 done
 # optional LIST MODULES... WHY: copies the modules into DIR/modules and
 # lists them in DIR/modules/LIST, or, when the package lacks one, leaves

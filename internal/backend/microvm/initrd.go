@@ -110,9 +110,9 @@ func buildInitrd(dir, kernelDir, agentBin string) (string, error) {
 	}
 	var mods []file
 	modDir := filepath.Join(kernelDir, "modules")
-	// The modules every guest loads, then those of pmem layers (pmem.go)
-	// and those of network egress (egress.go).
-	for _, list := range []string{"order", vminit.PmemOrder, vminit.NetOrder} {
+	// The modules every guest loads, then those of pmem layers (pmem.go),
+	// of network egress (egress.go) and of virtio on PCI (q35).
+	for _, list := range []string{"order", vminit.PmemOrder, vminit.NetOrder, vminit.PCIOrder} {
 		order, err := os.ReadFile(filepath.Join(modDir, list))
 		if os.IsNotExist(err) {
 			continue

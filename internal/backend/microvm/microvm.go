@@ -687,11 +687,14 @@ func (b *Backend) start(h sandbox.Handle, extra ...string) (sandbox.Handle, <-ch
 }
 
 // waitAgent pings the guest's agent until it answers, QEMU exits or ctx
-// ends.
+// ends. One attempt waits up to 10 s: the handshake repeats its sync
+// record until the guest answers, so a booting guest needs one; a
+// shorter bound made a boot past it begin two sessions (the first
+// attempt's records still queued in the channel), ~50 ms of TCG each.
 func (b *Backend) waitAgent(ctx context.Context, h sandbox.Handle, exited <-chan struct{}) error {
 	c := agent.NewClientDialer("sandbox "+h.ID, b.AgentDial(h))
 	for {
-		pctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		pctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 		_, err := c.Ping(pctx)
 		fast := pctx.Err() == nil // before cancel, after which it never is
 		cancel()
