@@ -28,6 +28,8 @@ type vmConfig struct {
 	Accel     string // auto | kvm | tcg
 	Layers    string // auto | pmem | blk
 	QEMU      string
+	DiskIOPS  int64  // each VM's disk requests per second (0: unbounded)
+	DiskBPS   string // each VM's disk bytes per second, as a size (0: unbounded)
 }
 
 func addVMFlags(cmd *cobra.Command, c *vmConfig) {
@@ -38,12 +40,25 @@ func addVMFlags(cmd *cobra.Command, c *vmConfig) {
 	cmd.Flags().StringVar(&c.Accel, "vm-accel", "auto", "VM accelerator: auto (KVM when a probe guest boots on it, else TCG; $SHOAL_VM_ACCEL overrides), kvm or tcg")
 	cmd.Flags().StringVar(&c.Layers, "vm-layers", "auto", "how layers reach a microVM: pmem (persistent memory mounted with DAX: guests share the host's page cache of a layer), blk (read-only virtio-blk devices) or auto (pmem when the guest kernel and QEMU support it, else blk; logged with the reason)")
 	cmd.Flags().StringVar(&c.QEMU, "vm-qemu", "qemu-system-x86_64", "QEMU binary of the VM backends")
+	cmd.Flags().Int64Var(&c.DiskIOPS, "vm-disk-iops", 4000, "disk requests per second each VM may make, all its drives together (QEMU's throttling; 0: unbounded)")
+	cmd.Flags().StringVar(&c.DiskBPS, "vm-disk-bps", "256M", "disk bytes per second each VM may read and write, all its drives together (0: unbounded)")
 }
 
 // vmBackends returns the VM backends this node offers, or an error when one
 // is required (--microvm on, --fullvm on) but cannot run here.
 func vmBackends(c vmConfig, dataDir, agentBin, cgroupParent string, eg *egress.Egress, log *slog.Logger) ([]sandbox.Backend, error) {
 	var out []sandbox.Backend
+	if c.DiskIOPS < 0 {
+		return nil, fmt.Errorf("--vm-disk-iops %d: want 0 (unbounded) or more", c.DiskIOPS)
+	}
+	var diskBPS int64
+	if c.DiskBPS != "" && c.DiskBPS != "0" {
+		n, err := parseBytes(c.DiskBPS)
+		if err != nil || n < 0 {
+			return nil, fmt.Errorf("--vm-disk-bps %q: want a size per second (256M) or 0 (unbounded)", c.DiskBPS)
+		}
+		diskBPS = n
+	}
 	switch c.Layers {
 	case microvm.LayersAuto, microvm.LayersPmem, microvm.LayersBlk:
 	default:
@@ -61,7 +76,8 @@ func vmBackends(c vmConfig, dataDir, agentBin, cgroupParent string, eg *egress.E
 			return nil, fmt.Errorf("--%s %q: want auto, on or off", k.name, k.mode)
 		}
 		cfg := microvm.Config{Name: k.name, Machine: k.machine, QEMU: c.QEMU, KernelDir: c.KernelDir, Image: k.image,
-			StateDir: filepath.Join(dataDir, "vm"), AgentBinary: agentBin, Accel: c.Accel, CgroupParent: cgroupParent, Egress: eg, Logger: log}
+			StateDir: filepath.Join(dataDir, "vm"), AgentBinary: agentBin, Accel: c.Accel, CgroupParent: cgroupParent, Egress: eg,
+			DiskIOPS: c.DiskIOPS, DiskBPS: diskBPS, Logger: log}
 		if k.machine == microvm.MachineMicroVM {
 			cfg.Layers = c.Layers
 		}

@@ -20,3 +20,23 @@ func TestVMLayersFlag(t *testing.T) {
 		t.Errorf("--vm-layers dax: %v", err)
 	}
 }
+
+// --vm-disk-iops and --vm-disk-bps take a count and a size per second (0:
+// unbounded); anything else stops serve.
+func TestVMDiskIOFlags(t *testing.T) {
+	log := slog.New(slog.DiscardHandler)
+	off := vmConfig{MicroVM: "off", FullVM: "off", Layers: "auto"}
+	for _, bps := range []string{"", "0", "256M", "1G"} {
+		c := off
+		c.DiskBPS, c.DiskIOPS = bps, 4000
+		if _, err := vmBackends(c, t.TempDir(), "", "", nil, log); err != nil {
+			t.Errorf("--vm-disk-bps %q: %v", bps, err)
+		}
+	}
+	for _, c := range []vmConfig{{DiskBPS: "fast"}, {DiskBPS: "-1M"}, {DiskIOPS: -1}} {
+		c.MicroVM, c.FullVM, c.Layers = "off", "off", "auto"
+		if _, err := vmBackends(c, t.TempDir(), "", "", nil, log); err == nil || !strings.Contains(err.Error(), "--vm-disk-") {
+			t.Errorf("%+v: %v", c, err)
+		}
+	}
+}

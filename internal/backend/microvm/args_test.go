@@ -46,3 +46,27 @@ func TestBaseArgs(t *testing.T) {
 		t.Errorf("hostTSCkHz = %d", khz)
 	}
 }
+
+// The node's disk I/O bound puts every drive the guest writes or reads
+// layers from in one throttling group: the writable disk, blk layers, a
+// full system's root overlay.
+func TestDiskThrottleArgs(t *testing.T) {
+	b := &Backend{cfg: Config{Machine: MachineQ35, DiskIOPS: 500, DiskBPS: 8 << 20}, kernel: "k", initrd: "i"}
+	h := sandbox.Handle{ID: "sb1", Data: map[string]string{"dir": "/d", "mem": "268435456", "cpus": "1", "accel": "tcg",
+		"layers": `["/l/0.erofs","/l/1.erofs"]`, "disk": "1", "image": "/img"}}
+	args, err := b.qemuArgs(h)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const want = "throttling.group=vm,throttling.iops-total=500,throttling.bps-total=8388608"
+	for _, id := range []string{"id=upper", "id=l0", "id=l1", "id=root"} {
+		i := slices.IndexFunc(args, func(a string) bool { return strings.Contains(a, id+",") })
+		if i < 0 || !strings.Contains(args[i], want) {
+			t.Errorf("drive %s not throttled: %q", id, args)
+		}
+	}
+	b.cfg.DiskIOPS, b.cfg.DiskBPS = 0, 0
+	if args, _ := b.qemuArgs(h); strings.Contains(strings.Join(args, " "), "throttling") {
+		t.Errorf("unbounded, yet throttled: %q", args)
+	}
+}

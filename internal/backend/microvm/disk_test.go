@@ -16,9 +16,11 @@ import (
 // TestVMDiskLimit: a VM created with a disk size has its writable layer on
 // an ext4 device of that size: writing more fails with ENOSPC in the guest,
 // the host's image stays within the size (sparse, discard), and what was
-// written survives a pause and resume, and can be committed after it.
+// written survives a pause and resume, and can be committed after it. The
+// node's bound on a VM's disk I/O holds (16 MiB/s here).
 func TestVMDiskLimit(t *testing.T) {
-	b, img := vmTestEnv(t, MachineMicroVM)
+	const bps = 16 << 20
+	b, img := vmTestEnv(t, MachineMicroVM, func(c *Config) { c.DiskBPS, c.DiskIOPS = bps, 1000 })
 	if ok, why := b.DiskLimits(); !ok {
 		t.Skipf("no disk limits: %s", why)
 	}
@@ -52,6 +54,17 @@ func TestVMDiskLimit(t *testing.T) {
 		t.Errorf("the host's image: %v, %v (want %d bytes)", fi, err, size)
 	}
 	run(t, ctx, c, "rm", "/work/big")
+	// The node's I/O bound holds whatever the guest does (writeback
+	// here): 32 MiB written and flushed at 16 MiB/s take 2 s less the
+	// throttle's burst (a tenth of a second's worth).
+	start := time.Now()
+	run(t, ctx, c, "dd", "if=/dev/zero", "of=/work/t", "bs=1M", "count=32", "conv=fsync")
+	took := time.Since(start)
+	t.Logf("32 MiB written and flushed in %s", took)
+	if min := time.Duration(32<<20) * time.Second / bps * 3 / 4; took < min { // unbounded: ~0.3 s
+		t.Errorf("32 MiB written and flushed in %s with the disk bound to %d MiB/s: want %s at least", took, bps>>20, min)
+	}
+	run(t, ctx, c, "rm", "/work/t")
 	run(t, ctx, c, "sh", "-c", "echo kept > /work/kept; sync")
 
 	if _, err := b.Pause(ctx, h); err != nil {

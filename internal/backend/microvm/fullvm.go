@@ -105,7 +105,7 @@ func systemDisk(b *Backend, h sandbox.Handle) []string {
 	// wrote (the guest writes data clusters only); it is opened read-only
 	// and shared by every VM of the node.
 	return []string{
-		"-drive", "if=none,id=root,format=qcow2,discard=unmap,file=" + qemuEscape(filepath.Join(h.Data["dir"], rootOverlay)),
+		"-drive", "if=none,id=root,format=qcow2,discard=unmap" + b.throttle() + ",file=" + qemuEscape(filepath.Join(h.Data["dir"], rootOverlay)),
 		"-device", b.dev("virtio-blk") + ",drive=root,serial=" + vminit.RootSerial,
 	}
 }

@@ -124,7 +124,13 @@ type Config struct {
 	// (internal/egress, shared with the node's other backends;
 	// egress.go); nil disables egress.
 	Egress *egress.Egress
-	Logger *slog.Logger
+	// DiskIOPS and DiskBPS bound each VM's disk I/O, all its drives
+	// together (QEMU's block throttling, one group per VM): requests per
+	// second and bytes per second; 0: no bound. Every guest request goes
+	// through them (writeback and direct I/O alike), unlike a cgroup v1
+	// blkio limit.
+	DiskIOPS, DiskBPS int64
+	Logger            *slog.Logger
 }
 
 // Check reports why this node cannot run VMs (nil if it can): no QEMU or
@@ -618,7 +624,7 @@ func (b *Backend) qemuArgs(h sandbox.Handle) ([]string, error) {
 		// The writable layer's ext4 image (disk.go): freed blocks are
 		// punched out of the host's file (discard).
 		args = append(args,
-			"-drive", "if=none,id=upper,format=raw,discard=unmap,file.locking=off,file="+qemuEscape(filepath.Join(dir, upperImage)),
+			"-drive", "if=none,id=upper,format=raw,discard=unmap,file.locking=off"+b.throttle()+",file="+qemuEscape(filepath.Join(dir, upperImage)),
 			"-device", b.dev("virtio-blk")+",drive=upper,serial="+vminit.UpperSerial)
 	}
 	args = append(args, systemDisk(b, h)...)
@@ -636,13 +642,30 @@ func (b *Backend) qemuArgs(h sandbox.Handle) ([]string, error) {
 		}
 		id := "l" + strconv.Itoa(i)
 		args = append(args,
-			"-drive", "if=none,id="+id+",format=raw,readonly=on,file.locking=off,file="+qemuEscape(img),
+			"-drive", "if=none,id="+id+",format=raw,readonly=on,file.locking=off"+b.throttle()+",file="+qemuEscape(img),
 			"-device", b.dev("virtio-blk")+",drive="+id+",serial="+vminit.LayerSerialPrefix+strconv.Itoa(i))
 	}
 	// A compromised QEMU may not spawn, elevate or change resource
 	// controls (QEMU's seccomp filter).
 	args = append(args, "-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny")
 	return args, nil
+}
+
+// throttle is the -drive options that put a drive in the VM's I/O
+// throttling group ("" when the node bounds no disk I/O). Each VM is a
+// QEMU of its own, so one group name serves all.
+func (b *Backend) throttle() string {
+	if b.cfg.DiskIOPS <= 0 && b.cfg.DiskBPS <= 0 {
+		return ""
+	}
+	opt := ",throttling.group=vm"
+	if b.cfg.DiskIOPS > 0 {
+		opt += ",throttling.iops-total=" + strconv.FormatInt(b.cfg.DiskIOPS, 10)
+	}
+	if b.cfg.DiskBPS > 0 {
+		opt += ",throttling.bps-total=" + strconv.FormatInt(b.cfg.DiskBPS, 10)
+	}
+	return opt
 }
 
 // start starts the QEMU of h (its qemuArgs and extra ones) and returns h
