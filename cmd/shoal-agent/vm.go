@@ -50,7 +50,7 @@ func serveVM(log agent.Logger, cfg *vminit.Config, l net.Listener) error {
 	}
 	go prewarmThreads(prewarm)
 	// Above the commands (see agent.AgentNice); root of the guest may.
-	if err := agent.Prioritize(os.Getpid()); err != nil {
+	if err := agent.Prioritize(os.Getpid(), agent.AgentNice); err != nil {
 		log.Warn("the agent runs at its commands' priority", "err", err)
 	}
 	srv := agent.NewServer(agent.Config{ReapAll: true, IdleRelease: time.Second, Logger: log, Env: cfg.Env, Upper: cfg.Upper,

@@ -7,6 +7,7 @@ import (
 	"runtime"
 	"strconv"
 	"sync/atomic"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 )
@@ -27,21 +28,36 @@ import (
 // privilege. Lowering the agent's nice value does: the host sets it for a
 // container's agent (which has no CAP_SYS_NICE over the host), the agent
 // itself as the init of a VM: both with Prioritize.
+//
+// Where the host can, it does better for a container: it moves the
+// spawner's thread (named SpawnerThread) into a CPU group of its own under
+// the sandbox's, so that every command is born in that group, and leaves
+// the agent at nice 0. Then the commands, however many, weigh as one task
+// against each of the agent's threads within the sandbox's share, and the
+// agent's threads do not weigh twenty nice levels more than other
+// sandboxes' commands on the host's per-CPU split of their groups'
+// weights, which slowed busy latency-sensitive sandboxes' execs (see the
+// container backend's commandsGroup).
 const AgentNice = -20
+
+// SpawnerThread names the spawner's thread (its comm), which the host
+// finds in /proc to move it into the commands' CPU group.
+const SpawnerThread = "shoal-spawner"
 
 // commandNice is the nice value commands start with.
 const commandNice = 0
 
-// Prioritize sets every thread of the agent whose pid is given to
-// AgentNice. It needs CAP_SYS_NICE: a VM's init has it over itself; a
+// Prioritize sets every thread of the agent whose pid is given to nice
+// (AgentNice, or 0 when the host put its commands in a CPU group of their
+// own). Lowering it needs CAP_SYS_NICE: a VM's init has it over itself; a
 // container's agent does not, and its host does it instead.
-func Prioritize(pid int) error {
+func Prioritize(pid, nice int) error {
 	return eachThread(pid, func(tid int) (bool, error) {
 		prio, err := unix.Getpriority(unix.PRIO_PROCESS, tid)
-		if err != nil || 20-prio == AgentNice { // getpriority returns 20-nice
+		if err != nil || 20-prio == nice { // getpriority returns 20-nice
 			return true, err
 		}
-		return false, unix.Setpriority(unix.PRIO_PROCESS, tid, AgentNice)
+		return false, unix.Setpriority(unix.PRIO_PROCESS, tid, nice)
 	})
 }
 
@@ -93,6 +109,11 @@ func newSpawner() *spawner {
 	// Not on the process's main thread, whose nice value ps and
 	// /proc/PID show as the agent's.
 	goLocked(func() {
+		// Its name, for the host (and what a forked command shows until
+		// it executes).
+		name := append([]byte(SpawnerThread), 0)
+		unix.Prctl(unix.PR_SET_NAME, uintptr(unsafe.Pointer(&name[0])), 0, 0, 0)
+		runtime.KeepAlive(name)
 		close(ready)
 		for f := range s.reqs {
 			commandSched(s.idle.Load())

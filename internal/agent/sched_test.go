@@ -36,7 +36,7 @@ func TestCommandsBelowAgent(t *testing.T) {
 				t.Setenv(EnvBestEffort, "1")
 			}
 			cmd, c := startBinary(t, nil)
-			if err := Prioritize(cmd.Process.Pid); err != nil {
+			if err := Prioritize(cmd.Process.Pid, AgentNice); err != nil {
 				t.Fatal(err)
 			}
 			wantPolicy := map[bool]string{false: "0", true: "5"}[idle]

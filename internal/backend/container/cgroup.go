@@ -61,19 +61,24 @@ var unescapeMountinfo = cgroups.UnescapeMountinfo
 // cgroupDirs returns the sandbox's cgroup directory in every hierarchy,
 // whether or not it exists; the pids and freezer hierarchies come first,
 // and a best-effort sandbox's group under the idle parent (see idleParent)
-// last.
+// last; in the v1 cpu hierarchy its commands' group (commandsGroup) comes
+// before its own.
 func (b *Backend) cgroupDirs(id string) ([]string, error) {
 	mounts, err := b.cgroupMounts()
 	if err != nil {
 		return nil, err
 	}
-	dirs := make([]string, 0, len(mounts)+1)
+	dirs := make([]string, 0, len(mounts)+3)
 	for _, m := range mounts {
+		if isV1CPU(m) { // its commands' group first: it goes first
+			dirs = append(dirs, filepath.Join(m.dir, b.cgroupParent, id, commandsGroupName))
+		}
 		dirs = append(dirs, filepath.Join(m.dir, b.cgroupParent, id))
 	}
 	for _, m := range mounts {
 		if isV1CPU(m) {
-			dirs = append(dirs, filepath.Join(m.dir, b.idleParent(), id))
+			dirs = append(dirs, filepath.Join(m.dir, b.idleParent(), id, commandsGroupName),
+				filepath.Join(m.dir, b.idleParent(), id))
 		}
 	}
 	return dirs, nil

@@ -115,15 +115,39 @@ func TestBestEffortIdleGroup(t *testing.T) {
 			if len(pids) < 2 {
 				t.Fatalf("the sandbox's pids group lists %v", pids)
 			}
+			// The agent in the sandbox's group, its commands in their
+			// own under it (commandsGroup), the spawner thread too.
 			for _, p := range pids {
-				if got := cpuGroup(hb, strconv.Itoa(p)); got != want {
-					t.Errorf("task %d of the best-effort sandbox in cpu group %s", p, got)
+				w := want + "/" + commandsGroupName
+				if strconv.Itoa(p) == agentPid(hb) {
+					w = want
+				}
+				if got := cpuGroup(hb, strconv.Itoa(p)); got != w {
+					t.Errorf("task %d of the best-effort sandbox in cpu group %s, want %s", p, got, w)
+				}
+			}
+			for _, h := range []sandbox.Handle{hb, ls} {
+				pid, _ := strconv.Atoi(agentPid(h))
+				tid, err := spawnerThread(pid)
+				if err != nil {
+					t.Fatal(err)
+				}
+				base := "/" + testCgroupParent + "/" + h.Data["runc_id"]
+				if h.ID == hb.ID {
+					base = want
+				}
+				if got := cpuGroup(h, agentPid(h)+"/task/"+strconv.Itoa(tid)); got != base+"/"+commandsGroupName {
+					t.Errorf("the spawner of %s in cpu group %s, want %s/%s", h.ID, got, base, commandsGroupName)
+				}
+				if out, code := run(t, h, "cat /proc/self/cgroup"); code != 0 || !strings.Contains(out, ":/"+commandsGroupName+"\n") && !strings.Contains(out, "/"+h.Data["runc_id"]+"/"+commandsGroupName+"\n") {
+					t.Errorf("a command of %s not in its commands' cpu group:\n%s", h.ID, out)
 				}
 			}
 			// Its commands run under SCHED_IDLE at nice 0 (fields 41 and
 			// 19 of /proc/PID/stat), a latency-sensitive sandbox's under
-			// SCHED_OTHER; the agents' threads, above them, at
-			// agent.AgentNice under SCHED_OTHER (but the one that forks).
+			// SCHED_OTHER; the agents' threads at nice 0 under SCHED_OTHER
+			// too (the commands' own CPU group keeps the agent above them,
+			// not agent.AgentNice).
 			for _, c := range []struct {
 				h    sandbox.Handle
 				want string
@@ -132,8 +156,8 @@ func TestBestEffortIdleGroup(t *testing.T) {
 					t.Errorf("a command of %s runs at nice and policy %q (%d), want %q", c.h.ID, out, code, c.want)
 				}
 				out, code := run(t, c.h, "cat /proc/1/task/*/stat | sed 's/.*) //' | cut -d' ' -f17,39 | sort | uniq -c")
-				if want := strconv.Itoa(agent.AgentNice) + " 0"; code != 0 || !strings.Contains(out, " "+want+"\n") {
-					t.Errorf("the agent's threads of %s (count, nice, policy):\n%s(%d), want some at %q", c.h.ID, out, code, want)
+				if code != 0 || !strings.Contains(out, " 0 0\n") || strings.Contains(out, " "+strconv.Itoa(agent.AgentNice)+" ") {
+					t.Errorf("the agent's threads of %s (count, nice, policy):\n%s(%d), want them at nice 0", c.h.ID, out, code)
 				}
 			}
 			if got := cpuGroup(ls, agentPid(ls)); got != "/"+testCgroupParent+"/"+ls.Data["runc_id"] {
@@ -144,6 +168,12 @@ func TestBestEffortIdleGroup(t *testing.T) {
 			}
 			if _, err := os.Stat(filepath.Join(idle, hb.Data["runc_id"])); !os.IsNotExist(err) {
 				t.Errorf("best-effort cpu group left after delete: %v", err)
+			}
+			if err := b.Delete(context.Background(), ls); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := os.Stat(filepath.Join(cpu, testCgroupParent, ls.Data["runc_id"])); !os.IsNotExist(err) {
+				t.Errorf("cpu group (and its commands') left after delete: %v", err)
 			}
 		})
 	}

@@ -661,14 +661,14 @@ func (b *Backend) createCold(ctx context.Context, spec sandbox.Spec, dir string)
 	if err := b.startContainer(ctx, spec.ID, bundle, dir, lnFile, false, 0); err != nil {
 		return h, fmt.Errorf("create sandbox %s: %w", spec.ID, err)
 	}
-	if err := prioritizeAgent(filepath.Join(dir, pidFileName)); err != nil {
-		return h, fmt.Errorf("create sandbox %s: %w", spec.ID, err)
-	}
 	if spec.Resources.BestEffort {
 		// Its commands run under SCHED_IDLE ($SHOAL_BEST_EFFORT, oci.go).
 		if err := b.makeIdle(spec.ID, spec.Resources); err != nil {
 			return h, fmt.Errorf("create sandbox %s: %w", spec.ID, err)
 		}
+	}
+	if err := b.placeAgent(spec.ID, filepath.Join(dir, pidFileName), spec.Resources.BestEffort); err != nil {
+		return h, fmt.Errorf("create sandbox %s: %w", spec.ID, err)
 	}
 	if !spec.Resources.BestEffort && b.coreSched {
 		if err := setCoreCookie(filepath.Join(dir, pidFileName)); err != nil {

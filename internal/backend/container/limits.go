@@ -7,9 +7,11 @@ import (
 	"path/filepath"
 	"slices"
 	"strconv"
+	"strings"
 
 	"golang.org/x/sys/unix"
 
+	"github.com/shoal-sandbox/shoal/internal/agent"
 	"github.com/shoal-sandbox/shoal/internal/cgroups"
 	"github.com/shoal-sandbox/shoal/internal/sandbox"
 )
@@ -194,4 +196,78 @@ func (b *Backend) moveToIdleParent(m cgroupMount, runcID string, r sandbox.Resou
 		}
 	}
 	return fmt.Errorf("tasks keep appearing in %s", src)
+}
+
+// commandsGroupName is the CPU group, under a sandbox's own in cgroup v1's
+// cpu hierarchy, that its commands are born in (see agent.AgentNice).
+const commandsGroupName = "cmds"
+
+// placeAgent makes the CPU group of the commands of the container whose
+// agent's pid is in pidFile (commandsGroup) and sets the agent's threads'
+// nice value: 0 when the commands have their group, else agent.AgentNice
+// (above its commands, which it forks at nice 0). best: the sandbox's CPU
+// group is under the idle parent (makeIdle ran). The agent could do
+// neither itself.
+func (b *Backend) placeAgent(runcID, pidFile string, best bool) error {
+	pid, err := readPidFile(pidFile)
+	if err != nil {
+		return err
+	}
+	nice := agent.AgentNice
+	if err := b.commandsGroup(runcID, pid, best); err != nil {
+		b.log.Debug("no CPU group for the commands: the agent runs above them", "runc_id", runcID, "nice", nice, "why", err)
+	} else {
+		nice = 0
+	}
+	return agent.Prioritize(pid, nice)
+}
+
+// commandsGroup makes the CPU group the sandbox's commands are born in, a
+// child of its own group in the v1 cpu hierarchy, and moves the agent's
+// spawner thread (agent.SpawnerThread) into it: cgroup v1 places threads,
+// and a task is born in its creator's group. The commands then weigh as
+// one task (the group's cpu.shares) against each thread of the agent
+// within the sandbox's share, so that a fork bomb cannot starve the agent
+// that must kill it, without the agent's nice -20, which skewed the
+// host's per-CPU split of busy sandboxes' weights. The sandbox's CPU
+// limit (its group's quota) covers the child. Not on a unified (v2)
+// hierarchy, where the cpu controller places processes, not threads.
+func (b *Backend) commandsGroup(runcID string, pid int, best bool) error {
+	mounts, err := b.cgroupMounts()
+	if err != nil {
+		return err
+	}
+	i := slices.IndexFunc(mounts, isV1CPU)
+	if i < 0 {
+		return errors.New("no cgroup v1 cpu hierarchy")
+	}
+	parent := b.cgroupParent
+	if best {
+		parent = b.idleParent()
+	}
+	dir := filepath.Join(mounts[i].dir, parent, runcID, commandsGroupName)
+	if err := os.Mkdir(dir, 0o755); err != nil && !errors.Is(err, os.ErrExist) {
+		return err
+	}
+	tid, err := spawnerThread(pid)
+	if err != nil {
+		return err
+	}
+	return writeCgroup(filepath.Join(dir, "tasks"), strconv.Itoa(tid))
+}
+
+// spawnerThread finds the thread of agent pid that forks its commands.
+func spawnerThread(pid int) (int, error) {
+	task := "/proc/" + strconv.Itoa(pid) + "/task"
+	ents, err := os.ReadDir(task)
+	if err != nil {
+		return 0, err
+	}
+	for _, e := range ents {
+		comm, err := os.ReadFile(filepath.Join(task, e.Name(), "comm"))
+		if err == nil && strings.TrimSpace(string(comm)) == agent.SpawnerThread {
+			return strconv.Atoi(e.Name())
+		}
+	}
+	return 0, fmt.Errorf("agent %d has no %s thread (an older agent)", pid, agent.SpawnerThread)
 }

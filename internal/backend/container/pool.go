@@ -509,7 +509,7 @@ func (b *Backend) startMember(ctx context.Context, agentBinary string, urgent bo
 	if err != nil {
 		return m, fmt.Errorf("pool container %s: %w", id, err)
 	}
-	if err := prioritizeAgent(filepath.Join(dir, pidFileName)); err != nil {
+	if err := b.placeAgent(id, filepath.Join(dir, pidFileName), false); err != nil {
 		return m, fmt.Errorf("pool container %s: %w", id, err)
 	}
 	b.premakeDisk(ctx, m)
@@ -517,21 +517,10 @@ func (b *Backend) startMember(ctx context.Context, agentBinary string, urgent bo
 	// during the first pass (its parent still at the pool's nice 19, the
 	// new thread not yet listed) keeps 19 (seen in CI: one agent thread of
 	// a pooled sandbox at 19).
-	if err := prioritizeAgent(filepath.Join(dir, pidFileName)); err != nil {
+	if err := b.placeAgent(id, filepath.Join(dir, pidFileName), false); err != nil {
 		return m, fmt.Errorf("pool container %s: %w", id, err)
 	}
 	return m, nil
-}
-
-// prioritizeAgent sets every thread of the agent whose pid is in pidFile
-// to agent.AgentNice, above the commands it starts (which it forks at nice
-// 0: see agent.AgentNice). The agent could not do it itself.
-func prioritizeAgent(pidFile string) error {
-	pid, err := readPidFile(pidFile)
-	if err != nil {
-		return err
-	}
-	return agent.Prioritize(pid)
 }
 
 // readPidFile returns the pid a pid file (runc's, the native launcher's)
@@ -615,6 +604,10 @@ func (b *Backend) claim(ctx context.Context, spec sandbox.Spec, dir string, m *m
 	if spec.Resources.BestEffort {
 		// Its commands run under SCHED_IDLE: the claim says so.
 		if err := b.makeIdle(m.id, spec.Resources); err != nil {
+			return h, fmt.Errorf("claim for sandbox %s: %w", spec.ID, err)
+		}
+		// The move took the spawner out of its commands' group.
+		if err := b.placeAgent(m.id, filepath.Join(claimed, pidFileName), true); err != nil {
 			return h, fmt.Errorf("claim for sandbox %s: %w", spec.ID, err)
 		}
 	}

@@ -216,8 +216,9 @@ func TestPoolClaim(t *testing.T) {
 	requireRoot(t)
 	b := newPoolBackend(t, t.TempDir(), 2)
 	for _, m := range waitPool(t, b, 2) {
-		// Waiting at the lowest CPU weight, its threads at the agent's
-		// nice value (runc ran at nice 19; see agent.AgentNice).
+		// Waiting at the lowest CPU weight, its threads at nice 0 (runc
+		// ran at nice 19), its spawner in its commands' CPU group (see
+		// commandsGroup).
 		if got := readTrim(t, filepath.Join("/sys/fs/cgroup/cpu", testCgroupParent, m.id, "cpu.shares")); got != "2" {
 			t.Errorf("pool container cpu.shares %s, want 2", got)
 		}
@@ -225,9 +226,15 @@ func TestPoolClaim(t *testing.T) {
 		tasks, _ := filepath.Glob("/proc/" + pid + "/task/*/stat")
 		for _, task := range tasks {
 			f := strings.Fields(readTrim(t, task)[strings.LastIndexByte(readTrim(t, task), ')')+2:])
-			if f[16] != strconv.Itoa(agent.AgentNice) { // field 19, nice
+			if f[16] != "0" { // field 19, nice
 				t.Errorf("pool agent thread %s has nice %s", task, f[16])
 			}
+		}
+		p, _ := strconv.Atoi(pid)
+		if tid, err := spawnerThread(p); err != nil {
+			t.Error(err)
+		} else if tasks := readTrim(t, filepath.Join("/sys/fs/cgroup/cpu", testCgroupParent, m.id, commandsGroupName, "tasks")); tasks != strconv.Itoa(tid) {
+			t.Errorf("the commands' cpu group of %s holds %q, want the spawner %d", m.id, tasks, tid)
 		}
 	}
 	spec := poolSpec(t)
