@@ -77,7 +77,7 @@ func pmemByAddr(addrs []uint64) (map[uint64]string, error) {
 				missing = true
 				break
 			}
-			if _, err := os.Stat(p); err != nil {
+			if !deviceReady(p) {
 				missing = true
 				break
 			}

@@ -243,7 +243,7 @@ func blockBySerial(serials []string) (map[string]string, error) {
 				missing = s
 				break
 			}
-			if _, err := os.Stat(found[s]); err != nil {
+			if !deviceReady(found[s]) {
 				missing = s
 				break
 			}
@@ -256,6 +256,20 @@ func blockBySerial(serials []string) (map[string]string, error) {
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
+}
+
+// deviceReady tells whether a block device can be opened. Its node and
+// its /sys/block entry appear before the kernel has finished adding the
+// disk, and an open (a mount) in between fails with ENXIO (seen with
+// nd_pmem, whose namespaces are probed asynchronously: "/dev/pmem0: Can't
+// open blockdev").
+func deviceReady(path string) bool {
+	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_CLOEXEC|unix.O_NONBLOCK, 0)
+	if err != nil {
+		return false
+	}
+	unix.Close(fd)
+	return true
 }
 
 func readConfig() (*Config, error) {

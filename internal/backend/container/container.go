@@ -31,9 +31,9 @@
 // There is no shim: once runc exits the container's init is reparented, so
 // sandboxes keep running when the node process dies; Recover asks runc for
 // the state of a container described by a persisted Handle. Delete SIGKILLs
-// every task of the container's cgroup, waits for them to exit (pidfd), lets
-// runc delete its state, unmounts the root and checks that no cgroup
-// directory is left. It is idempotent. Freeze and Thaw (freeze.go) stop a
+// every task of the container's cgroup, waits for them to exit (pidfd),
+// removes runc's state (runc delete only when that kill failed), unmounts
+// the root and checks that no cgroup directory is left. It is idempotent. Freeze and Thaw (freeze.go) stop a
 // sandbox's tasks in place with the cgroup freezer and let them go on (the
 // node freezes a sandbox while it commits its writable layer).
 //
