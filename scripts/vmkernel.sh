@@ -60,27 +60,20 @@ if command -v lz4 >/dev/null; then
 	fi
 fi
 cp "$tmp/x/boot/config-$kver" "$new/config"
-for list in order order.pci; do
-	[ "$list" = order ] && set -- $order || set -- $pci_order
-	for m in "$@"; do
-		f=$(find "$mods" -name "$m.ko" | head -1)
-		if [ -z "$f" ]; then
-			echo "vmkernel: $pkg has no module $m" >&2
-			exit 1
-		fi
-		cp "$f" "$new/modules/"
-		echo "$m.ko" >>"$new/modules/$list"
-	done
-done
-# optional LIST MODULES... WHY: copies the modules into DIR/modules and
-# lists them in DIR/modules/LIST, or, when the package lacks one, leaves
-# the list out (saying WHY: what guests then go without).
-optional() {
+# modules LIST WHY MODULES...: copies the modules into DIR/modules and lists
+# them in DIR/modules/LIST. When the package lacks one, an empty WHY stops
+# the script; otherwise the list is left out, saying WHY (what guests then
+# go without).
+modules() {
 	local list=$1 why=$2 m f
 	shift 2
 	for m in "$@"; do
 		f=$(find "$mods" -name "$m.ko" | head -1)
 		if [ -z "$f" ]; then
+			if [ -z "$why" ]; then
+				echo "vmkernel: $pkg has no module $m" >&2
+				exit 1
+			fi
 			echo "vmkernel: $pkg has no module $m: $why" >&2
 			rm -f "$new/modules/$list"
 			return
@@ -89,8 +82,10 @@ optional() {
 		echo "$m.ko" >>"$new/modules/$list"
 	done
 }
-optional order.pmem "guests' layers stay block devices" $pmem_order
-optional order.net "no network egress for VMs" $net_order
+modules order "" $order
+modules order.pci "" $pci_order
+modules order.pmem "guests' layers stay block devices" $pmem_order
+modules order.net "no network egress for VMs" $net_order
 echo "$pkg $kver" >"$new/version"
 mkdir -p "$(dirname "$dest")"
 rm -rf "$dest.old"

@@ -52,9 +52,9 @@ func vmBackends(c vmConfig, dataDir, agentBin, cgroupParent string, eg *egress.E
 		return nil, fmt.Errorf("--vm-disk-iops %d: want 0 (unbounded) or more", c.DiskIOPS)
 	}
 	var diskBPS int64
-	if c.DiskBPS != "" && c.DiskBPS != "0" {
-		n, err := parseBytes(c.DiskBPS)
-		if err != nil || n < 0 {
+	if c.DiskBPS != "" {
+		n, err := parseBytes(c.DiskBPS) // never negative
+		if err != nil {
 			return nil, fmt.Errorf("--vm-disk-bps %q: want a size per second (256M) or 0 (unbounded)", c.DiskBPS)
 		}
 		diskBPS = n

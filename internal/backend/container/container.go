@@ -33,9 +33,10 @@
 // the state of a container described by a persisted Handle. Delete SIGKILLs
 // every task of the container's cgroup, waits for them to exit (pidfd),
 // removes runc's state (runc delete only when that kill failed), unmounts
-// the root and checks that no cgroup directory is left. It is idempotent. Freeze and Thaw (freeze.go) stop a
-// sandbox's tasks in place with the cgroup freezer and let them go on (the
-// node freezes a sandbox while it commits its writable layer).
+// the root and checks that no cgroup directory is left. It is idempotent.
+// Freeze and Thaw (freeze.go) stop a sandbox's tasks in place with the
+// cgroup freezer and let them go on (the node freezes a sandbox while it
+// commits its writable layer).
 //
 // The runc container ID of a cold sandbox is the sandbox ID; a pooled
 // sandbox keeps the ID its pool container was started with
@@ -667,7 +668,7 @@ func (b *Backend) createCold(ctx context.Context, spec sandbox.Spec, dir string)
 			return h, fmt.Errorf("create sandbox %s: %w", spec.ID, err)
 		}
 	}
-	if err := b.placeAgent(spec.ID, filepath.Join(dir, pidFileName), spec.Resources.BestEffort); err != nil {
+	if _, _, err := b.placeAgent(spec.ID, filepath.Join(dir, pidFileName), spec.Resources.BestEffort); err != nil {
 		return h, fmt.Errorf("create sandbox %s: %w", spec.ID, err)
 	}
 	if !spec.Resources.BestEffort && b.coreSched {
@@ -1005,12 +1006,12 @@ func (b *Backend) Delete(ctx context.Context, h sandbox.Handle) error {
 // destroy kills the container's tasks, deletes its runtime state and checks
 // its cgroups are gone.
 func (b *Backend) destroy(ctx context.Context, id string) error {
-	killed := b.killCgroup(ctx, id)
-	if killed != nil {
+	killErr := b.killCgroup(ctx, id)
+	if killErr != nil {
 		// Fall back on the runtime, which freezes, signals and waits itself.
-		b.log.Warn("kill via cgroup", "sandbox_id", id, "err", killed)
+		b.log.Warn("kill via cgroup", "sandbox_id", id, "err", killErr)
 	}
-	if killed != nil && b.hasState(id) {
+	if killErr != nil && b.hasState(id) {
 		var stderr bytes.Buffer
 		cmd := b.runc(ctx, "delete", "--force", id)
 		cmd.Stderr = &stderr

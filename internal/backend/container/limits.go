@@ -207,19 +207,18 @@ const commandsGroupName = "cmds"
 // nice value: 0 when the commands have their group, else agent.AgentNice
 // (above its commands, which it forks at nice 0). best: the sandbox's CPU
 // group is under the idle parent (makeIdle ran). The agent could do
-// neither itself.
-func (b *Backend) placeAgent(runcID, pidFile string, best bool) error {
-	pid, err := readPidFile(pidFile)
-	if err != nil {
-		return err
+// neither itself. It returns the agent's pid and the nice value it set.
+func (b *Backend) placeAgent(runcID, pidFile string, best bool) (pid, nice int, err error) {
+	if pid, err = readPidFile(pidFile); err != nil {
+		return 0, 0, err
 	}
-	nice := agent.AgentNice
+	nice = agent.AgentNice
 	if err := b.commandsGroup(runcID, pid, best); err != nil {
 		b.log.Debug("no CPU group for the commands: the agent runs above them", "runc_id", runcID, "nice", nice, "why", err)
 	} else {
 		nice = 0
 	}
-	return agent.Prioritize(pid, nice)
+	return pid, nice, agent.Prioritize(pid, nice)
 }
 
 // commandsGroup makes the CPU group the sandbox's commands are born in, a

@@ -509,15 +509,16 @@ func (b *Backend) startMember(ctx context.Context, agentBinary string, urgent bo
 	if err != nil {
 		return m, fmt.Errorf("pool container %s: %w", id, err)
 	}
-	if err := b.placeAgent(id, filepath.Join(dir, pidFileName), false); err != nil {
+	pid, agentNice, err := b.placeAgent(id, filepath.Join(dir, pidFileName), false)
+	if err != nil {
 		return m, fmt.Errorf("pool container %s: %w", id, err)
 	}
 	b.premakeDisk(ctx, m)
-	// Once more, off the claim's path: a thread whose clone was under way
-	// during the first pass (its parent still at the pool's nice 19, the
-	// new thread not yet listed) keeps 19 (seen in CI: one agent thread of
-	// a pooled sandbox at 19).
-	if err := b.placeAgent(id, filepath.Join(dir, pidFileName), false); err != nil {
+	// The nice value once more, off the claim's path: a thread whose clone
+	// was under way during the first pass (its parent still at the pool's
+	// nice 19, the new thread not yet listed) keeps 19 (seen in CI: one
+	// agent thread of a pooled sandbox at 19).
+	if err := agent.Prioritize(pid, agentNice); err != nil {
 		return m, fmt.Errorf("pool container %s: %w", id, err)
 	}
 	return m, nil
@@ -607,7 +608,7 @@ func (b *Backend) claim(ctx context.Context, spec sandbox.Spec, dir string, m *m
 			return h, fmt.Errorf("claim for sandbox %s: %w", spec.ID, err)
 		}
 		// The move took the spawner out of its commands' group.
-		if err := b.placeAgent(m.id, filepath.Join(claimed, pidFileName), true); err != nil {
+		if _, _, err := b.placeAgent(m.id, filepath.Join(claimed, pidFileName), true); err != nil {
 			return h, fmt.Errorf("claim for sandbox %s: %w", spec.ID, err)
 		}
 	}
