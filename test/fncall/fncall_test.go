@@ -346,9 +346,22 @@ func TestProcessTreeAccounting(t *testing.T) {
 #include <time.h>
 static void burn(double s){clock_t t=clock();volatile long x=0;while((double)(clock()-t)/CLOCKS_PER_SEC<s)x++;}
 int main(void){
-	for(int i=0;i<2;i++) if(fork()==0){ volatile char*p=malloc(40<<20); for(int j=0;j<(40<<20);j+=4096)p[j]=1; burn(0.3); return p[4096]-1; }
-	while(wait(0)>0);
-	return 0;
+	/* Both children hold their 40 MiB at once (the peak is what is checked):
+	   each says so on "ready" and waits for "go", which the parent closes
+	   once both have; on a loaded host one child could otherwise finish
+	   before the other had touched its memory. */
+	int ready[2], go[2]; char c;
+	if(pipe(ready)||pipe(go)) return 3;
+	for(int i=0;i<2;i++) if(fork()==0){
+		close(go[1]); volatile char*p=malloc(40<<20); for(int j=0;j<(40<<20);j+=4096)p[j]=1;
+		if(write(ready[1],"x",1)!=1) return 4; if(read(go[0],&c,1)!=0) return 5;
+		burn(0.3); return p[4096]-1; }
+	close(go[0]);
+	for(int i=0;i<2;i++) if(read(ready[0],&c,1)!=1) return 6;
+	close(go[1]);
+	int st, bad=0;
+	while(wait(&st)>0) bad|=!WIFEXITED(st)||WEXITSTATUS(st);
+	return bad;
 }
 `, Limits: &pb.Limits{CpuTimeMs: 5000, MemoryBytes: 256 << 20,
 		// What is checked is the accounting, not the wall clock: the
