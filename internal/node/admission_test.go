@@ -6,6 +6,7 @@ import (
 	"math"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/shoal-sandbox/shoal/internal/errdefs"
 	"github.com/shoal-sandbox/shoal/internal/sandbox"
@@ -199,5 +200,36 @@ func TestHostCapacity(t *testing.T) {
 	}
 	if total <= 0 || avail <= 0 || avail > total || cpus < 1 {
 		t.Errorf("host capacity %d %d %d", total, avail, cpus)
+	}
+}
+
+// TestHostCacheTTL: admission reads the host at most once per TTL, again
+// after it, and never keeps a failed reading.
+func TestHostCacheTTL(t *testing.T) {
+	now := time.Unix(1000, 0)
+	reads := 0
+	var fail error
+	h := &hostCache{ttl: 50 * time.Millisecond, now: func() time.Time { return now },
+		read: func() (int64, int64, int, error) {
+			reads++
+			return 8 << 30, int64(reads) << 30, 2, fail
+		}}
+	for range 3 {
+		if _, avail, _, err := h.get(); err != nil || avail != 1<<30 {
+			t.Fatalf("within the TTL: available %d, %v (want the first reading)", avail, err)
+		}
+	}
+	now = now.Add(50 * time.Millisecond)
+	if _, avail, _, _ := h.get(); avail != 2<<30 || reads != 2 {
+		t.Fatalf("after the TTL: available %d after %d reads (want a new reading)", avail, reads)
+	}
+	now = now.Add(time.Second)
+	fail = errors.New("no meminfo")
+	if _, _, _, err := h.get(); err == nil {
+		t.Fatal("a failed reading was not returned")
+	}
+	fail = nil
+	if _, avail, _, err := h.get(); err != nil || avail != 4<<30 {
+		t.Fatalf("after a failed reading: available %d, %v (want a new reading)", avail, err)
 	}
 }

@@ -1,7 +1,6 @@
 package container
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -131,7 +130,7 @@ func (b *Backend) killCgroup(ctx context.Context, id string) error {
 				return fmt.Errorf("kill %d: %w", pid, err)
 			}
 		}
-		thaw(dirs)
+		b.thawToKill(id)
 		err = waitPidfds(ctx, pidfds)
 		closeAll(pidfds)
 		if err != nil {
@@ -141,15 +140,13 @@ func (b *Backend) killCgroup(ctx context.Context, id string) error {
 	return fmt.Errorf("tasks keep appearing in %s", procs)
 }
 
-// thaw thaws the sandbox's cgroup in the freezer hierarchies, if frozen.
-func thaw(dirs []string) {
-	for _, d := range dirs {
-		if st, err := os.ReadFile(filepath.Join(d, "freezer.state")); err == nil && string(bytes.TrimSpace(st)) != "THAWED" {
-			os.WriteFile(filepath.Join(d, "freezer.state"), []byte("THAWED"), 0)
-		}
-		if fr, err := os.ReadFile(filepath.Join(d, "cgroup.freeze")); err == nil && string(bytes.TrimSpace(fr)) != "0" {
-			os.WriteFile(filepath.Join(d, "cgroup.freeze"), []byte("0"), 0)
-		}
+// thawToKill thaws the sandbox's cgroup (frozen tasks do not die). One
+// write to its freezer, whatever its state (thawing a thawed cgroup does
+// nothing): reading both freezer files in each of the sandbox's dozen
+// cgroup directories cost a delete ~0.6 ms of CPU in a burst.
+func (b *Backend) thawToKill(id string) {
+	if f, err := b.freezer(id); err == nil {
+		f.thaw()
 	}
 }
 
