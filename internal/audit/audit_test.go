@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 )
 
 func TestLogRotateRead(t *testing.T) {
@@ -63,5 +64,43 @@ func TestFullQueueCounts(t *testing.T) {
 	}
 	if l.Dropped() != 10 || drops != 10 {
 		t.Fatalf("dropped %d, callback %d", l.Dropped(), drops)
+	}
+}
+
+// TestWrittenAtOnceSyncedLater: an entry is in the file as soon as the
+// queue runs empty, and entries that trickle in one at a time are synced
+// at most every SyncEvery, not once each.
+func TestWrittenAtOnceSyncedLater(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "audit.log")
+	l, err := Open(path, 0, slog.Default(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	const n = 50
+	start := time.Now()
+	for i := range n {
+		l.Record(Entry{Key: "k", Action: "sandbox.create", Object: fmt.Sprint(i), Result: "ok"})
+		// In the file before the next one is queued (no Close).
+		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+			got, err := Read(path, 1, "")
+			if err == nil && len(got) == 1 && got[0].Object == fmt.Sprint(i) {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("entry %d not in the file: %v %+v", i, err, got)
+			}
+		}
+	}
+	took := time.Since(start)
+	// One sync at the start, then at most one per SyncEvery (and one more
+	// for the last timer).
+	if max := uint64(took/SyncEvery) + 2; l.syncs.Load() > max {
+		t.Errorf("%d syncs for %d entries over %s (want at most %d)", l.syncs.Load(), n, took, max)
+	}
+	before := l.syncs.Load()
+	l.Close()
+	if l.syncs.Load() <= before {
+		t.Errorf("Close did not sync")
 	}
 }
