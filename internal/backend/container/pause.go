@@ -1,25 +1,21 @@
 package container
 
 import (
-	"bufio"
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
-	"runtime"
 	"slices"
 	"strconv"
 	"strings"
-	"sync"
 	"syscall"
 	"time"
-	"unsafe"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/shoal-sandbox/shoal/internal/cgroups"
+	"github.com/shoal-sandbox/shoal/internal/reclaim"
 	"github.com/shoal-sandbox/shoal/internal/sandbox"
 )
 
@@ -69,7 +65,7 @@ func (b *Backend) Resume(ctx context.Context, h sandbox.Handle) (sandbox.Handle,
 		return h, err
 	}
 	if b.prefetch {
-		if _, err := b.adviseCgroup(ctx, id, madvWillneed); err != nil {
+		if _, err := b.adviseCgroup(ctx, id, reclaim.WillNeed); err != nil {
 			b.log.Warn("prefetch the memory of a paused sandbox", "sandbox_id", h.ID, "err", err)
 		}
 	}
@@ -166,7 +162,7 @@ func (b *Backend) reclaim(ctx context.Context, runcID string, mem memCgroup) (me
 		}
 		return "memory.reclaim", nil
 	}
-	_, err = b.adviseCgroup(ctx, runcID, madvPageout)
+	_, err = b.adviseCgroup(ctx, runcID, reclaim.PageOut)
 	if err != nil || mem.dir == "" || mem.v2 {
 		return "process_madvise", err
 	}
@@ -184,16 +180,6 @@ func (b *Backend) reclaim(ctx context.Context, runcID string, mem memCgroup) (me
 	}
 	return "process_madvise", nil
 }
-
-const (
-	madvWillneed = unix.MADV_WILLNEED // 3
-	madvPageout  = 21                 // MADV_PAGEOUT (Linux 5.4)
-	// iovMax is the kernel's UIO_MAXIOV: iovecs per process_madvise.
-	iovMax = 1024
-	// adviseChunk bounds the bytes of one process_madvise (the kernel
-	// caps a call at MAX_RW_COUNT, just under 2 GiB).
-	adviseChunk = 1 << 30
-)
 
 // cgroupPids lists the processes (thread group leaders) of the sandbox.
 func (b *Backend) cgroupPids(runcID string) ([]int, error) {
@@ -232,197 +218,11 @@ func (b *Backend) adviseCgroup(ctx context.Context, runcID string, advice int) (
 		if ctx.Err() != nil {
 			return total, ctx.Err()
 		}
-		n, err := adviseProcess(pid, advice)
+		n, err := reclaim.Process(pid, advice)
 		total += n
 		if err != nil && !errors.Is(err, unix.ESRCH) {
 			errs = append(errs, fmt.Errorf("pid %d: %w", pid, err))
 		}
 	}
 	return total, errors.Join(errs...)
-}
-
-// adviseProcess gives advice on every private mapping of pid.
-func adviseProcess(pid, advice int) (int64, error) {
-	pidfd, err := unix.PidfdOpen(pid, 0)
-	if err != nil {
-		return 0, fmt.Errorf("pidfd_open: %w", err)
-	}
-	defer unix.Close(pidfd)
-	// Read the maps after the pidfd is open: if the pid was reused before
-	// the open, the maps are another process's (of the same frozen
-	// sandbox, since the freezer stops forks); the advice is harmless.
-	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/maps", pid))
-	if err != nil {
-		return 0, err
-	}
-	ranges := privateMappings(data)
-	// The kernel compresses what it pages out into zram in the calling
-	// thread: one call per CPU, on parts of about equal size, runs that
-	// on every CPU (a sandbox's memory is mostly one process's).
-	parts := splitRanges(ranges, min(runtime.NumCPU(), maxAdviseThreads), adviseSplitMin)
-	if len(parts) == 1 {
-		return adviseRanges(pidfd, parts[0], advice)
-	}
-	var (
-		wg    sync.WaitGroup
-		mu    sync.Mutex
-		done  int64
-		first error
-	)
-	for _, part := range parts {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			n, err := adviseRanges(pidfd, part, advice)
-			mu.Lock()
-			defer mu.Unlock()
-			done += n
-			if err != nil && first == nil {
-				first = err
-			}
-		}()
-	}
-	wg.Wait()
-	return done, first
-}
-
-const (
-	// maxAdviseThreads bounds the calls advising one process at once.
-	maxAdviseThreads = 8
-	// adviseSplitMin: a process with less than this per CPU is advised
-	// in one call.
-	adviseSplitMin = 16 << 20
-)
-
-// splitRanges cuts ranges into at most k parts of about equal bytes, each
-// at least min bytes (page-aligned cuts; a range may be cut in two).
-func splitRanges(ranges []iovec, k int, minBytes uint64) [][]iovec {
-	var total uint64
-	for _, r := range ranges {
-		total += r.Len
-	}
-	k = min(k, int(total/max(minBytes, 1)))
-	if k <= 1 {
-		return [][]iovec{ranges}
-	}
-	per := (total/uint64(k) + 4095) &^ 4095
-	var parts [][]iovec
-	var cur []iovec
-	var size uint64
-	for _, r := range ranges {
-		for r.Len > 0 {
-			take := r.Len // the last part takes the rest
-			if len(parts) < k-1 {
-				take = min(r.Len, per-size) // > 0: size < per here
-			}
-			cur = append(cur, iovec{Base: r.Base, Len: take})
-			size += take
-			r.Base += uintptr(take)
-			r.Len -= take
-			if size == per && len(parts) < k-1 {
-				parts = append(parts, cur)
-				cur, size = nil, 0
-			}
-		}
-	}
-	if len(cur) > 0 {
-		parts = append(parts, cur)
-	}
-	return parts
-}
-
-// adviseRanges gives advice on ranges of the process behind pidfd, in
-// calls of at most iovMax ranges and adviseChunk bytes.
-func adviseRanges(pidfd int, ranges []iovec, advice int) (int64, error) {
-	var done int64
-	for len(ranges) > 0 {
-		batch, size := ranges, int64(0)
-		for i, r := range ranges {
-			if i == iovMax || size+int64(r.Len) > adviseChunk && i > 0 {
-				batch = ranges[:i]
-				break
-			}
-			size += int64(r.Len)
-		}
-		n, err := processMadvise(pidfd, batch, advice)
-		done += n
-		if err != nil && n == 0 {
-			if errors.Is(err, unix.ESRCH) {
-				return done, err
-			}
-			// EINVAL/ENOMEM on the first range (locked, special, or
-			// unmapped since): skip it and go on.
-			ranges = ranges[1:]
-			continue
-		}
-		// Skip what was advised, and the range the kernel stopped at
-		// when it stopped early.
-		ranges = skipAdvised(ranges, n, len(batch))
-	}
-	return done, nil
-}
-
-// skipAdvised drops the first n bytes' worth of ranges (of a batch of k
-// ranges); a partly advised range is dropped too.
-func skipAdvised(ranges []iovec, n int64, k int) []iovec {
-	i := 0
-	for i < k && n >= int64(ranges[i].Len) {
-		n -= int64(ranges[i].Len)
-		i++
-	}
-	if i < k {
-		i++ // the kernel stopped inside (or at) this one: skip it
-	}
-	return ranges[i:]
-}
-
-// iovec is struct iovec with the base as a number: an address in another
-// process, never dereferenced here.
-type iovec struct {
-	Base uintptr
-	Len  uint64
-}
-
-func processMadvise(pidfd int, iov []iovec, advice int) (int64, error) {
-	if len(iov) == 0 {
-		return 0, nil
-	}
-	n, _, errno := unix.Syscall6(unix.SYS_PROCESS_MADVISE, uintptr(pidfd), uintptr(unsafe.Pointer(&iov[0])), uintptr(len(iov)), uintptr(advice), 0, 0)
-	if errno != 0 {
-		return 0, errno
-	}
-	return int64(n), nil
-}
-
-// privateMappings parses /proc/PID/maps into iovecs over its private
-// mappings (anonymous or not), leaving out the kernel's special ones.
-func privateMappings(maps []byte) []iovec {
-	var out []iovec
-	sc := bufio.NewScanner(bytes.NewReader(maps))
-	sc.Buffer(make([]byte, 64<<10), 1<<20)
-	for sc.Scan() {
-		// 7f0c1c000000-7f0c1c021000 rw-p 00000000 00:00 0     [heap]
-		f := strings.Fields(sc.Text())
-		if len(f) < 5 || len(f[1]) != 4 || f[1][3] != 'p' {
-			continue
-		}
-		if len(f) >= 6 && (f[5] == "[vvar]" || f[5] == "[vdso]" || f[5] == "[vsyscall]" || f[5] == "[vvar_vclock]") {
-			continue
-		}
-		lo, hi, ok := strings.Cut(f[0], "-")
-		if !ok {
-			continue
-		}
-		start, err1 := strconv.ParseUint(lo, 16, 64)
-		end, err2 := strconv.ParseUint(hi, 16, 64)
-		if err1 != nil || err2 != nil || end <= start {
-			continue
-		}
-		for start < end {
-			n := min(end-start, adviseChunk)
-			out = append(out, iovec{Base: uintptr(start), Len: n})
-			start += n
-		}
-	}
-	return out
 }
