@@ -30,6 +30,7 @@ type vmConfig struct {
 	QEMU      string
 	DiskIOPS  int64  // each VM's disk requests per second (0: unbounded)
 	DiskBPS   string // each VM's disk bytes per second, as a size (0: unbounded)
+	Pause     string // snapshot | in-place
 }
 
 func addVMFlags(cmd *cobra.Command, c *vmConfig) {
@@ -42,6 +43,7 @@ func addVMFlags(cmd *cobra.Command, c *vmConfig) {
 	cmd.Flags().StringVar(&c.QEMU, "vm-qemu", "qemu-system-x86_64", "QEMU binary of the VM backends")
 	cmd.Flags().Int64Var(&c.DiskIOPS, "vm-disk-iops", 4000, "disk requests per second each VM may make, all its drives together (QEMU's throttling; 0: unbounded)")
 	cmd.Flags().StringVar(&c.DiskBPS, "vm-disk-bps", "256M", "disk bytes per second each VM may read and write, all its drives together (0: unbounded)")
+	cmd.Flags().StringVar(&c.Pause, "vm-pause", microvm.PauseSnapshot, "how a VM is paused: snapshot (its state to a file, QEMU ended: no memory left on the host; a resume restores it in a new QEMU) or in-place (QEMU stopped, its memory paged out to zram: a few MiB of RSS plus the compressed memory; a resume continues it, 2-3x faster under TCG)")
 }
 
 // vmBackends returns the VM backends this node offers, or an error when one
@@ -64,6 +66,11 @@ func vmBackends(c vmConfig, dataDir, agentBin, cgroupParent string, eg *egress.E
 	default:
 		return nil, fmt.Errorf("--vm-layers %q: want auto, pmem or blk", c.Layers)
 	}
+	switch c.Pause {
+	case "", microvm.PauseSnapshot, microvm.PauseInPlace:
+	default:
+		return nil, fmt.Errorf("--vm-pause %q: want %s or %s", c.Pause, microvm.PauseSnapshot, microvm.PauseInPlace)
+	}
 	for _, k := range []struct{ name, machine, mode, image string }{
 		{"microvm", microvm.MachineMicroVM, c.MicroVM, ""},
 		{"fullvm", microvm.MachineQ35, c.FullVM, c.Image},
@@ -77,7 +84,7 @@ func vmBackends(c vmConfig, dataDir, agentBin, cgroupParent string, eg *egress.E
 		}
 		cfg := microvm.Config{Name: k.name, Machine: k.machine, QEMU: c.QEMU, KernelDir: c.KernelDir, Image: k.image,
 			StateDir: filepath.Join(dataDir, "vm"), AgentBinary: agentBin, Accel: c.Accel, CgroupParent: cgroupParent, Egress: eg,
-			DiskIOPS: c.DiskIOPS, DiskBPS: diskBPS, Logger: log}
+			DiskIOPS: c.DiskIOPS, DiskBPS: diskBPS, Pause: c.Pause, Logger: log}
 		if k.machine == microvm.MachineMicroVM {
 			cfg.Layers = c.Layers
 		}

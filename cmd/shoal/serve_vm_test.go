@@ -40,3 +40,16 @@ func TestVMDiskIOFlags(t *testing.T) {
 		}
 	}
 }
+
+// --vm-pause takes snapshot or in-place; anything else stops serve.
+func TestVMPauseFlag(t *testing.T) {
+	log := slog.New(slog.DiscardHandler)
+	for _, mode := range []string{"", "snapshot", "in-place"} {
+		if _, err := vmBackends(vmConfig{MicroVM: "off", FullVM: "off", Layers: "auto", Pause: mode}, t.TempDir(), "", "", nil, log); err != nil {
+			t.Errorf("--vm-pause %q: %v", mode, err)
+		}
+	}
+	if _, err := vmBackends(vmConfig{MicroVM: "off", FullVM: "off", Layers: "auto", Pause: "freeze"}, t.TempDir(), "", "", nil, log); err == nil || !strings.Contains(err.Error(), "--vm-pause") {
+		t.Errorf("--vm-pause freeze: %v", err)
+	}
+}

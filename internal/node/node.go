@@ -930,6 +930,16 @@ func (m *Manager) Recover(ctx context.Context) error {
 			switch {
 			case err != nil:
 				rec.State, rec.Error = StateError, "recover: "+err.Error()
+			case st == sandbox.StatusPaused:
+				if rec.State == StateRunning {
+					// Paused by a Pause this node did not live to record.
+					log.Warn("sandbox found paused: recorded as paused")
+					now := time.Now().UTC()
+					rec.State, rec.Pause, rec.Expires = StatePaused, &PauseInfo{At: now}, now.Add(m.cfg.PausedTimeout)
+					if err := boltgroup.Update(m.db, func(tx *bbolt.Tx) error { return putRecord(tx, rec) }); err != nil {
+						log.Error("persist paused sandbox", "err", err)
+					}
+				}
 			case st != sandbox.StatusRunning:
 				rec.State, rec.Error = StateError, "its runtime is "+string(st)
 			default:

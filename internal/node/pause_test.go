@@ -235,6 +235,57 @@ func TestRestartKeepsPaused(t *testing.T) {
 	}
 }
 
+// pausedBackend is a pauseBackend whose Recover tells a paused sandbox
+// from a running one (as the microvm backend does).
+type pausedBackend struct{ *pauseBackend }
+
+func (b pausedBackend) Recover(ctx context.Context, h sandbox.Handle) (sandbox.Status, error) {
+	if stopped, _, _ := b.state(h.ID); stopped {
+		return sandbox.StatusPaused, nil
+	}
+	return sandbox.StatusRunning, nil
+}
+
+// TestRestartFindsPaused: a node that died after its backend paused a
+// sandbox and before it recorded the pause finds it paused at the restart
+// (StatusPaused), records that, and resumes it on the next request.
+func TestRestartFindsPaused(t *testing.T) {
+	be := pausedBackend{newPauseBackend()}
+	m, db, ids := newTestManagerWith(t, be, Config{}, "/nonexistent/a")
+	recoverManager(t, m)
+	id := ids[0]
+	rec, _ := m.Get(id)
+	if _, err := be.Pause(context.Background(), rec.Handle); err != nil { // not through the node
+		t.Fatal(err)
+	}
+	m2, err := New(m.cfg, db, m.layers, []sandbox.Backend{be}, m.log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	recoverManager(t, m2)
+	if rec, err := m2.Get(id); err != nil || rec.State != StatePaused || rec.Pause == nil {
+		t.Fatalf("after restart: %v state=%s pause=%v, want paused", err, rec.State, rec.Pause)
+	}
+	// Persisted: a third node sees it paused too.
+	m3, err := New(m.cfg, db, m.layers, []sandbox.Backend{be}, m.log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	recoverManager(t, m3)
+	if rec, _ := m3.Get(id); rec.State != StatePaused {
+		t.Fatalf("after a second restart: state=%s, want paused", rec.State)
+	}
+	if _, err := m3.Agent(id); err != nil {
+		t.Fatal(err)
+	}
+	if stopped, _, resumes := be.state(id); stopped || resumes != 1 {
+		t.Fatalf("after a request stopped=%v resumes=%d, want resumed once", stopped, resumes)
+	}
+	if rec, _ := m3.Get(id); rec.State != StateRunning {
+		t.Fatalf("state %s after a request", rec.State)
+	}
+}
+
 // TestAutoPause: Run pauses a sandbox idle for its auto-pause time, not
 // one that runs a command, and a paused sandbox's idle timeout does not
 // delete it.

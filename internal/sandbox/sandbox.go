@@ -127,6 +127,11 @@ type Status string
 const (
 	StatusRunning Status = "running"
 	StatusStopped Status = "stopped" // exists but its init is gone
+	// StatusPaused: stopped by a Pause (a Pauser's), and Resume runs it
+	// again. The node keeps it paused, or learns that it is (a node that
+	// died between a Pause and recording it). A backend that cannot tell
+	// a paused sandbox from a running one says running.
+	StatusPaused Status = "paused"
 )
 
 // Backend creates and destroys sandboxes of one kind.

@@ -150,6 +150,7 @@ func startServe() error {
 		// pmem or blk: the VM tests with one layer mode (default auto).
 		serveCmd.Args = append(serveCmd.Args, "--vm-layers", l)
 	}
+	serveCmd.Args = append(serveCmd.Args, serveExtra...)
 	serveCmd.Stdout, serveCmd.Stderr = log, log
 	serveCmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
 	if err := serveCmd.Start(); err != nil {
@@ -172,6 +173,10 @@ func startServe() error {
 }
 
 // killServe kills shoal serve with SIGKILL, as a crash would.
+// serveExtra: more flags for the next startServe (a test that needs a
+// server configured otherwise sets them and restores nil after).
+var serveExtra []string
+
 func killServe() {
 	serveCmd.Process.Signal(syscall.SIGKILL)
 	serveCmd.Wait()

@@ -147,6 +147,77 @@ func TestMicroVM(t *testing.T) {
 	}
 }
 
+// TestMicroVMPauseInPlace: with serve --vm-pause in-place, a paused VM
+// keeps its QEMU (stopped, its memory paged out), stays paused across a
+// restart of the server, and resumes in the same QEMU; a command started
+// before the pause streams to its end.
+func TestMicroVMPauseInPlace(t *testing.T) {
+	need(t)
+	killServe()
+	serveExtra = []string{"--vm-pause", "in-place"}
+	if err := startServe(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		killServe()
+		serveExtra = nil
+		if err := startServe(); err != nil {
+			t.Errorf("restart the server as it was: %v", err)
+		}
+	})
+	stdout, stderr, code := run3(nil, "create", "--backend", "microvm", "--base", baseRef, "--memory", "256M")
+	if code != 0 {
+		if strings.Contains(stderr, "not available on this node") {
+			t.Skipf("no microvm backend on this node: %s", strings.TrimSpace(stderr))
+		}
+		t.Fatalf("create: %s %s", stdout, stderr)
+	}
+	id := strings.TrimSpace(stdout)
+	t.Cleanup(func() { run(nil, "rm", id) })
+	var info struct {
+		State   string            `json:"state"`
+		Runtime map[string]string `json:"runtime"`
+	}
+	inspect := func(want string) {
+		t.Helper()
+		out, code := run(nil, "inspect", id)
+		if code != 0 || json.Unmarshal([]byte(out), &info) != nil || info.State != want {
+			t.Fatalf("inspect: %d %s (want %s)", code, out, want)
+		}
+	}
+	inspect("running")
+	pid := info.Runtime["pid"]
+	alive := func() bool {
+		b, err := os.ReadFile("/proc/" + pid + "/stat")
+		return err == nil && !strings.Contains(string(b), ") Z ")
+	}
+	cmdID := strings.TrimSpace(shoalOK(t, "exec", "-d", id, "--", "sh", "-c", "i=0; while [ $i -lt 20 ]; do i=$((i+1)); echo line $i; sleep 0.05; done"))
+	var want strings.Builder
+	for i := 1; i <= 20; i++ {
+		fmt.Fprintf(&want, "line %d\n", i)
+	}
+	t.Logf("shoal pause: %s", shoalOK(t, "pause", id))
+	killServe()
+	if err := startServe(); err != nil {
+		t.Fatal(err)
+	}
+	inspect("paused")
+	if !alive() {
+		t.Fatalf("qemu %s ended: a VM paused in place keeps it", pid)
+	}
+	shoalOK(t, "resume", id)
+	if got := shoalOK(t, "attach", id, cmdID); got != want.String() {
+		t.Fatalf("the command started before the pause streamed\n%q\nwant\n%q", got, want.String())
+	}
+	inspect("running")
+	if info.Runtime["pid"] != pid {
+		t.Fatalf("resumed in QEMU %s, paused in %s: want the same", info.Runtime["pid"], pid)
+	}
+	if out, code := run(nil, "rm", id); code != 0 {
+		t.Fatalf("rm: %d %s", code, out)
+	}
+}
+
 // checkVMCommit commits the VM id's writable layer after changes that make
 // whiteouts, an opaque directory, a hard link, a symlink, owners and modes,
 // and checks that the same changes made in a container commit to the very

@@ -130,7 +130,10 @@ type Config struct {
 	// through them (writeback and direct I/O alike), unlike a cgroup v1
 	// blkio limit.
 	DiskIOPS, DiskBPS int64
-	Logger            *slog.Logger
+	// Pause is how Pause stops a VM (pause.go): PauseSnapshot (default)
+	// or PauseInPlace.
+	Pause  string
+	Logger *slog.Logger
 }
 
 // Check reports why this node cannot run VMs (nil if it can): no QEMU or
@@ -230,6 +233,13 @@ func New(cfg Config) (*Backend, error) {
 	case "auto", "kvm", "tcg":
 	default:
 		return nil, fmt.Errorf("vm backend: accel %q: want auto, kvm or tcg", cfg.Accel)
+	}
+	switch cfg.Pause {
+	case "":
+		cfg.Pause = PauseSnapshot
+	case PauseSnapshot, PauseInPlace:
+	default:
+		return nil, fmt.Errorf("vm backend: pause %q: want %s or %s", cfg.Pause, PauseSnapshot, PauseInPlace)
 	}
 	kernel, _ := cfg.kernel()
 	initrd, err := buildInitrd(cfg.StateDir, cfg.KernelDir, cfg.AgentBinary)
@@ -928,11 +938,13 @@ func (b *Backend) Alive(h sandbox.Handle) (bool, error) {
 }
 
 // Recover implements sandbox.Backend: a VM whose QEMU still runs is
-// running (its agent channel is re-dialed on the next request), and so is
-// a paused one (its snapshot is there, or the QEMU of a resume whose
-// handle the node did not persist runs; the node knows it paused it). A
-// QEMU whose snapshot is complete but which a pause did not kill yet (the
-// node died in the middle, and so still has it running) continues.
+// running (its agent channel is re-dialed on the next request), unless it
+// was paused in place (its mark is there: paused); a VM with a snapshot
+// and no QEMU is paused; one whose resume started a QEMU whose handle the
+// node did not persist is running (the node knows it paused it, and its
+// next resume adopts that QEMU). A QEMU whose snapshot is complete but
+// which a pause did not kill yet (the node died in the middle, and so
+// still has it running) continues.
 func (b *Backend) Recover(ctx context.Context, h sandbox.Handle) (sandbox.Status, error) {
 	if egress.Has(h.Data) {
 		if b.cfg.Egress == nil {
@@ -943,6 +955,9 @@ func (b *Backend) Recover(ctx context.Context, h sandbox.Handle) (sandbox.Status
 		}
 	}
 	if process(h) != 0 {
+		if stoppedInPlace(h) {
+			return sandbox.StatusPaused, nil
+		}
 		if paused(h) {
 			if err := qmp(ctx, filepath.Join(h.Data["dir"], "qmp.sock"), "cont", nil, nil); err != nil {
 				return sandbox.StatusStopped, fmt.Errorf("continue a VM after an interrupted pause: %w", err)
@@ -952,7 +967,7 @@ func (b *Backend) Recover(ctx context.Context, h sandbox.Handle) (sandbox.Status
 		return sandbox.StatusRunning, nil
 	}
 	if paused(h) {
-		return sandbox.StatusRunning, nil
+		return sandbox.StatusPaused, nil
 	}
 	if h.Data["pid"] != "" && h.Data["dir"] != "" && pidfileProcess(h.Data["dir"]) != 0 {
 		// A QEMU a resume started, whose handle the node did not persist

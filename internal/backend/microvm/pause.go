@@ -12,6 +12,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/shoal-sandbox/shoal/internal/reclaim"
 	"github.com/shoal-sandbox/shoal/internal/sandbox"
 )
 
@@ -30,9 +31,29 @@ import (
 // node that dies in the middle leaves the VM running (Recover continues a
 // guest whose snapshot was complete but whose QEMU was not yet killed).
 
+//
+// Paused in place (Config.Pause PauseInPlace), a VM keeps its QEMU: Pause
+// stops its vCPUs (QMP stop) and pages QEMU's private memory (the guest's
+// RAM, QEMU's own heap and its TCG translation cache) out to swap, which
+// zram keeps compressed (internal/reclaim); Resume continues it (QMP
+// cont). No QEMU start, no restore, no translation again: a resume costs
+// the page faults that bring back what the guest touches. The host keeps
+// the compressed memory (without swap, all of it). The mark stoppedFile,
+// made before the stop and removed after the cont, tells such a VM from a
+// running one (Recover: StatusPaused).
+
 var _ sandbox.Pauser = (*Backend)(nil)
 
-const stateFile = "vm.state"
+const (
+	stateFile   = "vm.state"
+	stoppedFile = "vm.stopped"
+)
+
+// How a VM is paused (Config.Pause).
+const (
+	PauseSnapshot = "snapshot" // its state to a file, QEMU ended
+	PauseInPlace  = "in-place" // QEMU stopped, its memory paged out
+)
 
 // migrateBandwidth lifts QEMU's default migration limit (32 MiB/s): the
 // stream goes to a local file.
@@ -49,6 +70,13 @@ func (b *Backend) Pause(ctx context.Context, h sandbox.Handle) (sandbox.PauseSta
 			return stats, nil // paused already
 		}
 		return stats, fmt.Errorf("%s backend: sandbox %s: its QEMU is not running", b.cfg.Name, h.ID)
+	}
+	if stoppedInPlace(h) {
+		stats.Method = "in place"
+		return stats, nil // paused already
+	}
+	if b.cfg.Pause == PauseInPlace {
+		return b.pauseInPlace(ctx, h, pid)
 	}
 	// Resumable: its handle says how to start it again (not so for a VM
 	// created by a node before pause existed).
@@ -148,6 +176,9 @@ func (b *Backend) snapshot(ctx context.Context, q *qmpConn, path string, shared 
 // Resume implements sandbox.Pauser.
 func (b *Backend) Resume(ctx context.Context, h sandbox.Handle) (sandbox.Handle, error) {
 	if process(h) != 0 {
+		if stoppedInPlace(h) {
+			return b.resumeInPlace(ctx, h)
+		}
 		return h, nil
 	}
 	dir := h.Data["dir"]
@@ -281,6 +312,67 @@ func ignoreShared(q *qmpConn, on bool) error {
 		{"capability": "x-ignore-shared", "state": true}}}, nil)
 }
 
+// pauseInPlace stops the guest of the QEMU pid and pages its memory out.
+func (b *Backend) pauseInPlace(ctx context.Context, h sandbox.Handle, pid int) (sandbox.PauseStats, error) {
+	stats := sandbox.PauseStats{MemoryBefore: rss(pid), MemoryAfter: -1, Method: "in place: process_madvise"}
+	dir := h.Data["dir"]
+	mark := filepath.Join(dir, stoppedFile)
+	// The mark first: a node that dies once the guest is stopped finds it.
+	f, err := os.OpenFile(mark, os.O_CREATE|os.O_WRONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o600)
+	if err != nil {
+		return stats, fmt.Errorf("%s backend: pause sandbox %s: %w", b.cfg.Name, h.ID, err)
+	}
+	f.Close()
+	start := time.Now()
+	if err := qmp(ctx, filepath.Join(dir, "qmp.sock"), "stop", nil, nil); err != nil {
+		os.Remove(mark)
+		return stats, fmt.Errorf("%s backend: pause sandbox %s: %w", b.cfg.Name, h.ID, err)
+	}
+	stats.FreezeTook = time.Since(start)
+	start = time.Now()
+	// Failing to page out leaves it paused, its memory where it was.
+	if _, err := reclaim.Process(pid, reclaim.PageOut); err != nil {
+		stats.Method += ": " + err.Error()
+		b.log.Warn("page out the memory of a VM paused in place", "sandbox_id", h.ID, "err", err)
+	}
+	stats.ReclaimTook = time.Since(start)
+	stats.MemoryAfter = rss(pid)
+	stats.SwappedOut = procStatusBytes(pid, "VmSwap:")
+	return stats, nil
+}
+
+// resumeInPlace continues a guest paused in place and waits for its agent.
+func (b *Backend) resumeInPlace(ctx context.Context, h sandbox.Handle) (sandbox.Handle, error) {
+	if _, ok := ctx.Deadline(); !ok {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, time.Minute)
+		defer cancel()
+	}
+	start := time.Now()
+	dir := h.Data["dir"]
+	if err := qmp(ctx, filepath.Join(dir, "qmp.sock"), "cont", nil, nil); err != nil {
+		return h, fmt.Errorf("%s backend: resume sandbox %s: %w", b.cfg.Name, h.ID, err)
+	}
+	if err := os.Remove(filepath.Join(dir, stoppedFile)); err != nil && !errors.Is(err, os.ErrNotExist) {
+		b.log.Warn("remove the mark of a VM paused in place", "sandbox_id", h.ID, "err", err)
+	}
+	if err := b.waitAgent(ctx, h, nil); err != nil {
+		return h, fmt.Errorf("%s backend: resume sandbox %s: %w", b.cfg.Name, h.ID, err)
+	}
+	b.log.Debug("vm resumed in place", "sandbox_id", h.ID, "took", time.Since(start))
+	return h, nil
+}
+
+// stoppedInPlace tells whether h was paused in place (its mark is there;
+// its QEMU, if it still runs, is stopped).
+func stoppedInPlace(h sandbox.Handle) bool {
+	if h.Data["dir"] == "" {
+		return false
+	}
+	_, err := os.Lstat(filepath.Join(h.Data["dir"], stoppedFile))
+	return err == nil
+}
+
 // paused tells whether h has a snapshot (if its QEMU is gone too, it is
 // paused).
 func paused(h sandbox.Handle) bool {
@@ -303,13 +395,17 @@ func (b *Backend) dropMux(id string) {
 }
 
 // rss is the resident memory of a process in bytes (-1 if unknown).
-func rss(pid int) int64 {
+func rss(pid int) int64 { return procStatusBytes(pid, "VmRSS:") }
+
+// procStatusBytes is a size field (key "VmRSS:", "VmSwap:") of a process's
+// /proc/PID/status in bytes (-1 if unknown).
+func procStatusBytes(pid int, key string) int64 {
 	data, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/status")
 	if err != nil {
 		return -1
 	}
 	for _, l := range strings.Split(string(data), "\n") {
-		if v, ok := strings.CutPrefix(l, "VmRSS:"); ok {
+		if v, ok := strings.CutPrefix(l, key); ok {
 			kb, err := strconv.ParseInt(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(v), "kB")), 10, 64)
 			if err != nil {
 				return -1

@@ -155,8 +155,8 @@ func pauseResumeRound(t *testing.T, ctx context.Context, b *Backend, h sandbox.H
 	if ok, _ := b.Alive(h); !ok {
 		t.Error("a paused VM is not alive")
 	}
-	if s, err := b.Recover(ctx, h); err != nil || s != sandbox.StatusRunning {
-		t.Errorf("recover of a paused VM: %s, %v", s, err)
+	if s, err := b.Recover(ctx, h); err != nil || s != sandbox.StatusPaused {
+		t.Errorf("recover of a paused VM: %s, %v (want paused)", s, err)
 	}
 	if _, err := b.Pause(ctx, h); err != nil {
 		t.Errorf("pause of a paused VM: %v", err)
@@ -249,4 +249,124 @@ func TestPauseRefusesAnUnresumableHandle(t *testing.T) {
 	if paused(h) {
 		t.Fatal("a snapshot was made")
 	}
+}
+
+// Paused in place (Config.Pause PauseInPlace), a VM keeps its QEMU,
+// stopped, with its memory paged out (to swap, where there is some);
+// Resume continues the same QEMU: the guest's files and processes are as
+// they were (a counter goes on). Recover says paused while it is (a node
+// that died after the pause finds it so), running after; a paused VM can
+// be deleted.
+func TestVMPauseInPlace(t *testing.T) {
+	b, img := vmTestEnv(t, MachineMicroVM, func(c *Config) { c.Pause = PauseInPlace })
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	sdir, err := os.MkdirTemp("/tmp", "vmi")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer os.RemoveAll(sdir)
+	h, err := b.Create(ctx, sandbox.Spec{ID: "vmpause-inplace", Dir: sdir,
+		Resources: sandbox.Resources{MemoryBytes: 256 << 20, MilliCPU: 1000},
+		Layers:    []sandbox.Layer{{Digest: "sha256:x", Kind: "base", ImagePath: img}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { b.Delete(context.Background(), h) }()
+	c := agent.NewClientDialer(h.ID, b.AgentDial(h))
+	if _, err := c.WriteFile(ctx, "/work/a.txt", 0o644, strings.NewReader("kept across a pause")); err != nil {
+		t.Fatal(err)
+	}
+	run(t, ctx, c, "sh", "-c", "(i=0; while true; do i=$((i+1)); echo $i > /work/count; sleep 0.1; done) >/dev/null 2>&1 & while [ ! -s /work/count ]; do sleep 0.05; done")
+	before := waitCount(t, ctx, c, 2)
+	qmpSock := filepath.Join(h.Data["dir"], "qmp.sock")
+	status := func() string {
+		var st struct {
+			Status string `json:"status"`
+		}
+		if err := qmp(ctx, qmpSock, "query-status", nil, &st); err != nil {
+			t.Fatal(err)
+		}
+		return st.Status
+	}
+	rounds := 1
+	if n, err := strconv.Atoi(os.Getenv("SHOAL_VM_PAUSE_ROUNDS")); err == nil && n > 1 && n <= 50 {
+		rounds = n
+	}
+	var firstExec []time.Duration
+	for range rounds {
+		zram0 := zramUsed()
+		stats, err := b.Pause(ctx, h)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Logf("paused in place: %+v; zram's memory +%d MiB", stats, (zramUsed()-zram0)>>20)
+		if process(h) == 0 || !stoppedInPlace(h) || status() != "paused" {
+			t.Fatalf("after pause: QEMU %d, mark %v, guest %s; want the same QEMU, stopped", process(h), stoppedInPlace(h), status())
+		}
+		if swapActive() && stats.MemoryAfter > stats.MemoryBefore/2 {
+			t.Errorf("paused in place with swap: QEMU's RSS %d MiB -> %d MiB, want it at least halved", stats.MemoryBefore>>20, stats.MemoryAfter>>20)
+		}
+		if s, err := b.Recover(ctx, h); err != nil || s != sandbox.StatusPaused {
+			t.Errorf("recover of a VM paused in place: %s, %v (want paused)", s, err)
+		}
+		if st, err := b.Pause(ctx, h); err != nil || status() != "paused" {
+			t.Errorf("pause of a paused VM: %+v, %v", st, err)
+		}
+		start := time.Now()
+		nh, err := b.Resume(ctx, h)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if nh.Data["pid"] != h.Data["pid"] || stoppedInPlace(nh) || status() != "running" {
+			t.Fatalf("after resume: pid %s (was %s), mark %v, guest %s", nh.Data["pid"], h.Data["pid"], stoppedInPlace(nh), status())
+		}
+		after := readCount(t, ctx, c)
+		firstExec = append(firstExec, time.Since(start))
+		if after < before {
+			t.Errorf("the counter went from %d to %d across the pause", before, after)
+		}
+		before = waitCount(t, ctx, c, after)
+		if s, err := b.Recover(ctx, h); err != nil || s != sandbox.StatusRunning {
+			t.Errorf("recover of a resumed VM: %s, %v (want running)", s, err)
+		}
+	}
+	slices.Sort(firstExec)
+	t.Logf("resume in place → first exec over %d rounds: p50 %s, min %s, max %s", rounds, firstExec[len(firstExec)/2], firstExec[0], firstExec[len(firstExec)-1])
+	if got := readFile(t, ctx, c, "/work/a.txt"); got != "kept across a pause" {
+		t.Errorf("file after resume: %q", got)
+	}
+	// Deleted while paused: its QEMU ends.
+	if _, err := b.Pause(ctx, h); err != nil {
+		t.Fatal(err)
+	}
+	pid := process(h)
+	if err := b.Delete(ctx, h); err != nil {
+		t.Fatal(err)
+	}
+	if !ended(pid) {
+		t.Errorf("QEMU %d still runs after the delete of its paused VM", pid)
+	}
+}
+
+// zramUsed is the memory the host's zram devices take (compressed pages
+// and their metadata), in bytes.
+func zramUsed() int64 {
+	var total int64
+	ms, _ := filepath.Glob("/sys/block/zram*/mm_stat")
+	for _, m := range ms {
+		data, err := os.ReadFile(m)
+		if f := strings.Fields(string(data)); err == nil && len(f) > 2 {
+			n, _ := strconv.ParseInt(f[2], 10, 64)
+			total += n
+		}
+	}
+	return total
+}
+
+// swapActive tells whether the host has swap (a pause in place pages out
+// to it; without, only QEMU's clean file pages go).
+func swapActive() bool {
+	data, err := os.ReadFile("/proc/swaps")
+	return err == nil && len(strings.Split(strings.TrimSpace(string(data)), "\n")) > 1
 }
