@@ -258,7 +258,16 @@ func TestPauseRefusesAnUnresumableHandle(t *testing.T) {
 // that died after the pause finds it so), running after; a paused VM can
 // be deleted.
 func TestVMPauseInPlace(t *testing.T) {
-	b, img := vmTestEnv(t, MachineMicroVM, func(c *Config) { c.Pause = PauseInPlace })
+	for _, m := range []string{MachineMicroVM, MachineQ35} {
+		t.Run(m, func(t *testing.T) {
+			t.Parallel()
+			testVMPauseInPlace(t, m)
+		})
+	}
+}
+
+func testVMPauseInPlace(t *testing.T, machine string) {
+	b, img := vmTestEnv(t, machine, func(c *Config) { c.Pause = PauseInPlace })
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
 	sdir, err := os.MkdirTemp("/tmp", "vmi")
@@ -266,7 +275,7 @@ func TestVMPauseInPlace(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer os.RemoveAll(sdir)
-	h, err := b.Create(ctx, sandbox.Spec{ID: "vmpause-inplace", Dir: sdir,
+	h, err := b.Create(ctx, sandbox.Spec{ID: "vmpause-inplace-" + machine, Dir: sdir,
 		Resources: sandbox.Resources{MemoryBytes: 256 << 20, MilliCPU: 1000},
 		Layers:    []sandbox.Layer{{Digest: "sha256:x", Kind: "base", ImagePath: img}}})
 	if err != nil {
