@@ -59,7 +59,7 @@ func benchCmd() *cobra.Command {
 	vmb.Flags().IntVar(&vo.Execs, "execs", 50, "`true` round trips in the first sandbox")
 	vmb.Flags().StringVar(&vo.Base, "base", "debian:12", "base layer")
 	vmb.Flags().Int64Var(&vo.MemoryMiB, "memory-mib", 256, "guest memory in MiB")
-	vmb.Flags().IntVar(&vo.Pauses, "pauses", 3, "rounds of pausing every booted VM (snapshot, QEMU ended) and resuming each by an exec (restore → first exec); 0: none")
+	vmb.Flags().IntVar(&vo.Pauses, "pauses", 3, "rounds of pausing every booted VM (as the server pauses them: serve --vm-pause) and resuming each by an exec (restore → first exec); 0: none")
 	vmb.Flags().StringVar(&vo.ReadFile, "read-file", "", "a file (or directory: all its files) of the base that every VM reads after its boot; then the host memory of the VMs and of the layers' page cache (blk vs pmem layers: serve --vm-layers)")
 	var qo bench.QoSOptions
 	qosb := &cobra.Command{

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"time"
@@ -67,14 +68,23 @@ type VMResult struct {
 	// the layers' page cache, shared) / VMs: what each VM costs the host
 	// beyond QEMU's own binary.
 	HostKiBPerVM int64 `json:"host_kib_per_vm,omitempty"`
-	// With Pauses: the pause call (stop, snapshot, QEMU ended), the
-	// snapshot's size, the host memory a VM held before it (QEMU's RSS)
-	// and after (none: no process), and an exec sent to the paused VM
-	// until its exit came back (the restore into a new QEMU, the agent's
-	// session, the exec).
+	// With Pauses: the pause call, the memory it put aside and the host
+	// memory a VM held after it (QEMU's RSS), and an exec sent to the
+	// paused VM until its exit came back. PauseMethod says which pause
+	// the server makes (serve --vm-pause): "snapshot" (stop, snapshot,
+	// QEMU ended: SnapshotMiB is the file, no memory after; the exec
+	// waits for the restore into a new QEMU and the agent's session) or
+	// "in place: ..." (QEMU stopped, its memory paged out: SnapshotMiB is
+	// what went to swap, uncompressed; the RSS after counts QEMU's code,
+	// which every QEMU shares; ZramKiBPerVM is what the host's zram grew
+	// by per VM in the first round, when the bench runs on the server's
+	// host; the exec waits for QEMU to continue and the guest's pages to
+	// come back).
 	Pause              Dist    `json:"pause,omitempty"`
+	PauseMethod        string  `json:"pause_method,omitempty"`
 	SnapshotMiB        []int64 `json:"snapshot_mib,omitempty"`
 	PausedHostKiB      int64   `json:"paused_vm_host_memory_kib"`
+	ZramKiBPerVM       int64   `json:"zram_kib_per_paused_vm,omitempty"`
 	RestoreToFirstExec Dist    `json:"restore_to_first_exec,omitempty"`
 	// IdleVMsInMemory: how many idle, booted VMs this host's available
 	// memory holds at the idle VMs' mean RSS (server on this machine);
@@ -168,7 +178,8 @@ func VM(ctx context.Context, c *shoal.Client, o VMOptions) (*VMResult, error) {
 func pauseVMs(ctx context.Context, c *shoal.Client, rounds int, ids []string, res *VMResult) error {
 	var pauses, restores []time.Duration
 	step := progress(ctx, "pause", rounds*len(ids))
-	for range rounds {
+	for round := range rounds {
+		zram0 := zramKiB()
 		for _, id := range ids {
 			step()
 			t0 := time.Now()
@@ -178,10 +189,16 @@ func pauseVMs(ctx context.Context, c *shoal.Client, rounds int, ids []string, re
 			}
 			pauses = append(pauses, time.Since(t0))
 			if p := sb.Pause; p != nil {
+				res.PauseMethod = p.Method
 				res.SnapshotMiB = append(res.SnapshotMiB, p.SwappedOutBytes>>20)
 				if p.MemoryAfterBytes > 0 {
 					res.PausedHostKiB = max(res.PausedHostKiB, p.MemoryAfterBytes>>10)
 				}
+			}
+		}
+		if round == 0 && zram0 >= 0 {
+			if grew := zramKiB() - zram0; grew > 0 {
+				res.ZramKiBPerVM = grew / int64(len(ids))
 			}
 		}
 		for _, id := range ids {
@@ -199,6 +216,24 @@ func pauseVMs(ctx context.Context, c *shoal.Client, rounds int, ids []string, re
 	res.Pause = dist(pauses)
 	res.RestoreToFirstExec = dist(restores)
 	return nil
+}
+
+// zramKiB is the memory this machine's zram devices take (their
+// mm_stat's mem_used_total), -1 without zram.
+func zramKiB() int64 {
+	ms, _ := filepath.Glob("/sys/block/zram*/mm_stat")
+	if len(ms) == 0 {
+		return -1
+	}
+	var total int64
+	for _, m := range ms {
+		data, err := os.ReadFile(m)
+		if f := strings.Fields(string(data)); err == nil && len(f) > 2 {
+			n, _ := strconv.ParseInt(f[2], 10, 64)
+			total += n
+		}
+	}
+	return total >> 10
 }
 
 // memAvailableKiB is this machine's MemAvailable (0 when unknown).
