@@ -24,14 +24,7 @@ import (
 // the accelerator (KVM if a probe guest boots on it, else TCG).
 func TestMicroVM(t *testing.T) {
 	need(t)
-	stdout, stderr, code := run3(nil, "create", "--backend", "microvm", "--base", baseRef, "--memory", "256M", "--env", "GREETING=hello")
-	if code != 0 {
-		if strings.Contains(stderr, "not available on this node") {
-			t.Skipf("no microvm backend on this node: %s", strings.TrimSpace(stderr))
-		}
-		t.Fatalf("create: %s %s", stdout, stderr)
-	}
-	id := strings.TrimSpace(stdout)
+	id := createMicroVM(t, "--env", "GREETING=hello")
 	deleted := false
 	t.Cleanup(func() {
 		if !deleted {
@@ -165,14 +158,7 @@ func TestMicroVMPauseInPlace(t *testing.T) {
 			t.Errorf("restart the server as it was: %v", err)
 		}
 	})
-	stdout, stderr, code := run3(nil, "create", "--backend", "microvm", "--base", baseRef, "--memory", "256M")
-	if code != 0 {
-		if strings.Contains(stderr, "not available on this node") {
-			t.Skipf("no microvm backend on this node: %s", strings.TrimSpace(stderr))
-		}
-		t.Fatalf("create: %s %s", stdout, stderr)
-	}
-	id := strings.TrimSpace(stdout)
+	id := createMicroVM(t)
 	t.Cleanup(func() { run(nil, "rm", id) })
 	var info struct {
 		State   string            `json:"state"`
@@ -216,6 +202,21 @@ func TestMicroVMPauseInPlace(t *testing.T) {
 	if out, code := run(nil, "rm", id); code != 0 {
 		t.Fatalf("rm: %d %s", code, out)
 	}
+}
+
+// createMicroVM creates a 256 MiB microvm sandbox from the test's base
+// with the CLI (more flags in args) and returns its ID; it skips the test
+// when this node offers no microvm backend.
+func createMicroVM(t *testing.T, args ...string) string {
+	t.Helper()
+	stdout, stderr, code := run3(nil, append([]string{"create", "--backend", "microvm", "--base", baseRef, "--memory", "256M"}, args...)...)
+	if code != 0 {
+		if strings.Contains(stderr, "not available on this node") {
+			t.Skipf("no microvm backend on this node: %s", strings.TrimSpace(stderr))
+		}
+		t.Fatalf("create: %s %s", stdout, stderr)
+	}
+	return strings.TrimSpace(stdout)
 }
 
 // checkVMCommit commits the VM id's writable layer after changes that make

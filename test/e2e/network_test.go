@@ -320,14 +320,7 @@ func TestMicroVMEgress(t *testing.T) {
 	need(t)
 	newFakeInternet(t)
 	hostPort := hostListener(t)
-	stdout, stderr, code := run3(nil, "create", "--backend", "microvm", "--base", baseRef, "--memory", "256M", "--allow-out", fakeIP+":8080")
-	if code != 0 {
-		if strings.Contains(stderr, "not available on this node") {
-			t.Skipf("no microvm backend on this node: %s", strings.TrimSpace(stderr))
-		}
-		t.Fatalf("create: %s %s", stdout, stderr)
-	}
-	id := strings.TrimSpace(stdout)
+	id := createMicroVM(t, "--allow-out", fakeIP+":8080")
 	t.Cleanup(func() { run(nil, "rm", id) })
 	inspect := sdkInspect(t, id)
 	sbIP, hostIf := inspect["egress_addr"], inspect["egress_if"]
@@ -351,11 +344,7 @@ func TestMicroVMEgress(t *testing.T) {
 	checkAllowedOnly(t, "a microVM after a pause and resume", id, hostEnd.String(), hostPort)
 
 	// Without egress: no network device at all.
-	stdout, stderr, code = run3(nil, "create", "--backend", "microvm", "--base", baseRef, "--memory", "256M")
-	if code != 0 {
-		t.Fatalf("create: %s %s", stdout, stderr)
-	}
-	none := strings.TrimSpace(stdout)
+	none := createMicroVM(t)
 	t.Cleanup(func() { run(nil, "rm", none) })
 	if out := sh(t, none, "ls /sys/class/net"); strings.TrimSpace(out) != "lo" {
 		t.Errorf("a microVM without egress has network devices: %q", out)

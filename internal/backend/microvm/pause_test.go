@@ -61,28 +61,46 @@ func waitCount(t *testing.T, ctx context.Context, c *agent.Client, n int) int {
 	}
 }
 
-func testVMPauseResume(t *testing.T, machine string) {
-	b, img := vmTestEnv(t, machine)
-	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
-	defer cancel()
+// pausedVM is a VM of a pause test: its latest handle is deleted when the
+// test ends.
+type pausedVM struct {
+	b *Backend
+	h sandbox.Handle
+}
+
+// bootCountingVM boots a 256 MiB VM of machine (a backend configured by
+// opts), writes /work/a.txt in it and starts a counter there
+// (/work/count, ten a second); it returns the VM, a client of its agent
+// and the counter's value once it counts.
+func bootCountingVM(t *testing.T, ctx context.Context, machine, id string, opts ...func(*Config)) (*pausedVM, *agent.Client, int) {
+	t.Helper()
+	b, img := vmTestEnv(t, machine, opts...)
 	sdir, err := os.MkdirTemp("/tmp", "vmp")
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer os.RemoveAll(sdir)
-	h, err := b.Create(ctx, sandbox.Spec{ID: "vmpause-" + machine, Dir: sdir,
+	t.Cleanup(func() { os.RemoveAll(sdir) })
+	h, err := b.Create(ctx, sandbox.Spec{ID: id, Dir: sdir,
 		Resources: sandbox.Resources{MemoryBytes: 256 << 20, MilliCPU: 1000},
 		Layers:    []sandbox.Layer{{Digest: "sha256:x", Kind: "base", ImagePath: img}}})
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer func() { b.Delete(context.Background(), h) }()
+	v := &pausedVM{b: b, h: h}
+	t.Cleanup(func() { b.Delete(context.Background(), v.h) })
 	c := agent.NewClientDialer(h.ID, b.AgentDial(h))
 	if _, err := c.WriteFile(ctx, "/work/a.txt", 0o644, strings.NewReader("kept across a pause")); err != nil {
 		t.Fatal(err)
 	}
 	run(t, ctx, c, "sh", "-c", "(i=0; while true; do i=$((i+1)); echo $i > /work/count; sleep 0.1; done) >/dev/null 2>&1 & while [ ! -s /work/count ]; do sleep 0.05; done")
-	before := waitCount(t, ctx, c, 2)
+	return v, c, waitCount(t, ctx, c, 2)
+}
+
+func testVMPauseResume(t *testing.T, machine string) {
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	v, c, before := bootCountingVM(t, ctx, machine, "vmpause-"+machine)
+	b, h := v.b, v.h
 	// SHOAL_VM_PAUSE_ROUNDS=N: N pause/resume rounds, and the median
 	// resume→first exec.
 	rounds := 1
@@ -94,6 +112,7 @@ func testVMPauseResume(t *testing.T, machine string) {
 	for round := 1; round <= rounds; round++ {
 		old = h
 		h = pauseResumeRound(t, ctx, b, h, round == 1, before, &firstExec)
+		v.h = h
 		c = agent.NewClientDialer(h.ID, b.AgentDial(h))
 		before = readCount(t, ctx, c)
 	}
@@ -267,27 +286,10 @@ func TestVMPauseInPlace(t *testing.T) {
 }
 
 func testVMPauseInPlace(t *testing.T, machine string) {
-	b, img := vmTestEnv(t, machine, func(c *Config) { c.Pause = PauseInPlace })
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
-	sdir, err := os.MkdirTemp("/tmp", "vmi")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer os.RemoveAll(sdir)
-	h, err := b.Create(ctx, sandbox.Spec{ID: "vmpause-inplace-" + machine, Dir: sdir,
-		Resources: sandbox.Resources{MemoryBytes: 256 << 20, MilliCPU: 1000},
-		Layers:    []sandbox.Layer{{Digest: "sha256:x", Kind: "base", ImagePath: img}}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { b.Delete(context.Background(), h) }()
-	c := agent.NewClientDialer(h.ID, b.AgentDial(h))
-	if _, err := c.WriteFile(ctx, "/work/a.txt", 0o644, strings.NewReader("kept across a pause")); err != nil {
-		t.Fatal(err)
-	}
-	run(t, ctx, c, "sh", "-c", "(i=0; while true; do i=$((i+1)); echo $i > /work/count; sleep 0.1; done) >/dev/null 2>&1 & while [ ! -s /work/count ]; do sleep 0.05; done")
-	before := waitCount(t, ctx, c, 2)
+	v, c, before := bootCountingVM(t, ctx, machine, "vmpause-inplace-"+machine, func(c *Config) { c.Pause = PauseInPlace })
+	b, h := v.b, v.h
 	qmpSock := filepath.Join(h.Data["dir"], "qmp.sock")
 	status := func() string {
 		var st struct {
