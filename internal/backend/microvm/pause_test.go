@@ -3,6 +3,7 @@ package microvm
 import (
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"os"
 	"path/filepath"
@@ -321,6 +322,10 @@ func testVMPauseInPlace(t *testing.T, machine string) {
 		if s, err := b.Recover(ctx, h); err != nil || s != sandbox.StatusPaused {
 			t.Errorf("recover of a VM paused in place: %s, %v (want paused)", s, err)
 		}
+		// Stopped, QEMU idles: no CPU while the VM is paused.
+		if used := cpuTicks(t, process(h), 2*time.Second); used > 5 {
+			t.Errorf("QEMU of a VM paused in place used %d ticks of CPU in 2 s", used)
+		}
 		if st, err := b.Pause(ctx, h); err != nil || status() != "paused" {
 			t.Errorf("pause of a paused VM: %+v, %v", st, err)
 		}
@@ -358,6 +363,25 @@ func testVMPauseInPlace(t *testing.T, machine string) {
 	if !ended(pid) {
 		t.Errorf("QEMU %d still runs after the delete of its paused VM", pid)
 	}
+}
+
+// cpuTicks is the CPU (clock ticks, user and system) process pid uses
+// over d.
+func cpuTicks(t *testing.T, pid int, d time.Duration) int64 {
+	t.Helper()
+	read := func() int64 {
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+		if err != nil {
+			t.Fatal(err)
+		}
+		f := strings.Fields(string(b[strings.LastIndexByte(string(b), ')')+2:])) // from the state on
+		u, _ := strconv.ParseInt(f[11], 10, 64)
+		s, _ := strconv.ParseInt(f[12], 10, 64)
+		return u + s
+	}
+	before := read()
+	time.Sleep(d)
+	return read() - before
 }
 
 // zramUsed is the memory the host's zram devices take (compressed pages
