@@ -162,6 +162,59 @@ func (m *Manager) settle(ctx context.Context, id string) (*entry, error) {
 	}
 }
 
+// evict moves a paused sandbox's memory off the host (sandbox.Evicter),
+// for memory pressure, and tells whether it did. The sandbox stays
+// paused; one evicted already, or whose backend cannot, is left alone.
+func (m *Manager) evict(ctx context.Context, id string) (bool, error) {
+	if _, ok := ctx.Deadline(); !ok {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, pauseTimeout)
+		defer cancel()
+	}
+	e, err := m.settle(ctx, id)
+	if err != nil {
+		return false, err
+	}
+	ev, ok := m.backends[e.rec.Backend].(sandbox.Evicter)
+	if !ok || e.rec.State != StatePaused || e.deleted != nil || e.rec.Pause == nil || e.rec.Pause.Evicted {
+		m.mu.Unlock()
+		return false, nil
+	}
+	done := make(chan struct{})
+	e.trans = done
+	h := e.rec.Handle
+	m.mu.Unlock()
+
+	start := time.Now()
+	stats, evicted, err := ev.Evict(ctx, h)
+
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	e.trans = nil
+	close(done)
+	if err != nil {
+		return false, fmt.Errorf("evict paused sandbox %s: %w", id, err)
+	}
+	if e.deleted != nil || e.rec.Pause == nil {
+		return false, nil
+	}
+	pi := *e.rec.Pause // a new one: records handed out share the old
+	pi.Evicted = true  // nothing to move is not tried again either
+	if evicted {
+		pi.Evict = &stats
+	}
+	e.rec.Pause = &pi
+	stored := e.persisted()
+	if err := boltgroup.Update(m.db, func(tx *bbolt.Tx) error { return putRecord(tx, &stored) }); err != nil {
+		m.log.Error("persist evicted sandbox", "sandbox_id", id, "err", err)
+	}
+	if evicted {
+		m.log.Info("paused sandbox evicted", "sandbox_id", id, "took", time.Since(start),
+			"memory_before", stats.MemoryBefore, "memory_after", stats.MemoryAfter, "method", stats.Method)
+	}
+	return evicted, nil
+}
+
 // Resume resumes a paused sandbox and returns its record (resumed false
 // when it was not paused). Concurrent resumes of one sandbox share one.
 func (m *Manager) Resume(ctx context.Context, id string) (rec Record, resumed bool, err error) {

@@ -22,7 +22,10 @@ import (
 // at a time, re-reading MemAvailable after each, until it is back above
 // Below plus a quarter (so that it does not pause one sandbox per second
 // around the threshold) or no sandbox idle for at least Pressure.MinIdle
-// is left. A paused sandbox resumes on its next request, as always.
+// is left. Still short, it moves the memory of paused sandboxes that keep
+// it on the host (a VM paused in place: sandbox.Evicter) off it, the
+// longest paused first, the same way. A paused sandbox resumes on its
+// next request, as always.
 //
 // MemAvailable can look fine while tasks already stall on memory (a host
 // swapping to zram, or reclaiming page cache that is in use): the kernel's
@@ -149,8 +152,9 @@ func (m *Manager) relieveStall(ctx context.Context, stalled float64) int {
 }
 
 // relievePressure pauses idle sandboxes, longest idle first, until the
-// host has Below + Below/4 available or no candidate is left. It returns
-// how many it paused.
+// host has Below + Below/4 available or no candidate is left; then, if
+// still short, evicts paused ones (see longestPaused). It returns how
+// many it paused or evicted.
 func (m *Manager) relievePressure(ctx context.Context) int {
 	p := m.cfg.Pressure
 	target := p.Below + p.Below/4
@@ -176,7 +180,53 @@ func (m *Manager) relievePressure(ctx context.Context) int {
 		m.log.Info(fmt.Sprintf("memory pressure: paused %d idle sandboxes, longest idle first", paused),
 			"available_before", first, "available_after", avail, "below", p.Below)
 	}
-	return paused
+	// Still short: paused sandboxes whose memory stays on the host (a VM
+	// paused in place) move it off, the longest paused first.
+	evicted := 0
+	for _, id := range m.longestPaused() {
+		if avail, err := p.Available(); err != nil || avail >= target {
+			break
+		}
+		ok, err := m.evict(ctx, id)
+		if err != nil && !errors.Is(err, ErrNotFound) {
+			m.log.Warn("memory pressure: evict", "sandbox_id", id, "err", err)
+		}
+		if ok {
+			evicted++
+		}
+	}
+	if evicted > 0 {
+		avail, _ := p.Available()
+		m.log.Info(fmt.Sprintf("memory pressure: moved the memory of %d paused sandboxes off the host, longest paused first", evicted),
+			"available_after", avail, "below", p.Below)
+	}
+	return paused + evicted
+}
+
+// longestPaused lists the paused sandboxes whose backend can evict them
+// and which are not evicted yet, the longest paused first.
+func (m *Manager) longestPaused() []string {
+	type cand struct {
+		id string
+		at time.Time
+	}
+	var cands []cand
+	m.mu.Lock()
+	for id, e := range m.sandboxes {
+		if e.rec.State != StatePaused || e.deleted != nil || e.trans != nil || e.rec.Pause == nil || e.rec.Pause.Evicted {
+			continue
+		}
+		if _, ok := m.backends[e.rec.Backend].(sandbox.Evicter); ok {
+			cands = append(cands, cand{id, e.rec.Pause.At})
+		}
+	}
+	m.mu.Unlock()
+	sort.Slice(cands, func(i, j int) bool { return cands[i].at.Before(cands[j].at) })
+	ids := make([]string, len(cands))
+	for i, c := range cands {
+		ids[i] = c.id
+	}
+	return ids
 }
 
 // pauseForPressure pauses sandbox id for memory pressure and tells

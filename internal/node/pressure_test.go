@@ -6,6 +6,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/shoal-sandbox/shoal/internal/sandbox"
 )
 
 // TestMemoryPressure: with the host's available memory below the
@@ -157,5 +159,60 @@ func TestMemoryStallReads(t *testing.T) {
 	v, err := memoryStall()
 	if err != nil || v < 0 || v > 100 {
 		t.Fatalf("memory stall %v %v", v, err)
+	}
+}
+
+// evictBackend is a pauseBackend that can evict a paused sandbox's
+// memory (as the microvm backend does for a VM paused in place).
+type evictBackend struct {
+	*pauseBackend
+	evicts atomic.Int64
+}
+
+func (b *evictBackend) Evict(ctx context.Context, h sandbox.Handle) (sandbox.PauseStats, bool, error) {
+	b.evicts.Add(1)
+	return sandbox.PauseStats{MemoryBefore: 50 << 20, MemoryAfter: 0, Method: "fake snapshot"}, true, nil
+}
+
+// TestMemoryPressureEvicts: still short of memory once no idle sandbox is
+// left to pause, the node evicts paused sandboxes whose backend can, the
+// longest paused first, each once, and stops once memory is back; an
+// evicted sandbox stays paused and resumes on its next request.
+func TestMemoryPressureEvicts(t *testing.T) {
+	be := &evictBackend{pauseBackend: newPauseBackend()}
+	m, _, ids := newTestManagerWith(t, be, Config{Pressure: Pressure{Below: 1000, MinIdle: time.Minute}},
+		"/nonexistent/a", "/nonexistent/b", "/nonexistent/c")
+	recoverManager(t, m)
+	for _, id := range []string{ids[1], ids[0], ids[2]} { // paused in this order
+		if _, _, err := m.Pause(context.Background(), id); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+	if got := m.longestPaused(); len(got) != 3 || got[0] != ids[1] || got[1] != ids[0] || got[2] != ids[2] {
+		t.Fatalf("eviction candidates %v, want %v", got, []string{ids[1], ids[0], ids[2]})
+	}
+	// Each eviction gives back 200 of 1000: 900 → 1100 → 1300, two.
+	m.cfg.Pressure.Available = func() (int64, error) { return 900 + 200*be.evicts.Load(), nil }
+	if n := m.relievePressure(context.Background()); n != 2 {
+		t.Fatalf("relieved by %d sandboxes, want 2 evicted", n)
+	}
+	for i, want := range []bool{true, true, false} {
+		rec, _ := m.Get(ids[i])
+		if rec.State != StatePaused || rec.Pause == nil || rec.Pause.Evicted != want || (want && rec.Pause.Evict == nil) {
+			t.Errorf("sandbox %d: %s %+v, want paused, evicted %v", i, rec.State, rec.Pause, want)
+		}
+	}
+	// Short again: only the one left is evicted; none twice.
+	m.cfg.Pressure.Available = func() (int64, error) { return 0, nil }
+	m.relievePressure(context.Background())
+	if n := be.evicts.Load(); n != 3 {
+		t.Fatalf("%d evictions after a second round, want 3 (each sandbox once)", n)
+	}
+	if _, err := m.Agent(ids[1]); err != nil {
+		t.Fatal(err)
+	}
+	if rec, _ := m.Get(ids[1]); rec.State != StateRunning {
+		t.Fatalf("an evicted sandbox is %s after a request, want running", rec.State)
 	}
 }

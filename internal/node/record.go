@@ -71,6 +71,10 @@ type PauseInfo struct {
 	At    time.Time          `json:"at"`
 	Auto  bool               `json:"auto,omitempty"` // by the idle policy
 	Stats sandbox.PauseStats `json:"stats"`
+	// Evicted: memory pressure moved its memory off the host since
+	// (sandbox.Evicter); Evict has what that did.
+	Evicted bool                `json:"evicted,omitempty"`
+	Evict   *sandbox.PauseStats `json:"evict,omitempty"`
 	// ResumedAt and ResumeTook: the resume that ended it (zero while paused).
 	ResumedAt  time.Time     `json:"resumed_at,omitempty"`
 	ResumeTook time.Duration `json:"resume_took,omitempty"`

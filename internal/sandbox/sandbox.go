@@ -207,6 +207,17 @@ type Pauser interface {
 	Resume(ctx context.Context, h Handle) (Handle, error)
 }
 
+// Evicter is implemented by Pausers whose pause may leave a paused
+// sandbox's memory on the host (a VM paused in place: compressed in
+// swap): Evict moves it off the host (a VM's snapshot to a file, its QEMU
+// ended) without running the sandbox, for the node's memory pressure.
+// evicted says whether there was anything to move; the sandbox stays
+// paused either way, and Resume runs it as always. Calls are serialized
+// with Pause and Resume by the caller.
+type Evicter interface {
+	Evict(ctx context.Context, h Handle) (stats PauseStats, evicted bool, err error)
+}
+
 // PauseStats says what a Pause did. Memory figures are the sandbox's
 // resident memory as its backend counts it (a container's memory cgroup
 // usage), -1 when unknown.

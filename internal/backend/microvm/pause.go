@@ -42,7 +42,10 @@ import (
 // made before the stop and removed after the cont, tells such a VM from a
 // running one (Recover: StatusPaused).
 
-var _ sandbox.Pauser = (*Backend)(nil)
+var (
+	_ sandbox.Pauser  = (*Backend)(nil)
+	_ sandbox.Evicter = (*Backend)(nil)
+)
 
 const (
 	stateFile   = "vm.state"
@@ -339,6 +342,52 @@ func (b *Backend) pauseInPlace(ctx context.Context, h sandbox.Handle, pid int) (
 	stats.MemoryAfter = rss(pid)
 	stats.SwappedOut = procStatusBytes(pid, "VmSwap:")
 	return stats, nil
+}
+
+// Evict implements sandbox.Evicter: a VM paused in place is snapshotted
+// as Pause would have (its stopped guest's state to stateFile) and its
+// QEMU ended, so that its memory leaves the host: memory pressure. The
+// snapshot reads the guest's RAM back from swap first (QEMU's RSS grows
+// for the time it takes). A VM paused by a snapshot has nothing to move.
+func (b *Backend) Evict(ctx context.Context, h sandbox.Handle) (sandbox.PauseStats, bool, error) {
+	stats := sandbox.PauseStats{MemoryBefore: -1, MemoryAfter: 0, Method: "snapshot"}
+	pid := process(h)
+	if pid == 0 || !stoppedInPlace(h) {
+		return stats, false, nil
+	}
+	if _, ok := ctx.Deadline(); !ok {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, 3*time.Minute)
+		defer cancel()
+	}
+	stats.MemoryBefore = rss(pid)
+	dir := h.Data["dir"]
+	q, err := dialQMP(ctx, filepath.Join(dir, "qmp.sock"))
+	if err != nil {
+		return stats, false, err
+	}
+	defer q.Close()
+	start := time.Now()
+	state := filepath.Join(dir, stateFile)
+	if err := b.snapshot(ctx, q, state, h.Data["pmem"] != ""); err != nil {
+		os.Remove(state + ".tmp")
+		return stats, false, fmt.Errorf("%s backend: snapshot of sandbox %s paused in place: %w", b.cfg.Name, h.ID, err)
+	}
+	// Paused by a snapshot now. The mark goes before the kill: a node that
+	// dies in between finds a QEMU with a complete snapshot, as after a
+	// pause's, and continues it (Recover).
+	if err := os.Remove(filepath.Join(dir, stoppedFile)); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return stats, false, fmt.Errorf("%s backend: evict sandbox %s: %w", b.cfg.Name, h.ID, err)
+	}
+	if err := kill(ctx, pid); err != nil {
+		b.log.Warn("kill an evicted VM", "sandbox_id", h.ID, "err", err)
+	}
+	b.dropMux(h.ID)
+	stats.ReclaimTook = time.Since(start)
+	if fi, err := os.Stat(state); err == nil {
+		stats.SwappedOut = fi.Size()
+	}
+	return stats, true, nil
 }
 
 // resumeInPlace continues a guest paused in place and waits for its agent.

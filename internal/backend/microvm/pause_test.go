@@ -352,6 +352,36 @@ func testVMPauseInPlace(t *testing.T, machine string) {
 	if got := readFile(t, ctx, c, "/work/a.txt"); got != "kept across a pause" {
 		t.Errorf("file after resume: %q", got)
 	}
+	// Evicted (memory pressure): a snapshot, QEMU ended; the next
+	// resume restores it in a new QEMU.
+	if _, err := b.Pause(ctx, h); err != nil {
+		t.Fatal(err)
+	}
+	qemu := process(h)
+	stats, evicted, err := b.Evict(ctx, h)
+	if err != nil || !evicted {
+		t.Fatalf("evict a VM paused in place: %v, evicted %v", err, evicted)
+	}
+	t.Logf("evicted: %+v", stats)
+	if !ended(qemu) || stoppedInPlace(h) || !paused(h) {
+		t.Fatalf("after evict: QEMU %d ended %v, mark %v, snapshot %v; want a snapshot and no QEMU", qemu, ended(qemu), stoppedInPlace(h), paused(h))
+	}
+	if s, err := b.Recover(ctx, h); err != nil || s != sandbox.StatusPaused {
+		t.Errorf("recover of an evicted VM: %s, %v (want paused)", s, err)
+	}
+	if _, again, err := b.Evict(ctx, h); err != nil || again {
+		t.Errorf("evict of an evicted VM: %v, evicted %v (want nothing to do)", err, again)
+	}
+	if h, err = b.Resume(ctx, h); err != nil {
+		t.Fatal(err)
+	}
+	v.h = h
+	c = agent.NewClientDialer(h.ID, b.AgentDial(h))
+	after := readCount(t, ctx, c)
+	if after < before {
+		t.Errorf("the counter went from %d to %d across the eviction", before, after)
+	}
+	waitCount(t, ctx, c, after)
 	// Deleted while paused: its QEMU ends.
 	if _, err := b.Pause(ctx, h); err != nil {
 		t.Fatal(err)
