@@ -181,7 +181,10 @@ func pausePB(p *node.PauseInfo) *pb.PauseInfo {
 		PausedAt: timestamppb.New(p.At), Auto: p.Auto,
 		MemoryBeforeBytes: p.Stats.MemoryBefore, MemoryAfterBytes: p.Stats.MemoryAfter, SwappedOutBytes: p.Stats.SwappedOut,
 		Method: p.Stats.Method, FreezeSeconds: p.Stats.FreezeTook.Seconds(), ReclaimSeconds: p.Stats.ReclaimTook.Seconds(),
-		ResumeSeconds: p.ResumeTook.Seconds(),
+		ResumeSeconds: p.ResumeTook.Seconds(), Evicted: p.Evicted,
+	}
+	if p.Evict != nil {
+		out.EvictSeconds, out.EvictedToBytes = p.Evict.ReclaimTook.Seconds(), p.Evict.SwappedOut
 	}
 	if !p.ResumedAt.IsZero() {
 		out.ResumedAt = timestamppb.New(p.ResumedAt)

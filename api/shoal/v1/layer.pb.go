@@ -658,7 +658,7 @@ type BuildLayerRequest struct {
 	// a docker-archive tarball (`docker save`). The format is detected from
 	// the content.
 	Source      string `protobuf:"bytes,3,opt,name=source,proto3" json:"source,omitempty"`
-	Compression string `protobuf:"bytes,4,opt,name=compression,proto3" json:"compression,omitempty"` // "", "none", "lz4", "lz4hc"
+	Compression string `protobuf:"bytes,4,opt,name=compression,proto3" json:"compression,omitempty"` // "", "none", "plain", "lz4", "lz4hc"
 	// For an image source holding several images: which one (a tag such as
 	// "debian:12", or the OCI "org.opencontainers.image.ref.name").
 	Image         string `protobuf:"bytes,5,opt,name=image,proto3" json:"image,omitempty"`

@@ -686,8 +686,13 @@ type PauseInfo struct {
 	ReclaimSeconds    float64                `protobuf:"fixed64,8,opt,name=reclaim_seconds,json=reclaimSeconds,proto3" json:"reclaim_seconds,omitempty"`
 	ResumedAt         *timestamppb.Timestamp `protobuf:"bytes,9,opt,name=resumed_at,json=resumedAt,proto3" json:"resumed_at,omitempty"` // unset while paused
 	ResumeSeconds     float64                `protobuf:"fixed64,10,opt,name=resume_seconds,json=resumeSeconds,proto3" json:"resume_seconds,omitempty"`
-	unknownFields     protoimpl.UnknownFields
-	sizeCache         protoimpl.SizeCache
+	// Memory pressure moved its memory off the host since (a VM paused in
+	// place, snapshotted to a file): how long that took and the file's size.
+	Evicted        bool    `protobuf:"varint,11,opt,name=evicted,proto3" json:"evicted,omitempty"`
+	EvictSeconds   float64 `protobuf:"fixed64,12,opt,name=evict_seconds,json=evictSeconds,proto3" json:"evict_seconds,omitempty"`
+	EvictedToBytes int64   `protobuf:"varint,13,opt,name=evicted_to_bytes,json=evictedToBytes,proto3" json:"evicted_to_bytes,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *PauseInfo) Reset() {
@@ -786,6 +791,27 @@ func (x *PauseInfo) GetResumedAt() *timestamppb.Timestamp {
 func (x *PauseInfo) GetResumeSeconds() float64 {
 	if x != nil {
 		return x.ResumeSeconds
+	}
+	return 0
+}
+
+func (x *PauseInfo) GetEvicted() bool {
+	if x != nil {
+		return x.Evicted
+	}
+	return false
+}
+
+func (x *PauseInfo) GetEvictSeconds() float64 {
+	if x != nil {
+		return x.EvictSeconds
+	}
+	return 0
+}
+
+func (x *PauseInfo) GetEvictedToBytes() int64 {
+	if x != nil {
+		return x.EvictedToBytes
 	}
 	return 0
 }
@@ -1964,7 +1990,7 @@ const file_shoal_v1_sandbox_proto_rawDesc = "" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1a:\n" +
 	"\fRuntimeEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xac\x03\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x95\x04\n" +
 	"\tPauseInfo\x127\n" +
 	"\tpaused_at\x18\x01 \x01(\v2\x1a.google.protobuf.TimestampR\bpausedAt\x12\x12\n" +
 	"\x04auto\x18\x02 \x01(\bR\x04auto\x12.\n" +
@@ -1977,7 +2003,10 @@ const file_shoal_v1_sandbox_proto_rawDesc = "" +
 	"\n" +
 	"resumed_at\x18\t \x01(\v2\x1a.google.protobuf.TimestampR\tresumedAt\x12%\n" +
 	"\x0eresume_seconds\x18\n" +
-	" \x01(\x01R\rresumeSeconds\"%\n" +
+	" \x01(\x01R\rresumeSeconds\x12\x18\n" +
+	"\aevicted\x18\v \x01(\bR\aevicted\x12#\n" +
+	"\revict_seconds\x18\f \x01(\x01R\fevictSeconds\x12(\n" +
+	"\x10evicted_to_bytes\x18\r \x01(\x03R\x0eevictedToBytes\"%\n" +
 	"\x13PauseSandboxRequest\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\"[\n" +
 	"\x14PauseSandboxResponse\x12+\n" +

@@ -175,6 +175,11 @@ class PauseInfo:
     reclaim_seconds: float
     resumed_at: Optional[datetime]  # None while paused
     resume_seconds: float
+    # Memory pressure moved its memory off the host since (a VM paused in
+    # place, snapshotted to a file): how long that took, the file's size.
+    evicted: bool = False
+    evict_seconds: float = 0.0
+    evicted_to: int = 0
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> "PauseInfo":
@@ -189,6 +194,9 @@ class PauseInfo:
             reclaim_seconds=float(d.get("reclaimSeconds", 0) or 0),
             resumed_at=_time(d.get("resumedAt")),
             resume_seconds=float(d.get("resumeSeconds", 0) or 0),
+            evicted=bool(d.get("evicted", False)),
+            evict_seconds=float(d.get("evictSeconds", 0) or 0),
+            evicted_to=_int(d.get("evictedToBytes", 0)),
         )
 
 

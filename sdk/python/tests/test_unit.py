@@ -564,3 +564,17 @@ def test_tls_settings_from_environment(monkeypatch: pytest.MonkeyPatch, tmp_path
     assert c.ca == str(bad) and c.key != plain.key  # its own connection pool
     with pytest.raises(Exception):
         c.ssl_context()
+
+
+def test_pause_info_eviction() -> None:
+    # A pause that memory pressure evicted later (a VM paused in place,
+    # snapshotted to a file), and one it did not.
+    from shoal.models import PauseInfo
+
+    p = PauseInfo.from_json({"pausedAt": "2026-12-02T10:00:00Z", "method": "in place: process_madvise",
+                             "memoryBeforeBytes": "261853184", "memoryAfterBytes": "3502080",
+                             "evicted": True, "evictSeconds": 1.07, "evictedToBytes": "78330223"})
+    assert p.evicted and p.evict_seconds == 1.07 and p.evicted_to == 78330223
+    assert p.memory_after == 3502080
+    q = PauseInfo.from_json({"method": "snapshot"})
+    assert not q.evicted and q.evict_seconds == 0 and q.evicted_to == 0
