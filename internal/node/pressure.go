@@ -132,8 +132,9 @@ func (m *Manager) checkPressure() {
 }
 
 // relieveStall pauses up to psiBatch idle sandboxes, the longest idle
-// first, for a host whose tasks stall on memory. It returns how many it
-// paused.
+// first, for a host whose tasks stall on memory, and evicts paused ones
+// (see longestPaused) for the rest of the batch. It returns how many it
+// paused or evicted.
 func (m *Manager) relieveStall(ctx context.Context, stalled float64) int {
 	paused := 0
 	for _, id := range m.longestIdle(time.Now(), m.cfg.Pressure.MinIdle) {
@@ -148,7 +149,32 @@ func (m *Manager) relieveStall(ctx context.Context, stalled float64) int {
 		m.log.Info(fmt.Sprintf("memory pressure: paused %d idle sandboxes, longest idle first, tasks stalling on memory", paused),
 			"stall_some_avg10", stalled, "psi", m.cfg.Pressure.PSI)
 	}
-	return paused
+	// The rest of the batch: paused sandboxes whose memory stays on the
+	// host move it off (see relievePressure).
+	evicted := 0
+	for _, id := range m.longestPaused() {
+		if paused+evicted == psiBatch {
+			break
+		}
+		if m.evictForPressure(ctx, id) {
+			evicted++
+		}
+	}
+	if evicted > 0 {
+		m.log.Info(fmt.Sprintf("memory pressure: moved the memory of %d paused sandboxes off the host, longest paused first, tasks stalling on memory", evicted),
+			"stall_some_avg10", stalled, "psi", m.cfg.Pressure.PSI)
+	}
+	return paused + evicted
+}
+
+// evictForPressure evicts paused sandbox id for memory pressure and tells
+// whether it did (one gone meanwhile is not an error).
+func (m *Manager) evictForPressure(ctx context.Context, id string) bool {
+	ok, err := m.evict(ctx, id)
+	if err != nil && !errors.Is(err, ErrNotFound) {
+		m.log.Warn("memory pressure: evict", "sandbox_id", id, "err", err)
+	}
+	return ok
 }
 
 // relievePressure pauses idle sandboxes, longest idle first, until the
@@ -187,11 +213,7 @@ func (m *Manager) relievePressure(ctx context.Context) int {
 		if avail, err := p.Available(); err != nil || avail >= target {
 			break
 		}
-		ok, err := m.evict(ctx, id)
-		if err != nil && !errors.Is(err, ErrNotFound) {
-			m.log.Warn("memory pressure: evict", "sandbox_id", id, "err", err)
-		}
-		if ok {
+		if m.evictForPressure(ctx, id) {
 			evicted++
 		}
 	}

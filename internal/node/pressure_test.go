@@ -216,3 +216,26 @@ func TestMemoryPressureEvicts(t *testing.T) {
 		t.Fatalf("an evicted sandbox is %s after a request, want running", rec.State)
 	}
 }
+
+// A stall round evicts too, up to its batch, the longest paused first.
+func TestMemoryStallEvicts(t *testing.T) {
+	be := &evictBackend{pauseBackend: newPauseBackend()}
+	paths := make([]string, psiBatch+1)
+	for i := range paths {
+		paths[i] = "/nonexistent/" + string(rune('a'+i))
+	}
+	m, _, ids := newTestManagerWith(t, be, Config{Pressure: Pressure{PSI: 20, MinIdle: time.Minute}}, paths...)
+	recoverManager(t, m)
+	for _, id := range ids {
+		if _, _, err := m.Pause(context.Background(), id); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+	if n := m.relieveStall(context.Background(), 35); n != psiBatch || be.evicts.Load() != psiBatch {
+		t.Fatalf("a stall round relieved %d, evicted %d; want %d", n, be.evicts.Load(), psiBatch)
+	}
+	if rec, _ := m.Get(ids[len(ids)-1]); rec.Pause == nil || rec.Pause.Evicted {
+		t.Errorf("the last paused was evicted first: %+v", rec.Pause)
+	}
+}
