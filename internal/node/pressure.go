@@ -136,45 +136,23 @@ func (m *Manager) checkPressure() {
 // (see longestPaused) for the rest of the batch. It returns how many it
 // paused or evicted.
 func (m *Manager) relieveStall(ctx context.Context, stalled float64) int {
-	paused := 0
-	for _, id := range m.longestIdle(time.Now(), m.cfg.Pressure.MinIdle) {
-		if paused == psiBatch {
-			break
-		}
-		if m.pauseForPressure(ctx, id) {
-			paused++
-		}
-	}
+	paused := each(m.longestIdle(time.Now(), m.cfg.Pressure.MinIdle),
+		func(done int) bool { return done == psiBatch },
+		func(id string) bool { return m.pauseForPressure(ctx, id) })
 	if paused > 0 {
 		m.log.Info(fmt.Sprintf("memory pressure: paused %d idle sandboxes, longest idle first, tasks stalling on memory", paused),
 			"stall_some_avg10", stalled, "psi", m.cfg.Pressure.PSI)
 	}
 	// The rest of the batch: paused sandboxes whose memory stays on the
 	// host move it off (see relievePressure).
-	evicted := 0
-	for _, id := range m.longestPaused() {
-		if paused+evicted == psiBatch {
-			break
-		}
-		if m.evictForPressure(ctx, id) {
-			evicted++
-		}
-	}
+	evicted := each(m.longestPaused(),
+		func(done int) bool { return paused+done == psiBatch },
+		func(id string) bool { return m.evictForPressure(ctx, id) })
 	if evicted > 0 {
 		m.log.Info(fmt.Sprintf("memory pressure: moved the memory of %d paused sandboxes off the host, longest paused first, tasks stalling on memory", evicted),
 			"stall_some_avg10", stalled, "psi", m.cfg.Pressure.PSI)
 	}
 	return paused + evicted
-}
-
-// evictForPressure evicts paused sandbox id for memory pressure and tells
-// whether it did (one gone meanwhile is not an error).
-func (m *Manager) evictForPressure(ctx context.Context, id string) bool {
-	ok, err := m.evict(ctx, id)
-	if err != nil && !errors.Is(err, ErrNotFound) {
-		m.log.Warn("memory pressure: evict", "sandbox_id", id, "err", err)
-	}
-	return ok
 }
 
 // relievePressure pauses idle sandboxes, longest idle first, until the
@@ -184,39 +162,22 @@ func (m *Manager) evictForPressure(ctx context.Context, id string) bool {
 func (m *Manager) relievePressure(ctx context.Context) int {
 	p := m.cfg.Pressure
 	target := p.Below + p.Below/4
-	paused := 0
-	var first int64 = -1
-	for _, id := range m.longestIdle(time.Now(), p.MinIdle) {
+	enough := func(int) bool {
 		avail, err := p.Available()
-		if err != nil {
-			break
-		}
-		if first < 0 {
-			first = avail
-		}
-		if avail >= target {
-			break
-		}
-		if m.pauseForPressure(ctx, id) {
-			paused++
-		}
+		return err != nil || avail >= target
 	}
+	before, _ := p.Available()
+	paused := each(m.longestIdle(time.Now(), p.MinIdle), enough,
+		func(id string) bool { return m.pauseForPressure(ctx, id) })
 	if paused > 0 {
 		avail, _ := p.Available()
 		m.log.Info(fmt.Sprintf("memory pressure: paused %d idle sandboxes, longest idle first", paused),
-			"available_before", first, "available_after", avail, "below", p.Below)
+			"available_before", before, "available_after", avail, "below", p.Below)
 	}
 	// Still short: paused sandboxes whose memory stays on the host (a VM
 	// paused in place) move it off, the longest paused first.
-	evicted := 0
-	for _, id := range m.longestPaused() {
-		if avail, err := p.Available(); err != nil || avail >= target {
-			break
-		}
-		if m.evictForPressure(ctx, id) {
-			evicted++
-		}
-	}
+	evicted := each(m.longestPaused(), enough,
+		func(id string) bool { return m.evictForPressure(ctx, id) })
 	if evicted > 0 {
 		avail, _ := p.Available()
 		m.log.Info(fmt.Sprintf("memory pressure: moved the memory of %d paused sandboxes off the host, longest paused first", evicted),
@@ -225,30 +186,19 @@ func (m *Manager) relievePressure(ctx context.Context) int {
 	return paused + evicted
 }
 
-// longestPaused lists the paused sandboxes whose backend can evict them
-// and which are not evicted yet, the longest paused first.
-func (m *Manager) longestPaused() []string {
-	type cand struct {
-		id string
-		at time.Time
-	}
-	var cands []cand
-	m.mu.Lock()
-	for id, e := range m.sandboxes {
-		if e.rec.State != StatePaused || e.deleted != nil || e.trans != nil || e.rec.Pause == nil || e.rec.Pause.Evicted {
-			continue
+// each calls act on ids in order until stop says enough (given how many
+// act did so far) and returns how many act did.
+func each(ids []string, stop func(done int) bool, act func(id string) bool) int {
+	done := 0
+	for _, id := range ids {
+		if stop(done) {
+			break
 		}
-		if _, ok := m.backends[e.rec.Backend].(sandbox.Evicter); ok {
-			cands = append(cands, cand{id, e.rec.Pause.At})
+		if act(id) {
+			done++
 		}
 	}
-	m.mu.Unlock()
-	sort.Slice(cands, func(i, j int) bool { return cands[i].at.Before(cands[j].at) })
-	ids := make([]string, len(cands))
-	for i, c := range cands {
-		ids[i] = c.id
-	}
-	return ids
+	return done
 }
 
 // pauseForPressure pauses sandbox id for memory pressure and tells
@@ -262,28 +212,57 @@ func (m *Manager) pauseForPressure(ctx context.Context, id string) bool {
 	return ok
 }
 
+// evictForPressure evicts paused sandbox id for memory pressure and tells
+// whether it did (one gone meanwhile is not an error).
+func (m *Manager) evictForPressure(ctx context.Context, id string) bool {
+	ok, err := m.evict(ctx, id)
+	if err != nil && !errors.Is(err, ErrNotFound) {
+		m.log.Warn("memory pressure: evict", "sandbox_id", id, "err", err)
+	}
+	return ok
+}
+
 // longestIdle lists the running sandboxes that can pause, have no command
 // running and have been idle at least minIdle, the longest idle first.
 func (m *Manager) longestIdle(now time.Time, minIdle time.Duration) []string {
+	return m.earliestFirst(func(e *entry) (time.Time, bool) {
+		if e.rec.State != StateRunning || e.unresponsive || e.deleted != nil || e.trans != nil || e.running > 0 ||
+			now.Sub(e.lastActive) < minIdle {
+			return time.Time{}, false
+		}
+		_, ok := m.backends[e.rec.Backend].(sandbox.Pauser)
+		return e.lastActive, ok
+	})
+}
+
+// longestPaused lists the paused sandboxes whose backend can evict them
+// and which are not evicted yet, the longest paused first.
+func (m *Manager) longestPaused() []string {
+	return m.earliestFirst(func(e *entry) (time.Time, bool) {
+		if e.rec.State != StatePaused || e.deleted != nil || e.trans != nil || e.rec.Pause == nil || e.rec.Pause.Evicted {
+			return time.Time{}, false
+		}
+		_, ok := m.backends[e.rec.Backend].(sandbox.Evicter)
+		return e.rec.Pause.At, ok
+	})
+}
+
+// earliestFirst lists the sandboxes pick takes (under m.mu), by the time
+// it gives each, the earliest first.
+func (m *Manager) earliestFirst(pick func(e *entry) (time.Time, bool)) []string {
 	type cand struct {
-		id   string
-		idle time.Time
+		id string
+		at time.Time
 	}
 	var cands []cand
 	m.mu.Lock()
 	for id, e := range m.sandboxes {
-		if e.rec.State != StateRunning || e.unresponsive || e.deleted != nil || e.trans != nil || e.running > 0 {
-			continue
-		}
-		if now.Sub(e.lastActive) < minIdle {
-			continue
-		}
-		if _, ok := m.backends[e.rec.Backend].(sandbox.Pauser); ok {
-			cands = append(cands, cand{id, e.lastActive})
+		if at, ok := pick(e); ok {
+			cands = append(cands, cand{id, at})
 		}
 	}
 	m.mu.Unlock()
-	sort.Slice(cands, func(i, j int) bool { return cands[i].idle.Before(cands[j].idle) })
+	sort.Slice(cands, func(i, j int) bool { return cands[i].at.Before(cands[j].at) })
 	ids := make([]string, len(cands))
 	for i, c := range cands {
 		ids[i] = c.id
