@@ -355,6 +355,11 @@ func (b *Backend) Evict(ctx context.Context, h sandbox.Handle) (sandbox.PauseSta
 	if pid == 0 || !stoppedInPlace(h) {
 		return stats, false, nil
 	}
+	if _, err := b.qemuArgs(h); err != nil {
+		// Its handle does not say how to start it again: a snapshot
+		// could not be resumed. It stays paused in place.
+		return stats, false, nil
+	}
 	if _, ok := ctx.Deadline(); !ok {
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithTimeout(ctx, 3*time.Minute)
@@ -377,6 +382,7 @@ func (b *Backend) Evict(ctx context.Context, h sandbox.Handle) (sandbox.PauseSta
 	// dies in between finds a QEMU with a complete snapshot, as after a
 	// pause's, and continues it (Recover).
 	if err := os.Remove(filepath.Join(dir, stoppedFile)); err != nil && !errors.Is(err, os.ErrNotExist) {
+		os.Remove(state) // still paused in place only
 		return stats, false, fmt.Errorf("%s backend: evict sandbox %s: %w", b.cfg.Name, h.ID, err)
 	}
 	if err := kill(ctx, pid); err != nil {

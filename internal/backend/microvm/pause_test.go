@@ -435,3 +435,30 @@ func swapActive() bool {
 	data, err := os.ReadFile("/proc/swaps")
 	return err == nil && len(strings.Split(strings.TrimSpace(string(data)), "\n")) > 1
 }
+
+// A VM paused in place whose handle does not say how to start it again
+// is not evicted: its snapshot could not be resumed.
+func TestEvictKeepsAnUnresumableVM(t *testing.T) {
+	b := &Backend{cfg: Config{Name: "microvm"}, log: slog.New(slog.DiscardHandler), muxes: map[string]*chanMux{}}
+	pid := os.Getpid() // a running process stands for its QEMU
+	st, err := startTime(pid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	if err := os.WriteFile(filepath.Join(dir, stoppedFile), nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	h := sandbox.Handle{ID: "old", Data: map[string]string{"pid": strconv.Itoa(pid), "pid_start": st, "dir": dir, "accel": "tcg"}}
+	if _, evicted, err := b.Evict(context.Background(), h); err != nil || evicted {
+		t.Fatalf("evict of an old VM paused in place: evicted %v, %v", evicted, err)
+	}
+	if paused(h) || !stoppedInPlace(h) {
+		t.Fatal("a snapshot was made, or the mark went")
+	}
+	// Not paused in place: nothing to evict either.
+	os.Remove(filepath.Join(dir, stoppedFile))
+	if _, evicted, err := b.Evict(context.Background(), h); err != nil || evicted {
+		t.Fatalf("evict of a running VM: evicted %v, %v", evicted, err)
+	}
+}
