@@ -211,6 +211,12 @@ func (l *Log) run(f *os.File, size int64) {
 		// the node dies), to the disk now or SyncEvery after the last sync.
 		flush()
 		if since := time.Since(lastSync); since >= SyncEvery {
+			if pending {
+				// The timer is due too: one sync for both. (Stop
+				// guarantees no stale fire is received after it.)
+				syncLater.Stop()
+				pending = false
+			}
 			sync()
 		} else if !pending {
 			pending = true
