@@ -14,6 +14,7 @@ import (
 	"time"
 
 	pb "github.com/shoal-sandbox/shoal/api/shoal/v1"
+	"github.com/shoal-sandbox/shoal/internal/zram"
 	shoal "github.com/shoal-sandbox/shoal/sdk/go"
 )
 
@@ -143,7 +144,7 @@ type memSnapshot struct {
 }
 
 func (o DensityOptions) snapshot(pid int) memSnapshot {
-	s := memSnapshot{At: time.Now().UTC(), Zram: zramUsed(), Sandboxes: readSandboxMem(o.CgroupParent), slabs: slabs()}
+	s := memSnapshot{At: time.Now().UTC(), Zram: zram.MemUsed(), Sandboxes: readSandboxMem(o.CgroupParent), slabs: slabs()}
 	mi := meminfo()
 	s.Meminfo = map[string]int64{}
 	for _, k := range []string{"MemTotal", "MemFree", "MemAvailable", "Buffers", "Cached", "Shmem", "AnonPages",

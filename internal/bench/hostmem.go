@@ -44,23 +44,6 @@ func meminfo() map[string]int64 {
 	return out
 }
 
-// zramUsed is the memory all zram devices use (mm_stat's mem_used_total).
-func zramUsed() int64 {
-	var total int64
-	devs, _ := filepath.Glob("/sys/block/zram*/mm_stat")
-	for _, p := range devs {
-		data, err := os.ReadFile(p)
-		if err != nil {
-			continue
-		}
-		if f := strings.Fields(string(data)); len(f) >= 3 {
-			n, _ := strconv.ParseInt(f[2], 10, 64)
-			total += n
-		}
-	}
-	return total
-}
-
 // procMem is what smaps_rollup and status say of a process, in bytes.
 type procMem struct {
 	RSS     int64 `json:"rss_bytes"`

@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
-	"path/filepath"
 	"strconv"
 	"strings"
 	"time"
@@ -14,6 +13,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	pb "github.com/shoal-sandbox/shoal/api/shoal/v1"
+	"github.com/shoal-sandbox/shoal/internal/zram"
 	shoal "github.com/shoal-sandbox/shoal/sdk/go"
 )
 
@@ -179,7 +179,7 @@ func pauseVMs(ctx context.Context, c *shoal.Client, rounds int, ids []string, re
 	var pauses, restores []time.Duration
 	step := progress(ctx, "pause", rounds*len(ids))
 	for round := range rounds {
-		zram0 := zramKiB()
+		zram0 := zram.MemUsed()
 		for _, id := range ids {
 			step()
 			t0 := time.Now()
@@ -196,10 +196,8 @@ func pauseVMs(ctx context.Context, c *shoal.Client, rounds int, ids []string, re
 				}
 			}
 		}
-		if round == 0 && zram0 >= 0 {
-			if grew := zramKiB() - zram0; grew > 0 {
-				res.ZramKiBPerVM = grew / int64(len(ids))
-			}
+		if grew := zram.MemUsed() - zram0; round == 0 && grew > 0 {
+			res.ZramKiBPerVM = grew >> 10 / int64(len(ids))
 		}
 		for _, id := range ids {
 			t0 := time.Now()
@@ -216,24 +214,6 @@ func pauseVMs(ctx context.Context, c *shoal.Client, rounds int, ids []string, re
 	res.Pause = dist(pauses)
 	res.RestoreToFirstExec = dist(restores)
 	return nil
-}
-
-// zramKiB is the memory this machine's zram devices take (their
-// mm_stat's mem_used_total), -1 without zram.
-func zramKiB() int64 {
-	ms, _ := filepath.Glob("/sys/block/zram*/mm_stat")
-	if len(ms) == 0 {
-		return -1
-	}
-	var total int64
-	for _, m := range ms {
-		data, err := os.ReadFile(m)
-		if f := strings.Fields(string(data)); err == nil && len(f) > 2 {
-			n, _ := strconv.ParseInt(f[2], 10, 64)
-			total += n
-		}
-	}
-	return total >> 10
 }
 
 // memAvailableKiB is this machine's MemAvailable (0 when unknown).

@@ -96,6 +96,24 @@ func Ensure(size int64) (Device, error) {
 	return Device{Name: name, Size: size, Created: true}, nil
 }
 
+// MemUsed is the memory all zram devices take, their compressed pages and
+// metadata (mm_stat's mem_used_total), in bytes; 0 without zram.
+func MemUsed() int64 {
+	var total int64
+	devs, _ := filepath.Glob("/sys/block/zram*/mm_stat")
+	for _, p := range devs {
+		data, err := os.ReadFile(p)
+		if err != nil {
+			continue
+		}
+		if f := strings.Fields(string(data)); len(f) >= 3 {
+			n, _ := strconv.ParseInt(f[2], 10, 64)
+			total += n
+		}
+	}
+	return total
+}
+
 // freeDevice returns an unused zram device: a new one (hot_add), or zram0
 // if it is not initialized and the kernel cannot add devices.
 func freeDevice() (string, error) {

@@ -112,6 +112,14 @@ func (b *Backend) Pause(ctx context.Context, h sandbox.Handle) (sandbox.PauseSta
 		os.Remove(state + ".tmp")
 		return stats, fmt.Errorf("%s backend: snapshot of sandbox %s: %w", b.cfg.Name, h.ID, err)
 	}
+	b.endSnapshotted(ctx, h, pid, state, start, &stats)
+	return stats, nil
+}
+
+// endSnapshotted ends the QEMU pid of h once its state is in the snapshot
+// file state, and completes stats of the pause (or eviction) that began
+// at start.
+func (b *Backend) endSnapshotted(ctx context.Context, h sandbox.Handle, pid int, state string, start time.Time, stats *sandbox.PauseStats) {
 	if err := kill(ctx, pid); err != nil {
 		// Paused in the file; the stopped QEMU goes with the next Delete
 		// or Resume (which kills what the pidfile names).
@@ -125,7 +133,6 @@ func (b *Backend) Pause(ctx context.Context, h sandbox.Handle) (sandbox.PauseSta
 	if fi, err := os.Stat(state); err == nil {
 		stats.SwappedOut = fi.Size()
 	}
-	return stats, nil
 }
 
 // snapshot writes the stopped VM's state to path (through path.tmp);
@@ -385,14 +392,7 @@ func (b *Backend) Evict(ctx context.Context, h sandbox.Handle) (sandbox.PauseSta
 		os.Remove(state) // still paused in place only
 		return stats, false, fmt.Errorf("%s backend: evict sandbox %s: %w", b.cfg.Name, h.ID, err)
 	}
-	if err := kill(ctx, pid); err != nil {
-		b.log.Warn("kill an evicted VM", "sandbox_id", h.ID, "err", err)
-	}
-	b.dropMux(h.ID)
-	stats.ReclaimTook = time.Since(start)
-	if fi, err := os.Stat(state); err == nil {
-		stats.SwappedOut = fi.Size()
-	}
+	b.endSnapshotted(ctx, h, pid, state, start, &stats)
 	return stats, true, nil
 }
 

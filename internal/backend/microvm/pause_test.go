@@ -15,6 +15,7 @@ import (
 
 	"github.com/shoal-sandbox/shoal/internal/agent"
 	"github.com/shoal-sandbox/shoal/internal/sandbox"
+	"github.com/shoal-sandbox/shoal/internal/zram"
 )
 
 // Pause snapshots a VM to a file and ends its QEMU; Resume restores it in
@@ -253,16 +254,24 @@ func badSnapshot(t *testing.T, ctx context.Context, b *Backend, h sandbox.Handle
 	}
 }
 
-// A VM whose handle does not say how to start it again (created before
-// pause existed) is not paused: it could not be resumed.
-func TestPauseRefusesAnUnresumableHandle(t *testing.T) {
+// oldVM is a backend and the handle of a VM in dir created before pause
+// existed: it does not say how to start the VM again. This test's
+// process stands for its QEMU.
+func oldVM(t *testing.T, dir string) (*Backend, sandbox.Handle) {
+	t.Helper()
 	b := &Backend{cfg: Config{Name: "microvm"}, log: slog.New(slog.DiscardHandler), muxes: map[string]*chanMux{}}
-	pid := os.Getpid() // a running process stands for its QEMU
+	pid := os.Getpid()
 	st, err := startTime(pid)
 	if err != nil {
 		t.Fatal(err)
 	}
-	h := sandbox.Handle{ID: "old", Data: map[string]string{"pid": strconv.Itoa(pid), "pid_start": st, "dir": t.TempDir(), "accel": "tcg"}}
+	return b, sandbox.Handle{ID: "old", Data: map[string]string{"pid": strconv.Itoa(pid), "pid_start": st, "dir": dir, "accel": "tcg"}}
+}
+
+// A VM whose handle does not say how to start it again (created before
+// pause existed) is not paused: it could not be resumed.
+func TestPauseRefusesAnUnresumableHandle(t *testing.T) {
+	b, h := oldVM(t, t.TempDir())
 	if _, err := b.Pause(context.Background(), h); !errors.Is(err, sandbox.ErrUnsupported) {
 		t.Fatalf("pause of an old VM: %v", err)
 	}
@@ -307,12 +316,12 @@ func testVMPauseInPlace(t *testing.T, machine string) {
 	}
 	var firstExec []time.Duration
 	for range rounds {
-		zram0 := zramUsed()
+		zram0 := zram.MemUsed()
 		stats, err := b.Pause(ctx, h)
 		if err != nil {
 			t.Fatal(err)
 		}
-		t.Logf("paused in place: %+v; zram's memory +%d MiB", stats, (zramUsed()-zram0)>>20)
+		t.Logf("paused in place: %+v; zram's memory +%d MiB", stats, (zram.MemUsed()-zram0)>>20)
 		if process(h) == 0 || !stoppedInPlace(h) || status() != "paused" {
 			t.Fatalf("after pause: QEMU %d, mark %v, guest %s; want the same QEMU, stopped", process(h), stoppedInPlace(h), status())
 		}
@@ -414,21 +423,6 @@ func cpuTicks(t *testing.T, pid int, d time.Duration) int64 {
 	return read() - before
 }
 
-// zramUsed is the memory the host's zram devices take (compressed pages
-// and their metadata), in bytes.
-func zramUsed() int64 {
-	var total int64
-	ms, _ := filepath.Glob("/sys/block/zram*/mm_stat")
-	for _, m := range ms {
-		data, err := os.ReadFile(m)
-		if f := strings.Fields(string(data)); err == nil && len(f) > 2 {
-			n, _ := strconv.ParseInt(f[2], 10, 64)
-			total += n
-		}
-	}
-	return total
-}
-
 // swapActive tells whether the host has swap (a pause in place pages out
 // to it; without, only QEMU's clean file pages go).
 func swapActive() bool {
@@ -439,17 +433,11 @@ func swapActive() bool {
 // A VM paused in place whose handle does not say how to start it again
 // is not evicted: its snapshot could not be resumed.
 func TestEvictKeepsAnUnresumableVM(t *testing.T) {
-	b := &Backend{cfg: Config{Name: "microvm"}, log: slog.New(slog.DiscardHandler), muxes: map[string]*chanMux{}}
-	pid := os.Getpid() // a running process stands for its QEMU
-	st, err := startTime(pid)
-	if err != nil {
-		t.Fatal(err)
-	}
 	dir := t.TempDir()
 	if err := os.WriteFile(filepath.Join(dir, stoppedFile), nil, 0o600); err != nil {
 		t.Fatal(err)
 	}
-	h := sandbox.Handle{ID: "old", Data: map[string]string{"pid": strconv.Itoa(pid), "pid_start": st, "dir": dir, "accel": "tcg"}}
+	b, h := oldVM(t, dir)
 	if _, evicted, err := b.Evict(context.Background(), h); err != nil || evicted {
 		t.Fatalf("evict of an old VM paused in place: evicted %v, %v", evicted, err)
 	}
