@@ -31,6 +31,7 @@ type vmConfig struct {
 	DiskIOPS  int64  // each VM's disk requests per second (0: unbounded)
 	DiskBPS   string // each VM's disk bytes per second, as a size (0: unbounded)
 	Pause     string // snapshot | in-place
+	Boot      string // cold | template
 }
 
 func addVMFlags(cmd *cobra.Command, c *vmConfig) {
@@ -43,6 +44,7 @@ func addVMFlags(cmd *cobra.Command, c *vmConfig) {
 	cmd.Flags().StringVar(&c.QEMU, "vm-qemu", "qemu-system-x86_64", "QEMU binary of the VM backends")
 	cmd.Flags().Int64Var(&c.DiskIOPS, "vm-disk-iops", 4000, "disk requests per second each VM may make, all its drives together (QEMU's throttling; 0: unbounded)")
 	cmd.Flags().StringVar(&c.DiskBPS, "vm-disk-bps", "256M", "disk bytes per second each VM may read and write, all its drives together (0: unbounded)")
+	cmd.Flags().StringVar(&c.Boot, "vm-boot", microvm.BootCold, "how a microVM starts: cold (every create boots its guest) or template (a create restores a snapshot of a guest booted once for its shape: memory, CPUs, device count; layers then go as blk devices)")
 	cmd.Flags().StringVar(&c.Pause, "vm-pause", microvm.PauseSnapshot, "how a VM is paused: snapshot (its state to a file, QEMU ended: no memory left on the host; a resume restores it in a new QEMU) or in-place (QEMU stopped, its memory paged out to zram: a few MiB of RSS plus the compressed memory; a resume continues it, 2-3x faster under TCG)")
 }
 
@@ -71,6 +73,15 @@ func vmBackends(c vmConfig, dataDir, agentBin, cgroupParent string, eg *egress.E
 	default:
 		return nil, fmt.Errorf("--vm-pause %q: want %s or %s", c.Pause, microvm.PauseSnapshot, microvm.PauseInPlace)
 	}
+	switch c.Boot {
+	case "", microvm.BootCold:
+	case microvm.BootTemplate:
+		if c.Layers == microvm.LayersPmem {
+			return nil, fmt.Errorf("--vm-boot %s with --vm-layers %s: a template's memory cannot hold a sandbox's layers; use --vm-layers blk or auto", c.Boot, c.Layers)
+		}
+	default:
+		return nil, fmt.Errorf("--vm-boot %q: want %s or %s", c.Boot, microvm.BootCold, microvm.BootTemplate)
+	}
 	for _, k := range []struct{ name, machine, mode, image string }{
 		{"microvm", microvm.MachineMicroVM, c.MicroVM, ""},
 		{"fullvm", microvm.MachineQ35, c.FullVM, c.Image},
@@ -86,7 +97,7 @@ func vmBackends(c vmConfig, dataDir, agentBin, cgroupParent string, eg *egress.E
 			StateDir: filepath.Join(dataDir, "vm"), AgentBinary: agentBin, Accel: c.Accel, CgroupParent: cgroupParent, Egress: eg,
 			DiskIOPS: c.DiskIOPS, DiskBPS: diskBPS, Pause: c.Pause, Logger: log}
 		if k.machine == microvm.MachineMicroVM {
-			cfg.Layers = c.Layers
+			cfg.Layers, cfg.Boot = c.Layers, c.Boot
 		}
 		b, err := microvm.New(cfg)
 		if err != nil {

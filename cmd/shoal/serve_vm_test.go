@@ -53,3 +53,21 @@ func TestVMPauseFlag(t *testing.T) {
 		t.Errorf("--vm-pause freeze: %v", err)
 	}
 }
+
+// --vm-boot takes cold or template, and refuses template with pmem layers.
+func TestVMBootFlag(t *testing.T) {
+	log := slog.New(slog.DiscardHandler)
+	for _, mode := range []string{"", "cold", "template"} {
+		if _, err := vmBackends(vmConfig{MicroVM: "off", FullVM: "off", Layers: "auto", Boot: mode}, t.TempDir(), "", "", nil, log); err != nil {
+			t.Errorf("--vm-boot %q: %v", mode, err)
+		}
+	}
+	for _, c := range []vmConfig{
+		{MicroVM: "off", FullVM: "off", Layers: "auto", Boot: "warm"},
+		{MicroVM: "off", FullVM: "off", Layers: "pmem", Boot: "template"},
+	} {
+		if _, err := vmBackends(c, t.TempDir(), "", "", nil, log); err == nil || !strings.Contains(err.Error(), "--vm-boot") {
+			t.Errorf("--vm-boot %s --vm-layers %s: %v", c.Boot, c.Layers, err)
+		}
+	}
+}

@@ -45,6 +45,11 @@ type VMResult struct {
 	// `true` in the new sandbox (the boot, its agent's first answer, an
 	// exec).
 	CreateToFirstExec Dist `json:"create_to_first_exec"`
+	// By how the guest started (the sandbox's runtime "boot": serve
+	// --vm-boot): booted, or restored from its shape's template; a
+	// node's first VM of a shape boots, and its template is made after.
+	Cold     *Dist `json:"create_to_first_exec_booted,omitempty"`
+	Template *Dist `json:"create_to_first_exec_from_template,omitempty"`
 	// Exec: `true` through the API in a booted VM.
 	Exec Dist `json:"exec_api"`
 	// IdleRSSKiB: host resident memory of an idle VM's QEMU (VmRSS of its
@@ -105,7 +110,7 @@ func VM(ctx context.Context, c *shoal.Client, o VMOptions) (*VMResult, error) {
 		o.MemoryMiB = 256
 	}
 	res := &VMResult{Bench: "vm", Backend: o.Backend, MemoryMiB: o.MemoryMiB}
-	var first, execs []time.Duration
+	var first, execs, cold, tpl []time.Duration
 	var ids []string
 	defer func() {
 		for _, id := range ids {
@@ -129,6 +134,11 @@ func VM(ctx context.Context, c *shoal.Client, o VMOptions) (*VMResult, error) {
 			return nil, fmt.Errorf("true exited %d", st.Code)
 		}
 		first = append(first, time.Since(t0))
+		if sb.Runtime["boot"] == "template" {
+			tpl = append(tpl, time.Since(t0))
+		} else {
+			cold = append(cold, time.Since(t0))
+		}
 		res.Accel = sb.Runtime["accel"]
 		res.LayerDevices = sb.Runtime["layer_devices"]
 		if rss := rssKiB(sb.Runtime["pid"]); rss > 0 {
@@ -151,6 +161,10 @@ func VM(ctx context.Context, c *shoal.Client, o VMOptions) (*VMResult, error) {
 		}
 	}
 	res.CreateToFirstExec = dist(first)
+	if len(tpl) > 0 {
+		c, t := dist(cold), dist(tpl)
+		res.Cold, res.Template = &c, &t
+	}
 	res.Exec = dist(execs)
 	if len(res.IdleRSSKiB) > 0 {
 		var sum int64

@@ -8,6 +8,7 @@ import (
 	"net"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -201,6 +202,63 @@ func TestMicroVMPauseInPlace(t *testing.T) {
 	}
 	if out, code := run(nil, "rm", id); code != 0 {
 		t.Fatalf("rm: %d %s", code, out)
+	}
+}
+
+// With serve --vm-boot template, the first microVM of a shape boots and
+// the node makes its template after it; the next one is restored from it
+// (runtime boot=template), with its own environment and writable layer.
+func TestMicroVMTemplate(t *testing.T) {
+	need(t)
+	killServe()
+	serveExtra = []string{"--vm-boot", "template"}
+	if err := startServe(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		killServe()
+		serveExtra = nil
+		if err := startServe(); err != nil {
+			t.Errorf("restart the server as it was: %v", err)
+		}
+	})
+	boot := func(id string) string {
+		t.Helper()
+		var info struct {
+			Runtime map[string]string `json:"runtime"`
+		}
+		out, code := run(nil, "inspect", id)
+		if code != 0 || json.Unmarshal([]byte(out), &info) != nil {
+			t.Fatalf("inspect: %d %s", code, out)
+		}
+		return info.Runtime["boot"]
+	}
+	first := createMicroVM(t)
+	t.Cleanup(func() { run(nil, "rm", first) })
+	if got := boot(first); got != "cold" {
+		t.Fatalf("the first microVM: boot %q, want cold", got)
+	}
+	deadline := time.Now().Add(4 * time.Minute)
+	for {
+		if m, _ := filepath.Glob(filepath.Join(dataDir, "vm", "templates", "*.state")); len(m) > 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("no template 4 minutes after the first microVM")
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	second := createMicroVM(t, "--env", "WHO=second")
+	t.Cleanup(func() { run(nil, "rm", second) })
+	if got := boot(second); got != "template" {
+		t.Fatalf("the second microVM: boot %q, want template", got)
+	}
+	shoalOK(t, "exec", second, "--", "sh", "-c", "echo mine > /tmp/f")
+	if got := shoalOK(t, "exec", second, "--", "sh", "-c", "echo $WHO; cat /tmp/f"); got != "second\nmine\n" {
+		t.Errorf("the restored VM: %q", got)
+	}
+	if got := shoalOK(t, "exec", first, "--", "sh", "-c", "cat /tmp/f 2>/dev/null || echo none"); got != "none\n" {
+		t.Errorf("the first VM sees the second's file: %q", got)
 	}
 }
 

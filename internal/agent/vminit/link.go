@@ -166,19 +166,25 @@ type linkSession struct {
 	in   *io.PipeWriter // frames read from the port, to the session
 }
 
-func listenPort() (net.Listener, error) {
+func listenPort(first *os.File) (net.Listener, error) {
 	p, err := findPort()
 	if err != nil {
 		return nil, err
 	}
 	l := &portListener{path: p, conns: make(chan net.Conn), done: make(chan struct{}), onSession: syncClock}
-	go l.run()
+	go l.run(first)
 	return l, nil
 }
 
-func (l *portListener) run() {
+// run serves the port's sessions; first, if not nil, is the port already
+// open (what it holds unread is the first session's).
+func (l *portListener) run(first *os.File) {
 	for {
-		f, err := os.OpenFile(l.path, os.O_RDWR, 0)
+		f, err := first, error(nil)
+		first = nil
+		if f == nil {
+			f, err = os.OpenFile(l.path, os.O_RDWR, 0)
+		}
 		if err != nil {
 			select {
 			case <-l.done:

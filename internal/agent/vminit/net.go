@@ -30,7 +30,7 @@ func setUpNet(n *Net) error {
 	if err1 != nil || err2 != nil || !addr.Is4() || !gw.Is4() {
 		return fmt.Errorf("network: address %q, gateway %q: want IPv4 addresses", n.Addr, n.Gateway)
 	}
-	if err := loadModules(NetOrder); err != nil {
+	if err := loadModules(NetOrder, ""); err != nil {
 		return err
 	}
 	s, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)

@@ -222,7 +222,7 @@ func Service() (*Config, net.Listener, error) {
 	if up, err := os.OpenFile(RunUpper, os.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW, 0); err == nil {
 		cfg.Upper = up
 	}
-	l, err := listenPort()
+	l, err := listenPort(nil)
 	if err != nil {
 		return nil, nil, err
 	}

@@ -92,6 +92,10 @@ type Config struct {
 	// Net, if set, is the guest's link for network egress (net.go);
 	// without it the guest has only loopback.
 	Net *Net `json:"net,omitempty"`
+	// Seed is SeedLen random bytes of the host's, mixed into the guest
+	// kernel's random generator at boot (template.go: a restored
+	// template's guest would otherwise draw what its other clones draw).
+	Seed []byte `json:"seed,omitempty"`
 
 	// Upper is the overlay's upper directory, opened by Boot before the
 	// root switch (after it, no path reaches it) and before any workload
@@ -111,6 +115,8 @@ func Boot() (*Config, net.Listener, error) {
 	os.Unsetenv(EnvVM)
 	probe := os.Getenv(EnvProbe) == "1"
 	os.Unsetenv(EnvProbe)
+	template := os.Getenv(EnvTemplate) == "1"
+	os.Unsetenv(EnvTemplate)
 	for _, m := range []struct{ src, dst, typ string }{
 		{"devtmpfs", "/dev", "devtmpfs"}, {"proc", "/proc", "proc"}, {"sysfs", "/sys", "sysfs"},
 	} {
@@ -129,12 +135,38 @@ func Boot() (*Config, net.Listener, error) {
 		unix.Reboot(unix.LINUX_REBOOT_CMD_POWER_OFF)
 		select {}
 	}
-	if err := loadModules("order"); err != nil {
+	var skip string
+	if template {
+		skip = TemplateDeferred
+	}
+	if err := loadModules("order", skip); err != nil {
 		return nil, nil, err
 	}
+	var port *os.File // the agent port, opened before the snapshot (template)
+	if template {
+		var err error
+		if port, err = waitRestore(); err != nil {
+			return nil, nil, err
+		}
+		// Restored, with the sandbox's devices.
+		if err := loadModule(TemplateDeferred); err != nil {
+			port.Close()
+			return nil, nil, err
+		}
+	}
+	cfg, l, err := boot(port)
+	if err != nil && port != nil {
+		port.Close()
+	}
+	return cfg, l, err
+}
+
+// boot is the rest of Boot, after the modules every guest loads; port,
+// if not nil, is the agent port, opened and unread.
+func boot(port *os.File) (*Config, net.Listener, error) {
 	if virtioOnPCI() {
 		// Its devices appear (and their drivers bind) as it loads.
-		if err := loadModules(PCIOrder); err != nil {
+		if err := loadModules(PCIOrder, ""); err != nil {
 			return nil, nil, err
 		}
 	}
@@ -142,8 +174,11 @@ func Boot() (*Config, net.Listener, error) {
 	if err != nil {
 		return nil, nil, err
 	}
+	if err := reseed(cfg.Seed); err != nil {
+		return nil, nil, err
+	}
 	if len(cfg.PmemAddrs) > 0 {
-		if err := loadModules(PmemOrder); err != nil {
+		if err := loadModules(PmemOrder, ""); err != nil {
 			return nil, nil, err
 		}
 	}
@@ -161,7 +196,7 @@ func Boot() (*Config, net.Listener, error) {
 	if cfg.Hostname != "" {
 		unix.Sethostname([]byte(cfg.Hostname))
 	}
-	l, err := listenPort()
+	l, err := listenPort(port)
 	if err != nil {
 		return nil, nil, err
 	}
@@ -197,8 +232,8 @@ func virtioOnPCI() bool {
 	return false
 }
 
-// loadModules loads the modules that ModulesDir/list names.
-func loadModules(list string) error {
+// loadModules loads the modules that ModulesDir/list names, but skip.
+func loadModules(list, skip string) error {
 	order, err := os.ReadFile(filepath.Join(ModulesDir, list))
 	if errors.Is(err, os.ErrNotExist) {
 		return nil // a kernel with everything built in
@@ -207,18 +242,29 @@ func loadModules(list string) error {
 		return err
 	}
 	for _, name := range strings.Fields(string(order)) {
-		if strings.ContainsAny(name, "/") {
-			return fmt.Errorf("module %q: not a file name", name)
+		if name == skip {
+			continue
 		}
-		f, err := os.Open(filepath.Join(ModulesDir, name))
-		if err != nil {
-			return fmt.Errorf("module %s: %w", name, err)
+		if err := loadModule(name); err != nil {
+			return err
 		}
-		err = unix.FinitModule(int(f.Fd()), "", 0)
-		f.Close()
-		if err != nil && !errors.Is(err, unix.EEXIST) {
-			return fmt.Errorf("load module %s: %w", name, err)
-		}
+	}
+	return nil
+}
+
+// loadModule loads ModulesDir/name.
+func loadModule(name string) error {
+	if strings.ContainsAny(name, "/") {
+		return fmt.Errorf("module %q: not a file name", name)
+	}
+	f, err := os.Open(filepath.Join(ModulesDir, name))
+	if err != nil {
+		return fmt.Errorf("module %s: %w", name, err)
+	}
+	err = unix.FinitModule(int(f.Fd()), "", 0)
+	f.Close()
+	if err != nil && !errors.Is(err, unix.EEXIST) {
+		return fmt.Errorf("load module %s: %w", name, err)
 	}
 	return nil
 }

@@ -45,6 +45,7 @@ package microvm
 import (
 	"bufio"
 	"context"
+	"crypto/rand"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -132,7 +133,11 @@ type Config struct {
 	DiskIOPS, DiskBPS int64
 	// Pause is how Pause stops a VM (pause.go): PauseSnapshot (default)
 	// or PauseInPlace.
-	Pause  string
+	Pause string
+	// Boot is how a microVM's guest starts (template.go): BootCold
+	// (default) or BootTemplate (restored from a snapshot of its shape;
+	// layers then go as blk devices, as pmem cannot).
+	Boot   string
 	Logger *slog.Logger
 }
 
@@ -189,6 +194,10 @@ type Backend struct {
 	mu    sync.Mutex
 	muxes map[string]*chanMux // guarded by mu; by sandbox ID
 
+	// tpl: the templates VMs are restored from (template.go); nil when
+	// every create boots.
+	tpl *templates
+
 	// disks makes the ext4 images that hold VMs' writable layers when a
 	// create asks for a disk size (disk.go); nil: no disk limits.
 	disks    *diskimg.Maker
@@ -241,6 +250,20 @@ func New(cfg Config) (*Backend, error) {
 	default:
 		return nil, fmt.Errorf("vm backend: pause %q: want %s or %s", cfg.Pause, PauseSnapshot, PauseInPlace)
 	}
+	switch cfg.Boot {
+	case "":
+		cfg.Boot = BootCold
+	case BootCold:
+	case BootTemplate:
+		if cfg.Machine != MachineMicroVM {
+			return nil, fmt.Errorf("vm backend %s: boot %s: templates are made for microvm only", cfg.Name, cfg.Boot)
+		}
+		if cfg.Layers == LayersPmem {
+			return nil, fmt.Errorf("vm backend: boot %s and pmem layers: a template's memory cannot hold a sandbox's layers; use blk layers", cfg.Boot)
+		}
+	default:
+		return nil, fmt.Errorf("vm backend: boot %q: want %s or %s", cfg.Boot, BootCold, BootTemplate)
+	}
 	kernel, _ := cfg.kernel()
 	initrd, err := buildInitrd(cfg.StateDir, cfg.KernelDir, cfg.AgentBinary)
 	if err != nil {
@@ -252,6 +275,11 @@ func New(cfg Config) (*Backend, error) {
 	_, err = os.Stat(filepath.Join(cfg.KernelDir, "modules", vminit.NetOrder))
 	b.netModules = err == nil
 	b.initDisks()
+	if cfg.Boot == BootTemplate {
+		if b.tpl, err = newTemplates(filepath.Join(cfg.StateDir, "templates")); err != nil {
+			return nil, fmt.Errorf("vm backend: templates: %w", err)
+		}
+	}
 	if err := b.choosePmem(); err != nil {
 		return nil, err
 	}
@@ -530,6 +558,10 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (h sandbox.Hand
 		}()
 	}
 	pmemGuestConfig(&vc, pmem)
+	vc.Seed = make([]byte, vminit.SeedLen)
+	if _, err := rand.Read(vc.Seed); err != nil {
+		return h, err
+	}
 	doc, err := json.Marshal(vc)
 	if err != nil {
 		return h, err
@@ -578,6 +610,27 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (h sandbox.Hand
 		}
 	}
 	start := time.Now()
+	if key, ok := b.templateKey(h); ok {
+		if state := b.tpl.get(key); state != "" {
+			h.Data["boot"] = BootTemplate
+			nh, err := b.createFromTemplate(ctx, h, state)
+			if err == nil {
+				b.log.Debug("vm restored from its template", "sandbox_id", spec.ID, "template", key, "took", time.Since(start))
+				return nh, nil
+			}
+			b.log.Warn("vm template failed: the sandbox boots", "sandbox_id", spec.ID, "template", key, "err", err)
+			b.tpl.drop(key, err.Error())
+			start = time.Now()
+		} else {
+			// Its template after this boot, which it would slow.
+			defer func() {
+				if err == nil {
+					b.makeTemplateLater(key, h)
+				}
+			}()
+		}
+	}
+	h.Data["boot"] = BootCold
 	h, exited, err := b.start(h)
 	if err != nil {
 		return h, err
@@ -619,7 +672,11 @@ func (b *Backend) qemuArgs(h sandbox.Handle) ([]string, error) {
 	if err != nil {
 		return nil, fmt.Errorf("%s backend: sandbox %s: %w", b.cfg.Name, h.ID, err)
 	}
-	args := b.baseArgs(accel, mem, cpus, "", pmem, images, h.Data["pmem_pad"])
+	extra := ""
+	if h.Data["template"] == "1" {
+		extra = vminit.EnvTemplate + "=1" // a template's guest (template.go)
+	}
+	args := b.baseArgs(accel, mem, cpus, extra, pmem, images, h.Data["pmem_pad"])
 	args = append(args,
 		"-chardev", "ringbuf,id=con,size=65536", "-serial", "chardev:con",
 		"-qmp", "unix:"+qemuEscape(filepath.Join(dir, "qmp.sock"))+",server=on,wait=off",

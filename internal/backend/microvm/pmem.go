@@ -219,6 +219,10 @@ func (b *Backend) choosePmem() error {
 	default:
 		return fmt.Errorf("vm backend: layers %q: want auto, pmem or blk", mode)
 	}
+	if b.cfg.Boot == BootTemplate {
+		b.pmemWhy = "guests start from templates, whose memory cannot hold a sandbox's layers"
+		return nil
+	}
 	why, err := b.pmemSupported()
 	if err != nil {
 		if mode == LayersPmem {
