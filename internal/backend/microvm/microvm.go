@@ -621,6 +621,8 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (h sandbox.Hand
 			b.log.Warn("vm template failed: the sandbox boots", "sandbox_id", spec.ID, "template", key, "err", err)
 			b.tpl.drop(key, err.Error())
 			start = time.Now()
+			// The failed QEMU's watcher (start) may still read its map.
+			h.Data = maps.Clone(h.Data)
 		} else {
 			// Its template after this boot, which it would slow.
 			defer func() {
