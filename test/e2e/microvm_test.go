@@ -147,18 +147,7 @@ func TestMicroVM(t *testing.T) {
 // before the pause streams to its end.
 func TestMicroVMPauseInPlace(t *testing.T) {
 	need(t)
-	killServe()
-	serveExtra = []string{"--vm-pause", "in-place"}
-	if err := startServe(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		killServe()
-		serveExtra = nil
-		if err := startServe(); err != nil {
-			t.Errorf("restart the server as it was: %v", err)
-		}
-	})
+	restartServeWith(t, "--vm-pause", "in-place")
 	id := createMicroVM(t)
 	t.Cleanup(func() { run(nil, "rm", id) })
 	var info struct {
@@ -210,18 +199,7 @@ func TestMicroVMPauseInPlace(t *testing.T) {
 // (runtime boot=template), with its own environment and writable layer.
 func TestMicroVMTemplate(t *testing.T) {
 	need(t)
-	killServe()
-	serveExtra = []string{"--vm-boot", "template"}
-	if err := startServe(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		killServe()
-		serveExtra = nil
-		if err := startServe(); err != nil {
-			t.Errorf("restart the server as it was: %v", err)
-		}
-	})
+	restartServeWith(t, "--vm-boot", "template")
 	boot := func(id string) string {
 		t.Helper()
 		var info struct {
@@ -260,6 +238,24 @@ func TestMicroVMTemplate(t *testing.T) {
 	if got := shoalOK(t, "exec", first, "--", "sh", "-c", "cat /tmp/f 2>/dev/null || echo none"); got != "none\n" {
 		t.Errorf("the first VM sees the second's file: %q", got)
 	}
+}
+
+// restartServeWith restarts the test's server with more flags, and as it
+// was when the test ends.
+func restartServeWith(t *testing.T, flags ...string) {
+	t.Helper()
+	killServe()
+	serveExtra = flags
+	if err := startServe(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		killServe()
+		serveExtra = nil
+		if err := startServe(); err != nil {
+			t.Errorf("restart the server as it was: %v", err)
+		}
+	})
 }
 
 // createMicroVM creates a 256 MiB microvm sandbox from the test's base

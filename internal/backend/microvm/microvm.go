@@ -618,6 +618,9 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (h sandbox.Hand
 				b.log.Debug("vm restored from its template", "sandbox_id", spec.ID, "template", key, "took", time.Since(start))
 				return nh, nil
 			}
+			if ctx.Err() != nil {
+				return h, err // the create's end, not the template's fault
+			}
 			b.log.Warn("vm template failed: the sandbox boots", "sandbox_id", spec.ID, "template", key, "err", err)
 			b.tpl.drop(key, err.Error())
 			start = time.Now()

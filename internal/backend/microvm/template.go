@@ -49,6 +49,10 @@ const (
 // templateFormat changes when what a template holds changes.
 const templateFormat = "1"
 
+// maxTemplateFailures: a shape whose template failed this many restores
+// boots from then on.
+const maxTemplateFailures = 2
+
 // maxTemplates bounds the shapes kept (each a snapshot of ~70 MiB under
 // TCG); the least recently used goes.
 const maxTemplates = 8
@@ -57,10 +61,11 @@ const maxTemplates = 8
 type templates struct {
 	dir string
 
-	mu      sync.Mutex
-	ready   map[string]*template // by key
-	making  map[string]bool
-	refused map[string]string // key → why its making failed (not tried again)
+	mu       sync.Mutex
+	ready    map[string]*template // by key
+	making   map[string]bool
+	refused  map[string]string // key → why it is not made again (its making failed, or its restores)
+	failures map[string]int    // key → restores of it that failed
 }
 
 type template struct {
@@ -77,7 +82,7 @@ func newTemplates(dir string) (*templates, error) {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, err
 	}
-	return &templates{dir: dir, ready: map[string]*template{}, making: map[string]bool{}, refused: map[string]string{}}, nil
+	return &templates{dir: dir, ready: map[string]*template{}, making: map[string]bool{}, refused: map[string]string{}, failures: map[string]int{}}, nil
 }
 
 // templateKey is the shape of the VM h (Create's handle) as a key, and
@@ -131,8 +136,9 @@ func (t *templates) get(key string) string {
 	return tp.state
 }
 
-// drop forgets key's template (a restore of it failed) and refuses to
-// make it again: the same shape would fail the same way.
+// drop forgets key's template (a restore of it failed). It is made again
+// at the next create of its shape, unless it failed maxTemplateFailures
+// times: the same shape would fail the same way.
 func (t *templates) drop(key, why string) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
@@ -140,7 +146,10 @@ func (t *templates) drop(key, why string) {
 		os.Remove(tp.state)
 		delete(t.ready, key)
 	}
-	t.refused[key] = why
+	t.failures[key]++
+	if t.failures[key] >= maxTemplateFailures {
+		t.refused[key] = why
+	}
 }
 
 // claim marks key's template as being made; false if it is, exists or
