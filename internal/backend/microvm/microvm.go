@@ -276,6 +276,7 @@ func New(cfg Config) (*Backend, error) {
 	b.netModules = err == nil
 	b.initDisks()
 	if cfg.Boot == BootTemplate {
+		b.sweepTemplates(filepath.Join(cfg.StateDir, "templates"))
 		if b.tpl, err = newTemplates(filepath.Join(cfg.StateDir, "templates")); err != nil {
 			return nil, fmt.Errorf("vm backend: templates: %w", err)
 		}

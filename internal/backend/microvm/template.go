@@ -76,6 +76,7 @@ type template struct {
 func newTemplates(dir string) (*templates, error) {
 	// Templates of an earlier process may be of another QEMU or kernel
 	// (their keys say so, but nothing would remove them): start afresh.
+	// (Backend.sweepTemplates first ends what it was making.)
 	if err := os.RemoveAll(dir); err != nil {
 		return nil, err
 	}
@@ -84,6 +85,31 @@ func newTemplates(dir string) (*templates, error) {
 	}
 	return &templates{dir: dir, ready: map[string]*template{}, making: map[string]bool{}, refused: map[string]string{}, failures: map[string]int{}}, nil
 }
+
+// sweepTemplates ends the QEMUs of templates an earlier process was making
+// when it died (their own session outlives it) and removes their cgroups,
+// before newTemplates removes their directories.
+func (b *Backend) sweepTemplates(dir string) {
+	ents, _ := os.ReadDir(dir)
+	for _, e := range ents {
+		key, _, ok := strings.Cut(e.Name(), ".")
+		if !e.IsDir() || !ok {
+			continue
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		err := kill(ctx, pidfileProcess(filepath.Join(dir, e.Name())))
+		cancel()
+		if err == nil {
+			err = b.removeCgroup(sandbox.Handle{ID: templateID(key)})
+		}
+		if err != nil {
+			b.log.Warn("a template's QEMU left by an earlier process", "template", key, "err", err)
+		}
+	}
+}
+
+// templateID names the QEMU that makes key's template (its cgroups).
+func templateID(key string) string { return "tpl-" + key }
 
 // templateKey is the shape of the VM h (Create's handle) as a key, and
 // whether a template can make it.
@@ -269,7 +295,7 @@ func (b *Backend) makeTemplate(ctx context.Context, key string, shape sandbox.Ha
 		}
 	}
 	layers, _ := json.Marshal(images)
-	h := sandbox.Handle{ID: "tpl-" + key, Backend: b.cfg.Name, Data: map[string]string{
+	h := sandbox.Handle{ID: templateID(key), Backend: b.cfg.Name, Data: map[string]string{
 		"dir": dir, "accel": shape.Data["accel"], "machine": b.cfg.Machine,
 		"mem": shape.Data["mem"], "cpus": shape.Data["cpus"], "layers": string(layers),
 		"balloon": shape.Data["balloon"], "millicpu": "0", "disk": shape.Data["disk"],

@@ -2,7 +2,9 @@ package microvm
 
 import (
 	"context"
+	"log/slog"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -262,5 +264,40 @@ func TestTemplatesBound(t *testing.T) {
 	tp.done("9x", "", os.ErrInvalid)
 	if tp.claim("9x") {
 		t.Error("a template whose making failed is made again")
+	}
+}
+
+// A template's QEMU left running by a process that died while making it
+// (QEMU has a session of its own) is ended when the backend starts again,
+// and its directory removed.
+func TestSweepTemplates(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "templates")
+	left := filepath.Join(dir, "0123456789abcdef.42")
+	if err := os.MkdirAll(left, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	// Not a QEMU, but its command line names the template's channel as
+	// one does (what pidfileProcess checks).
+	cmd := exec.Command("sh", "-c", "sleep 600; :", "qemu", agentChardev(left))
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan struct{})
+	go func() { cmd.Wait(); close(exited) }()
+	t.Cleanup(func() { cmd.Process.Kill() })
+	os.WriteFile(filepath.Join(left, "qemu.pid"), []byte(strconv.Itoa(cmd.Process.Pid)), 0o600)
+	b := &Backend{log: slog.New(slog.DiscardHandler)}
+	b.sweepTemplates(dir)
+	select {
+	case <-exited:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the left template's process still runs")
+	}
+	tp, err := newTemplates(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ents, _ := os.ReadDir(tp.dir); len(ents) != 0 {
+		t.Errorf("left in the templates' directory: %v", ents)
 	}
 }
