@@ -13,6 +13,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	pb "github.com/shoal-sandbox/shoal/api/shoal/v1"
+	"github.com/shoal-sandbox/shoal/internal/procfs"
 	"github.com/shoal-sandbox/shoal/internal/zram"
 	shoal "github.com/shoal-sandbox/shoal/sdk/go"
 )
@@ -231,7 +232,10 @@ func pauseVMs(ctx context.Context, c *shoal.Client, rounds int, ids []string, re
 }
 
 // memAvailableKiB is this machine's MemAvailable (0 when unknown).
-func memAvailableKiB() int64 { return kibField("/proc/meminfo", "MemAvailable:") }
+func memAvailableKiB() int64 {
+	n, _ := procfs.KiB("/proc/meminfo", "MemAvailable:")
+	return n
+}
 
 // readInVMs has each VM read path, then measures the host's memory.
 func readInVMs(ctx context.Context, c *shoal.Client, path string, ids []string, res *VMResult) error {
@@ -344,20 +348,6 @@ func rssKiB(pid string) int64 {
 	if _, err := strconv.Atoi(pid); err != nil {
 		return 0
 	}
-	return kibField("/proc/"+pid+"/status", "VmRSS:")
-}
-
-// kibField is the "KEY: N kB" line's N of a /proc file, 0 when unknown.
-func kibField(path, key string) int64 {
-	b, err := os.ReadFile(path)
-	if err != nil {
-		return 0
-	}
-	for _, l := range strings.Split(string(b), "\n") {
-		if v, ok := strings.CutPrefix(l, key); ok {
-			n, _ := strconv.ParseInt(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(v), "kB")), 10, 64)
-			return n
-		}
-	}
-	return 0
+	n, _ := procfs.KiB("/proc/"+pid+"/status", "VmRSS:")
+	return n
 }

@@ -5,12 +5,12 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"strconv"
-	"strings"
 	"time"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/shoal-sandbox/shoal/internal/procfs"
 )
 
 // A template guest (EnvTemplate on its kernel command line) boots as far
@@ -110,7 +110,8 @@ func waitRestore() (*os.File, error) {
 // copy, nothing else.
 func zeroFreeMemory() {
 	os.WriteFile("/proc/sys/vm/drop_caches", []byte("3"), 0)
-	free := memInfoBytes("MemFree:")
+	free, _ := procfs.KiB("/proc/meminfo", "MemFree:")
+	free <<= 10
 	const margin = 32 << 20 // the agent is PID 1: the OOM killer cannot end it
 	if free <= 2*margin {
 		return
@@ -121,24 +122,6 @@ func zeroFreeMemory() {
 		return
 	}
 	unix.Munmap(b)
-}
-
-// memInfoBytes reads one field of /proc/meminfo, in bytes (0 if absent).
-func memInfoBytes(key string) int64 {
-	data, err := os.ReadFile("/proc/meminfo")
-	if err != nil {
-		return 0
-	}
-	for _, l := range strings.Split(string(data), "\n") {
-		if rest, ok := strings.CutPrefix(l, key); ok {
-			f := strings.Fields(rest)
-			if len(f) > 0 {
-				kib, _ := strconv.ParseInt(f[0], 10, 64)
-				return kib << 10
-			}
-		}
-	}
-	return 0
 }
 
 // reseed mixes the host's seed into the kernel's random generator and

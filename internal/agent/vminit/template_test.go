@@ -22,12 +22,3 @@ func TestReseed(t *testing.T) {
 		t.Errorf("no seed: %v", err)
 	}
 }
-
-func TestMemInfoBytes(t *testing.T) {
-	if free, total := memInfoBytes("MemFree:"), memInfoBytes("MemTotal:"); free <= 0 || total < free {
-		t.Errorf("MemFree %d, MemTotal %d", free, total)
-	}
-	if n := memInfoBytes("NoSuchField:"); n != 0 {
-		t.Errorf("an absent field: %d", n)
-	}
-}

@@ -485,6 +485,10 @@ func hostTSCkHz() int64 {
 	return 2000000
 }
 
+// configImage is the sandbox's description (vminit.Config) for its guest,
+// a read-only disk in the sandbox's directory.
+const configImage = "config.img"
+
 // device names of the virtio devices on this machine type.
 func (b *Backend) dev(kind string) string {
 	if b.cfg.Machine == MachineMicroVM {
@@ -541,7 +545,7 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (h sandbox.Hand
 	if !system {
 		pmem = b.planLayers(spec, mem, images)
 	}
-	cfgImg := filepath.Join(dir, "config.img")
+	cfgImg := filepath.Join(dir, configImage)
 	vc := vminit.Config{ID: spec.ID, Layers: len(spec.Layers), Env: guestEnv(spec), Hostname: hostname(spec.ID),
 		UpperDisk: upperDisk, System: system}
 	var netData map[string]string
@@ -690,7 +694,7 @@ func (b *Backend) qemuArgs(h sandbox.Handle) ([]string, error) {
 		"-device", b.dev("virtio-serial")+",max_ports=2",
 		"-chardev", agentChardev(dir),
 		"-device", "virtserialport,chardev=agent,name="+vminit.PortName,
-		"-drive", "if=none,id=cfg,format=raw,readonly=on,file="+qemuEscape(filepath.Join(dir, "config.img")),
+		"-drive", "if=none,id=cfg,format=raw,readonly=on,file="+qemuEscape(filepath.Join(dir, configImage)),
 		"-device", b.dev("virtio-blk")+",drive=cfg,serial="+vminit.ConfigSerial,
 	)
 	if h.Data["disk"] != "" {

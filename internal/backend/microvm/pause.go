@@ -7,11 +7,11 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
-	"strings"
 	"time"
 
 	"golang.org/x/sys/unix"
 
+	"github.com/shoal-sandbox/shoal/internal/procfs"
 	"github.com/shoal-sandbox/shoal/internal/reclaim"
 	"github.com/shoal-sandbox/shoal/internal/sandbox"
 )
@@ -229,21 +229,34 @@ func (b *Backend) Resume(ctx context.Context, h sandbox.Handle) (sandbox.Handle,
 		return h, err
 	}
 	start := time.Now()
-	nh, exited, err := b.start(h, "-incoming", "defer")
+	nh, err := b.startFrom(ctx, h, f)
 	if err != nil {
-		return h, err
-	}
-	if err := b.restore(ctx, nh, f, exited); err != nil {
-		if kerr := kill(context.Background(), process(nh)); kerr != nil {
-			b.log.Error("kill a VM whose resume failed", "sandbox_id", h.ID, "err", kerr)
-		}
-		b.dropMux(h.ID)
-		return h, fmt.Errorf("%s backend: resume sandbox %s: %w%s", b.cfg.Name, h.ID, err, b.console(filepath.Join(dir, "qmp.sock"), dir, exited, ""))
+		return h, fmt.Errorf("%s backend: resume sandbox %s: %w", b.cfg.Name, h.ID, err)
 	}
 	if err := os.Remove(state); err != nil {
 		b.log.Warn("remove a resumed VM's snapshot", "sandbox_id", h.ID, "err", err)
 	}
 	b.log.Debug("vm resumed", "sandbox_id", h.ID, "took", time.Since(start))
+	return nh, nil
+}
+
+// startFrom starts a QEMU of h that restores the snapshot f (a pause's
+// or a template's), continues the guest and waits for its agent. On
+// failure the QEMU is ended and the error quotes its console.
+func (b *Backend) startFrom(ctx context.Context, h sandbox.Handle, f *os.File) (sandbox.Handle, error) {
+	nh, exited, err := b.start(h, "-incoming", "defer")
+	if err != nil {
+		return h, err
+	}
+	if err := b.restore(ctx, nh, f, exited); err != nil {
+		dir := h.Data["dir"]
+		err = fmt.Errorf("%w%s", err, b.console(filepath.Join(dir, "qmp.sock"), dir, exited, ""))
+		if kerr := kill(context.Background(), process(nh)); kerr != nil {
+			b.log.Error("kill a VM whose restore failed", "sandbox_id", h.ID, "err", kerr)
+		}
+		b.dropMux(h.ID)
+		return h, err
+	}
 	return nh, nil
 }
 
@@ -455,18 +468,9 @@ func rss(pid int) int64 { return procStatusBytes(pid, "VmRSS:") }
 // procStatusBytes is a size field (key "VmRSS:", "VmSwap:") of a process's
 // /proc/PID/status in bytes (-1 if unknown).
 func procStatusBytes(pid int, key string) int64 {
-	data, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/status")
-	if err != nil {
+	kib, ok := procfs.KiB("/proc/"+strconv.Itoa(pid)+"/status", key)
+	if !ok {
 		return -1
 	}
-	for _, l := range strings.Split(string(data), "\n") {
-		if v, ok := strings.CutPrefix(l, key); ok {
-			kb, err := strconv.ParseInt(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(v), "kB")), 10, 64)
-			if err != nil {
-				return -1
-			}
-			return kb << 10
-		}
-	}
-	return -1
+	return kib << 10
 }

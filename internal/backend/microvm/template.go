@@ -220,20 +220,7 @@ func (b *Backend) createFromTemplate(ctx context.Context, h sandbox.Handle, stat
 		return h, err
 	}
 	defer f.Close()
-	nh, exited, err := b.start(h, "-incoming", "defer")
-	if err != nil {
-		return h, err
-	}
-	if err := b.restore(ctx, nh, f, exited); err != nil {
-		dir := h.Data["dir"]
-		err = fmt.Errorf("%w%s", err, b.console(filepath.Join(dir, "qmp.sock"), dir, exited, ""))
-		if kerr := kill(context.Background(), process(nh)); kerr != nil {
-			b.log.Error("kill a VM whose restore failed", "sandbox_id", h.ID, "err", kerr)
-		}
-		b.dropMux(h.ID)
-		return h, err
-	}
-	return nh, nil
+	return b.startFrom(ctx, h, f)
 }
 
 // makeTemplateLater makes the template of key, shaped as h, in the
@@ -280,7 +267,7 @@ func (b *Backend) makeTemplate(ctx context.Context, key string, shape sandbox.Ha
 			return "", err
 		}
 	}
-	if _, err := placeholder("config.img"); err != nil {
+	if _, err := placeholder(configImage); err != nil {
 		return "", err
 	}
 	if shape.Data["disk"] != "" {
@@ -352,14 +339,13 @@ func waitTemplateReady(ctx context.Context, path string, exited <-chan struct{})
 		}
 	}
 	defer p.Close()
-	stop := context.AfterFunc(ctx, func() { p.SetDeadline(time.Now()) })
-	defer stop()
+	// QEMU's end or ctx's ends the reads (QEMU ends with this call's caller).
 	go func() {
 		select {
 		case <-exited:
-			p.SetDeadline(time.Now())
 		case <-ctx.Done():
 		}
+		p.SetDeadline(time.Now())
 	}()
 	var seen []byte
 	buf := make([]byte, 256)
