@@ -54,7 +54,7 @@ func serveVM(log agent.Logger, cfg *vminit.Config, l net.Listener) error {
 		log.Warn("the agent runs at its commands' priority", "err", err)
 	}
 	srv := agent.NewServer(agent.Config{ReapAll: true, IdleRelease: time.Second, Logger: log, Env: cfg.Env, Upper: cfg.Upper,
-		SystemService: os.Getpid() != 1 && cfg.System})
+		SystemService: os.Getpid() != 1 && cfg.System, CommandsCgroup: cfg.Commands, CommandsCgroupPath: vminit.CommandsCgroupPath})
 	if err := srv.Serve(l); err != nil {
 		return err
 	}

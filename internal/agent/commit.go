@@ -5,9 +5,11 @@ package agent
 // VM's, inside the guest). The agent opens the overlay's upper directory
 // at boot, before any workload runs (Config.Upper), and keeps that
 // descriptor: what the workload mounts or links later cannot redirect it.
-// On request it stops every other process of the guest, writes the upper
-// as a commit stream (a tar archive: the format internal/layer reads, see
-// its commit_stream.go) in data frames, and lets them go on:
+// On request it stops the guest's workload (a microVM's commands frozen
+// in their cgroup, cgroup.go; a full system's processes with SIGSTOP),
+// writes the upper as a commit stream (a tar archive: the format
+// internal/layer reads, see its commit_stream.go) in data frames, and lets
+// them go on:
 //
 //	exportupper: Q({"max_depth"}) → R | X;  then D* (the tar) F | X
 //
@@ -60,7 +62,7 @@ func (s *Server) exportUpper(c net.Conn, req *wireExportRequest) {
 	}
 	s.exportMu.Lock() // one export at a time: a second would thaw the first's processes
 	defer s.exportMu.Unlock()
-	cont, err := stopOthers(s.cfg.SystemService)
+	cont, err := s.stopWorkload()
 	if err != nil {
 		sendError(c, CodeIO, "stop the sandbox's processes: "+err.Error())
 		return

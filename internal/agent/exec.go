@@ -351,7 +351,7 @@ func (s *Server) startCommand(cmd *command, req *wireExecRequest) ([3]*os.File, 
 		Dir:   cwd,
 		Env:   env,
 		Files: []uintptr{uintptr(child[0]), uintptr(child[1]), uintptr(child[2])},
-		Sys:   &syscall.SysProcAttr{Setpgid: true, Credential: cred},
+		Sys:   s.sysProcAttr(&syscall.SysProcAttr{Setpgid: true, Credential: cred}),
 	}
 	pid, err := s.reaper.start(cmd, func() (int, error) {
 		return s.spawn.fork(func() (int, error) { return syscall.ForkExec(path, req.Args, attr) })
@@ -395,7 +395,7 @@ func (s *Server) startPTY(cmd *command, req *wireExecRequest, path, cwd string, 
 		Dir:   cwd,
 		Env:   env,
 		Files: []uintptr{uintptr(slave), uintptr(slave), uintptr(slave)},
-		Sys:   &syscall.SysProcAttr{Setsid: true, Setctty: true, Ctty: 0, Credential: cred},
+		Sys:   s.sysProcAttr(&syscall.SysProcAttr{Setsid: true, Setctty: true, Ctty: 0, Credential: cred}),
 	}
 	pid, err := s.reaper.start(cmd, func() (int, error) {
 		return s.spawn.fork(func() (int, error) { return syscall.ForkExec(path, req.Args, attr) })

@@ -60,6 +60,14 @@ type Config struct {
 	// CommandsIdle: commands run under SCHED_IDLE (a best-effort
 	// sandbox's; a pooled agent learns it from its claim). See AgentNice.
 	CommandsIdle bool
+	// CommandsCgroup, if set, is a cgroup v2 directory every command is
+	// born in (clone3's CLONE_INTO_CGROUP), and CommandsCgroupPath its
+	// path in its hierarchy (as /proc/PID/cgroup shows it): a VM's guest
+	// bounds its commands' tasks there and an export freezes them there
+	// (cgroup.go). nil: commands are born in the agent's groups
+	// (containers: the host's cgroups bound the whole sandbox).
+	CommandsCgroup     *os.File
+	CommandsCgroupPath string
 }
 
 // Defaults of Config.MaxExited and Config.MaxExitedBytes.

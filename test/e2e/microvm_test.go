@@ -33,9 +33,10 @@ func TestMicroVM(t *testing.T) {
 		}
 	})
 	var info struct {
-		Backend string            `json:"backend"`
-		State   string            `json:"state"`
-		Runtime map[string]string `json:"runtime"`
+		Backend   string            `json:"backend"`
+		State     string            `json:"state"`
+		PidsLimit int64             `json:"pids_limit"`
+		Runtime   map[string]string `json:"runtime"`
 	}
 	out, code := run(nil, "inspect", id)
 	if code != 0 || json.Unmarshal([]byte(out), &info) != nil || info.Backend != "microvm" || info.State != "running" {
@@ -49,6 +50,11 @@ func TestMicroVM(t *testing.T) {
 	if out, code := run(nil, "exec", id, "--", "sh", "-c", "echo $GREETING; cat /proc/1/comm; uname -r"); code != 0 ||
 		!strings.HasPrefix(out, "hello\ninit\n") {
 		t.Fatalf("exec: %d %q", code, out)
+	}
+	// The sandbox's tasks limit holds in the guest: its commands' cgroup.
+	if out, code := run(nil, "exec", id, "--", "cat", "/sys/fs/cgroup/cmds/pids.max"); code != 0 || info.PidsLimit < 1 ||
+		out != fmt.Sprintf("%d\n", info.PidsLimit) {
+		t.Fatalf("the guest's pids.max: %d %q, the sandbox's pids_limit %d", code, out, info.PidsLimit)
 	}
 	if out, code := run([]byte("in the vm\n"), "cp", "-", id+":/work/x.txt"); code != 0 {
 		t.Fatalf("cp in: %d %s", code, out)

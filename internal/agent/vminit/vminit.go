@@ -96,11 +96,18 @@ type Config struct {
 	// kernel's random generator at boot (template.go: a restored
 	// template's guest would otherwise draw what its other clones draw).
 	Seed []byte `json:"seed,omitempty"`
+	// Pids bounds the tasks of the sandbox's commands together: pids.max
+	// of the guest's group CommandsCgroup (cgroup.go; 0: no bound).
+	Pids int64 `json:"pids,omitempty"`
 
 	// Upper is the overlay's upper directory, opened by Boot before the
 	// root switch (after it, no path reaches it) and before any workload
 	// runs: the agent exports it for a commit (agent.Config.Upper).
 	Upper *os.File `json:"-"`
+	// Commands is the group CommandsCgroup, which Boot makes and opens
+	// (not for a full system, whose init owns the guest's cgroups): every
+	// command is born in it (agent.Config.CommandsCgroup).
+	Commands *os.File `json:"-"`
 }
 
 // Active reports whether this process is the init of a Shoal VM.
@@ -195,6 +202,9 @@ func boot(port *os.File) (*Config, net.Listener, error) {
 	}
 	if cfg.Hostname != "" {
 		unix.Sethostname([]byte(cfg.Hostname))
+	}
+	if cfg.Commands, err = commandsCgroup(cfg.Pids); err != nil {
+		return nil, nil, err
 	}
 	l, err := listenPort(port)
 	if err != nil {

@@ -18,7 +18,9 @@ import (
 // guest's agent sends (for a commit): a file deleted from the base layer is
 // a whiteout, a directory removed and made again is opaque, what was
 // written is there; and the guest's processes stand still while the
-// stream is open, and go on once it is closed.
+// stream is open, and go on once it is closed: frozen in their cgroup,
+// where the guest has one (a microVM's: no SIGSTOP or SIGCONT reaches
+// them), else stopped with signals (a full system's).
 func checkExport(t *testing.T, ctx context.Context, b *Backend, c *agent.Client, h sandbox.Handle) {
 	t.Helper()
 	// /work/big: more than the channel's window, so that the agent is
@@ -27,15 +29,23 @@ func checkExport(t *testing.T, ctx context.Context, b *Backend, c *agent.Client,
 		t.Fatal(err)
 	}
 	run(t, ctx, c, "sh", "-c", "rm /etc/base-file && rm -rf /tmp && mkdir /tmp && echo new > /tmp/fresh && dd if=/dev/zero of=/work/big bs=1M count=4 2>/dev/null")
-	// A writer that runs until the end of the VM.
-	p, err := c.Exec(ctx, agent.ExecRequest{Args: []string{"sh", "-c", "while :; do echo x >> /work/counter; sleep 0.01; done"}})
+	_, err := c.Stat(ctx, "/sys/fs/cgroup/cmds")
+	frozen := err == nil
+	// A writer that runs until the end of the VM, and notes a SIGCONT.
+	p, err := c.Exec(ctx, agent.ExecRequest{Args: []string{"sh", "-c", "trap 'echo cont >> /work/sigcont' CONT; while :; do echo x >> /work/counter; sleep 0.01; done"}})
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer p.Close()
-	// 0 until the writer has made its file.
-	size := func() string {
-		return strings.TrimSpace(run(t, ctx, c, "sh", "-c", "stat -c %s /work/counter 2>/dev/null || echo 0"))
+	// 0 until the writer has made its file. Through the files API, which
+	// the agent serves itself: a command started during the export would
+	// start only after it (born frozen).
+	size := func() int64 {
+		fi, err := c.Stat(ctx, "/work/counter")
+		if err != nil {
+			return 0
+		}
+		return fi.Size
 	}
 	waitGrow := func(what string) {
 		t.Helper()
@@ -67,7 +77,7 @@ func checkExport(t *testing.T, ctx context.Context, b *Backend, c *agent.Client,
 	s1 := size()
 	time.Sleep(300 * time.Millisecond)
 	if s2 := size(); s2 != s1 {
-		t.Errorf("the guest's writer ran during the export: %s then %s bytes", s1, s2)
+		t.Errorf("the guest's writer ran during the export: %d then %d bytes", s1, s2)
 	}
 	entries := map[string]*tar.Header{".": {Typeflag: tar.TypeDir}}
 	var fresh, work string
@@ -97,6 +107,10 @@ func checkExport(t *testing.T, ctx context.Context, b *Backend, c *agent.Client,
 	}
 	rc.Close()
 	waitGrow("after the export")
+	_, err = c.Stat(ctx, "/work/sigcont")
+	if signalled := err == nil; signalled == frozen {
+		t.Errorf("the guest's commands frozen in their group: %v; the writer saw a SIGCONT: %v", frozen, signalled)
+	}
 
 	if e := entries["etc/base-file"]; e == nil || e.Typeflag != tar.TypeChar || e.Devmajor != 0 || e.Devminor != 0 {
 		t.Errorf("the deleted base file is not a whiteout: %+v", e)

@@ -547,7 +547,7 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (h sandbox.Hand
 	}
 	cfgImg := filepath.Join(dir, configImage)
 	vc := vminit.Config{ID: spec.ID, Layers: len(spec.Layers), Env: guestEnv(spec), Hostname: hostname(spec.ID),
-		UpperDisk: upperDisk, System: system}
+		UpperDisk: upperDisk, System: system, Pids: max(spec.Resources.Pids, 0)}
 	var netData map[string]string
 	if spec.Network.Egress() {
 		// The link (a tap QEMU opens) and its rules before QEMU starts.

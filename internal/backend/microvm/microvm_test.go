@@ -121,7 +121,7 @@ func TestVMCreateExecFilesDelete(t *testing.T) {
 func testVMCreateExecFilesDelete(t *testing.T, machine string) {
 	// Its QEMU in cgroups of its own (a best-effort VM's: TestVMCgroup).
 	b, img := vmTestEnv(t, machine, func(c *Config) { c.CgroupParent = "shoal-test-vm" })
-	res := sandbox.Resources{MemoryBytes: 256 << 20, MilliCPU: 1000}
+	res := sandbox.Resources{MemoryBytes: 256 << 20, MilliCPU: 1000, Pids: 64}
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
 	sdir, err := os.MkdirTemp("/tmp", "vmt") // short: unix socket paths
@@ -156,6 +156,7 @@ func testVMCreateExecFilesDelete(t *testing.T, machine string) {
 	if want := fmt.Sprintf(" %d\n", agent.AgentNice); !strings.HasPrefix(sched, "0\n") || !strings.Contains(sched, want) {
 		t.Errorf("a command's nice value, then the agent's threads' (count, nice):\n%s", sched)
 	}
+	checkGuestPids(t, ctx, c, res.Pids)
 	if _, err := c.WriteFile(ctx, "/work/a.txt", 0o644, strings.NewReader("hello vm")); err != nil {
 		t.Fatal(err)
 	}
@@ -318,6 +319,46 @@ func checkFreePageReporting(t *testing.T, ctx context.Context, c *agent.Client, 
 }
 
 // readFile reads a file of the guest through its agent.
+// checkGuestPids: the guest's commands are in their cgroup, with the
+// sandbox's pids limit, which a fork loop reaches without harm to the
+// agent; the loop's tasks gone, commands start again.
+func checkGuestPids(t *testing.T, ctx context.Context, c *agent.Client, pids int64) {
+	t.Helper()
+	if got := readFile(t, ctx, c, "/sys/fs/cgroup/cmds/pids.max"); got != fmt.Sprintf("%d\n", pids) {
+		t.Errorf("the commands' pids.max %q, want %d", got, pids)
+	}
+	if got := run(t, ctx, c, "cat", "/proc/self/cgroup"); got != "0::/cmds\n" {
+		t.Errorf("a command's cgroup %q", got)
+	}
+	// More tasks than the limit: the shell's forks fail past it (and it
+	// gives up), whatever its exit.
+	p, err := c.Exec(ctx, agent.ExecRequest{Args: []string{"sh", "-c", "i=0; while [ $i -lt 100 ]; do sleep 3 & i=$((i+1)); done; wait"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for {
+		ev, err := p.Recv()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if ev.Kind == agent.EventExit {
+			break
+		}
+	}
+	p.Close()
+	if ev := readFile(t, ctx, c, "/sys/fs/cgroup/cmds/pids.events"); !strings.HasPrefix(ev, "max ") || ev == "max 0\n" {
+		t.Errorf("the fork loop never reached the limit: pids.events %q", ev)
+	}
+	deadline := time.Now().Add(30 * time.Second) // a hang detector
+	for readFile(t, ctx, c, "/sys/fs/cgroup/cmds/pids.current") != "0\n" {
+		if time.Now().After(deadline) {
+			t.Fatal("the fork loop's tasks stay")
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	run(t, ctx, c, "sh", "-c", ":")
+}
+
 func readFile(t *testing.T, ctx context.Context, c *agent.Client, path string) string {
 	t.Helper()
 	r, _, err := c.ReadFile(ctx, path)
