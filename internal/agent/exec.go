@@ -133,13 +133,26 @@ func (s *Server) exec(c net.Conn, req *wireExecRequest) {
 	<-cmd.done
 	// Background processes may hold stdout/stderr open forever; give them
 	// OutputGrace, then stop reading (they get EPIPE/SIGPIPE if they write).
+	// But what is still in a pipe is the command's output, left there
+	// while its pump waited for a slow client: it is read, not dropped,
+	// for up to maxOutputDrain (a background process that writes without
+	// end would otherwise keep the command going).
 	grace := time.NewTimer(s.cfg.OutputGrace)
-	select {
-	case <-pumped:
-	case <-grace.C:
-		stdout.Close()
-		stderr.Close()
-		<-pumped
+	drainEnd := time.Now().Add(maxOutputDrain)
+	for stop := false; !stop; {
+		select {
+		case <-pumped:
+			stop = true
+		case <-grace.C:
+			if (pending(stdout) > 0 || pending(stderr) > 0) && time.Now().Before(drainEnd) {
+				grace.Reset(s.cfg.OutputGrace)
+				continue
+			}
+			stdout.Close()
+			stderr.Close()
+			<-pumped
+			stop = true
+		}
 	}
 	grace.Stop()
 	stdout.Close()
@@ -159,6 +172,10 @@ func (s *Server) exec(c net.Conn, req *wireExecRequest) {
 // execReader reads the client's side of an exec stream: stdin data and
 // stdin EOF. A read error means the client closed the connection (or we
 // did, after the exit frame): gone kills the command if it still runs.
+// maxOutputDrain bounds how long, after its process exited, an exec keeps
+// reading the output its pipes still hold (see the grace above).
+var maxOutputDrain = 30 * time.Second
+
 func (s *Server) execReader(c net.Conn, cmd *command, stdin *os.File, closeStdin, gone func()) {
 	var hdr [headerSize]byte
 	bp := bufPool.Get().(*[]byte)

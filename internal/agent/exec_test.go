@@ -9,6 +9,7 @@ import (
 	"io"
 	"io/fs"
 	"math/rand/v2"
+	"net"
 	"os"
 	"path/filepath"
 	"strings"
@@ -414,5 +415,45 @@ func TestDialError(t *testing.T) {
 	c := NewClient("/nonexistent/agent.sock")
 	if _, err := c.Ping(context.Background()); err == nil || !strings.Contains(err.Error(), "agent ping") {
 		t.Errorf("err = %v", err)
+	}
+}
+
+// A client that reads slowly still gets all of a command's output: what
+// the pipe holds when the command exits (its pump waiting for the client,
+// or for a CPU) is read after the exit's grace, not dropped (it was, under
+// load: the "large output" case above lost its last 64 KiB). A grace of a
+// millisecond stands for a pump held up that long.
+func TestExecSlowReaderGetsAllOutput(t *testing.T) {
+	srv := NewServer(Config{OutputGrace: time.Millisecond})
+	sock := shortSocket(t)
+	l, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	go srv.Serve(l)
+	t.Cleanup(func() { l.Close() })
+	c := NewClient(sock)
+	const size = 1 << 20
+	for i := range 4 {
+		p, err := c.Exec(context.Background(), ExecRequest{Args: []string{"sh", "-c", fmt.Sprintf("head -c %d /dev/zero | tr '\\0' a", size)}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		n := 0
+		for {
+			time.Sleep(2 * time.Millisecond) // behind the pump
+			ev, err := p.Recv()
+			if err != nil {
+				t.Fatalf("run %d, after %d bytes: %v", i, n, err)
+			}
+			if ev.Kind == EventExit {
+				break
+			}
+			n += len(ev.Data)
+		}
+		p.Close()
+		if n != size {
+			t.Errorf("run %d: %d bytes of output, want %d", i, n, size)
+		}
 	}
 }
