@@ -30,6 +30,11 @@ func runVM(log agent.Logger) {
 func runVMService(log agent.Logger) {
 	cfg, l, err := vminit.Service()
 	if err == nil {
+		// The commands' cgroup below the service's (delegated to it).
+		if cfg.Commands, cfg.CommandsPath, err = vminit.ServiceCgroup(cfg.Pids); err != nil {
+			log.Warn("no cgroup for the commands: no tasks limit, commits stop them with signals", "err", err)
+			err = nil
+		}
 		// Orphans of our commands are still ours to reap.
 		unix.Prctl(unix.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 		err = serveVM(log, cfg, l)
@@ -54,7 +59,7 @@ func serveVM(log agent.Logger, cfg *vminit.Config, l net.Listener) error {
 		log.Warn("the agent runs at its commands' priority", "err", err)
 	}
 	srv := agent.NewServer(agent.Config{ReapAll: true, IdleRelease: time.Second, Logger: log, Env: cfg.Env, Upper: cfg.Upper,
-		SystemService: os.Getpid() != 1 && cfg.System, CommandsCgroup: cfg.Commands, CommandsCgroupPath: vminit.CommandsCgroupPath})
+		SystemService: os.Getpid() != 1 && cfg.System, CommandsCgroup: cfg.Commands, CommandsCgroupPath: cfg.CommandsPath})
 	if err := srv.Serve(l); err != nil {
 		return err
 	}

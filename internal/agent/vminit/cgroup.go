@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"strconv"
+	"strings"
 
 	"golang.org/x/sys/unix"
 )
@@ -38,15 +39,77 @@ func commandsCgroup(pids int64) (*os.File, error) {
 	if err := os.WriteFile(CgroupRoot+"/cgroup.subtree_control", []byte("+pids"), 0); err != nil {
 		return nil, fmt.Errorf("enable the pids controller: %w", err)
 	}
-	if err := os.Mkdir(CommandsCgroup, 0o755); err != nil && !errors.Is(err, os.ErrExist) {
+	return makeCommandsGroup(CommandsCgroup, pids)
+}
+
+// makeCommandsGroup makes the group dir with pids.max pids (0: "max") and
+// returns it open.
+func makeCommandsGroup(dir string, pids int64) (*os.File, error) {
+	if err := os.Mkdir(dir, 0o755); err != nil && !errors.Is(err, os.ErrExist) {
 		return nil, fmt.Errorf("the commands' cgroup: %w", err)
 	}
 	limit := "max"
 	if pids > 0 {
 		limit = strconv.FormatInt(pids, 10)
 	}
-	if err := os.WriteFile(CommandsCgroup+"/pids.max", []byte(limit), 0); err != nil {
+	if err := os.WriteFile(dir+"/pids.max", []byte(limit), 0); err != nil {
 		return nil, fmt.Errorf("the commands' pids limit: %w", err)
 	}
-	return os.OpenFile(CommandsCgroup, os.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW, 0)
+	return os.OpenFile(dir, os.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW, 0)
+}
+
+// A full system's agent is a service of its systemd, which owns the
+// guest's cgroups; the initramfs's agent gives the service the pids
+// controller of its own cgroup's subtree (a drop-in in /run: Delegate=,
+// serviceDropIn), and the service makes the commands' group there
+// (ServiceCgroup): SERVICE/agent for itself (a group with children has no
+// processes of its own) and SERVICE/cmds, as a microVM's /cmds.
+const (
+	serviceDropInDir = "/run/systemd/system/shoal-agent.service.d"
+	serviceDropIn    = "[Service]\nDelegate=pids\n"
+)
+
+// ServiceCgroup makes the commands' group of a full system's agent below
+// the service's own cgroup, moves the agent into a sibling, and returns
+// the group open and its path in the hierarchy.
+func ServiceCgroup(pids int64) (*os.File, string, error) {
+	if pids < 0 {
+		return nil, "", fmt.Errorf("config: pids limit %d", pids)
+	}
+	own, err := ownCgroup()
+	if err != nil {
+		return nil, "", err
+	}
+	if own == "/" {
+		return nil, "", errors.New("the service runs in the root cgroup (not delegated)")
+	}
+	dir := CgroupRoot + own
+	if err := os.Mkdir(dir+"/agent", 0o755); err != nil && !errors.Is(err, os.ErrExist) {
+		return nil, "", fmt.Errorf("the agent's cgroup: %w", err)
+	}
+	if err := os.WriteFile(dir+"/agent/cgroup.procs", []byte(strconv.Itoa(os.Getpid())), 0); err != nil {
+		return nil, "", fmt.Errorf("move the agent into its cgroup: %w", err)
+	}
+	if err := os.WriteFile(dir+"/cgroup.subtree_control", []byte("+pids"), 0); err != nil {
+		return nil, "", fmt.Errorf("enable the pids controller (is the service's unit delegated?): %w", err)
+	}
+	f, err := makeCommandsGroup(dir+"/cmds", pids)
+	if err != nil {
+		return nil, "", err
+	}
+	return f, own + "/cmds", nil
+}
+
+// ownCgroup is this process's cgroup v2 path ("0::" of /proc/self/cgroup).
+func ownCgroup() (string, error) {
+	b, err := os.ReadFile("/proc/self/cgroup")
+	if err != nil {
+		return "", err
+	}
+	for line := range strings.Lines(string(b)) {
+		if g, ok := strings.CutPrefix(strings.TrimSpace(line), "0::"); ok {
+			return g, nil
+		}
+	}
+	return "", errors.New("not in a cgroup v2 hierarchy")
 }

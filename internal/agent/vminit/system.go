@@ -139,6 +139,13 @@ func startSystem(cfg *Config) error {
 	if err := os.WriteFile(RunConfig, doc, 0o600); err != nil {
 		return err
 	}
+	// The service's cgroup subtree is the service's to divide (cgroup.go).
+	if err := os.MkdirAll(serviceDropInDir, 0o755); err != nil {
+		return err
+	}
+	if err := os.WriteFile(serviceDropInDir+"/shoal.conf", []byte(serviceDropIn), 0o644); err != nil {
+		return err
+	}
 	// The upper for the service: systemd closes what it inherits, so a
 	// bind of the directory opened before the root switch (not a path
 	// looked up now, in a tree the layers made).

@@ -104,10 +104,12 @@ type Config struct {
 	// root switch (after it, no path reaches it) and before any workload
 	// runs: the agent exports it for a commit (agent.Config.Upper).
 	Upper *os.File `json:"-"`
-	// Commands is the group CommandsCgroup, which Boot makes and opens
-	// (not for a full system, whose init owns the guest's cgroups): every
+	// Commands is the commands' cgroup, which Boot makes and opens
+	// (CommandsCgroup; a full system's service makes its own:
+	// ServiceCgroup), and CommandsPath its path in the hierarchy: every
 	// command is born in it (agent.Config.CommandsCgroup).
-	Commands *os.File `json:"-"`
+	Commands     *os.File `json:"-"`
+	CommandsPath string   `json:"-"`
 }
 
 // Active reports whether this process is the init of a Shoal VM.
@@ -206,6 +208,7 @@ func boot(port *os.File) (*Config, net.Listener, error) {
 	if cfg.Commands, err = commandsCgroup(cfg.Pids); err != nil {
 		return nil, nil, err
 	}
+	cfg.CommandsPath = CommandsCgroupPath
 	l, err := listenPort(port)
 	if err != nil {
 		return nil, nil, err

@@ -87,7 +87,7 @@ func TestFullVM(t *testing.T) {
 		v := &vm{dir: sdir}
 		vms[i] = v
 		go func(i int) {
-			res := sandbox.Resources{MemoryBytes: 512 << 20, MilliCPU: 1000}
+			res := sandbox.Resources{MemoryBytes: 512 << 20, MilliCPU: 1000, Pids: 64}
 			if i == 0 {
 				res.DiskBytes = 512 << 20 // the other: DefaultSystemDisk
 			}
@@ -124,6 +124,8 @@ func TestFullVM(t *testing.T) {
 	if got := run(t, ctx, a.c, "systemctl", "is-active", "shoal-agent.service", "systemd-journald.service", "dbus.socket"); got != "active\nactive\nactive\n" {
 		t.Errorf("units: %q", got)
 	}
+	// Its commands' cgroup, below the agent's service (delegated).
+	checkGuestPids(t, ctx, a.c, "/system.slice/shoal-agent.service/cmds", 64)
 	// The sandbox's layer over the system, its environment, its name.
 	if got := run(t, ctx, a.c, "sh", "-c", "echo $FOO; cat /etc/base-file; hostname; test -s /etc/machine-id && echo id"); got != "bar\nfrom the base\n"+hostname(a.h.ID)+"\nid\n" {
 		t.Errorf("exec output %q", got)

@@ -156,7 +156,7 @@ func testVMCreateExecFilesDelete(t *testing.T, machine string) {
 	if want := fmt.Sprintf(" %d\n", agent.AgentNice); !strings.HasPrefix(sched, "0\n") || !strings.Contains(sched, want) {
 		t.Errorf("a command's nice value, then the agent's threads' (count, nice):\n%s", sched)
 	}
-	checkGuestPids(t, ctx, c, res.Pids)
+	checkGuestPids(t, ctx, c, "/cmds", res.Pids)
 	if _, err := c.WriteFile(ctx, "/work/a.txt", 0o644, strings.NewReader("hello vm")); err != nil {
 		t.Fatal(err)
 	}
@@ -319,16 +319,18 @@ func checkFreePageReporting(t *testing.T, ctx context.Context, c *agent.Client, 
 }
 
 // readFile reads a file of the guest through its agent.
-// checkGuestPids: the guest's commands are in their cgroup, with the
-// sandbox's pids limit, which a fork loop reaches without harm to the
-// agent; the loop's tasks gone, commands start again.
-func checkGuestPids(t *testing.T, ctx context.Context, c *agent.Client, pids int64) {
+// checkGuestPids: the guest's commands are in their cgroup (group, in the
+// guest's hierarchy), with the sandbox's pids limit, which a fork loop
+// reaches without harm to the agent; the loop's tasks gone, commands start
+// again.
+func checkGuestPids(t *testing.T, ctx context.Context, c *agent.Client, group string, pids int64) {
 	t.Helper()
-	if got := readFile(t, ctx, c, "/sys/fs/cgroup/cmds/pids.max"); got != fmt.Sprintf("%d\n", pids) {
+	dir := "/sys/fs/cgroup" + group
+	if got := readFile(t, ctx, c, dir+"/pids.max"); got != fmt.Sprintf("%d\n", pids) {
 		t.Errorf("the commands' pids.max %q, want %d", got, pids)
 	}
-	if got := run(t, ctx, c, "cat", "/proc/self/cgroup"); got != "0::/cmds\n" {
-		t.Errorf("a command's cgroup %q", got)
+	if got := run(t, ctx, c, "cat", "/proc/self/cgroup"); got != "0::"+group+"\n" {
+		t.Errorf("a command's cgroup %q, want %s", got, group)
 	}
 	// More tasks than the limit: the shell's forks fail past it (and it
 	// gives up), whatever its exit.
@@ -346,11 +348,11 @@ func checkGuestPids(t *testing.T, ctx context.Context, c *agent.Client, pids int
 		}
 	}
 	p.Close()
-	if ev := readFile(t, ctx, c, "/sys/fs/cgroup/cmds/pids.events"); !strings.HasPrefix(ev, "max ") || ev == "max 0\n" {
+	if ev := readFile(t, ctx, c, dir+"/pids.events"); !strings.HasPrefix(ev, "max ") || ev == "max 0\n" {
 		t.Errorf("the fork loop never reached the limit: pids.events %q", ev)
 	}
 	deadline := time.Now().Add(30 * time.Second) // a hang detector
-	for readFile(t, ctx, c, "/sys/fs/cgroup/cmds/pids.current") != "0\n" {
+	for readFile(t, ctx, c, dir+"/pids.current") != "0\n" {
 		if time.Now().After(deadline) {
 			t.Fatal("the fork loop's tasks stay")
 		}
