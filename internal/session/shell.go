@@ -180,11 +180,7 @@ func (m *Manager) runInShell(ctx context.Context, sh *Shell, c *Command, command
 	from := c.size
 	c.mu.Unlock()
 	marker := "__SHOAL_" + newCommandID() + "_RC="
-	line := command
-	if !strings.HasSuffix(line, "\n") {
-		line += "\n"
-	}
-	line += "printf '\\n" + marker + "%d\\n' $?\n"
+	line := shellLine(command) + "printf '\\n" + marker + "%d\\n' $?\n"
 	if err := m.SendStdin(ctx, c, []byte(line), false); err != nil {
 		return ShellResult{}, err
 	}
@@ -218,6 +214,19 @@ func (m *Manager) runInShell(ctx context.Context, sh *Shell, c *Command, command
 		code = 130
 	}
 	return ShellResult{Output: out, ExitCode: code, TimedOut: true}, nil
+}
+
+// shellLine is what a run writes to its shell for command: the command
+// in a group whose stdin is /dev/null, so that a command that reads its
+// input gets an end of file instead of the lines the run writes after it
+// (the marker, which it consumed: only the run's timeout ended it). A
+// group, not a subshell: cd, variables and functions carry over. The
+// newline before "}" ends a last line that has no ";" (or is a comment).
+func shellLine(command string) string {
+	if strings.TrimSpace(command) == "" {
+		return "\n"
+	}
+	return "{ " + strings.TrimSuffix(command, "\n") + "\n} </dev/null\n"
 }
 
 // readUntilMarker reads the shell's output from offset from until a line

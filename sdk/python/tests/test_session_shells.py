@@ -46,6 +46,19 @@ def test_timeout_interrupts_the_command_not_the_shell(ssb) -> None:
     assert sh.delete() is False
 
 
+def test_a_command_reading_stdin_ends(ssb) -> None:
+    # A run's stdin is /dev/null: a command that reads it gets an end of
+    # file at once (it used to read the run's end marker and wait for the
+    # run's timeout); the shell's state still carries over (a group, not
+    # a subshell).
+    with ssb.shells.create("stdin") as sh:
+        r = sh.run('read x; echo "rc=$? got=[$x]"; cat; V=set', timeout=30, check=False)
+        assert not r.timed_out and r.output.replace("\r\n", "\n") == "rc=1 got=[]\n", r
+        assert sh.run("echo $V # a comment ends the line").output.strip() == "set"
+        with pytest.raises(shoal.InvalidArgument):
+            sh.run("  ")
+
+
 def test_async_shell(server, ssb) -> None:
     async def main() -> None:
         sb = await shoal.AsyncSandbox.connect(ssb.sandbox_id)
