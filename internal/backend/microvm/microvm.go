@@ -83,9 +83,9 @@ const (
 	// MinMemoryBytes is the least guest RAM: the kernel and the initramfs
 	// need about 100 MiB; a smaller request gets this much.
 	MinMemoryBytes = 160 << 20
-	// MaxLayers: microvm has 8 virtio-mmio transports; the agent's port and
-	// the config device take two.
-	MaxLayers = 6
+	// MaxLayers bounds a VM's layers: the virtio devices of the roomiest
+	// VM (virtioSlots) but its agent's port, config and balloon.
+	MaxLayers = maxVirtio - 3
 	// ProbeTimeout bounds the boot of the KVM probe guest.
 	ProbeTimeout = 10 * time.Second
 )
@@ -490,6 +490,35 @@ func hostTSCkHz() int64 {
 const configImage = "config.img"
 
 // device names of the virtio devices on this machine type.
+// maxVirtio is virtioSlots' largest answer.
+const maxVirtio = 24
+
+// virtioSlots is how many virtio devices a VM of machine has room for
+// under accel. A microvm's devices are virtio-mmio transports: 24 with its
+// second IOAPIC, which QEMU gives it unless KVM's in-kernel interrupt
+// controller (not split, as here) takes its interrupts, and then 8. q35's
+// are on PCI, with room for more: bounded alike, for one rule.
+func virtioSlots(machine, accel string) int {
+	if machine == MachineMicroVM && accel == "kvm" {
+		return 8
+	}
+	return maxVirtio
+}
+
+// virtioDevices is how many virtio devices a VM takes: the agent's port,
+// the config and the balloon, blkLayers layers as block devices, and the
+// writable layer's disk, a network link and a full system's disk if it has
+// them.
+func virtioDevices(blkLayers int, disk, net, system bool) int {
+	n := 3 + blkLayers
+	for _, has := range []bool{disk, net, system} {
+		if has {
+			n++
+		}
+	}
+	return n
+}
+
 func (b *Backend) dev(kind string) string {
 	if b.cfg.Machine == MachineMicroVM {
 		return kind + "-device"
@@ -518,6 +547,24 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (h sandbox.Hand
 	if err != nil {
 		return h, err
 	}
+	mem := alignUp(max(spec.Resources.MemoryBytes, MinMemoryBytes), pmemAlign)
+	cpus := int(max((spec.Resources.MilliCPU+999)/1000, 1))
+	images := make([]string, len(spec.Layers))
+	for i, l := range spec.Layers {
+		images[i] = l.ImagePath
+	}
+	var pmem *pmemLayout
+	if !system {
+		pmem = b.planLayers(spec, mem, images)
+	}
+	blk := len(images)
+	if pmem != nil {
+		blk = 0 // memory, not devices
+	}
+	if need, have := virtioDevices(blk, upperDisk, spec.Network.Egress(), system), virtioSlots(b.cfg.Machine, accel); need > have {
+		return h, fmt.Errorf("%s backend: %d layers as block devices need %d virtio devices (with the agent's port, the config, the balloon and any disk or network link), and a %s VM under %s has room for %d: %w",
+			b.cfg.Name, blk, need, b.cfg.Machine, accel, have, sandbox.ErrUnsupported)
+	}
 	if _, ok := ctx.Deadline(); !ok {
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithTimeout(ctx, b.bootLimit)
@@ -534,16 +581,6 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (h sandbox.Hand
 		if err := b.disks.Make(ctx, filepath.Join(dir, upperImage), spec.Resources.DiskBytes); err != nil {
 			return h, fmt.Errorf("%s backend: disk: %w", b.cfg.Name, err)
 		}
-	}
-	mem := alignUp(max(spec.Resources.MemoryBytes, MinMemoryBytes), pmemAlign)
-	cpus := int(max((spec.Resources.MilliCPU+999)/1000, 1))
-	images := make([]string, len(spec.Layers))
-	for i, l := range spec.Layers {
-		images[i] = l.ImagePath
-	}
-	var pmem *pmemLayout
-	if !system {
-		pmem = b.planLayers(spec, mem, images)
 	}
 	cfgImg := filepath.Join(dir, configImage)
 	vc := vminit.Config{ID: spec.ID, Layers: len(spec.Layers), Env: guestEnv(spec), Hostname: hostname(spec.ID),

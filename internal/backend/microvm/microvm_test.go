@@ -3,6 +3,7 @@ package microvm
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -400,5 +401,76 @@ func TestVMBootFailureSaysWhy(t *testing.T) {
 	t.Logf("boot error: %v", err)
 	if !strings.Contains(err.Error(), "console:") || !strings.Contains(err.Error(), "vm boot:") {
 		t.Errorf("the boot error does not say what the guest said: %v", err)
+	}
+}
+
+// How many virtio devices fit: a microvm's transports under KVM's in-kernel
+// interrupt controller (8) and otherwise (24).
+func TestVirtioBudget(t *testing.T) {
+	if got := virtioSlots(MachineMicroVM, "kvm"); got != 8 {
+		t.Errorf("microvm under kvm: %d", got)
+	}
+	if got := virtioSlots(MachineMicroVM, "tcg"); got != 24 {
+		t.Errorf("microvm under tcg: %d", got)
+	}
+	if got := virtioDevices(5, false, false, false); got != 8 {
+		t.Errorf("5 block layers: %d devices", got)
+	}
+	if got := virtioDevices(5, true, true, false); got != 10 {
+		t.Errorf("5 block layers, a disk, a link: %d devices", got)
+	}
+	if MaxLayers != virtioSlots(MachineMicroVM, "tcg")-virtioDevices(0, false, false, false) {
+		t.Errorf("MaxLayers %d", MaxLayers)
+	}
+}
+
+// A VM of many layers (more than the 8 virtio-mmio transports a microvm
+// has without its second IOAPIC): each is a block device, stacked in
+// order, the top one winning; past what the VM has room for, the create
+// is refused before anything starts.
+func TestVMManyLayers(t *testing.T) {
+	b, base := vmTestEnv(t, MachineMicroVM, func(c *Config) { c.Layers = LayersBlk })
+	if accel, _, err := b.Accel(context.Background()); err != nil || accel != "tcg" {
+		t.Skipf("accel %s, %v: the second IOAPIC is TCG's here", accel, err)
+	}
+	dir := t.TempDir()
+	const n = 12
+	layers := []sandbox.Layer{}
+	for i := n - 1; i >= 1; i-- { // top first
+		root := filepath.Join(dir, fmt.Sprintf("r%d", i))
+		os.MkdirAll(filepath.Join(root, "layers"), 0o755)
+		os.MkdirAll(filepath.Join(root, "etc"), 0o755)
+		os.WriteFile(filepath.Join(root, "layers", strconv.Itoa(i)), nil, 0o644)
+		os.WriteFile(filepath.Join(root, "etc", "who"), []byte(strconv.Itoa(i)+"\n"), 0o644)
+		img := filepath.Join(dir, fmt.Sprintf("l%d.erofs", i))
+		if out, err := exec.Command("mkfs.erofs", "--quiet", "--all-root", img, root).CombinedOutput(); err != nil {
+			t.Fatalf("mkfs.erofs: %v\n%s", err, out)
+		}
+		layers = append(layers, sandbox.Layer{Digest: fmt.Sprintf("sha256:%d", i), Kind: "toolkit", ImagePath: img})
+	}
+	layers = append(layers, sandbox.Layer{Digest: "sha256:x", Kind: "base", ImagePath: base})
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	sdir, err := os.MkdirTemp("/tmp", "vmt")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer os.RemoveAll(sdir)
+	h, err := b.Create(ctx, sandbox.Spec{ID: "vmlayers", Dir: sdir, Resources: sandbox.Resources{MemoryBytes: 256 << 20}, Layers: layers})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Delete(context.Background(), h)
+	c := agent.NewClientDialer(h.ID, b.AgentDial(h))
+	if got := run(t, ctx, c, "sh", "-c", "cat /etc/who /etc/base-file; ls /layers | wc -l"); got != fmt.Sprintf("%d\nfrom the base\n%d\n", n-1, n-1) {
+		t.Errorf("the stacked layers: %q", got)
+	}
+	// One layer more than MaxLayers is refused at once.
+	many := make([]sandbox.Layer, MaxLayers+1)
+	for i := range many {
+		many[i] = layers[0]
+	}
+	if _, err := b.Create(ctx, sandbox.Spec{ID: "vmlayers2", Dir: t.TempDir(), Layers: many}); !errors.Is(err, sandbox.ErrUnsupported) {
+		t.Errorf("%d layers: %v", len(many), err)
 	}
 }
