@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"io/fs"
-	"net"
 	"os"
 	"strings"
 	"testing"
@@ -29,14 +28,7 @@ func pooledServer(t *testing.T) (*Client, <-chan int) {
 	exited := make(chan int, 1)
 	v, _ := claimStates.Load(srv)
 	v.(*claimState).exit = func(code int) { exited <- code }
-	sock := shortSocket(t)
-	l, err := net.Listen("unix", sock)
-	if err != nil {
-		t.Fatal(err)
-	}
-	go srv.Serve(l)
-	t.Cleanup(func() { l.Close() })
-	return NewClient(sock), exited
+	return serveOn(t, srv), exited
 }
 
 // waitExit waits (with a deadline) for the agent to exit with want.

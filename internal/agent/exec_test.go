@@ -9,7 +9,6 @@ import (
 	"io"
 	"io/fs"
 	"math/rand/v2"
-	"net"
 	"os"
 	"path/filepath"
 	"strings"
@@ -424,15 +423,7 @@ func TestDialError(t *testing.T) {
 // load: the "large output" case above lost its last 64 KiB). A grace of a
 // millisecond stands for a pump held up that long.
 func TestExecSlowReaderGetsAllOutput(t *testing.T) {
-	srv := NewServer(Config{OutputGrace: time.Millisecond})
-	sock := shortSocket(t)
-	l, err := net.Listen("unix", sock)
-	if err != nil {
-		t.Fatal(err)
-	}
-	go srv.Serve(l)
-	t.Cleanup(func() { l.Close() })
-	c := NewClient(sock)
+	c := serveOn(t, NewServer(Config{OutputGrace: time.Millisecond}))
 	const size = 1 << 20
 	for i := range 4 {
 		p, err := c.Exec(context.Background(), ExecRequest{Args: []string{"sh", "-c", fmt.Sprintf("head -c %d /dev/zero | tr '\\0' a", size)}})

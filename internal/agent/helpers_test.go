@@ -30,12 +30,18 @@ var (
 func startAgent(t testing.TB) *Client {
 	t.Helper()
 	srvOnce.Do(func() { testSrv = NewServer(Config{}) })
+	return serveOn(t, testSrv)
+}
+
+// serveOn serves srv on a fresh socket.
+func serveOn(t testing.TB, srv *Server) *Client {
+	t.Helper()
 	sock := shortSocket(t)
 	l, err := net.Listen("unix", sock)
 	if err != nil {
 		t.Fatal(err)
 	}
-	go testSrv.Serve(l)
+	go srv.Serve(l)
 	t.Cleanup(func() { l.Close() })
 	return NewClient(sock)
 }

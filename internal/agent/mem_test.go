@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
-	"net"
 	"os"
 	"strconv"
 	"strings"
@@ -179,19 +178,6 @@ func TestExitedUnacknowledgedBounded(t *testing.T) {
 	if infos, _ := c.Commands(ctx); len(infos) != 0 {
 		t.Fatalf("after Done the agent still holds %+v", infos)
 	}
-}
-
-// serveOn serves srv on a fresh socket.
-func serveOn(t *testing.T, srv *Server) *Client {
-	t.Helper()
-	sock := shortSocket(t)
-	l, err := net.Listen("unix", sock)
-	if err != nil {
-		t.Fatal(err)
-	}
-	go srv.Serve(l)
-	t.Cleanup(func() { l.Close() })
-	return NewClient(sock)
 }
 
 func sorted(s []string) []string {
