@@ -105,9 +105,22 @@ func LoadOrCreateAdminKey(dataDir string) (*Auth, error) {
 	return &Auth{key: []byte(key)}, nil
 }
 
+// requestKey is the API key a request carries: its "X-API-Key" header
+// (E2B's), else the bearer token of its "Authorization" header. X-API-Key
+// comes first so that a request to a sandbox's port can carry the key
+// there and an Authorization of its own for the app (ports.go).
+func requestKey(r *http.Request) string {
+	if k := r.Header.Get("X-API-Key"); k != "" {
+		return k
+	}
+	k, _ := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
+	return k
+}
+
 // Middleware lets a request through only with "Authorization: Bearer <key>"
-// (or E2B's "X-API-Key: <key>"), with the key's principal in its context
-// (tenant.FromContext); public paths pass without one (and no principal).
+// or "X-API-Key: <key>" (requestKey), with the key's principal in its
+// context (tenant.FromContext); public paths pass without one (and no
+// principal).
 func (a *Auth) Middleware(next http.Handler, public ...string) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		for _, p := range public {
@@ -116,10 +129,7 @@ func (a *Auth) Middleware(next http.Handler, public ...string) http.Handler {
 				return
 			}
 		}
-		got := r.Header.Get("X-API-Key")
-		if h := r.Header.Get("Authorization"); h != "" {
-			got, _ = strings.CutPrefix(h, "Bearer ")
-		}
+		got := requestKey(r)
 		if got == "" {
 			writeHTTPError(w, http.StatusUnauthorized, "unauthenticated", "missing API key: send \"Authorization: Bearer <key>\" (the admin key is in DATA/admin.key)")
 			return

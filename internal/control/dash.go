@@ -235,10 +235,7 @@ func (d *dashboard) ticket(w http.ResponseWriter, r *http.Request) {
 		writeConnectError(w, toConnect(err))
 		return
 	}
-	got := r.Header.Get("X-API-Key")
-	if h := r.Header.Get("Authorization"); h != "" {
-		got, _ = strings.CutPrefix(h, "Bearer ")
-	}
+	got := requestKey(r)
 	key := got
 	if strings.HasPrefix(got, sessionPrefix) {
 		var ok bool

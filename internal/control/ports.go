@@ -26,8 +26,10 @@ import (
 //	ANY /v1/sandboxes/{id}/ports/{port}/{path...}
 //	    reverse-proxied to http://127.0.0.1:{port}/{path...} in the sandbox
 //	    (query kept; WebSockets and other Upgrades pass through). The
-//	    Authorization and X-API-Key headers are consumed here and not
-//	    forwarded; X-Forwarded-For/-Host/-Proto and X-Forwarded-Prefix
+//	    API key is consumed here and not forwarded: X-API-Key always,
+//	    Authorization when the key came in it (a request with the key in
+//	    X-API-Key passes its own Authorization on to the app, unless it is
+//	    "Bearer <the key>"); X-Forwarded-For/-Host/-Proto and X-Forwarded-Prefix
 //	    (/v1/sandboxes/{id}/ports/{port}) are set; Host is 127.0.0.1:{port}.
 //	GET /v1/sandboxes/{id}/ports/{port}/tcp  with
 //	    "Connection: Upgrade" and "Upgrade: shoal-tcp"
@@ -127,7 +129,12 @@ func (p *portProxy) rewrite(pr *httputil.ProxyRequest) {
 	}
 	out.URL.RawQuery = in.URL.RawQuery
 	out.Host = "127.0.0.1:" + portStr
-	out.Header.Del("Authorization")
+	// The API key is Shoal's, never the app's: with the key in
+	// X-API-Key, an Authorization header is the app's and passes (unless
+	// it repeats the key); without, it was the key.
+	if key := in.Header.Get("X-API-Key"); key == "" || out.Header.Get("Authorization") == "Bearer "+key {
+		out.Header.Del("Authorization")
+	}
 	out.Header.Del("X-API-Key")
 	pr.SetXForwarded()
 	out.Header.Set("X-Forwarded-Prefix", prefix)

@@ -173,10 +173,13 @@ type authTransport struct {
 	next http.RoundTripper
 }
 
+// RoundTrip sends the key as X-API-Key, which the server reads first, so
+// that a request to a sandbox's port (HTTPClient) keeps an Authorization
+// header of its own for the app.
 func (t *authTransport) RoundTrip(r *http.Request) (*http.Response, error) {
 	if t.key != "" {
 		r = r.Clone(r.Context())
-		r.Header.Set("Authorization", "Bearer "+t.key)
+		r.Header.Set("X-API-Key", t.key)
 	}
 	return t.next.RoundTrip(r)
 }

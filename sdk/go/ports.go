@@ -23,7 +23,8 @@ func (c *Client) PortURL(sandboxID string, port int) string {
 }
 
 // HTTPClient returns the client's *http.Client, which sends the API key
-// with every request: use it with PortURL.
+// with every request: use it with PortURL. The key goes as X-API-Key, so
+// an Authorization header a request sets reaches the app in the sandbox.
 func (c *Client) HTTPClient() *http.Client { return c.hc }
 
 // DialPort opens a TCP connection to port on a sandbox's loopback, tunnelled

@@ -178,6 +178,42 @@ func TestPortProxyHTTPServer(t *testing.T) {
 		}
 	})
 
+	// The app's own Authorization: the key in X-API-Key (as the SDK's
+	// client sends it), Authorization passes to the app, unless it is
+	// the key again; the key in Authorization is consumed.
+	t.Run("authorization", func(t *testing.T) {
+		headers := func(c *http.Client, set map[string]string) http.Header {
+			t.Helper()
+			req, _ := http.NewRequest("GET", base+"info", nil)
+			for k, v := range set {
+				req.Header.Set(k, v)
+			}
+			res, err := c.Do(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer res.Body.Close()
+			var info struct{ Headers http.Header }
+			if res.StatusCode != 200 || json.NewDecoder(res.Body).Decode(&info) != nil {
+				t.Fatalf("GET info with %v: %d", set, res.StatusCode)
+			}
+			return info.Headers
+		}
+		if h := headers(hc, map[string]string{"Authorization": "Bearer app-token"}); h.Get("Authorization") != "Bearer app-token" || h.Get("X-Api-Key") != "" {
+			t.Errorf("through the SDK's client, the app got Authorization %q, X-API-Key %q", h.Get("Authorization"), h.Get("X-Api-Key"))
+		}
+		if h := headers(hc, map[string]string{"Authorization": "Bearer " + apiKey}); h.Get("Authorization") != "" {
+			t.Error("the API key repeated in Authorization reached the app")
+		}
+		plain := &http.Client{}
+		if h := headers(plain, map[string]string{"Authorization": "Bearer " + apiKey}); h.Get("Authorization") != "" {
+			t.Error("the API key in Authorization reached the app")
+		}
+		if h := headers(plain, map[string]string{"X-API-Key": apiKey, "Authorization": "Basic dXNlcjpwdw=="}); h.Get("Authorization") != "Basic dXNlcjpwdw==" {
+			t.Errorf("the app got Authorization %q", h.Get("Authorization"))
+		}
+	})
+
 	t.Run("post", func(t *testing.T) {
 		body := make([]byte, 5<<20)
 		rand.Read(body)

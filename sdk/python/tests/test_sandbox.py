@@ -171,7 +171,8 @@ def test_ports_helpers(server, sb) -> None:
     assert sb.get_url(8080, "/a/b") == f"http://{host}/a/b"
     with sb.http_client(8080) as c:
         assert str(c.base_url) == f"http://{host}/"
-        assert c.headers["authorization"] == f"Bearer {server.api_key}"
+        # The key as X-API-Key: an Authorization header is the app's.
+        assert c.headers["x-api-key"] == server.api_key and "authorization" not in c.headers
     with pytest.raises(shoal.InvalidArgument):
         sb.get_host(0)
 

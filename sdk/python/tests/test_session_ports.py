@@ -44,6 +44,29 @@ def test_get_host_is_e2b_style(server, web) -> None:
     assert httpx.get(url).status_code == 401  # the proxy needs the API key
 
 
+def test_app_gets_its_own_authorization(web) -> None:
+    # http_client sends the API key as X-API-Key: an Authorization header
+    # of the caller's reaches the app (a raw listener records the request
+    # and answers nothing: the client gives up; its input stays open, or
+    # nc would close the connection at once).
+    web.commands.run("sleep 30 | nc -l -p 8081 > /tmp/req", background=True, timeout=0)
+    deadline = time.monotonic() + 10
+    while "8081" not in web.commands.run("netstat -ltn", check=False).stdout:
+        assert time.monotonic() < deadline, "nc did not listen"
+        time.sleep(0.05)
+    with web.http_client(8081, headers={"Authorization": "Bearer app-token"}, timeout=2) as c:
+        try:
+            answer = repr(c.get("/x").text)
+        except httpx.HTTPError as e:
+            answer = repr(e)
+    deadline = time.monotonic() + 10
+    while "\r\n\r\n" not in (req := web.files.read("/tmp/req")):
+        assert time.monotonic() < deadline, (req, answer)
+        time.sleep(0.05)
+    head = req.split("\r\n\r\n")[0].lower()
+    assert "authorization: bearer app-token" in head and "x-api-key" not in head, head
+
+
 def test_nothing_listening(web) -> None:
     with web.http_client(9) as c:
         r = c.get("/")

@@ -276,8 +276,9 @@ class AsyncSandbox:
     def get_host(self, port: int) -> str:
         """Where a port inside the sandbox is reachable, without the scheme
         (E2B's name): ``f"http://{sb.get_host(8000)}/path"`` is a URL. The
-        proxy needs the API key (``Authorization: Bearer``); :meth:`http_client`
-        sets it for you."""
+        proxy needs the API key (``X-API-Key``, or ``Authorization: Bearer``
+        when the app needs no ``Authorization`` of its own);
+        :meth:`http_client` sets it for you."""
         u = urlsplit(self._transport.config.url)
         return f"{u.netloc}/v1/sandboxes/{self.sandbox_id}/ports/{_port(port)}"
 
@@ -290,6 +291,10 @@ class AsyncSandbox:
         """An ``httpx.AsyncClient`` whose relative URLs go to ``port`` inside the
         sandbox, authenticated. Close it (or use ``with``) when done."""
         kw = _client_kwargs(self._transport.config)
+        # The key as X-API-Key: an Authorization header is then the app's.
+        if "Authorization" in kw["headers"]:
+            kw["headers"]["X-API-Key"] = kw["headers"].pop("Authorization").removeprefix("Bearer ")
+        kw["headers"].update(kwargs.pop("headers", None) or {})
         kw.pop("limits", None)
         kw["base_url"] = self.get_url(port)
         kw.update(kwargs)
