@@ -687,10 +687,13 @@ func serve(cfg serveConfig) error {
 	case <-ctx.Done():
 	}
 	// Sandboxes keep running: only the API stops, and the pool of blank
-	// containers (nobody's sandboxes yet) is drained.
+	// containers and FnCall's pools (nobody's sandboxes) are drained.
 	shutdown, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	err = srv.Shutdown(shutdown)
+	if cerr := api.Close(shutdown); cerr != nil {
+		log.Warn("stop the FnCall pools", "err", cerr)
+	}
 	if cerr := ctr.Close(shutdown); cerr != nil {
 		log.Warn("drain the container pool", "err", cerr)
 	}

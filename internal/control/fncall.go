@@ -62,9 +62,20 @@ func (s *Server) fncallRoutes(mux *http.ServeMux) {
 	if svc.err != nil {
 		s.log.Error("fncall engine", "err", svc.err)
 	}
+	s.fncall = svc
 	mux.Handle(shoalv1connect.NewFnCallServiceHandler(svc, s.handlerOptions()...))
 	path, h := shoalv1connect.NewSandboxServiceHandler(&fncallSandboxes{Server: s, fn: svc}, s.handlerOptions()...)
 	mux.Handle(path+"CreateSandbox", h)
+}
+
+// Close stops what Handler started that outlives requests: the FnCall
+// engine's pools, whose idle sandboxes it deletes (sandboxes of users keep
+// running). After the HTTP server's shutdown.
+func (s *Server) Close(ctx context.Context) error {
+	if s.fncall == nil || s.fncall.eng == nil {
+		return nil
+	}
+	return s.fncall.eng.Close(ctx)
 }
 
 func (f *fncallService) engine() (*fncall.Engine, error) {

@@ -42,10 +42,11 @@ type Server struct {
 	// sandboxRoutes are the patterns registered through sandboxRoute
 	// (authz.go). Written by Handler only.
 	sandboxRoutes map[string]bool
-	started       time.Time    // when New made it (MonitorService)
-	dash          *dashboard   // the web dashboard's sessions (dash.go)
-	name          string       // the node's name in its status (SetNodeName; "": the host name)
-	envs          *ClusterEnvs // nil: environments in the node's own store (SetClusterEnvs: in etcd)
+	started       time.Time      // when New made it (MonitorService)
+	dash          *dashboard     // the web dashboard's sessions (dash.go)
+	name          string         // the node's name in its status (SetNodeName; "": the host name)
+	envs          *ClusterEnvs   // nil: environments in the node's own store (SetClusterEnvs: in etcd)
+	fncall        *fncallService // the FnCall engine Handler started (Close stops it)
 }
 
 var (

@@ -6,8 +6,10 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -653,5 +655,50 @@ func TestCallUIDs(t *testing.T) {
 	}
 	if !reused {
 		t.Logf("no sandbox served two of %d calls: %+v", len(calls), calls)
+	}
+}
+
+// A serve that stops (SIGTERM) deletes its FnCall pools' idle sandboxes
+// before it exits (it used to leave them to the next start): their
+// containers are gone from runc.
+func TestShutdownStopsPools(t *testing.T) {
+	need(t)
+	c := sdk(t)
+	ctx := context.Background()
+	if _, err := c.FnCall().Run(ctx, &pb.RunRequest{Language: "bash", Source: "echo hi"}); err != nil {
+		t.Fatal(err)
+	}
+	sbs, err := c.List(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var pooled []string
+	for _, sb := range sbs {
+		if _, ok := sb.Metadata[fncall.MetadataKey]; ok && sb.Runtime["runc_id"] != "" {
+			pooled = append(pooled, sb.Runtime["runc_id"])
+		}
+	}
+	if len(pooled) == 0 {
+		t.Fatal("no pool sandbox after a call")
+	}
+	serveCmd.Process.Signal(syscall.SIGTERM)
+	exited := make(chan error, 1)
+	go func() { exited <- serveCmd.Wait() }()
+	select {
+	case <-exited:
+	case <-time.After(time.Minute):
+		serveCmd.Process.Kill()
+		<-exited
+		t.Error("serve did not stop within a minute of SIGTERM")
+	}
+	defer func() {
+		if err := startServe(); err != nil {
+			t.Fatal(err)
+		}
+	}()
+	for _, id := range pooled {
+		if out, err := exec.Command("runc", "--root", filepath.Join(dataDir, "runc"), "state", id).CombinedOutput(); err == nil {
+			t.Errorf("pool container %s still there after serve stopped: %s", id, out)
+		}
 	}
 }
