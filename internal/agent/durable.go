@@ -244,36 +244,17 @@ func (s *Server) collect(d *durable, files [3]*os.File) {
 	pumped := make(chan struct{})
 	go func() { wg.Wait(); close(pumped) }()
 	<-d.cmd.done
-	// Background processes may hold the output open forever: give them
-	// OutputGrace, then stop reading (as the non-durable exec does).
-	// The pipes are closed only once they are drained: time spent waiting
-	// for the node to acknowledge (it is slow, or restarting, or its disk
-	// is full) does not count, and what is still in a pipe is the
-	// command's output, which closing it would lose.
-	grace := time.NewTimer(s.cfg.OutputGrace)
-	for stop := false; !stop; {
-		select {
-		case <-pumped:
-			stop = true
-		case <-grace.C:
-			d.mu.Lock()
-			waiting := d.waiting > 0
-			d.mu.Unlock()
-			for _, o := range outs {
-				waiting = waiting || pending(o.f) > 0
-			}
-			if waiting {
-				grace.Reset(s.cfg.OutputGrace)
-				continue
-			}
-			for _, o := range outs {
-				o.f.Close()
-			}
-			<-pumped
-			stop = true
-		}
+	// Time spent waiting for the node to acknowledge (it is slow, or
+	// restarting, or its disk is full) does not count against the grace.
+	fs := make([]*os.File, len(outs))
+	for i, o := range outs {
+		fs[i] = o.f
 	}
-	grace.Stop()
+	awaitOutput(pumped, s.cfg.OutputGrace, fs, func(pending bool) bool {
+		d.mu.Lock()
+		defer d.mu.Unlock()
+		return pending || d.waiting > 0
+	})
 	for _, o := range outs {
 		o.f.Close()
 	}

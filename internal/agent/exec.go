@@ -131,30 +131,13 @@ func (s *Server) exec(c net.Conn, req *wireExecRequest) {
 	go func() { wg.Wait(); close(pumped) }()
 
 	<-cmd.done
-	// Background processes may hold stdout/stderr open forever; give them
-	// OutputGrace, then stop reading (they get EPIPE/SIGPIPE if they write).
-	// But what is still in a pipe is the command's output, left there
-	// while its pump waited for a slow client: it is read, not dropped,
-	// for up to maxOutputDrain (a background process that writes without
-	// end would otherwise keep the command going).
-	grace := time.NewTimer(s.cfg.OutputGrace)
+	// What the pipes still hold (left there while a pump waited for a slow
+	// client) is read for up to maxOutputDrain: a background process that
+	// writes without end would otherwise keep the command going.
 	drainEnd := time.Now().Add(maxOutputDrain)
-	for stop := false; !stop; {
-		select {
-		case <-pumped:
-			stop = true
-		case <-grace.C:
-			if (pending(stdout) > 0 || pending(stderr) > 0) && time.Now().Before(drainEnd) {
-				grace.Reset(s.cfg.OutputGrace)
-				continue
-			}
-			stdout.Close()
-			stderr.Close()
-			<-pumped
-			stop = true
-		}
-	}
-	grace.Stop()
+	awaitOutput(pumped, s.cfg.OutputGrace, []*os.File{stdout, stderr}, func(pending bool) bool {
+		return pending && time.Now().Before(drainEnd)
+	})
 	stdout.Close()
 	stderr.Close()
 	closeStdin()
@@ -169,13 +152,45 @@ func (s *Server) exec(c net.Conn, req *wireExecRequest) {
 	// serveConn closes c, which ends execReader.
 }
 
+// maxOutputDrain bounds how long, after its process exited, an exec keeps
+// reading the output its pipes still hold (see awaitOutput).
+var maxOutputDrain = 30 * time.Second
+
+// awaitOutput waits, once a command has exited, for its output pumps to
+// end (pumped): background processes may hold the pipes open forever, so
+// every grace it asks keep, given whether a pipe of outs still holds bytes
+// (what is in a pipe is the command's output, which closing it would
+// lose), whether to wait on; when not, it closes outs (the pumps end;
+// writers left get EPIPE/SIGPIPE) and waits for the pumps. The caller
+// still closes outs after.
+func awaitOutput(pumped <-chan struct{}, grace time.Duration, outs []*os.File, keep func(pending bool) bool) {
+	t := time.NewTimer(grace)
+	defer t.Stop()
+	for {
+		select {
+		case <-pumped:
+			return
+		case <-t.C:
+			held := false
+			for _, f := range outs {
+				held = held || pending(f) > 0
+			}
+			if keep(held) {
+				t.Reset(grace)
+				continue
+			}
+			for _, f := range outs {
+				f.Close()
+			}
+			<-pumped
+			return
+		}
+	}
+}
+
 // execReader reads the client's side of an exec stream: stdin data and
 // stdin EOF. A read error means the client closed the connection (or we
 // did, after the exit frame): gone kills the command if it still runs.
-// maxOutputDrain bounds how long, after its process exited, an exec keeps
-// reading the output its pipes still hold (see the grace above).
-var maxOutputDrain = 30 * time.Second
-
 func (s *Server) execReader(c net.Conn, cmd *command, stdin *os.File, closeStdin, gone func()) {
 	var hdr [headerSize]byte
 	bp := bufPool.Get().(*[]byte)

@@ -489,7 +489,6 @@ func hostTSCkHz() int64 {
 // a read-only disk in the sandbox's directory.
 const configImage = "config.img"
 
-// device names of the virtio devices on this machine type.
 // maxVirtio is virtioSlots' largest answer.
 const maxVirtio = 24
 
@@ -519,6 +518,7 @@ func virtioDevices(blkLayers int, disk, net, system bool) int {
 	return n
 }
 
+// device names of the virtio devices on this machine type.
 func (b *Backend) dev(kind string) string {
 	if b.cfg.Machine == MachineMicroVM {
 		return kind + "-device"
