@@ -20,9 +20,7 @@ package agent
 // before the group existed.
 
 import (
-	"bufio"
 	"bytes"
-	"cmp"
 	"fmt"
 	"os"
 	"slices"
@@ -32,6 +30,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/shoal-sandbox/shoal/internal/procfs"
 )
 
 // sysProcAttr completes a command's attributes with what every command of
@@ -136,18 +136,8 @@ func writeCgroupAt(dir *os.File, name, value string) error {
 // inCgroup tells whether process pid is in the cgroup v2 group path or
 // one below it (its /proc/PID/cgroup "0::" line).
 func inCgroup(pid int, path string) bool {
-	f, err := os.Open("/proc/" + strconv.Itoa(pid) + "/cgroup")
-	if err != nil {
-		return false
-	}
-	defer f.Close()
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		if g, ok := strings.CutPrefix(sc.Text(), "0::"); ok {
-			return g == path || strings.HasPrefix(g, path+"/")
-		}
-	}
-	return false
+	g, err := procfs.Cgroup2(strconv.Itoa(pid))
+	return err == nil && (g == path || strings.HasPrefix(g, path+"/"))
 }
 
 // stopOutside stops with SIGSTOP every process of the guest outside the
@@ -180,25 +170,10 @@ func stopOutside(path string) (cont func()) {
 		time.Sleep(5 * time.Millisecond)
 	}
 	return func() {
-		slices.SortFunc(stopped, func(a, b procInfo) int { return cmp.Or(cmp.Compare(b.started, a.started), cmp.Compare(b.pid, a.pid)) })
-		for _, p := range stopped {
-			if still(p) {
-				unix.Kill(p.pid, unix.SIGCONT)
-			}
-		}
+		// Those whose pid is not another process's by now.
+		continueYoungestFirst(slices.DeleteFunc(stopped, func(p procInfo) bool {
+			q, ok := readProc(p.pid)
+			return !ok || q.start != p.start
+		}))
 	}
-}
-
-// still tells whether p's pid is still the process p (not reused).
-func still(p procInfo) bool {
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(p.pid) + "/stat")
-	if err != nil {
-		return false
-	}
-	i := bytes.LastIndexByte(b, ')')
-	if i < 0 {
-		return false
-	}
-	f := strings.Fields(string(b[i+1:])) // as listProcs reads them
-	return len(f) > 19 && f[19] == p.start
 }

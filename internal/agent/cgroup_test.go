@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/shoal-sandbox/shoal/internal/cgroups"
+	"github.com/shoal-sandbox/shoal/internal/procfs"
 )
 
 func TestCgroupKey(t *testing.T) {
@@ -43,15 +44,9 @@ func testV2Group(t *testing.T) (*os.File, string) {
 	}
 	// Below the test's own group: v2 moves a process only between
 	// groups below a common ancestor it may write.
-	self, err := os.ReadFile("/proc/self/cgroup")
+	own, err := procfs.Cgroup2("self")
 	if err != nil {
 		t.Fatal(err)
-	}
-	var own string
-	for line := range strings.Lines(string(self)) {
-		if g, ok := strings.CutPrefix(strings.TrimSpace(line), "0::"); ok {
-			own = g
-		}
 	}
 	path := filepath.Join(own, "shoal-test-freeze-"+strconv.Itoa(os.Getpid()))
 	dir := filepath.Join(root, path)

@@ -136,15 +136,7 @@ func stopOthers(system bool) (cont func(), err error) {
 		return nil, err
 	}
 	cont = func() {
-		// The youngest first: a child goes on before its parent, so that
-		// a parent waiting for it (WUNTRACED) finds it running again.
-		ps := others()
-		slices.SortFunc(ps, func(a, b procInfo) int { return cmp.Or(cmp.Compare(b.started, a.started), cmp.Compare(b.pid, a.pid)) })
-		for _, p := range ps {
-			if !before[p.key()] && !p.kthread {
-				unix.Kill(p.pid, unix.SIGCONT)
-			}
-		}
+		continueYoungestFirst(slices.DeleteFunc(others(), func(p procInfo) bool { return before[p.key()] || p.kthread }))
 	}
 	// A process in the middle of a system call stops when it returns
 	// from it: wait for that, but not for ever (a task stuck in the
@@ -176,6 +168,16 @@ type procInfo struct {
 
 func (p procInfo) key() string { return strconv.Itoa(p.pid) + "/" + p.start }
 
+// continueYoungestFirst sends SIGCONT to ps, the youngest first: a child
+// goes on before its parent, so that a parent waiting for it (WUNTRACED)
+// finds it running again.
+func continueYoungestFirst(ps []procInfo) {
+	slices.SortFunc(ps, func(a, b procInfo) int { return cmp.Or(cmp.Compare(b.started, a.started), cmp.Compare(b.pid, a.pid)) })
+	for _, p := range ps {
+		unix.Kill(p.pid, unix.SIGCONT)
+	}
+}
+
 // listProcs lists the guest's processes other than the agent.
 func listProcs() []procInfo {
 	d, err := os.Open("/proc")
@@ -191,24 +193,31 @@ func listProcs() []procInfo {
 		if err != nil || pid == self {
 			continue
 		}
-		b, err := os.ReadFile("/proc/" + n + "/stat")
-		if err != nil {
-			continue
+		if p, ok := readProc(pid); ok {
+			out = append(out, p)
 		}
-		i := bytes.LastIndexByte(b, ')')
-		if i < 0 || len(b) < i+3 {
-			continue
-		}
-		f := strings.Fields(string(b[i+2:]))
-		// Fields after the name: state(0) ppid(1) ... flags(6) ... starttime(19).
-		if len(f) < 20 {
-			continue
-		}
-		flags, _ := strconv.ParseUint(f[6], 10, 64)
-		started, _ := strconv.ParseUint(f[19], 10, 64)
-		out = append(out, procInfo{pid: pid, state: f[0][0], start: f[19], started: started, kthread: flags&0x00200000 != 0}) // PF_KTHREAD
 	}
 	return out
+}
+
+// readProc reads process pid's /proc/PID/stat.
+func readProc(pid int) (procInfo, bool) {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	if err != nil {
+		return procInfo{}, false
+	}
+	i := bytes.LastIndexByte(b, ')')
+	if i < 0 || len(b) < i+3 {
+		return procInfo{}, false
+	}
+	f := strings.Fields(string(b[i+2:]))
+	// Fields after the name: state(0) ppid(1) ... flags(6) ... starttime(19).
+	if len(f) < 20 {
+		return procInfo{}, false
+	}
+	flags, _ := strconv.ParseUint(f[6], 10, 64)
+	started, _ := strconv.ParseUint(f[19], 10, 64)
+	return procInfo{pid: pid, state: f[0][0], start: f[19], started: started, kthread: flags&0x00200000 != 0}, true // PF_KTHREAD
 }
 
 // stoppedProcs are the processes stopped before the export.

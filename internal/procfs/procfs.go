@@ -1,13 +1,30 @@
-// Package procfs reads the size fields of the kernel's /proc files, the
-// lines "KEY:   N kB" of /proc/meminfo and /proc/PID/status. The host's
-// benchmarks and VM backend read them, and so does the guest agent.
+// Package procfs reads fields of the kernel's /proc files: the size
+// lines "KEY:   N kB" of /proc/meminfo and /proc/PID/status (the host's
+// benchmarks and VM backend read them, and so does the guest agent), and a
+// process's cgroup v2 path in /proc/PID/cgroup (the guest agent's).
 package procfs
 
 import (
+	"errors"
 	"os"
 	"strconv"
 	"strings"
 )
+
+// Cgroup2 returns the cgroup v2 path of process pid ("self" or a number):
+// its /proc/PID/cgroup line "0::PATH".
+func Cgroup2(pid string) (string, error) {
+	data, err := os.ReadFile("/proc/" + pid + "/cgroup")
+	if err != nil {
+		return "", err
+	}
+	for l := range strings.Lines(string(data)) {
+		if g, ok := strings.CutPrefix(strings.TrimSpace(l), "0::"); ok {
+			return g, nil
+		}
+	}
+	return "", errors.New("process " + pid + " is in no cgroup v2 hierarchy")
+}
 
 // KiB returns N of path's line "KEY N kB" (key with its colon:
 // "MemFree:", "VmRSS:"); ok is false when the file, the line or the

@@ -3,6 +3,7 @@ package procfs
 import (
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 )
 
@@ -28,5 +29,14 @@ func TestKiB(t *testing.T) {
 	}
 	if _, ok := KiB(filepath.Join(t.TempDir(), "none"), "VmRSS:"); ok {
 		t.Error("a missing file")
+	}
+}
+
+func TestCgroup2(t *testing.T) {
+	if g, err := Cgroup2("self"); err != nil || !strings.HasPrefix(g, "/") {
+		t.Errorf("this process's cgroup v2 path %q, %v", g, err)
+	}
+	if _, err := Cgroup2("0"); err == nil {
+		t.Error("a process that does not exist")
 	}
 }

@@ -5,9 +5,10 @@ import (
 	"fmt"
 	"os"
 	"strconv"
-	"strings"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/shoal-sandbox/shoal/internal/procfs"
 )
 
 // The guest's cgroups: Boot mounts the cgroup v2 hierarchy at CgroupRoot
@@ -76,7 +77,7 @@ func ServiceCgroup(pids int64) (*os.File, string, error) {
 	if pids < 0 {
 		return nil, "", fmt.Errorf("config: pids limit %d", pids)
 	}
-	own, err := ownCgroup()
+	own, err := procfs.Cgroup2("self")
 	if err != nil {
 		return nil, "", err
 	}
@@ -98,18 +99,4 @@ func ServiceCgroup(pids int64) (*os.File, string, error) {
 		return nil, "", err
 	}
 	return f, own + "/cmds", nil
-}
-
-// ownCgroup is this process's cgroup v2 path ("0::" of /proc/self/cgroup).
-func ownCgroup() (string, error) {
-	b, err := os.ReadFile("/proc/self/cgroup")
-	if err != nil {
-		return "", err
-	}
-	for line := range strings.Lines(string(b)) {
-		if g, ok := strings.CutPrefix(strings.TrimSpace(line), "0::"); ok {
-			return g, nil
-		}
-	}
-	return "", errors.New("not in a cgroup v2 hierarchy")
 }
