@@ -12,7 +12,7 @@ import httpx
 from .._protocol import create_body, seconds
 from .._util import instance_or_class
 from ..exceptions import InvalidArgument, SandboxNotFound
-from .._sync.transport import _client_kwargs
+from .._sync.transport import _port_client_kwargs
 from ..models import BuildProgress, Layer, SandboxInfo, TrajectoryInfo
 from .commands import AsyncCommands, AsyncPty
 from .filesystem import AsyncFiles
@@ -290,11 +290,7 @@ class AsyncSandbox:
     def http_client(self, port: int, **kwargs: Any) -> httpx.AsyncClient:
         """An ``httpx.AsyncClient`` whose relative URLs go to ``port`` inside the
         sandbox, authenticated. Close it (or use ``with``) when done."""
-        kw = _client_kwargs(self._transport.config)
-        # The key as X-API-Key: an Authorization header is then the app's.
-        if "Authorization" in kw["headers"]:
-            kw["headers"]["X-API-Key"] = kw["headers"].pop("Authorization").removeprefix("Bearer ")
-        kw["headers"].update(kwargs.pop("headers", None) or {})
+        kw = _port_client_kwargs(self._transport.config, kwargs)
         kw.pop("limits", None)
         kw["base_url"] = self.get_url(port)
         kw.update(kwargs)

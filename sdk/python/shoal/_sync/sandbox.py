@@ -16,7 +16,7 @@ from ..models import BuildProgress, Layer, SandboxInfo, TrajectoryInfo
 from .commands import Commands, Pty
 from .filesystem import Files
 from .sessions import Shells, Trajectory
-from .transport import Transport, _client_kwargs, _nodelay_transport, transport_for
+from .transport import Transport, _nodelay_transport, _port_client_kwargs, transport_for
 
 
 class Sandbox:
@@ -287,11 +287,7 @@ class Sandbox:
     def http_client(self, port: int, **kwargs: Any) -> httpx.Client:
         """An ``httpx.Client`` whose relative URLs go to ``port`` inside the
         sandbox, authenticated. Close it (or use ``with``) when done."""
-        kw = _client_kwargs(self._transport.config)
-        # The key as X-API-Key: an Authorization header is then the app's.
-        if "Authorization" in kw["headers"]:
-            kw["headers"]["X-API-Key"] = kw["headers"].pop("Authorization").removeprefix("Bearer ")
-        kw["headers"].update(kwargs.pop("headers", None) or {})
+        kw = _port_client_kwargs(self._transport.config, kwargs)
         kw["transport"] = _nodelay_transport(kw.pop("limits"), kw["trust_env"], kw["verify"])
         kw["base_url"] = self.get_url(port)
         kw.update(kwargs)

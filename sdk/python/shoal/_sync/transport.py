@@ -82,6 +82,18 @@ def _client_kwargs(config: ConnectionConfig) -> Dict[str, Any]:
     )
 
 
+def _port_client_kwargs(config: ConnectionConfig, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """_client_kwargs for a client of a sandbox's port (``http_client``):
+    the key as X-API-Key, so that an Authorization header is the app's,
+    and the caller's ``headers`` merged in; the rest of ``kwargs`` is the
+    caller's to apply."""
+    kw = _client_kwargs(config)
+    if "Authorization" in kw["headers"]:
+        kw["headers"]["X-API-Key"] = kw["headers"].pop("Authorization").removeprefix("Bearer ")
+    kw["headers"].update(kwargs.pop("headers", None) or {})
+    return kw
+
+
 class Abort:
     """Cuts a stream from another thread (closes its HTTP response).
 
