@@ -51,10 +51,15 @@ func Process(pid, advice int) (int64, error) {
 	if err != nil {
 		return 0, err
 	}
-	ranges := privateMappings(data)
-	// The kernel compresses what it pages out into zram in the calling
-	// thread: one call per CPU, on parts of about equal size, runs that
-	// on every CPU (a sandbox's memory is mostly one process's).
+	return adviseParallel(pidfd, privateMappings(data), advice)
+}
+
+// adviseParallel gives advice on ranges of the process behind pidfd. The
+// kernel compresses what it pages out into zram, and decompresses what
+// it reads back, in the calling thread: one call per CPU, on parts of
+// about equal size, runs that on every CPU (a sandbox's memory is mostly
+// one process's).
+func adviseParallel(pidfd int, ranges []iovec, advice int) (int64, error) {
 	parts := splitRanges(ranges, min(runtime.NumCPU(), maxAdviseThreads), adviseSplitMin)
 	if len(parts) == 1 {
 		return adviseRanges(pidfd, parts[0], advice)

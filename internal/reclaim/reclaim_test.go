@@ -1,6 +1,13 @@
 package reclaim
 
-import "testing"
+import (
+	"bytes"
+	"os"
+	"testing"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
 
 // TestSplitRanges: the ranges advised in parallel cover exactly the
 // mappings, in order, in about equal parts; small processes stay whole.
@@ -42,6 +49,102 @@ func TestSplitRanges(t *testing.T) {
 			if s != sizes[0] || s%4096 != 0 {
 				t.Fatalf("k=%d: part sizes %v, want equal and page-aligned but the last", tc.k, sizes)
 			}
+		}
+	}
+}
+
+// TestResident: the working set holds the pages a process touched and not
+// the ones it did not; one past the bound is empty.
+func TestResident(t *testing.T) {
+	const mib = 1 << 20
+	mem, err := unix.Mmap(-1, 0, 16*mib, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(mem)
+	unix.Madvise(mem, unix.MADV_NOHUGEPAGE) // one page touched is one page in
+	for i := 0; i < 4*mib; i += pageSize {
+		mem[i] = 1 // the first 4 MiB
+	}
+	mem[12*mib] = 1 // and one page further on
+	base := uintptr(unsafe.Pointer(&mem[0]))
+	ws, err := Resident(os.Getpid(), 1<<40)
+	if err != nil {
+		t.Fatal(err)
+	}
+	in := func(addr uintptr) bool {
+		for _, r := range ws.ranges {
+			if addr >= r.Base && uint64(addr-r.Base) < r.Len {
+				return true
+			}
+		}
+		return false
+	}
+	for _, off := range []int{0, 2 * mib, 4*mib - pageSize, 12 * mib} {
+		if !in(base + uintptr(off)) {
+			t.Errorf("touched page at +%d KiB not in the working set", off>>10)
+		}
+	}
+	for _, off := range []int{4*mib + 2*mergeGap, 8 * mib, 12*mib + 2*mergeGap} {
+		if in(base + uintptr(off)) {
+			t.Errorf("untouched page at +%d KiB in the working set", off>>10)
+		}
+	}
+	if ws.Bytes() < 4*mib || ws.Ranges() == 0 {
+		t.Errorf("working set %d bytes in %d ranges, want at least the 4 MiB touched", ws.Bytes(), ws.Ranges())
+	}
+	if small, err := Resident(os.Getpid(), 2*mib); err != nil || small.Bytes() != 0 || small.Ranges() != 0 {
+		t.Errorf("working set over its bound: %d bytes, %d ranges, %v; want none", small.Bytes(), small.Ranges(), err)
+	}
+}
+
+// TestPrefetch: a working set paged out to swap is back in memory (the
+// swap cache, which mincore counts) after Prefetch, untouched.
+func TestPrefetch(t *testing.T) {
+	if data, err := os.ReadFile("/proc/swaps"); err != nil || len(bytes.Split(bytes.TrimSpace(data), []byte("\n"))) < 2 {
+		t.Skip("no swap is active (serve --zram-size sets one up)")
+	}
+	const size = 8 << 20
+	mem, err := unix.Mmap(-1, 0, size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(mem)
+	unix.Madvise(mem, unix.MADV_NOHUGEPAGE)
+	for i := 0; i < size; i += pageSize {
+		mem[i] = byte(i>>12) | 1 // not zero pages: zram keeps those as a mark
+	}
+	ws, err := Resident(os.Getpid(), 1<<40)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resident := func() int {
+		vec := make([]byte, size/pageSize)
+		if _, _, errno := unix.Syscall(unix.SYS_MINCORE, uintptr(unsafe.Pointer(&mem[0])), size, uintptr(unsafe.Pointer(&vec[0]))); errno != 0 {
+			t.Fatal(errno)
+		}
+		n := 0
+		for _, v := range vec {
+			n += int(v & 1)
+		}
+		return n
+	}
+	if err := unix.Madvise(mem, PageOut); err != nil {
+		t.Fatal(err)
+	}
+	out := resident()
+	if out > size/pageSize/2 {
+		t.Skipf("MADV_PAGEOUT left %d of %d pages in memory (swap full?)", out, size/pageSize)
+	}
+	if _, err := Prefetch(os.Getpid(), ws); err != nil {
+		t.Fatal(err)
+	}
+	if in := resident(); in < size/pageSize*9/10 {
+		t.Errorf("after the prefetch %d of %d pages are in memory (%d after the page-out)", in, size/pageSize, out)
+	}
+	for i := 0; i < size; i += pageSize {
+		if mem[i] != byte(i>>12)|1 {
+			t.Fatalf("page at +%d KiB changed across page-out and prefetch", i>>10)
 		}
 	}
 }

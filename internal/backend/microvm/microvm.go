@@ -68,6 +68,7 @@ import (
 	"github.com/shoal-sandbox/shoal/internal/agent/vminit"
 	"github.com/shoal-sandbox/shoal/internal/diskimg"
 	"github.com/shoal-sandbox/shoal/internal/egress"
+	"github.com/shoal-sandbox/shoal/internal/reclaim"
 	"github.com/shoal-sandbox/shoal/internal/sandbox"
 )
 
@@ -193,6 +194,10 @@ type Backend struct {
 
 	mu    sync.Mutex
 	muxes map[string]*chanMux // guarded by mu; by sandbox ID
+	// working: the working sets of the QEMUs of VMs paused in place
+	// (read at the pause, prefetched at the resume: pause.go); guarded
+	// by mu; by sandbox ID.
+	working map[string]reclaim.WorkingSet
 
 	// tpl: the templates VMs are restored from (template.go); nil when
 	// every create boots.
@@ -270,7 +275,7 @@ func New(cfg Config) (*Backend, error) {
 		return nil, fmt.Errorf("vm backend: initramfs: %w", err)
 	}
 	b := &Backend{cfg: cfg, log: cfg.Logger.With("backend", cfg.Name), kernel: kernel, initrd: initrd,
-		probed: make(chan struct{}), muxes: map[string]*chanMux{}}
+		probed: make(chan struct{}), muxes: map[string]*chanMux{}, working: map[string]reclaim.WorkingSet{}}
 	// The initramfs just built has them if the directory had them.
 	_, err = os.Stat(filepath.Join(cfg.KernelDir, "modules", vminit.NetOrder))
 	b.netModules = err == nil
@@ -1088,6 +1093,7 @@ func (b *Backend) Delete(ctx context.Context, h sandbox.Handle) error {
 	b.mu.Lock()
 	m := b.muxes[h.ID]
 	delete(b.muxes, h.ID)
+	delete(b.working, h.ID)
 	b.mu.Unlock()
 	if m != nil {
 		m.close()
