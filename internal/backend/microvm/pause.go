@@ -444,11 +444,7 @@ func (b *Backend) resumeInPlace(ctx context.Context, h sandbox.Handle) (sandbox.
 		}
 		prefetched <- time.Since(start)
 	}
-	if os.Getenv("SHOAL_EXP") == "seq" {
-		prefetch()
-	} else {
-		go prefetch()
-	}
+	go prefetch()
 	dir := h.Data["dir"]
 	if err := qmp(ctx, filepath.Join(dir, "qmp.sock"), "cont", nil, nil); err != nil {
 		<-prefetched
