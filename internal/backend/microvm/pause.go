@@ -438,13 +438,12 @@ func (b *Backend) resumeInPlace(ctx context.Context, h sandbox.Handle) (sandbox.
 	// The working set comes back from swap on the other CPUs while the
 	// guest starts: what it touches before is read then, as without.
 	prefetched := make(chan time.Duration, 1)
-	prefetch := func() {
+	go func() {
 		if _, err := reclaim.Prefetch(process(h), ws); err != nil {
 			b.log.Warn("prefetch the working set of a VM paused in place", "sandbox_id", h.ID, "err", err)
 		}
 		prefetched <- time.Since(start)
-	}
-	go prefetch()
+	}()
 	dir := h.Data["dir"]
 	if err := qmp(ctx, filepath.Join(dir, "qmp.sock"), "cont", nil, nil); err != nil {
 		<-prefetched
