@@ -45,7 +45,7 @@ func addVMFlags(cmd *cobra.Command, c *vmConfig) {
 	cmd.Flags().Int64Var(&c.DiskIOPS, "vm-disk-iops", 4000, "disk requests per second each VM may make, all its drives together (QEMU's throttling; 0: unbounded)")
 	cmd.Flags().StringVar(&c.DiskBPS, "vm-disk-bps", "256M", "disk bytes per second each VM may read and write, all its drives together (0: unbounded)")
 	cmd.Flags().StringVar(&c.Boot, "vm-boot", microvm.BootCold, "how a microVM starts: cold (every create boots its guest) or template (a create restores a snapshot of a guest booted once for its shape: memory, CPUs, device count; layers then go as blk devices)")
-	cmd.Flags().StringVar(&c.Pause, "vm-pause", microvm.PauseSnapshot, "how a VM is paused: snapshot (its state to a file, QEMU ended: no memory left on the host; a resume restores it in a new QEMU) or in-place (QEMU stopped, its memory paged out to zram: a few MiB of RSS plus the compressed memory; a resume continues it, 2-3x faster under TCG)")
+	cmd.Flags().StringVar(&c.Pause, "vm-pause", microvm.PauseSnapshot, "how a VM is paused: snapshot (its state to a file, QEMU ended: no memory left on the host; a resume restores it in a new QEMU) or in-place (QEMU stopped, its memory paged out to zram but for the translated code it last ran: ~20 MiB of RSS plus the compressed memory; a resume continues it, ~5x faster under TCG)")
 }
 
 // vmBackends returns the VM backends this node offers, or an error when one

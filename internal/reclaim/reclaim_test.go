@@ -3,6 +3,7 @@ package reclaim
 import (
 	"bytes"
 	"os"
+	"slices"
 	"testing"
 	"unsafe"
 
@@ -146,5 +147,31 @@ func TestPrefetch(t *testing.T) {
 		if mem[i] != byte(i>>12)|1 {
 			t.Fatalf("page at +%d KiB changed across page-out and prefetch", i>>10)
 		}
+	}
+}
+
+// TestPrivateMappingsNoJIT: a JIT's code (an anonymous executable private
+// mapping) is left out when asked, and only it.
+func TestPrivateMappingsNoJIT(t *testing.T) {
+	maps := []byte(`55afaf681000-55afafc18000 r-xp 00407000 fe:00 10166304   /usr/bin/qemu-system-x86_64
+55afbc2d5000-55afbcf00000 rw-p 00000000 00:00 0          [heap]
+7fb809e00000-7fb817e00000 rw-p 00000000 00:00 0
+7fb818000000-7fb81bfff000 rwxp 00000000 00:00 0
+7fb8218b9000-7fb821ad4000 r--s 00000000 fe:00 9987265    /tmp/pmem-pad
+7ffd1c1f0000-7ffd1c1f2000 r-xp 00000000 00:00 0          [vdso]
+`)
+	bases := func(noJIT bool) []uintptr {
+		var out []uintptr
+		for _, r := range privateMappings(maps, noJIT) {
+			out = append(out, r.Base)
+		}
+		return out
+	}
+	all := []uintptr{0x55afaf681000, 0x55afbc2d5000, 0x7fb809e00000, 0x7fb818000000}
+	if got := bases(false); !slices.Equal(got, all) {
+		t.Errorf("all private mappings: %x, want %x", got, all)
+	}
+	if got, want := bases(true), []uintptr{0x55afaf681000, 0x55afbc2d5000, 0x7fb809e00000}; !slices.Equal(got, want) {
+		t.Errorf("without the JIT: %x, want %x", got, want)
 	}
 }

@@ -43,7 +43,7 @@ const (
 )
 
 // Resident reads which anonymous pages of pid's private, accessible
-// mappings are in memory (/proc/PID/pagemap: present, not a file's; a
+// mappings (a JIT's code left out) are in memory (/proc/PID/pagemap: present, not a file's; a
 // file's pages come back from the page cache, not from swap). A working set larger
 // than maxBytes is not one worth prefetching (it is most of the process:
 // what a first pause after a boot finds): Resident returns an empty one.
@@ -125,7 +125,7 @@ func Prefetch(pid int, w WorkingSet) (int64, error) {
 
 // accessibleMappings are the private mappings of maps that can hold pages
 // (a mapping with no access, such as a guard or a reservation, holds
-// none).
+// none), but for a JIT's code (PageOutKeepingJIT keeps it).
 func accessibleMappings(maps []byte) []iovec {
 	var out []iovec
 	for _, line := range strings.Split(string(maps), "\n") {
@@ -133,7 +133,7 @@ func accessibleMappings(maps []byte) []iovec {
 		if len(f) < 2 || strings.HasPrefix(f[1], "---") {
 			continue
 		}
-		out = append(out, privateMappings([]byte(line))...)
+		out = append(out, privateMappings([]byte(line), true)...)
 	}
 	return out
 }

@@ -367,8 +367,17 @@ func (b *Backend) pauseInPlace(ctx context.Context, h sandbox.Handle, pid int) (
 	b.mu.Lock()
 	b.working[h.ID] = ws
 	b.mu.Unlock()
-	// Failing to page out leaves it paused, its memory where it was.
-	if _, err := reclaim.Process(pid, reclaim.PageOut); err != nil {
+	// Failing to page out leaves it paused, its memory where it was. The
+	// TCG translation cache stays if the guest ran since the pause before
+	// (its working set is known): what is in memory of it then is what
+	// the guest ran since, and what a resume runs first. On the first
+	// pause after a boot (or a restart of the node), it holds the boot's
+	// code: out it goes, with the rest.
+	pageOut := reclaim.PageOutKeepingJIT
+	if ws.Bytes() == 0 {
+		pageOut = func(pid int) (int64, error) { return reclaim.Process(pid, reclaim.PageOut) }
+	}
+	if _, err := pageOut(pid); err != nil {
 		stats.Method += ": " + err.Error()
 		b.log.Warn("page out the memory of a VM paused in place", "sandbox_id", h.ID, "err", err)
 	}

@@ -331,6 +331,11 @@ func testVMPauseInPlace(t *testing.T, machine string) {
 		if round > 0 && swapActive() && ws.Bytes() == 0 {
 			t.Errorf("pause in place %d recorded no working set to prefetch", round+1)
 		}
+		// The translated code the guest ran since its last resume stays
+		// in memory; the boot's goes at the first pause.
+		if jit := jitRSS(t, process(h)); swapActive() && h.Data["accel"] == "tcg" && (round == 0) != (jit < 1<<20) {
+			t.Errorf("pause in place %d: %d KiB of TCG's translation cache in memory", round+1, jit>>10)
+		}
 		t.Logf("paused in place: %+v; zram's memory +%d MiB", stats, (zram.MemUsed()-zram0)>>20)
 		if process(h) == 0 || !stoppedInPlace(h) || status() != "paused" {
 			t.Fatalf("after pause: QEMU %d, mark %v, guest %s; want the same QEMU, stopped", process(h), stoppedInPlace(h), status())
@@ -439,6 +444,29 @@ func cpuTicks(t *testing.T, pid int, d time.Duration) int64 {
 	before := read()
 	time.Sleep(d)
 	return read() - before
+}
+
+// jitRSS is the resident memory of pid's anonymous executable mappings
+// (QEMU's TCG translation cache).
+func jitRSS(t *testing.T, pid int) int64 {
+	t.Helper()
+	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/smaps", pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var n int64
+	jit := false
+	for _, line := range strings.Split(string(data), "\n") {
+		f := strings.Fields(line)
+		switch {
+		case len(f) >= 5 && strings.Contains(f[0], "-") && len(f[1]) == 4:
+			jit = len(f) == 5 && f[1][2] == 'x' && f[1][3] == 'p'
+		case jit && len(f) == 3 && f[0] == "Rss:":
+			kib, _ := strconv.ParseInt(f[1], 10, 64)
+			n += kib << 10
+		}
+	}
+	return n
 }
 
 // swapActive tells whether the host has swap (a pause in place pages out
