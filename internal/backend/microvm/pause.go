@@ -428,6 +428,9 @@ func (b *Backend) Evict(ctx context.Context, h sandbox.Handle) (sandbox.PauseSta
 		os.Remove(state) // still paused in place only
 		return stats, false, fmt.Errorf("%s backend: evict sandbox %s: %w", b.cfg.Name, h.ID, err)
 	}
+	b.mu.Lock()
+	delete(b.working, h.ID) // its new QEMU has another
+	b.mu.Unlock()
 	b.endSnapshotted(ctx, h, pid, state, start, &stats)
 	return stats, true, nil
 }

@@ -395,6 +395,12 @@ func testVMPauseInPlace(t *testing.T, machine string) {
 		t.Fatalf("evict a VM paused in place: %v, evicted %v", err, evicted)
 	}
 	t.Logf("evicted: %+v", stats)
+	b.mu.Lock()
+	_, kept := b.working[h.ID]
+	b.mu.Unlock()
+	if kept {
+		t.Errorf("the working set of an evicted VM's ended QEMU is still kept")
+	}
 	if !ended(qemu) || stoppedInPlace(h) || !paused(h) {
 		t.Fatalf("after evict: QEMU %d ended %v, mark %v, snapshot %v; want a snapshot and no QEMU", qemu, ended(qemu), stoppedInPlace(h), paused(h))
 	}

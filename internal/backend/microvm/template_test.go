@@ -286,6 +286,14 @@ func TestSweepTemplates(t *testing.T) {
 	go func() { cmd.Wait(); close(exited) }()
 	t.Cleanup(func() { cmd.Process.Kill() })
 	os.WriteFile(filepath.Join(left, "qemu.pid"), []byte(strconv.Itoa(cmd.Process.Pid)), 0o600)
+	// Start returns once the exec has begun (its close-on-exec pipe
+	// closed), which is before the kernel sets the new command line: a
+	// sweep at once could read an empty one and leave the process alone.
+	for deadline := time.Now().Add(10 * time.Second); pidfileProcess(left) == 0; time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the left template's process never showed its command line")
+		}
+	}
 	b := &Backend{log: slog.New(slog.DiscardHandler)}
 	b.sweepTemplates(dir)
 	select {
