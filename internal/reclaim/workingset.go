@@ -43,10 +43,11 @@ const (
 )
 
 // Resident reads which anonymous pages of pid's private, accessible
-// mappings (a JIT's code left out) are in memory (/proc/PID/pagemap: present, not a file's; a
-// file's pages come back from the page cache, not from swap). A working set larger
-// than maxBytes is not one worth prefetching (it is most of the process:
-// what a first pause after a boot finds): Resident returns an empty one.
+// mappings (a JIT's code left out) are in memory (/proc/PID/pagemap:
+// present, not a file's; a file's pages come back from the page cache,
+// not from swap). A working set larger than maxBytes is not one worth
+// prefetching (it is most of the process: what a first pause after a
+// boot finds): Resident returns an empty one.
 func Resident(pid int, maxBytes int64) (WorkingSet, error) {
 	maps, err := os.ReadFile(fmt.Sprintf("/proc/%d/maps", pid))
 	if err != nil {
@@ -62,7 +63,7 @@ func Resident(pid int, maxBytes int64) (WorkingSet, error) {
 		scanned uint64
 		buf     = make([]byte, pagemapBatch*8)
 	)
-	for _, m := range accessibleMappings(maps) {
+	for _, m := range privateMappings(maps, notResident) {
 		if scanned += m.Len; scanned > maxScan {
 			return WorkingSet{}, fmt.Errorf("reclaim: working set of %d: more than %d GiB of mappings", pid, maxScan>>30)
 		}
@@ -76,10 +77,7 @@ func Resident(pid int, maxBytes int64) (WorkingSet, error) {
 				if e := binary.LittleEndian.Uint64(buf[i*8:]); e&pmPresent == 0 || e&pmFile != 0 {
 					continue
 				}
-				if !ws.add(addr + i*pageSize) {
-					return WorkingSet{}, nil
-				}
-				if ws.bytes > maxBytes {
+				if !ws.add(addr+i*pageSize) || ws.bytes > maxBytes {
 					return WorkingSet{}, nil
 				}
 			}
@@ -123,17 +121,7 @@ func Prefetch(pid int, w WorkingSet) (int64, error) {
 	return adviseParallel(pidfd, w.ranges, WillNeed)
 }
 
-// accessibleMappings are the private mappings of maps that can hold pages
-// (a mapping with no access, such as a guard or a reservation, holds
-// none), but for a JIT's code (PageOutKeepingJIT keeps it).
-func accessibleMappings(maps []byte) []iovec {
-	var out []iovec
-	for _, line := range strings.Split(string(maps), "\n") {
-		f := strings.Fields(line)
-		if len(f) < 2 || strings.HasPrefix(f[1], "---") {
-			continue
-		}
-		out = append(out, privateMappings([]byte(line), true)...)
-	}
-	return out
-}
+// notResident leaves out of a working set the mappings that hold no pages
+// (no access: a guard, a reservation) and a JIT's code (PageOutKeepingJIT
+// keeps it).
+func notResident(f []string) bool { return strings.HasPrefix(f[1], "---") || isJIT(f) }

@@ -373,11 +373,12 @@ func (b *Backend) pauseInPlace(ctx context.Context, h sandbox.Handle, pid int) (
 	// the guest ran since, and what a resume runs first. On the first
 	// pause after a boot (or a restart of the node), it holds the boot's
 	// code: out it goes, with the rest.
-	pageOut := reclaim.PageOutKeepingJIT
-	if ws.Bytes() == 0 {
-		pageOut = func(pid int) (int64, error) { return reclaim.Process(pid, reclaim.PageOut) }
+	if ws.Bytes() > 0 {
+		_, err = reclaim.PageOutKeepingJIT(pid)
+	} else {
+		_, err = reclaim.Process(pid, reclaim.PageOut)
 	}
-	if _, err := pageOut(pid); err != nil {
+	if err != nil {
 		stats.Method += ": " + err.Error()
 		b.log.Warn("page out the memory of a VM paused in place", "sandbox_id", h.ID, "err", err)
 	}

@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/shoal-sandbox/shoal/internal/agent"
+	"github.com/shoal-sandbox/shoal/internal/reclaim"
 	"github.com/shoal-sandbox/shoal/internal/sandbox"
 	"github.com/shoal-sandbox/shoal/internal/zram"
 )
@@ -325,9 +326,7 @@ func testVMPauseInPlace(t *testing.T, machine string) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		b.mu.Lock()
-		ws := b.working[h.ID]
-		b.mu.Unlock()
+		ws, _ := workingSet(b, h.ID)
 		if round > 0 && swapActive() && ws.Bytes() == 0 {
 			t.Errorf("pause in place %d recorded no working set to prefetch", round+1)
 		}
@@ -360,10 +359,7 @@ func testVMPauseInPlace(t *testing.T, machine string) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		b.mu.Lock()
-		_, kept := b.working[h.ID]
-		b.mu.Unlock()
-		if kept {
+		if _, kept := workingSet(b, h.ID); kept {
 			t.Errorf("the working set of a resumed VM is still kept")
 		}
 		if nh.Data["pid"] != h.Data["pid"] || stoppedInPlace(nh) || status() != "running" {
@@ -395,10 +391,7 @@ func testVMPauseInPlace(t *testing.T, machine string) {
 		t.Fatalf("evict a VM paused in place: %v, evicted %v", err, evicted)
 	}
 	t.Logf("evicted: %+v", stats)
-	b.mu.Lock()
-	_, kept := b.working[h.ID]
-	b.mu.Unlock()
-	if kept {
+	if _, kept := workingSet(b, h.ID); kept {
 		t.Errorf("the working set of an evicted VM's ended QEMU is still kept")
 	}
 	if !ended(qemu) || stoppedInPlace(h) || !paused(h) {
@@ -450,6 +443,14 @@ func cpuTicks(t *testing.T, pid int, d time.Duration) int64 {
 	before := read()
 	time.Sleep(d)
 	return read() - before
+}
+
+// workingSet is the working set b keeps for sandbox id, if any.
+func workingSet(b *Backend, id string) (reclaim.WorkingSet, bool) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	ws, ok := b.working[id]
+	return ws, ok
 }
 
 // jitRSS is the resident memory of pid's anonymous executable mappings
