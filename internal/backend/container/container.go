@@ -264,6 +264,9 @@ type Backend struct {
 	poolDir      string
 	prefetch     bool // Config.ResumePrefetch
 	log          *slog.Logger
+	// releaseFreezer thaws and removes the frozen group held for the
+	// backend's life (holdFreezer).
+	releaseFreezer func()
 
 	// filter is a sealed memfd holding the compiled seccomp program that
 	// every agent installs (seccomp.go); nil when runc loads the profile.
@@ -377,6 +380,9 @@ func New(cfg Config) (*Backend, error) {
 			cfg.Log.Warn("container backend: sandboxes run without user namespaces (sandbox root is host root)", "err", err)
 		}
 	}
+	if b.releaseFreezer, err = b.holdFreezer(); err != nil {
+		cfg.Log.Warn("container backend: no frozen group held: a lone sandbox's pause and resume pay the kernel's freezer switch", "err", err)
+	}
 	if err := b.sweepPool(ctx); err != nil {
 		// What is left is an orphan of an earlier process, not a reason
 		// to stay down: the next start sweeps again.
@@ -434,6 +440,9 @@ func (b *Backend) Close(ctx context.Context) error {
 	}
 	if b.userns != nil {
 		b.userns.close()
+	}
+	if b.releaseFreezer != nil {
+		b.releaseFreezer()
 	}
 	return errors.Join(errs...)
 }

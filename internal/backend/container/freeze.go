@@ -106,6 +106,42 @@ func (b *Backend) freezer(runcID string) (cgroupFreezer, error) {
 	return cgroupFreezer{}, fmt.Errorf("no cgroup freezer on this host: %w", sandbox.ErrUnsupported)
 }
 
+// holdFreezer makes an empty group of the v1 freezer hierarchy beside the
+// sandboxes' parent ("shoal-frozen" for "shoal") and keeps it frozen for
+// the backend's life; release thaws and removes it. The kernel keeps a
+// static key on while any v1 group is frozen and turns it off when the
+// last one thaws, and each turn patches kernel code on every CPU: a lone
+// sandbox's freeze and thaw took 1.8 ms p50 each on a quiet host against
+// 0.05 and 0.02 ms while another group stays frozen (BenchmarkFreezeThaw),
+// and 9 ms p50 (59 ms max) on a loaded one. A host with no v1 freezer
+// (cgroup v2's freezer has no such key) gets a release that does nothing.
+func (b *Backend) holdFreezer() (release func(), err error) {
+	mounts, err := b.cgroupMounts()
+	if err != nil {
+		return func() {}, err
+	}
+	for _, m := range mounts {
+		if m.v2 || !slices.Contains(m.options, "freezer") {
+			continue
+		}
+		f := cgroupFreezer{dir: filepath.Join(m.dir, b.cgroupParent+"-frozen")}
+		if err := os.Mkdir(f.dir, 0o755); err != nil && !errors.Is(err, os.ErrExist) {
+			return func() {}, err
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), freezeTimeout)
+		defer cancel()
+		if err := f.freeze(ctx); err != nil { // empty: frozen at once
+			os.Remove(f.dir)
+			return func() {}, err
+		}
+		return func() {
+			f.thaw()
+			os.Remove(f.dir)
+		}, nil
+	}
+	return func() {}, nil
+}
+
 // freeze asks the kernel to freeze the cgroup and polls until it is. In
 // v1, the cgroup stays FREEZING while some task cannot be frozen yet; each
 // new write of FROZEN tries them again.

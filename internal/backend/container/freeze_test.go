@@ -7,7 +7,9 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -113,5 +115,87 @@ func TestFreezeThaw(t *testing.T) {
 	}
 	if err := b.Freeze(ctx, h); !errors.Is(err, sandbox.ErrNotFound) {
 		t.Errorf("Freeze of a deleted sandbox: %v, want ErrNotFound", err)
+	}
+}
+
+// The backend holds an empty frozen group beside the sandboxes' parent for
+// its life (holdFreezer), and Close thaws and removes it.
+func TestHoldFreezer(t *testing.T) {
+	requireRoot(t)
+	const v1 = "/sys/fs/cgroup/freezer"
+	if !exists(filepath.Join(v1, "cgroup.procs")) {
+		t.Skip("no cgroup v1 freezer hierarchy at " + v1)
+	}
+	parent := fmt.Sprintf("shoal-test-hold-%d", os.Getpid())
+	b := &Backend{cgroupParent: parent}
+	release, err := b.holdFreezer()
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := filepath.Join(v1, parent+"-frozen")
+	if got := readTrim(t, filepath.Join(dir, "freezer.state")); got != "FROZEN" {
+		release()
+		t.Fatalf("held group is %s", got)
+	}
+	release()
+	if _, err := os.Stat(dir); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("held group left after release: %v", err)
+	}
+}
+
+// BenchmarkFreezeThaw times one freeze and one thaw of a group holding a
+// sleeping process, alone (the kernel switches its freezer on and off
+// each time) and while another group stays frozen (holdFreezer).
+//
+//	go test -run '^$' -bench FreezeThaw -benchtime 50x ./internal/backend/container/
+func BenchmarkFreezeThaw(b *testing.B) {
+	requireRoot(b)
+	const v1 = "/sys/fs/cgroup/freezer"
+	if !exists(filepath.Join(v1, "cgroup.procs")) {
+		b.Skip("no cgroup v1 freezer hierarchy at " + v1)
+	}
+	for _, held := range []bool{false, true} {
+		b.Run(map[bool]string{false: "alone", true: "held"}[held], func(b *testing.B) {
+			parent := fmt.Sprintf("shoal-bench-freeze-%d", os.Getpid())
+			be := &Backend{cgroupParent: parent}
+			if held {
+				release, err := be.holdFreezer()
+				if err != nil {
+					b.Fatal(err)
+				}
+				defer release()
+			}
+			f := cgroupFreezer{dir: filepath.Join(v1, parent, "g")}
+			if err := os.MkdirAll(f.dir, 0o755); err != nil {
+				b.Fatal(err)
+			}
+			defer os.Remove(filepath.Dir(f.dir))
+			defer os.Remove(f.dir)
+			sleeper := exec.Command("sleep", "1000")
+			if err := sleeper.Start(); err != nil {
+				b.Fatal(err)
+			}
+			defer sleeper.Wait()
+			defer sleeper.Process.Kill()
+			defer f.thaw()
+			if err := os.WriteFile(filepath.Join(f.dir, "cgroup.procs"), []byte(strconv.Itoa(sleeper.Process.Pid)), 0o644); err != nil {
+				b.Fatal(err)
+			}
+			var freezes, thaws []time.Duration
+			for b.Loop() {
+				t := time.Now()
+				if err := f.freeze(context.Background()); err != nil {
+					b.Fatal(err)
+				}
+				freezes = append(freezes, time.Since(t))
+				t = time.Now()
+				if err := f.thaw(); err != nil {
+					b.Fatal(err)
+				}
+				thaws = append(thaws, time.Since(t))
+			}
+			report(b, "freeze", freezes)
+			report(b, "thaw", thaws)
+		})
 	}
 }
