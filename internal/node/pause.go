@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"time"
 
 	"go.etcd.io/bbolt"
@@ -249,6 +250,7 @@ func (m *Manager) Resume(ctx context.Context, id string) (rec Record, resumed bo
 	start := time.Now()
 	nh, rerr := p.Resume(ctx, h)
 	took := time.Since(start)
+	inPlace := sameHandle(nh, h)
 
 	m.mu.Lock()
 	e.trans = nil
@@ -282,10 +284,17 @@ func (m *Manager) Resume(ctx context.Context, id string) (rec Record, resumed bo
 		e.rec.Pause = &pi
 	}
 	m.touchLocked(e)
-	e.dirty = false
-	stored := e.persisted()
-	if err := boltgroup.Update(m.db, func(tx *bbolt.Tx) error { return putRecord(tx, &stored) }); err != nil {
-		m.log.Error("persist resumed sandbox", "sandbox_id", id, "err", err)
+	if inPlace {
+		// Persisted by the next flush (touchLocked marked it dirty), not
+		// on the way to the request that resumed it: a node that dies
+		// before then finds it paused in the store, and Recover pauses
+		// it again where it is (its handle is the same).
+	} else {
+		e.dirty = false
+		stored := e.persisted()
+		if err := boltgroup.Update(m.db, func(tx *bbolt.Tx) error { return putRecord(tx, &stored) }); err != nil {
+			m.log.Error("persist resumed sandbox", "sandbox_id", id, "err", err)
+		}
 	}
 	m.cfg.Metrics.Resume(e.rec.Backend, took)
 	m.log.Info("sandbox resumed", "sandbox_id", id, "took", took)
@@ -340,4 +349,12 @@ func (m *Manager) autoPause(ids []string) {
 			m.log.Debug("sandbox auto-paused", "sandbox_id", id)
 		}
 	}
+}
+
+// sameHandle tells whether a resume left the sandbox's handle as it was (a
+// container thawed, a VM continued in place) rather than making a new one
+// (a VM restored from its snapshot into a new process).
+func sameHandle(a, b sandbox.Handle) bool {
+	return a.AgentSocket == b.AgentSocket && maps.Equal(a.Data, b.Data) &&
+		(a.IDMap == nil) == (b.IDMap == nil) && (a.IDMap == nil || *a.IDMap == *b.IDMap)
 }

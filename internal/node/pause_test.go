@@ -337,3 +337,81 @@ func TestAutoPause(t *testing.T) {
 		t.Fatalf("sandbox with a running command is %s, want running", rec.State)
 	}
 }
+
+// inPlaceBackend is a pauseBackend whose Resume keeps the handle (a
+// container thawed, a VM continued in place).
+type inPlaceBackend struct{ *pauseBackend }
+
+func (b inPlaceBackend) Resume(ctx context.Context, h sandbox.Handle) (sandbox.Handle, error) {
+	if _, err := b.pauseBackend.Resume(ctx, h); err != nil {
+		return h, err
+	}
+	return h, nil
+}
+
+// TestResumeInPlacePersistedByFlush: a resume that keeps the handle is not
+// persisted on the request's way (one store commit less before the first
+// command) but by the next flush; a node that dies before that finds the
+// sandbox paused in its store and pauses it again where it is, and the
+// next request resumes it. A resume with a new handle is persisted at once
+// (TestPauseResume).
+func TestResumeInPlacePersistedByFlush(t *testing.T) {
+	be := inPlaceBackend{newPauseBackend()}
+	m, db, ids := newTestManagerWith(t, be, Config{}, "/nonexistent/a", "/nonexistent/b")
+	recoverManager(t, m)
+	ctx := context.Background()
+	for _, id := range ids {
+		if _, _, err := m.Pause(ctx, id); err != nil {
+			t.Fatal(err)
+		}
+		if _, resumed, err := m.Resume(ctx, id); err != nil || !resumed {
+			t.Fatalf("resume: %v %v", err, resumed)
+		}
+	}
+	state := func(id string) State {
+		t.Helper()
+		stored, err := loadRecords(db)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, r := range stored {
+			if r.ID == id {
+				return r.State
+			}
+		}
+		t.Fatalf("no record of %s", id)
+		return ""
+	}
+	for _, id := range ids {
+		if got := state(id); got != StatePaused {
+			t.Fatalf("stored %s right after the resume, want paused (not yet flushed)", got)
+		}
+	}
+	// The first sandbox's resume is flushed; the node dies before the
+	// second one's is.
+	m.mu.Lock()
+	m.sandboxes[ids[1]].dirty = false
+	m.mu.Unlock()
+	m.flush()
+	if got := state(ids[0]); got != StateRunning {
+		t.Fatalf("stored %s after a flush, want running", got)
+	}
+	m2, err := New(m.cfg, db, m.layers, []sandbox.Backend{be}, m.log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	recoverManager(t, m2)
+	if rec, _ := m2.Get(ids[0]); rec.State != StateRunning {
+		t.Fatalf("flushed sandbox after restart: %s, want running", rec.State)
+	}
+	rec, _ := m2.Get(ids[1])
+	if stopped, _, _ := be.state(ids[1]); rec.State != StatePaused || !stopped {
+		t.Fatalf("unflushed sandbox after restart: %s stopped=%v, want paused and stopped again", rec.State, stopped)
+	}
+	if _, err := m2.Agent(ids[1]); err != nil {
+		t.Fatal(err)
+	}
+	if stopped, _, _ := be.state(ids[1]); stopped {
+		t.Fatal("not resumed by a request after the restart")
+	}
+}
