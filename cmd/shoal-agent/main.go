@@ -47,6 +47,7 @@ func main() {
 	if os.Getenv("GOMAXPROCS") == "" {
 		runtime.GOMAXPROCS(1)
 	}
+	agent.PaceGCByGrowth()
 
 	if vminit.Active() {
 		runVM(log) // the init of a VM (vm.go)

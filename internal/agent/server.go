@@ -98,6 +98,7 @@ type Server struct {
 
 	active    atomic.Int64 // open connections
 	idleTimer *time.Timer  // fires IdleRelease after active drops to 0; nil if disabled
+	idleSince atomic.Int64 // when idleTimer was last set (monotonic ns since start)
 
 	mu       sync.Mutex
 	cmds     map[string]*command // guarded by mu; running commands by ID
@@ -145,7 +146,7 @@ func NewServer(cfg Config) *Server {
 	s.spawn.idle.Store(cfg.CommandsIdle)
 	if cfg.IdleRelease > 0 {
 		s.idleTimer = time.AfterFunc(time.Hour, func() {
-			if s.active.Load() == 0 {
+			if s.active.Load() == 0 && !s.thawed() {
 				s.releaseMemory()
 			}
 		})
@@ -153,6 +154,26 @@ func NewServer(cfg Config) *Server {
 	}
 	return s
 }
+
+// thawed tells whether the idle timer fired late, long after it was set:
+// the agent was frozen meanwhile (a paused sandbox; the monotonic clock
+// goes on under the freezer). Its pause paged its memory out already, and
+// a release now — a collection walking the whole heap — would read every
+// page of it back in while the request that resumed it waits (measured:
+// the agent's Go runtime was most of a resumed sandbox's first exec).
+func (s *Server) thawed() bool {
+	late := time.Duration(monoNow()-s.idleSince.Load()) - s.cfg.IdleRelease
+	return late > thawedLate
+}
+
+// thawedLate is how late the idle timer must fire to be taken for a thaw:
+// far more than a busy scheduler delays a timer.
+const thawedLate = 5 * time.Second
+
+// monoNow is the monotonic clock, in ns since the process started.
+func monoNow() int64 { return int64(time.Since(processStart)) }
+
+var processStart = time.Now()
 
 // releaseMemory returns all free memory to the OS. Two collections: the
 // first moves bufPool's buffers to its victim cache, the second frees them.
@@ -232,6 +253,7 @@ func (s *Server) serveConn(c net.Conn) {
 	defer func() {
 		c.Close()
 		if s.active.Add(-1) == 0 && s.idleTimer != nil {
+			s.idleSince.Store(monoNow())
 			s.idleTimer.Reset(s.cfg.IdleRelease)
 		}
 	}()
