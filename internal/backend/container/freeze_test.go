@@ -121,11 +121,7 @@ func TestFreezeThaw(t *testing.T) {
 // The backend holds an empty frozen group beside the sandboxes' parent for
 // its life (holdFreezer), and Close thaws and removes it.
 func TestHoldFreezer(t *testing.T) {
-	requireRoot(t)
-	const v1 = "/sys/fs/cgroup/freezer"
-	if !exists(filepath.Join(v1, "cgroup.procs")) {
-		t.Skip("no cgroup v1 freezer hierarchy at " + v1)
-	}
+	v1 := requireFreezerV1(t)
 	parent := fmt.Sprintf("shoal-test-hold-%d", os.Getpid())
 	b := &Backend{cgroupParent: parent}
 	release, err := b.holdFreezer()
@@ -149,11 +145,7 @@ func TestHoldFreezer(t *testing.T) {
 //
 //	go test -run '^$' -bench FreezeThaw -benchtime 50x ./internal/backend/container/
 func BenchmarkFreezeThaw(b *testing.B) {
-	requireRoot(b)
-	const v1 = "/sys/fs/cgroup/freezer"
-	if !exists(filepath.Join(v1, "cgroup.procs")) {
-		b.Skip("no cgroup v1 freezer hierarchy at " + v1)
-	}
+	v1 := requireFreezerV1(b)
 	for _, held := range []bool{false, true} {
 		b.Run(map[bool]string{false: "alone", true: "held"}[held], func(b *testing.B) {
 			parent := fmt.Sprintf("shoal-bench-freeze-%d", os.Getpid())
@@ -198,4 +190,16 @@ func BenchmarkFreezeThaw(b *testing.B) {
 			report(b, "thaw", thaws)
 		})
 	}
+}
+
+// requireFreezerV1 skips unless root and a cgroup v1 freezer hierarchy are
+// there, and returns its mount point.
+func requireFreezerV1(t testing.TB) string {
+	t.Helper()
+	requireRoot(t)
+	const v1 = "/sys/fs/cgroup/freezer"
+	if !exists(filepath.Join(v1, "cgroup.procs")) {
+		t.Skip("no cgroup v1 freezer hierarchy at " + v1)
+	}
+	return v1
 }
