@@ -18,8 +18,9 @@ import (
 // sandbox waited. The runtime has no setting for that period; it skips
 // it when GOGC is off. So GOGC is off, and the memory limit plays its
 // part: after each collection it is set to the memory the runtime holds
-// in use then plus as much as the live heap (at least minGrowth) — GOGC=100's
-// rule, counted on all of the runtime's memory rather than the heap alone.
+// in use then plus as much as the live heap (at least minGrowth):
+// GOGC=100's rule, counted on all of the runtime's memory rather than the
+// heap alone.
 // The idle release (Config.IdleRelease) still collects and returns free
 // memory once the agent has nothing to do.
 //
@@ -38,28 +39,22 @@ func PaceGCByGrowth() {
 // after a collection (GOGC's minimum heap goal is 4 MiB).
 const minGrowth = 4 << 20
 
-var gcSamples = []metrics.Sample{
-	{Name: "/memory/classes/total:bytes"},
-	{Name: "/memory/classes/heap/released:bytes"},
-	{Name: "/memory/classes/heap/free:bytes"},
-	{Name: "/memory/classes/heap/objects:bytes"},
-	{Name: "/gc/heap/live:bytes"},
-}
-
 // setGrowthLimit sets the memory limit to the runtime's memory in use
 // with a heap of live objects only (all it mapped but what it released,
 // its free heap pages, which the limit makes it release when need be, and
 // the objects allocated since the last mark), plus the live heap again,
 // at least minGrowth.
 func setGrowthLimit() {
-	s := make([]metrics.Sample, len(gcSamples))
-	copy(s, gcSamples)
-	metrics.Read(s)
-	var v [5]uint64
-	for i := range v {
-		v[i] = s[i].Value.Uint64()
+	s := []metrics.Sample{
+		{Name: "/memory/classes/total:bytes"},
+		{Name: "/memory/classes/heap/released:bytes"},
+		{Name: "/memory/classes/heap/free:bytes"},
+		{Name: "/memory/classes/heap/objects:bytes"},
+		{Name: "/gc/heap/live:bytes"},
 	}
-	total, released, free, objects, live := v[0], v[1], v[2], v[3], v[4]
+	metrics.Read(s)
+	total, released, free := s[0].Value.Uint64(), s[1].Value.Uint64(), s[2].Value.Uint64()
+	objects, live := s[3].Value.Uint64(), s[4].Value.Uint64()
 	inUse := int64(total-released-free) - int64(objects) + int64(live)
 	debug.SetMemoryLimit(inUse + int64(max(live, minGrowth)))
 }

@@ -3,7 +3,6 @@ package agent
 import (
 	"math"
 	"os"
-	"os/exec"
 	"runtime"
 	"runtime/debug"
 	"testing"
@@ -15,14 +14,7 @@ import (
 // holds, and garbage many times that limit is still collected as it
 // grows, the limit following the live heap.
 func TestPaceGCByGrowth(t *testing.T) {
-	if os.Getenv("SHOAL_TEST_GCPACE") == "" {
-		cmd := exec.Command(os.Args[0], "-test.run=^TestPaceGCByGrowth$", "-test.v")
-		cmd.Env = append(os.Environ(), "SHOAL_TEST_GCPACE=1")
-		out, err := cmd.CombinedOutput()
-		if err != nil {
-			t.Fatalf("%v\n%s", err, out)
-		}
-		t.Logf("%s", out)
+	if !inChildProcess(t, "SHOAL_TEST_GCPACE") {
 		return
 	}
 	os.Unsetenv("GOGC")

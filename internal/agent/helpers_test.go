@@ -271,3 +271,21 @@ func waitFor(t testing.TB, d time.Duration, what string, cond func() bool, why f
 		time.Sleep(5 * time.Millisecond)
 	}
 }
+
+// inChildProcess tells whether this test runs in a child process of its
+// own (env set to 1). If not, it runs the test alone in one, fails with
+// its output if it failed, logs the output, and returns false.
+func inChildProcess(t *testing.T, env string) bool {
+	t.Helper()
+	if os.Getenv(env) == "1" {
+		return true
+	}
+	cmd := exec.Command(os.Args[0], "-test.run=^"+t.Name()+"$", "-test.v")
+	cmd.Env = append(os.Environ(), env+"=1")
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("%v\n%s", err, out)
+	}
+	t.Logf("%s", out)
+	return false
+}

@@ -1,8 +1,6 @@
 package agent
 
 import (
-	"os"
-	"os/exec"
 	"syscall"
 	"testing"
 	"time"
@@ -13,14 +11,7 @@ import (
 // that fork began. Run in a child process of its own: a reaper that reaps
 // every child (wait4(-1)) would take the statuses of other tests'.
 func TestReaperEarlyExit(t *testing.T) {
-	if os.Getenv("SHOAL_REAPER_CHILD") != "1" {
-		cmd := exec.Command(os.Args[0], "-test.run=^TestReaperEarlyExit$", "-test.v")
-		cmd.Env = append(os.Environ(), "SHOAL_REAPER_CHILD=1")
-		out, err := cmd.CombinedOutput()
-		if err != nil {
-			t.Fatalf("%v\n%s", err, out)
-		}
-		t.Logf("%s", out)
+	if !inChildProcess(t, "SHOAL_REAPER_CHILD") {
 		return
 	}
 	r := newReaper(true)

@@ -160,7 +160,7 @@ func NewServer(cfg Config) *Server {
 // goes on under the freezer). Its pause paged its memory out already, and
 // a release now — a collection walking the whole heap — would read every
 // page of it back in while the request that resumed it waits (measured:
-// the agent's Go runtime was most of a resumed sandbox's first exec).
+// the collector was much of the agents' CPU over 200 resumes).
 func (s *Server) thawed() bool {
 	late := time.Duration(monoNow()-s.idleSince.Load()) - s.cfg.IdleRelease
 	return late > thawedLate

@@ -284,12 +284,11 @@ func (m *Manager) Resume(ctx context.Context, id string) (rec Record, resumed bo
 		e.rec.Pause = &pi
 	}
 	m.touchLocked(e)
-	if inPlace {
-		// Persisted by the next flush (touchLocked marked it dirty), not
-		// on the way to the request that resumed it: a node that dies
-		// before then finds it paused in the store, and Recover pauses
-		// it again where it is (its handle is the same).
-	} else {
+	// A resume in place is persisted by the next flush (touchLocked marked
+	// it dirty), not on the way to the request that resumed it: a node
+	// that dies before then finds it paused in the store, and Recover
+	// pauses it again where it is (its handle is the same).
+	if !inPlace {
 		e.dirty = false
 		stored := e.persisted()
 		if err := boltgroup.Update(m.db, func(tx *bbolt.Tx) error { return putRecord(tx, &stored) }); err != nil {

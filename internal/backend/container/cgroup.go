@@ -86,6 +86,9 @@ func (b *Backend) cgroupDirs(id string) ([]string, error) {
 // isV1CPU tells whether m is the cgroup v1 hierarchy of the cpu controller.
 func isV1CPU(m cgroupMount) bool { return !m.v2 && slices.Contains(m.options, "cpu") }
 
+// isV1Freezer tells whether m is the cgroup v1 hierarchy of the freezer.
+func isV1Freezer(m cgroupMount) bool { return !m.v2 && slices.Contains(m.options, "freezer") }
+
 // killCgroup SIGKILLs every task of the sandbox's cgroup, thaws it if it is
 // frozen (frozen tasks do not die) and waits until they have exited. It is
 // faster than `runc delete --force`, which sleeps 100 ms after its SIGKILL.

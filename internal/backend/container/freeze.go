@@ -8,7 +8,6 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"slices"
 	"time"
 
 	"github.com/shoal-sandbox/shoal/internal/sandbox"
@@ -85,7 +84,7 @@ func (b *Backend) freezer(runcID string) (cgroupFreezer, error) {
 	}
 	for _, v2 := range []bool{false, true} {
 		for _, m := range mounts {
-			if m.v2 != v2 || (!v2 && !slices.Contains(m.options, "freezer")) {
+			if m.v2 != v2 || (!v2 && !isV1Freezer(m)) {
 				continue
 			}
 			f := cgroupFreezer{dir: filepath.Join(m.dir, b.cgroupParent, runcID), v2: v2}
@@ -121,7 +120,7 @@ func (b *Backend) holdFreezer() (release func(), err error) {
 		return func() {}, err
 	}
 	for _, m := range mounts {
-		if m.v2 || !slices.Contains(m.options, "freezer") {
+		if !isV1Freezer(m) {
 			continue
 		}
 		f := cgroupFreezer{dir: filepath.Join(m.dir, b.cgroupParent+"-frozen")}
