@@ -64,7 +64,7 @@ func benchCmd() *cobra.Command {
 	var qo bench.QoSOptions
 	qosb := &cobra.Command{
 		Use:   "qos [-n N] [--burners B] [--duration D] [--base REF]",
-		Short: "Exec latency of a latency-sensitive sandbox while best-effort (then latency-sensitive) sandboxes burn every CPU",
+		Short: "Exec latency of a latency-sensitive sandbox while best-effort (then latency-sensitive) sandboxes burn every CPU, beside the host's own fork+exec as the floor",
 		Args:  cobra.NoArgs,
 		RunE:  runBench(func(ctx context.Context, c *shoal.Client) (any, error) { return bench.QoS(ctx, c, qo) }),
 	}

@@ -5,6 +5,7 @@ import (
 	"context"
 	"fmt"
 	"math"
+	"os/exec"
 	"runtime"
 	"strconv"
 	"strings"
@@ -37,6 +38,16 @@ type QoSResult struct {
 	LSBurning  Dist    `json:"ls_exec_with_ls_burners"`
 	RatioBEP99 float64 `json:"ratio_p99_with_be_vs_unloaded"`
 	RatioLSP99 float64 `json:"ratio_p99_with_ls_vs_unloaded"`
+	// The same host's floor: the bench process itself (a host process at
+	// nice 0, no sandbox, no API) runs `true` the way the agent runs a
+	// command (fork and exec from a Go process), interleaved one for one
+	// with the sandbox's execs, alone and beside the best-effort burners.
+	// What the burners cost a process no CPU class can shield: work
+	// the other CPUs do that slows this one (a virtual machine's TLB
+	// flushes that wait for a busy vCPU, shared caches and memory).
+	HostUnloaded   Dist    `json:"host_exec_unloaded"`
+	HostBEBurning  Dist    `json:"host_exec_with_be_burners"`
+	RatioHostBEP99 float64 `json:"ratio_p99_host_with_be_vs_unloaded"`
 	// The burners' work (loop iterations per second, all burners) as
 	// best-effort and as latency-sensitive: how much of the spare CPU
 	// best-effort work keeps while latency-sensitive commands run.
@@ -109,20 +120,35 @@ func QoS(ctx context.Context, c *shoal.Client, o QoSOptions) (*QoSResult, error)
 		return nil, err
 	}
 	defer c.Delete(context.Background(), ls.Id)
-	execs := func() ([]time.Duration, error) {
-		var ds []time.Duration
+	// execs runs o.N execs of `true` in the latency-sensitive sandbox, each
+	// followed by one of `true` on the host (the floor; see HostUnloaded),
+	// and returns both latencies. With a deadline (the burners' end), an
+	// exec that ends after it is an error: it did not run beside them.
+	truePath, err := exec.LookPath("true")
+	if err != nil {
+		return nil, fmt.Errorf("the host baseline needs true(1): %w", err)
+	}
+	execs := func(deadline time.Time) (sbx, host []time.Duration, err error) {
 		for i := 0; i < o.N; i++ {
 			t0 := time.Now()
 			st, err := c.Exec(ctx, ls.Id, shoal.ExecOptions{Args: []string{"true"}})
 			if err != nil {
-				return nil, err
+				return nil, nil, err
 			}
 			if st.Code != 0 {
-				return nil, fmt.Errorf("true exited %d", st.Code)
+				return nil, nil, fmt.Errorf("true exited %d", st.Code)
 			}
-			ds = append(ds, time.Since(t0))
+			sbx = append(sbx, time.Since(t0))
+			t0 = time.Now()
+			if err := exec.Command(truePath).Run(); err != nil {
+				return nil, nil, fmt.Errorf("host true: %w", err)
+			}
+			host = append(host, time.Since(t0))
 		}
-		return ds, nil
+		if !deadline.IsZero() && time.Now().After(deadline) {
+			return nil, nil, fmt.Errorf("%d execs outlasted the burners' %v: give a longer --duration or a smaller -n", o.N, o.Duration)
+		}
+		return sbx, host, nil
 	}
 	// The burners of both classes are made first, so that no create (nor
 	// the warm pool refilling after them) runs during a measurement.
@@ -143,19 +169,19 @@ func QoS(ctx context.Context, c *shoal.Client, o QoSOptions) (*QoSResult, error)
 			sets[qos] = append(sets[qos], sb.Id)
 		}
 	}
-	time.Sleep(15 * time.Second)       // the pool's urgent refill (10 s) is over
-	if _, err := execs(); err != nil { // warm-up
+	time.Sleep(15 * time.Second)                     // the pool's urgent refill (10 s) is over
+	if _, _, err := execs(time.Time{}); err != nil { // warm-up
 		return nil, err
 	}
 	s0, err := snapCPU(ctx, c)
 	if err != nil {
 		return nil, err
 	}
-	unloaded, err := execs()
+	unloaded, hostUnloaded, err := execs(time.Time{})
 	if err != nil {
 		return nil, err
 	}
-	res.Unloaded = dist(unloaded)
+	res.Unloaded, res.HostUnloaded = dist(unloaded), dist(hostUnloaded)
 	// The spare CPU over at least 3 s (the execs are done by then or not).
 	time.Sleep(time.Until(s0.at.Add(3 * time.Second)))
 	s1, err := snapCPU(ctx, c)
@@ -165,13 +191,14 @@ func QoS(ctx context.Context, c *shoal.Client, o QoSOptions) (*QoSResult, error)
 	busy := float64(s1.host-s0.host) / float64(s1.at.Sub(s0.at).Microseconds())
 	res.SpareCPUs = math.Round(max(float64(res.CPUs)-busy, 0)*100) / 100
 	// burn runs the burners of a class for o.Duration while the
-	// latency-sensitive sandbox runs its execs; it returns their latency
-	// and the burners' iterations per second.
-	burn := func(qos string) ([]time.Duration, float64, float64, error) {
+	// latency-sensitive sandbox runs its execs (and the host its own); it
+	// returns their latencies, the burners' iterations per second and
+	// the CPUs they used.
+	burn := func(qos string) (sbx, host []time.Duration, work, cpus float64, err error) {
 		ids := sets[qos]
 		b0, err := snapCPU(ctx, c)
 		if err != nil {
-			return nil, 0, 0, err
+			return nil, nil, 0, 0, err
 		}
 		secs := int(math.Ceil(o.Duration.Seconds()))
 		script := fmt.Sprintf(`n=0; trap 'echo $n; exit 0' TERM; (sleep %d; kill -TERM $$) & while :; do n=$((n+1)); done`, secs)
@@ -191,41 +218,41 @@ func QoS(ctx context.Context, c *shoal.Client, o QoSOptions) (*QoSResult, error)
 			}()
 		}
 		time.Sleep(o.Duration / 5) // the burners are burning
-		d, err := execs()
+		sbx, host, err = execs(b0.at.Add(o.Duration))
 		wg.Wait()
 		if err != nil {
-			return nil, 0, 0, err
+			return nil, nil, 0, 0, err
 		}
 		b1, err := snapCPU(ctx, c)
 		if err != nil {
-			return nil, 0, 0, err
+			return nil, nil, 0, 0, err
 		}
 		var total int64
 		for i := range counts {
 			if errs[i] != nil {
-				return nil, 0, 0, fmt.Errorf("burner: %w", errs[i])
+				return nil, nil, 0, 0, fmt.Errorf("burner: %w", errs[i])
 			}
 			total += counts[i]
 		}
-		return d, float64(total) / float64(secs), cpusBetween(b0, b1, ids), nil
+		return sbx, host, float64(total) / float64(secs), cpusBetween(b0, b1, ids), nil
 	}
 	// Alternating rounds (be, ls, ls, be), so that a host whose load
 	// drifts during the run favours neither class.
-	var beD, lsD []time.Duration
+	var beD, beHost, lsD []time.Duration
 	var beW, lsW, beC, lsC float64
 	for _, qos := range []string{"be", "ls", "ls", "be"} {
-		d, w, cpus, err := burn(qos)
+		d, host, w, cpus, err := burn(qos)
 		if err != nil {
 			return nil, err
 		}
 		if qos == "be" {
-			beD, beW, beC = append(beD, d...), beW+w/2, beC+cpus/2
+			beD, beHost, beW, beC = append(beD, d...), append(beHost, host...), beW+w/2, beC+cpus/2
 		} else {
 			lsD, lsW, lsC = append(lsD, d...), lsW+w/2, lsC+cpus/2
 		}
 	}
 	res.BECPUs, res.LSCPUs = math.Round(beC*100)/100, math.Round(lsC*100)/100
-	res.BEBurning, res.LSBurning = dist(beD), dist(lsD)
+	res.BEBurning, res.LSBurning, res.HostBEBurning = dist(beD), dist(lsD), dist(beHost)
 	res.BEWorkRate, res.LSWorkRate = math.Round(beW), math.Round(lsW)
 	ratio := func(a, b float64) float64 {
 		if b == 0 {
@@ -235,6 +262,7 @@ func QoS(ctx context.Context, c *shoal.Client, o QoSOptions) (*QoSResult, error)
 	}
 	res.RatioBEP99 = ratio(res.BEBurning.P99, res.Unloaded.P99)
 	res.RatioLSP99 = ratio(res.LSBurning.P99, res.Unloaded.P99)
+	res.RatioHostBEP99 = ratio(res.HostBEBurning.P99, res.HostUnloaded.P99)
 	res.BEWorkKept = ratio(res.BEWorkRate, res.LSWorkRate)
 	res.BECPUOfSpare = ratio(beC, res.SpareCPUs)
 	return res, nil
