@@ -48,6 +48,10 @@ const maxUnacked = 1 << 20
 // durableChunk is the largest record a durable command's output is read in.
 const durableChunk = 256 << 10
 
+// durableFirstRead is the size of a durable command's first read of each
+// output stream; reads that fill it double it, up to durableChunk.
+const durableFirstRead = 4 << 10
+
 type outRec struct {
 	typ  byte
 	data []byte
@@ -229,11 +233,18 @@ func (s *Server) collect(d *durable, files [3]*os.File) {
 			if rc, err := f.SyscallConn(); err == nil {
 				rc.Control(func(fd uintptr) { unix.FcntlInt(fd, unix.F_SETPIPE_SZ, durableChunk) })
 			}
-			buf := make([]byte, durableChunk)
+			// The buffer starts small and doubles while reads fill it:
+			// most commands print little, and a fresh 256 KiB per stream
+			// was most of what an exec allocated (its pages faulted in
+			// and zeroed on the way to a resumed sandbox's first exec).
+			buf := make([]byte, durableFirstRead)
 			for {
 				n, err := f.Read(buf)
 				if n > 0 {
 					d.add(typ, buf[:n])
+				}
+				if n == len(buf) && len(buf) < durableChunk {
+					buf = make([]byte, min(2*len(buf), durableChunk))
 				}
 				if err != nil {
 					return

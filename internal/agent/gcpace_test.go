@@ -66,3 +66,41 @@ func TestIdleReleaseSkippedAfterThaw(t *testing.T) {
 		t.Fatal("a timer firing long after it was set not taken for a thaw")
 	}
 }
+
+// The idle release is skipped while the agent allocated little since the
+// last one (a resumed sandbox's first command: a release then would read
+// its whole swapped-out heap back in to return a few KiB), and made once
+// it allocated releaseMinAlloc. In a child process: nothing else allocates
+// there meanwhile.
+func TestIdleReleaseNeedsAllocation(t *testing.T) {
+	if !inChildProcess(t, "SHOAL_TEST_IDLE_RELEASE") {
+		return
+	}
+	s := NewServer(Config{IdleRelease: time.Second})
+	allocate := func(n int) {
+		for range n / (64 << 10) {
+			keep = make([]byte, 64<<10)
+		}
+	}
+	release := func() bool {
+		s.idleSince.Store(monoNow() - int64(time.Second)) // on time
+		return s.idleRelease()
+	}
+	allocate(releaseMinAlloc + 64<<10)
+	if !release() {
+		t.Fatalf("not released after %d bytes allocated", s.allocatedSinceRelease())
+	}
+	if s.allocatedSinceRelease() >= releaseMinAlloc {
+		t.Fatal("the release did not record where it left the heap")
+	}
+	allocate(64 << 10) // a few commands' worth
+	if release() {
+		t.Fatal("released after 64 KiB allocated")
+	}
+	allocate(releaseMinAlloc)
+	if !release() {
+		t.Fatalf("not released after %d bytes allocated", s.allocatedSinceRelease())
+	}
+}
+
+var keep []byte

@@ -214,3 +214,25 @@ func (l *memLogger) String() string {
 	defer l.mu.Unlock()
 	return l.buf.String()
 }
+
+// A short command allocates little in the agent (client and server here,
+// in one process): each stream of a durable command is read into a
+// buffer that starts small and grows only while the command fills it.
+// Reading into a fresh 256 KiB per stream made an exec allocate ~540 KiB,
+// every page of it faulted in and zeroed on the way to a resumed
+// sandbox's first exec. In a child process: nothing else allocates there.
+func TestExecAllocatesLittle(t *testing.T) {
+	if !inChildProcess(t, "SHOAL_TEST_EXEC_ALLOCS") {
+		return
+	}
+	c := startAgent(t)
+	runDurable(t, c, 20, 1, true)
+	before := heapAllocs()
+	const n = 100
+	runDurable(t, c, n, 1, true)
+	per := (heapAllocs() - before) / n
+	t.Logf("%d bytes allocated per command (client and server)", per)
+	if per > 64<<10 {
+		t.Errorf("%d KiB allocated per command, want at most 64", per>>10)
+	}
+}
