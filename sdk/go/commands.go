@@ -95,7 +95,7 @@ func (c *Client) Exec(ctx context.Context, sandboxID string, o ExecOptions) (Exi
 	}
 	done, err := c.consume(stream, &st, onStart, o.Stdout, o.Stderr)
 	stream.Close()
-	if done || st.CommandID == "" {
+	if done || st.CommandID == "" || !streamBroke(err) {
 		return st, err
 	}
 	// The stream broke after the command started: re-connect from where we
@@ -107,7 +107,7 @@ func (c *Client) Exec(ctx context.Context, sandboxID string, o ExecOptions) (Exi
 			rst.CommandID, rst.Replayed = st.CommandID, st.Replayed
 			return rst, nil
 		}
-		if ce := new(connect.Error); errors.As(err, &ce) && ce.Code() != connect.CodeUnavailable && ce.Code() != connect.CodeUnknown && ce.Code() != connect.CodeInternal {
+		if !streamBroke(err) {
 			return st, err
 		}
 		time.Sleep(time.Duration(attempt) * 200 * time.Millisecond)
@@ -116,6 +116,23 @@ func (c *Client) Exec(ctx context.Context, sandboxID string, o ExecOptions) (Exi
 		return st, ctx.Err()
 	}
 	return st, err
+}
+
+// streamBroke tells a stream that broke (the connection, the server going
+// away: attach again) from one the server ended with an answer (the
+// command's sandbox was killed, the command is unknown, ...), which
+// attaching again would only replace with a worse one: once its sandbox
+// is deleted, a command can no longer be attached to at all.
+func streamBroke(err error) bool {
+	ce := new(connect.Error)
+	if !errors.As(err, &ce) {
+		return true // no status: the stream just ended
+	}
+	switch ce.Code() {
+	case connect.CodeUnavailable, connect.CodeUnknown, connect.CodeInternal:
+		return true
+	}
+	return false
 }
 
 // consume reads a command event stream into the writers and st; it reports
