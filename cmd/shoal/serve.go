@@ -90,6 +90,9 @@ type serveConfig struct {
 	AutoPause time.Duration
 	// PausedTimeout: a sandbox paused this long is deleted.
 	PausedTimeout time.Duration
+	// DeleteBacklog: deleted sandboxes that may wait, frozen, for their
+	// teardown after the delete answered (0: none wait).
+	DeleteBacklog int
 	// ZramSize: the zram swap Shoal sets up for paused sandboxes' memory
 	// ("" or "0": leave the host's swap alone).
 	ZramSize string
@@ -219,6 +222,9 @@ func (c *serveConfig) Validate() error {
 	if c.PausedTimeout < 0 {
 		return fmt.Errorf("--paused-timeout %s: want a duration such as 24h", c.PausedTimeout)
 	}
+	if c.DeleteBacklog < 0 || c.DeleteBacklog > maxDeleteBacklog {
+		return fmt.Errorf("--delete-backlog %d: want 0 (every delete tears down before it answers) up to %d", c.DeleteBacklog, maxDeleteBacklog)
+	}
 	if c.ZramSize != "" {
 		if _, err := parseBytes(c.ZramSize); err != nil {
 			return fmt.Errorf("--zram-size %q: %w", c.ZramSize, err)
@@ -235,6 +241,10 @@ func (c *serveConfig) Validate() error {
 	}
 	return nil
 }
+
+// maxDeleteBacklog bounds --delete-backlog: what a backlog holds (memory,
+// disks, user namespace ranges) is not counted by admission.
+const maxDeleteBacklog = 4096
 
 // pidsMax is --pids-budget: the bound of all sandboxes' tasks together
 // (pids.max of their parent cgroup), 0 for none.
@@ -260,7 +270,10 @@ func (c *serveConfig) pidsMax() (int64, error) {
 // parsed, "auto" budgets computed from the host.
 func (c *serveConfig) nodeConfig() (node.Config, error) {
 	nc := node.Config{DataDir: c.DataDir, AgentBinary: c.Agent, CommitMaxBytes: c.CommitMaxBytes, PidsLimit: c.PidsLimit,
-		AutoPause: c.AutoPause, PausedTimeout: c.PausedTimeout}
+		AutoPause: c.AutoPause, PausedTimeout: c.PausedTimeout, DeleteBacklog: c.DeleteBacklog}
+	if c.DeleteBacklog == 0 {
+		nc.DeleteBacklog = -1 // node.Config's 0 is its default
+	}
 	if c.MemoryOvercommit < 0 || c.CPUOvercommit < 0 {
 		return nc, fmt.Errorf("--memory-overcommit and --cpu-overcommit must not be negative")
 	}
@@ -411,6 +424,7 @@ func serveCmd() *cobra.Command {
 	cmd.Flags().StringVar(&cfg.LayerStore.CacheMaxArg, "lazy-cache-max", "20G", "bytes of lazily fetched chunks kept on disk (DATA/layers/lazy-cache, LRU)")
 	cmd.Flags().DurationVar(&cfg.LayerStore.FetchTimeout, "lazy-fetch-timeout", 30*time.Second, "a chunk the store does not deliver within this (retries included) fails its read with EIO")
 	cmd.Flags().StringVar(&cfg.LayerStore.ChunkSizeArg, "lazy-chunk-size", "16K", "chunk size of the digest lists push writes (lazy fetches use the size a layer was pushed with)")
+	cmd.Flags().IntVar(&cfg.DeleteBacklog, "delete-backlog", node.DefaultDeleteBacklog, "deleted sandboxes that may wait, frozen, for their teardown after the delete answered (it runs when creates pause); 0: every delete tears down before it answers")
 	cmd.Flags().DurationVar(&cfg.AutoPause, "auto-pause", 0, "pause sandboxes idle this long (no request, no running command) and reclaim their memory; 0: never; a create's auto_pause_seconds overrides it")
 	cmd.Flags().DurationVar(&cfg.PausedTimeout, "paused-timeout", 24*time.Hour, "delete sandboxes paused this long (a paused sandbox's idle timeout is suspended)")
 	cmd.Flags().StringVar(&cfg.ZramSize, "zram-size", "0", "set up a zram swap device of this size (e.g. 8GiB) for the memory of paused sandboxes, unless a zram swap is active already; 0: leave the host's swap alone")

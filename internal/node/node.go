@@ -84,6 +84,10 @@ type Config struct {
 	// IDPrefix: the first characters of every sandbox ID this node makes,
 	// naming the node in a cluster (cluster.go); "": none.
 	IDPrefix string
+	// DeleteBacklog: how many deleted sandboxes may wait, frozen, for
+	// their teardown after the delete was answered (reap.go); 0 means
+	// DefaultDeleteBacklog, negative: every delete tears down first.
+	DeleteBacklog int
 }
 
 // Disk sizes.
@@ -172,6 +176,9 @@ func (c *Config) Validate() error {
 	if c.CommitMaxBytes < 0 {
 		return fmt.Errorf("node config: commit max bytes %d is negative", c.CommitMaxBytes)
 	}
+	if c.DeleteBacklog == 0 {
+		c.DeleteBacklog = DefaultDeleteBacklog
+	}
 	return nil
 }
 
@@ -200,6 +207,11 @@ type Manager struct {
 	// lastStallRound: when the last round for memory stalls (PSI) began, in
 	// Unix nanoseconds (pressure.go).
 	lastStallRound atomic.Int64
+
+	// lastCreate: when the last create began, in Unix nanoseconds; the
+	// reaper yields to creates (reap.go).
+	lastCreate atomic.Int64
+	reap       reaper // reap.go
 }
 
 // entry is the in-memory state of one sandbox. Its fields are guarded by
@@ -269,6 +281,7 @@ func New(cfg Config, db *bbolt.DB, layers *layer.Store, backends []sandbox.Backe
 	m.keyLocks = map[string]chan struct{}{}
 	m.admitting = map[string]admission{}
 	m.buckets = map[string]*tenant.Bucket{}
+	m.reap.wake = make(chan struct{}, 1)
 	for _, b := range backends {
 		m.backends[b.Name()] = b
 	}
@@ -463,6 +476,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (rec Record, er
 		}
 	}
 	start := time.Now()
+	m.lastCreate.Store(start.UnixNano())
 	ph := sandbox.StartPhases()
 	defer func() {
 		m.cfg.Metrics.Create(req.Backend, rec.Handle.Data["pooled"] == "true", time.Since(start), errdefs.Code(err))
@@ -781,7 +795,12 @@ func (m *Manager) delete(ctx context.Context, id, reason string) error {
 	rec := e.rec
 	m.mu.Unlock()
 
-	err = m.destroy(ctx, &rec, e.acquired)
+	// Recorded as deleting, then frozen and left to the reaper, or torn
+	// down here (reap.go).
+	err = m.markDeleting(&rec)
+	if err == nil && !m.park(ctx, &rec, e.acquired) {
+		err = m.teardown(ctx, &rec, e.acquired)
+	}
 	m.mu.Lock()
 	if err != nil {
 		e.rec.State = prev
@@ -809,6 +828,9 @@ func (m *Manager) StateCounts() map[[2]string]int {
 	out := map[[2]string]int{}
 	for _, e := range m.sandboxes {
 		out[[2]string{e.rec.Backend, string(e.rec.State)}]++
+	}
+	for _, b := range m.reapBacklog() {
+		out[[2]string{b, string(StateDeleting)}]++
 	}
 	return out
 }
@@ -857,10 +879,25 @@ func (m *Manager) Hold(id string) (release func(), err error) {
 // destroy tears a sandbox down; it is also used by Recover for sandboxes
 // left half-created or half-deleted by a crash.
 func (m *Manager) destroy(ctx context.Context, rec *Record, release bool) error {
+	if err := m.markDeleting(rec); err != nil {
+		return err
+	}
+	return m.teardown(ctx, rec, release)
+}
+
+// markDeleting records the sandbox as deleting: from then on a crash ends
+// in its teardown (Recover), whatever the delete had done.
+func (m *Manager) markDeleting(rec *Record) error {
 	rec.State = StateDeleting
 	if err := boltgroup.Update(m.db, func(tx *bbolt.Tx) error { return putRecord(tx, rec) }); err != nil {
 		return fmt.Errorf("persist sandbox %s: %w", rec.ID, err)
 	}
+	return nil
+}
+
+// teardown removes what a sandbox recorded as deleting holds: its
+// backend's sandbox, its layer mounts (release), its dir and its record.
+func (m *Manager) teardown(ctx context.Context, rec *Record, release bool) error {
 	if be, ok := m.backends[rec.Backend]; ok {
 		if err := be.Delete(ctx, rec.Handle); err != nil {
 			return fmt.Errorf("delete sandbox %s: %w", rec.ID, err)
@@ -1061,6 +1098,7 @@ func (m *Manager) pingAgent(ctx context.Context, id string, ag *agent.Client) (d
 // probes that sandboxes still live.
 func (m *Manager) Run(ctx context.Context) {
 	m.checkRecovered(ctx)
+	defer m.startReaper(ctx)() // reap.go
 	tick := time.NewTicker(time.Second)
 	defer tick.Stop()
 	lastFlush := time.Now()
