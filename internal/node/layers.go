@@ -63,6 +63,7 @@ func (m *Manager) LayerUsage() (layer.Usage, error) {
 // RemoveLayer removes a tag or an unused image (see layer.Store.Remove); an
 // image a sandbox uses is never removed.
 func (m *Manager) RemoveLayer(ref string) (layer.RemoveResult, error) {
+	m.flushDeletes(context.Background()) // their layer mounts, released (reap.go)
 	usage, err := m.LayerUsage()
 	if err != nil {
 		return layer.RemoveResult{}, err
@@ -73,6 +74,7 @@ func (m *Manager) RemoveLayer(ref string) (layer.RemoveResult, error) {
 // GCLayers removes every image no tag, environment or sandbox uses and that
 // is not mounted (see layer.Store.GC).
 func (m *Manager) GCLayers(dryRun bool) (layer.GCResult, error) {
+	m.flushDeletes(context.Background()) // their layer mounts, released (reap.go)
 	usage, err := m.LayerUsage()
 	if err != nil {
 		return layer.GCResult{}, err

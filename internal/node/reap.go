@@ -51,6 +51,9 @@ var (
 
 // reaper holds the deleted sandboxes waiting for their teardown.
 type reaper struct {
+	// run is held by whoever tears down a parked sandbox (the reaper, a
+	// flush), so that a flush also waits for the teardown in flight.
+	run   sync.Mutex
 	mu    sync.Mutex
 	on    bool       // guarded by mu; Run is running: deletes may be parked
 	held  int        // guarded by mu; slots taken (parked, or being parked)
@@ -144,11 +147,7 @@ func (m *Manager) reapLoop(ctx context.Context) {
 	}()
 	for {
 		r.mu.Lock()
-		var it reapItem
 		have := len(r.queue) > 0
-		if have {
-			it = r.queue[0]
-		}
 		half := 2*r.held >= m.cfg.DeleteBacklog
 		r.mu.Unlock()
 		var wait <-chan time.Time
@@ -166,15 +165,42 @@ func (m *Manager) reapLoop(ctx context.Context) {
 			}
 			continue
 		}
-		err := m.reapOne(ctx, &it)
-		r.mu.Lock()
-		r.queue = r.queue[1:]
-		r.held--
-		r.mu.Unlock()
-		if err != nil && ctx.Err() == nil {
-			m.reinstate(it, err)
-		}
+		m.reapNext(ctx)
 	}
+}
+
+// reapNext tears down the oldest parked sandbox, if any, and reports
+// whether there was one.
+func (m *Manager) reapNext(ctx context.Context) bool {
+	r := &m.reap
+	r.run.Lock()
+	defer r.run.Unlock()
+	r.mu.Lock()
+	if len(r.queue) == 0 {
+		r.mu.Unlock()
+		return false
+	}
+	it := r.queue[0]
+	r.mu.Unlock()
+	err := m.reapOne(ctx, &it)
+	r.mu.Lock()
+	r.queue = r.queue[1:]
+	r.held--
+	r.mu.Unlock()
+	if err != nil && ctx.Err() == nil {
+		m.reinstate(it, err)
+	}
+	return true
+}
+
+// flushDeletes tears the backlog down now, and waits for the teardown in
+// flight: what a delete answered is then done on the host too (the layer
+// mounts its sandboxes held are released, for a layer rm or gc).
+func (m *Manager) flushDeletes(ctx context.Context) {
+	for m.reapNext(ctx) {
+	}
+	m.reap.run.Lock()
+	m.reap.run.Unlock()
 }
 
 // reapWait is how long the reaper should still wait for the creates.

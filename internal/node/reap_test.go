@@ -324,3 +324,35 @@ func TestBacklogTornDownAfterRestart(t *testing.T) {
 		t.Fatalf("Get: %v, want not found", err)
 	}
 }
+
+// TestFlushDeletes: a layer rm or gc first tears the backlog down (and
+// waits for the teardown in flight), so that the layers a deleted
+// sandbox held are free for it.
+func TestFlushDeletes(t *testing.T) {
+	old := reapYield
+	reapYield = time.Hour
+	t.Cleanup(func() { reapYield = old })
+	be := newFreezingBackend()
+	m, db, ids := newTestManagerWith(t, be, Config{}, "a", "b")
+	runManager(t, m)
+	m.lastCreate.Store(time.Now().UnixNano()) // the reaper waits an hour
+	for _, id := range ids {
+		if err := m.Delete(context.Background(), id); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if be.isDeleted(ids[0]) || be.isDeleted(ids[1]) {
+		t.Fatal("torn down while the reaper waits")
+	}
+	if _, err := m.GCLayers(true); err != nil {
+		t.Fatal(err)
+	}
+	for _, id := range ids {
+		if _, ok := stored(t, db, id); ok || !be.isDeleted(id) {
+			t.Fatalf("%s not torn down by a layer gc", id)
+		}
+	}
+	if n := len(m.reapBacklog()); n != 0 {
+		t.Fatalf("backlog of %d after a flush", n)
+	}
+}

@@ -91,11 +91,11 @@ func TestDiskLimit(t *testing.T) {
 	if out, code := run(nil, "rm", id); code != 0 {
 		t.Fatal(out)
 	}
-	if m := mountsUnder(dir); len(m) > 0 {
-		t.Errorf("mounts left after delete: %v", m)
+	if !eventually(func() bool { return len(mountsUnder(dir)) == 0 }) {
+		t.Errorf("mounts left after delete: %v", mountsUnder(dir))
 	}
-	if _, err := os.Stat(filepath.Join(dir, "disk.img")); !os.IsNotExist(err) {
-		t.Errorf("disk image left after delete: %v", err)
+	if !eventually(func() bool { _, err := os.Stat(filepath.Join(dir, "disk.img")); return os.IsNotExist(err) }) {
+		t.Errorf("disk image left after delete")
 	}
 }
 

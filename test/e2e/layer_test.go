@@ -252,7 +252,7 @@ func TestLayerTagsInUseAndGC(t *testing.T) {
 
 	// Once its sandbox is gone, A is collected; B (tagged) stays.
 	shoalOK(t, "rm", sb1)
-	if isMounted(layerMount(dA)) {
+	if !eventually(func() bool { return !isMounted(layerMount(dA)) }) {
 		t.Error("A still mounted after its last sandbox went")
 	}
 	var gc struct {
@@ -700,10 +700,7 @@ func TestUpgradeCostProof(t *testing.T) {
 		shoalOK(t, "rm", id)
 	}
 	// Unmounted by the teardown of the last, which follows its delete.
-	for deadline := time.Now().Add(time.Minute); isMounted(layerMount(oldTk0)) && time.Now().Before(deadline); {
-		time.Sleep(100 * time.Millisecond)
-	}
-	if isMounted(layerMount(oldTk0)) {
+	if !eventually(func() bool { return !isMounted(layerMount(oldTk0)) }) {
 		t.Error("old toolkit still mounted a minute after its last sandbox ended")
 	}
 	// Now unused and untagged: gc removes it, and none of the tagged ones.

@@ -449,8 +449,9 @@ func TestDeleteLeavesNothing(t *testing.T) {
 	// No layer mount is left once no sandbox uses it (other tests may run
 	// sandboxes concurrently, so only check when none is left).
 	if sbs, _ := sdk(t).List(context.Background()); len(sbs) == 0 {
-		if m := mountsUnder(filepath.Join(dataDir, "layers", "mnt")); len(m) != 0 {
-			t.Errorf("layer mounts left: %v", m)
+		mnt := filepath.Join(dataDir, "layers", "mnt")
+		if !eventually(func() bool { return len(mountsUnder(mnt)) == 0 }) {
+			t.Errorf("layer mounts left: %v", mountsUnder(mnt))
 		}
 	}
 }
@@ -640,7 +641,7 @@ func TestDeadAgentMarksSandboxError(t *testing.T) {
 	if out, code := run(nil, "rm", id); code != 0 {
 		t.Fatalf("rm of a dead sandbox: %s", out)
 	}
-	if m := mountsUnder(filepath.Join(dataDir, "sandboxes", id)); len(m) != 0 {
-		t.Errorf("mounts left: %v", m)
+	if dir := filepath.Join(dataDir, "sandboxes", id); !eventually(func() bool { return len(mountsUnder(dir)) == 0 }) {
+		t.Errorf("mounts left: %v", mountsUnder(dir))
 	}
 }
