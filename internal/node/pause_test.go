@@ -370,17 +370,11 @@ func TestResumeInPlacePersistedByFlush(t *testing.T) {
 	}
 	state := func(id string) State {
 		t.Helper()
-		stored, err := loadRecords(db)
-		if err != nil {
-			t.Fatal(err)
+		r, ok := stored(t, db, id) // reap_test.go
+		if !ok {
+			t.Fatalf("no record of %s", id)
 		}
-		for _, r := range stored {
-			if r.ID == id {
-				return r.State
-			}
-		}
-		t.Fatalf("no record of %s", id)
-		return ""
+		return r.State
 	}
 	for _, id := range ids {
 		if got := state(id); got != StatePaused {

@@ -85,10 +85,8 @@ func (b *freezingBackend) isFrozen(id string) bool {
 // runManager recovers m and runs it until the test ends (or stop).
 func runManager(t *testing.T, m *Manager) (stop func()) {
 	t.Helper()
+	recoverManager(t, m)
 	ctx, cancel := context.WithCancel(context.Background())
-	if err := m.Recover(ctx); err != nil {
-		t.Fatal(err)
-	}
 	done := make(chan struct{})
 	go func() { m.Run(ctx); close(done) }()
 	stop = func() { cancel(); <-done }
@@ -248,9 +246,7 @@ func TestDeleteWithoutBacklog(t *testing.T) {
 	t.Run("no run", func(t *testing.T) {
 		be := newFreezingBackend()
 		m, _, ids := newTestManagerWith(t, be, Config{}, "a")
-		if err := m.Recover(context.Background()); err != nil {
-			t.Fatal(err)
-		}
+		recoverManager(t, m)
 		if err := m.Delete(context.Background(), ids[0]); err != nil {
 			t.Fatal(err)
 		}
