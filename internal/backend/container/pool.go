@@ -196,16 +196,25 @@ type PoolStats struct {
 
 // Tuning of the pool; variables so that tests can shorten them.
 var (
-	// yieldFor: while creates keep claiming from a pool that is more than
-	// a quarter full, the filler waits until none came for this long: a
-	// refill costs about as much CPU as the claims it would slow down,
-	// and the pool covers the burst anyway.
+	// yieldFor: while creates keep claiming from a pool that holds more
+	// than a quarter of its target or yieldReserve containers, whichever
+	// is fewer, the filler waits until none came for this long: a refill
+	// costs more CPU than the claims it would slow down, and the pool
+	// covers the burst anyway (a refill that began at a quarter of a pool
+	// of 55 cost a burst of 50 rollouts 12% of its rate).
 	yieldFor     = 250 * time.Millisecond
+	yieldReserve = 2
 	urgentFor    = 10 * time.Second
 	shrinkIdle   = 60 * time.Second
 	shrinkEvery  = 10 * time.Second
 	fillParallel = 2
 )
+
+// holdsSome reports whether a pool of ready containers out of target may
+// wait for the claims to pause before it refills (see yieldFor).
+func holdsSome(ready, target int) bool {
+	return ready > min(target/4, yieldReserve)
+}
 
 // PoolMemberBytes is about what one ready pool container costs: the agent's
 // resident memory (~4 MiB) and the kernel's share (namespaces, cgroups,
@@ -313,9 +322,9 @@ func (p *pool) fill() {
 			limit = p.fillParallel
 		}
 		need := !p.closed && len(p.ready)+p.starting < p.target && p.starting < limit
-		// Claims are coming and the pool still holds plenty: refill after.
+		// Claims are coming and the pool still holds some: refill after.
 		var yield <-chan time.Time
-		if need && !urgent && 4*len(p.ready) > p.target {
+		if need && !urgent && holdsSome(len(p.ready), p.target) {
 			if wait := p.lastClaim.Add(p.yieldFor).Sub(now); wait > 0 {
 				need, yield = false, time.After(wait)
 				p.stats.Yields++

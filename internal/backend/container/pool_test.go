@@ -631,6 +631,23 @@ func TestPoolYieldsToClaims(t *testing.T) {
 	}
 }
 
+// TestPoolHoldsSome: the filler waits for a burst of claims to pause while
+// the pool holds more than a quarter of its target or 2, whichever is
+// fewer: a pool of 55 covers a burst of 50 without refilling under it.
+func TestPoolHoldsSome(t *testing.T) {
+	for _, c := range []struct {
+		ready, target int
+		want          bool
+	}{
+		{55, 55, true}, {14, 55, true}, {3, 55, true}, {2, 55, false}, {0, 55, false},
+		{2, 4, true}, {1, 4, false}, {1, 1, true}, {0, 1, false},
+	} {
+		if got := holdsSome(c.ready, c.target); got != c.want {
+			t.Errorf("holdsSome(%d ready of %d) = %v, want %v", c.ready, c.target, got, c.want)
+		}
+	}
+}
+
 // TestPoolClaimNotAnswered: a pool member whose agent never answers the
 // claim (stopped, as a hung or starved agent would be) costs the create at
 // most claimTimeout: the member is destroyed with all it had (bundle, dir,
