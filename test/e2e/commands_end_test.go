@@ -33,12 +33,8 @@ func agentOf(t *testing.T, id string) *agent.Client {
 // waitFor polls cond until it holds, failing the test after timeout.
 func waitFor(t *testing.T, timeout time.Duration, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(timeout)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %v waiting for %s", timeout, what)
-		}
-		time.Sleep(10 * time.Millisecond)
+	if !eventually(timeout, cond) {
+		t.Fatalf("timed out after %v waiting for %s", timeout, what)
 	}
 }
 

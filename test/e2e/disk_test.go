@@ -91,10 +91,10 @@ func TestDiskLimit(t *testing.T) {
 	if out, code := run(nil, "rm", id); code != 0 {
 		t.Fatal(out)
 	}
-	if !eventually(func() bool { return len(mountsUnder(dir)) == 0 }) {
+	if !eventually(teardownTimeout, func() bool { return len(mountsUnder(dir)) == 0 }) {
 		t.Errorf("mounts left after delete: %v", mountsUnder(dir))
 	}
-	if !eventually(func() bool { _, err := os.Stat(filepath.Join(dir, "disk.img")); return os.IsNotExist(err) }) {
+	if !eventually(teardownTimeout, func() bool { _, err := os.Stat(filepath.Join(dir, "disk.img")); return os.IsNotExist(err) }) {
 		t.Errorf("disk image left after delete")
 	}
 }

@@ -252,7 +252,7 @@ func TestLayerTagsInUseAndGC(t *testing.T) {
 
 	// Once its sandbox is gone, A is collected; B (tagged) stays.
 	shoalOK(t, "rm", sb1)
-	if !eventually(func() bool { return !isMounted(layerMount(dA)) }) {
+	if !eventually(teardownTimeout, func() bool { return !isMounted(layerMount(dA)) }) {
 		t.Error("A still mounted after its last sandbox went")
 	}
 	var gc struct {
@@ -700,7 +700,7 @@ func TestUpgradeCostProof(t *testing.T) {
 		shoalOK(t, "rm", id)
 	}
 	// Unmounted by the teardown of the last, which follows its delete.
-	if !eventually(func() bool { return !isMounted(layerMount(oldTk0)) }) {
+	if !eventually(teardownTimeout, func() bool { return !isMounted(layerMount(oldTk0)) }) {
 		t.Error("old toolkit still mounted a minute after its last sandbox ended")
 	}
 	// Now unused and untagged: gc removes it, and none of the tagged ones.

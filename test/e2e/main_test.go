@@ -318,18 +318,21 @@ func copyFile(src, dst string, mode os.FileMode) error {
 	return os.WriteFile(dst, b, mode)
 }
 
-// eventually polls cond every 50 ms for up to a minute and reports whether
-// it held: a delete answers before the sandbox's teardown (the node's
-// reaper does it once no create is in flight), so what it leaves on the
-// host is gone soon after, not at once.
-func eventually(cond func() bool) bool {
-	for deadline := time.Now().Add(time.Minute); !cond(); time.Sleep(50 * time.Millisecond) {
+// eventually polls cond every 10 ms for up to timeout and reports whether
+// it held (waitFor fails the test instead).
+func eventually(timeout time.Duration, cond func() bool) bool {
+	for deadline := time.Now().Add(timeout); !cond(); time.Sleep(10 * time.Millisecond) {
 		if time.Now().After(deadline) {
 			return false
 		}
 	}
 	return true
 }
+
+// teardownTimeout bounds the wait for what a delete leaves on the host: a
+// delete answers before the sandbox's teardown (the node's reaper does it
+// once no create is in flight), so that is gone soon after, not at once.
+const teardownTimeout = time.Minute
 
 // run runs the shoal CLI and returns its combined output and exit code.
 func run(stdin []byte, args ...string) (string, int) {

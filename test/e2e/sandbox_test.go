@@ -413,7 +413,7 @@ func TestDeleteLeavesNothing(t *testing.T) {
 	<-held
 	// Then the reaper tears it down: nothing is left.
 	var left []string
-	for deadline := time.Now().Add(time.Minute); ; time.Sleep(100 * time.Millisecond) {
+	eventually(teardownTimeout, func() bool {
 		left = nil
 		if m := mountsUnder(dir); len(m) != 0 {
 			left = append(left, "mounts left: "+strings.Join(m, ", "))
@@ -433,10 +433,8 @@ func TestDeleteLeavesNothing(t *testing.T) {
 		if !strings.Contains(string(out), "does not exist") {
 			left = append(left, "runc still knows the container: "+string(out))
 		}
-		if len(left) == 0 || time.Now().After(deadline) {
-			break
-		}
-	}
+		return len(left) == 0
+	})
 	for _, l := range left {
 		t.Error(l)
 	}
@@ -450,7 +448,7 @@ func TestDeleteLeavesNothing(t *testing.T) {
 	// sandboxes concurrently, so only check when none is left).
 	if sbs, _ := sdk(t).List(context.Background()); len(sbs) == 0 {
 		mnt := filepath.Join(dataDir, "layers", "mnt")
-		if !eventually(func() bool { return len(mountsUnder(mnt)) == 0 }) {
+		if !eventually(teardownTimeout, func() bool { return len(mountsUnder(mnt)) == 0 }) {
 			t.Errorf("layer mounts left: %v", mountsUnder(mnt))
 		}
 	}
@@ -641,7 +639,7 @@ func TestDeadAgentMarksSandboxError(t *testing.T) {
 	if out, code := run(nil, "rm", id); code != 0 {
 		t.Fatalf("rm of a dead sandbox: %s", out)
 	}
-	if dir := filepath.Join(dataDir, "sandboxes", id); !eventually(func() bool { return len(mountsUnder(dir)) == 0 }) {
+	if dir := filepath.Join(dataDir, "sandboxes", id); !eventually(teardownTimeout, func() bool { return len(mountsUnder(dir)) == 0 }) {
 		t.Errorf("mounts left: %v", mountsUnder(dir))
 	}
 }
