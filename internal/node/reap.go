@@ -194,13 +194,12 @@ func (m *Manager) reapNext(ctx context.Context) bool {
 }
 
 // flushDeletes tears the backlog down now, and waits for the teardown in
-// flight: what a delete answered is then done on the host too (the layer
-// mounts its sandboxes held are released, for a layer rm or gc).
+// flight (reapNext takes its lock first): what a delete answered is then
+// done on the host too (the layer mounts its sandboxes held are released,
+// for a layer rm or gc).
 func (m *Manager) flushDeletes(ctx context.Context) {
 	for m.reapNext(ctx) {
 	}
-	m.reap.run.Lock()
-	m.reap.run.Unlock()
 }
 
 // reapWait is how long the reaper should still wait for the creates.
