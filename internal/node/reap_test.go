@@ -89,6 +89,15 @@ func runManager(t *testing.T, m *Manager) (stop func()) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() { m.Run(ctx); close(done) }()
+	// Deletes park their sandboxes once Run has started the reaper (before,
+	// they tear down first).
+	if m.cfg.DeleteBacklog > 0 {
+		waitUntil(t, "the reaper on", 10*time.Second, func() bool {
+			m.reap.mu.Lock()
+			defer m.reap.mu.Unlock()
+			return m.reap.on
+		})
+	}
 	stop = func() { cancel(); <-done }
 	t.Cleanup(stop)
 	return stop
@@ -158,13 +167,11 @@ func TestDeleteDefersTeardown(t *testing.T) {
 		t.Fatalf("%d sandboxes counted as deleting, want 1", n)
 	}
 	close(gate)
-	waitUntil(t, "torn down", 10*time.Second, func() bool {
+	// The reaper takes it off its queue once the teardown returned.
+	waitUntil(t, "torn down and no longer counted as deleting", 10*time.Second, func() bool {
 		_, ok := stored(t, db, id)
-		return be.isDeleted(id) && !ok
+		return be.isDeleted(id) && !ok && m.StateCounts()[[2]string{"fake", string(StateDeleting)}] == 0
 	})
-	if n := m.StateCounts()[[2]string{"fake", string(StateDeleting)}]; n != 0 {
-		t.Fatalf("%d sandboxes counted as deleting after the teardown", n)
-	}
 	if _, err := m.Get(ids[1]); err != nil {
 		t.Fatal(err)
 	}
