@@ -236,6 +236,13 @@ func (c *serveConfig) Validate() error {
 	if c.Agent == "" {
 		return errors.New("shoal-agent not found next to the shoal binary nor in /usr/local/lib/shoal: build it (see README) or pass --agent")
 	}
+	// Bundles and VM images name the agent by this path from elsewhere
+	// (runc resolves a mount source from the bundle directory).
+	abs, err = filepath.Abs(c.Agent)
+	if err != nil {
+		return fmt.Errorf("--agent %q: %w", c.Agent, err)
+	}
+	c.Agent = abs
 	if err := node.CheckAgentBinary(c.Agent); err != nil {
 		return err
 	}
