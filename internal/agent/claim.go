@@ -24,7 +24,7 @@ import (
 // with a claim request:
 //
 //	claim: Q(hostname, env) then one byte carrying the mount fd (SCM_RIGHTS)
-//	       → R | X
+//	       → R(what a ping answers, but the RSS) | X
 //
 // The agent then, in order:
 //
@@ -59,7 +59,6 @@ type claimState struct {
 	mu       sync.Mutex  // serializes claims
 	claimed  atomic.Bool // set once the claim succeeded; read by admit
 	exit     func(code int)
-	then     func()   // called after a successful claim; may be nil
 	lifeline *os.File // see Boot; closed by the watch once claimed
 	// stopR, stopW: a pipe whose write end a successful claim closes, to
 	// end the lifeline watch; -1 without a lifeline.
@@ -93,9 +92,8 @@ func (st *claimState) stopWatch() {
 var claimStates sync.Map // *Server -> *claimState
 
 // AcceptClaims makes s a pooled server: until a claim succeeds it serves
-// only ping and claim. b must be a pooled boot (b.Pooled()). claimed, if
-// not nil, is called once the claim succeeded, before its answer.
-func (s *Server) AcceptClaims(b *Boot, claimed func()) error {
+// only ping and claim. b must be a pooled boot (b.Pooled()).
+func (s *Server) AcceptClaims(b *Boot) error {
 	if b == nil || !b.pooled {
 		return errors.New("accept claims: not a pooled agent")
 	}
@@ -106,7 +104,6 @@ func (s *Server) AcceptClaims(b *Boot, claimed func()) error {
 	if err != nil {
 		return fmt.Errorf("accept claims: %w", err)
 	}
-	st.then = claimed
 	claimStates.Store(s, st)
 	if st.lifeline != nil {
 		go s.watchLifeline(st)
@@ -211,10 +208,8 @@ func (s *Server) claim(c net.Conn, body []byte) {
 		st.exit(1)
 		return
 	}
-	if st.then != nil {
-		st.then()
-	}
-	writeFrame(c, FrameReply, emptyReply)
+	// What the node would ask first (Client.Learn).
+	writeJSONFrame(c, FrameReply, hello())
 }
 
 // recvFD receives the one file descriptor of a claim.

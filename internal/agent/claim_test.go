@@ -19,7 +19,7 @@ func pooledServer(t *testing.T) (*Client, <-chan int) {
 	t.Helper()
 	srv := NewServer(Config{})
 	allow := []unix.SockFilter{{Code: unix.BPF_RET | unix.BPF_K, K: 0x7fff0000}}
-	if err := srv.AcceptClaims(&Boot{pooled: true, seccomp: allow}, nil); err != nil {
+	if err := srv.AcceptClaims(&Boot{pooled: true, seccomp: allow}); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { claimStates.Delete(srv) })
@@ -76,7 +76,7 @@ func TestClaimWithoutMountExits(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer f.Close()
-	err = c.Claim(ctx, int(f.Fd()), ClaimRequest{Hostname: "x", Env: []string{"A=1"}})
+	_, err = c.Claim(ctx, int(f.Fd()), ClaimRequest{Hostname: "x", Env: []string{"A=1"}})
 	if err == nil || !strings.Contains(err.Error(), "attach root") {
 		t.Fatalf("claim with /dev/null: %v", err)
 	}
@@ -94,7 +94,7 @@ func TestClaimBadEnv(t *testing.T) {
 	defer cancel()
 	f, _ := os.Open(os.DevNull)
 	defer f.Close()
-	err := c.Claim(ctx, int(f.Fd()), ClaimRequest{Env: []string{"NOEQUALS"}})
+	_, err := c.Claim(ctx, int(f.Fd()), ClaimRequest{Env: []string{"NOEQUALS"}})
 	if err == nil || !strings.Contains(err.Error(), "environment") {
 		t.Fatalf("claim with a bad env: %v", err)
 	}
@@ -107,7 +107,7 @@ func TestClaimRefusedByColdAgent(t *testing.T) {
 	defer cancel()
 	f, _ := os.Open(os.DevNull)
 	defer f.Close()
-	err := c.Claim(ctx, int(f.Fd()), ClaimRequest{})
+	_, err := c.Claim(ctx, int(f.Fd()), ClaimRequest{})
 	var ae *Error
 	if !errors.As(err, &ae) || ae.Code != CodeUnsupported {
 		t.Errorf("claim of a cold agent: %v", err)

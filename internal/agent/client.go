@@ -157,11 +157,15 @@ func (c *Client) ping(ctx context.Context, release bool) (Info, error) {
 	if err := c.unary(ctx, OpPing, "", wirePingRequest{Release: release}, &rep); err != nil {
 		return Info{}, err
 	}
-	return Info{Version: rep.Version, Protocol: rep.Protocol, Pid: rep.Pid, RSSBytes: rep.RSS, Users: rep.Users, Xattrs: rep.Xattrs, WatchUsers: rep.WatchUsers}, nil
+	return rep.info(), nil
+}
+
+func (rep *wirePingReply) info() Info {
+	return Info{Version: rep.Version, Protocol: rep.Protocol, Pid: rep.Pid, RSSBytes: rep.RSS, Users: rep.Users, Xattrs: rep.Xattrs, WatchUsers: rep.WatchUsers}
 }
 
 // checkProtocol pings the agent once per Client and compares its protocol
-// version with ours.
+// version with ours, unless Learn told it already.
 func (c *Client) checkProtocol(ctx context.Context) error {
 	if c.checked.Load() {
 		return nil
@@ -173,6 +177,21 @@ func (c *Client) checkProtocol(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	return c.learn(info)
+}
+
+// Learn gives the client what the agent said of itself elsewhere (a
+// claim's answer, Client.Claim), so that its first call does not ask
+// again. An Info without a protocol (an older agent's claim) teaches
+// nothing: the first call pings.
+func (c *Client) Learn(info Info) {
+	if info.Protocol != 0 {
+		c.learn(info)
+	}
+}
+
+// learn checks the agent's protocol and records its features.
+func (c *Client) learn(info Info) error {
 	if info.Protocol != ProtocolVersion {
 		why := fmt.Sprintf("the sandbox's agent (version %s) speaks protocol %d, this node speaks %d: "+
 			"the sandbox was created by an incompatible Shoal; delete it and create a new one", info.Version, info.Protocol, ProtocolVersion)

@@ -425,9 +425,14 @@ func (s *Server) ping(c net.Conn, release bool) {
 	if release {
 		s.releaseMemory()
 	}
-	writeJSONFrame(c, FrameReply, wirePingReply{
-		Version: Version, Protocol: ProtocolVersion, Pid: os.Getpid(), RSS: selfRSS(), Users: true, Xattrs: true, WatchUsers: true,
-	})
+	rep := hello()
+	rep.RSS = selfRSS()
+	writeJSONFrame(c, FrameReply, rep)
+}
+
+// hello is what the agent says of itself: a ping's answer, and a claim's.
+func hello() wirePingReply {
+	return wirePingReply{Version: Version, Protocol: ProtocolVersion, Pid: os.Getpid(), Users: true, Xattrs: true, WatchUsers: true}
 }
 
 // selfRSS reads VmRSS from /proc/self/status; -1 if unavailable.

@@ -13,6 +13,7 @@ import (
 	"errors"
 	"time"
 
+	"github.com/shoal-sandbox/shoal/internal/agent"
 	"github.com/shoal-sandbox/shoal/internal/netpolicy"
 )
 
@@ -85,6 +86,12 @@ type Handle struct {
 	// owns as uid u is owned by HostUID+u on the host, in its writable
 	// layer too: a commit shifts the ids back (layer.CommitOptions.IDMap).
 	IDMap *IDMap `json:"idmap,omitempty"`
+	// Agent is what the sandbox's agent said of itself while the backend
+	// created the sandbox (a pooled container's claim), if it did: the
+	// node's client of the agent trusts it instead of pinging the agent on
+	// its first call (agent.Client.Learn). Not stored: a node that
+	// recovers the sandbox asks.
+	Agent *agent.Info `json:"-"`
 }
 
 // IDMap maps the ids 0..Size-1 of a sandbox to HostUID.. and HostGID.. on

@@ -665,7 +665,7 @@ func (b *Backend) claim(ctx context.Context, spec sandbox.Spec, dir string, m *m
 	// A claim takes milliseconds; one that takes seconds will not end
 	// well: the member is destroyed (undo) and the caller tries another.
 	cctx, cancel := context.WithTimeout(ctx, claimTimeout)
-	err = agent.NewClient(sock).Claim(cctx, mfd, agent.ClaimRequest{
+	info, err := agent.NewClient(sock).Claim(cctx, mfd, agent.ClaimRequest{
 		Hostname:   hostname(spec.ID),
 		Env:        sandboxEnv(spec),
 		BestEffort: spec.Resources.BestEffort,
@@ -684,6 +684,7 @@ func (b *Backend) claim(ctx context.Context, spec sandbox.Spec, dir string, m *m
 		ID:          spec.ID,
 		Backend:     Name,
 		AgentSocket: sock,
+		Agent:       &info,
 		Data: handleData(map[string]string{
 			"runc_id": m.id,
 			"bundle":  b.memberBundle(m.id),

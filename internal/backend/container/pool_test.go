@@ -247,6 +247,11 @@ func TestPoolClaim(t *testing.T) {
 	if h.AgentSocket != filepath.Join(b.claimedDir(spec.ID), socketName) {
 		t.Errorf("agent socket %s", h.AgentSocket)
 	}
+	// The claim's answer says what a ping would: the node's client of the
+	// agent need not ask (agent.Client.Learn).
+	if h.Agent == nil || h.Agent.Protocol != agent.ProtocolVersion || !h.Agent.Users || h.Agent.Pid != 1 {
+		t.Errorf("handle's agent info %+v, want protocol %d, users, pid 1", h.Agent, agent.ProtocolVersion)
+	}
 
 	t.Run("root from the layers", func(t *testing.T) {
 		if out, code := run(t, h, "cat /etc/lower-file"); code != 0 || out != "from the lower\n" {
