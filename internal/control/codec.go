@@ -20,16 +20,25 @@ import (
 )
 
 // handlerOptions are the options of every connect handler the API serves:
-// JSON requests are decoded strictly (see strictJSONCodec), no message
-// may be larger than limits.MessageBytes (connect refuses a larger one with
-// resource_exhausted before reading it whole), and every call is counted
-// (metrics.go), authorized and audited (authz.go).
+// baseHandlerOptions, and every call counted (metrics.go), authorized and
+// audited (authz.go).
 func (s *Server) handlerOptions() []connect.HandlerOption {
+	return append(baseHandlerOptions(),
+		connect.WithInterceptors(metricsInterceptor{s.metrics}, authzInterceptor{s})) // authz.go
+}
+
+// baseHandlerOptions are the options of every connect handler of a node's
+// API and of the control plane's: JSON requests are decoded strictly (see
+// strictJSONCodec), no message may be larger than limits.MessageBytes
+// (connect refuses a larger one with resource_exhausted before reading it
+// whole), and an answer is compressed, for a client that accepts it, only
+// from limits.CompressMinBytes on.
+func baseHandlerOptions() []connect.HandlerOption {
 	return []connect.HandlerOption{
 		connect.WithReadMaxBytes(limits.MessageBytes),
 		connect.WithCodec(strictJSONCodec{name: "json"}),
 		connect.WithCodec(strictJSONCodec{name: "json; charset=utf-8"}),
-		connect.WithInterceptors(metricsInterceptor{s.metrics}, authzInterceptor{s}), // authz.go
+		connect.WithCompressMinBytes(limits.CompressMinBytes),
 	}
 }
 

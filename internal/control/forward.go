@@ -115,11 +115,7 @@ func (f *Forwarder) routes() *http.ServeMux {
 		w.Header().Set("Content-Type", "application/json")
 		fmt.Fprintf(w, "{\"status\":\"ok\",\"role\":\"control\",\"nodes\":%d}\n", len(f.dir.Live()))
 	})
-	opts := []connect.HandlerOption{
-		connect.WithReadMaxBytes(limits.MessageBytes),
-		connect.WithCodec(strictJSONCodec{name: "json"}),
-		connect.WithCodec(strictJSONCodec{name: "json; charset=utf-8"}),
-	}
+	opts := baseHandlerOptions()
 	// Counted first (refusals too), then the scopes checked.
 	if f.metrics != nil {
 		opts = append(opts, connect.WithInterceptors(metricsInterceptor{f.metrics}, scopeInterceptor{f}))

@@ -35,8 +35,8 @@ import (
 
 func (s *Server) envdRoutes() http.Handler {
 	mux := http.NewServeMux()
-	mux.Handle(processconnect.NewProcessHandler(&processService{s: s}, connect.WithReadMaxBytes(limits.MessageBytes)))
-	mux.Handle(filesystemconnect.NewFilesystemHandler(&filesystemService{s: s}, connect.WithReadMaxBytes(limits.MessageBytes)))
+	mux.Handle(processconnect.NewProcessHandler(&processService{s: s}, connect.WithReadMaxBytes(limits.MessageBytes), connect.WithCompressMinBytes(limits.CompressMinBytes)))
+	mux.Handle(filesystemconnect.NewFilesystemHandler(&filesystemService{s: s}, connect.WithReadMaxBytes(limits.MessageBytes), connect.WithCompressMinBytes(limits.CompressMinBytes)))
 	mux.HandleFunc("GET /health", func(w http.ResponseWriter, r *http.Request) {
 		// A paused sandbox is not running to E2B's SDK (isRunning() is
 		// false): its health does not resume it.

@@ -28,6 +28,13 @@ const (
 	// body or frame, an E2B REST body is smaller: JSONBodyBytes). Streamed
 	// file bodies are not messages: they are bounded by FileBytes.
 	MessageBytes = 16 << 20
+	// CompressMinBytes: an API answer smaller than this is sent as it is
+	// even to a client that accepts gzip (httpx, curl --compressed and
+	// browsers do; connect compresses every answer by default). A gzip
+	// writer's compressor is several hundred KiB of zeroed memory whenever
+	// its pool lost it: ~8% of serve's CPU under a burst of creates. The
+	// answers are mostly small, the clients near.
+	CompressMinBytes = 64 << 10
 	// JSONBodyBytes bounds a plain JSON request body (E2B's REST API).
 	JSONBodyBytes = 1 << 20
 	// FileBytes bounds one file streamed through the files API or E2B's
