@@ -76,6 +76,13 @@ func main() {
 	// drop spends visiting the extra threads.
 	if boot.Pooled() {
 		prewarmThreads(prewarm)
+		// Then out of every thread's bounding set: the claim needs the
+		// capability effective only (agent.DropBoundingSysAdmin).
+		if err := agent.DropBoundingSysAdmin(); err != nil {
+			log.Warn("boot", "err", err)
+			boot.Ready(err)
+			os.Exit(1)
+		}
 	} else {
 		go prewarmThreads(prewarm)
 	}
