@@ -69,21 +69,8 @@ func main() {
 		os.Exit(1)
 	}
 	// In the background: the first request must not wait for it. A pooled
-	// agent starts them before it reports ready, where the pool's filler
-	// waits, not a create: started at its claim, they cost the claim and
-	// the first command ~4 ms of CPU on a 2-core host (cgroup cpuacct of
-	// the sandbox: claim 8.9 -> 4.3 ms), more than the claim's capability
-	// drop spends visiting the extra threads.
-	if boot.Pooled() {
-		prewarmThreads(prewarm)
-		// Then out of every thread's bounding set: the claim needs the
-		// capability effective only (agent.DropBoundingSysAdmin).
-		if err := agent.DropBoundingSysAdmin(); err != nil {
-			log.Warn("boot", "err", err)
-			boot.Ready(err)
-			os.Exit(1)
-		}
-	} else {
+	// agent starts them before it reports ready (below).
+	if !boot.Pooled() {
 		go prewarmThreads(prewarm)
 	}
 	l, err := agent.Listen(*listen)
@@ -94,6 +81,20 @@ func main() {
 	}
 	srv := agent.NewServer(agent.Config{ReapAll: true, IdleRelease: time.Second, Logger: log, CommandsIdle: boot.CommandsIdle()})
 	if boot.Pooled() {
+		// Where the pool's filler waits, not a create: started at its
+		// claim, they cost the claim and the first command ~4 ms of CPU
+		// on a 2-core host (cgroup cpuacct of the sandbox: claim 8.9 ->
+		// 4.3 ms), more than the claim's capability drop spends visiting
+		// the extra threads. After the server's spawner thread, which the
+		// host then finds among the first (container.spawnerThread).
+		prewarmThreads(prewarm)
+		// Then out of every thread's bounding set: the claim needs the
+		// capability effective only (agent.DropBoundingSysAdmin).
+		if err := agent.DropBoundingSysAdmin(); err != nil {
+			log.Warn("boot", "err", err)
+			boot.Ready(err)
+			os.Exit(1)
+		}
 		if err := srv.AcceptClaims(boot); err != nil {
 			log.Warn("boot", "err", err)
 			boot.Ready(err)
