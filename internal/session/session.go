@@ -1086,10 +1086,25 @@ func (m *Manager) DropSandbox(sandboxID string) {
 	m.mu.Lock()
 	delete(m.ended, sandboxID)
 	m.mu.Unlock()
-	err := m.db.Update(func(tx *bbolt.Tx) error {
-		for _, b := range [][]byte{bucketCommands, bucketTrajectories, bucketShells, bucketPruned} {
-			bk := tx.Bucket(b)
-			cur := bk.Cursor()
+	buckets := [][]byte{bucketCommands, bucketTrajectories, bucketShells, bucketPruned}
+	// A write only when there is something to delete (a read commits
+	// nothing), and in a group commit (boltgroup: one fsync with the
+	// writes of other requests in flight).
+	any := false
+	m.db.View(func(tx *bbolt.Tx) error {
+		for _, b := range buckets {
+			if k, _ := tx.Bucket(b).Cursor().Seek([]byte(prefix)); k != nil && strings.HasPrefix(string(k), prefix) {
+				any = true
+			}
+		}
+		return nil
+	})
+	if !any {
+		return
+	}
+	err := boltgroup.Update(m.db, func(tx *bbolt.Tx) error {
+		for _, b := range buckets {
+			cur := tx.Bucket(b).Cursor()
 			for k, _ := cur.Seek([]byte(prefix)); k != nil && strings.HasPrefix(string(k), prefix); k, _ = cur.Next() {
 				if err := cur.Delete(); err != nil {
 					return err

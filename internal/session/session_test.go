@@ -578,3 +578,41 @@ func TestSandboxKilledIsNotAnExit(t *testing.T) {
 		t.Errorf("info %+v, want lost and killed", in)
 	}
 }
+
+// TestDropSandboxForgetsItsRecords: a deleted sandbox's commands and
+// trajectory steps leave the store, every one of them (a cursor that
+// deletes as it walks), and another sandbox's stay.
+func TestDropSandboxForgetsItsRecords(t *testing.T) {
+	e := newEnv(t)
+	m := e.manager(Config{})
+	for _, id := range []string{"sb1", "sb2"} {
+		p := e.sb.add(id)
+		for i := range 5 {
+			c, _, _ := run(t, m, id, StartRequest{Args: []string{"echo", fmt.Sprint(i)}, Trajectory: "t", Step: int64(i + 1)})
+			waitSettled(t, p, c)
+		}
+	}
+	count := func(id string) (n int) {
+		e.db.View(func(tx *bbolt.Tx) error {
+			for _, b := range [][]byte{bucketCommands, bucketTrajectories, bucketShells, bucketPruned} {
+				cur := tx.Bucket(b).Cursor()
+				for k, _ := cur.Seek([]byte(id + "/")); k != nil && strings.HasPrefix(string(k), id+"/"); k, _ = cur.Next() {
+					n++
+				}
+			}
+			return nil
+		})
+		return n
+	}
+	if count("sb1") < 10 || count("sb2") < 10 {
+		t.Fatalf("records before: %d and %d, want 5 commands and 5 steps each", count("sb1"), count("sb2"))
+	}
+	e.sb.kill(m, "sb1")
+	if n := count("sb1"); n != 0 {
+		t.Errorf("%d records of the deleted sandbox left", n)
+	}
+	if n := count("sb2"); n < 10 {
+		t.Errorf("the other sandbox kept %d records, want 10", n)
+	}
+	m.DropSandbox("sb1") // nothing left: no write
+}
