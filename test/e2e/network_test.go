@@ -292,11 +292,12 @@ func checkAllowedOnly(t *testing.T, what, id, hostEnd, hostPort string, extra ..
 func deleteAndCheckGone(t *testing.T, id, hostIf string) {
 	t.Helper()
 	shoalOK(t, "rm", id)
-	if linkExists(hostIf) {
+	// After the sandbox's teardown, which follows its delete (the reaper).
+	if !eventually(teardownTimeout, func() bool { return !linkExists(hostIf) }) {
 		t.Errorf("link %s of %s left after delete", hostIf, id)
 	}
-	if n := dispatchRules(t, id); n != 0 {
-		t.Errorf("%d dispatch rules of %s left after delete", n, id)
+	if !eventually(teardownTimeout, func() bool { return dispatchRules(t, id) == 0 }) {
+		t.Errorf("%d dispatch rules of %s left after delete", dispatchRules(t, id), id)
 	}
 }
 
