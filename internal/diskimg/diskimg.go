@@ -190,7 +190,9 @@ func (m *Maker) format(ctx context.Context, path string, size, inodes int64) err
 }
 
 // copySparse copies the data extents of src into a new sparse file dst of
-// the given size.
+// the given size, in the kernel (copy_file_range) where it can: a template's
+// data is ~150 KiB, and a user-space buffer for it was most of a pool
+// member's disk (a 256 KiB zeroed allocation each time).
 func copySparse(src, dst string, size int64) error {
 	in, err := os.Open(src)
 	if err != nil {
@@ -207,7 +209,6 @@ func copySparse(src, dst string, size int64) error {
 	}
 	ifd := int(in.Fd())
 	var off int64
-	buf := make([]byte, 256<<10)
 	for off < size {
 		data, err := unix.Seek(ifd, off, unix.SEEK_DATA)
 		if errors.Is(err, unix.ENXIO) {
@@ -223,13 +224,34 @@ func copySparse(src, dst string, size int64) error {
 			return fmt.Errorf("seek hole: %w", err)
 		}
 		hole = min(hole, size)
-		if _, err := io.CopyBuffer(io.NewOffsetWriter(out, data), io.NewSectionReader(in, data, hole-data), buf); err != nil {
+		if err := copyRange(in, out, data, hole-data); err != nil {
 			out.Close()
 			return err
 		}
 		off = hole
 	}
 	return out.Close()
+}
+
+// copyRange copies n bytes at off of in to the same offset of out: by
+// copy_file_range, else (a kernel or file system without it) through a
+// buffer.
+func copyRange(in, out *os.File, off, n int64) error {
+	inOff, outOff := off, off
+	for n > 0 {
+		w, err := unix.CopyFileRange(int(in.Fd()), &inOff, int(out.Fd()), &outOff, int(min(n, 1<<30)), 0)
+		if err != nil {
+			if errors.Is(err, unix.EXDEV) || errors.Is(err, unix.ENOSYS) || errors.Is(err, unix.EOPNOTSUPP) || errors.Is(err, unix.EINVAL) {
+				_, err = io.CopyBuffer(io.NewOffsetWriter(out, inOff), io.NewSectionReader(in, inOff, n), make([]byte, 256<<10))
+			}
+			return err
+		}
+		if w == 0 {
+			return fmt.Errorf("copy %s: %w", in.Name(), io.ErrUnexpectedEOF)
+		}
+		n -= int64(w)
+	}
+	return nil
 }
 
 // Mount attaches the image to a free loop device (autoclear, direct I/O)

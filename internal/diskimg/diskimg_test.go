@@ -1,6 +1,7 @@
 package diskimg
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -208,5 +209,40 @@ func BenchmarkMakeMountUnmount(b *testing.B) {
 		b.ReportMetric(float64(tMake.Microseconds())/float64(n)/1000, "make-ms")
 		b.ReportMetric(float64(tMount.Microseconds())/float64(n)/1000, "mount-ms")
 		b.ReportMetric(float64(tUnmount.Microseconds())/float64(n)/1000, "unmount+rm-ms")
+	}
+}
+
+// TestCopySparse: the copy has the source's data at the same offsets and
+// its holes as holes.
+func TestCopySparse(t *testing.T) {
+	dir := t.TempDir()
+	src, dst := filepath.Join(dir, "src"), filepath.Join(dir, "dst")
+	const size = 64 << 20
+	f, err := os.Create(src)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.Truncate(size)
+	chunks := map[int64][]byte{0: bytes.Repeat([]byte("a"), 5000), 8 << 20: bytes.Repeat([]byte("b"), 300<<10), size - 4096: bytes.Repeat([]byte("c"), 4096)}
+	for off, b := range chunks {
+		if _, err := f.WriteAt(b, off); err != nil {
+			t.Fatal(err)
+		}
+	}
+	f.Close()
+	if err := copySparse(src, dst, size); err != nil {
+		t.Fatal(err)
+	}
+	want, _ := os.ReadFile(src)
+	got, err := os.ReadFile(dst)
+	if err != nil || !bytes.Equal(got, want) {
+		t.Fatalf("copy differs from its source (%d bytes, %v)", len(got), err)
+	}
+	var st unix.Stat_t
+	if err := unix.Stat(dst, &st); err != nil {
+		t.Fatal(err)
+	}
+	if used := st.Blocks * 512; used > 4<<20 {
+		t.Errorf("copy uses %d bytes of %d: its holes were filled", used, size)
 	}
 }
