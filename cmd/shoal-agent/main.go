@@ -64,9 +64,7 @@ func main() {
 	// install it is fatal (see agent.StartBoot).
 	boot, err := agent.StartBoot()
 	if err != nil {
-		log.Warn("boot", "err", err)
-		boot.Ready(err)
-		os.Exit(1)
+		bootFailed(log, boot, "boot", err)
 	}
 	// In the background: the first request must not wait for it. A pooled
 	// agent starts them before it reports ready (below).
@@ -75,9 +73,7 @@ func main() {
 	}
 	l, err := agent.Listen(*listen)
 	if err != nil {
-		log.Warn("listen", "err", err)
-		boot.Ready(err)
-		os.Exit(1)
+		bootFailed(log, boot, "listen", err)
 	}
 	srv := agent.NewServer(agent.Config{ReapAll: true, IdleRelease: time.Second, Logger: log, CommandsIdle: boot.CommandsIdle()})
 	if boot.Pooled() {
@@ -91,14 +87,10 @@ func main() {
 		// Then out of every thread's bounding set: the claim needs the
 		// capability effective only (agent.DropBoundingSysAdmin).
 		if err := agent.DropBoundingSysAdmin(); err != nil {
-			log.Warn("boot", "err", err)
-			boot.Ready(err)
-			os.Exit(1)
+			bootFailed(log, boot, "boot", err)
 		}
 		if err := srv.AcceptClaims(boot); err != nil {
-			log.Warn("boot", "err", err)
-			boot.Ready(err)
-			os.Exit(1)
+			bootFailed(log, boot, "boot", err)
 		}
 	}
 
@@ -114,6 +106,14 @@ func main() {
 		log.Warn("serve", "err", err)
 		os.Exit(1)
 	}
+}
+
+// bootFailed logs why the agent cannot serve, tells the backend waiting
+// for it (boot.Ready) and exits.
+func bootFailed(log agent.StderrLogger, boot *agent.Boot, what string, err error) {
+	log.Warn(what, "err", err)
+	boot.Ready(err)
+	os.Exit(1)
 }
 
 // prewarm is how many threads prewarmThreads starts: with the thread the

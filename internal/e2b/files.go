@@ -35,8 +35,9 @@ import (
 
 func (s *Server) envdRoutes() http.Handler {
 	mux := http.NewServeMux()
-	mux.Handle(processconnect.NewProcessHandler(&processService{s: s}, connect.WithReadMaxBytes(limits.MessageBytes), connect.WithCompressMinBytes(limits.CompressMinBytes)))
-	mux.Handle(filesystemconnect.NewFilesystemHandler(&filesystemService{s: s}, connect.WithReadMaxBytes(limits.MessageBytes), connect.WithCompressMinBytes(limits.CompressMinBytes)))
+	opts := []connect.HandlerOption{connect.WithReadMaxBytes(limits.MessageBytes), connect.WithCompressMinBytes(limits.CompressMinBytes)}
+	mux.Handle(processconnect.NewProcessHandler(&processService{s: s}, opts...))
+	mux.Handle(filesystemconnect.NewFilesystemHandler(&filesystemService{s: s}, opts...))
 	mux.HandleFunc("GET /health", func(w http.ResponseWriter, r *http.Request) {
 		// A paused sandbox is not running to E2B's SDK (isRunning() is
 		// false): its health does not resume it.

@@ -1090,16 +1090,17 @@ func (m *Manager) DropSandbox(sandboxID string) {
 	// A write only when there is something to delete (a read commits
 	// nothing), and in a group commit (boltgroup: one fsync with the
 	// writes of other requests in flight).
-	any := false
+	found := false
 	m.db.View(func(tx *bbolt.Tx) error {
 		for _, b := range buckets {
 			if k, _ := tx.Bucket(b).Cursor().Seek([]byte(prefix)); k != nil && strings.HasPrefix(string(k), prefix) {
-				any = true
+				found = true
+				break
 			}
 		}
 		return nil
 	})
-	if !any {
+	if !found {
 		return
 	}
 	err := boltgroup.Update(m.db, func(tx *bbolt.Tx) error {
