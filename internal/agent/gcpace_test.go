@@ -48,7 +48,12 @@ func TestPaceGCByGrowth(t *testing.T) {
 	if gcs < 10 {
 		t.Errorf("only %d collections over 512 MiB of garbage", gcs)
 	}
-	if peak > 16<<20 {
+	// Uncollected, the heap would reach 512 MiB. Collected, it peaks at
+	// the limit plus what is allocated while a concurrent collection runs:
+	// 5-17 MiB seen, more on a host busy with other tests (the collection
+	// and the finalizer that resets the limit wait for a CPU), so the bound
+	// leaves room for that and still catches growth with the garbage.
+	if peak > 48<<20 {
 		t.Errorf("heap grew to %d MiB", peak>>20)
 	}
 }
