@@ -17,6 +17,7 @@ import (
 
 	"github.com/shoal-sandbox/shoal/internal/agent"
 	"github.com/shoal-sandbox/shoal/internal/agent/vminit"
+	"github.com/shoal-sandbox/shoal/internal/forkserver"
 	"golang.org/x/sys/unix"
 )
 
@@ -25,6 +26,9 @@ import (
 // Both modes, cold and pooled, go through here; StartBoot does it again and
 // fails closed.
 func init() {
+	// Started by the node as its fork server (not in a sandbox): serve it
+	// and nothing else (forkserver.Serve never returns then).
+	forkserver.Serve()
 	agent.SetNotDumpable()
 	// Started by the native launcher: set the container up, then execute
 	// the agent again inside it (agent.NativeInit never returns then).

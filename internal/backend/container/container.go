@@ -61,7 +61,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
-	"runtime"
 	"strconv"
 	"strings"
 	"sync"
@@ -74,6 +73,7 @@ import (
 	"github.com/shoal-sandbox/shoal/internal/diskimg"
 	"github.com/shoal-sandbox/shoal/internal/egress"
 	"github.com/shoal-sandbox/shoal/internal/errdefs"
+	"github.com/shoal-sandbox/shoal/internal/forkserver"
 	"github.com/shoal-sandbox/shoal/internal/layer"
 	"github.com/shoal-sandbox/shoal/internal/sandbox"
 )
@@ -289,6 +289,10 @@ type Backend struct {
 
 	// drains are the agent log drains running in this process (agentlog.go).
 	drains drains
+	// forks start the native launcher's agents in their user namespaces
+	// (forkserver), one server per agent binary; guarded by forksMu.
+	forksMu sync.Mutex
+	forks   map[string]*forkserver.Client
 
 	cgroupOnce sync.Once
 	cgroups    []cgroupMount // set once by cgroupOnce, read-only after; see cgroupMounts
@@ -441,6 +445,11 @@ func (b *Backend) Close(ctx context.Context) error {
 	if b.userns != nil {
 		b.userns.close()
 	}
+	b.forksMu.Lock()
+	for _, f := range b.forks {
+		f.Close()
+	}
+	b.forksMu.Unlock()
 	if b.releaseFreezer != nil {
 		b.releaseFreezer()
 	}
@@ -786,7 +795,7 @@ func (b *Backend) startContainer(ctx context.Context, runcID, bundle, dir string
 	cmd.Stdout = devNull
 	cmd.Stderr = logW
 	if nice != 0 {
-		err = startNiced(cmd, nice)
+		err = forkserver.StartNiced(cmd, nice)
 	} else {
 		err = cmd.Start()
 	}
@@ -805,22 +814,6 @@ func (b *Backend) startContainer(ctx context.Context, runcID, bundle, dir string
 		return fmt.Errorf("agent: %w: %s", err, tail(logPath, logStart))
 	}
 	return nil
-}
-
-// startNiced starts cmd with the given nice value, which its children
-// inherit. Priorities are per thread: the child is forked from a thread
-// locked for the purpose, which exits with its goroutine.
-func startNiced(cmd *exec.Cmd, nice int) error {
-	errc := make(chan error, 1)
-	go func() {
-		runtime.LockOSThread() // never unlocked: the thread dies with the goroutine
-		if err := unix.Setpriority(unix.PRIO_PROCESS, 0, nice); err != nil {
-			errc <- fmt.Errorf("set priority: %w", err)
-			return
-		}
-		errc <- cmd.Start()
-	}()
-	return <-errc
 }
 
 // waitReady reads the agent's ready line: "ok", or "error: why".

@@ -17,6 +17,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/shoal-sandbox/shoal/internal/agent"
+	"github.com/shoal-sandbox/shoal/internal/forkserver"
 	"github.com/shoal-sandbox/shoal/internal/sandbox"
 )
 
@@ -347,21 +348,20 @@ func (b *Backend) startNative(ctx context.Context, id, dir, root, agentBinary st
 		cmd.SysProcAttr.GidMappingsEnableSetgroups = true
 		cmd.SysProcAttr.Credential = &syscall.Credential{Uid: 0, Gid: 0}
 	}
+	nice := 19
 	if urgent {
-		err = cmd.Start()
-	} else {
-		err = startNiced(cmd, 19)
+		nice = 0
 	}
+	pid, kill, release, err := b.spawn(ctx, cmd, agentBinary, nice)
 	logW.Close() // now only the container holds it
 	syncR.Close()
 	if err != nil {
 		drain.settle(time.Second)
 		return fmt.Errorf("start agent: %w", err)
 	}
-	go cmd.Wait() // reap it should it exit while we run
-	pid := cmd.Process.Pid
+	defer release()
 	fail := func(err error) error {
-		cmd.Process.Kill()
+		kill()
 		return err
 	}
 	// Into its cgroups before it does anything.
@@ -401,4 +401,57 @@ func (b *Backend) startNative(ctx context.Context, id, dir, root, agentBinary st
 		return fail(fmt.Errorf("agent: %w: %s", err, tail(logPath, 0)))
 	}
 	return nil
+}
+
+// spawn starts cmd at the given nice value and returns its pid, a
+// function that kills it and one that releases what pins it. A child in a user
+// namespace of its own is started by the fork server of agentBinary
+// (forkserver: the node itself would fork without vfork); any other with
+// os/exec, reaped by a goroutine.
+func (b *Backend) spawn(ctx context.Context, cmd *exec.Cmd, agentBinary string, nice int) (pid int, kill, release func(), err error) {
+	attr := cmd.SysProcAttr
+	if attr == nil || attr.Cloneflags&unix.CLONE_NEWUSER == 0 {
+		if err := forkserver.StartNiced(cmd, nice); err != nil {
+			return 0, nil, nil, err
+		}
+		go cmd.Wait() // reap it should it exit while we run
+		return cmd.Process.Pid, func() { cmd.Process.Kill() }, func() {}, nil
+	}
+	files := []*os.File{}
+	for _, s := range []any{cmd.Stdin, cmd.Stdout, cmd.Stderr} {
+		f, ok := s.(*os.File)
+		if !ok {
+			return 0, nil, nil, errors.New("spawn: stdio must be files")
+		}
+		files = append(files, f)
+	}
+	files = append(files, cmd.ExtraFiles...)
+	p, err := b.forkServer(agentBinary).Start(ctx, forkserver.Request{
+		Path: cmd.Path, Args: cmd.Args, Env: cmd.Env, Dir: cmd.Dir,
+		Setsid: attr.Setsid, Cloneflags: attr.Cloneflags,
+		UidMappings: attr.UidMappings, GidMappings: attr.GidMappings,
+		GidMappingsEnableSetgroups: attr.GidMappingsEnableSetgroups,
+		Credential:                 attr.Credential,
+		Nice:                       nice,
+	}, files)
+	if err != nil {
+		return 0, nil, nil, err
+	}
+	return p.Pid, func() { p.Kill() }, p.Close, nil
+}
+
+// forkServer returns the fork server of an agent binary, started on its
+// first Start.
+func (b *Backend) forkServer(agentBinary string) *forkserver.Client {
+	b.forksMu.Lock()
+	defer b.forksMu.Unlock()
+	if b.forks == nil {
+		b.forks = map[string]*forkserver.Client{}
+	}
+	f, ok := b.forks[agentBinary]
+	if !ok {
+		f = forkserver.NewClient(agentBinary)
+		b.forks[agentBinary] = f
+	}
+	return f
 }
