@@ -20,6 +20,7 @@ import (
 
 	"github.com/spf13/cobra"
 	"go.etcd.io/bbolt"
+	"golang.org/x/sys/unix"
 
 	"github.com/shoal-sandbox/shoal/internal/audit"
 	"github.com/shoal-sandbox/shoal/internal/backend/container"
@@ -37,6 +38,18 @@ import (
 	"github.com/shoal-sandbox/shoal/internal/tenant"
 	"github.com/shoal-sandbox/shoal/internal/zram"
 )
+
+// closeInheritedOnExec marks every descriptor serve inherited from its
+// own parent (a shell, a supervisor) close-on-exec: Go's os/exec passes an
+// unlisted descriptor without that flag to every child, and so to runc,
+// QEMU and the agents of sandboxes. What serve opens itself is
+// close-on-exec already.
+func closeInheritedOnExec() error {
+	if err := unix.CloseRange(3, ^uint(0), unix.CLOSE_RANGE_CLOEXEC); err != nil {
+		return fmt.Errorf("mark inherited descriptors close-on-exec: %w", err)
+	}
+	return nil
+}
 
 // serveConfig is the configuration of the all-in-one server.
 type serveConfig struct {
@@ -465,6 +478,9 @@ func newLogger(cfg serveConfig) *slog.Logger {
 }
 
 func serve(cfg serveConfig) error {
+	if err := closeInheritedOnExec(); err != nil {
+		return err
+	}
 	if cfg.Cluster.Role == roleControl {
 		return serveControl(cfg) // serve_cluster.go
 	}

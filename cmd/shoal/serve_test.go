@@ -4,9 +4,13 @@ package main
 
 import (
 	"os"
+	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
+
+	"golang.org/x/sys/unix"
 )
 
 // A relative --agent is resolved where serve starts: runc reads a bundle's
@@ -25,5 +29,27 @@ func TestServeAgentPathMadeAbsolute(t *testing.T) {
 	want := "agent binary " + filepath.Join(dir, "agent") + ":"
 	if err == nil || !strings.Contains(err.Error(), want) {
 		t.Fatalf("serve --agent agent: %v, want an error naming %q", err, want)
+	}
+}
+
+// A descriptor serve inherited without close-on-exec reaches none of its
+// children (runc, QEMU, a sandbox's agent).
+func TestServeInheritedDescriptorsCloseOnExec(t *testing.T) {
+	fd, err := unix.Open(os.DevNull, unix.O_RDONLY, 0) // no O_CLOEXEC: as inherited
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(fd)
+	if err := closeInheritedOnExec(); err != nil {
+		t.Fatal(err)
+	}
+	out, err := exec.Command("/bin/sh", "-c", "ls /proc/self/fd").Output()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range strings.Fields(string(out)) {
+		if f == strconv.Itoa(fd) {
+			t.Fatalf("the child inherited descriptor %d: %s", fd, out)
+		}
 	}
 }
