@@ -413,7 +413,7 @@ func serveCmd() *cobra.Command {
 	cmd.Flags().IntVar(&cfg.PoolSize, "pool-size", container.DefaultPoolSize, "pre-started blank containers kept ready for creates (0: none)")
 	cmd.Flags().IntVar(&cfg.PoolMax, "pool-max", container.DefaultPoolMax, fmt.Sprintf("how many ready containers demand may grow the pool to (each holds about %d MiB)", container.PoolMemberBytes>>20))
 	cmd.Flags().StringVar(&cfg.EgressSubnet, "egress-subnet", egress.DefaultSubnet, "IPv4 subnet of the links of sandboxes created with network egress (a /31 each; nodes sharing a host need their own); empty disables egress")
-	cmd.Flags().StringVar(&cfg.Launcher, "launcher", container.LauncherRunc, "how pool containers start: runc (runc run), or native (the node and the agent set the container up themselves, the same isolation; a create that finds the pool empty starts one instead of running runc)")
+	cmd.Flags().StringVar(&cfg.Launcher, "launcher", container.LauncherNative, "how pool containers start: native (the node and the agent set the container up themselves, with runc's isolation; a create that finds the pool empty starts one instead of running runc), or runc (runc run)")
 	cmd.Flags().StringVar(&cfg.CgroupParent, "cgroup-parent", container.DefaultCgroupParent, "the cgroup (in every hierarchy, from its root) under which each sandbox gets its own; nodes sharing a host need their own")
 	cmd.Flags().BoolVar(&cfg.RuncSeccomp, "runc-seccomp", false, "let runc compile docker's seccomp profile per container instead of once per node (slower; disables the pool)")
 	cmd.Flags().StringVar(&cfg.DefaultDisk, "default-disk", "1G", "size of a sandbox's writable layer when its create gives none (its own file system: ENOSPC when full); \"none\": no limit")

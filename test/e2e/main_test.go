@@ -138,7 +138,7 @@ func startServe() error {
 		"--egress-subnet", egressSubnet, "--build-root", buildRoot,
 		"--zram-size", "1GiB")
 	if l := os.Getenv("SHOAL_E2E_LAUNCHER"); l != "" {
-		// runc (the default) or native: the suite against either launcher.
+		// native (the default) or runc: the suite against either launcher.
 		serveCmd.Args = append(serveCmd.Args, "--launcher", l)
 	}
 	if k := os.Getenv("SHOAL_VM_KERNEL_DIR"); k != "" {

@@ -181,7 +181,7 @@ def server(request: pytest.FixtureRequest) -> Iterator[Server]:
         [os.path.join(bin_dir, "shoal"), "serve", "--data", data, "--listen", f"127.0.0.1:{port}",
          "--egress-subnet", "10.%d.0.0/16" % (248 + os.getpid() % 6), "--build-root", build_root,
          "--layer-store", "file://" + os.path.join(data, "layer-store")]
-        # SHOAL_SDK_LAUNCHER=native: the suite against the native launcher.
+        # SHOAL_SDK_LAUNCHER=runc|native: the suite against either launcher (native: the default).
         + (["--launcher", os.environ["SHOAL_SDK_LAUNCHER"]] if os.environ.get("SHOAL_SDK_LAUNCHER") else [])
         # fullvm boots the Debian image the Go tests build and cache
         # (internal/backend/microvm), when there is one.
