@@ -40,6 +40,14 @@ import (
 // EnvFD, in the fork server's environment, is its socket's descriptor.
 const EnvFD = "SHOAL_FORKSERVER_FD"
 
+// ErrUnavailable: no fork server could be started (the binary does not
+// call Serve, or does not run). A caller with another way to start its
+// process may use it.
+var ErrUnavailable = errors.New("fork server unavailable")
+
+// hello is the server's first message: it serves.
+const hello = "forkserver"
+
 // Bounds of one request: what a child is given is the node's, but the
 // server checks what it reads all the same.
 const (
@@ -48,6 +56,11 @@ const (
 	// startTimeout bounds one Start when the caller's context has no
 	// deadline: a fork and an exec take milliseconds.
 	startTimeout = 30 * time.Second
+	// helloTimeout bounds the server's start (a Go binary's); retryAfter
+	// is how long a client whose server did not start says
+	// ErrUnavailable before it tries again.
+	helloTimeout = 10 * time.Second
+	retryAfter   = time.Minute
 )
 
 // Request describes a process to start: exec.Cmd's fields and the
@@ -123,6 +136,9 @@ func Serve() {
 	if !ok {
 		fmt.Fprintln(os.Stderr, "forkserver: not a unix socket")
 		os.Exit(2)
+	}
+	if _, err := uc.Write([]byte(hello)); err != nil {
+		os.Exit(0)
 	}
 	buf := make([]byte, maxRequest)
 	oob := make([]byte, unix.CmsgSpace(4*maxFiles))
@@ -222,9 +238,10 @@ func start(req *Request, files []*os.File) (int, int, error) {
 type Client struct {
 	bin string
 
-	mu   sync.Mutex
-	conn *net.UnixConn // nil: no server running
-	proc *os.Process
+	mu       sync.Mutex
+	conn     *net.UnixConn // nil: no server running
+	proc     *os.Process
+	failedAt time.Time // the last start that failed (ErrUnavailable until retryAfter)
 }
 
 // NewClient returns a client of a fork server running bin; nothing is
@@ -265,8 +282,12 @@ func (c *Client) Start(ctx context.Context, req Request, files []*os.File) (Proc
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.conn == nil {
+		if time.Since(c.failedAt) < retryAfter {
+			return Process{}, fmt.Errorf("forkserver %s: %w (it did not start %v ago)", c.bin, ErrUnavailable, time.Since(c.failedAt).Round(time.Second))
+		}
 		if err := c.spawn(); err != nil {
-			return Process{}, err
+			c.failedAt = time.Now()
+			return Process{}, fmt.Errorf("forkserver %s: %w: %v", c.bin, ErrUnavailable, err)
 		}
 	}
 	dl, ok := ctx.Deadline()
@@ -338,28 +359,42 @@ func (c *Client) Start(ctx context.Context, req Request, files []*os.File) (Proc
 func (c *Client) spawn() error {
 	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
-		return fmt.Errorf("forkserver: socketpair: %w", err)
+		return fmt.Errorf("socketpair: %w", err)
 	}
 	ours, theirs := os.NewFile(uintptr(fds[0]), "forkserver"), os.NewFile(uintptr(fds[1]), "forkserver-peer")
-	defer theirs.Close()
 	// The flag names it in ps; a binary without Serve refuses it and
 	// exits (the first Start then fails) rather than run as something else.
 	cmd := exec.Command(c.bin, "--forkserver")
 	cmd.Env = []string{EnvFD + "=3"}
 	cmd.Stderr = os.Stderr
 	cmd.ExtraFiles = []*os.File{theirs}
-	if err := cmd.Start(); err != nil {
+	err = cmd.Start()
+	theirs.Close() // the server's alone now: EOF here when it exits
+	if err != nil {
 		ours.Close()
-		return fmt.Errorf("forkserver: start %s: %w", c.bin, err)
+		return fmt.Errorf("start %s: %w", c.bin, err)
 	}
 	go cmd.Wait()
 	conn, err := net.FileConn(ours)
 	ours.Close()
 	if err != nil {
 		cmd.Process.Kill()
-		return fmt.Errorf("forkserver: %w", err)
+		return err
 	}
-	c.conn, c.proc = conn.(*net.UnixConn), cmd.Process
+	uc := conn.(*net.UnixConn)
+	uc.SetReadDeadline(time.Now().Add(helloTimeout))
+	buf := make([]byte, 64)
+	n, err := uc.Read(buf)
+	if err == nil && string(buf[:n]) != hello {
+		err = fmt.Errorf("said %q first, not %q", buf[:n], hello)
+	}
+	if err != nil {
+		uc.Close()
+		cmd.Process.Kill()
+		return fmt.Errorf("no hello: %w", err)
+	}
+	uc.SetReadDeadline(time.Time{})
+	c.conn, c.proc = uc, cmd.Process
 	return nil
 }
 

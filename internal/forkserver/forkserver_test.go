@@ -2,6 +2,7 @@ package forkserver
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -218,6 +219,25 @@ func TestConcurrentStarts(t *testing.T) {
 	for i := 0; i < 8; i++ {
 		if err := <-errc; err != nil {
 			t.Error(err)
+		}
+	}
+}
+
+// A binary that is no fork server (it never says hello) is reported as
+// ErrUnavailable at once, and not started again for a while.
+func TestNotAForkServer(t *testing.T) {
+	c := NewClient("/bin/true")
+	defer c.Close()
+	devNull, _ := os.Open(os.DevNull)
+	defer devNull.Close()
+	for i := 0; i < 2; i++ {
+		t0 := time.Now()
+		_, err := c.Start(context.Background(), sh("true"), []*os.File{devNull, devNull, devNull})
+		if !errors.Is(err, ErrUnavailable) {
+			t.Fatalf("start %d through /bin/true: %v, want ErrUnavailable", i, err)
+		}
+		if d := time.Since(t0); d > 5*time.Second {
+			t.Errorf("start %d took %v", i, d)
 		}
 	}
 }

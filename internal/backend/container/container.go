@@ -626,7 +626,7 @@ func (b *Backend) createCold(ctx context.Context, spec sandbox.Spec, dir string)
 	}
 
 	// 0. Its user namespace's range, with the upper given to its root.
-	idmap, nsfd, err := b.usernsFor(spec.ID, &undo)
+	idmap, nsfd, err := b.usernsFor(spec.ID, spec.AgentBinary, &undo)
 	if err != nil {
 		return h, fmt.Errorf("create sandbox %s: %w", spec.ID, err)
 	}
@@ -707,8 +707,9 @@ func (b *Backend) createCold(ctx context.Context, spec sandbox.Spec, dir string)
 
 // usernsFor reserves the id range of the container runcID (undone by
 // undo, and by destroy) and returns it with a user namespace of its
-// mapping, or nil and -1 without user namespaces.
-func (b *Backend) usernsFor(runcID string, undo *undoStack) (*sandbox.IDMap, int, error) {
+// mapping, or nil and -1 without user namespaces. A new namespace is made
+// through agentBinary's fork server.
+func (b *Backend) usernsFor(runcID, agentBinary string, undo *undoStack) (*sandbox.IDMap, int, error) {
 	if b.userns == nil {
 		return nil, -1, nil
 	}
@@ -717,7 +718,11 @@ func (b *Backend) usernsFor(runcID string, undo *undoStack) (*sandbox.IDMap, int
 		return nil, -1, err
 	}
 	undo.push("release id range", func() error { b.userns.release(runcID); return nil })
-	fd, err := b.userns.nsFD(slot)
+	var starter *forkserver.Client
+	if agentBinary != "" {
+		starter = b.forkServer(agentBinary)
+	}
+	fd, err := b.userns.nsFD(slot, starter)
 	if err != nil {
 		return nil, -1, err
 	}

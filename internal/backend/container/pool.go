@@ -453,7 +453,7 @@ func (b *Backend) startMember(ctx context.Context, agentBinary string, urgent bo
 		}
 	}()
 	var undo undoStack // the id range; removeMember releases it too
-	if m.idmap, m.nsfd, err = b.usernsFor(id, &undo); err != nil {
+	if m.idmap, m.nsfd, err = b.usernsFor(id, agentBinary, &undo); err != nil {
 		undo.run(b.log)
 		return m, fmt.Errorf("pool container: %w", err)
 	}

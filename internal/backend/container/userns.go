@@ -1,6 +1,7 @@
 package container
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -11,9 +12,11 @@ import (
 	"strings"
 	"sync"
 	"syscall"
+	"time"
 
 	"golang.org/x/sys/unix"
 
+	"github.com/shoal-sandbox/shoal/internal/forkserver"
 	"github.com/shoal-sandbox/shoal/internal/layer"
 	"github.com/shoal-sandbox/shoal/internal/sandbox"
 )
@@ -227,7 +230,10 @@ func (u *usernsSlots) releaseRange(runcID string, m *sandbox.IDMap) {
 
 // nsFD returns a user namespace of slot's mapping (owned by u: do not
 // close it), for idmapped mounts.
-func (u *usernsSlots) nsFD(slot int) (int, error) {
+//
+// starter, when not nil, starts the namespace's helper: a fork server, so
+// that the node does not fork itself (forkserver).
+func (u *usernsSlots) nsFD(slot int, starter *forkserver.Client) (int, error) {
 	u.mu.Lock()
 	fd, ok := u.fds[slot]
 	u.mu.Unlock()
@@ -235,7 +241,12 @@ func (u *usernsSlots) nsFD(slot int) (int, error) {
 		return fd, nil
 	}
 	m := u.idmap(slot)
-	fd, err := newUserns(u.helper, m)
+	fd, err := newUserns(u.helper, m, starter)
+	if err != nil && starter != nil {
+		// A fork of the node, as without a fork server: slower (the node's
+		// next writes fault), never worse.
+		fd, err = newUserns(u.helper, m, nil)
+	}
 	if err != nil {
 		return -1, err
 	}
@@ -260,14 +271,17 @@ func (u *usernsSlots) close() {
 }
 
 // newUserns returns a descriptor of a new user namespace of mapping m: a
-// child (helper, blocked reading a pipe) is started in it, its namespace
-// opened, and the child ended.
-func newUserns(helper string, m sandbox.IDMap) (int, error) {
+// child (helper, blocked reading a pipe) is started in it, by starter if
+// not nil, its namespace opened, and the child ended.
+func newUserns(helper string, m sandbox.IDMap, starter *forkserver.Client) (int, error) {
 	r, w, err := os.Pipe()
 	if err != nil {
 		return -1, fmt.Errorf("user namespace: %w", err)
 	}
 	defer w.Close()
+	if starter != nil {
+		return newUsernsVia(starter, helper, m, r)
+	}
 	cmd := exec.Command(helper)
 	cmd.Stdin = r
 	cmd.SysProcAttr = &syscall.SysProcAttr{
@@ -290,12 +304,48 @@ func newUserns(helper string, m sandbox.IDMap) (int, error) {
 	return fd, nil
 }
 
+// newUserns through a fork server: the helper is its child, pinned here
+// by a pidfd; it reads r (and exits at EOF, should the node die).
+func newUsernsVia(starter *forkserver.Client, helper string, m sandbox.IDMap, r *os.File) (int, error) {
+	devNull, err := os.Open(os.DevNull)
+	if err != nil {
+		r.Close()
+		return -1, fmt.Errorf("user namespace: %w", err)
+	}
+	defer devNull.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	p, err := starter.Start(ctx, forkserver.Request{
+		Path: helper, Args: []string{helper}, Dir: "/",
+		Cloneflags:  syscall.CLONE_NEWUSER,
+		UidMappings: []syscall.SysProcIDMap{{ContainerID: 0, HostID: int(m.HostUID), Size: int(m.Size)}},
+		GidMappings: []syscall.SysProcIDMap{{ContainerID: 0, HostID: int(m.HostGID), Size: int(m.Size)}},
+	}, []*os.File{r, devNull, devNull})
+	r.Close()
+	if err != nil {
+		return -1, fmt.Errorf("user namespace: start %s in it: %w", helper, err)
+	}
+	defer p.Close()
+	defer p.Kill()
+	fd, err := unix.Open("/proc/"+strconv.Itoa(p.Pid)+"/ns/user", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return -1, fmt.Errorf("user namespace: %w", err)
+	}
+	// Still running after the open: the pid was the helper's, not a
+	// process that reused it.
+	if err := unix.PidfdSendSignal(p.PidFD, 0, nil, 0); err != nil {
+		unix.Close(fd)
+		return -1, fmt.Errorf("user namespace: helper %s: %w", helper, err)
+	}
+	return fd, nil
+}
+
 // probeUserns checks that this kernel can run sandboxes in user
 // namespaces with idmapped layers (layer.ProbeIDMapped).
 func (u *usernsSlots) probe(scratch string) error {
 	// A range of its own: slot fds are for slots.
 	m := u.idmap(0)
-	fd, err := newUserns(u.helper, m)
+	fd, err := newUserns(u.helper, m, nil)
 	if err != nil {
 		return err
 	}

@@ -11,6 +11,8 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/shoal-sandbox/shoal/internal/forkserver"
+	"github.com/shoal-sandbox/shoal/internal/layer"
 	"github.com/shoal-sandbox/shoal/internal/sandbox"
 )
 
@@ -164,5 +166,43 @@ func TestUserNSRangeOfAnotherProcess(t *testing.T) {
 	}
 	if data, err := os.ReadFile(b1.userns.slotFile(slot)); err == nil && strings.Contains(string(data), h.ID+"\n") {
 		t.Errorf("slot %d still reserved after another backend deleted its sandbox: %q", slot, data)
+	}
+}
+
+// The user namespace of a slot made through the fork server (the node
+// does not fork itself) is a user namespace that idmapped layers work
+// with, for the slot's range; a fork server that does not start leaves the
+// node's own fork.
+func TestUsernsThroughForkServer(t *testing.T) {
+	requireRoot(t)
+	b := newBackend(t)
+	if b.userns == nil {
+		t.Skip("sandboxes run without user namespaces on this host (see the backend's warning)")
+	}
+	m := b.userns.idmap(3)
+	for _, bin := range []string{agentBinary, "/bin/true"} {
+		fs := forkserver.NewClient(bin)
+		fd, err := newUserns(b.userns.helper, m, fs)
+		if bin == "/bin/true" {
+			if err == nil {
+				unix.Close(fd)
+				t.Fatal("a user namespace through /bin/true as a fork server")
+			}
+			fd, err = b.userns.nsFD(3, fs) // falls back on a fork of the node
+		}
+		if err != nil {
+			fs.Close()
+			t.Fatalf("%s: %v", bin, err)
+		}
+		if typ, err := unix.IoctlRetInt(fd, unix.NS_GET_NSTYPE); err != nil || typ != unix.CLONE_NEWUSER {
+			t.Errorf("%s: namespace type %#x, %v", bin, typ, err)
+		}
+		if bin == agentBinary {
+			if err := layer.ProbeIDMapped(t.TempDir(), fd, m.HostUID); err != nil {
+				t.Errorf("idmapped mount with the fork server's namespace: %v", err)
+			}
+			unix.Close(fd)
+		}
+		fs.Close()
 	}
 }

@@ -22,6 +22,7 @@ import (
 	"syscall"
 
 	"github.com/shoal-sandbox/shoal/internal/agent"
+	"github.com/shoal-sandbox/shoal/internal/forkserver"
 )
 
 type reply struct {
@@ -30,6 +31,7 @@ type reply struct {
 }
 
 func main() {
+	forkserver.Serve() // as shoal-agent: the node's fork server when asked
 	boot, err := agent.StartBoot()
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "testagent: boot:", err)
