@@ -16,7 +16,7 @@
 // The fork server is the agent binary (a few MiB) started once with vfork
 // and [EnvFD] set; it serves Start requests on a SOCK_SEQPACKET socket:
 // the request (JSON) with the child's descriptors (SCM_RIGHTS), the answer
-// with its pid and a pidfd. Its children are its own: it reaps them. It
+// with its pid and a pidfd. Its children are its own: it reaps them (one thread for all). It
 // exits when the node closes its end of the socket.
 package forkserver
 
@@ -137,6 +137,8 @@ func Serve() {
 		fmt.Fprintln(os.Stderr, "forkserver: not a unix socket")
 		os.Exit(2)
 	}
+	started := make(chan struct{}, 1)
+	go reap(started)
 	if _, err := uc.Write([]byte(hello)); err != nil {
 		os.Exit(0)
 	}
@@ -163,6 +165,11 @@ func Serve() {
 				rep.Pid, pidfd, err = start(&req, files)
 				if err != nil {
 					rep.Err = err.Error()
+				} else {
+					select {
+					case started <- struct{}{}:
+					default:
+					}
 				}
 			}
 		}
@@ -205,8 +212,23 @@ func receivedFiles(oob []byte) ([]*os.File, error) {
 	return files, nil
 }
 
+// reap reaps the server's children as they exit, all of them in one
+// goroutine (one thread blocked in wait4, not one per child: a node runs
+// thousands of sandboxes). started says a child was started since wait4
+// last found none. os/exec's own wait for a child whose exec failed may
+// find it reaped here: it ignores that.
+func reap(started <-chan struct{}) {
+	for {
+		var ws unix.WaitStatus
+		_, err := unix.Wait4(-1, &ws, 0, nil)
+		if errors.Is(err, unix.ECHILD) {
+			<-started
+		}
+	}
+}
+
 // start starts req's process with files as its descriptors; it returns
-// its pid and a pidfd, and reaps it when it exits.
+// its pid and a pidfd (reap reaps it).
 func start(req *Request, files []*os.File) (int, int, error) {
 	if len(files) < 3 {
 		return 0, -1, fmt.Errorf("%d descriptors: want at least stdin, stdout and stderr", len(files))
@@ -228,7 +250,6 @@ func start(req *Request, files []*os.File) (int, int, error) {
 	if err := StartNiced(cmd, req.Nice); err != nil {
 		return 0, -1, err
 	}
-	go cmd.Wait()
 	return cmd.Process.Pid, pidfd, nil
 }
 

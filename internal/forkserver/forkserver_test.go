@@ -241,3 +241,64 @@ func TestNotAForkServer(t *testing.T) {
 		}
 	}
 }
+
+// Children are reaped as they exit (no zombie), by one thread: a server
+// with many children running has not many threads.
+func TestReapsWithOneThread(t *testing.T) {
+	c := newClient(t)
+	devNull, _ := os.Open(os.DevNull)
+	defer devNull.Close()
+	var sleepers []Process
+	defer func() {
+		for _, p := range sleepers {
+			p.Kill()
+			p.Close()
+		}
+	}()
+	for i := 0; i < 40; i++ {
+		p, err := c.Start(context.Background(), sh("exec sleep 60"), []*os.File{devNull, devNull, devNull})
+		if err != nil {
+			t.Fatal(err)
+		}
+		sleepers = append(sleepers, p)
+	}
+	for i := 0; i < 20; i++ {
+		p, err := c.Start(context.Background(), sh("exit 0"), []*os.File{devNull, devNull, devNull})
+		if err != nil {
+			t.Fatal(err)
+		}
+		p.Close()
+	}
+	c.mu.Lock()
+	server := c.proc.Pid
+	c.mu.Unlock()
+	threads := func() int {
+		es, _ := os.ReadDir(fmt.Sprintf("/proc/%d/task", server))
+		return len(es)
+	}
+	zombies := func() (n int) {
+		es, _ := os.ReadDir("/proc")
+		for _, e := range es {
+			st, err := os.ReadFile("/proc/" + e.Name() + "/stat")
+			if err != nil {
+				continue
+			}
+			s := string(st)
+			f := strings.Fields(s[strings.LastIndexByte(s, ')')+2:])
+			if f[0] == "Z" && f[1] == fmt.Sprint(server) {
+				n++
+			}
+		}
+		return n
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for zombies() > 0 && time.Now().Before(deadline) {
+		time.Sleep(50 * time.Millisecond)
+	}
+	if n := zombies(); n > 0 {
+		t.Errorf("%d children of the server left unreaped", n)
+	}
+	if n := threads(); n > 20 {
+		t.Errorf("the server has %d threads with 40 children running", n)
+	}
+}

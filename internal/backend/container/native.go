@@ -404,18 +404,15 @@ func (b *Backend) startNative(ctx context.Context, id, dir, root, agentBinary st
 }
 
 // spawn starts cmd at the given nice value and returns its pid, a
-// function that kills it and one that releases what pins it. A child in a user
-// namespace of its own is started by the fork server of agentBinary
-// (forkserver: the node itself would fork without vfork); any other with
-// os/exec, reaped by a goroutine.
+// function that kills it and one that releases what pins it. The fork
+// server of agentBinary starts it (forkserver: a child in a user namespace
+// of its own would make the node fork without vfork, and the server reaps
+// every child in one thread where the node would block one per agent);
+// with os/exec when there is no fork server.
 func (b *Backend) spawn(ctx context.Context, cmd *exec.Cmd, agentBinary string, nice int) (pid int, kill, release func(), err error) {
 	attr := cmd.SysProcAttr
-	if attr == nil || attr.Cloneflags&unix.CLONE_NEWUSER == 0 {
-		if err := forkserver.StartNiced(cmd, nice); err != nil {
-			return 0, nil, nil, err
-		}
-		go cmd.Wait() // reap it should it exit while we run
-		return cmd.Process.Pid, func() { cmd.Process.Kill() }, func() {}, nil
+	if attr == nil {
+		attr = &syscall.SysProcAttr{}
 	}
 	files := []*os.File{}
 	for _, s := range []any{cmd.Stdin, cmd.Stdout, cmd.Stderr} {
@@ -434,6 +431,14 @@ func (b *Backend) spawn(ctx context.Context, cmd *exec.Cmd, agentBinary string, 
 		Credential:                 attr.Credential,
 		Nice:                       nice,
 	}, files)
+	if errors.Is(err, forkserver.ErrUnavailable) {
+		b.log.Warn("no fork server: the node starts the agent itself", "err", err)
+		if err := forkserver.StartNiced(cmd, nice); err != nil {
+			return 0, nil, nil, err
+		}
+		go cmd.Wait() // reap it should it exit while we run
+		return cmd.Process.Pid, func() { cmd.Process.Kill() }, func() {}, nil
+	}
 	if err != nil {
 		return 0, nil, nil, err
 	}
