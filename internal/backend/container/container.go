@@ -289,8 +289,9 @@ type Backend struct {
 
 	// drains are the agent log drains running in this process (agentlog.go).
 	drains drains
-	// forks start the native launcher's agents in their user namespaces
-	// (forkserver), one server per agent binary; guarded by forksMu.
+	// forks start the native launcher's agents and the helpers of new user
+	// namespace slots (forkserver: the node never forks without vfork),
+	// one server per agent binary; guarded by forksMu.
 	forksMu sync.Mutex
 	forks   map[string]*forkserver.Client
 

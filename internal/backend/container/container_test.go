@@ -156,8 +156,9 @@ func newBackend(t testing.TB) *Backend {
 var testUserNS = os.Getenv("SHOAL_TEST_USERNS")
 
 // testLauncher is the launcher of the tests' pools:
-// SHOAL_TEST_LAUNCHER=runc|native (default runc: serve defaults to native, so the e2e and SDK suites run it), to run the pool tests
-// with either.
+// SHOAL_TEST_LAUNCHER=runc|native (default runc; serve defaults to native,
+// so the e2e and SDK suites run that one), to run the pool tests with
+// either.
 var testLauncher = os.Getenv("SHOAL_TEST_LAUNCHER")
 
 func newID(t testing.TB) string {

@@ -343,8 +343,7 @@ func (b *Backend) startNative(ctx context.Context, id, dir, root, agentBinary st
 	}
 	if idmap != nil {
 		cmd.SysProcAttr.Cloneflags |= unix.CLONE_NEWUSER
-		cmd.SysProcAttr.UidMappings = []syscall.SysProcIDMap{{ContainerID: 0, HostID: int(idmap.HostUID), Size: int(idmap.Size)}}
-		cmd.SysProcAttr.GidMappings = []syscall.SysProcIDMap{{ContainerID: 0, HostID: int(idmap.HostGID), Size: int(idmap.Size)}}
+		cmd.SysProcAttr.UidMappings, cmd.SysProcAttr.GidMappings = idMaps(*idmap)
 		cmd.SysProcAttr.GidMappingsEnableSetgroups = true
 		cmd.SysProcAttr.Credential = &syscall.Credential{Uid: 0, Gid: 0}
 	}

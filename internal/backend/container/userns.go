@@ -282,12 +282,13 @@ func newUserns(helper string, m sandbox.IDMap, starter *forkserver.Client) (int,
 	if starter != nil {
 		return newUsernsVia(starter, helper, m, r)
 	}
+	uids, gids := idMaps(m)
 	cmd := exec.Command(helper)
 	cmd.Stdin = r
 	cmd.SysProcAttr = &syscall.SysProcAttr{
 		Cloneflags:  syscall.CLONE_NEWUSER,
-		UidMappings: []syscall.SysProcIDMap{{ContainerID: 0, HostID: int(m.HostUID), Size: int(m.Size)}},
-		GidMappings: []syscall.SysProcIDMap{{ContainerID: 0, HostID: int(m.HostGID), Size: int(m.Size)}},
+		UidMappings: uids,
+		GidMappings: gids,
 		Pdeathsig:   syscall.SIGKILL,
 	}
 	err = cmd.Start()
@@ -315,11 +316,10 @@ func newUsernsVia(starter *forkserver.Client, helper string, m sandbox.IDMap, r 
 	defer devNull.Close()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
+	uids, gids := idMaps(m)
 	p, err := starter.Start(ctx, forkserver.Request{
 		Path: helper, Args: []string{helper}, Dir: "/",
-		Cloneflags:  syscall.CLONE_NEWUSER,
-		UidMappings: []syscall.SysProcIDMap{{ContainerID: 0, HostID: int(m.HostUID), Size: int(m.Size)}},
-		GidMappings: []syscall.SysProcIDMap{{ContainerID: 0, HostID: int(m.HostGID), Size: int(m.Size)}},
+		Cloneflags: syscall.CLONE_NEWUSER, UidMappings: uids, GidMappings: gids,
 	}, []*os.File{r, devNull, devNull})
 	r.Close()
 	if err != nil {
@@ -338,6 +338,13 @@ func newUsernsVia(starter *forkserver.Client, helper string, m sandbox.IDMap, r 
 		return -1, fmt.Errorf("user namespace: helper %s: %w", helper, err)
 	}
 	return fd, nil
+}
+
+// idMaps are the uid and gid maps of a user namespace of range m: its 0
+// is m's first host id.
+func idMaps(m sandbox.IDMap) (uids, gids []syscall.SysProcIDMap) {
+	return []syscall.SysProcIDMap{{ContainerID: 0, HostID: int(m.HostUID), Size: int(m.Size)}},
+		[]syscall.SysProcIDMap{{ContainerID: 0, HostID: int(m.HostGID), Size: int(m.Size)}}
 }
 
 // probeUserns checks that this kernel can run sandboxes in user
