@@ -26,8 +26,9 @@ import (
 //
 //  1. enters a new cgroup namespace (rooted at the container's cgroups);
 //  2. makes every mount private and binds the blank root onto itself;
-//  3. mounts /proc, /dev (tmpfs, with the host's null, zero, full, random,
-//     urandom and tty bound in, the usual symlinks, devpts, shm, mqueue),
+//  3. mounts /proc, /dev (tmpfs, with null, zero, full, random, urandom
+//     and tty: made with mknod, or the host's bound in within a user
+//     namespace, as runc does; the usual symlinks, devpts, shm, mqueue),
 //     /sys read-only with the container's cgroups bound read-only under a
 //     tmpfs at /sys/fs/cgroup, as runc mounts them for the same spec (the
 //     host bound the agent binary read-only at /.shoal/agent before the
@@ -219,9 +220,23 @@ func nativeMounts(root string) error {
 			return err
 		}
 	}
-	// Device nodes cannot be made in a user namespace: bind the host's.
-	for _, dev := range []string{"null", "random", "full", "tty", "zero", "urandom"} {
-		p := in("dev/" + dev)
+	// runc's device nodes: made outside a user namespace (mode 0666 whatever
+	// the umask), bound from the host's inside one, where mknod is refused.
+	for _, d := range []struct {
+		name         string
+		major, minor uint32
+	}{{"null", 1, 3}, {"random", 1, 8}, {"full", 1, 7}, {"tty", 5, 0}, {"zero", 1, 5}, {"urandom", 1, 9}} {
+		dev, p := d.name, in("dev/"+d.name)
+		err := unix.Mknod(p, unix.S_IFCHR|0o666, int(unix.Mkdev(d.major, d.minor)))
+		if err == nil {
+			if err := unix.Chmod(p, 0o666); err != nil {
+				return fmt.Errorf("create /dev/%s: %w", dev, err)
+			}
+			continue
+		}
+		if !errors.Is(err, unix.EPERM) {
+			return fmt.Errorf("create /dev/%s: %w", dev, err)
+		}
 		f, err := os.OpenFile(p, os.O_CREATE|os.O_EXCL|os.O_WRONLY, 0o666)
 		if err != nil {
 			return fmt.Errorf("create /dev/%s: %w", dev, err)

@@ -17,10 +17,17 @@ import (
 // native launcher from the same backend and compares what the kernel says
 // of their agents (before any claim): capabilities, no_new_privs, seccomp,
 // id maps, namespaces, cgroups and their limits, the devices list, NOFILE,
-// and every mount (point, type, options).
+// and every mount (point, type, options); with user namespaces (when the
+// kernel has them) and without (where runc makes /dev's nodes with mknod).
 func TestNativeLikeRunc(t *testing.T) {
 	requireRoot(t)
-	b, err := New(Config{StateDir: t.TempDir(), CgroupParent: testCgroupParent, PoolSize: -1, UserNS: testUserNS, Log: testLog(t)})
+	for _, userns := range []string{UserNSAuto, UserNSOff} {
+		t.Run("userns="+userns, func(t *testing.T) { testNativeLikeRunc(t, userns) })
+	}
+}
+
+func testNativeLikeRunc(t *testing.T, userns string) {
+	b, err := New(Config{StateDir: t.TempDir(), CgroupParent: testCgroupParent, PoolSize: -1, UserNS: userns, Log: testLog(t)})
 	if err != nil {
 		t.Fatal(err)
 	}
