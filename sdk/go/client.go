@@ -347,6 +347,7 @@ func (c *Client) BuildLayer(ctx context.Context, req *pb.BuildLayerRequest, prog
 				progress(ev.Progress)
 			}
 		case *pb.BuildLayerResponse_Layer:
+			drain(stream)
 			return ev.Layer, nil
 		}
 	}

@@ -67,6 +67,7 @@ func (c *Client) PushLayer(ctx context.Context, req *pb.PushLayerRequest, progre
 				progress("", ev.Status)
 			}
 		case *pb.PushLayerEvent_Result:
+			drain(stream)
 			return ev.Result, nil
 		}
 	}
@@ -89,6 +90,7 @@ func receiveLayer(stream *connect.ServerStreamForClient[pb.BuildLayerResponse], 
 				progress("", ev.Status)
 			}
 		case *pb.BuildLayerResponse_Layer:
+			drain(stream)
 			return ev.Layer, nil
 		}
 	}
