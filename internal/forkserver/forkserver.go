@@ -18,6 +18,15 @@
 // the request (JSON) with the child's descriptors (SCM_RIGHTS), the answer
 // with its pid and a pidfd. Its children are its own: it reaps them (one thread for all). It
 // exits when the node closes its end of the socket.
+//
+// A private server ([NewPrivateClient]) runs in a mount namespace of its
+// own, its mounts private (no mount the node makes later reaches it), with
+// the mounts below the directories it was given (the node's sandboxes'
+// disks and roots) detached at its start. A child in a new mount namespace
+// copies its parent's every mount, and a node's grow with its sandboxes
+// (each one's disk is a mount): `unshare -m` took 4.2 ms with a quiet
+// host's mounts and 9.1 ms with 3,000 more. What a child needs of the
+// node's later mounts is bound for its start only ([Request].Bind).
 package forkserver
 
 import (
@@ -29,7 +38,9 @@ import (
 	"os"
 	"os/exec"
 	"runtime"
+	"sort"
 	"strconv"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -39,6 +50,10 @@ import (
 
 // EnvFD, in the fork server's environment, is its socket's descriptor.
 const EnvFD = "SHOAL_FORKSERVER_FD"
+
+// EnvShed, in a private fork server's environment, lists (newline
+// separated) the directories whose mounts it detaches at its start.
+const EnvShed = "SHOAL_FORKSERVER_SHED"
 
 // ErrUnavailable: no fork server could be started (the binary does not
 // call Serve, or does not run). A caller with another way to start its
@@ -79,6 +94,30 @@ type Request struct {
 	Credential                 *syscall.Credential    `json:"credential,omitempty"`
 	// Nice is the child's nice value (inherited by its children).
 	Nice int `json:"nice,omitempty"`
+	// Bind, if set, is bound read-only (nosuid, nodev) for the start:
+	// a child with a mount namespace of its own (CLONE_NEWNS) keeps it in
+	// its copy; the server's goes once the child exists.
+	Bind *Bind `json:"bind,omitempty"`
+}
+
+// Bind is a bind mount of Source (a file or directory) on Target.
+type Bind struct {
+	Source string `json:"source"`
+	Target string `json:"target"`
+}
+
+// Mount binds b.Source on b.Target read-only (nosuid, nodev) in the
+// caller's mount namespace, and returns what detaches it.
+func (b *Bind) Mount() (undo func(), err error) {
+	if err := unix.Mount(b.Source, b.Target, "", unix.MS_BIND, ""); err != nil {
+		return nil, fmt.Errorf("bind %s: %w", b.Source, err)
+	}
+	undo = func() { unix.Unmount(b.Target, unix.MNT_DETACH) }
+	if err := unix.Mount("", b.Target, "", unix.MS_BIND|unix.MS_REMOUNT|unix.MS_RDONLY|unix.MS_NOSUID|unix.MS_NODEV, ""); err != nil {
+		undo()
+		return nil, fmt.Errorf("bind %s: %w", b.Source, err)
+	}
+	return undo, nil
 }
 
 type reply struct {
@@ -120,6 +159,13 @@ func Serve() {
 		os.Exit(2)
 	}
 	os.Unsetenv(EnvFD)
+	if shed, ok := os.LookupEnv(EnvShed); ok {
+		os.Unsetenv(EnvShed)
+		if err := privateMounts(strings.Split(shed, "\n")); err != nil {
+			fmt.Fprintf(os.Stderr, "forkserver: %v\n", err)
+			os.Exit(2)
+		}
+	}
 	// No child may inherit the node's socket, nor a descriptor the node
 	// itself inherited without close-on-exec (its own parent's): a child
 	// gets what its request lists, nothing else.
@@ -191,6 +237,72 @@ func Serve() {
 	}
 }
 
+// privateMounts makes the server's mount namespace its own: every mount
+// private, and those strictly below the shed directories detached. It
+// refuses to run in its parent's mount namespace (the node's: the client
+// asks for a new one when it starts the server), where it would change the
+// host's.
+func privateMounts(shed []string) error {
+	var self, parent unix.Stat_t
+	if err := unix.Stat("/proc/self/ns/mnt", &self); err != nil {
+		return fmt.Errorf("own mount namespace: %w", err)
+	}
+	if err := unix.Stat("/proc/"+strconv.Itoa(os.Getppid())+"/ns/mnt", &parent); err != nil {
+		return fmt.Errorf("parent's mount namespace: %w", err)
+	}
+	if self.Ino == parent.Ino && self.Dev == parent.Dev {
+		return errors.New("started in its parent's mount namespace: refusing to change it")
+	}
+	if err := unix.Mount("", "/", "", unix.MS_REC|unix.MS_PRIVATE, ""); err != nil {
+		return fmt.Errorf("make mounts private: %w", err)
+	}
+	data, err := os.ReadFile("/proc/self/mountinfo")
+	if err != nil {
+		return err
+	}
+	var points []string
+	for _, l := range strings.Split(string(data), "\n") {
+		f := strings.Fields(l)
+		if len(f) < 5 {
+			continue
+		}
+		p := unescapeMountPath(f[4])
+		for _, d := range shed {
+			if d != "" && strings.HasPrefix(p, strings.TrimRight(d, "/")+"/") {
+				points = append(points, p)
+				break
+			}
+		}
+	}
+	// Deepest first; a point mounted over twice is listed twice.
+	sort.Slice(points, func(i, j int) bool { return len(points[i]) > len(points[j]) })
+	for _, p := range points {
+		if err := unix.Unmount(p, unix.MNT_DETACH); err != nil && !errors.Is(err, unix.EINVAL) && !errors.Is(err, unix.ENOENT) {
+			return fmt.Errorf("detach %s: %w", p, err)
+		}
+	}
+	return nil
+}
+
+// unescapeMountPath undoes mountinfo's octal escapes (\040 for a space).
+func unescapeMountPath(s string) string {
+	if !strings.Contains(s, "\\") {
+		return s
+	}
+	var b strings.Builder
+	for i := 0; i < len(s); i++ {
+		if s[i] == '\\' && i+3 < len(s) {
+			if n, err := strconv.ParseUint(s[i+1:i+4], 8, 8); err == nil {
+				b.WriteByte(byte(n))
+				i += 3
+				continue
+			}
+		}
+		b.WriteByte(s[i])
+	}
+	return b.String()
+}
+
 // receivedFiles turns the descriptors of a message into files (close-on-exec:
 // a child gets only those its request lists, at the numbers it lists).
 func receivedFiles(oob []byte) ([]*os.File, error) {
@@ -247,6 +359,13 @@ func start(req *Request, files []*os.File) (int, int, error) {
 			PidFD:                      &pidfd,
 		},
 	}
+	if req.Bind != nil {
+		undo, err := req.Bind.Mount()
+		if err != nil {
+			return 0, -1, err
+		}
+		defer undo()
+	}
 	if err := StartNiced(cmd, req.Nice); err != nil {
 		return 0, -1, err
 	}
@@ -257,7 +376,8 @@ func start(req *Request, files []*os.File) (int, int, error) {
 // that calls Serve first). It starts the server on first use, and again
 // after it died. Safe for concurrent use (requests take turns).
 type Client struct {
-	bin string
+	bin  string
+	shed []string // a private server's (nil: the node's mount namespace)
 
 	mu       sync.Mutex
 	conn     *net.UnixConn // nil: no server running
@@ -268,6 +388,17 @@ type Client struct {
 // NewClient returns a client of a fork server running bin; nothing is
 // started yet.
 func NewClient(bin string) *Client { return &Client{bin: bin} }
+
+// NewPrivateClient returns a client of a private fork server running bin
+// (see the top of the file): in a mount namespace of its own, without the
+// mounts below the shed directories. Its children see none of the node's
+// mounts made after it started: a Request binds what a child needs.
+func NewPrivateClient(bin string, shed ...string) *Client {
+	return &Client{bin: bin, shed: append([]string{}, shed...)}
+}
+
+// Private reports whether the server runs in a mount namespace of its own.
+func (c *Client) Private() bool { return c.shed != nil }
 
 // Process is a started child: its pid, and a pidfd that pins it (the
 // caller closes it).
@@ -387,6 +518,11 @@ func (c *Client) spawn() error {
 	// exits (the first Start then fails) rather than run as something else.
 	cmd := exec.Command(c.bin, "--forkserver")
 	cmd.Env = []string{EnvFD + "=3"}
+	if c.shed != nil {
+		// CLONE_NEWNS keeps the vfork (only CLONE_NEWUSER forbids it).
+		cmd.SysProcAttr = &syscall.SysProcAttr{Cloneflags: unix.CLONE_NEWNS}
+		cmd.Env = append(cmd.Env, EnvShed+"="+strings.Join(c.shed, "\n"))
+	}
 	cmd.Stderr = os.Stderr
 	cmd.ExtraFiles = []*os.File{theirs}
 	err = cmd.Start()

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"os/exec"
 	"strings"
 	"syscall"
 	"testing"
@@ -300,5 +301,99 @@ func TestReapsWithOneThread(t *testing.T) {
 	}
 	if n := threads(); n > 20 {
 		t.Errorf("the server has %d threads with 40 children running", n)
+	}
+}
+
+// A private server's children see neither the mounts below its shed
+// directories that existed when it started nor any the node made after
+// (the node's mounts are shared, as systemd makes them), only what their
+// request binds, which the node never sees; a server started in its
+// parent's mount namespace refuses to make it private.
+func TestPrivateMounts(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root (mounts)")
+	}
+	dir := t.TempDir()
+	mount := func(p string) {
+		t.Helper()
+		if err := os.MkdirAll(p, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := unix.Mount("tmpfs", p, "tmpfs", 0, "size=1m"); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { unix.Unmount(p, unix.MNT_DETACH) })
+	}
+	mount(dir)
+	if err := unix.Mount("", dir, "", unix.MS_SHARED, ""); err != nil {
+		t.Fatal(err)
+	}
+	mount(dir + "/before")
+	for _, f := range []string{"target", "source"} {
+		if err := os.WriteFile(dir+"/"+f, []byte(f+"\n"), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	c := NewPrivateClient(os.Args[0], dir)
+	t.Cleanup(c.Close)
+	if !c.Private() {
+		t.Fatal("not private")
+	}
+	points := func(out string) []string {
+		var ps []string
+		for _, l := range strings.Split(out, "\n") {
+			if f := strings.Fields(l); len(f) > 4 && strings.HasPrefix(f[4], dir) {
+				ps = append(ps, f[4])
+			}
+		}
+		return ps
+	}
+	// The server starts with the first request.
+	out, _ := run(t, c, sh(`cat /proc/self/mountinfo`))
+	if got := points(out); len(got) != 1 || got[0] != dir {
+		t.Errorf("mounts below %s at the server's start: %v, want only the directory's own", dir, got)
+	}
+	mount(dir + "/after")
+	req := sh(`cat ` + dir + `/target; cat /proc/self/mountinfo`)
+	req.Cloneflags = syscall.CLONE_NEWNS
+	req.Bind = &Bind{Source: dir + "/source", Target: dir + "/target"}
+	out, _ = run(t, c, req)
+	if !strings.HasPrefix(out, "source\n") {
+		t.Errorf("the child's bound target says %q, want the source's content", strings.SplitN(out, "\n", 2)[0])
+	}
+	if got := points(out); len(got) != 2 || got[0] != dir || got[1] != dir+"/target" {
+		t.Errorf("a child's mounts below %s: %v, want the directory and its bind only (nothing the node mounted after the server started)", dir, got)
+	}
+	if host, err := os.ReadFile(dir + "/target"); err != nil || string(host) != "target\n" {
+		t.Errorf("the node's target says %q, %v: the bind reached the node", host, err)
+	}
+	out, _ = run(t, c, sh(`cat `+dir+`/target`))
+	if out != "target\n" {
+		t.Errorf("the next child's target says %q: the server kept the bind", out)
+	}
+
+	// Started in the parent's namespace (as a client that did not ask for
+	// a new one would): no hello, and the node's mounts untouched.
+	cmd := exec.Command(os.Args[0], "--forkserver")
+	cmd.Env = []string{EnvFD + "=3", EnvShed + "=" + dir}
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	peer := os.NewFile(uintptr(fds[1]), "peer")
+	defer unix.Close(fds[0])
+	cmd.ExtraFiles = []*os.File{peer}
+	var stderr strings.Builder
+	cmd.Stderr = &stderr
+	if err := cmd.Run(); err == nil {
+		t.Fatal("a private server in its parent's mount namespace ran")
+	}
+	peer.Close()
+	if !strings.Contains(stderr.String(), "refusing") {
+		t.Errorf("stderr %q", stderr.String())
+	}
+	mi, _ := os.ReadFile("/proc/self/mountinfo")
+	if !strings.Contains(string(mi), " "+dir+"/before ") {
+		t.Error("the node lost a mount")
 	}
 }

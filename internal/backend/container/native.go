@@ -255,16 +255,9 @@ func (b *Backend) startNative(ctx context.Context, id, dir, root, agentBinary st
 		return err
 	}
 	// The agent binary, read-only in the blank root: the clone copies this
-	// mount into the container's mount namespace; the host's copy goes
-	// once the child exists.
-	agentMount := filepath.Join(root, ".shoal", "agent")
-	if err := unix.Mount(agentBinary, agentMount, "", unix.MS_BIND, ""); err != nil {
-		return fmt.Errorf("bind agent binary: %w", err)
-	}
-	defer unix.Unmount(agentMount, unix.MNT_DETACH)
-	if err := unix.Mount("", agentMount, "", unix.MS_BIND|unix.MS_REMOUNT|unix.MS_RDONLY|unix.MS_NOSUID|unix.MS_NODEV, ""); err != nil {
-		return fmt.Errorf("bind agent binary: %w", err)
-	}
+	// mount into the container's mount namespace (spawn binds it where the
+	// clone happens).
+	agentMount := &forkserver.Bind{Source: agentBinary, Target: filepath.Join(root, ".shoal", "agent")}
 
 	devNull, err := os.Open(os.DevNull)
 	if err != nil {
@@ -351,7 +344,7 @@ func (b *Backend) startNative(ctx context.Context, id, dir, root, agentBinary st
 	if urgent {
 		nice = 0
 	}
-	pid, kill, release, err := b.spawn(ctx, cmd, agentBinary, nice)
+	pid, kill, release, err := b.spawn(ctx, cmd, agentBinary, agentMount, nice)
 	logW.Close() // now only the container holds it
 	syncR.Close()
 	if err != nil {
@@ -402,13 +395,15 @@ func (b *Backend) startNative(ctx context.Context, id, dir, root, agentBinary st
 	return nil
 }
 
-// spawn starts cmd at the given nice value and returns its pid, a
-// function that kills it and one that releases what pins it. The fork
-// server of agentBinary starts it (forkserver: a child in a user namespace
-// of its own would make the node fork without vfork, and the server reaps
-// every child in one thread where the node would block one per agent);
-// with os/exec when there is no fork server.
-func (b *Backend) spawn(ctx context.Context, cmd *exec.Cmd, agentBinary string, nice int) (pid int, kill, release func(), err error) {
+// spawn starts cmd at the given nice value, with bind (read-only) in the
+// mount namespace it is cloned from, and returns its pid, a function that
+// kills it and one that releases what pins it. The fork server of
+// agentBinary starts it (forkserver: a child in a user namespace of its
+// own would make the node fork without vfork, and the server reaps every
+// child in one thread where the node would block one per agent; the
+// server's mount namespace holds none of the node's sandboxes' mounts,
+// which a child would copy); with os/exec when there is no fork server.
+func (b *Backend) spawn(ctx context.Context, cmd *exec.Cmd, agentBinary string, bind *forkserver.Bind, nice int) (pid int, kill, release func(), err error) {
 	attr := cmd.SysProcAttr
 	if attr == nil {
 		attr = &syscall.SysProcAttr{}
@@ -422,16 +417,38 @@ func (b *Backend) spawn(ctx context.Context, cmd *exec.Cmd, agentBinary string, 
 		files = append(files, f)
 	}
 	files = append(files, cmd.ExtraFiles...)
-	p, err := b.forkServer(agentBinary).Start(ctx, forkserver.Request{
+	fs := b.forkServer(agentBinary)
+	req := forkserver.Request{
 		Path: cmd.Path, Args: cmd.Args, Env: cmd.Env, Dir: cmd.Dir,
 		Setsid: attr.Setsid, Cloneflags: attr.Cloneflags,
 		UidMappings: attr.UidMappings, GidMappings: attr.GidMappings,
 		GidMappingsEnableSetgroups: attr.GidMappingsEnableSetgroups,
 		Credential:                 attr.Credential,
 		Nice:                       nice,
-	}, files)
+	}
+	hostBind := func() (func(), error) { return func() {}, nil }
+	if bind != nil {
+		hostBind = bind.Mount
+	}
+	if fs.Private() {
+		req.Bind = bind
+	} else {
+		undo, err := hostBind()
+		if err != nil {
+			return 0, nil, nil, err
+		}
+		defer undo()
+	}
+	p, err := fs.Start(ctx, req, files)
 	if errors.Is(err, forkserver.ErrUnavailable) {
 		b.log.Warn("no fork server: the node starts the agent itself", "err", err)
+		if fs.Private() {
+			undo, err := hostBind()
+			if err != nil {
+				return 0, nil, nil, err
+			}
+			defer undo()
+		}
 		if err := forkserver.StartNiced(cmd, nice); err != nil {
 			return 0, nil, nil, err
 		}
@@ -445,7 +462,9 @@ func (b *Backend) spawn(ctx context.Context, cmd *exec.Cmd, agentBinary string, 
 }
 
 // forkServer returns the fork server of an agent binary, started on its
-// first Start.
+// first Start: a private one, without the mounts of the pool's and runc's
+// directories (the sandboxes' disks and roots, which every agent's mount
+// namespace would copy otherwise).
 func (b *Backend) forkServer(agentBinary string) *forkserver.Client {
 	b.forksMu.Lock()
 	defer b.forksMu.Unlock()
@@ -454,7 +473,7 @@ func (b *Backend) forkServer(agentBinary string) *forkserver.Client {
 	}
 	f, ok := b.forks[agentBinary]
 	if !ok {
-		f = forkserver.NewClient(agentBinary)
+		f = forkserver.NewPrivateClient(agentBinary, b.poolDir, b.stateDir)
 		b.forks[agentBinary] = f
 	}
 	return f

@@ -202,3 +202,71 @@ func BenchmarkStartMember(b *testing.B) {
 		})
 	}
 }
+
+// TestForkServerWithoutNodeMounts: the native launcher's agents are cloned
+// from a fork server whose mount namespace holds none of the mounts below
+// the pool's and runc's directories (each sandbox's disk is one there),
+// which every agent's mount namespace would copy; a member started after
+// the node mounted more there still starts (its agent binary is bound
+// where it is cloned).
+func TestForkServerWithoutNodeMounts(t *testing.T) {
+	requireRoot(t)
+	b, err := New(Config{StateDir: t.TempDir(), CgroupParent: testCgroupParent, PoolSize: -1, UserNS: testUserNS, Log: testLog(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b.filter == nil {
+		t.Skip("no compiled seccomp filter: no pool, no native launcher")
+	}
+	b.native = true // without a pool (PoolSize -1), New chose runc
+	ctx := context.Background()
+	startMember := func() {
+		m, err := b.startMember(ctx, realAgent, true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() {
+			if err := b.removeMember(m); err != nil {
+				t.Error(err)
+			}
+		})
+	}
+	startMember()
+	for _, d := range []string{b.poolDir, b.stateDir} {
+		p := filepath.Join(d, "test-mount")
+		if err := os.MkdirAll(p, 0o700); err != nil {
+			t.Fatal(err)
+		}
+		if err := unix.Mount("tmpfs", p, "tmpfs", 0, "size=1m"); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { unix.Unmount(p, unix.MNT_DETACH) })
+	}
+	startMember()
+	// The fork server: the child of this process started --forkserver.
+	var server string
+	ents, _ := os.ReadDir("/proc")
+	for _, e := range ents {
+		st, err := os.ReadFile("/proc/" + e.Name() + "/stat")
+		if err != nil {
+			continue
+		}
+		f := strings.Fields(string(st[strings.LastIndexByte(string(st), ')')+2:]))
+		cmdline, _ := os.ReadFile("/proc/" + e.Name() + "/cmdline")
+		if f[1] == strconv.Itoa(os.Getpid()) && strings.Contains(string(cmdline), "--forkserver") {
+			server = e.Name()
+		}
+	}
+	if server == "" {
+		t.Fatal("no fork server among this process's children")
+	}
+	mi := readTrim(t, "/proc/"+server+"/mountinfo")
+	for _, d := range []string{b.poolDir, b.stateDir} {
+		if strings.Contains(mi, " "+d+"/") {
+			t.Errorf("the fork server's mount namespace has mounts below %s:\n%s", d, mi)
+		}
+		if !strings.Contains(readTrim(t, "/proc/self/mountinfo"), " "+filepath.Join(d, "test-mount")+" ") {
+			t.Errorf("the node lost its mount below %s", d)
+		}
+	}
+}
