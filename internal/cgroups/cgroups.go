@@ -17,6 +17,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/shoal-sandbox/shoal/internal/procfs"
 )
 
 // Mount is one mounted cgroup hierarchy.
@@ -55,28 +57,9 @@ func Mounts() ([]Mount, error) {
 			continue
 		}
 		seen[key] = true
-		mounts = append(mounts, Mount{Dir: UnescapeMountinfo(f[4]), V2: g[0] == "cgroup2", Options: strings.Split(g[2], ",")})
+		mounts = append(mounts, Mount{Dir: procfs.UnescapeMountinfo(f[4]), V2: g[0] == "cgroup2", Options: strings.Split(g[2], ",")})
 	}
 	return mounts, sc.Err()
-}
-
-// UnescapeMountinfo undoes the octal escapes (\040 ...) of mountinfo paths.
-func UnescapeMountinfo(s string) string {
-	if !strings.Contains(s, `\`) {
-		return s
-	}
-	var b strings.Builder
-	for i := 0; i < len(s); i++ {
-		if s[i] == '\\' && i+4 <= len(s) {
-			if n, err := strconv.ParseUint(s[i+1:i+4], 8, 8); err == nil {
-				b.WriteByte(byte(n))
-				i += 3
-				continue
-			}
-		}
-		b.WriteByte(s[i])
-	}
-	return b.String()
 }
 
 // Write writes a cgroup control file (never creating it: cgroupfs answers

@@ -8,12 +8,6 @@ import (
 	"time"
 )
 
-func TestUnescapeMountinfo(t *testing.T) {
-	if got := UnescapeMountinfo(`/a\040b\134c\01`); got != `/a b\c\01` {
-		t.Errorf("got %q", got)
-	}
-}
-
 // The host's hierarchies are found, each once; a group is made, written,
 // listed and removed.
 func TestMountsAndGroup(t *testing.T) {

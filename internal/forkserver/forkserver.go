@@ -46,6 +46,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/shoal-sandbox/shoal/internal/procfs"
 )
 
 // EnvFD, in the fork server's environment, is its socket's descriptor.
@@ -266,7 +268,7 @@ func privateMounts(shed []string) error {
 		if len(f) < 5 {
 			continue
 		}
-		p := unescapeMountPath(f[4])
+		p := procfs.UnescapeMountinfo(f[4])
 		for _, d := range shed {
 			if d != "" && strings.HasPrefix(p, strings.TrimRight(d, "/")+"/") {
 				points = append(points, p)
@@ -282,25 +284,6 @@ func privateMounts(shed []string) error {
 		}
 	}
 	return nil
-}
-
-// unescapeMountPath undoes mountinfo's octal escapes (\040 for a space).
-func unescapeMountPath(s string) string {
-	if !strings.Contains(s, "\\") {
-		return s
-	}
-	var b strings.Builder
-	for i := 0; i < len(s); i++ {
-		if s[i] == '\\' && i+3 < len(s) {
-			if n, err := strconv.ParseUint(s[i+1:i+4], 8, 8); err == nil {
-				b.WriteByte(byte(n))
-				i += 3
-				continue
-			}
-		}
-		b.WriteByte(s[i])
-	}
-	return b.String()
 }
 
 // receivedFiles turns the descriptors of a message into files (close-on-exec:

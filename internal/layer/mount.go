@@ -6,10 +6,11 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
-	"strconv"
 	"strings"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/shoal-sandbox/shoal/internal/procfs"
 )
 
 const layerMountFlags = unix.MS_RDONLY | unix.MS_NODEV | unix.MS_NOSUID
@@ -247,30 +248,10 @@ func readMountinfo() ([]mountEntry, error) {
 			continue
 		}
 		ms = append(ms, mountEntry{
-			point:  unescapeOctal(f[4]),
+			point:  procfs.UnescapeMountinfo(f[4]),
 			fstype: f[sep+1],
-			source: unescapeOctal(f[sep+2]),
+			source: procfs.UnescapeMountinfo(f[sep+2]),
 		})
 	}
 	return ms, nil
-}
-
-// unescapeOctal undoes the kernel's \ooo escaping of spaces, tabs, newlines
-// and backslashes in mountinfo fields.
-func unescapeOctal(s string) string {
-	if !strings.Contains(s, `\`) {
-		return s
-	}
-	var b strings.Builder
-	for i := 0; i < len(s); i++ {
-		if s[i] == '\\' && i+4 <= len(s) {
-			if n, err := strconv.ParseUint(s[i+1:i+4], 8, 8); err == nil {
-				b.WriteByte(byte(n))
-				i += 3
-				continue
-			}
-		}
-		b.WriteByte(s[i])
-	}
-	return b.String()
 }

@@ -1,7 +1,8 @@
 // Package procfs reads fields of the kernel's /proc files: the size
 // lines "KEY:   N kB" of /proc/meminfo and /proc/PID/status (the host's
 // benchmarks and VM backend read them, and so does the guest agent), and a
-// process's cgroup v2 path in /proc/PID/cgroup (the guest agent's).
+// process's cgroup v2 path in /proc/PID/cgroup (the guest agent's), and
+// the escaped paths of /proc/PID/mountinfo.
 package procfs
 
 import (
@@ -41,4 +42,24 @@ func KiB(path, key string) (n int64, ok bool) {
 		}
 	}
 	return 0, false
+}
+
+// UnescapeMountinfo undoes the kernel's octal escapes (\040 for a space,
+// \134 for a backslash, ...) of a path in /proc/PID/mountinfo.
+func UnescapeMountinfo(s string) string {
+	if !strings.Contains(s, `\`) {
+		return s
+	}
+	var b strings.Builder
+	for i := 0; i < len(s); i++ {
+		if s[i] == '\\' && i+4 <= len(s) {
+			if n, err := strconv.ParseUint(s[i+1:i+4], 8, 8); err == nil {
+				b.WriteByte(byte(n))
+				i += 3
+				continue
+			}
+		}
+		b.WriteByte(s[i])
+	}
+	return b.String()
 }

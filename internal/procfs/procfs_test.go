@@ -40,3 +40,16 @@ func TestCgroup2(t *testing.T) {
 		t.Error("a process that does not exist")
 	}
 }
+
+func TestUnescapeMountinfo(t *testing.T) {
+	for in, want := range map[string]string{
+		`/a\040b\134c\01`: `/a b\c\01`, // a short escape at the end stays
+		`/plain`:          `/plain`,
+		`/x\011y\012`:     "/x\ty\n",
+		`/end\04`:         `/end\04`,
+	} {
+		if got := UnescapeMountinfo(in); got != want {
+			t.Errorf("UnescapeMountinfo(%q) = %q, want %q", in, got, want)
+		}
+	}
+}

@@ -13,6 +13,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/shoal-sandbox/shoal/internal/cgroups"
+	"github.com/shoal-sandbox/shoal/internal/procfs"
 )
 
 // cgroupMount is one mounted cgroup hierarchy (cgroups.Mount).
@@ -55,7 +56,7 @@ func (b *Backend) cgroupMounts() ([]cgroupMount, error) {
 	return b.cgroups, b.cgroupsErr
 }
 
-var unescapeMountinfo = cgroups.UnescapeMountinfo
+var unescapeMountinfo = procfs.UnescapeMountinfo
 
 // cgroupDirs returns the sandbox's cgroup directory in every hierarchy,
 // whether or not it exists; the pids and freezer hierarchies come first,

@@ -34,29 +34,8 @@ func testNativeLikeRunc(t *testing.T, userns string) {
 	if b.filter == nil {
 		t.Skip("no compiled seccomp filter: no pool, no native launcher")
 	}
-	ctx := context.Background()
-	start := func(native bool) (*member, string) {
-		b.native = native
-		defer func() { b.native = false }()
-		m, err := b.startMember(ctx, realAgent, true)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() {
-			if err := b.removeMember(m); err != nil {
-				t.Error(err)
-			}
-			if left := runcLeftovers(t, b, m.id, nil); len(left) > 0 {
-				t.Errorf("left after removing %s: %v", m.id, left)
-			}
-			if b.isNative(m.id) {
-				t.Errorf("native state of %s left", m.id)
-			}
-		})
-		return m, readTrim(t, filepath.Join(m.dir, pidFileName))
-	}
-	rm, rpid := start(false)
-	nm, npid := start(true)
+	rm, rpid := startTestMember(t, b, false)
+	nm, npid := startTestMember(t, b, true)
 	if !b.isNative(nm.id) || b.isNative(rm.id) {
 		t.Fatalf("native state: runc %v, native %v", b.isNative(rm.id), b.isNative(nm.id))
 	}
@@ -148,6 +127,31 @@ func testNativeLikeRunc(t *testing.T, userns string) {
 	t.Logf("compared %d properties", len(want))
 }
 
+// startTestMember starts a pool container with the native launcher or
+// runc, removed at the test's end (and checked for leftovers); it returns
+// it and its agent's pid.
+func startTestMember(t *testing.T, b *Backend, native bool) (*member, string) {
+	t.Helper()
+	b.native = native
+	defer func() { b.native = false }()
+	m, err := b.startMember(context.Background(), realAgent, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := b.removeMember(m); err != nil {
+			t.Error(err)
+		}
+		if left := runcLeftovers(t, b, m.id, nil); len(left) > 0 {
+			t.Errorf("left after removing %s: %v", m.id, left)
+		}
+		if b.isNative(m.id) {
+			t.Errorf("native state of %s left", m.id)
+		}
+	})
+	return m, readTrim(t, filepath.Join(m.dir, pidFileName))
+}
+
 // BenchmarkStartMember starts pool containers with each launcher and
 // reports, per container, the wall time until its agent is ready and the
 // CPU it cost: this process's (the node's side), its reaped children's
@@ -218,20 +222,7 @@ func TestForkServerWithoutNodeMounts(t *testing.T) {
 	if b.filter == nil {
 		t.Skip("no compiled seccomp filter: no pool, no native launcher")
 	}
-	b.native = true // without a pool (PoolSize -1), New chose runc
-	ctx := context.Background()
-	startMember := func() {
-		m, err := b.startMember(ctx, realAgent, true)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() {
-			if err := b.removeMember(m); err != nil {
-				t.Error(err)
-			}
-		})
-	}
-	startMember()
+	startTestMember(t, b, true)
 	for _, d := range []string{b.poolDir, b.stateDir} {
 		p := filepath.Join(d, "test-mount")
 		if err := os.MkdirAll(p, 0o700); err != nil {
@@ -242,7 +233,7 @@ func TestForkServerWithoutNodeMounts(t *testing.T) {
 		}
 		t.Cleanup(func() { unix.Unmount(p, unix.MNT_DETACH) })
 	}
-	startMember()
+	startTestMember(t, b, true)
 	// The fork server: the child of this process started --forkserver.
 	var server string
 	ents, _ := os.ReadDir("/proc")
