@@ -4,8 +4,10 @@
 package etcdtest
 
 import (
+	"errors"
 	"net"
 	"net/url"
+	"syscall"
 	"testing"
 	"time"
 
@@ -32,7 +34,25 @@ func StartTLS(t testing.TB, tls TLS) string {
 	return start(t, &tls)
 }
 
+// startAttempts: the free ports are picked, closed, then bound by etcd,
+// and another test process may bind one in between (seen in CI: "bind:
+// address already in use"); etcd then starts again on other ports.
+const startAttempts = 5
+
 func start(t testing.TB, tls *TLS) string {
+	for attempt := 1; ; attempt++ {
+		url, err := startOnce(t, tls)
+		if err == nil {
+			return url
+		}
+		if attempt == startAttempts || !errors.Is(err, syscall.EADDRINUSE) {
+			t.Fatalf("start embedded etcd: %v", err)
+		}
+		t.Logf("start embedded etcd (attempt %d): %v; again on other ports", attempt, err)
+	}
+}
+
+func startOnce(t testing.TB, tls *TLS) (string, error) {
 	cfg := embed.NewConfig()
 	cfg.Dir = t.TempDir()
 	cfg.ZapLoggerBuilder = embed.NewZapLoggerBuilder(zap.NewNop()) // its shutdown "errors" are noise
@@ -46,7 +66,7 @@ func start(t testing.TB, tls *TLS) string {
 	cfg.InitialCluster = cfg.Name + "=" + peer.String()
 	e, err := embed.StartEtcd(cfg)
 	if err != nil {
-		t.Fatalf("start embedded etcd: %v", err)
+		return "", err
 	}
 	t.Cleanup(e.Close)
 	select {
@@ -55,7 +75,7 @@ func start(t testing.TB, tls *TLS) string {
 		e.Server.Stop()
 		t.Fatal("embedded etcd not ready within 60 s")
 	}
-	return client.String()
+	return client.String(), nil
 }
 
 func freeURL(t testing.TB) url.URL {
