@@ -31,8 +31,8 @@ import (
 //     namespace, as runc does; the usual symlinks, devpts, shm, mqueue),
 //     /sys read-only with the container's cgroups bound read-only under a
 //     tmpfs at /sys/fs/cgroup, as runc mounts them for the same spec (the
-//     host bound the agent binary read-only at /.shoal/agent before the
-//     clone);
+//     agent binary was bound read-only at /.shoal/agent where this process
+//     was cloned: in the node's fork server, or the node itself);
 //  4. pivots into the root and detaches the old one;
 //  5. masks and makes read-only docker's paths of /proc and /sys;
 //  6. sets the host name, brings up lo;
@@ -258,7 +258,8 @@ func nativeMounts(root string) error {
 	if err := mountAt(nativeMount{"tmpfs", cg, "tmpfs", common, "mode=755"}); err != nil {
 		return err
 	}
-	// The host's bind of the agent came with the copy of its mounts, locked
+	// The bind of the agent came with the copy of the mounts of the
+	// namespace this process was cloned from, locked
 	// (a less privileged namespace may not take it apart): a bind of it,
 	// read-only as it is, is ours to move on claim.
 	if err := bindReadonly(in(agentPath), in(agentPath), unix.MS_NOSUID|unix.MS_NODEV); err != nil {

@@ -380,9 +380,6 @@ func NewPrivateClient(bin string, shed ...string) *Client {
 	return &Client{bin: bin, shed: append([]string{}, shed...)}
 }
 
-// Private reports whether the server runs in a mount namespace of its own.
-func (c *Client) Private() bool { return c.shed != nil }
-
 // Process is a started child: its pid, and a pidfd that pins it (the
 // caller closes it).
 type Process struct {

@@ -97,7 +97,8 @@ func (b *Backend) nativeAlive(id string) (bool, error) {
 
 // unmountAgentBind removes the host's bind of the agent binary in the
 // blank root of the container dir dir, which a node that died while
-// starting a native container leaves behind.
+// starting a native container itself (without its fork server, whose bind
+// dies with it) leaves behind.
 func unmountAgentBind(dir string) {
 	p := filepath.Join(dir, blankRoot, ".shoal", "agent")
 	for range 4 {
@@ -417,7 +418,7 @@ func (b *Backend) spawn(ctx context.Context, cmd *exec.Cmd, agentBinary string, 
 		files = append(files, f)
 	}
 	files = append(files, cmd.ExtraFiles...)
-	fs := b.forkServer(agentBinary)
+
 	req := forkserver.Request{
 		Path: cmd.Path, Args: cmd.Args, Env: cmd.Env, Dir: cmd.Dir,
 		Setsid: attr.Setsid, Cloneflags: attr.Cloneflags,
@@ -425,25 +426,13 @@ func (b *Backend) spawn(ctx context.Context, cmd *exec.Cmd, agentBinary string, 
 		GidMappingsEnableSetgroups: attr.GidMappingsEnableSetgroups,
 		Credential:                 attr.Credential,
 		Nice:                       nice,
+		Bind:                       bind, // made by the server, in its namespace, for this start
 	}
-	hostBind := func() (func(), error) { return func() {}, nil }
-	if bind != nil {
-		hostBind = bind.Mount
-	}
-	if fs.Private() {
-		req.Bind = bind
-	} else {
-		undo, err := hostBind()
-		if err != nil {
-			return 0, nil, nil, err
-		}
-		defer undo()
-	}
-	p, err := fs.Start(ctx, req, files)
+	p, err := b.forkServer(agentBinary).Start(ctx, req, files)
 	if errors.Is(err, forkserver.ErrUnavailable) {
 		b.log.Warn("no fork server: the node starts the agent itself", "err", err)
-		if fs.Private() {
-			undo, err := hostBind()
+		if bind != nil {
+			undo, err := bind.Mount()
 			if err != nil {
 				return 0, nil, nil, err
 			}

@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/shoal-sandbox/shoal/internal/forkserver"
 )
 
 // TestNativeLikeRunc starts a pool container with runc and one with the
@@ -259,5 +261,33 @@ func TestForkServerWithoutNodeMounts(t *testing.T) {
 		if !strings.Contains(readTrim(t, "/proc/self/mountinfo"), " "+filepath.Join(d, "test-mount")+" ") {
 			t.Errorf("the node lost its mount below %s", d)
 		}
+	}
+}
+
+// Without a fork server (its binary does not serve), the node starts a
+// native agent itself, binding the agent binary on the host for the clone
+// only: the member starts, and no bind is left in the node's namespace.
+func TestNativeWithoutForkServer(t *testing.T) {
+	requireRoot(t)
+	b, err := New(Config{StateDir: t.TempDir(), CgroupParent: testCgroupParent, PoolSize: -1, UserNS: testUserNS, Log: testLog(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b.filter == nil {
+		t.Skip("no compiled seccomp filter: no pool, no native launcher")
+	}
+	fs := forkserver.NewPrivateClient("/bin/true")
+	t.Cleanup(fs.Close)
+	b.forks = map[string]*forkserver.Client{realAgent: fs}
+	m, _ := startTestMember(t, b, true)
+	if !b.isNative(m.id) {
+		t.Fatal("not started natively")
+	}
+	if alive, err := b.nativeAlive(m.id); err != nil || !alive {
+		t.Errorf("nativeAlive = %v, %v", alive, err)
+	}
+	bind := filepath.Join(m.dir, blankRoot, ".shoal", "agent")
+	if strings.Contains(readTrim(t, "/proc/self/mountinfo"), " "+bind+" ") {
+		t.Errorf("the host's bind of the agent at %s was left", bind)
 	}
 }
