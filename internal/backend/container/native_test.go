@@ -29,13 +29,7 @@ func TestNativeLikeRunc(t *testing.T) {
 }
 
 func testNativeLikeRunc(t *testing.T, userns string) {
-	b, err := New(Config{StateDir: t.TempDir(), CgroupParent: testCgroupParent, PoolSize: -1, UserNS: userns, Log: testLog(t)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if b.filter == nil {
-		t.Skip("no compiled seccomp filter: no pool, no native launcher")
-	}
+	b := poolTestBackend(t, userns)
 	rm, rpid := startTestMember(t, b, false)
 	nm, npid := startTestMember(t, b, true)
 	if !b.isNative(nm.id) || b.isNative(rm.id) {
@@ -129,6 +123,21 @@ func testNativeLikeRunc(t *testing.T, userns string) {
 	t.Logf("compared %d properties", len(want))
 }
 
+// poolTestBackend is a backend without a pool of its own (PoolSize -1)
+// whose tests start pool containers themselves (startTestMember), with
+// either launcher; it skips the test where there can be no pool.
+func poolTestBackend(t *testing.T, userns string) *Backend {
+	t.Helper()
+	b, err := New(Config{StateDir: t.TempDir(), CgroupParent: testCgroupParent, PoolSize: -1, UserNS: userns, Log: testLog(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b.filter == nil {
+		t.Skip("no compiled seccomp filter: no pool, no native launcher")
+	}
+	return b
+}
+
 // startTestMember starts a pool container with the native launcher or
 // runc, removed at the test's end (and checked for leftovers); it returns
 // it and its agent's pid.
@@ -217,13 +226,7 @@ func BenchmarkStartMember(b *testing.B) {
 // where it is cloned).
 func TestForkServerWithoutNodeMounts(t *testing.T) {
 	requireRoot(t)
-	b, err := New(Config{StateDir: t.TempDir(), CgroupParent: testCgroupParent, PoolSize: -1, UserNS: testUserNS, Log: testLog(t)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if b.filter == nil {
-		t.Skip("no compiled seccomp filter: no pool, no native launcher")
-	}
+	b := poolTestBackend(t, testUserNS)
 	startTestMember(t, b, true)
 	for _, d := range []string{b.poolDir, b.stateDir} {
 		p := filepath.Join(d, "test-mount")
@@ -269,13 +272,7 @@ func TestForkServerWithoutNodeMounts(t *testing.T) {
 // only: the member starts, and no bind is left in the node's namespace.
 func TestNativeWithoutForkServer(t *testing.T) {
 	requireRoot(t)
-	b, err := New(Config{StateDir: t.TempDir(), CgroupParent: testCgroupParent, PoolSize: -1, UserNS: testUserNS, Log: testLog(t)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if b.filter == nil {
-		t.Skip("no compiled seccomp filter: no pool, no native launcher")
-	}
+	b := poolTestBackend(t, testUserNS)
 	fs := forkserver.NewPrivateClient("/bin/true")
 	t.Cleanup(fs.Close)
 	b.forks = map[string]*forkserver.Client{realAgent: fs}
