@@ -22,6 +22,7 @@ import (
 	"connectrpc.com/connect"
 
 	pb "github.com/shoal-sandbox/shoal/api/shoal/v1"
+	"github.com/shoal-sandbox/shoal/internal/procfs"
 	shoal "github.com/shoal-sandbox/shoal/sdk/go"
 )
 
@@ -610,14 +611,13 @@ func (n *node) stop() {
 // cleanDataDir removes a data dir an earlier run left, refusing if
 // anything is still mounted under it.
 func cleanDataDir(dir string) error {
-	b, err := os.ReadFile("/proc/self/mountinfo")
+	mounts, err := procfs.Mountinfo("self")
 	if err != nil {
 		return err
 	}
-	for _, line := range strings.Split(string(b), "\n") {
-		f := strings.Fields(line)
-		if len(f) > 4 && (f[4] == dir || strings.HasPrefix(f[4], dir+"/")) {
-			return fmt.Errorf("%s is still mounted (an earlier run's node?): unmount it first", f[4])
+	for _, m := range mounts {
+		if m.Point == dir || strings.HasPrefix(m.Point, dir+"/") {
+			return fmt.Errorf("%s is still mounted (an earlier run's node?): unmount it first", m.Point)
 		}
 	}
 	if err := os.RemoveAll(dir); err != nil && !errors.Is(err, fs.ErrNotExist) {

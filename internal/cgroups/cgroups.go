@@ -6,8 +6,6 @@
 package cgroups
 
 import (
-	"bufio"
-	"bytes"
 	"errors"
 	"fmt"
 	"os"
@@ -34,32 +32,25 @@ func (m Mount) Has(ctrl string) bool { return !m.V2 && slices.Contains(m.Options
 // Mounts lists the cgroup hierarchies mounted in our mount namespace, each
 // once (the first mount of a hierarchy wins).
 func Mounts() ([]Mount, error) {
-	data, err := os.ReadFile("/proc/self/mountinfo")
+	all, err := procfs.Mountinfo("self")
 	if err != nil {
 		return nil, fmt.Errorf("list cgroup mounts: %w", err)
 	}
 	var mounts []Mount
 	seen := map[string]bool{}
-	sc := bufio.NewScanner(bytes.NewReader(data))
-	sc.Buffer(make([]byte, 64<<10), 1<<20)
-	for sc.Scan() {
+	for _, m := range all {
 		// 36 25 0:31 / /sys/fs/cgroup/memory rw,relatime shared:14 - cgroup cgroup rw,memory
-		pre, post, ok := strings.Cut(sc.Text(), " - ")
-		if !ok {
+		if (m.FSType != "cgroup" && m.FSType != "cgroup2") || m.Root != "/" || m.SuperOptions == nil {
 			continue
 		}
-		f, g := strings.Fields(pre), strings.Fields(post)
-		if len(f) < 5 || len(g) < 3 || (g[0] != "cgroup" && g[0] != "cgroup2") || f[3] != "/" {
-			continue
-		}
-		key := g[0] + " " + g[2]
+		key := m.FSType + " " + strings.Join(m.SuperOptions, ",")
 		if seen[key] {
 			continue
 		}
 		seen[key] = true
-		mounts = append(mounts, Mount{Dir: procfs.UnescapeMountinfo(f[4]), V2: g[0] == "cgroup2", Options: strings.Split(g[2], ",")})
+		mounts = append(mounts, Mount{Dir: m.Point, V2: m.FSType == "cgroup2", Options: m.SuperOptions})
 	}
-	return mounts, sc.Err()
+	return mounts, nil
 }
 
 // Write writes a cgroup control file (never creating it: cgroupfs answers

@@ -1,18 +1,17 @@
 package fncall
 
 import (
-	"bufio"
-	"bytes"
 	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
-	"slices"
 	"strconv"
 	"strings"
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/shoal-sandbox/shoal/internal/cgroups"
 )
 
 // Per-run cgroups.
@@ -34,30 +33,18 @@ var controllers = []string{"memory", "cpuacct", "pids"}
 // hierarchies maps each needed controller to its v1 mount point.
 type hierarchies map[string]string
 
-// findHierarchies reads our mount table for the v1 hierarchies of the
-// controllers.
+// findHierarchies finds the v1 hierarchies of the controllers among the
+// host's cgroup mounts.
 func findHierarchies() (hierarchies, error) {
-	f, err := os.Open("/proc/self/mountinfo")
+	mounts, err := cgroups.Mounts()
 	if err != nil {
 		return nil, err
 	}
-	defer f.Close()
 	h := hierarchies{}
-	sc := bufio.NewScanner(f)
-	sc.Buffer(make([]byte, 64<<10), 1<<20)
-	for sc.Scan() {
-		pre, post, ok := strings.Cut(sc.Text(), " - ")
-		if !ok {
-			continue
-		}
-		fl, gl := strings.Fields(pre), strings.Fields(post)
-		if len(fl) < 5 || len(gl) < 3 || gl[0] != "cgroup" || fl[3] != "/" {
-			continue
-		}
-		opts := strings.Split(gl[2], ",")
+	for _, m := range mounts {
 		for _, c := range controllers {
-			if _, seen := h[c]; !seen && slices.Contains(opts, c) {
-				h[c] = fl[4]
+			if _, seen := h[c]; !seen && m.Has(c) {
+				h[c] = m.Dir
 			}
 		}
 	}
@@ -115,18 +102,10 @@ func newRunCgroup(parent map[string]string, name string) (cg *runCgroup, err err
 // setLimits sets the run's memory limit (memory and memory+swap: no swap
 // escape) and process limit.
 func (cg *runCgroup) setLimits(memory int64, pids int) error {
-	mem := strconv.FormatInt(memory, 10)
-	for _, w := range []struct{ c, file, v string }{
-		{"memory", "memory.limit_in_bytes", mem},
-		{"memory", "memory.memsw.limit_in_bytes", mem}, // absent without swap accounting
-		{"pids", "pids.max", strconv.Itoa(pids)},
-	} {
-		p := filepath.Join(cg.dirs[w.c], w.file)
-		if err := writeFile(p, w.v); err != nil && !(errors.Is(err, os.ErrNotExist) && strings.Contains(w.file, "memsw")) {
-			return err
-		}
+	if err := cgroups.SetMemoryV1(cg.dirs["memory"], memory); err != nil {
+		return err
 	}
-	return nil
+	return cgroups.Write(filepath.Join(cg.dirs["pids"], "pids.max"), strconv.Itoa(pids))
 }
 
 // dispose removes the run's cgroups, killing from the host whatever the
@@ -144,21 +123,6 @@ func (cg *runCgroup) dispose() (clean bool, err error) {
 		err = errors.Join(err, rerr)
 	}
 	return clean, err
-}
-
-func writeFile(path, v string) error {
-	f, err := os.OpenFile(path, os.O_WRONLY|os.O_TRUNC, 0)
-	if err != nil {
-		return err
-	}
-	_, err = f.WriteString(v)
-	if cerr := f.Close(); err == nil {
-		err = cerr
-	}
-	if err != nil {
-		return fmt.Errorf("write %s = %s: %w", path, v, err)
-	}
-	return nil
 }
 
 func (cg *runCgroup) closeTasks() {
@@ -200,24 +164,19 @@ func (cg *runCgroup) memStats() (peak, failcnt, oomKills int64, err error) {
 	return
 }
 
+// readInt reads a control file holding one integer.
 func readInt(path string) (int64, error) {
-	b, err := os.ReadFile(path)
-	if err != nil {
-		return 0, err
+	v := cgroups.ReadInt(path)
+	if v < 0 {
+		return 0, fmt.Errorf("read %s: not a count", path)
 	}
-	return strconv.ParseInt(string(bytes.TrimSpace(b)), 10, 64)
+	return v, nil
 }
 
 // procs lists the host pids still in the run's cgroup.
 func (cg *runCgroup) procs() []int {
-	b, _ := os.ReadFile(filepath.Join(cg.dirs["pids"], "cgroup.procs"))
-	var out []int
-	for _, f := range strings.Fields(string(b)) {
-		if pid, err := strconv.Atoi(f); err == nil {
-			out = append(out, pid)
-		}
-	}
-	return out
+	pids, _ := cgroups.ReadPids(filepath.Join(cg.dirs["pids"], "cgroup.procs"))
+	return pids
 }
 
 // kill SIGKILLs what is left in the run's cgroup from the host, through
@@ -250,25 +209,12 @@ func (cg *runCgroup) kill(wait time.Duration) error {
 	}
 }
 
-// remove removes the run's cgroups (which must be empty), retrying while
-// exiting tasks still hold them.
+// remove removes the run's cgroups (which must be empty), waiting a
+// moment for exiting tasks to leave them.
 func (cg *runCgroup) remove() error {
 	var errs []error
 	for _, d := range cg.dirs {
-		var err error
-		for i := range 50 {
-			if err = unix.Rmdir(d); err == nil || errors.Is(err, unix.ENOENT) {
-				err = nil
-				break
-			}
-			if !errors.Is(err, unix.EBUSY) {
-				break
-			}
-			time.Sleep(time.Duration(i+1) * 200 * time.Microsecond)
-		}
-		if err != nil {
-			errs = append(errs, fmt.Errorf("remove cgroup %s: %w", d, err))
-		}
+		errs = append(errs, cgroups.Remove(d, 250*time.Millisecond))
 	}
 	return errors.Join(errs...)
 }

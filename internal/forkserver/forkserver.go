@@ -258,20 +258,15 @@ func privateMounts(shed []string) error {
 	if err := unix.Mount("", "/", "", unix.MS_REC|unix.MS_PRIVATE, ""); err != nil {
 		return fmt.Errorf("make mounts private: %w", err)
 	}
-	data, err := os.ReadFile("/proc/self/mountinfo")
+	mounts, err := procfs.Mountinfo("self")
 	if err != nil {
 		return err
 	}
 	var points []string
-	for _, l := range strings.Split(string(data), "\n") {
-		f := strings.Fields(l)
-		if len(f) < 5 {
-			continue
-		}
-		p := procfs.UnescapeMountinfo(f[4])
+	for _, m := range mounts {
 		for _, d := range shed {
-			if d != "" && strings.HasPrefix(p, strings.TrimRight(d, "/")+"/") {
-				points = append(points, p)
+			if d != "" && strings.HasPrefix(m.Point, strings.TrimRight(d, "/")+"/") {
+				points = append(points, m.Point)
 				break
 			}
 		}

@@ -6,7 +6,6 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
-	"strings"
 
 	"golang.org/x/sys/unix"
 
@@ -229,29 +228,13 @@ type mountEntry struct {
 }
 
 func readMountinfo() ([]mountEntry, error) {
-	data, err := os.ReadFile("/proc/self/mountinfo")
+	mounts, err := procfs.Mountinfo("self")
 	if err != nil {
 		return nil, err
 	}
-	var ms []mountEntry
-	for line := range strings.SplitSeq(string(data), "\n") {
-		// 36 35 98:0 /mnt1 /mnt2 rw,noatime master:1 - ext3 /dev/root rw
-		f := strings.Fields(line)
-		sep := -1
-		for i := 6; i < len(f); i++ {
-			if f[i] == "-" {
-				sep = i
-				break
-			}
-		}
-		if sep < 0 || sep+2 >= len(f) {
-			continue
-		}
-		ms = append(ms, mountEntry{
-			point:  procfs.UnescapeMountinfo(f[4]),
-			fstype: f[sep+1],
-			source: procfs.UnescapeMountinfo(f[sep+2]),
-		})
+	ms := make([]mountEntry, len(mounts))
+	for i, m := range mounts {
+		ms[i] = mountEntry{point: m.Point, fstype: m.FSType, source: m.Source}
 	}
 	return ms, nil
 }

@@ -63,3 +63,62 @@ func UnescapeMountinfo(s string) string {
 	}
 	return b.String()
 }
+
+// Mount is one line of /proc/PID/mountinfo, its paths unescaped:
+//
+//	36 35 98:0 /mnt1 /mnt2 rw,noatime master:1 - ext3 /dev/root rw,errors=continue
+type Mount struct {
+	ID, Parent   int
+	Dev          string   // "major:minor" of the file system
+	Root         string   // the mount's root within its file system
+	Point        string   // where it is mounted
+	Options      []string // per-mount options ("rw", "noatime", ...)
+	Optional     []string // optional fields ("shared:1", "master:2", ...)
+	FSType       string
+	Source       string
+	SuperOptions []string // per-superblock options (a v1 cgroup's controllers, ...)
+}
+
+// Mountinfo parses /proc/PID/mountinfo (pid "self" or a number). Lines
+// that do not parse are skipped.
+func Mountinfo(pid string) ([]Mount, error) {
+	data, err := os.ReadFile("/proc/" + pid + "/mountinfo")
+	if err != nil {
+		return nil, err
+	}
+	return ParseMountinfo(string(data)), nil
+}
+
+// ParseMountinfo parses the text of a mountinfo file (see Mountinfo).
+func ParseMountinfo(data string) []Mount {
+	var ms []Mount
+	for line := range strings.SplitSeq(data, "\n") {
+		pre, post, ok := strings.Cut(line, " - ")
+		if !ok {
+			continue
+		}
+		f, g := strings.Fields(pre), strings.Fields(post)
+		if len(f) < 6 || len(g) < 2 {
+			continue
+		}
+		id, err1 := strconv.Atoi(f[0])
+		parent, err2 := strconv.Atoi(f[1])
+		if err1 != nil || err2 != nil {
+			continue
+		}
+		m := Mount{
+			ID: id, Parent: parent, Dev: f[2],
+			Root:     UnescapeMountinfo(f[3]),
+			Point:    UnescapeMountinfo(f[4]),
+			Options:  strings.Split(f[5], ","),
+			Optional: f[6:],
+			FSType:   g[0],
+			Source:   UnescapeMountinfo(g[1]),
+		}
+		if len(g) > 2 {
+			m.SuperOptions = strings.Split(g[2], ",")
+		}
+		ms = append(ms, m)
+	}
+	return ms
+}

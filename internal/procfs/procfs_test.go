@@ -3,6 +3,7 @@ package procfs
 import (
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 )
@@ -51,5 +52,37 @@ func TestUnescapeMountinfo(t *testing.T) {
 		if got := UnescapeMountinfo(in); got != want {
 			t.Errorf("UnescapeMountinfo(%q) = %q, want %q", in, got, want)
 		}
+	}
+}
+
+func TestParseMountinfo(t *testing.T) {
+	data := "36 35 98:0 /mnt1 /mnt2 rw,noatime master:1 - ext3 /dev/root rw,errors=continue\n" +
+		"40 25 0:31 / /sys/fs/cgroup/memory rw,relatime shared:14 - cgroup cgroup rw,memory\n" +
+		`41 36 0:50 / /var/lib/a\040b rw - overlay my\134src rw,lowerdir=/x` + "\n" +
+		"42 36 0:51 / /tmp rw - tmpfs tmpfs\n" +
+		"garbage line\n" +
+		"x 1 0:1 / /y rw - tmpfs tmpfs rw\n"
+	ms := ParseMountinfo(data)
+	if len(ms) != 4 {
+		t.Fatalf("got %d mounts, want 4: %+v", len(ms), ms)
+	}
+	m := ms[0]
+	if m.ID != 36 || m.Parent != 35 || m.Dev != "98:0" || m.Root != "/mnt1" || m.Point != "/mnt2" ||
+		!slices.Equal(m.Options, []string{"rw", "noatime"}) || !slices.Equal(m.Optional, []string{"master:1"}) ||
+		m.FSType != "ext3" || m.Source != "/dev/root" || !slices.Equal(m.SuperOptions, []string{"rw", "errors=continue"}) {
+		t.Errorf("first line: %+v", m)
+	}
+	if !slices.Contains(ms[1].SuperOptions, "memory") || ms[1].FSType != "cgroup" {
+		t.Errorf("cgroup line: %+v", ms[1])
+	}
+	if ms[2].Point != "/var/lib/a b" || ms[2].Source != `my\src` || len(ms[2].Optional) != 0 {
+		t.Errorf("escaped line: %+v", ms[2])
+	}
+	if ms[3].SuperOptions != nil {
+		t.Errorf("no super options: %+v", ms[3])
+	}
+	self, err := Mountinfo("self")
+	if err != nil || len(self) == 0 || !slices.ContainsFunc(self, func(m Mount) bool { return m.Point == "/" }) {
+		t.Errorf("Mountinfo(self) = %d mounts, %v; want one at /", len(self), err)
 	}
 }
