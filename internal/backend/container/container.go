@@ -319,6 +319,17 @@ type Backend struct {
 	native bool
 }
 
+// The backend contract and the optional abilities this backend has.
+var (
+	_ sandbox.Backend     = (*Backend)(nil)
+	_ sandbox.Closer      = (*Backend)(nil)
+	_ sandbox.Prober      = (*Backend)(nil)
+	_ sandbox.Freezer     = (*Backend)(nil)
+	_ sandbox.DiskLimiter = (*Backend)(nil)
+	_ sandbox.Pauser      = (*Backend)(nil)
+	_ sandbox.UsageReader = (*Backend)(nil)
+)
+
 var (
 	_ sandbox.Backend = (*Backend)(nil)
 	_ sandbox.Closer  = (*Backend)(nil)

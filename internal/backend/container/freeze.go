@@ -13,8 +13,6 @@ import (
 	"github.com/shoal-sandbox/shoal/internal/sandbox"
 )
 
-var _ sandbox.Freezer = (*Backend)(nil)
-
 // freezeTimeout bounds a Freeze whose context has no deadline.
 const freezeTimeout = 10 * time.Second
 

@@ -19,8 +19,6 @@ import (
 	"github.com/shoal-sandbox/shoal/internal/sandbox"
 )
 
-var _ sandbox.Pauser = (*Backend)(nil)
-
 // Pause freezes the sandbox's cgroup (see Freeze) and then reclaims its
 // memory while it is frozen: with cgroup v2's memory.reclaim where the
 // sandbox has a v2 memory controller, else (cgroup v1) by

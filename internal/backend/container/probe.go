@@ -8,8 +8,6 @@ import (
 	"github.com/shoal-sandbox/shoal/internal/sandbox"
 )
 
-var _ sandbox.Prober = (*Backend)(nil)
-
 // Alive reports whether the sandbox's init (its guest agent) still runs,
 // the way runc itself decides it: the pid in runc's state file must exist
 // and have the start time runc recorded (so a reused pid does not count).

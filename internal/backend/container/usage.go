@@ -11,8 +11,6 @@ import (
 	"github.com/shoal-sandbox/shoal/internal/sandbox"
 )
 
-var _ sandbox.UsageReader = (*Backend)(nil)
-
 // Usage reads the sandbox's memory and CPU counters from its cgroups (the
 // host's cgroup file systems, which hold no links a sandbox could plant).
 func (b *Backend) Usage(h sandbox.Handle) sandbox.Usage {

@@ -209,12 +209,16 @@ type Backend struct {
 	diskMode string
 }
 
+// The backend contract and the optional abilities this backend has.
 var (
 	_ sandbox.Backend     = (*Backend)(nil)
 	_ sandbox.Prober      = (*Backend)(nil)
 	_ sandbox.AgentDialer = (*Backend)(nil)
 	_ sandbox.Committer   = (*Backend)(nil)
 	_ sandbox.DiskLimiter = (*Backend)(nil)
+	_ sandbox.Pauser      = (*Backend)(nil)
+	_ sandbox.Evicter     = (*Backend)(nil)
+	_ sandbox.UsageReader = (*Backend)(nil)
 )
 
 // New builds the guests' initramfs. The accelerator is chosen at the first
