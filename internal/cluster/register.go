@@ -3,12 +3,10 @@ package cluster
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"log/slog"
 	"time"
 
-	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/shoal-sandbox/shoal/internal/placement"
@@ -39,7 +37,7 @@ type Registration struct {
 	cfg     RegisterConfig
 	tag     string
 	started time.Time
-	lease   clientv3.LeaseID
+	lease   *keeper
 	written map[string]bool // catalog keys in etcd, as last known; only Run's goroutine
 	beats   int
 }
@@ -65,7 +63,7 @@ func Register(ctx context.Context, cli *clientv3.Client, cfg RegisterConfig) (*R
 	if cfg.Log == nil {
 		cfg.Log = slog.Default()
 	}
-	r := &Registration{cli: cli, cfg: cfg, tag: Tag(cfg.Name), started: time.Now().UTC(), written: map[string]bool{}}
+	r := &Registration{cli: cli, cfg: cfg, tag: Tag(cfg.Name), started: time.Now().UTC(), written: map[string]bool{}, lease: newKeeper(cli, cfg.TTL)}
 	key := tagsPrefix + r.tag
 	resp, err := cli.Txn(ctx).If(clientv3.Compare(clientv3.CreateRevision(key), "=", 0)).
 		Then(clientv3.OpPut(key, cfg.Name)).Else(clientv3.OpGet(key)).Commit()
@@ -95,9 +93,7 @@ func (r *Registration) Run(ctx context.Context) {
 	for {
 		select {
 		case <-ctx.Done():
-			c, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-			r.cli.Revoke(c, r.lease)
-			cancel()
+			r.lease.close()
 			return
 		case <-t.C:
 		}
@@ -109,23 +105,13 @@ func (r *Registration) Run(ctx context.Context) {
 	}
 }
 
-// heartbeat renews the lease (granting a new one if it expired), publishes
-// the report and brings the catalog up to date.
+// heartbeat publishes the report under the node's lease (a new one if it
+// expired: the node was cut off too long) and brings the catalog up to
+// date.
 func (r *Registration) heartbeat(ctx context.Context) error {
-	if r.lease != 0 {
-		if _, err := r.cli.KeepAliveOnce(ctx, r.lease); err != nil {
-			if !errors.Is(err, rpctypes.ErrLeaseNotFound) {
-				return fmt.Errorf("renew lease: %w", err)
-			}
-			r.lease = 0 // expired: the node was silent too long
-		}
-	}
-	if r.lease == 0 {
-		l, err := r.cli.Grant(ctx, int64(max(r.cfg.TTL/time.Second, 2)))
-		if err != nil {
-			return fmt.Errorf("grant lease: %w", err)
-		}
-		r.lease = l.ID
+	lease, _, err := r.lease.lease(ctx)
+	if err != nil {
+		return err
 	}
 	load, sbs := r.cfg.Report()
 	load.Name = r.cfg.Name
@@ -134,7 +120,7 @@ func (r *Registration) heartbeat(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	if _, err := r.cli.Put(ctx, nodesPrefix+r.cfg.Name, string(b), clientv3.WithLease(r.lease)); err != nil {
+	if _, err := r.cli.Put(ctx, nodesPrefix+r.cfg.Name, string(b), clientv3.WithLease(lease)); err != nil {
 		return fmt.Errorf("publish node report: %w", err)
 	}
 	if r.beats%resyncEvery == 0 {

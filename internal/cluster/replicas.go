@@ -11,14 +11,12 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"log/slog"
 	"strings"
 	"sync/atomic"
 	"time"
 
-	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
 )
 
@@ -38,8 +36,8 @@ type Replica struct {
 	info  ReplicaInfo
 	ttl   time.Duration
 	log   *slog.Logger
-	lease clientv3.LeaseID // only Run's goroutine, after RegisterReplica
-	count atomic.Int64     // live replicas, as last read (at least 1)
+	lease *keeper      // only Run's goroutine, after RegisterReplica
+	count atomic.Int64 // live replicas, as last read (at least 1)
 }
 
 // RegisterReplica publishes a replica whose API is at url under a lease of
@@ -55,7 +53,7 @@ func RegisterReplica(ctx context.Context, cli *clientv3.Client, url string, ttl 
 	if _, err := rand.Read(raw[:]); err != nil {
 		return nil, err
 	}
-	r := &Replica{cli: cli, ttl: ttl, log: log, info: ReplicaInfo{ID: hex.EncodeToString(raw[:]), URL: url, Started: time.Now().UTC()}}
+	r := &Replica{cli: cli, ttl: ttl, log: log, lease: newKeeper(cli, ttl), info: ReplicaInfo{ID: hex.EncodeToString(raw[:]), URL: url, Started: time.Now().UTC()}}
 	r.count.Store(1)
 	if err := r.beat(ctx); err != nil {
 		return nil, err
@@ -73,9 +71,7 @@ func (r *Replica) Run(ctx context.Context) {
 	for {
 		select {
 		case <-ctx.Done():
-			c, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-			r.cli.Revoke(c, r.lease)
-			cancel()
+			r.lease.close()
 			return
 		case <-t.C:
 		}
@@ -87,26 +83,17 @@ func (r *Replica) Run(ctx context.Context) {
 	}
 }
 
-// beat renews the lease (or grants a new one), publishes the replica and
-// counts the live ones.
+// beat publishes the replica when its lease is new (the first, or one
+// granted after the last expired) and counts the live ones.
 func (r *Replica) beat(ctx context.Context) error {
-	if r.lease != 0 {
-		if _, err := r.cli.KeepAliveOnce(ctx, r.lease); err != nil {
-			if !errors.Is(err, rpctypes.ErrLeaseNotFound) {
-				return fmt.Errorf("renew lease: %w", err)
-			}
-			r.lease = 0
-		}
+	lease, fresh, err := r.lease.lease(ctx)
+	if err != nil {
+		return err
 	}
-	if r.lease == 0 {
-		l, err := r.cli.Grant(ctx, int64(max(r.ttl/time.Second, 2)))
-		if err != nil {
-			return fmt.Errorf("grant lease: %w", err)
-		}
-		r.lease = l.ID
+	if fresh {
 		b, _ := json.Marshal(r.info)
-		if _, err := r.cli.Put(ctx, replicasPrefix+r.info.ID, string(b), clientv3.WithLease(r.lease)); err != nil {
-			r.lease = 0
+		if _, err := r.cli.Put(ctx, replicasPrefix+r.info.ID, string(b), clientv3.WithLease(lease)); err != nil {
+			r.lease.drop() // publish under a new lease next time
 			return fmt.Errorf("publish the replica: %w", err)
 		}
 	}
