@@ -21,9 +21,9 @@ const (
 	CodeInvalid     ErrorCode = "invalid"     // bad request; unwraps to fs.ErrInvalid
 	CodeNotDir      ErrorCode = "not_dir"     // a path element is not a directory; unwraps to fs.ErrInvalid
 	CodeIsDir       ErrorCode = "is_dir"      // a directory where a file is needed; unwraps to fs.ErrInvalid
-	CodeNoSpace     ErrorCode = "no_space"    // ENOSPC / EDQUOT; unwraps to errdefs.ErrResourceExhausted
+	CodeNoSpace     ErrorCode = "no_space"    // ENOSPC / EDQUOT; unwraps to errdefs.ErrNoSpace
 	CodeIO          ErrorCode = "io"          // any other OS error
-	CodeUnsupported ErrorCode = "unsupported" // op unknown to this agent version
+	CodeUnsupported ErrorCode = "unsupported" // op unknown to this agent version; unwraps to errdefs.ErrUnimplemented
 	CodeProtocol    ErrorCode = "protocol"    // malformed frame or message
 	// CodeVersion: the agent speaks another protocol version (client side
 	// only); unwraps to errdefs.ErrFailedPrecondition.
@@ -63,7 +63,9 @@ func (e *Error) Unwrap() error {
 	case CodeVersion:
 		return errdefs.ErrFailedPrecondition
 	case CodeNoSpace:
-		return errdefs.ErrResourceExhausted
+		return errdefs.ErrNoSpace
+	case CodeUnsupported:
+		return errdefs.ErrUnimplemented
 	case CodeTooMany:
 		return errdefs.ErrResourceExhausted
 	}

@@ -16,6 +16,7 @@ import (
 	"google.golang.org/protobuf/reflect/protoreflect"
 	"google.golang.org/protobuf/reflect/protoregistry"
 
+	"github.com/shoal-sandbox/shoal/internal/errdefs"
 	"github.com/shoal-sandbox/shoal/internal/limits"
 )
 
@@ -164,10 +165,7 @@ func writeProtocolError(w http.ResponseWriter, r *http.Request, code connect.Cod
 		w.WriteHeader(http.StatusOK)
 		return
 	}
-	status, ok := httpStatus[code]
-	if !ok {
-		status = http.StatusInternalServerError
-	}
+	status := errdefs.StatusOf(errdefs.FaceShoal, code.String())
 	if code == connect.CodeUnimplemented {
 		status = http.StatusNotFound // an unknown procedure, as connect answers one
 	}

@@ -11,7 +11,6 @@ import (
 
 	"github.com/shoal-sandbox/shoal/internal/agent"
 	"github.com/shoal-sandbox/shoal/internal/errdefs"
-	"github.com/shoal-sandbox/shoal/internal/limits"
 )
 
 // ReasonHeader is the error metadata (a Connect trailer, gRPC trailer or
@@ -102,37 +101,15 @@ func execError(err error, ae *agent.Error) *connect.Error {
 	return ce
 }
 
-// httpStatus is the HTTP status the Connect protocol uses for each code.
-var httpStatus = map[connect.Code]int{
-	connect.CodeCanceled:           499,
-	connect.CodeInvalidArgument:    http.StatusBadRequest,
-	connect.CodeDeadlineExceeded:   http.StatusGatewayTimeout,
-	connect.CodeNotFound:           http.StatusNotFound,
-	connect.CodeAlreadyExists:      http.StatusConflict,
-	connect.CodePermissionDenied:   http.StatusForbidden,
-	connect.CodeResourceExhausted:  http.StatusTooManyRequests,
-	connect.CodeFailedPrecondition: http.StatusBadRequest, // not 412: Connect uses 400
-	connect.CodeAborted:            http.StatusConflict,
-	connect.CodeUnimplemented:      http.StatusNotImplemented,
-	connect.CodeUnauthenticated:    http.StatusUnauthorized,
-	connect.CodeUnavailable:        http.StatusServiceUnavailable,
-}
-
 // writeConnectError writes err as a Connect-style JSON error body for the
-// plain HTTP endpoints.
+// plain HTTP endpoints, with the status errdefs' table gives its code on
+// Shoal's face.
 func writeConnectError(w http.ResponseWriter, err error) {
 	var ce *connect.Error
 	if !errors.As(err, &ce) {
 		ce = toConnect(err).(*connect.Error)
 	}
-	status, ok := httpStatus[ce.Code()]
-	if !ok {
-		status = http.StatusInternalServerError
-	}
-	if errors.Is(err, limits.ErrTooLarge) {
-		status = http.StatusRequestEntityTooLarge
-	}
-	writeHTTPError(w, status, ce.Code().String(), ce.Message())
+	writeHTTPError(w, errdefs.StatusFor(errdefs.FaceShoal, ce.Code().String(), err), ce.Code().String(), ce.Message())
 }
 
 func writeHTTPError(w http.ResponseWriter, status int, code, msg string) {

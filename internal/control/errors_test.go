@@ -4,14 +4,18 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/http/httptest"
 	"syscall"
 	"testing"
 
 	"connectrpc.com/connect"
 
 	"github.com/shoal-sandbox/shoal/internal/agent"
+	"github.com/shoal-sandbox/shoal/internal/e2b"
 	"github.com/shoal-sandbox/shoal/internal/errdefs"
 	"github.com/shoal-sandbox/shoal/internal/layer"
+	"github.com/shoal-sandbox/shoal/internal/limits"
+	"github.com/shoal-sandbox/shoal/internal/sandbox"
 )
 
 // A sandbox killed under an operation maps to NotFound (the sandbox is
@@ -82,6 +86,38 @@ func TestToConnectKinds(t *testing.T) {
 	} {
 		if got := toConnect(c.err).(*connect.Error).Code(); got != c.code {
 			t.Errorf("toConnect(%v) = %v, want %v", c.err, got, c.code)
+		}
+	}
+}
+
+// Every refusal a backend makes reaches both API faces with the status
+// errdefs' table gives its kind (a backend's ErrUnsupported was a 500).
+func TestBackendRefusalsOnBothFaces(t *testing.T) {
+	for _, c := range []struct {
+		err        error
+		shoal, e2b int
+	}{
+		// microvm.Create: more layers than a VM takes; no disk limits.
+		{fmt.Errorf("microvm backend: 40 layers: a VM takes 1 to 30: %w", sandbox.ErrUnsupported), 501, 501},
+		{fmt.Errorf("microvm backend: no disk limits on this node (none): %w", sandbox.ErrUnsupported), 501, 501},
+		// container.Create / microvm: egress asked of a node without it.
+		{fmt.Errorf("container backend: network egress is disabled on this node (serve --egress-subnet): %w%.0w", sandbox.ErrUnsupported, errdefs.ErrFailedPrecondition), 400, 409},
+		// a sandbox whose runtime state is gone.
+		{fmt.Errorf("recover x: %w", sandbox.ErrNotFound), 404, 404},
+		// the guest agent: a full disk, an operation it does not know.
+		{&agent.Error{Op: "write", Code: agent.CodeNoSpace, Msg: "no space left on device"}, 429, 507},
+		{&agent.Error{Op: "rename", Code: agent.CodeUnsupported, Msg: "unknown op"}, 501, 501},
+		{limits.TooLarge("upload", 1<<20), 413, 413},
+	} {
+		rec := httptest.NewRecorder()
+		writeConnectError(rec, c.err)
+		if rec.Code != c.shoal {
+			t.Errorf("Shoal's face: %v: status %d, want %d", c.err, rec.Code, c.shoal)
+		}
+		rec = httptest.NewRecorder()
+		e2b.WriteErr(rec, c.err)
+		if rec.Code != c.e2b {
+			t.Errorf("E2B face: %v: status %d, want %d", c.err, rec.Code, c.e2b)
 		}
 	}
 }

@@ -8,6 +8,7 @@ import (
 
 	"connectrpc.com/connect"
 
+	"github.com/shoal-sandbox/shoal/internal/errdefs"
 	"github.com/shoal-sandbox/shoal/internal/metrics"
 )
 
@@ -74,25 +75,8 @@ func countRoutes(mt *metrics.Metrics, next http.Handler) http.Handler {
 	})
 }
 
-// httpCode is the Connect code of an HTTP status, the inverse of
-// httpStatus where it is one to one.
-func httpCode(status int) string {
-	if status < 400 {
-		return "ok"
-	}
-	for code, st := range httpStatus {
-		if st == status && code != connect.CodeAborted && code != connect.CodeFailedPrecondition {
-			return code.String()
-		}
-	}
-	if status == http.StatusRequestEntityTooLarge {
-		return connect.CodeResourceExhausted.String()
-	}
-	if status >= 500 {
-		return connect.CodeInternal.String()
-	}
-	return connect.CodeUnknown.String()
-}
+// httpCode is the wire code of an HTTP status (errdefs' table).
+func httpCode(status int) string { return errdefs.CodeOfStatus(errdefs.FaceShoal, status) }
 
 // statusWriter remembers the status a handler wrote; it passes Flush and
 // Hijack on (streamed files, upgraded port connections).

@@ -6,9 +6,7 @@ import (
 
 	"connectrpc.com/connect"
 
-	"github.com/shoal-sandbox/shoal/internal/agent"
 	"github.com/shoal-sandbox/shoal/internal/errdefs"
-	"github.com/shoal-sandbox/shoal/internal/limits"
 )
 
 // codeOf maps an internal error to the Connect code envd would answer.
@@ -16,15 +14,6 @@ func codeOf(err error) connect.Code {
 	var ce *connect.Error
 	if errors.As(err, &ce) {
 		return ce.Code()
-	}
-	var ae *agent.Error
-	if errors.As(err, &ae) {
-		switch ae.Code {
-		case agent.CodeNoSpace:
-			return connect.CodeResourceExhausted
-		case agent.CodeUnsupported:
-			return connect.CodeUnimplemented
-		}
 	}
 	if errors.Is(err, errdefs.ErrSandboxKilled) {
 		// What E2B's edge answers once a sandbox is gone (502: unavailable).
@@ -48,36 +37,9 @@ func toConnect(err error) error {
 }
 
 // httpStatusOf is the HTTP status for an internal error on the REST faces
-// (the control plane and envd's /files).
+// (the control plane and envd's /files): errdefs' table, E2B's column.
 func httpStatusOf(err error) int {
-	if errors.Is(err, limits.ErrTooLarge) {
-		return http.StatusRequestEntityTooLarge
-	}
-	switch codeOf(err) {
-	case connect.CodeInvalidArgument:
-		return http.StatusBadRequest
-	case connect.CodeNotFound:
-		return http.StatusNotFound
-	case connect.CodeAlreadyExists, connect.CodeFailedPrecondition:
-		return http.StatusConflict
-	case connect.CodePermissionDenied:
-		return http.StatusForbidden
-	case connect.CodeResourceExhausted:
-		var ae *agent.Error
-		if errors.As(err, &ae) && ae.Code == agent.CodeNoSpace {
-			return http.StatusInsufficientStorage // what envd answers (the SDK's NotEnoughSpaceError)
-		}
-		return http.StatusTooManyRequests
-	case connect.CodeUnavailable:
-		return http.StatusServiceUnavailable
-	case connect.CodeUnimplemented:
-		return http.StatusNotImplemented
-	case connect.CodeCanceled:
-		return 499
-	case connect.CodeDeadlineExceeded:
-		return http.StatusGatewayTimeout
-	}
-	return http.StatusInternalServerError
+	return errdefs.StatusFor(errdefs.FaceE2B, codeOf(err).String(), err)
 }
 
 // WriteErr answers err with E2B's error body and the HTTP status its kind

@@ -30,6 +30,22 @@ var (
 	// stream follows: it did not exit, it was killed with its sandbox. The
 	// message names the sandbox.
 	ErrSandboxKilled = errors.New("sandbox killed")
+	// ErrUnimplemented: Shoal, or this backend, does not do this (a
+	// backend's sandbox.ErrUnsupported); the message names the
+	// alternative where there is one.
+	ErrUnimplemented = errors.New("unimplemented")
+)
+
+// Refinements: errors of a kind that some API face answers with a status
+// of their own (see the table in wire.go). Test them with errors.Is; each
+// is also of its kind.
+var (
+	// ErrTooLarge: a request body over its bound (resource exhausted;
+	// 413 on the HTTP faces).
+	ErrTooLarge = Mark(ErrResourceExhausted, errors.New("request body too large"))
+	// ErrNoSpace: a sandbox's disk is full (resource exhausted; 507 on
+	// the E2B face, as envd answers).
+	ErrNoSpace = Mark(ErrResourceExhausted, errors.New("no space left on the sandbox's disk"))
 )
 
 type kindError struct {
@@ -79,6 +95,8 @@ func Code(err error) string {
 		return "resource_exhausted"
 	case errors.Is(err, ErrUnavailable):
 		return "unavailable"
+	case errors.Is(err, ErrUnimplemented):
+		return "unimplemented"
 	case errors.Is(err, context.Canceled):
 		return "canceled"
 	case errors.Is(err, context.DeadlineExceeded):

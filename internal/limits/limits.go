@@ -10,7 +10,6 @@
 package limits
 
 import (
-	"errors"
 	"fmt"
 	"io"
 	"math"
@@ -232,12 +231,12 @@ func Bytes(field string, n, max int) error {
 }
 
 // ErrTooLarge marks a body over its bound (an errdefs.ErrResourceExhausted
-// too); plain HTTP routes answer it with 413.
-var ErrTooLarge = errors.New("request body too large")
+// too); plain HTTP routes answer it with 413 (errdefs' table).
+var ErrTooLarge = errdefs.ErrTooLarge
 
 // TooLarge is the error of a body over its bound.
 func TooLarge(what string, max int64) error {
-	return errdefs.Mark(errdefs.ErrResourceExhausted, fmt.Errorf("%s is larger than the maximum of %s: %w", what, Size(max), ErrTooLarge))
+	return fmt.Errorf("%s is larger than the maximum of %s: %w", what, Size(max), ErrTooLarge)
 }
 
 // Reader returns r bounded to max bytes: reading past them fails with

@@ -14,15 +14,21 @@ import (
 	"time"
 
 	"github.com/shoal-sandbox/shoal/internal/agent"
+	"github.com/shoal-sandbox/shoal/internal/errdefs"
 	"github.com/shoal-sandbox/shoal/internal/netpolicy"
 )
 
 // Errors shared by all backends; check them with errors.Is.
 var (
-	// ErrNotFound: the sandbox (or its runtime state) does not exist.
-	ErrNotFound = errors.New("sandbox not found")
-	// ErrUnsupported: the backend cannot do what the spec asks.
-	ErrUnsupported = errors.New("not supported by this backend")
+	// ErrNotFound: the sandbox (or its runtime state) does not exist
+	// (errdefs.ErrNotFound).
+	ErrNotFound = errdefs.Mark(errdefs.ErrNotFound, errors.New("sandbox not found"))
+	// ErrUnsupported: the backend cannot do what the spec asks
+	// (errdefs.ErrUnimplemented); the message says what and, where there
+	// is one, the alternative. An error that a more precise kind fits (an
+	// option this node was not configured for: failed precondition) is
+	// marked with that kind too, which then wins (errdefs.Code's order).
+	ErrUnsupported = errdefs.Mark(errdefs.ErrUnimplemented, errors.New("not supported by this backend"))
 )
 
 // Resources bounds what a sandbox may use. Zero means "backend default".
