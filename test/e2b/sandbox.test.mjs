@@ -462,6 +462,8 @@ describe('files', () => {
       assert.ok(has('create', 'renamed.txt'), JSON.stringify(events))
       assert.ok(has('chmod', 'renamed.txt'), JSON.stringify(events))
       assert.ok(!events.some((e) => e.name.includes('shoal-tmp')), 'no temp files: ' + JSON.stringify(events))
+      // An upload as envd's watchers see it: created, given to its user, written.
+      assert.deepEqual(events.filter((e) => e.name === 'new.txt').slice(0, 3).map((e) => e.type), ['create', 'chmod', 'write'], JSON.stringify(events))
       // Overwriting a file through the SDK is a write, as with envd.
       await sbx.files.write('/work/watched/again.txt', '1')
       events.length = 0
