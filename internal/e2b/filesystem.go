@@ -11,6 +11,7 @@ import (
 	"fmt"
 	"io"
 	"io/fs"
+	"net/http"
 	"path"
 	"strings"
 	"sync"
@@ -22,6 +23,8 @@ import (
 	fsp "github.com/shoal-sandbox/shoal/api/e2b/filesystem"
 	"github.com/shoal-sandbox/shoal/api/e2b/filesystem/filesystemconnect"
 	"github.com/shoal-sandbox/shoal/internal/agent"
+	"github.com/shoal-sandbox/shoal/internal/errdefs"
+	"github.com/shoal-sandbox/shoal/internal/node"
 )
 
 type filesystemService struct {
@@ -373,6 +376,11 @@ func (f *filesystemService) WatchDir(ctx context.Context, req *connect.Request[f
 		case ev, ok := <-evs:
 			if !ok {
 				if werr != nil && ctx.Err() == nil {
+					if f.s.sandboxGone(sandboxID(ctx)) {
+						// envd dies with its sandbox: cut as a process
+						// stream is (processService.stream).
+						panic(http.ErrAbortHandler)
+					}
 					return toConnect(werr)
 				}
 				return nil // the watched directory is gone
@@ -384,6 +392,12 @@ func (f *filesystemService) WatchDir(ctx context.Context, req *connect.Request[f
 			}
 		}
 	}
+}
+
+// sandboxGone reports whether sandbox id is deleted or being deleted.
+func (s *Server) sandboxGone(id string) bool {
+	rec, err := s.node.Get(id)
+	return errors.Is(err, errdefs.ErrNotFound) || err == nil && rec.State == node.StateDeleting
 }
 
 // Non-streaming watchers (CreateWatcher, GetWatcherEvents, RemoveWatcher:

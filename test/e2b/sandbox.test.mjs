@@ -223,6 +223,17 @@ describe('sandboxes', () => {
   })
 })
 
+test('a watch whose sandbox is killed is cut as envd cuts it', async () => {
+  const sbx = await Sandbox.create(TEMPLATE)
+  let resolveExit
+  const exited = new Promise((r) => (resolveExit = r))
+  await sbx.files.watchDir('/work', () => {}, { onExit: (e) => resolveExit(e) })
+  assert.equal(await sbx.kill(), true)
+  const e = await exited
+  assert.ok(e instanceof TimeoutError, `not a TimeoutError: ${e}`)
+  assert.match(e.message, /The sandbox was killed or reached its end of life while the request was in flight/)
+})
+
 describe('commands', () => {
   let sbx
   before(async () => {
