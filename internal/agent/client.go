@@ -38,6 +38,9 @@ type Client struct {
 	// xattrs: Stat, ListDir and ListTree read user.* extended attributes
 	// (see WithXattrs).
 	xattrs bool
+	// owner: this client acts as root and gives what its writes and
+	// mkdirs create to this sandbox user (see Owning).
+	owner string
 }
 
 // clientState is what every user's view of one agent shares.
@@ -50,6 +53,8 @@ type clientState struct {
 	users    atomic.Bool  // the agent acts as named users (wirePingReply.Users)
 	watchAs  atomic.Bool  // the agent arms watches as named users (wirePingReply.WatchUsers)
 	xattrsOK atomic.Bool  // the agent sets and reads xattrs (wirePingReply.Xattrs)
+	ownersOK atomic.Bool  // the agent gives what it creates to an owner (wirePingReply.Owners)
+	syncOK   atomic.Bool  // the agent's watches answer sync frames (wirePingReply.WatchSync)
 }
 
 // NewClient returns a client for the agent listening at socketPath.
@@ -67,11 +72,22 @@ func (c *Client) AsUser(user string) *Client {
 	return &Client{clientState: c.clientState, user: user, xattrs: c.xattrs}
 }
 
+// Owning returns a client of the same agent that acts as the agent itself
+// (root: its file operations and watches reach what root reaches, its
+// commands run as root) and gives what its WriteFile and MakeDir create,
+// the file and every directory made for it, to user (its uid and primary
+// gid): what E2B's envd does for every user. "" is a client without an
+// owner. Through an agent that predates owners it acts as user instead
+// (AsUser): the user's reach, the same owner.
+func (c *Client) Owning(user string) *Client {
+	return &Client{clientState: c.clientState, xattrs: c.xattrs, owner: user}
+}
+
 // WithXattrs returns a client of the same agent (and user) whose Stat,
 // ListDir and ListTree entries carry the files' user.* extended attributes
 // (FileInfo.Xattrs).
 func (c *Client) WithXattrs() *Client {
-	return &Client{clientState: c.clientState, user: c.user, xattrs: true}
+	return &Client{clientState: c.clientState, user: c.user, xattrs: true, owner: c.owner}
 }
 
 // User is the user c acts as ("" = root, the agent's identity).
@@ -108,6 +124,8 @@ type Info struct {
 	Xattrs   bool  // the agent sets and reads user.* xattrs (Client.WithXattrs)
 	// WatchUsers: the agent arms watches as the client's user.
 	WatchUsers bool
+	Owners     bool // writes and mkdirs give what they create to an owner (Client.Owning)
+	WatchSync  bool // watches answer Watcher.Sync
 }
 
 // FileInfo describes a file as seen by lstat inside the sandbox.
@@ -123,12 +141,23 @@ type FileInfo struct {
 	Owner   string            // the uid's name in the sandbox's /etc/passwd, else the number
 	Group   string            // the gid's name in its /etc/group, else the number
 	Xattrs  map[string]string // user.* extended attributes, without "user." (Client.WithXattrs)
+	// Of a symlink, from agents that resolve it (Target is "" from older
+	// ones): Target is the path it resolves to, every link on the way
+	// followed (the link's own path when that fails), TargetMode the mode
+	// of what it points to, and TargetOK whether it points to anything.
+	Target     string
+	TargetMode fs.FileMode
+	TargetOK   bool
 }
 
 func fromWire(w wireFileInfo) FileInfo {
 	m := fs.FileMode(w.Mode)
 	fi := FileInfo{Name: w.Name, Size: w.Size, Mode: m, ModTime: time.Unix(0, w.MTimeNs), IsDir: m.IsDir(), Symlink: w.Link,
 		UID: -1, GID: -1, Owner: w.Owner, Group: w.Group, Xattrs: w.Xattrs}
+	if w.TargetMode != nil {
+		fi.TargetMode, fi.TargetOK = fs.FileMode(*w.TargetMode), true
+	}
+	fi.Target = w.Target
 	if w.UID != nil {
 		fi.UID = int64(*w.UID)
 	}
@@ -161,7 +190,8 @@ func (c *Client) ping(ctx context.Context, release bool) (Info, error) {
 }
 
 func (rep *wirePingReply) info() Info {
-	return Info{Version: rep.Version, Protocol: rep.Protocol, Pid: rep.Pid, RSSBytes: rep.RSS, Users: rep.Users, Xattrs: rep.Xattrs, WatchUsers: rep.WatchUsers}
+	return Info{Version: rep.Version, Protocol: rep.Protocol, Pid: rep.Pid, RSSBytes: rep.RSS, Users: rep.Users, Xattrs: rep.Xattrs, WatchUsers: rep.WatchUsers,
+		Owners: rep.Owners, WatchSync: rep.WatchSync}
 }
 
 // checkProtocol pings the agent once per Client and compares its protocol
@@ -201,6 +231,8 @@ func (c *Client) learn(info Info) error {
 	c.users.Store(info.Users)
 	c.watchAs.Store(info.WatchUsers)
 	c.xattrsOK.Store(info.Xattrs)
+	c.ownersOK.Store(info.Owners)
+	c.syncOK.Store(info.WatchSync)
 	c.checked.Store(true)
 	return nil
 }
@@ -435,6 +467,7 @@ func (c *Client) open(ctx context.Context, op Op, path string, req any) (*client
 		}
 	}
 	cc := &clientConn{ctx: ctx, op: op, path: path}
+	req = c.withOwner(op, req)
 	if u := requestUser(req); u != "" {
 		if err := c.checkUser(op, path, u); err != nil {
 			return nil, err
@@ -475,6 +508,41 @@ func (c *Client) open(ctx context.Context, op Op, path string, req any) (*client
 		return nil, cc.wrapErr(err)
 	}
 	return cc, nil
+}
+
+// withOwner puts c's owner in a request: as its Owner where it creates
+// something, or, through an agent that predates owners, as the user that
+// every request of c acts as.
+func (c *Client) withOwner(op Op, req any) any {
+	if c.owner == "" {
+		return req
+	}
+	owners := c.ownersOK.Load()
+	switch r := req.(type) {
+	case wirePathRequest:
+		if owners && r.User == "" && (op == OpWriteFile || op == OpMakeDir) {
+			r.Owner = c.owner
+		} else if !owners && r.User == "" {
+			r.User = c.owner
+		}
+		return r
+	case wireListRequest:
+		if !owners && r.User == "" {
+			r.User = c.owner
+		}
+		return r
+	case wireWatchRequest:
+		if !owners && r.User == "" {
+			r.User = c.owner
+		}
+		return r
+	case wireExecRequest:
+		if !owners && r.User == "" {
+			r.User = c.owner
+		}
+		return r
+	}
+	return req
 }
 
 // requestUser is the user a request acts as.

@@ -2,28 +2,38 @@ package agent
 
 import (
 	"context"
+	"encoding/binary"
 	"encoding/json"
 	"fmt"
 	"io"
 	"path"
 	"slices"
+	"sync"
 )
 
 // WatchEvent is one change reported by a watch. Op is one of WatchCreate,
 // WatchWrite, WatchRemove, WatchRename (OldPath is the path before),
-// WatchChmod or WatchOverflow (events were lost; Path is where to re-scan).
+// WatchChmod or WatchOverflow (events were lost; Path is where to re-scan),
+// or WatchSynced, the answer to Watcher.Sync(Sync).
 type WatchEvent struct {
 	Op      string
 	Path    string
 	OldPath string
 	IsDir   bool
+	Sync    uint64 // WatchSynced: the number given to Sync
 }
+
+// WatchSynced is the event that answers Watcher.Sync: every change made
+// before the Sync call was reported before it.
+const WatchSynced = "synced"
 
 // Watcher is a running watch; see Client.Watch.
 type Watcher struct {
-	cc    *clientConn
-	batch []wireWatchEvent
-	err   error
+	cc     *clientConn
+	syncOK bool // the agent answers Sync
+	batch  []wireWatchEvent
+	err    error
+	wmu    sync.Mutex // serializes Sync's writes
 }
 
 // Watch starts watching path (a directory, or a single file when not
@@ -40,7 +50,27 @@ func (c *Client) Watch(ctx context.Context, path string, recursive bool) (*Watch
 		cc.close()
 		return nil, err
 	}
-	return &Watcher{cc: cc}, nil
+	return &Watcher{cc: cc, syncOK: c.syncOK.Load()}, nil
+}
+
+// Sync asks the agent to report every change made before the call (every
+// event the kernel has queued for the watch by the time the request
+// arrives), then a WatchSynced event carrying n, in order among the
+// others: once Next returns it, everything made before Sync was returned.
+// It may be called concurrently with Next. An agent that predates it is
+// an *Error of Code CodeUnsupported.
+func (w *Watcher) Sync(n uint64) error {
+	if !w.syncOK {
+		return &Error{Op: OpWatch.String(), Path: w.cc.path, Code: CodeUnsupported, Msg: "the sandbox's agent predates watch syncs"}
+	}
+	var b [8]byte
+	binary.BigEndian.PutUint64(b[:], n)
+	w.wmu.Lock()
+	defer w.wmu.Unlock()
+	if err := writeFrame(w.cc, FrameAck, b[:]); err != nil {
+		return w.cc.wrapErr(err)
+	}
+	return nil
 }
 
 // Next blocks until the next event. It returns io.EOF when the watched path
@@ -61,6 +91,13 @@ func (w *Watcher) Next() (WatchEvent, error) {
 			if err := json.Unmarshal(payload, &w.batch); err != nil {
 				w.err = w.cc.protoErr("bad watch events: " + err.Error())
 			}
+		case FrameReply:
+			var rep wireWatchSync
+			if err := json.Unmarshal(payload, &rep); err != nil {
+				w.err = w.cc.protoErr("bad watch sync: " + err.Error())
+				continue
+			}
+			return WatchEvent{Op: WatchSynced, Sync: rep.Sync}, nil
 		case FrameEOF:
 			w.err = io.EOF
 			w.cc.close()

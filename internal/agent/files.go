@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"errors"
 	"io"
 	"io/fs"
 	"net"
@@ -57,6 +58,17 @@ func toWire(fi fs.FileInfo, path string, names *idNames) wireFileInfo {
 	}
 	if fi.Mode()&fs.ModeSymlink != 0 {
 		w.Link, _ = os.Readlink(path)
+		// What it resolves to, and what that is (E2B's entries give a
+		// symlink its target's type). The agent is inside the sandbox's
+		// root: nothing resolves outside it.
+		w.Target = path // as E2B's envd has it when the link cannot be resolved
+		if t, err := filepath.EvalSymlinks(path); err == nil {
+			w.Target = t
+		}
+		if tfi, err := os.Stat(path); err == nil {
+			m := uint32(tfi.Mode())
+			w.TargetMode = &m
+		}
 	}
 	if names != nil && names.xattrs {
 		w.Xattrs = readXattrs(path)
@@ -130,7 +142,10 @@ func readFile(c net.Conn, path string) {
 // directory, fsyncs it, renames it over path and fsyncs the directory. If
 // the stream ends any other way than with F, the temp file is removed and
 // path is untouched. The mode is applied exactly (no umask).
-func writeFile(c net.Conn, path string, mode uint32, xattrs map[string]string) {
+//
+// With an owner, the file and every directory created for it are given to
+// that user (its uid and primary gid) before anything is written in them.
+func writeFile(c net.Conn, path string, mode uint32, xattrs map[string]string, owner *userInfo) {
 	if werr := checkXattrs(xattrs); werr != nil {
 		writeJSONFrame(c, FrameError, werr)
 		return
@@ -140,7 +155,7 @@ func writeFile(c net.Conn, path string, mode uint32, xattrs map[string]string) {
 		return
 	}
 	dir, base := filepath.Split(path)
-	if err := os.MkdirAll(dir, 0o755); err != nil {
+	if err := mkdirAll(dir, 0o755, owner); err != nil {
 		sendOSError(c, err, path)
 		return
 	}
@@ -160,6 +175,13 @@ func writeFile(c net.Conn, path string, mode uint32, xattrs map[string]string) {
 			os.Remove(tmp.Name())
 		}
 	}()
+	if owner != nil {
+		// Before the chmod: a chown clears setuid and setgid bits.
+		if err := tmp.Chown(int(owner.UID), int(owner.GID)); err != nil {
+			sendOSError(c, err, path)
+			return
+		}
+	}
 	if err := tmp.Chmod(permBits(mode, 0o644)); err != nil {
 		sendOSError(c, err, path)
 		return
@@ -260,9 +282,10 @@ func listDir(c net.Conn, path string, xattrs bool) {
 	}
 }
 
-// makeDir is mkdir -p (with the umask applied, like mkdir -p).
-func makeDir(c net.Conn, path string, mode uint32) {
-	if err := os.MkdirAll(path, permBits(mode, 0o755)); err != nil {
+// makeDir is mkdir -p (with the umask applied, like mkdir -p); with an
+// owner, each directory it creates is given to that user.
+func makeDir(c net.Conn, path string, mode uint32, owner *userInfo) {
+	if err := mkdirAll(path, permBits(mode, 0o755), owner); err != nil {
 		if fi, serr := os.Stat(path); serr == nil && !fi.IsDir() {
 			sendError(c, CodeExist, "exists and is not a directory")
 			return
@@ -295,4 +318,44 @@ func remove(c net.Conn, path string, recursive bool) {
 		return
 	}
 	writeFrame(c, FrameReply, emptyReply)
+}
+
+// mkdirAll is os.MkdirAll that gives each directory it creates to owner
+// (its uid and primary gid; nil: they stay the caller's) before anything
+// is made in it. A directory that another process made meanwhile is left
+// as it is. The chown does not follow a symlink put in the new
+// directory's place.
+func mkdirAll(path string, perm fs.FileMode, owner *userInfo) error {
+	if owner == nil {
+		return os.MkdirAll(path, perm)
+	}
+	var missing []string
+	for p := filepath.Clean(path); ; p = filepath.Dir(p) {
+		fi, err := os.Stat(p)
+		if err == nil {
+			if !fi.IsDir() {
+				return &os.PathError{Op: "mkdir", Path: p, Err: syscall.ENOTDIR}
+			}
+			break
+		}
+		if !errors.Is(err, fs.ErrNotExist) || p == "/" {
+			return err
+		}
+		missing = append(missing, p)
+	}
+	for i := len(missing) - 1; i >= 0; i-- {
+		p := missing[i]
+		if err := os.Mkdir(p, perm); err != nil {
+			if errors.Is(err, fs.ErrExist) {
+				if fi, serr := os.Stat(p); serr == nil && fi.IsDir() {
+					continue
+				}
+			}
+			return err
+		}
+		if err := os.Lchown(p, int(owner.UID), int(owner.GID)); err != nil {
+			return err
+		}
+	}
+	return nil
 }

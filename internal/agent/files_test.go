@@ -230,6 +230,19 @@ func TestFileOps(t *testing.T) {
 	if fi.Symlink != "x/y/f.txt" || fi.Mode&fs.ModeSymlink == 0 || fi.IsDir {
 		t.Errorf("Stat(link) = %+v", fi)
 	}
+	// ...resolved, with what it points to.
+	if fi.Target != file || !fi.TargetOK || !fi.TargetMode.IsRegular() || fi.TargetMode.Perm() != 0o640 {
+		t.Errorf("Stat(link) target = %q %v %v, want %s, a 0640 file", fi.Target, fi.TargetOK, fi.TargetMode, file)
+	}
+	dangling := filepath.Join(tempDir(t), "dangling")
+	if err := os.Symlink("nowhere", dangling); err != nil {
+		t.Fatal(err)
+	}
+	fi, err = c.Stat(ctx, dangling)
+	must(err)
+	if fi.TargetOK || fi.Target != dangling {
+		t.Errorf("Stat(dangling) = %+v", fi)
+	}
 	rc, _, err = c.ReadFile(ctx, filepath.Join(dir, "link"))
 	must(err)
 	b, _ = io.ReadAll(rc)

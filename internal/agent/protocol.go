@@ -25,8 +25,10 @@
 //	portforward: Q({"port"}) → R | X;  then raw bytes both ways, unframed,
 //	       until each side has closed its writing half (see portforward.go)
 //	watch: Q({"path","recursive"}) → R | X;  then D(json-array-of-events)*
-//	       until the client closes, or F when the watched path is gone
-//	       (see watch.go); list with "depth" > 1 walks subdirectories
+//	       until the client closes, or F when the watched path is gone;
+//	       client→agent A(8-byte n) is answered, after the events of every
+//	       change made before it, with R({"sync":n}) (see watch.go); list
+//	       with "depth" > 1 walks subdirectories
 //	exportupper: Q({"max_depth"}) → R | X;  then D* (a tar) F | X
 //	       (a VM's writable layer for a commit; see commit.go)
 //
@@ -214,6 +216,11 @@ type wirePingReply struct {
 	// WatchUsers: a watch is armed as its request's user
 	// (wireWatchRequest.User); an older agent would arm it as root.
 	WatchUsers bool `json:"watch_users,omitempty"`
+	// Owners: write and mkdir take an owner (wirePathRequest.Owner) to
+	// give what they create to.
+	Owners bool `json:"owners,omitempty"`
+	// WatchSync: a watch answers a client's sync frame (see watch.go).
+	WatchSync bool `json:"watch_sync,omitempty"`
 }
 
 type wireExecRequest struct {
@@ -281,6 +288,10 @@ type wirePathRequest struct {
 	Mode      uint32 `json:"mode,omitempty"` // fs.FileMode bits (write, mkdir)
 	Recursive bool   `json:"recursive,omitempty"`
 	User      string `json:"user,omitempty"` // act as this user (users.go)
+	// Owner (write, mkdir; not with User): act as the agent (root), then
+	// give the file and each directory created for it to this user of
+	// the sandbox, its uid and primary gid (as E2B's envd does).
+	Owner string `json:"owner,omitempty"`
 	// Xattrs: write sets these user.* extended attributes (names without
 	// "user.") on the file; WithXattrs: stat reads them (xattrs.go).
 	Xattrs     map[string]string `json:"xattrs,omitempty"`
@@ -300,6 +311,11 @@ type wireFileInfo struct {
 	// Xattrs: its user.* extended attributes, names without "user." (only
 	// when asked: WithXattrs).
 	Xattrs map[string]string `json:"xattrs,omitempty"`
+	// Of a symlink: its target resolved (every link on the way followed,
+	// as realpath does; the link's own path when that fails) and the mode
+	// of what it points to (absent when it points nowhere).
+	Target     string  `json:"target,omitempty"`
+	TargetMode *uint32 `json:"target_mode,omitempty"`
 }
 
 type wireWriteReply struct {

@@ -386,6 +386,19 @@ func (s *Server) serveConn(c net.Conn) {
 			sendError(c, CodeInvalid, errBadPath)
 			return
 		}
+		var owner *userInfo
+		if req.Owner != "" {
+			if req.User != "" || (op != OpWriteFile && op != OpMakeDir) {
+				sendError(c, CodeInvalid, "owner is taken by write and mkdir only, and not with user")
+				return
+			}
+			u, werr := lookupUser(req.Owner)
+			if werr != nil {
+				writeJSONFrame(c, FrameError, requestUserErr(werr))
+				return
+			}
+			owner = u
+		}
 		asUser(c, req.User, func() {
 			switch op {
 			case OpStat:
@@ -393,9 +406,9 @@ func (s *Server) serveConn(c net.Conn) {
 			case OpReadFile:
 				readFile(c, path)
 			case OpWriteFile:
-				writeFile(c, path, req.Mode, req.Xattrs)
+				writeFile(c, path, req.Mode, req.Xattrs, owner)
 			case OpMakeDir:
-				makeDir(c, path, req.Mode)
+				makeDir(c, path, req.Mode, owner)
 			case OpRemove:
 				remove(c, path, req.Recursive)
 			}
@@ -432,7 +445,7 @@ func (s *Server) ping(c net.Conn, release bool) {
 
 // hello is what the agent says of itself: a ping's answer, and a claim's.
 func hello() wirePingReply {
-	return wirePingReply{Version: Version, Protocol: ProtocolVersion, Pid: os.Getpid(), Users: true, Xattrs: true, WatchUsers: true}
+	return wirePingReply{Version: Version, Protocol: ProtocolVersion, Pid: os.Getpid(), Users: true, Xattrs: true, WatchUsers: true, Owners: true, WatchSync: true}
 }
 
 // selfRSS reads VmRSS from /proc/self/status; -1 if unavailable.

@@ -279,6 +279,60 @@ func TestFilesAsUser(t *testing.T) {
 	}
 }
 
+// An owning client acts as root and gives what it creates to the user, as
+// E2B's envd does: a directory only root may write takes the user's file.
+func TestFilesOwning(t *testing.T) {
+	home, rootOnly := userFixture(t)
+	c := startAgent(t)
+	o := c.Owning("tuser")
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	owner := func(p string) string {
+		var st syscall.Stat_t
+		if err := syscall.Lstat(p, &st); err != nil {
+			t.Fatal(err)
+		}
+		return fmt.Sprintf("%d:%d %o", st.Uid, st.Gid, st.Mode&0o7777)
+	}
+	f := filepath.Join(rootOnly, "new", "deep", "a.txt")
+	if _, err := o.WriteFile(ctx, f, 0o755|fs.ModeSetuid, strings.NewReader("hi")); err != nil {
+		t.Fatalf("write into root's directory, owned by tuser: %v", err)
+	}
+	// The mode is applied after the chown, which would clear setuid.
+	for p, want := range map[string]string{f: "4242:4242 4755", filepath.Dir(f): "4242:4242 755", filepath.Dir(filepath.Dir(f)): "4242:4242 755", rootOnly: "0:0 755"} {
+		if got := owner(p); got != want {
+			t.Errorf("%s: %s, want %s", p, got, want)
+		}
+	}
+	if err := o.MakeDir(ctx, filepath.Join(rootOnly, "m1", "m2"), 0); err != nil {
+		t.Fatal(err)
+	}
+	if got := owner(filepath.Join(rootOnly, "m1", "m2")); got != "4242:4242 755" {
+		t.Errorf("mkdir: %s", got)
+	}
+	// Root's reach: a file only root may read.
+	secret := filepath.Join(rootOnly, "secret")
+	os.WriteFile(secret, []byte("s"), 0o600)
+	if rc, _, err := o.ReadFile(ctx, secret); err != nil {
+		t.Fatalf("read root's file: %v", err)
+	} else {
+		rc.Close()
+	}
+	if _, _, err := c.AsUser("tuser").ReadFile(ctx, secret); !errors.Is(err, fs.ErrPermission) {
+		t.Fatalf("as the user, root's file: %v", err)
+	}
+	// A directory that exists keeps its owner; an unknown owner is invalid.
+	if _, err := o.WriteFile(ctx, filepath.Join(home, "b.txt"), 0, strings.NewReader("b")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Owning("nosuchuser").WriteFile(ctx, filepath.Join(home, "c.txt"), 0, strings.NewReader("c")); !errors.Is(err, fs.ErrInvalid) {
+		t.Fatalf("unknown owner: %v", err)
+	}
+	if _, err := os.Stat(filepath.Join(home, "c.txt")); !os.IsNotExist(err) {
+		t.Fatalf("a write for an unknown owner left %v", err)
+	}
+}
+
 func TestLookupUserOp(t *testing.T) {
 	home, _ := userFixture(t)
 	c := startAgent(t)

@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"os"
 	"sync"
@@ -19,6 +20,15 @@ import (
 // The reply is sent once every watch is in place, so a change made after it
 // is reported. The stream runs until the client closes the connection; it
 // ends with F when the watched path itself is removed or moved away.
+//
+// Sync: the client may send A(8-byte big-endian n): the agent then reads
+// every event already in the kernel's queue (every change made before the
+// A arrived; inotify queues an event within the system call that causes
+// it), reports them, along with what it held back (a move whose pair has
+// not come, which is then a move out; a coalesced write), and answers
+// R({"sync":n}) after them. A poll that syncs first sees every change made
+// before it (the polling watcher of E2B's face). Any other frame from the
+// client, or its EOF, ends the watch.
 //
 // Memory is bounded: the agent keeps no queue of its own. It reads one
 // buffer of events from the kernel, sends them, and reads again; when the
@@ -56,6 +66,11 @@ const (
 	// maxWriteStates bounds the files whose write coalescing state is kept;
 	// past it the state is dropped (at worst one extra write event).
 	maxWriteStates = 1024
+	// maxSyncReads bounds the reads of the inotify queue one sync makes
+	// (a workload that changes files without pause would otherwise keep
+	// it from answering); the queue itself holds at most
+	// fs.inotify.max_queued_events.
+	maxSyncReads = 256
 	// watchBatch is the most events sent in one frame.
 	watchBatch = 256
 
@@ -81,6 +96,11 @@ type wireWatchRequest struct {
 	Path      string `json:"path"`
 	Recursive bool   `json:"recursive,omitempty"`
 	User      string `json:"user,omitempty"` // arm it as this user (users.go)
+}
+
+// wireWatchSync answers a client's sync (A frame).
+type wireWatchSync struct {
+	Sync uint64 `json:"sync"`
 }
 
 type wireWatchEvent struct {
@@ -231,14 +251,30 @@ func (w *watcher) run() {
 	// deadline changes, so a wake-up is never overwritten.
 	var mu sync.Mutex
 	gone := false
+	var syncN uint64 // the latest sync asked for (mu); answering it answers the earlier ones
+	syncing := false
 	go func() {
-		// The client sends nothing: any frame, EOF or error ends the watch.
+		// The client sends sync frames (A, 8 bytes); any other frame, EOF
+		// or error ends the watch.
 		var hdr [headerSize]byte
-		readHeader(c, &hdr)
-		mu.Lock()
-		gone = true
-		f.SetReadDeadline(time.Unix(1, 0))
-		mu.Unlock()
+		var b [8]byte
+		for {
+			typ, n, err := readHeader(c, &hdr)
+			if err == nil && typ == FrameAck && n == len(b) {
+				if _, err := io.ReadFull(c, b[:]); err == nil {
+					mu.Lock()
+					syncN, syncing = binary.BigEndian.Uint64(b[:]), true
+					f.SetReadDeadline(time.Unix(1, 0))
+					mu.Unlock()
+					continue
+				}
+			}
+			mu.Lock()
+			gone = true
+			f.SetReadDeadline(time.Unix(1, 0))
+			mu.Unlock()
+			return
+		}
 	}()
 
 	bp := bufPool.Get().(*[]byte)
@@ -250,8 +286,22 @@ func (w *watcher) run() {
 			mu.Unlock()
 			return
 		}
-		f.SetReadDeadline(w.deadline())
+		sn, doSync := syncN, syncing
+		syncing = false
+		if !doSync {
+			f.SetReadDeadline(w.deadline())
+		}
 		mu.Unlock()
+		if doSync {
+			if err := w.sync(buf, sn); err != nil {
+				return
+			}
+			if w.ended {
+				writeFrame(c, FrameEOF, nil)
+				return
+			}
+			continue
+		}
 		n, err := f.Read(buf)
 		now := time.Now()
 		switch {
@@ -524,6 +574,44 @@ func (w *watcher) timers(now time.Time) {
 			st.emitted, st.dirty = now, false
 		}
 	}
+}
+
+// sync answers a client's sync n: it reads what the kernel has queued
+// (without waiting: the fd is non-blocking), reports it and what is held
+// back, then R({"sync":n}).
+func (w *watcher) sync(buf []byte, n uint64) error {
+	for i := 0; i < maxSyncReads; i++ {
+		m, err := unix.Read(w.fd, buf)
+		if err == unix.EINTR {
+			continue
+		}
+		if err == unix.EAGAIN {
+			break
+		}
+		if err != nil {
+			w.flush()
+			sendError(w.c, CodeIO, "read inotify: "+err.Error())
+			return err
+		}
+		if m <= 0 {
+			break
+		}
+		w.parse(buf[:m])
+	}
+	// Both halves of a move are queued by the same system call: an
+	// IN_MOVED_FROM still alone was a move out of the tree.
+	w.flushFrom()
+	now := time.Now()
+	for p, st := range w.writes {
+		if st.dirty {
+			w.emit(WatchWrite, p, "", false)
+			st.emitted, st.dirty = now, false
+		}
+	}
+	if err := w.flush(); err != nil {
+		return err
+	}
+	return writeJSONFrame(w.c, FrameReply, wireWatchSync{Sync: n})
 }
 
 // deadline is when timers next has something to do; zero if nothing.

@@ -417,3 +417,91 @@ func TestWatchTooManyDirs(t *testing.T) {
 	}
 	w.Close()
 }
+
+// Sync: once its answer is read, every change made before it was reported,
+// including what the watch holds back otherwise (a move out of the tree,
+// a coalesced write), with no waiting on timers.
+func TestWatchSync(t *testing.T) {
+	c := startAgent(t)
+	dir, outside := tempDir(t), tempDir(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	w, err := c.Watch(ctx, dir, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w.Close()
+	r := readEvents(w)
+	// upTo reads events until the answer to sync n and returns them.
+	upTo := func(n uint64) []string {
+		t.Helper()
+		var got []string
+		deadline := time.After(30 * time.Second)
+		for {
+			select {
+			case ev, ok := <-r.ch:
+				if !ok {
+					t.Fatalf("watch ended (%v) waiting for sync %d; got %q", <-r.err, n, got)
+				}
+				if ev.Op == WatchSynced {
+					if ev.Sync == n {
+						return got
+					}
+					continue
+				}
+				got = append(got, evString(ev))
+			case <-deadline:
+				t.Fatalf("no answer to sync %d; got %q", n, got)
+			}
+		}
+	}
+	hot, err := os.Create(filepath.Join(dir, "hot"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer hot.Close()
+	for i := uint64(1); i <= 150; i++ {
+		var want string
+		switch i % 3 {
+		case 0:
+			p := filepath.Join(dir, fmt.Sprintf("f%d", i))
+			mustWrite(t, p, "x")
+			want = "create " + p
+		case 1:
+			// A move out of the tree: reported as a removal.
+			p := filepath.Join(dir, fmt.Sprintf("f%d", i-1))
+			if i == 1 {
+				p = filepath.Join(dir, "f0")
+				mustWrite(t, p, "x")
+			}
+			if err := os.Rename(p, filepath.Join(outside, filepath.Base(p))); err != nil {
+				t.Fatal(err)
+			}
+			want = "remove " + p
+		case 2:
+			// Two writes to a file kept open, the first one reported:
+			// the second is held back for the coalescing window (unless
+			// it passed); reported at the sync either way.
+			hot.WriteString("a")
+			if err := w.Sync(1000 + i); err != nil {
+				t.Fatal(err)
+			}
+			upTo(1000 + i)
+			hot.WriteString("b")
+			want = "write " + filepath.Join(dir, "hot")
+		}
+		if err := w.Sync(i); err != nil {
+			t.Fatal(err)
+		}
+		got := upTo(i)
+		n := 0
+		for _, g := range got {
+			if g == want {
+				n++
+			}
+		}
+		if n == 0 {
+			t.Fatalf("sync %d: no %q before its answer; got %q", i, want, got)
+		}
+	}
+}

@@ -340,8 +340,10 @@ func (s *Server) createSandbox(w http.ResponseWriter, r *http.Request) {
 	case len(in.Iam) > 0 && string(in.Iam) != "null":
 		badRequest(w, "iam (workload identity tokens) is not supported by Shoal yet")
 		return
-	case in.Timeout != nil && *in.Timeout < 0:
-		badRequest(w, "timeout must not be negative")
+	case in.Timeout != nil && *in.Timeout <= 0:
+		// As E2B's API refuses it (its setTimeout takes 0: the sandbox's
+		// time ends now).
+		badRequest(w, "Timeout must be greater than 0")
 		return
 	}
 	public := true // E2B's default: allowPublicTraffic
@@ -661,12 +663,30 @@ func (s *Server) setTimeout(w http.ResponseWriter, r *http.Request) {
 	if !decodeBody(w, r, &in) {
 		return
 	}
-	if in.Timeout == nil || *in.Timeout <= 0 {
-		badRequest(w, "timeout (seconds, > 0) is required")
+	if in.Timeout == nil {
+		badRequest(w, "timeout (seconds) is required")
 		return
 	}
 	id := r.PathValue("id")
-	if _, ok := s.lookup(w, id); !ok {
+	rec, ok := s.lookup(w, id)
+	if !ok {
+		return
+	}
+	if *in.Timeout <= 0 {
+		// As E2B's API: 0 (a negative timeout counts as 0) ends the
+		// sandbox's time now, and what its timeout does is done at once:
+		// killed, or paused if it was created with autoPause.
+		if rec.State == node.StatePaused {
+			writeError(w, http.StatusConflict, fmt.Sprintf("sandbox %s is paused: a timeout of 0 applies to a running sandbox (connect resumes it; kill deletes it)", id))
+			return
+		}
+		ctx, cancel := context.WithTimeout(context.WithoutCancel(r.Context()), 2*time.Minute)
+		defer cancel()
+		s.timeUp(ctx, id)
+		if m, _ := s.store.sandbox(id); !m.AutoPause {
+			s.record(r.Context(), "sandbox.delete", id, "timeout 0", nil)
+		}
+		w.WriteHeader(http.StatusNoContent)
 		return
 	}
 	d := limits.Seconds(*in.Timeout)

@@ -260,45 +260,52 @@ func (s *Server) expire() {
 			return
 		case now := <-t.C:
 			for _, id := range s.store.expired(now) {
-				s.mu.Lock()
-				_, busy := s.expiring[id]
-				s.expiring[id] = struct{}{}
-				s.mu.Unlock()
-				if busy {
-					continue
-				}
 				go func() {
-					defer func() {
-						s.mu.Lock()
-						delete(s.expiring, id)
-						s.mu.Unlock()
-					}()
 					ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 					defer cancel()
-					if m, _ := s.store.sandbox(id); m.AutoPause {
-						// onTimeout: 'pause': paused, not killed; a connect
-						// resumes it with the timeout it was created with.
-						s.log.Info("e2b: sandbox timeout: auto-pause", "sandbox_id", id)
-						d := s.cfg.DefaultTimeout
-						if rec, err := s.node.Get(id); err == nil && rec.Timeout > autoPauseMargin {
-							d = rec.Timeout - autoPauseMargin // the E2B timeout (nodeTimeout)
-						}
-						if _, err := s.pause(ctx, id, d); err != nil && !errors.Is(err, errdefs.ErrNotFound) {
-							s.log.Error("e2b: auto-pause expired sandbox", "sandbox_id", id, "err", err)
-						}
-						return
-					}
-					s.log.Info("e2b: sandbox timeout", "sandbox_id", id)
-					err := s.node.Delete(ctx, id)
-					switch {
-					case errors.Is(err, errdefs.ErrNotFound):
-						s.store.dropSandbox(id)
-					case err != nil:
-						s.log.Error("e2b: delete expired sandbox", "sandbox_id", id, "err", err)
-					}
+					s.timeUp(ctx, id)
 				}()
 			}
 		}
+	}
+}
+
+// timeUp does what a sandbox's E2B timeout does when it passes: it kills
+// the sandbox, or pauses it when it was created with autoPause. It does
+// nothing when the same is already under way for id.
+func (s *Server) timeUp(ctx context.Context, id string) {
+	s.mu.Lock()
+	_, busy := s.expiring[id]
+	s.expiring[id] = struct{}{}
+	s.mu.Unlock()
+	if busy {
+		return
+	}
+	defer func() {
+		s.mu.Lock()
+		delete(s.expiring, id)
+		s.mu.Unlock()
+	}()
+	if m, _ := s.store.sandbox(id); m.AutoPause {
+		// onTimeout: 'pause': paused, not killed; a connect resumes it
+		// with the timeout it was created with.
+		s.log.Info("e2b: sandbox timeout: auto-pause", "sandbox_id", id)
+		d := s.cfg.DefaultTimeout
+		if rec, err := s.node.Get(id); err == nil && rec.Timeout > autoPauseMargin {
+			d = rec.Timeout - autoPauseMargin // the E2B timeout (nodeTimeout)
+		}
+		if _, err := s.pause(ctx, id, d); err != nil && !errors.Is(err, errdefs.ErrNotFound) {
+			s.log.Error("e2b: auto-pause expired sandbox", "sandbox_id", id, "err", err)
+		}
+		return
+	}
+	s.log.Info("e2b: sandbox timeout", "sandbox_id", id)
+	err := s.node.Delete(ctx, id)
+	switch {
+	case errors.Is(err, errdefs.ErrNotFound):
+		s.store.dropSandbox(id)
+	case err != nil:
+		s.log.Error("e2b: delete expired sandbox", "sandbox_id", id, "err", err)
 	}
 }
 

@@ -15,6 +15,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -28,6 +29,7 @@ import (
 
 	"connectrpc.com/connect"
 
+	fsp "github.com/shoal-sandbox/shoal/api/e2b/filesystem"
 	"github.com/shoal-sandbox/shoal/internal/agent"
 	"github.com/shoal-sandbox/shoal/internal/errdefs"
 	"github.com/shoal-sandbox/shoal/internal/limits"
@@ -389,5 +391,43 @@ func TestGunzipBound(t *testing.T) {
 	rand.Read(big)
 	if n, err := read(compress(big)); err != nil || n != int64(len(big)) {
 		t.Fatalf("random data past the floor: %d %v", n, err)
+	}
+}
+
+// A symlink's entry is envd's: its target's type and permission bits, its
+// resolved target; from an agent that does not resolve links, the link.
+func TestEntryInfoSymlink(t *testing.T) {
+	link := fs.ModeSymlink | 0o777
+	for _, c := range []struct {
+		name string
+		fi   agent.FileInfo
+		typ  fsp.FileType
+		mode uint32
+		tgt  string
+	}{
+		{"to a file", agent.FileInfo{Mode: link, Symlink: "f", Target: "/d/f", TargetMode: 0o640, TargetOK: true}, fsp.FileType_FILE_TYPE_FILE, 0o640, "/d/f"},
+		{"to a dir", agent.FileInfo{Mode: link, Symlink: "x", Target: "/d/x", TargetMode: fs.ModeDir | 0o755, TargetOK: true}, fsp.FileType_FILE_TYPE_DIRECTORY, 0o755, "/d/x"},
+		{"nowhere", agent.FileInfo{Mode: link, Symlink: "n", Target: "/d/l"}, fsp.FileType_FILE_TYPE_UNSPECIFIED, 0, "/d/l"},
+		{"older agent", agent.FileInfo{Mode: link, Symlink: "f"}, fsp.FileType_FILE_TYPE_SYMLINK, 0o777, "/d/f"},
+	} {
+		e := entryInfo("/d/l", c.fi)
+		if e.Type != c.typ || e.Mode != c.mode || e.GetSymlinkTarget() != c.tgt || e.Permissions != "Lrwxrwxrwx" {
+			t.Errorf("%s: type %v mode %o target %q permissions %s", c.name, e.Type, e.Mode, e.GetSymlinkTarget(), e.Permissions)
+		}
+	}
+}
+
+// An upload through the face lands as envd's does: create, chmod, write.
+func TestFsEventsUpload(t *testing.T) {
+	evs := fsEvents(context.Background(), nil, "/w", agent.WatchEvent{Op: agent.WatchRename, Path: "/w/a.txt", OldPath: "/w/.a.txt.shoal-tmp-123"}, false)
+	var got []string
+	for _, e := range evs {
+		got = append(got, e.Type.String()+" "+e.Name)
+	}
+	if want := "EVENT_TYPE_CREATE a.txt,EVENT_TYPE_CHMOD a.txt,EVENT_TYPE_WRITE a.txt"; strings.Join(got, ",") != want {
+		t.Fatalf("upload events %q, want %s", got, want)
+	}
+	if evs := fsEvents(context.Background(), nil, "/w", agent.WatchEvent{Op: agent.WatchSynced, Sync: 3}, false); len(evs) != 0 {
+		t.Fatalf("a sync is no event: %v", evs)
 	}
 }

@@ -11,6 +11,7 @@ import (
 	"fmt"
 	"io"
 	"io/fs"
+	"net/http"
 	"path"
 	"strings"
 	"sync"
@@ -22,6 +23,8 @@ import (
 	fsp "github.com/shoal-sandbox/shoal/api/e2b/filesystem"
 	"github.com/shoal-sandbox/shoal/api/e2b/filesystem/filesystemconnect"
 	"github.com/shoal-sandbox/shoal/internal/agent"
+	"github.com/shoal-sandbox/shoal/internal/errdefs"
+	"github.com/shoal-sandbox/shoal/internal/node"
 )
 
 type filesystemService struct {
@@ -40,7 +43,25 @@ func entryInfo(p string, fi agent.FileInfo) *fsp.EntryInfo {
 		Owner: fi.Owner, Group: fi.Group, Metadata: metadataOf(fi.Xattrs),
 	}
 	switch {
+	case fi.Mode&fs.ModeSymlink != 0 && fi.Target != "":
+		// As envd: a symlink has its target's type and permission bits
+		// (unspecified when it points nowhere, or to neither a file nor
+		// a directory), its absolute resolved target in symlinkTarget,
+		// and its own size, mtime and permissions string.
+		target := fi.Target
+		e.SymlinkTarget = &target
+		e.Type, e.Mode = fsp.FileType_FILE_TYPE_UNSPECIFIED, 0
+		if fi.TargetOK {
+			e.Mode = uint32(fi.TargetMode.Perm())
+			switch {
+			case fi.TargetMode.IsDir():
+				e.Type = fsp.FileType_FILE_TYPE_DIRECTORY
+			case fi.TargetMode.IsRegular():
+				e.Type = fsp.FileType_FILE_TYPE_FILE
+			}
+		}
 	case fi.Mode&fs.ModeSymlink != 0 || fi.Symlink != "":
+		// An agent that does not resolve links: the link itself.
 		e.Type = fsp.FileType_FILE_TYPE_SYMLINK
 		target := fi.Symlink
 		if target != "" && !strings.HasPrefix(target, "/") {
@@ -239,7 +260,7 @@ func (f *filesystemService) startWatch(ctx context.Context, p string, recursive 
 	if err != nil {
 		return "", nil, nil, toConnect(err)
 	}
-	if !fi.IsDir {
+	if !fi.IsDir && !(fi.TargetOK && fi.TargetMode.IsDir()) { // a link to a directory is watched as envd does
 		return "", nil, nil, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("path %s is not a directory", dir))
 	}
 	w, err := ag.Watch(ctx, dir, recursive)
@@ -279,9 +300,11 @@ func fsEvents(ctx context.Context, ag *agent.Client, dir string, ev agent.WatchE
 		return nil
 	}
 	if ev.Op == agent.WatchRename && isAgentTemp(ev.OldPath) {
-		// The agent's atomic write (files.write) landing: envd, which
-		// writes in place, reports a create (new file) and a write.
-		return []*fsp.FilesystemEvent{mk(fsp.EventType_EVENT_TYPE_CREATE, ev.Path), mk(fsp.EventType_EVENT_TYPE_WRITE, ev.Path)}
+		// The agent's atomic write (files.write) landing. envd's upload
+		// creates the file, gives it to the request's user, then writes
+		// it, in place: its watchers see a create, a chmod (the chown)
+		// and a write.
+		return []*fsp.FilesystemEvent{mk(fsp.EventType_EVENT_TYPE_CREATE, ev.Path), mk(fsp.EventType_EVENT_TYPE_CHMOD, ev.Path), mk(fsp.EventType_EVENT_TYPE_WRITE, ev.Path)}
 	}
 	switch ev.Op {
 	case agent.WatchCreate:
@@ -295,7 +318,7 @@ func fsEvents(ctx context.Context, ag *agent.Client, dir string, ev agent.WatchE
 	case agent.WatchRename:
 		return []*fsp.FilesystemEvent{mk(fsp.EventType_EVENT_TYPE_RENAME, ev.OldPath), mk(fsp.EventType_EVENT_TYPE_CREATE, ev.Path)}
 	}
-	return nil // overflow: envd has no such event
+	return nil // overflow (envd has no such event), synced
 }
 
 // isAgentTemp reports whether p is a temp file of the agent's atomic write
@@ -353,6 +376,11 @@ func (f *filesystemService) WatchDir(ctx context.Context, req *connect.Request[f
 		case ev, ok := <-evs:
 			if !ok {
 				if werr != nil && ctx.Err() == nil {
+					if f.s.sandboxGone(sandboxID(ctx)) {
+						// envd dies with its sandbox: cut as a process
+						// stream is (processService.stream).
+						panic(http.ErrAbortHandler)
+					}
 					return toConnect(werr)
 				}
 				return nil // the watched directory is gone
@@ -364,6 +392,12 @@ func (f *filesystemService) WatchDir(ctx context.Context, req *connect.Request[f
 			}
 		}
 	}
+}
+
+// sandboxGone reports whether sandbox id is deleted or being deleted.
+func (s *Server) sandboxGone(id string) bool {
+	rec, err := s.node.Get(id)
+	return errors.Is(err, errdefs.ErrNotFound) || err == nil && rec.State == node.StateDeleting
 }
 
 // Non-streaming watchers (CreateWatcher, GetWatcherEvents, RemoveWatcher:
@@ -378,6 +412,7 @@ const (
 type pollWatcher struct {
 	id, sandbox string
 	cancel      context.CancelFunc
+	w           *agent.Watcher
 
 	mu       sync.Mutex // guards the fields below
 	events   []*fsp.FilesystemEvent
@@ -385,6 +420,56 @@ type pollWatcher struct {
 	ended    bool
 	err      error
 	lastPoll time.Time
+	syncs    uint64        // the last sync asked of the agent's watch
+	synced   uint64        // the last one answered, with every event before it in events
+	changed  chan struct{} // closed (and replaced) when synced or ended changes
+}
+
+// maxSyncWait bounds how long a poll waits for the events already caused
+// (the agent's answer to a sync); past it, the poll returns what is there.
+const maxSyncWait = 10 * time.Second
+
+// caughtUp makes sure that the events of every change made before it are
+// in w.events: it asks the agent's watch for a sync and waits for its
+// answer, which comes after them (agent.Watcher.Sync). A poll right after
+// a write then sees the write's events, as envd's watcher, which is in the
+// same process as the write, does. An agent that predates syncs, a watch
+// that ended, or ctx ending or maxSyncWait passing, make it return early.
+func (w *pollWatcher) caughtUp(ctx context.Context) {
+	w.mu.Lock()
+	if w.ended {
+		w.mu.Unlock()
+		return
+	}
+	w.syncs++
+	n := w.syncs
+	w.mu.Unlock()
+	if err := w.w.Sync(n); err != nil {
+		return
+	}
+	t := time.NewTimer(maxSyncWait)
+	defer t.Stop()
+	for {
+		w.mu.Lock()
+		done, ch := w.synced >= n || w.ended, w.changed
+		w.mu.Unlock()
+		if done {
+			return
+		}
+		select {
+		case <-ch:
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			return
+		}
+	}
+}
+
+// notify wakes caughtUp's waiters; w.mu is held.
+func (w *pollWatcher) notify() {
+	close(w.changed)
+	w.changed = make(chan struct{})
 }
 
 type watcherRegistry struct {
@@ -475,7 +560,7 @@ func (f *filesystemService) CreateWatcher(ctx context.Context, req *connect.Requ
 	}
 	var b [12]byte
 	rand.Read(b[:])
-	pw := &pollWatcher{id: hex.EncodeToString(b[:]), sandbox: sandbox, cancel: cancel, lastPoll: time.Now()}
+	pw := &pollWatcher{id: hex.EncodeToString(b[:]), sandbox: sandbox, cancel: cancel, w: w, lastPoll: time.Now(), changed: make(chan struct{})}
 	f.s.watchers.mu.Lock()
 	f.s.watchers.byID[pw.id] = pw
 	f.s.watchers.mu.Unlock()
@@ -486,6 +571,13 @@ func (f *filesystemService) CreateWatcher(ctx context.Context, req *connect.Requ
 		var werr error
 		go pumpWatch(wctx, w, evs, &werr)
 		for ev := range evs {
+			if ev.Op == agent.WatchSynced {
+				pw.mu.Lock()
+				pw.synced = max(pw.synced, ev.Sync)
+				pw.notify()
+				pw.mu.Unlock()
+				continue
+			}
 			for _, e := range fsEvents(wctx, ag, dir, ev, include) {
 				pw.mu.Lock()
 				if len(pw.events) >= maxWatcherEvents {
@@ -498,6 +590,7 @@ func (f *filesystemService) CreateWatcher(ctx context.Context, req *connect.Requ
 		}
 		pw.mu.Lock()
 		pw.ended, pw.err = true, werr
+		pw.notify()
 		pw.mu.Unlock()
 	}()
 	return connect.NewResponse(&fsp.CreateWatcherResponse{WatcherId: pw.id}), nil
@@ -508,6 +601,7 @@ func (f *filesystemService) GetWatcherEvents(ctx context.Context, req *connect.R
 	if err != nil {
 		return nil, err
 	}
+	w.caughtUp(ctx)
 	w.mu.Lock()
 	evs, ended, werr, dropped := w.events, w.ended, w.err, w.dropped
 	w.events, w.dropped, w.lastPoll = nil, 0, time.Now()

@@ -71,8 +71,10 @@ func (s *Server) counting(w http.ResponseWriter, r *http.Request, serve func(htt
 	route := s.route(r)
 	start := time.Now()
 	sw := &statusWriter{ResponseWriter: w, status: http.StatusOK}
+	// Deferred: a handler that drops the connection (panics with
+	// http.ErrAbortHandler) is counted too.
+	defer func() { s.count(route, strconv.Itoa(sw.status), time.Since(start)) }()
 	serve(sw, r)
-	s.count(route, strconv.Itoa(sw.status), time.Since(start))
 }
 
 // statusWriter remembers the status a handler wrote; Unwrap lets

@@ -11,6 +11,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/http"
 	"path"
 	"strconv"
 	"strings"
@@ -256,11 +257,14 @@ func (p *processService) stream(ctx context.Context, c *session.Command, in sess
 		return send(out)
 	})
 	if errors.Is(err, errdefs.ErrSandboxKilled) {
-		// E2B's envd dies with its sandbox: the stream breaks without an
-		// end event, and the edge then answers 502 "... was not found",
-		// which the SDK reports as a sandbox killed (or timed out). End
-		// the stream with that answer at once.
-		return connect.NewError(connect.CodeUnavailable, fmt.Errorf("The sandbox %s was not found: it was killed (deleted) while process %d ran", in.SandboxID, in.Pid))
+		// E2B's envd dies with its sandbox: the connection drops without
+		// an end event, and the SDK, seeing it cut, asks envd's /health,
+		// which the edge answers 502 for a sandbox that is gone; it then
+		// reports the sandbox killed or at its end of life (a
+		// TimeoutError), never the command's exit. Drop it the same way:
+		// net/http closes the connection without ending the response.
+		p.s.log.Debug("e2b: sandbox killed under a process stream: dropping the connection", "sandbox_id", in.SandboxID, "pid", in.Pid)
+		panic(http.ErrAbortHandler)
 	}
 	if err != nil {
 		return toConnect(err)

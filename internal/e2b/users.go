@@ -64,9 +64,11 @@ func userOf(ctx context.Context) string {
 	return u
 }
 
-// actAs returns the agent of sandbox id acting as the request's user, that
+// actAs returns the agent of sandbox id for the request's user, that
 // user's name ("" = root, the agent's own identity) and home. ag is the
-// sandbox's agent (as root).
+// sandbox's agent (as root). As envd, which runs as root, the agent
+// returned acts as root and gives what it creates (files, directories) to
+// the user (agent.Client.Owning); commands run as the user.
 func (s *Server) actAs(ctx context.Context, id string, ag *agent.Client) (*agent.Client, string, string, error) {
 	in := s.info(id)
 	name := userOf(ctx)
@@ -84,7 +86,8 @@ func (s *Server) actAs(ctx context.Context, id string, ag *agent.Client) (*agent
 		}
 		return nil, "", "", toConnect(err)
 	}
-	return ag.AsUser(name).WithXattrs(), name, u.Home, nil // entries carry their metadata
+	// As envd: root's reach, and what is created belongs to the user.
+	return ag.Owning(name).WithXattrs(), name, u.Home, nil // entries carry their metadata
 }
 
 // info returns the sandbox's facts record.

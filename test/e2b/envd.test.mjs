@@ -98,6 +98,30 @@ test('the polling watcher (CreateWatcher, GetWatcherEvents, RemoveWatcher)', asy
   await assert.rejects(unary('filesystem.Filesystem/GetWatcherEvents', { watcherId }), (e) => e.status === 404)
 })
 
+// The synchronous Python SDK's watcher polls once right after a write
+// returns (watch_dir, files.write, get_new_events): the write's events must
+// be there, as they are in envd, whose watcher shares its process with the
+// write. Many iterations with the sandbox's CPUs busy, so that the agent's
+// watch lags behind when nothing makes the poll wait for it.
+test('a poll right after a write sees its events (create, chmod, write), under load', async () => {
+  const hogs = []
+  for (let i = 0; i < 3; i++) hogs.push(await sbx.commands.run('while :; do :; done', { background: true }))
+  try {
+    await sbx.files.makeDir('/work/pollsync')
+    const { watcherId } = await unary('filesystem.Filesystem/CreateWatcher', { path: '/work/pollsync' })
+    for (let i = 0; i < 40; i++) {
+      await sbx.files.write(`/work/pollsync/f${i}.txt`, `content ${i}`)
+      const r = await unary('filesystem.Filesystem/GetWatcherEvents', { watcherId })
+      const got = (r.events ?? []).map((e) => `${e.type} ${e.name}`)
+      const want = ['CREATE', 'CHMOD', 'WRITE'].map((t) => `EVENT_TYPE_${t} f${i}.txt`)
+      assert.deepEqual(got, want, `iteration ${i}`)
+    }
+    await unary('filesystem.Filesystem/RemoveWatcher', { watcherId })
+  } finally {
+    for (const h of hogs) await h.kill()
+  }
+})
+
 test('process tags: start with a tag, find, signal and connect by it', async () => {
   const call = await streamCall('process.Process/Start', [
     { process: { cmd: '/bin/sh', args: ['-c', 'echo tagged; sleep 60'] }, tag: 'my-tag', stdin: false },

@@ -11,6 +11,7 @@ import {
   FileNotFoundError,
   NotFoundError,
   SandboxNotFoundError,
+  TimeoutError,
 } from 'e2b'
 import { TEMPLATE, BASE_REF, E2B_URL, SHOAL_API_KEY, resolveShoalDomain, waitFor, shoal } from './helpers.mjs'
 
@@ -114,6 +115,22 @@ describe('sandboxes', () => {
     }
   })
 
+  test('setTimeout(0) ends the sandbox at once, as E2B does; create refuses timeout 0 as E2B does', async () => {
+    const sbx = await Sandbox.create(TEMPLATE, { timeoutMs: 600_000 })
+    await sbx.setTimeout(0)
+    await assert.rejects(Sandbox.getInfo(sbx.sandboxId), SandboxNotFoundError)
+    assert.equal(await sbx.isRunning(), false)
+    // With onTimeout 'pause', what the timeout does is a pause.
+    const ap = await Sandbox.create(TEMPLATE, { timeoutMs: 600_000, lifecycle: { onTimeout: 'pause' } })
+    try {
+      await ap.setTimeout(0)
+      assert.equal((await ap.getInfo()).state, 'paused')
+    } finally {
+      await ap.kill()
+    }
+    await assert.rejects(Sandbox.create(TEMPLATE, { timeoutMs: 0 }), /greater than 0/)
+  })
+
   test('a sandbox whose timeout expires is gone, busy or not', async () => {
     // E2B's timeout is a time to live: a running command does not extend it
     // (Shoal's own idle timeout would).
@@ -193,16 +210,28 @@ describe('sandboxes', () => {
     const h = await sbx.commands.run('echo started; sleep 1000', { background: true, onStdout: (d) => seen.push(d) })
     await waitFor(() => seen.join('').includes('started'), { what: 'the command to start' })
     assert.equal(await sbx.kill(), true)
-    // As with E2B: the stream ends the way the edge answers for a sandbox
-    // that is gone (unavailable, "... was not found"), which the SDK reports
-    // as a sandbox timed out or killed, never as the command's exit.
+    // As with E2B: envd dies with the sandbox and the connection drops;
+    // the SDK then asks envd's /health (502 for a sandbox that is gone) and
+    // reports the sandbox killed or at its end of life, never the
+    // command's exit.
     await assert.rejects(h.wait(), (e) => {
       assert.ok(!(e instanceof CommandExitError), `a CommandExitError: ${e}`)
-      assert.match(e.message, /was not found: it was killed/)
-      assert.ok(e.message.includes(sbx.sandboxId), e.message)
+      assert.ok(e instanceof TimeoutError, `not a TimeoutError: ${e}`)
+      assert.match(e.message, /The sandbox was killed or reached its end of life while the request was in flight/)
       return true
     })
   })
+})
+
+test('a watch whose sandbox is killed is cut as envd cuts it', async () => {
+  const sbx = await Sandbox.create(TEMPLATE)
+  let resolveExit
+  const exited = new Promise((r) => (resolveExit = r))
+  await sbx.files.watchDir('/work', () => {}, { onExit: (e) => resolveExit(e) })
+  assert.equal(await sbx.kill(), true)
+  const e = await exited
+  assert.ok(e instanceof TimeoutError, `not a TimeoutError: ${e}`)
+  assert.match(e.message, /The sandbox was killed or reached its end of life while the request was in flight/)
 })
 
 describe('commands', () => {
@@ -444,6 +473,8 @@ describe('files', () => {
       assert.ok(has('create', 'renamed.txt'), JSON.stringify(events))
       assert.ok(has('chmod', 'renamed.txt'), JSON.stringify(events))
       assert.ok(!events.some((e) => e.name.includes('shoal-tmp')), 'no temp files: ' + JSON.stringify(events))
+      // An upload as envd's watchers see it: created, given to its user, written.
+      assert.deepEqual(events.filter((e) => e.name === 'new.txt').slice(0, 3).map((e) => e.type), ['create', 'chmod', 'write'], JSON.stringify(events))
       // Overwriting a file through the SDK is a write, as with envd.
       await sbx.files.write('/work/watched/again.txt', '1')
       events.length = 0

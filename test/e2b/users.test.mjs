@@ -3,7 +3,7 @@
 import { test, describe, before, after } from 'node:test'
 import assert from 'node:assert/strict'
 import { Sandbox } from 'e2b'
-import { USER_TEMPLATE, waitFor } from './helpers.mjs'
+import { USER_TEMPLATE, SHOAL_URL, SHOAL_API_KEY, waitFor } from './helpers.mjs'
 
 describe('users', () => {
   let sbx
@@ -36,7 +36,8 @@ describe('users', () => {
     assert.equal(sol.size, 14)
     assert.equal(sol.type, 'file')
     assert.ok(Math.abs(sol.modifiedTime.getTime() - Date.now()) < 10 * 60 * 1000, `mtime ${sol.modifiedTime}`)
-    assert.equal(byName.link.type, 'symlink')
+    // As envd: a symlink has its target's type, and its resolved target.
+    assert.equal(byName.link.type, 'file')
     assert.equal(byName.link.symlinkTarget, '/home/user/solution.sh')
     assert.equal(byName.d.type, 'dir')
     assert.equal(byName.d.permissions, 'drwxr-xr-x')
@@ -58,25 +59,62 @@ describe('users', () => {
 
   test('the user option: root, another user, a user that does not exist', async () => {
     assert.equal((await sbx.commands.run('whoami; pwd', { user: 'root' })).stdout, 'root\n/root\n')
-    // The user's permissions hold: /etc is root's.
-    await assert.rejects(sbx.files.write('/etc/evil', 'x'))
+    // Commands have the user's permissions: /etc is root's.
     await assert.rejects(sbx.commands.run('touch /etc/evil'))
+    // Files act as envd does: root's reach, and what is written (with the
+    // directories made for it) is given to the request's user.
+    const x = await sbx.files.write('/0/x.txt', 'x')
+    assert.equal(x.path, '/0/x.txt')
+    assert.equal((await sbx.commands.run('stat -c %U:%G:%a /0 /0/x.txt')).stdout, 'user:user:755\nuser:user:644\n')
+    assert.equal((await sbx.files.getInfo('/0/x.txt')).owner, 'user')
     const r = await sbx.files.write('/etc/ok', 'x', { user: 'root' })
     assert.equal(r.path, '/etc/ok')
     assert.equal((await sbx.files.getInfo('/etc/ok')).owner, 'root')
+    await sbx.files.makeDir('/work/made/here')
+    assert.equal((await sbx.commands.run('stat -c %U /work /work/made /work/made/here')).stdout, 'root\nuser\nuser\n')
     await sbx.commands.run('echo secret > /root/secret; chmod 600 /root/secret', { user: 'root' })
-    await assert.rejects(sbx.files.read('/root/secret'))
+    await assert.rejects(sbx.commands.run('cat /root/secret'))
+    assert.equal(await sbx.files.read('/root/secret'), 'secret\n')
     assert.equal(await sbx.files.read('/root/secret', { user: 'root' }), 'secret\n')
+    // Shoal's own API keeps acting as the user it names.
+    const put = await fetch(`${SHOAL_URL}/v1/sandboxes/${sbx.sandboxId}/files?path=/1/y.txt&user=user`, {
+      method: 'PUT',
+      headers: { Authorization: `Bearer ${SHOAL_API_KEY}` },
+      body: 'y',
+    })
+    assert.equal(put.status, 403, await put.text())
     // Relative paths are under the named user's home.
     await sbx.files.write('rootrel.txt', 'r', { user: 'root' })
     assert.equal((await sbx.files.getInfo('/root/rootrel.txt')).owner, 'root')
     await assert.rejects(sbx.commands.run('true', { user: 'nosuchuser' }), /nosuchuser/)
     await assert.rejects(sbx.files.read('x', { user: 'nosuchuser' }), /nosuchuser/)
-    // Watches too: root's private directory is not the user's to watch.
+    // Watches too, with root's reach as envd's.
     await sbx.commands.run('mkdir -p -m 700 /root/private', { user: 'root' })
-    await assert.rejects(sbx.files.watchDir('/root/private', () => {}), /permission|denied/i)
-    const w = await sbx.files.watchDir('/root/private', () => {}, { user: 'root' })
+    const w = await sbx.files.watchDir('/root/private', () => {})
     await w.stop()
+  })
+
+  test("a symlink's entry as envd gives it: its target's type and mode, its resolved target", async () => {
+    await sbx.files.write('st/f.txt', 'test')
+    await sbx.commands.run('cd st && chmod 640 f.txt && ln -s f.txt flink && mkdir d && ln -s d dlink && ln -s nowhere dangling && ln -s flink chain')
+    const f = await sbx.files.getInfo('st/flink')
+    assert.equal(f.type, 'file')
+    assert.equal(f.name, 'flink')
+    assert.equal(f.path, '/home/user/st/flink')
+    assert.equal(f.symlinkTarget, '/home/user/st/f.txt')
+    assert.equal(f.mode, 0o640)
+    assert.equal(f.permissions, 'Lrwxrwxrwx')
+    assert.equal((await sbx.files.getInfo('st/chain')).symlinkTarget, '/home/user/st/f.txt')
+    const d = await sbx.files.getInfo('st/dlink')
+    assert.equal(d.type, 'dir')
+    assert.equal(d.symlinkTarget, '/home/user/st/d')
+    const g = await sbx.files.getInfo('st/dangling')
+    assert.equal(g.type, undefined)
+    assert.equal(g.symlinkTarget, '/home/user/st/dangling')
+    const byName = Object.fromEntries((await sbx.files.list('st')).map((e) => [e.name, e]))
+    assert.equal(byName.flink.type, 'file')
+    assert.equal(byName.dlink.type, 'dir')
+    assert.equal(byName['f.txt'].symlinkTarget, undefined)
   })
 
   test('file metadata (kept as user.e2b.* xattrs, as envd does)', async () => {
