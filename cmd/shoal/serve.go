@@ -667,6 +667,9 @@ func serve(cfg serveConfig) error {
 		}
 	}
 	go mgr.Run(ctx)
+	// The warm pool fills from now (at the lowest priority), not from the
+	// first create: the first creates after a start or restart are warm.
+	ctr.StartPool(cfg.Agent)
 
 	if cfg.Pprof != "" {
 		go func() { log.Warn("pprof", "err", http.ListenAndServe(cfg.Pprof, nil)) }()
