@@ -123,12 +123,20 @@ func Ensure(size int64) (Device, error) {
 			return Device{}, fmt.Errorf("zram: modprobe zram: %v: %s", err, strings.TrimSpace(string(out)))
 		}
 	}
-	name, err := freeDevice()
+	name, added, err := freeDevice()
 	if err != nil {
 		return Device{}, fmt.Errorf("zram: %w", err)
 	}
 	dir := filepath.Join("/sys/block", name)
-	undo := func() { os.WriteFile(filepath.Join(dir, "reset"), []byte("1"), 0) }
+	// A device that cannot be set up is reset, and removed if it was
+	// added here: a host where swapon is refused (a container) must not
+	// gain a device at each start.
+	undo := func() {
+		os.WriteFile(filepath.Join(dir, "reset"), []byte("1"), 0)
+		if added {
+			os.WriteFile("/sys/class/zram-control/hot_remove", []byte(strings.TrimPrefix(name, "zram")), 0)
+		}
+	}
 	// lz4: fast, and the kernel's default otherwise (lzo-rle) is ~2x slower
 	// to compress for about the same ratio.
 	if algs, err := os.ReadFile(filepath.Join(dir, "comp_algorithm")); err == nil && strings.Contains(string(algs), "lz4") {
@@ -166,16 +174,17 @@ func MemUsed() int64 {
 	return total
 }
 
-// freeDevice returns an unused zram device: a new one (hot_add), or zram0
-// if it is not initialized and the kernel cannot add devices.
-func freeDevice() (string, error) {
+// freeDevice returns an unused zram device: a new one (hot_add; added
+// true), or zram0 if it is not initialized and the kernel cannot add
+// devices.
+func freeDevice() (name string, added bool, err error) {
 	if data, err := os.ReadFile("/sys/class/zram-control/hot_add"); err == nil {
-		return "zram" + strings.TrimSpace(string(data)), nil
+		return "zram" + strings.TrimSpace(string(data)), true, nil
 	}
 	if data, err := os.ReadFile("/sys/block/zram0/disksize"); err == nil && strings.TrimSpace(string(data)) == "0" {
-		return "zram0", nil
+		return "zram0", false, nil
 	}
-	return "", errors.New("no free zram device (and /sys/class/zram-control/hot_add is missing)")
+	return "", false, errors.New("no free zram device (and /sys/class/zram-control/hot_add is missing)")
 }
 
 // Remove turns the swap on device name off and removes the device (see
