@@ -40,3 +40,44 @@ build_shoal() {
 	go build -tags client -o bin/shoal ./cmd/shoal
 	CGO_ENABLED=0 go build -trimpath -ldflags "-s -w" -o bin/shoal-agent ./cmd/shoal-agent
 }
+
+# The stock e2b SDK from npm that the E2B compatibility tests (test/e2b)
+# drive Shoal with, pinned in test/e2b/package-lock.json (`npm ci`); it
+# needs Node.js >= 20.18.1 (Debian 12's own is older). Used by .ci/run and
+# scripts/test; npm ci runs again only when the lock file changed since.
+# Fails naming what is missing.
+install_e2b_sdk() {
+	local dir
+	dir="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/test/e2b"
+	if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
+		echo "missing: Node.js >= 20.18.1 and npm, for the e2b SDK of test/e2b" >&2
+		return 1
+	fi
+	if ! node -e 'const [a, b, c] = process.versions.node.split(".").map(Number); process.exit(a > 20 || (a === 20 && (b > 18 || (b === 18 && c >= 1))) ? 0 : 1)'; then
+		echo "missing: Node.js >= 20.18.1 for the e2b SDK of test/e2b (have $(node --version))" >&2
+		return 1
+	fi
+	if [ -f "$dir/node_modules/e2b/package.json" ] && [ "$dir/node_modules/.package-lock.json" -nt "$dir/package-lock.json" ]; then
+		return 0
+	fi
+	(cd "$dir" && npm ci --no-audit --no-fund) || {
+		echo "npm ci in test/e2b failed (the e2b SDK, from registry.npmjs.org)" >&2
+		return 1
+	}
+}
+
+# check_test_deps fails naming what the test suites need that this host
+# lacks (install_deps installs it all), so that no suite skips for want of
+# a tool.
+check_test_deps() {
+	local missing=() c
+	for c in runc mkfs.erofs dump.erofs busybox debootstrap qemu-system-x86_64 qemu-img cpio lz4 zstd ip mkfs.ext4 curl modprobe mkswap swapon chromium; do
+		command -v "$c" >/dev/null || missing+=("$c")
+	done
+	/usr/bin/python3 -c 'import httpx, pytest, pip, venv' 2>/dev/null || missing+=("python3-httpx python3-pytest python3-pip python3-venv")
+	[ -s /usr/local/lib/shoal/vm/version ] || missing+=("the VM backends' guest kernel (install_vm_kernel)")
+	if [ ${#missing[@]} -gt 0 ]; then
+		echo "missing: ${missing[*]} (as root: . scripts/deps.sh && install_deps, as .ci/run does)" >&2
+		return 1
+	fi
+}

@@ -25,7 +25,7 @@ func benchCmd() *cobra.Command {
 	var co bench.CreateOptions
 	create := &cobra.Command{
 		Use:   "create [-n N] [-c C] [--base REF]",
-		Short: "Create→first exec latency and creates/s, against plain `runc run`",
+		Short: "Create→first exec latency and creates/s, against plain `runc run`; how many creates the warm pool served (a serve fills it from its start)",
 		Args:  cobra.NoArgs,
 		RunE:  runBench(func(ctx context.Context, c *shoal.Client) (any, error) { return bench.Create(ctx, c, co) }),
 	}

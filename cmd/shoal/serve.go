@@ -33,6 +33,7 @@ import (
 	"github.com/shoal-sandbox/shoal/internal/layer/remote"
 	"github.com/shoal-sandbox/shoal/internal/metrics"
 	"github.com/shoal-sandbox/shoal/internal/node"
+	"github.com/shoal-sandbox/shoal/internal/reclaim"
 	"github.com/shoal-sandbox/shoal/internal/sandbox"
 	"github.com/shoal-sandbox/shoal/internal/session"
 	"github.com/shoal-sandbox/shoal/internal/tenant"
@@ -106,8 +107,10 @@ type serveConfig struct {
 	// DeleteBacklog: deleted sandboxes that may wait, frozen, for their
 	// teardown after the delete answered (0: none wait).
 	DeleteBacklog int
-	// ZramSize: the zram swap Shoal sets up for paused sandboxes' memory
-	// ("" or "0": leave the host's swap alone).
+	// ZramSize: the zram swap Shoal sets up for paused sandboxes' memory:
+	// "auto" (the flag's default) one of half the host's memory when the
+	// host has no swap; a size, one of that size unless a zram swap is
+	// active; "" or "0": leave the host's swap alone.
 	ZramSize string
 	// ResumePrefetch: MADV_WILLNEED before thawing (measured slower).
 	ResumePrefetch bool
@@ -238,9 +241,9 @@ func (c *serveConfig) Validate() error {
 	if c.DeleteBacklog < 0 || c.DeleteBacklog > maxDeleteBacklog {
 		return fmt.Errorf("--delete-backlog %d: want 0 (every delete tears down before it answers) up to %d", c.DeleteBacklog, maxDeleteBacklog)
 	}
-	if c.ZramSize != "" {
+	if c.ZramSize != "" && c.ZramSize != "auto" {
 		if _, err := parseBytes(c.ZramSize); err != nil {
-			return fmt.Errorf("--zram-size %q: %w", c.ZramSize, err)
+			return fmt.Errorf("--zram-size %q: want auto, 0 or a size such as 8GiB: %w", c.ZramSize, err)
 		}
 	}
 	if c.Agent == "" {
@@ -447,7 +450,7 @@ func serveCmd() *cobra.Command {
 	cmd.Flags().IntVar(&cfg.DeleteBacklog, "delete-backlog", node.DefaultDeleteBacklog, "deleted sandboxes that may wait, frozen, for their teardown after the delete answered (it runs when creates pause); 0: every delete tears down before it answers")
 	cmd.Flags().DurationVar(&cfg.AutoPause, "auto-pause", 0, "pause sandboxes idle this long (no request, no running command) and reclaim their memory; 0: never; a create's auto_pause_seconds overrides it")
 	cmd.Flags().DurationVar(&cfg.PausedTimeout, "paused-timeout", 24*time.Hour, "delete sandboxes paused this long (a paused sandbox's idle timeout is suspended)")
-	cmd.Flags().StringVar(&cfg.ZramSize, "zram-size", "0", "set up a zram swap device of this size (e.g. 8GiB) for the memory of paused sandboxes, unless a zram swap is active already; 0: leave the host's swap alone")
+	cmd.Flags().StringVar(&cfg.ZramSize, "zram-size", "auto", "the compressed swap in RAM (zram) that paused sandboxes' memory goes to: auto sets one up of half the host's memory when the host has no swap; a size (e.g. 8GiB) sets one up of that size unless a zram swap is active already; 0 leaves the host's swap alone (without swap a pause reclaims file pages only)")
 	cmd.Flags().StringVar(&cfg.ReclaimBelow, "reclaim-below", "auto", "when the host's MemAvailable falls below this, pause idle sandboxes (and reclaim their memory), longest idle first, until it is a quarter above it; \"auto\": 10% of its memory, at least 1 GiB; \"none\": never")
 	cmd.Flags().Float64Var(&cfg.ReclaimPSI, "reclaim-psi", 20, "also when tasks on the host stall on memory this share of the time (percent, /proc/pressure/memory some avg10), pause up to 4 idle sandboxes, longest idle first, every 10 s while it lasts; 0: never")
 	cmd.Flags().DurationVar(&cfg.ReclaimMinIdle, "reclaim-min-idle", node.DefaultPressureMinIdle, "memory pressure pauses only sandboxes idle (no request, no running command) at least this long")
@@ -664,6 +667,9 @@ func serve(cfg serveConfig) error {
 		}
 	}
 	go mgr.Run(ctx)
+	// The warm pool fills from now (at the lowest priority), not from the
+	// first create: the first creates after a start or restart are warm.
+	ctr.StartPool(cfg.Agent)
 
 	if cfg.Pprof != "" {
 		go func() { log.Warn("pprof", "err", http.ListenAndServe(cfg.Pprof, nil)) }()
@@ -779,6 +785,20 @@ func registerGauges(mt *metrics.Metrics, mgr *node.Manager, ctr *container.Backe
 		return []metrics.Gauge{{Labels: []string{"memory"}, Value: float64(l.UsedMemory) / float64(total)},
 			{Labels: []string{"cpu"}, Value: float64(l.UsedMilliCPU) / float64(cpus*1000)}}
 	})
+	mt.Gauges("shoal_host_swap_bytes", "The host's swap, where a pause pages sandboxes' anonymous memory out (zram if serve set it up): total and free. 0 total: pauses reclaim file pages only.", []string{"kind"}, func() []metrics.Gauge {
+		total, free, err := reclaim.HostSwap()
+		if err != nil {
+			return nil
+		}
+		return []metrics.Gauge{{Labels: []string{"total"}, Value: float64(total)}, {Labels: []string{"free"}, Value: float64(free)}}
+	})
+	mt.Gauges("shoal_pause_file_pages_only", "1 when the host has no swap: a pause reclaims file pages only, the anonymous memory of paused sandboxes stays resident (serve --zram-size); 0 when it goes to swap.", nil, func() []metrics.Gauge {
+		v := 0.0
+		if reclaim.FilePagesOnly() {
+			v = 1
+		}
+		return []metrics.Gauge{{Value: v}}
+	})
 	mt.Gauges("shoal_pool_containers", "Warm pool containers of the container backend: ready, starting, target and max.", []string{"kind"}, func() []metrics.Gauge {
 		st, ok := ctr.PoolStats()
 		if !ok {
@@ -803,23 +823,44 @@ func registerGauges(mt *metrics.Metrics, mgr *node.Manager, ctr *container.Backe
 }
 
 // setUpSwap sets up the zram swap that paused sandboxes' memory goes to
-// (--zram-size), and says how much reclaim a pause can do without it.
+// (--zram-size), and says at start where a pause's anonymous memory goes:
+// to swap, or nowhere (a pause then reclaims file pages only; inspect's
+// pause record and /metrics say so too).
 func setUpSwap(cfg serveConfig, log *slog.Logger) {
-	size, _ := parseBytes(cfg.ZramSize) // checked by Validate
-	if size > 0 {
-		dev, err := zram.Ensure(size)
-		switch {
-		case err != nil:
-			log.Warn("no zram swap: a pause reclaims only file pages, not anonymous memory", "err", err)
-		case dev.Created:
-			log.Info("zram swap set up for paused sandboxes (undo: swapoff /dev/"+dev.Name+"; echo "+strings.TrimPrefix(dev.Name, "zram")+" > /sys/class/zram-control/hot_remove)",
-				"device", dev.Name, "size", dev.Size)
-		default:
-			log.Info("zram swap already active: kept", "device", dev.Name, "size", dev.Size)
+	var size int64
+	switch cfg.ZramSize {
+	case "auto":
+		if total, _, err := reclaim.HostSwap(); err == nil && total > 0 {
+			kind := "no zram"
+			if act, _ := zram.Active(); len(act) > 0 {
+				kind = "zram " + act[0].Name
+			}
+			log.Info("the host has swap: pauses page sandboxes' anonymous memory out to it", "swap", total, "kind", kind)
+			return
+		}
+		mem, _, _, err := node.HostCapacity()
+		if err != nil {
+			log.Warn("no zram swap: pauses reclaim file pages only, not anonymous memory", "err", err)
+			return
+		}
+		size = zram.AutoSize(mem)
+	default:
+		size, _ = parseBytes(cfg.ZramSize) // checked by Validate
+	}
+	if size <= 0 {
+		if reclaim.FilePagesOnly() {
+			log.Info("the host has no swap and --zram-size 0 leaves it so: pauses reclaim file pages only, not anonymous memory")
 		}
 		return
 	}
-	if data, err := os.ReadFile("/proc/swaps"); err == nil && len(strings.Split(strings.TrimSpace(string(data)), "\n")) < 2 {
-		log.Info("the host has no swap: pausing a sandbox stops it but reclaims only file pages (set --zram-size to reclaim its anonymous memory)")
+	dev, err := zram.Ensure(size)
+	switch {
+	case err != nil:
+		log.Warn("no zram swap: pauses reclaim file pages only, not anonymous memory", "err", err)
+	case dev.Created:
+		log.Info("zram swap set up for paused sandboxes (undo: swapoff /dev/"+dev.Name+"; echo "+strings.TrimPrefix(dev.Name, "zram")+" > /sys/class/zram-control/hot_remove; --zram-size 0 leaves the host alone)",
+			"device", dev.Name, "size", dev.Size)
+	default:
+		log.Info("zram swap already active: kept", "device", dev.Name, "size", dev.Size)
 	}
 }

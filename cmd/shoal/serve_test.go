@@ -53,3 +53,22 @@ func TestServeInheritedDescriptorsCloseOnExec(t *testing.T) {
 		}
 	}
 }
+
+// --zram-size defaults to auto (a zram swap on a host without swap: pause
+// frees memory out of the box); a value that is neither auto nor a size is
+// refused before serve touches the host.
+func TestServeZramSizeFlag(t *testing.T) {
+	cmd := serveCmd()
+	if def := cmd.Flags().Lookup("zram-size").DefValue; def != "auto" {
+		t.Errorf("--zram-size defaults to %q, want auto", def)
+	}
+	dir := t.TempDir()
+	cmd.SetArgs([]string{"--data", filepath.Join(dir, "data"), "--zram-size", "lots"})
+	cmd.SilenceUsage, cmd.SilenceErrors = true, true
+	if err := cmd.Execute(); err == nil || !strings.Contains(err.Error(), `--zram-size "lots": want auto, 0 or a size such as 8GiB`) {
+		t.Fatalf("serve --zram-size lots: %v", err)
+	}
+	if _, err := os.Stat(filepath.Join(dir, "data")); err == nil {
+		t.Errorf("a refused config made the data dir")
+	}
+}

@@ -45,6 +45,11 @@ type topNode struct {
 	MemoryAvailableBytes int64     `json:"memory_available_bytes"`
 	Sandboxes            int64     `json:"sandboxes"`
 	CreatesPerSecond     *float64  `json:"creates_per_second"`
+	// The host's swap, where pauses put anonymous memory (none: they
+	// reclaim file pages only).
+	SwapTotalBytes int64 `json:"swap_total_bytes"`
+	SwapFreeBytes  int64 `json:"swap_free_bytes"`
+	SwapZram       bool  `json:"swap_zram"`
 }
 
 type topView struct {
@@ -78,7 +83,8 @@ func topRows(prev, cur *pb.Status, state, sortBy string) topView {
 	}
 	for _, n := range cur.Nodes {
 		tn := topNode{Name: n.Name, State: n.State, CPUs: n.Cpus, Load: []float64{n.Load1, n.Load5, n.Load15},
-			MemoryTotalBytes: n.MemoryTotalBytes, MemoryAvailableBytes: n.MemoryAvailableBytes, Sandboxes: n.Sandboxes}
+			MemoryTotalBytes: n.MemoryTotalBytes, MemoryAvailableBytes: n.MemoryAvailableBytes, Sandboxes: n.Sandboxes,
+			SwapTotalBytes: n.SwapTotalBytes, SwapFreeBytes: n.SwapFreeBytes, SwapZram: n.SwapZram}
 		if tn.State == "" {
 			tn.State = "up"
 		}
@@ -161,9 +167,9 @@ func printTop(w io.Writer, v topView, rows int) {
 		if n.CreatesPerSecond != nil {
 			cr = fmt.Sprintf("%.1f", *n.CreatesPerSecond)
 		}
-		fmt.Fprintf(w, "node %s  cpus %d  cpu %s  load %.2f %.2f %.2f  mem %s / %s  sandboxes %d  creates/s %s\n",
+		fmt.Fprintf(w, "node %s  cpus %d  cpu %s  load %.2f %.2f %.2f  mem %s / %s  %s  sandboxes %d  creates/s %s\n",
 			n.Name, n.CPUs, pct(n.CPUPercent), n.Load[0], n.Load[1], n.Load[2],
-			humanBytes(n.MemoryTotalBytes-n.MemoryAvailableBytes), humanBytes(n.MemoryTotalBytes), n.Sandboxes, cr)
+			humanBytes(n.MemoryTotalBytes-n.MemoryAvailableBytes), humanBytes(n.MemoryTotalBytes), swapColumn(n), n.Sandboxes, cr)
 	}
 	counts := map[string]int{}
 	for _, s := range v.Sandboxes {
@@ -318,4 +324,16 @@ func printLive(v topView) {
 	printTop(&b, v, rows)
 	out := strings.ReplaceAll(b.String(), "\n", "\x1b[K\n") // clear each line's rest
 	fmt.Print("\x1b[H" + out + "\x1b[J")
+}
+
+// swapColumn says where a pause puts the node's sandboxes' anonymous
+// memory: its swap (used / total, and whether zram), or nowhere.
+func swapColumn(n topNode) string {
+	switch {
+	case n.SwapTotalBytes > 0 && n.SwapZram:
+		return fmt.Sprintf("swap %s / %s zram", humanBytes(n.SwapTotalBytes-n.SwapFreeBytes), humanBytes(n.SwapTotalBytes))
+	case n.SwapTotalBytes > 0:
+		return fmt.Sprintf("swap %s / %s", humanBytes(n.SwapTotalBytes-n.SwapFreeBytes), humanBytes(n.SwapTotalBytes))
+	}
+	return "swap none (pauses reclaim file pages only)"
 }

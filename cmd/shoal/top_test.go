@@ -14,7 +14,8 @@ func TestTopRows(t *testing.T) {
 	t0 := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
 	sample := func(at time.Time, aCPU, bCPU, creates, hostCPU int64) *pb.Status {
 		return &pb.Status{Time: timestamppb.New(at),
-			Nodes: []*pb.NodeStatus{{Name: "n", Cpus: 2, CpuUsec: hostCPU, CreatesTotal: creates, MemoryTotalBytes: 8 << 30, MemoryAvailableBytes: 6 << 30}},
+			Nodes: []*pb.NodeStatus{{Name: "n", Cpus: 2, CpuUsec: hostCPU, CreatesTotal: creates, MemoryTotalBytes: 8 << 30, MemoryAvailableBytes: 6 << 30,
+				SwapTotalBytes: 4 << 30, SwapFreeBytes: 3 << 30, SwapZram: true}},
 			Sandboxes: []*pb.SandboxUsage{
 				{Id: "a", State: "running", CpuUsec: aCPU, MemoryBytes: 10 << 20, MemoryLimitBytes: 512 << 20, CreatedAt: timestamppb.New(t0), IdleMs: 5000},
 				{Id: "b", State: "paused", CpuUsec: bCPU, MemoryBytes: -1, MemoryLimitBytes: 512 << 20, CreatedAt: timestamppb.New(t0)},
@@ -42,7 +43,7 @@ func TestTopRows(t *testing.T) {
 	var b strings.Builder
 	printTop(&b, v, 1)
 	out := b.String()
-	for _, want := range []string{"node n  cpus 2  cpu 50.0%", "creates/s 3.0", "2 sandboxes: 1 running, 1 paused", "25.0%", "10.0 MiB", "... 1 more"} {
+	for _, want := range []string{"node n  cpus 2  cpu 50.0%", "creates/s 3.0", "2 sandboxes: 1 running, 1 paused", "25.0%", "10.0 MiB", "... 1 more", "mem 2.0 GiB / 8.0 GiB  swap 1.0 GiB / 4.0 GiB zram  sandboxes 0"} {
 		if !strings.Contains(out, want) {
 			t.Errorf("table lacks %q:\n%s", want, out)
 		}
@@ -69,7 +70,7 @@ func TestTopCluster(t *testing.T) {
 	var b strings.Builder
 	printTop(&b, v, 0)
 	out := b.String()
-	for _, want := range []string{"node n1  cpus 2", "node n2  DOWN  last heartbeat 30s ago  sandboxes 3", "1 running, 1 lost", "NODE  ID", "n2    bbbb1  lost"} {
+	for _, want := range []string{"node n1  cpus 2", "swap none (pauses reclaim file pages only)", "node n2  DOWN  last heartbeat 30s ago  sandboxes 3", "1 running, 1 lost", "NODE  ID", "n2    bbbb1  lost"} {
 		if !strings.Contains(out, want) {
 			t.Errorf("table lacks %q:\n%s", want, out)
 		}

@@ -112,6 +112,11 @@ type CreateResult struct {
 	CreatesPerSecond float64 `json:"creates_per_second"`
 	Errors           int     `json:"errors"`
 	FirstError       string  `json:"first_error,omitempty"`
+	// Pooled: creates served from the warm pool (a serve fills it from its
+	// start, so the first creates after a start or restart count here
+	// once it has filled); Cold: the others.
+	Pooled int `json:"pooled"`
+	Cold   int `json:"cold"`
 	// Baseline: `runc run` of /bin/true on the same base image, mounted
 	// read-only (no overlay, no seccomp, no agent), serially.
 	BaselineRuncRun Dist `json:"baseline_runc_run_true"`
@@ -168,6 +173,11 @@ func Create(ctx context.Context, c *shoal.Client, o CreateOptions) (*CreateResul
 		mu.Lock()
 		ids = append(ids, sb.Id)
 		creates = append(creates, t1.Sub(t0))
+		if sb.Runtime["pooled"] == "true" {
+			res.Pooled++
+		} else {
+			res.Cold++
+		}
 		if err == nil && st.Code == 0 {
 			firsts = append(firsts, t2.Sub(t0))
 		}

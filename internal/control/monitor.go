@@ -10,7 +10,9 @@ import (
 
 	pb "github.com/shoal-sandbox/shoal/api/shoal/v1"
 	"github.com/shoal-sandbox/shoal/internal/node"
+	"github.com/shoal-sandbox/shoal/internal/reclaim"
 	"github.com/shoal-sandbox/shoal/internal/tenant"
+	"github.com/shoal-sandbox/shoal/internal/zram"
 )
 
 var _ monitorHandler = (*Server)(nil)
@@ -73,6 +75,12 @@ func (s *Server) nodeStatus(name string) *pb.NodeStatus {
 	}
 	if total, avail, cpus, err := node.HostCapacity(); err == nil {
 		ns.MemoryTotalBytes, ns.MemoryAvailableBytes, ns.Cpus = total, avail, int32(cpus)
+	}
+	if total, free, err := reclaim.HostSwap(); err == nil {
+		ns.SwapTotalBytes, ns.SwapFreeBytes = total, free
+	}
+	if act, err := zram.Active(); err == nil && len(act) > 0 {
+		ns.SwapZram = true
 	}
 	load, cpu := node.HostLoad()
 	ns.Load1, ns.Load5, ns.Load15, ns.CpuUsec = load[0], load[1], load[2], cpu

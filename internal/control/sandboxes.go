@@ -182,7 +182,7 @@ func pausePB(p *node.PauseInfo) *pb.PauseInfo {
 		PausedAt: timestamppb.New(p.At), Auto: p.Auto,
 		MemoryBeforeBytes: p.Stats.MemoryBefore, MemoryAfterBytes: p.Stats.MemoryAfter, SwappedOutBytes: p.Stats.SwappedOut,
 		Method: p.Stats.Method, FreezeSeconds: p.Stats.FreezeTook.Seconds(), ReclaimSeconds: p.Stats.ReclaimTook.Seconds(),
-		ResumeSeconds: p.ResumeTook.Seconds(), Evicted: p.Evicted,
+		ResumeSeconds: p.ResumeTook.Seconds(), Evicted: p.Evicted, FilePagesOnly: p.Stats.FilePagesOnly,
 	}
 	if p.Evict != nil {
 		out.EvictSeconds, out.EvictedToBytes = p.Evict.ReclaimTook.Seconds(), p.Evict.SwappedOut

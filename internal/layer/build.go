@@ -12,6 +12,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"time"
 
@@ -32,8 +33,10 @@ type BuildOptions struct {
 	//   - an OCI image layout, as a directory or a tar file;
 	//   - a docker-archive tarball (`docker save`), plain or compressed.
 	// An image is flattened: its layers applied bottom first, whiteouts
-	// deleting what lower layers had. Device nodes, fifos and sockets are
-	// refused; so are tar entries that would land outside the tree or be
+	// deleting what lower layers had. Device nodes under /dev (a root made
+	// by debootstrap or docker export has /dev/console, /dev/null...) are
+	// left out with one warning to Progress: the sandbox gets its own /dev.
+	// Other device nodes, fifos and sockets are refused; so are tar entries that would land outside the tree or be
 	// written through a symlink.
 	Source string
 	// Opened, if not nil, is the source already opened (O_PATH will do;
@@ -168,7 +171,7 @@ func unpackSource(ctx context.Context, o BuildOptions, work string, rep *reporte
 				return "", "", fmt.Errorf("--image %q: source %s is a root file system tarball, not an image", o.Image, o.Source)
 			}
 			rep.start(StageExtract, "bytes", fi.Size(), "extracting %s", o.Source)
-			if err := extractTarball(ctx, src, root, rep); err != nil {
+			if err := extractTarball(ctx, src, root, true, rep); err != nil {
 				return "", "", fmt.Errorf("extract %s: %w", o.Source, err)
 			}
 			return root, compression + " " + o.Source, nil
@@ -186,7 +189,7 @@ func unpackSource(ctx context.Context, o BuildOptions, work string, rep *reporte
 		case layoutOCIArchive:
 			rep.start(StageExtract, "bytes", fi.Size(), "extracting OCI image layout %s", o.Source)
 			dir := filepath.Join(work, "oci")
-			if err := extractTarball(ctx, src, dir, rep); err != nil {
+			if err := extractTarball(ctx, src, dir, false, rep); err != nil {
 				return "", "", fmt.Errorf("extract %s: %w", o.Source, err)
 			}
 			tree, desc, err := flatten("oci-archive", dir, openLayout)
@@ -237,6 +240,10 @@ func (s *Store) make(ctx context.Context, work string, b buildSpec, rep *reporte
 			return Layer{}, ctx.Err()
 		}
 		return Layer{}, errdefs.Mark(errdefs.ErrInvalidArgument, fmt.Errorf("source %s: %w", b.source, err))
+	}
+	noteDevLeftOut(rep, st.devLeftOut, len(st.devLeftOut))
+	for _, rel := range st.devLeftOut {
+		b.mkfsArgs = append(slices.Clip(b.mkfsArgs), "--exclude-path="+rel)
 	}
 
 	rep.start(StageMkfs, "bytes", st.bytes, "building erofs (%d files, %.1f MiB, %s)", st.files, mib(st.bytes), b.compression)

@@ -26,6 +26,35 @@ import (
 type treeStats struct {
 	files int   // entries other than the root directory
 	bytes int64 // sum of regular file sizes
+	// devLeftOut: the device nodes under dev/ a build leaves out
+	// (relative paths; see underDev).
+	devLeftOut []string
+}
+
+// maxDevLeftOut bounds the device nodes under /dev a build leaves out (each
+// is an argument of mkfs.erofs); debootstrap makes ten or so.
+const maxDevLeftOut = 256
+
+// underDev tells whether rel (a cleaned path relative to the root of the
+// tree) is below its /dev. A root made by debootstrap or docker export holds
+// device nodes there (/dev/console, /dev/null...); a build leaves them out,
+// as the sandbox gets its own /dev. A device node anywhere else is refused.
+func underDev(rel string) bool { return strings.HasPrefix(rel, "dev/") }
+
+// noteDevLeftOut sends the one warning line of a build that left device
+// nodes under /dev out.
+// noteDevLeftOut sends the one warning line of a build that left n device
+// nodes under /dev out, rels the first of them.
+func noteDevLeftOut(rep *reporter, rels []string, n int) {
+	if n == 0 {
+		return
+	}
+	const shown = 6
+	list := "/" + strings.Join(rels[:min(len(rels), shown)], ", /")
+	if n > shown {
+		list += fmt.Sprintf(" and %d more", n-shown)
+	}
+	rep.note("warning: left out %d device node(s) under /dev (%s): the sandbox gets its own /dev", n, list)
 }
 
 // Magic numbers of the compressions a tarball may come in.
@@ -172,8 +201,10 @@ func decompressTar(src, dst string) error {
 // checkTree walks a source directory (without following symlinks) and
 // refuses device nodes, fifos and sockets, which a layer must not carry;
 // with whiteouts set it allows overlayfs whiteouts (character devices 0/0),
-// which a committed upper directory holds. It counts the tree's entries and
-// bytes, reporting them to rep.
+// which a committed upper directory holds; without, it lists the device
+// nodes under dev/ in devLeftOut (for mkfs.erofs to leave out) rather than
+// refusing them. It counts the tree's entries and bytes, reporting them to
+// rep.
 func checkTree(ctx context.Context, dir string, whiteouts bool, rep *reporter) (treeStats, error) {
 	var st treeStats
 	err := filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
@@ -186,14 +217,22 @@ func checkTree(ctx context.Context, dir string, whiteouts bool, rep *reporter) (
 		if p == dir {
 			return nil
 		}
-		st.files++
 		if t := d.Type(); t&(fs.ModeDevice|fs.ModeCharDevice|fs.ModeNamedPipe|fs.ModeSocket) != 0 {
 			if whiteouts && isWhiteout(p) {
+				st.files++
 				return nil
 			}
 			rel, _ := filepath.Rel(dir, p)
-			return fmt.Errorf("%s is a %s: device nodes, fifos and sockets are not allowed in a layer", rel, typeName(t))
+			if !whiteouts && t&fs.ModeDevice != 0 && underDev(filepath.ToSlash(rel)) {
+				if len(st.devLeftOut) == maxDevLeftOut {
+					return fmt.Errorf("%s: more than %d device nodes under /dev (a build leaves them out, the sandbox gets its own /dev): remove them from the source", rel, maxDevLeftOut)
+				}
+				st.devLeftOut = append(st.devLeftOut, filepath.ToSlash(rel))
+				return nil
+			}
+			return fmt.Errorf("%s is a %s: device nodes, fifos and sockets are not allowed in a layer (device nodes under /dev only are left out)", rel, typeName(t))
 		}
+		st.files++
 		if d.Type().IsRegular() {
 			fi, err := d.Info()
 			if err != nil {
@@ -236,10 +275,11 @@ func typeName(m fs.FileMode) string {
 // an os.Root (no path can leave dst), and an entry whose parent is a symlink
 // the archive created is refused. Symlinks are kept as they are, absolute or
 // not. Hard links must point at an earlier file of the archive. Device nodes
-// and fifos are refused. Mode, owner (when running as root), mtime and
-// "SCHILY.xattr." records are kept for files and directories. Reads of src
-// are reported to rep.
-func extractTarball(ctx context.Context, src, dst string, rep *reporter) error {
+// and fifos are refused, but for the device nodes under /dev of a root
+// file system (rootfs set), which are left out with one warning to rep.
+// Mode, owner (when running as root), mtime and "SCHILY.xattr." records
+// are kept for files and directories. Reads of src are reported to rep.
+func extractTarball(ctx context.Context, src, dst string, rootfs bool, rep *reporter) error {
 	t, err := openTar(src, rep)
 	if err != nil {
 		return err
@@ -250,10 +290,15 @@ func extractTarball(ctx context.Context, src, dst string, rep *reporter) error {
 		return err
 	}
 	defer x.close()
+	x.rootfs = rootfs
 	if err := x.apply(ctx, t.r); err != nil {
 		return err
 	}
-	return x.finishDirs()
+	if err := x.finishDirs(); err != nil {
+		return err
+	}
+	noteDevLeftOut(rep, x.devLeftOut, x.devLeft)
+	return nil
 }
 
 // extractor is the state of one extraction; not safe for concurrent use.
@@ -273,6 +318,12 @@ type extractor struct {
 	// current holds the paths the stream being applied created (whiteouts
 	// only apply to earlier streams).
 	current map[string]bool
+	// rootfs: the tree is a root file system, whose device nodes under
+	// /dev are left out (underDev): devLeft counts them, devLeftOut holds
+	// the first maxDevLeftOut. Else every device node is refused.
+	rootfs     bool
+	devLeft    int
+	devLeftOut []string
 }
 
 // newExtractor makes dst (which must not exist) and returns an extractor
@@ -321,7 +372,15 @@ func (x *extractor) extract(hdr *tar.Header, r io.Reader) error {
 	switch typ {
 	case tar.TypeXGlobalHeader:
 		return nil
-	case tar.TypeChar, tar.TypeBlock, tar.TypeFifo:
+	case tar.TypeChar, tar.TypeBlock:
+		if name, err := cleanName(hdr.Name); err == nil && x.rootfs && underDev(name) {
+			if x.devLeft++; len(x.devLeftOut) < maxDevLeftOut {
+				x.devLeftOut = append(x.devLeftOut, name)
+			}
+			return nil
+		}
+		return fmt.Errorf("%s is a %s: device nodes and fifos are not allowed in a layer (device nodes under /dev only are left out)", path.Clean(hdr.Name), typeName(hdr.FileInfo().Mode()))
+	case tar.TypeFifo:
 		return fmt.Errorf("%s is a %s: device nodes and fifos are not allowed in a layer", path.Clean(hdr.Name), typeName(hdr.FileInfo().Mode()))
 	case tar.TypeReg, tar.TypeCont, tar.TypeGNUSparse: // the reader turns TypeRegA into TypeReg
 		typ = tar.TypeReg

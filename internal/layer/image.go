@@ -199,8 +199,9 @@ func firstOr(ss []string, def string) string {
 // dst: later layers' files replace earlier ones and their whiteouts delete
 // them (".wh.NAME" a path, ".wh..wh..opq" a directory's earlier content).
 // Each layer's uncompressed content is checked against its diff ID from the
-// image config. The same rules as for tarballs apply (no device nodes, no
-// fifos, no writes through symlinks).
+// image config. The same rules as for root file system tarballs apply (no
+// device nodes but under /dev, left out; no fifos, no writes through
+// symlinks).
 func flattenImage(ctx context.Context, img v1.Image, dst string, rep *reporter) error {
 	layers, err := img.Layers()
 	if err != nil {
@@ -220,6 +221,7 @@ func flattenImage(ctx context.Context, img v1.Image, dst string, rep *reporter) 
 		return err
 	}
 	defer x.close()
+	x.rootfs = true
 	for i, l := range layers {
 		rep.update(int64(i), int64(len(layers)))
 		if err := applyImageLayer(ctx, x, l, cf.RootFS.DiffIDs[i]); err != nil {
@@ -227,7 +229,11 @@ func flattenImage(ctx context.Context, img v1.Image, dst string, rep *reporter) 
 		}
 	}
 	rep.update(int64(len(layers)), int64(len(layers)))
-	return x.finishDirs()
+	if err := x.finishDirs(); err != nil {
+		return err
+	}
+	noteDevLeftOut(rep, x.devLeftOut, x.devLeft)
+	return nil
 }
 
 func applyImageLayer(ctx context.Context, x *extractor, l v1.Layer, diffID v1.Hash) error {

@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"log/slog"
 	"os"
 	"os/exec"
@@ -21,6 +22,10 @@ import (
 
 	"go.etcd.io/bbolt"
 	"golang.org/x/sys/unix"
+
+	v1 "github.com/google/go-containerregistry/pkg/v1"
+
+	"github.com/shoal-sandbox/shoal/internal/errdefs"
 )
 
 // needRoot skips tests that mount file systems or build images.
@@ -347,9 +352,9 @@ func TestBuild(t *testing.T) {
 		name: "tar device node refused",
 		source: func(t *testing.T) string {
 			return writeTar(t, filepath.Join(src, "dev.tgz"),
-				tarEntry{tar.Header{Typeflag: tar.TypeChar, Name: "dev/null", Mode: 0o666, Devmajor: 1, Devminor: 3}, ""})
+				tarEntry{tar.Header{Typeflag: tar.TypeChar, Name: "usr/dev/null", Mode: 0o666, Devmajor: 1, Devminor: 3}, ""})
 		},
-		wantErr: "character device: device nodes and fifos are not allowed",
+		wantErr: "usr/dev/null is a character device: device nodes and fifos are not allowed",
 	}, {
 		name: "tar fifo refused",
 		source: func(t *testing.T) string {
@@ -1020,4 +1025,129 @@ func testUserns(t testing.TB) int {
 	}
 	t.Cleanup(func() { unix.Close(fd) })
 	return fd
+}
+
+// TestBuildDevNodesLeftOut: a root made by debootstrap (a directory with
+// /dev/console, /dev/null... made by mknod), by docker export (a tar with
+// device entries) or an image whose layer has them builds: the device nodes
+// under /dev are left out with one warning line, the rest of /dev (its
+// directories and symlinks) kept; a device node anywhere else is refused
+// with the reason.
+func TestBuildDevNodesLeftOut(t *testing.T) {
+	e := newEnv(t)
+	src := t.TempDir()
+	nodes := []struct {
+		name         string
+		mode         uint32
+		major, minor uint32
+	}{
+		{"console", unix.S_IFCHR | 0o600, 5, 1}, {"null", unix.S_IFCHR | 0o666, 1, 3}, {"zero", unix.S_IFCHR | 0o666, 1, 5},
+		{"full", unix.S_IFCHR | 0o666, 1, 7}, {"random", unix.S_IFCHR | 0o666, 1, 8}, {"urandom", unix.S_IFCHR | 0o666, 1, 9},
+		{"tty", unix.S_IFCHR | 0o666, 5, 0}, {"ptmx", unix.S_IFCHR | 0o666, 5, 2}, {"loop0", unix.S_IFBLK | 0o660, 7, 0},
+	}
+	debootstrap := func(t *testing.T, name string) string {
+		d := writeTree(t, filepath.Join(src, name), map[string]string{"etc/hostname": "deb", "dev/pts/.keep": "", "dev/shm/.keep": ""})
+		for _, n := range nodes {
+			if err := unix.Mknod(filepath.Join(d, "dev", n.name), n.mode, int(unix.Mkdev(n.major, n.minor))); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := os.Symlink("/proc/self/fd", filepath.Join(d, "dev/fd")); err != nil {
+			t.Fatal(err)
+		}
+		return d
+	}
+	devTar := func(t *testing.T, name string, extra ...tarEntry) string {
+		entries := []tarEntry{dir("etc/"), file("etc/hostname", "deb"), dir("dev/"), dir("dev/pts/"), symlink("dev/fd", "/proc/self/fd")}
+		for _, n := range nodes {
+			typ := byte(tar.TypeChar)
+			if n.mode&unix.S_IFMT == unix.S_IFBLK {
+				typ = tar.TypeBlock
+			}
+			entries = append(entries, tarEntry{tar.Header{Typeflag: typ, Name: "./dev/" + n.name, Mode: int64(n.mode & 0o7777), Devmajor: int64(n.major), Devminor: int64(n.minor)}, ""})
+		}
+		return writeTar(t, filepath.Join(src, name), append(entries, extra...)...)
+	}
+	for i, tt := range []struct {
+		name    string
+		source  func(t *testing.T) string
+		wantErr string
+	}{
+		{name: "debootstrap tree", source: func(t *testing.T) string { return debootstrap(t, "deb") }},
+		{name: "docker export tar", source: func(t *testing.T) string { return devTar(t, "export.tar") }},
+		{name: "image layer", source: func(t *testing.T) string {
+			return writeLayout(t, filepath.Join(src, "oci"), map[string]v1.Image{"1": image(t, imageLayer(t,
+				dir("etc/"), file("etc/hostname", "deb"), dir("dev/pts/"), symlink("dev/fd", "/proc/self/fd"),
+				tarEntry{tar.Header{Typeflag: tar.TypeChar, Name: "dev/console", Mode: 0o600, Devmajor: 5, Devminor: 1}, ""}))})
+		}},
+		{name: "tree with a device node outside /dev", source: func(t *testing.T) string {
+			d := debootstrap(t, "deb-etc")
+			if err := unix.Mknod(filepath.Join(d, "etc/null"), unix.S_IFCHR|0o666, int(unix.Mkdev(1, 3))); err != nil {
+				t.Fatal(err)
+			}
+			return d
+		}, wantErr: "etc/null is a character device: device nodes, fifos and sockets are not allowed in a layer"},
+		{name: "tree with a device node in /devices", source: func(t *testing.T) string {
+			d := debootstrap(t, "deb-devices")
+			os.Mkdir(filepath.Join(d, "devices"), 0o755)
+			if err := unix.Mknod(filepath.Join(d, "devices/sda"), unix.S_IFBLK|0o600, int(unix.Mkdev(8, 0))); err != nil {
+				t.Fatal(err)
+			}
+			return d
+		}, wantErr: "devices/sda is a block device"},
+		{name: "tar with a device node outside /dev", source: func(t *testing.T) string {
+			return devTar(t, "export-bad.tar", tarEntry{tar.Header{Typeflag: tar.TypeChar, Name: "usr/lib/dev/null", Mode: 0o666, Devmajor: 1, Devminor: 3}, ""})
+		}, wantErr: "usr/lib/dev/null is a character device: device nodes and fifos are not allowed in a layer"},
+		{name: "tar with a fifo under /dev", source: func(t *testing.T) string {
+			return devTar(t, "export-fifo.tar", tarEntry{tar.Header{Typeflag: tar.TypeFifo, Name: "dev/initctl", Mode: 0o600}, ""})
+		}, wantErr: "dev/initctl is a fifo"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			var progress bytes.Buffer
+			o := BuildOptions{Kind: KindBase, Name: "deb", Version: fmt.Sprint(i), Source: tt.source(t), Progress: func(p Progress) {
+				if p.Message != "" {
+					fmt.Fprintln(&progress, p.Message)
+				}
+			}}
+			l, err := e.store.Build(context.Background(), o)
+			if tt.wantErr != "" {
+				if err == nil || !strings.Contains(err.Error(), tt.wantErr) {
+					t.Fatalf("Build error = %v, want one containing %q", err, tt.wantErr)
+				}
+				if !errors.Is(err, errdefs.ErrInvalidArgument) {
+					t.Errorf("Build error %v is not ErrInvalidArgument", err)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Logf("progress:\n%s", progress.String())
+			if n := strings.Count(progress.String(), "warning: left out"); n != 1 {
+				t.Errorf("progress has %d warnings about device nodes left out, want 1", n)
+			}
+			if !strings.Contains(progress.String(), "/dev/console") || !strings.Contains(progress.String(), "the sandbox gets its own /dev") {
+				t.Errorf("the warning does not name /dev/console and why")
+			}
+			mnt, err := e.store.Acquire(l.Digest)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer e.store.Release(l.Digest)
+			for _, n := range nodes {
+				if _, err := os.Lstat(filepath.Join(mnt, "dev", n.name)); !errors.Is(err, fs.ErrNotExist) {
+					t.Errorf("dev/%s in the layer: %v", n.name, err)
+				}
+			}
+			if fi, err := os.Stat(filepath.Join(mnt, "dev/pts")); err != nil || !fi.IsDir() {
+				t.Errorf("dev/pts: %v", err)
+			}
+			if got, _ := os.Readlink(filepath.Join(mnt, "dev/fd")); got != "/proc/self/fd" {
+				t.Errorf("dev/fd -> %q", got)
+			}
+			if got := readFile(t, filepath.Join(mnt, "etc/hostname")); got != "deb" {
+				t.Errorf("etc/hostname = %q", got)
+			}
+		})
+	}
 }

@@ -351,7 +351,7 @@ func TestBuildSources(t *testing.T) {
 		name: "image layer with a device node",
 		source: func(t *testing.T) string {
 			return writeLayout(t, filepath.Join(src, "dev"), map[string]v1.Image{"1": image(t, imageLayer(t,
-				tarEntry{tar.Header{Typeflag: tar.TypeChar, Name: "dev/null", Mode: 0o666, Devmajor: 1, Devminor: 3}, ""}))})
+				tarEntry{tar.Header{Typeflag: tar.TypeChar, Name: "etc/null", Mode: 0o666, Devmajor: 1, Devminor: 3}, ""}))})
 		},
 		wantErr: "device nodes and fifos are not allowed",
 	}, {

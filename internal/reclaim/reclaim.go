@@ -245,3 +245,38 @@ func privateMappings(maps []byte, leaveOut func(f []string) bool) []iovec {
 	}
 	return out
 }
+
+// HostSwap returns the host's swap, all devices together (/proc/meminfo's
+// SwapTotal and SwapFree), in bytes. Without swap (total 0) a pause
+// reclaims only file pages: anonymous memory has nowhere to go.
+func HostSwap() (total, free int64, err error) {
+	b, err := os.ReadFile("/proc/meminfo")
+	if err != nil {
+		return 0, 0, err
+	}
+	found := 0
+	for _, line := range strings.Split(string(b), "\n") {
+		f := strings.Fields(line)
+		if len(f) < 2 {
+			continue
+		}
+		n, _ := strconv.ParseInt(f[1], 10, 64)
+		switch f[0] {
+		case "SwapTotal:":
+			total, found = n<<10, found+1
+		case "SwapFree:":
+			free, found = n<<10, found+1
+		}
+	}
+	if found != 2 {
+		return 0, 0, errors.New("no SwapTotal or SwapFree in /proc/meminfo")
+	}
+	return total, free, nil
+}
+
+// FilePagesOnly reports whether a pause can reclaim only file pages now:
+// the host has no swap (or its size cannot be read).
+func FilePagesOnly() bool {
+	total, _, err := HostSwap()
+	return err != nil || total == 0
+}

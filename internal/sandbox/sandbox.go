@@ -241,6 +241,10 @@ type PauseStats struct {
 	Method       string        `json:"method,omitempty"`      // how memory was reclaimed ("process_madvise", "memory.reclaim", "none: ...")
 	FreezeTook   time.Duration `json:"freeze_took"`
 	ReclaimTook  time.Duration `json:"reclaim_took"`
+	// FilePagesOnly: the pause reclaimed into swap, but the host had none
+	// (serve could not set up zram, or --zram-size 0): only file pages
+	// went, anonymous memory stayed resident.
+	FilePagesOnly bool `json:"file_pages_only,omitempty"`
 }
 
 // Timeouts used by backends when the caller's context has none.

@@ -25,6 +25,8 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+
+	"golang.org/x/sys/unix"
 )
 
 // Device is an active zram swap device.
@@ -52,12 +54,62 @@ func Active() ([]Device, error) {
 	return out, nil
 }
 
+// AutoSize is the size of the zram swap serve sets up by default (--zram-size
+// auto) on a host of mem bytes of memory: half of it. It is the most the
+// swapped-out memory can be, uncompressed; zram takes memory only for what
+// it holds, compressed.
+func AutoSize(mem int64) int64 { return mem / 2 &^ (1<<20 - 1) }
+
+// EnsureSwap makes sure the host has swap, as serve --zram-size auto does:
+// a host with swap (zram or not) is left alone (a zero Device); else a zram
+// swap of AutoSize of the host's memory is set up (or one that became
+// active meanwhile kept). Tests that need swap call it, so that they run
+// on a host that no serve has set up yet.
+func EnsureSwap() (Device, error) {
+	data, err := os.ReadFile("/proc/meminfo")
+	if err != nil {
+		return Device{}, fmt.Errorf("zram: %w", err)
+	}
+	var memTotal, swapTotal int64 = -1, -1
+	for _, line := range strings.Split(string(data), "\n") {
+		f := strings.Fields(line)
+		if len(f) < 2 {
+			continue
+		}
+		n, _ := strconv.ParseInt(f[1], 10, 64)
+		switch f[0] {
+		case "MemTotal:":
+			memTotal = n << 10
+		case "SwapTotal:":
+			swapTotal = n << 10
+		}
+	}
+	if memTotal <= 0 || swapTotal < 0 {
+		return Device{}, errors.New("zram: no MemTotal or SwapTotal in /proc/meminfo")
+	}
+	if swapTotal > 0 {
+		return Device{}, nil
+	}
+	return Ensure(AutoSize(memTotal))
+}
+
+// lockPath serializes Ensure across processes: two serves starting at once
+// on a host without swap must not both add a device.
+const lockPath = "/run/shoal-zram.lock"
+
 // Ensure makes sure a zram swap device is active: an active one is kept
-// whatever its size (a restarted node finds the one it made); else one of
-// size bytes is made (see the package comment).
+// whatever its size (a restarted node finds the one it made, another serve
+// of the host the one it made); else one of size bytes is made (see the
+// package comment).
 func Ensure(size int64) (Device, error) {
 	if size <= 0 {
 		return Device{}, errors.New("zram: size must be positive")
+	}
+	if f, err := os.OpenFile(lockPath, os.O_CREATE|os.O_RDWR|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o600); err == nil {
+		defer f.Close()
+		if err := unix.Flock(int(f.Fd()), unix.LOCK_EX); err != nil {
+			return Device{}, fmt.Errorf("zram: lock %s: %w", lockPath, err)
+		}
 	}
 	act, err := Active()
 	if err != nil {
@@ -71,12 +123,20 @@ func Ensure(size int64) (Device, error) {
 			return Device{}, fmt.Errorf("zram: modprobe zram: %v: %s", err, strings.TrimSpace(string(out)))
 		}
 	}
-	name, err := freeDevice()
+	name, added, err := freeDevice()
 	if err != nil {
 		return Device{}, fmt.Errorf("zram: %w", err)
 	}
 	dir := filepath.Join("/sys/block", name)
-	undo := func() { os.WriteFile(filepath.Join(dir, "reset"), []byte("1"), 0) }
+	// A device that cannot be set up is reset, and removed if it was
+	// added here: a host where swapon is refused (a container) must not
+	// gain a device at each start.
+	undo := func() {
+		os.WriteFile(filepath.Join(dir, "reset"), []byte("1"), 0)
+		if added {
+			os.WriteFile("/sys/class/zram-control/hot_remove", []byte(strings.TrimPrefix(name, "zram")), 0)
+		}
+	}
 	// lz4: fast, and the kernel's default otherwise (lzo-rle) is ~2x slower
 	// to compress for about the same ratio.
 	if algs, err := os.ReadFile(filepath.Join(dir, "comp_algorithm")); err == nil && strings.Contains(string(algs), "lz4") {
@@ -114,16 +174,17 @@ func MemUsed() int64 {
 	return total
 }
 
-// freeDevice returns an unused zram device: a new one (hot_add), or zram0
-// if it is not initialized and the kernel cannot add devices.
-func freeDevice() (string, error) {
+// freeDevice returns an unused zram device: a new one (hot_add; added
+// true), or zram0 if it is not initialized and the kernel cannot add
+// devices.
+func freeDevice() (name string, added bool, err error) {
 	if data, err := os.ReadFile("/sys/class/zram-control/hot_add"); err == nil {
-		return "zram" + strings.TrimSpace(string(data)), nil
+		return "zram" + strings.TrimSpace(string(data)), true, nil
 	}
 	if data, err := os.ReadFile("/sys/block/zram0/disksize"); err == nil && strings.TrimSpace(string(data)) == "0" {
-		return "zram0", nil
+		return "zram0", false, nil
 	}
-	return "", errors.New("no free zram device (and /sys/class/zram-control/hot_add is missing)")
+	return "", false, errors.New("no free zram device (and /sys/class/zram-control/hot_add is missing)")
 }
 
 // Remove turns the swap on device name off and removes the device (see

@@ -22,8 +22,9 @@ import (
 // attributes (as SCHILY.xattr records: security.capability, user.*, ACLs).
 // Symlinks are stored as symlinks, never followed; a file linked more than
 // once is stored once and then as hard links to it; device nodes and fifos
-// are stored as such (the server refuses them in a layer, as it does for a
-// directory it reads itself). Sockets cannot be stored in a tar: a socket
+// are stored as such (a build leaves the device nodes under /dev out, with
+// a warning, and refuses the others, as it does for a directory it reads
+// itself). Sockets cannot be stored in a tar: a socket
 // is an error. Nothing is read into memory beyond one file's header.
 func WriteTar(w io.Writer, dir string) error {
 	tw := tar.NewWriter(w)

@@ -763,6 +763,30 @@ func TestLayerProgress(t *testing.T) {
 	}
 }
 
+// TestLayerBuildDevNodes: `shoal layer build` of a directory shaped like
+// a debootstrap root (device nodes in /dev, uploaded in the client's tar)
+// builds, saying once that it left them out; a device node elsewhere is
+// refused (TestLayerBadInput).
+func TestLayerBuildDevNodes(t *testing.T) {
+	need(t)
+	src := tree(t, map[string]string{"etc/hostname": "deb", "dev/pts/.keep": ""})
+	for name, dev := range map[string]int{"console": int(unix.Mkdev(5, 1)), "null": int(unix.Mkdev(1, 3)), "ptmx": int(unix.Mkdev(5, 2))} {
+		if err := unix.Mknod(filepath.Join(src, "dev", name), unix.S_IFCHR|0o666, dev); err != nil {
+			t.Fatal(err)
+		}
+	}
+	stdout, stderr, code := run3(nil, "layer", "build", "--kind", "toolkit", "devnodes:1", src)
+	if code != 0 {
+		t.Fatalf("build of a tree with /dev/console: %s", stderr)
+	}
+	if n := strings.Count(stderr, "warning: left out 3 device node(s) under /dev (/dev/console, /dev/null, /dev/ptmx): the sandbox gets its own /dev"); n != 1 {
+		t.Errorf("%d warnings, want 1:\n%s", n, stderr)
+	}
+	if !strings.HasPrefix(stdout, "devnodes@sha256:") {
+		t.Errorf("stdout %q", stdout)
+	}
+}
+
 func TestLayerBadInput(t *testing.T) {
 	need(t)
 	junk := filepath.Join(t.TempDir(), "junk.tar")

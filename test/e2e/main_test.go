@@ -59,7 +59,7 @@ func need(t *testing.T) {
 }
 
 // zramBefore: the zram swap devices active before the tests (teardown
-// removes the others, made by serve --zram-size).
+// removes the one this suite's serve set up, --zram-size auto).
 var zramBefore []zram.Device
 
 func setup() error {
@@ -132,11 +132,11 @@ func startServe() error {
 	if err != nil {
 		return err
 	}
-	// --zram-size: a zram swap for paused sandboxes' memory, unless the
-	// host has one (teardown removes one this run made).
+	// --zram-size at its default (auto): a zram swap for paused
+	// sandboxes' memory when the host has no swap (teardown removes one
+	// this run made).
 	serveCmd = exec.Command(filepath.Join(binDir, "shoal"), "serve", "--data", dataDir, "--listen", addr, "--debug", "--e2b-listen=",
-		"--egress-subnet", egressSubnet, "--build-root", buildRoot,
-		"--zram-size", "1GiB")
+		"--egress-subnet", egressSubnet, "--build-root", buildRoot)
 	if l := os.Getenv("SHOAL_E2E_LAUNCHER"); l != "" {
 		// native (the default) or runc: the suite against either launcher.
 		serveCmd.Args = append(serveCmd.Args, "--launcher", l)

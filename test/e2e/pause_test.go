@@ -3,6 +3,8 @@ package e2e
 import (
 	"context"
 	"fmt"
+	"io"
+	"net/http"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -157,6 +159,58 @@ func TestPauseResume(t *testing.T) {
 	if _, stderr, code := run3(nil, "inspect", id); code == 0 || !strings.Contains(stderr, "no sandbox") {
 		t.Fatalf("inspect after rm of a paused sandbox: exit %d, %s", code, stderr)
 	}
+}
+
+// TestPauseFreesMemoryByDefault: on a node with serve's default flags
+// (--zram-size auto: a zram swap when the host has none), a pause frees at
+// least 90% of a 200 MiB process's memory, and neither its pause record
+// nor /metrics says file pages only. Skipped, with serve's reason, only
+// when serve could not set up zram (no zram module, a container host).
+func TestPauseFreesMemoryByDefault(t *testing.T) {
+	need(t)
+	serveLog, _ := os.ReadFile(filepath.Join(dataDir, "serve.log"))
+	if i := strings.Index(string(serveLog), "no zram swap: pauses reclaim file pages only"); i >= 0 {
+		line, _, _ := strings.Cut(string(serveLog[i:]), "\n")
+		t.Skipf("serve could not set up zram: %s", line)
+	}
+	if !hostHasSwap() {
+		t.Fatalf("the host has no swap after serve started with --zram-size auto, and serve did not say why:\n%s", serveLog)
+	}
+	const mib = 200
+	c := sdk(t)
+	id := create(t, "--memory", "512M", "--auto-pause", "0")
+	sh(t, id, "mkdir -p /work/m")
+	startInSandbox(t, id, "memhold", fmt.Sprint(mib), "/work/m")
+	waitFor(t, 60*time.Second, "memhold to fill its memory", func() bool { return hostFile(t, id, "work/m/sum0") != "" })
+	before := cgroupMemory(getSandbox(t, c, id))
+	if before < 0 {
+		t.Skip("no v1 memory cgroup to read the sandbox's memory from")
+	}
+	shoalOK(t, "pause", id)
+	sb := getSandbox(t, c, id)
+	after := cgroupMemory(sb)
+	t.Logf("cgroup memory %d -> %d MiB; pause record %+v", before>>20, after>>20, sb.Pause)
+	if freed := before - after; freed < mib<<20*9/10 {
+		t.Errorf("the pause freed %d MiB of the sandbox's %d MiB (memhold holds %d MiB), want at least 90%% of memhold's", freed>>20, before>>20, mib)
+	}
+	if sb.Pause == nil || sb.Pause.FilePagesOnly {
+		t.Errorf("pause record %+v: file pages only on a host with swap", sb.Pause)
+	}
+	if out := shoalOK(t, "inspect", id); !strings.Contains(out, `"file_pages_only": false`) {
+		t.Errorf("inspect does not say file_pages_only false:\n%s", out)
+	}
+	req, _ := http.NewRequest(http.MethodGet, apiURL+"/metrics", nil)
+	req.Header.Set("Authorization", "Bearer "+apiKey)
+	res, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(res.Body)
+	res.Body.Close()
+	if !strings.Contains(string(body), "\nshoal_pause_file_pages_only 0\n") || !strings.Contains(string(body), `shoal_host_swap_bytes{kind="total"}`) {
+		t.Errorf("/metrics lacks shoal_pause_file_pages_only 0 or shoal_host_swap_bytes")
+	}
+	memholdOK(t, id)
 }
 
 // TestAutoPause: a sandbox created with --auto-pause is paused after that

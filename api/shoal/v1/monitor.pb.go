@@ -154,10 +154,16 @@ type NodeStatus struct {
 	State string `protobuf:"bytes,16,opt,name=state,proto3" json:"state,omitempty"`
 	// heartbeat_at: in a cluster, the node's last capacity report to etcd
 	// (for a down node: when the control replica saw its lease end, if it did).
-	HeartbeatAt   *timestamppb.Timestamp `protobuf:"bytes,17,opt,name=heartbeat_at,json=heartbeatAt,proto3" json:"heartbeat_at,omitempty"`
-	Url           string                 `protobuf:"bytes,18,opt,name=url,proto3" json:"url,omitempty"` // in a cluster: the node's API URL
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	HeartbeatAt *timestamppb.Timestamp `protobuf:"bytes,17,opt,name=heartbeat_at,json=heartbeatAt,proto3" json:"heartbeat_at,omitempty"`
+	Url         string                 `protobuf:"bytes,18,opt,name=url,proto3" json:"url,omitempty"` // in a cluster: the node's API URL
+	// The host's swap (/proc/meminfo), where a pause pages sandboxes'
+	// anonymous memory out; swap_zram: a zram device is part of it (serve
+	// --zram-size). Without swap a pause reclaims file pages only.
+	SwapTotalBytes int64 `protobuf:"varint,19,opt,name=swap_total_bytes,json=swapTotalBytes,proto3" json:"swap_total_bytes,omitempty"`
+	SwapFreeBytes  int64 `protobuf:"varint,20,opt,name=swap_free_bytes,json=swapFreeBytes,proto3" json:"swap_free_bytes,omitempty"`
+	SwapZram       bool  `protobuf:"varint,21,opt,name=swap_zram,json=swapZram,proto3" json:"swap_zram,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *NodeStatus) Reset() {
@@ -316,6 +322,27 @@ func (x *NodeStatus) GetUrl() string {
 	return ""
 }
 
+func (x *NodeStatus) GetSwapTotalBytes() int64 {
+	if x != nil {
+		return x.SwapTotalBytes
+	}
+	return 0
+}
+
+func (x *NodeStatus) GetSwapFreeBytes() int64 {
+	if x != nil {
+		return x.SwapFreeBytes
+	}
+	return 0
+}
+
+func (x *NodeStatus) GetSwapZram() bool {
+	if x != nil {
+		return x.SwapZram
+	}
+	return false
+}
+
 type SandboxUsage struct {
 	state            protoimpl.MessageState `protogen:"open.v1"`
 	Id               string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
@@ -465,7 +492,7 @@ const file_shoal_v1_monitor_proto_rawDesc = "" +
 	"\x06Status\x12.\n" +
 	"\x04time\x18\x01 \x01(\v2\x1a.google.protobuf.TimestampR\x04time\x12*\n" +
 	"\x05nodes\x18\x02 \x03(\v2\x14.shoal.v1.NodeStatusR\x05nodes\x124\n" +
-	"\tsandboxes\x18\x03 \x03(\v2\x16.shoal.v1.SandboxUsageR\tsandboxes\"\x8e\x05\n" +
+	"\tsandboxes\x18\x03 \x03(\v2\x16.shoal.v1.SandboxUsageR\tsandboxes\"\xfd\x05\n" +
 	"\n" +
 	"NodeStatus\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x12\n" +
@@ -487,7 +514,10 @@ const file_shoal_v1_monitor_proto_rawDesc = "" +
 	"started_at\x18\x0f \x01(\v2\x1a.google.protobuf.TimestampR\tstartedAt\x12\x14\n" +
 	"\x05state\x18\x10 \x01(\tR\x05state\x12=\n" +
 	"\fheartbeat_at\x18\x11 \x01(\v2\x1a.google.protobuf.TimestampR\vheartbeatAt\x12\x10\n" +
-	"\x03url\x18\x12 \x01(\tR\x03url\"\x81\x03\n" +
+	"\x03url\x18\x12 \x01(\tR\x03url\x12(\n" +
+	"\x10swap_total_bytes\x18\x13 \x01(\x03R\x0eswapTotalBytes\x12&\n" +
+	"\x0fswap_free_bytes\x18\x14 \x01(\x03R\rswapFreeBytes\x12\x1b\n" +
+	"\tswap_zram\x18\x15 \x01(\bR\bswapZram\"\x81\x03\n" +
 	"\fSandboxUsage\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x14\n" +
 	"\x05state\x18\x02 \x01(\tR\x05state\x12\x18\n" +

@@ -691,8 +691,11 @@ type PauseInfo struct {
 	Evicted        bool    `protobuf:"varint,11,opt,name=evicted,proto3" json:"evicted,omitempty"`
 	EvictSeconds   float64 `protobuf:"fixed64,12,opt,name=evict_seconds,json=evictSeconds,proto3" json:"evict_seconds,omitempty"`
 	EvictedToBytes int64   `protobuf:"varint,13,opt,name=evicted_to_bytes,json=evictedToBytes,proto3" json:"evicted_to_bytes,omitempty"`
-	unknownFields  protoimpl.UnknownFields
-	sizeCache      protoimpl.SizeCache
+	// The host had no swap (serve could not set up zram, or --zram-size 0):
+	// the pause reclaimed file pages only, its anonymous memory stayed.
+	FilePagesOnly bool `protobuf:"varint,14,opt,name=file_pages_only,json=filePagesOnly,proto3" json:"file_pages_only,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *PauseInfo) Reset() {
@@ -814,6 +817,13 @@ func (x *PauseInfo) GetEvictedToBytes() int64 {
 		return x.EvictedToBytes
 	}
 	return 0
+}
+
+func (x *PauseInfo) GetFilePagesOnly() bool {
+	if x != nil {
+		return x.FilePagesOnly
+	}
+	return false
 }
 
 type PauseSandboxRequest struct {
@@ -1990,7 +2000,7 @@ const file_shoal_v1_sandbox_proto_rawDesc = "" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1a:\n" +
 	"\fRuntimeEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x95\x04\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xbd\x04\n" +
 	"\tPauseInfo\x127\n" +
 	"\tpaused_at\x18\x01 \x01(\v2\x1a.google.protobuf.TimestampR\bpausedAt\x12\x12\n" +
 	"\x04auto\x18\x02 \x01(\bR\x04auto\x12.\n" +
@@ -2006,7 +2016,8 @@ const file_shoal_v1_sandbox_proto_rawDesc = "" +
 	" \x01(\x01R\rresumeSeconds\x12\x18\n" +
 	"\aevicted\x18\v \x01(\bR\aevicted\x12#\n" +
 	"\revict_seconds\x18\f \x01(\x01R\fevictSeconds\x12(\n" +
-	"\x10evicted_to_bytes\x18\r \x01(\x03R\x0eevictedToBytes\"%\n" +
+	"\x10evicted_to_bytes\x18\r \x01(\x03R\x0eevictedToBytes\x12&\n" +
+	"\x0ffile_pages_only\x18\x0e \x01(\bR\rfilePagesOnly\"%\n" +
 	"\x13PauseSandboxRequest\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\"[\n" +
 	"\x14PauseSandboxResponse\x12+\n" +

@@ -609,7 +609,11 @@ func (b *Backend) create(ctx context.Context, spec sandbox.Spec) (h sandbox.Hand
 		if err != nil {
 			return h, fmt.Errorf("create sandbox %s: %w", spec.ID, err)
 		}
-		return b.claim(ctx, spec, dir, m)
+		h, err = b.claim(ctx, spec, dir, m)
+		if err == nil {
+			h.Data["pooled"] = "false" // started for this create: not from the warm pool
+		}
+		return h, err
 	}
 	return b.createCold(ctx, spec, dir)
 }

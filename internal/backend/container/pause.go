@@ -42,6 +42,7 @@ func (b *Backend) Pause(ctx context.Context, h sandbox.Handle) (sandbox.PauseSta
 	}
 	st.FreezeTook = time.Since(t)
 	t = time.Now()
+	st.FilePagesOnly = reclaim.FilePagesOnly()
 	method, err := b.reclaim(ctx, id, mem)
 	st.ReclaimTook = time.Since(t)
 	st.Method = method

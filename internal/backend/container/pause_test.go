@@ -9,11 +9,14 @@ import (
 	"time"
 
 	"github.com/shoal-sandbox/shoal/internal/sandbox"
+	"github.com/shoal-sandbox/shoal/internal/zram"
 )
 
+// swapAvailable makes sure the host has swap, as serve --zram-size auto
+// does (once per host), and reports whether it has.
 func swapAvailable() bool {
-	data, err := os.ReadFile("/proc/swaps")
-	return err == nil && len(strings.Split(strings.TrimSpace(string(data)), "\n")) > 1
+	_, err := zram.EnsureSwap()
+	return err == nil
 }
 
 // TestPauseReclaim: a paused sandbox is frozen and its memory reclaimed

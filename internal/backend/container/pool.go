@@ -51,8 +51,10 @@ import (
 // policy, masked paths, read-only agent binary, no network. The overlay
 // root exists only in the container's mount namespace, not on the host.
 //
-// The pool is filled lazily (from the first Create on) and refilled in the
-// background, one container at a time, after each claim, at the lowest
+// The pool is filled from StartPool (serve calls it at start, so that the
+// first create after a start or a restart is served warm; else from the
+// first Create on) and refilled in the background, one container at a
+// time, after each claim, at the lowest
 // priority: runc runs at nice 19 and the pool container's cgroup at the
 // lowest CPU weight until its claim (the agent's threads are set back to
 // nice 0 once it is ready), so that filling the pool yields to the creates
@@ -235,8 +237,21 @@ func (p *pool) poke() {
 	}
 }
 
+// startLocked starts the filler with containers running agentBinary, unless it
+// runs already (or the pool is closed); it reports whether it started it.
+// p.mu must be held.
+func (p *pool) startLocked(agentBinary string) bool {
+	if p.started || p.closed {
+		return false
+	}
+	p.started, p.agent = true, agentBinary
+	go p.fill()
+	go p.shrinker()
+	return true
+}
+
 // take returns a ready container running agentBinary, or nil. The first
-// call starts the filler; every call wakes it.
+// call starts the filler if StartPool did not; every call wakes it.
 func (p *pool) take(agentBinary string) *member {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -245,10 +260,7 @@ func (p *pool) take(agentBinary string) *member {
 	}
 	now := time.Now()
 	p.lastTake = now
-	if !p.started {
-		p.started, p.agent = true, agentBinary
-		go p.fill()
-		go p.shrinker()
+	if p.startLocked(agentBinary) {
 		return nil
 	}
 	if agentBinary != p.agent {
@@ -784,6 +796,20 @@ func trimSpace(b []byte) []byte {
 		b = b[:len(b)-1]
 	}
 	return b
+}
+
+// StartPool starts filling the pool now with containers that run
+// agentBinary (the guest agent the node's creates name), rather than at
+// the first Create: the creates after a start or a restart of the node
+// find warm containers. Creates with another agent binary go cold. It does
+// nothing without a pool or once the pool is filling.
+func (b *Backend) StartPool(agentBinary string) {
+	if b.pool == nil {
+		return
+	}
+	b.pool.mu.Lock()
+	defer b.pool.mu.Unlock()
+	b.pool.startLocked(agentBinary)
 }
 
 // PoolStats reports the pool's sizes and counters; ok is false without a

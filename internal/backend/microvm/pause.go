@@ -373,6 +373,7 @@ func (b *Backend) pauseInPlace(ctx context.Context, h sandbox.Handle, pid int) (
 	// the guest ran since, and what a resume runs first. On the first
 	// pause after a boot (or a restart of the node), it holds the boot's
 	// code: out it goes, with the rest.
+	stats.FilePagesOnly = reclaim.FilePagesOnly()
 	if ws.Bytes() > 0 {
 		_, err = reclaim.PageOutKeepingJIT(pid)
 	} else {

@@ -135,7 +135,8 @@ def _write_tar(f: IO[bytes], root: str) -> None:
     WriteTar does: the root as ``./``, then every entry in lexical order,
     with mode (set-id bits too), numeric owner, mtime and xattrs
     (SCHILY.xattr records); symlinks not followed, files linked twice as
-    hard links, device nodes and fifos as such (the server refuses them).
+    hard links, device nodes and fifos as such (a build leaves the device
+    nodes under /dev out, with a warning, and refuses the others).
     One file at a time; nothing of the tree is held in memory."""
     with tarfile.open(fileobj=f, mode="w|", format=tarfile.PAX_FORMAT) as tf:
         stack = [(root, ".")]

@@ -180,6 +180,9 @@ class PauseInfo:
     evicted: bool = False
     evict_seconds: float = 0.0
     evicted_to: int = 0
+    # The host had no swap (serve could not set up zram, or --zram-size 0):
+    # the pause reclaimed file pages only, anonymous memory stayed resident.
+    file_pages_only: bool = False
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> "PauseInfo":
@@ -197,6 +200,7 @@ class PauseInfo:
             evicted=bool(d.get("evicted", False)),
             evict_seconds=float(d.get("evictSeconds", 0) or 0),
             evicted_to=_int(d.get("evictedToBytes", 0)),
+            file_pages_only=bool(d.get("filePagesOnly", False)),
         )
 
 

@@ -56,6 +56,11 @@ class NodeStatus:
     state: str = "up"
     heartbeat_at: Optional[datetime] = None  # in a cluster: its last report to etcd
     url: str = ""  # in a cluster: its API's URL
+    # The host's swap, where a pause puts sandboxes' anonymous memory (zram:
+    # serve --zram-size set it up); 0 total: pauses reclaim file pages only.
+    swap_total_bytes: int = 0
+    swap_free_bytes: int = 0
+    swap_zram: bool = False
 
     @classmethod
     def from_json(cls, d: Dict[str, Any]) -> "NodeStatus":
@@ -64,7 +69,9 @@ class NodeStatus:
                    memory_total_bytes=_i(d, "memoryTotalBytes"), memory_available_bytes=_i(d, "memoryAvailableBytes"),
                    sandbox_memory_bytes=_i(d, "sandboxMemoryBytes"), sandbox_millicpu=_i(d, "sandboxMillicpu"),
                    sandboxes=_i(d, "sandboxes"), creates_total=_i(d, "createsTotal"), cpu_usec=_i(d, "cpuUsec"),
-                   state=d.get("state") or "up", heartbeat_at=_time(d.get("heartbeatAt")), url=d.get("url", ""))
+                   state=d.get("state") or "up", heartbeat_at=_time(d.get("heartbeatAt")), url=d.get("url", ""),
+                   swap_total_bytes=_i(d, "swapTotalBytes"), swap_free_bytes=_i(d, "swapFreeBytes"),
+                   swap_zram=bool(d.get("swapZram", False)))
 
 
 @dataclass

@@ -88,6 +88,11 @@ def test_idle_timeout_deletes_the_sandbox(server) -> None:
         sb.get_info()
 
 
+def _host_has_no_swap() -> bool:
+    with open("/proc/meminfo") as f:
+        return any(line.split()[:2] == ["SwapTotal:", "0"] for line in f)
+
+
 def test_pause_resume(sb) -> None:
     """A paused sandbox is paused (not running), keeps its files and its
     processes, and resumes by resume() or by the next call (a VM: from its
@@ -100,6 +105,8 @@ def test_pause_resume(sb) -> None:
     info = sb.pause()
     assert info.state == "paused"
     assert info.pause is not None and info.pause.memory_before > 0 and info.pause.resumed_at is None
+    if info.pause.method != "snapshot":  # reclaimed into swap: the record says when there was none
+        assert info.pause.file_pages_only == _host_has_no_swap(), info.pause
     assert not sb.is_running()
     assert sb.pause().state == "paused"  # a second pause changes nothing
     info = sb.resume()

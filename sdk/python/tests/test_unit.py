@@ -578,3 +578,5 @@ def test_pause_info_eviction() -> None:
     assert p.memory_after == 3502080
     q = PauseInfo.from_json({"method": "snapshot"})
     assert not q.evicted and q.evict_seconds == 0 and q.evicted_to == 0
+    assert not p.file_pages_only and not q.file_pages_only
+    assert PauseInfo.from_json({"method": "process_madvise", "filePagesOnly": True}).file_pages_only
