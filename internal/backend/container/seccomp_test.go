@@ -67,6 +67,7 @@ func TestSeccompSameAsRunc(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(byRunc.agents.close) // the agent binary's tmpfs (agentcopy.go)
 	if byRunc.filter != nil {
 		t.Fatal("RuncSeccomp backend has a compiled filter")
 	}
