@@ -85,6 +85,7 @@ type serveConfig struct {
 	// Per-sandbox limits and the node's budgets (node.Config); the strings
 	// are sizes or counts as given, parsed by Validate.
 	DefaultDisk, MaxDisk, DiskBudget, PidsBudget string
+	LogBudget, MaxLogBudget                      string
 	// Capacity: node.Capacity's ratios, and --min-available as given.
 	MemoryOvercommit, CPUOvercommit float64
 	MinAvailable                    string
@@ -354,6 +355,14 @@ func (c *serveConfig) nodeConfig() (node.Config, error) {
 	if nc.MaxDisk, err = size("max-disk", c.MaxDisk); err != nil {
 		return nc, err
 	}
+	if c.LogBudget != "" && c.LogBudget != "auto" {
+		if nc.DefaultLog, err = size("log-budget", c.LogBudget); err != nil {
+			return nc, err
+		}
+	}
+	if nc.MaxLog, err = size("max-log-budget", c.MaxLogBudget); err != nil {
+		return nc, err
+	}
 	switch c.DiskBudget {
 	case "none":
 	case "auto", "":
@@ -418,6 +427,8 @@ func serveCmd() *cobra.Command {
 	cmd.Flags().BoolVar(&cfg.RuncSeccomp, "runc-seccomp", false, "let runc compile docker's seccomp profile per container instead of once per node (slower; disables the pool)")
 	cmd.Flags().StringVar(&cfg.DefaultDisk, "default-disk", "1G", "size of a sandbox's writable layer when its create gives none (its own file system: ENOSPC when full); \"none\": no limit")
 	cmd.Flags().StringVar(&cfg.MaxDisk, "max-disk", "1T", "largest disk a create may ask for")
+	cmd.Flags().StringVar(&cfg.LogBudget, "log-budget", "auto", "bytes of its commands' output logs (trajectories and shells included) a sandbox keeps on the node when its create gives none; past it its oldest output is pruned; \"auto\": a quarter of its disk (at least 1M; 256M without a disk limit). Counted in --disk-budget")
+	cmd.Flags().StringVar(&cfg.MaxLogBudget, "max-log-budget", "64G", "largest log budget a create may ask for")
 	cmd.Flags().StringVar(&cfg.DiskBudget, "disk-budget", "auto", "the sum of the sandboxes' disk sizes this node admits; \"auto\": 4 x the data dir's free space less a reserve (a tenth of the file system, at least 1 GiB); a size (e.g. the free space) to guarantee it; \"none\"")
 	cmd.Flags().Int64Var(&cfg.PidsLimit, "pids-limit", container.DefaultPids, "tasks (processes and threads) per sandbox")
 	cmd.Flags().Float64Var(&cfg.MemoryOvercommit, "memory-overcommit", 0, "admit sandboxes whose memory limits add up to this many times the host's memory (paused ones count nothing); 0: no bound (--min-available guards the real memory)")
@@ -823,3 +834,6 @@ func setUpSwap(cfg serveConfig, log *slog.Logger) {
 		log.Info("the host has no swap: pausing a sandbox stops it but reclaims only file pages (set --zram-size to reclaim its anonymous memory)")
 	}
 }
+
+// The node tells the session layer each sandbox's log budget.
+var _ session.LogBudgeter = (*node.Manager)(nil)

@@ -72,6 +72,10 @@ func httpStatusOf(err error) int {
 		return http.StatusServiceUnavailable
 	case connect.CodeUnimplemented:
 		return http.StatusNotImplemented
+	case connect.CodeOutOfRange:
+		// A command's output read from where its log was pruned
+		// (errdefs.ErrLogPruned).
+		return http.StatusRequestedRangeNotSatisfiable
 	case connect.CodeCanceled:
 		return 499
 	case connect.CodeDeadlineExceeded:
