@@ -31,6 +31,7 @@ import (
 	"github.com/shoal-sandbox/shoal/internal/layer"
 	"github.com/shoal-sandbox/shoal/internal/layer/lazy"
 	"github.com/shoal-sandbox/shoal/internal/layer/remote"
+	"github.com/shoal-sandbox/shoal/internal/limits"
 	"github.com/shoal-sandbox/shoal/internal/metrics"
 	"github.com/shoal-sandbox/shoal/internal/node"
 	"github.com/shoal-sandbox/shoal/internal/sandbox"
@@ -62,6 +63,8 @@ type serveConfig struct {
 	// LogFormat: text (logfmt-like) or json (one object a line).
 	LogFormat string
 	LogCap    int64
+	// Caps on concurrent streams (limits.Streams).
+	StreamsPerSandbox, StreamsPerKey int
 	// Retention of ended commands (session.Config.KeepEnded, KeepFor).
 	KeepCommands    int
 	KeepCommandsFor time.Duration
@@ -439,6 +442,8 @@ func serveCmd() *cobra.Command {
 	cmd.Flags().StringVar(&cfg.UserNS, "userns", container.UserNSAuto, "run each sandbox in a user namespace of its own mapped to an unprivileged host range: auto (when the kernel supports idmapped layers), on (fail to start otherwise) or off (sandbox root is host root)")
 	cmd.Flags().Uint32Var(&cfg.UserNSBase, "userns-base", container.DefaultUserNSBase, "first host uid/gid of the sandboxes' ranges (65536 ids each)")
 	cmd.Flags().StringVar(&cfg.Pprof, "pprof", "", "serve Go profiles (net/http/pprof) on this HOST:PORT, unauthenticated: keep it on localhost")
+	cmd.Flags().IntVar(&cfg.StreamsPerSandbox, "max-streams-per-sandbox", limits.DefaultStreamsPerSandbox, "concurrent streams (commands attached, watches, PTYs, port forwards, proxied port connections, E2B's public ones included) a sandbox may hold; past it: resource_exhausted (429 on the E2B face)")
+	cmd.Flags().IntVar(&cfg.StreamsPerKey, "max-streams-per-key", limits.DefaultStreamsPerKey, "concurrent streams an API key may hold, over all its sandboxes")
 	cmd.Flags().Int64Var(&cfg.LogCap, "command-log-cap", session.DefaultLogCap, "bytes of output kept per command (the rest is dropped and reported)")
 	cmd.Flags().IntVar(&cfg.KeepCommands, "command-retention", session.DefaultKeepEnded, "ended commands kept per sandbox (records and output logs; older ones are pruned), besides trajectory steps and shells, which are kept as long as the sandbox lives; -1: no limit")
 	cmd.Flags().DurationVar(&cfg.KeepCommandsFor, "command-retention-age", 0, "also prune ended commands older than this (e.g. 24h); 0: no age limit")
@@ -533,6 +538,16 @@ func serve(cfg serveConfig) error {
 		poolSize = -1 // container.Config: 0 means its default, -1 none
 	}
 	node.RaiseHostLimits(log)
+	// After the raise: the node's cap on streams keeps a reserve of its
+	// open files limit for everything else.
+	streams, err := limits.NewStreams(cfg.StreamsPerSandbox, cfg.StreamsPerKey, 0)
+	if err != nil {
+		return fmt.Errorf("--max-streams-per-sandbox, --max-streams-per-key: %w", err)
+	}
+	{
+		ps, pk, total := streams.Caps()
+		log.Info("stream caps", "per_sandbox", ps, "per_key", pk, "node", total)
+	}
 	nodeCfg, err := cfg.nodeConfig()
 	if err != nil {
 		return err
@@ -655,6 +670,7 @@ func serve(cfg serveConfig) error {
 		}
 		defer e2bSrv.Close()
 		e2bSrv.CountRequests(mt.E2BRequest)
+		e2bSrv.SetStreams(streams)
 		mgr.OnDelete(e2bSrv.OnDelete)
 		sessions.OnPrune(e2bSrv.OnPrune)
 	}
@@ -688,6 +704,7 @@ func serve(cfg serveConfig) error {
 	protocols.SetUnencryptedHTTP2(true) // gRPC clients
 	api := control.New(mgr, sessions, auth, log)
 	api.SetMetrics(mt)
+	api.SetStreams(streams)
 	api.SetBuildPolicy(control.BuildPolicy{Roots: cfg.buildRoots, UploadMax: cfg.BuildUploadMax})
 	api.SetTenancy(keys, auditLog)
 	if cfg.Cluster.Role == roleNode {
