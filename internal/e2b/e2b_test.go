@@ -15,6 +15,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -389,5 +390,29 @@ func TestGunzipBound(t *testing.T) {
 	rand.Read(big)
 	if n, err := read(compress(big)); err != nil || n != int64(len(big)) {
 		t.Fatalf("random data past the floor: %d %v", n, err)
+	}
+}
+
+// A public port's proxied connections count against the sandbox's stream
+// cap without a key: past it, 429 with the cap named, before anything
+// reaches the sandbox.
+func TestPortProxyStreamCap(t *testing.T) {
+	const id = "aaaaaaaaaaaaaaaaaaaa"
+	yes := true
+	s := &Server{store: &store{sandboxes: map[string]sandboxMeta{id: {Template: "t", Public: &yes}}}, log: slog.New(slog.DiscardHandler)}
+	streams, err := limits.NewStreams(1, 10, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.SetStreams(streams)
+	release, err := streams.Acquire(id, "", "a held connection")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer release()
+	w := httptest.NewRecorder()
+	newPortProxy(s).serve(w, httptest.NewRequest(http.MethodGet, "http://8080-"+id+".e2b.local/", nil), node.Record{ID: id}, 8080)
+	if w.Code != http.StatusTooManyRequests || !strings.Contains(w.Body.String(), "--max-streams-per-sandbox") {
+		t.Fatalf("past the cap: %d %s, want 429 naming the cap", w.Code, w.Body.String())
 	}
 }
