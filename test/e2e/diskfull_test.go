@@ -288,7 +288,7 @@ func TestLogBudget(t *testing.T) {
 		t.Fatalf("attach to the newest command from 0: exit %d, %q", code, stderr)
 	}
 	stdout, stderr, code = run3(nil, "attach", "--offset", m[1], id, cmds[5])
-	if code != 0 || !strings.HasSuffix(stdout, "xxx\nend-5\n") || len(stdout) > budget {
+	if code != 0 || !strings.HasSuffix(stdout, "xxxend-5\n") || len(stdout) > budget {
 		t.Fatalf("attach to the newest command from %s: exit %d, %d bytes, %q", m[1], code, len(stdout), stderr)
 	}
 	if out, code := run(nil, "exec", other, "--", "echo", "still"); code != 0 || out != "still\n" {
