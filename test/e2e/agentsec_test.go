@@ -61,7 +61,8 @@ func readInitState(t *testing.T, runcID string) []byte {
 
 // TestWorkloadCannotReachAgent: a command cannot trace the sandbox's agent
 // (PID 1), open its memory, environment or descriptors, read or write its
-// memory without /proc, nor trace a process of its own (seccomp); writing
+// memory without /proc, nor trace a process of its own (seccomp), nor queue
+// the agent a signal with a forged siginfo (a fault, seccomp); writing
 // to the agent's stdout and stderr fails and costs the host's disk nothing;
 // and the command holds no descriptor but its own stdio.
 func TestWorkloadCannotReachAgent(t *testing.T) {
@@ -87,9 +88,15 @@ func TestWorkloadCannotReachAgent(t *testing.T) {
 		"write-fd1", "write-fd2",
 		"process_vm_readv-pid1", "process_vm_writev-pid1", "kcmp-pid1", "pidfd_getfd-pid1",
 		"ptrace-seize-child", "process_vm_readv-child",
+		"rt_sigqueueinfo-pid1", "rt_sigqueueinfo-pid1-high", "rt_tgsigqueueinfo-pid1", "pidfd_send_signal-info-pid1",
 	} {
 		if r, ok := res[name]; !ok || !strings.HasPrefix(r, "denied ") {
 			t.Errorf("%s: %q, want denied", name, r)
+		}
+	}
+	for _, name := range []string{"rt_sigqueueinfo-self", "pidfd_send_signal-self"} {
+		if r := res[name]; strings.HasPrefix(r, "denied ") || r == "" {
+			t.Errorf("%s: %q, want allowed", name, r)
 		}
 	}
 	for _, name := range []string{"ptrace-seize-child", "process_vm_readv-child"} {
