@@ -393,6 +393,14 @@ func TestGunzipBound(t *testing.T) {
 	}
 }
 
+// Output pruned by a log budget is out of range: 416 on the REST faces.
+func TestLogPrunedStatus(t *testing.T) {
+	err := errdefs.New(errdefs.ErrLogPruned, "x: re-attach from offset 7")
+	if c, st := codeOf(err), httpStatusOf(err); c != connect.CodeOutOfRange || st != http.StatusRequestedRangeNotSatisfiable {
+		t.Fatalf("log pruned: %v %d, want out_of_range, 416", c, st)
+	}
+}
+
 // A public port's proxied connections count against the sandbox's stream
 // cap without a key: past it, 429 with the cap named, before anything
 // reaches the sandbox.
