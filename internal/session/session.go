@@ -773,6 +773,7 @@ func (m *Manager) finish(c *Command, exit *agent.ExitStatus, why string) {
 	}
 	c.rec.Ended = time.Now().UTC()
 	c.rec.LogBytes = c.size
+	c.marks = nil // an ended command's log is pruned whole (budget.go)
 	rec := c.rec
 	release := c.release
 	c.release = nil
