@@ -2,7 +2,9 @@
 // of a VM) serving exec and files to the host node over a unix socket.
 //
 // It listens on the socket passed as fd $SHOAL_AGENT_FD, or else on
-// --listen PATH. SIGTERM kills every command's process group and exits 0.
+// --listen PATH. As a sandbox's init (PID 1) it survives every signal the
+// workload can send it; otherwise SIGTERM kills every command's process
+// group and exits 0.
 // See internal/agent for the protocol.
 package main
 
@@ -10,9 +12,7 @@ import (
 	"flag"
 	"fmt"
 	"os"
-	"os/signal"
 	"runtime"
-	"syscall"
 	"time"
 
 	"github.com/shoal-sandbox/shoal/internal/agent"
@@ -80,6 +80,17 @@ func main() {
 		bootFailed(log, boot, "listen", err)
 	}
 	srv := agent.NewServer(agent.Config{ReapAll: true, IdleRelease: time.Second, Logger: log, CommandsIdle: boot.CommandsIdle()})
+	// Before the first command (a pooled agent's claim, below): as the
+	// sandbox's init, no signal of the workload ends the agent; otherwise
+	// (a test, a dev run) SIGTERM and SIGINT stop it.
+	var stop func()
+	if os.Getpid() != 1 {
+		stop = func() {
+			srv.Shutdown()
+			os.Exit(0)
+		}
+	}
+	agent.HandleSignals(log, stop)
 	if boot.Pooled() {
 		// Where the pool's filler waits, not a create: started at its
 		// claim, they cost the claim and the first command ~4 ms of CPU
@@ -98,13 +109,6 @@ func main() {
 		}
 	}
 
-	sigc := make(chan os.Signal, 1)
-	signal.Notify(sigc, syscall.SIGTERM, syscall.SIGINT)
-	go func() {
-		<-sigc
-		srv.Shutdown()
-		os.Exit(0)
-	}()
 	boot.Ready(nil)
 	if err := srv.Serve(l); err != nil {
 		log.Warn("serve", "err", err)

@@ -17,6 +17,8 @@ import (
 // serves on the VM's virtio-serial port. It never returns: PID 1 of a VM
 // that cannot serve powers the VM off, with the reason on its console.
 func runVM(log agent.Logger) {
+	// The init of the VM: the kernel panics when it exits.
+	agent.HandleSignals(log, nil)
 	cfg, l, err := vminit.Boot()
 	if err != nil {
 		vminit.Fatal(err)

@@ -112,6 +112,7 @@ func createCmd() *cobra.Command {
 	var (
 		req               pb.CreateSandboxRequest
 		memory, disk, qos string
+		logBudget         string
 		cpus              float64
 		timeout           time.Duration
 		metadata, envVars []string
@@ -135,6 +136,11 @@ func createCmd() *cobra.Command {
 			if disk != "" {
 				if req.DiskBytes, err = parseBytes(disk); err != nil {
 					return fmt.Errorf("--disk: %w", err)
+				}
+			}
+			if logBudget != "" {
+				if req.LogBudgetBytes, err = parseBytes(logBudget); err != nil {
+					return fmt.Errorf("--log-budget: %w", err)
 				}
 			}
 			if cpus < 0 {
@@ -180,6 +186,7 @@ func createCmd() *cobra.Command {
 	f.StringVar(&memory, "memory", "512M", "memory limit")
 	f.StringVar(&qos, "qos", "", "CPU class: ls (latency-sensitive, default) or be (best effort: the lowest CPU weight, processes under SCHED_IDLE)")
 	f.StringVar(&disk, "disk", "", "size of the writable layer, e.g. 4G (ENOSPC in the sandbox when full; default: the server's, 1G)")
+	f.StringVar(&logBudget, "log-budget", "", "bytes of its commands' output logs kept on the node, e.g. 64M: past it the oldest output is pruned (default: the server's, a quarter of the disk)")
 	f.Float64Var(&cpus, "cpus", 1, "CPU limit in cores")
 	f.DurationVar(&timeout, "timeout", 30*time.Minute, "idle timeout (refreshed by activity)")
 	f.StringArrayVar(&metadata, "metadata", nil, "KEY=VALUE metadata (repeatable)")

@@ -31,6 +31,7 @@ import (
 	"github.com/shoal-sandbox/shoal/internal/layer"
 	"github.com/shoal-sandbox/shoal/internal/layer/lazy"
 	"github.com/shoal-sandbox/shoal/internal/layer/remote"
+	"github.com/shoal-sandbox/shoal/internal/limits"
 	"github.com/shoal-sandbox/shoal/internal/metrics"
 	"github.com/shoal-sandbox/shoal/internal/node"
 	"github.com/shoal-sandbox/shoal/internal/reclaim"
@@ -63,6 +64,8 @@ type serveConfig struct {
 	// LogFormat: text (logfmt-like) or json (one object a line).
 	LogFormat string
 	LogCap    int64
+	// Caps on concurrent streams (limits.Streams).
+	StreamsPerSandbox, StreamsPerKey int
 	// Retention of ended commands (session.Config.KeepEnded, KeepFor).
 	KeepCommands    int
 	KeepCommandsFor time.Duration
@@ -86,6 +89,7 @@ type serveConfig struct {
 	// Per-sandbox limits and the node's budgets (node.Config); the strings
 	// are sizes or counts as given, parsed by Validate.
 	DefaultDisk, MaxDisk, DiskBudget, PidsBudget string
+	LogBudget, MaxLogBudget                      string
 	// Capacity: node.Capacity's ratios, and --min-available as given.
 	MemoryOvercommit, CPUOvercommit float64
 	MinAvailable                    string
@@ -357,6 +361,14 @@ func (c *serveConfig) nodeConfig() (node.Config, error) {
 	if nc.MaxDisk, err = size("max-disk", c.MaxDisk); err != nil {
 		return nc, err
 	}
+	if c.LogBudget != "" && c.LogBudget != "auto" {
+		if nc.DefaultLog, err = size("log-budget", c.LogBudget); err != nil {
+			return nc, err
+		}
+	}
+	if nc.MaxLog, err = size("max-log-budget", c.MaxLogBudget); err != nil {
+		return nc, err
+	}
 	switch c.DiskBudget {
 	case "none":
 	case "auto", "":
@@ -421,6 +433,8 @@ func serveCmd() *cobra.Command {
 	cmd.Flags().BoolVar(&cfg.RuncSeccomp, "runc-seccomp", false, "let runc compile docker's seccomp profile per container instead of once per node (slower; disables the pool)")
 	cmd.Flags().StringVar(&cfg.DefaultDisk, "default-disk", "1G", "size of a sandbox's writable layer when its create gives none (its own file system: ENOSPC when full); \"none\": no limit")
 	cmd.Flags().StringVar(&cfg.MaxDisk, "max-disk", "1T", "largest disk a create may ask for")
+	cmd.Flags().StringVar(&cfg.LogBudget, "log-budget", "auto", "bytes of its commands' output logs (trajectories and shells included) a sandbox keeps on the node when its create gives none; past it its oldest output is pruned; \"auto\": a quarter of its disk (at least 1M; 256M without a disk limit). Counted in --disk-budget")
+	cmd.Flags().StringVar(&cfg.MaxLogBudget, "max-log-budget", "64G", "largest log budget a create may ask for")
 	cmd.Flags().StringVar(&cfg.DiskBudget, "disk-budget", "auto", "the sum of the sandboxes' disk sizes this node admits; \"auto\": 4 x the data dir's free space less a reserve (a tenth of the file system, at least 1 GiB); a size (e.g. the free space) to guarantee it; \"none\"")
 	cmd.Flags().Int64Var(&cfg.PidsLimit, "pids-limit", container.DefaultPids, "tasks (processes and threads) per sandbox")
 	cmd.Flags().Float64Var(&cfg.MemoryOvercommit, "memory-overcommit", 0, "admit sandboxes whose memory limits add up to this many times the host's memory (paused ones count nothing); 0: no bound (--min-available guards the real memory)")
@@ -431,6 +445,8 @@ func serveCmd() *cobra.Command {
 	cmd.Flags().StringVar(&cfg.UserNS, "userns", container.UserNSAuto, "run each sandbox in a user namespace of its own mapped to an unprivileged host range: auto (when the kernel supports idmapped layers), on (fail to start otherwise) or off (sandbox root is host root)")
 	cmd.Flags().Uint32Var(&cfg.UserNSBase, "userns-base", container.DefaultUserNSBase, "first host uid/gid of the sandboxes' ranges (65536 ids each)")
 	cmd.Flags().StringVar(&cfg.Pprof, "pprof", "", "serve Go profiles (net/http/pprof) on this HOST:PORT, unauthenticated: keep it on localhost")
+	cmd.Flags().IntVar(&cfg.StreamsPerSandbox, "max-streams-per-sandbox", limits.DefaultStreamsPerSandbox, "concurrent streams (commands attached, watches, PTYs, port forwards, proxied port connections, E2B's public ones included) a sandbox may hold; past it: resource_exhausted (429 on the E2B face)")
+	cmd.Flags().IntVar(&cfg.StreamsPerKey, "max-streams-per-key", limits.DefaultStreamsPerKey, "concurrent streams an API key may hold, over all its sandboxes")
 	cmd.Flags().Int64Var(&cfg.LogCap, "command-log-cap", session.DefaultLogCap, "bytes of output kept per command (the rest is dropped and reported)")
 	cmd.Flags().IntVar(&cfg.KeepCommands, "command-retention", session.DefaultKeepEnded, "ended commands kept per sandbox (records and output logs; older ones are pruned), besides trajectory steps and shells, which are kept as long as the sandbox lives; -1: no limit")
 	cmd.Flags().DurationVar(&cfg.KeepCommandsFor, "command-retention-age", 0, "also prune ended commands older than this (e.g. 24h); 0: no age limit")
@@ -525,6 +541,16 @@ func serve(cfg serveConfig) error {
 		poolSize = -1 // container.Config: 0 means its default, -1 none
 	}
 	node.RaiseHostLimits(log)
+	// After the raise: the node's cap on streams keeps a reserve of its
+	// open files limit for everything else.
+	streams, err := limits.NewStreams(cfg.StreamsPerSandbox, cfg.StreamsPerKey, 0)
+	if err != nil {
+		return fmt.Errorf("--max-streams-per-sandbox, --max-streams-per-key: %w", err)
+	}
+	{
+		ps, pk, total := streams.Caps()
+		log.Info("stream caps", "per_sandbox", ps, "per_key", pk, "node", total)
+	}
 	nodeCfg, err := cfg.nodeConfig()
 	if err != nil {
 		return err
@@ -647,6 +673,7 @@ func serve(cfg serveConfig) error {
 		}
 		defer e2bSrv.Close()
 		e2bSrv.CountRequests(mt.E2BRequest)
+		e2bSrv.SetStreams(streams)
 		mgr.OnDelete(e2bSrv.OnDelete)
 		sessions.OnPrune(e2bSrv.OnPrune)
 	}
@@ -683,6 +710,7 @@ func serve(cfg serveConfig) error {
 	protocols.SetUnencryptedHTTP2(true) // gRPC clients
 	api := control.New(mgr, sessions, auth, log)
 	api.SetMetrics(mt)
+	api.SetStreams(streams)
 	api.SetBuildPolicy(control.BuildPolicy{Roots: cfg.buildRoots, UploadMax: cfg.BuildUploadMax})
 	api.SetTenancy(keys, auditLog)
 	if cfg.Cluster.Role == roleNode {
@@ -864,3 +892,6 @@ func setUpSwap(cfg serveConfig, log *slog.Logger) {
 		log.Info("zram swap already active: kept", "device", dev.Name, "size", dev.Size)
 	}
 }
+
+// The node tells the session layer each sandbox's log budget.
+var _ session.LogBudgeter = (*node.Manager)(nil)

@@ -113,16 +113,54 @@ func TestPID1ReapsZombies(t *testing.T) {
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
+}
 
-	// SIGTERM: kill all command groups, exit 0.
-	p, err := c.Exec(context.Background(), ExecRequest{Args: []string{"sleep", "100"}})
+// The agent as PID 1 survives every signal its workload can send it (as
+// root of the namespace, with kill(1)), and so do its commands and their
+// streams; the commands it starts still die of those signals.
+func TestPID1SurvivesSignals(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root for CLONE_NEWPID")
+	}
+	cmd, c := startBinary(t, &syscall.SysProcAttr{Cloneflags: syscall.CLONE_NEWPID})
+	if info, err := c.Ping(context.Background()); err != nil || info.Pid != 1 {
+		t.Fatalf("ping: %+v %v, want pid 1", info, err)
+	}
+	// A running command's stream: one line per request on its stdin.
+	p, err := c.Exec(context.Background(), ExecRequest{Args: []string{"sh", "-c", "while read l; do echo got $l; done"}, Stdin: true})
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer p.Close()
+	for _, s := range WorkloadSignals() {
+		sig := s.(syscall.Signal)
+		r := run(t, c, ExecRequest{Args: []string{"sh", "-c", fmt.Sprintf("kill -%d 1", int(sig))}})
+		if r.exit.Code != 0 {
+			t.Fatalf("kill -%d 1 in the namespace: %+v %s", int(sig), r.exit, r.stderr)
+		}
+		// Delivered (a handler is installed): the agent had it before it
+		// answers the next request, or dies of it meanwhile.
+		if _, err := c.Ping(context.Background()); err != nil {
+			t.Fatalf("agent after %v: %v", sig, err)
+		}
+		if err := p.WriteStdin([]byte(sig.String() + "\n")); err != nil {
+			t.Fatalf("stream after %v: %v", sig, err)
+		}
+		if got := readLine(t, p); got != "got "+sig.String() {
+			t.Fatalf("stream after %v: %q", sig, got)
+		}
+	}
+	if err := cmd.Process.Signal(syscall.Signal(0)); err != nil {
+		t.Fatalf("agent process: %v", err)
+	}
+	// From the host too: SIGTERM does not stop an init.
 	cmd.Process.Signal(syscall.SIGTERM)
-	if err := cmd.Wait(); err != nil {
-		t.Errorf("agent exit after SIGTERM: %v, want status 0", err)
+	if _, err := c.Ping(context.Background()); err != nil {
+		t.Fatalf("agent after the host's SIGTERM: %v", err)
+	}
+	// Its commands get the default actions back.
+	if r := run(t, c, ExecRequest{Args: []string{"sh", "-c", "kill -HUP $$; sleep 5"}}); r.exit.Signal != "SIGHUP" {
+		t.Errorf("a command that signals itself: %+v, want killed by SIGHUP", r.exit)
 	}
 }
 

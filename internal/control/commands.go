@@ -98,6 +98,12 @@ func (s *Server) Exec(ctx context.Context, req *connect.Request[pb.ExecRequest],
 	if err != nil {
 		return err
 	}
+	// Counted before the start: a refused stream runs nothing.
+	release, err := s.holdStream(ctx, req.Msg.SandboxId, "a command stream")
+	if err != nil {
+		return err
+	}
+	defer release()
 	c, replayed, err := s.sessions.Start(ctx, req.Msg.SandboxId, sr)
 	if err != nil {
 		return toConnect(err)
@@ -139,6 +145,11 @@ func (s *Server) ConnectCommand(ctx context.Context, req *connect.Request[pb.Con
 	if err != nil {
 		return err
 	}
+	release, err := s.holdStream(ctx, req.Msg.SandboxId, "a command stream")
+	if err != nil {
+		return err
+	}
+	defer release()
 	return s.streamEvents(ctx, c, req.Msg.Offset, stream)
 }
 

@@ -322,6 +322,12 @@ func (s *Server) openTerminal(w http.ResponseWriter, r *http.Request, p *tenant.
 		writeConnectError(w, toConnect(err))
 		return
 	}
+	held, err := s.holdStream(ctx, id, "a terminal")
+	if err != nil {
+		writeConnectError(w, err)
+		return
+	}
+	defer held()
 	rows, _ := strconv.ParseUint(q.Get("rows"), 10, 32)
 	cols, _ := strconv.ParseUint(q.Get("cols"), 10, 32)
 	if rows == 0 && cols == 0 {

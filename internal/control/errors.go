@@ -29,6 +29,10 @@ const (
 	ReasonSandboxKilled        = "sandbox_killed"
 	ReasonCommandNotFound      = "command_not_found"
 	ReasonCommandNotExecutable = "command_not_executable"
+	// ReasonLogPruned (OutOfRange): a command's output was read from an
+	// offset its sandbox's log budget pruned; the message names the first
+	// offset kept.
+	ReasonLogPruned = "log_pruned"
 )
 
 // toConnect maps an internal error to a connect error with the right code.
@@ -43,6 +47,11 @@ func toConnect(err error) error {
 		// (NotFound); the reason tells it from any other NotFound.
 		ce := connect.NewError(connect.CodeNotFound, err)
 		ce.Meta().Set(ReasonHeader, ReasonSandboxKilled)
+		return ce
+	}
+	if errors.Is(err, errdefs.ErrLogPruned) {
+		ce := connect.NewError(connect.CodeOutOfRange, err)
+		ce.Meta().Set(ReasonHeader, ReasonLogPruned)
 		return ce
 	}
 	// A directory that is not empty is a state to change, not a conflict

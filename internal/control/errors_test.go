@@ -88,6 +88,12 @@ func TestToConnectKinds(t *testing.T) {
 			t.Errorf("toConnect(%v) = %v, want %v", c.err, got, c.code)
 		}
 	}
+	// Output read from where the log budget pruned it: out of range, with
+	// the reason.
+	ce := toConnect(fmt.Errorf("events: %w", errdefs.New(errdefs.ErrLogPruned, "x: re-attach from offset 7"))).(*connect.Error)
+	if ce.Code() != connect.CodeOutOfRange || ce.Meta().Get(ReasonHeader) != ReasonLogPruned {
+		t.Errorf("log pruned: %v %q, want out_of_range with reason %s", ce.Code(), ce.Meta().Get(ReasonHeader), ReasonLogPruned)
+	}
 }
 
 // Every refusal a backend makes reaches both API faces with the status

@@ -94,6 +94,12 @@ func (p *portProxy) serve(w http.ResponseWriter, r *http.Request) {
 		writeConnectError(w, toConnect(err))
 		return
 	}
+	held, err := p.s.holdStream(r.Context(), id, "a port connection")
+	if err != nil {
+		writeConnectError(w, err)
+		return
+	}
+	defer held()
 	release, err := p.s.node.Hold(id) // not idle while the request or tunnel lasts
 	if err != nil {
 		writeConnectError(w, toConnect(err))

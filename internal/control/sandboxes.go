@@ -42,11 +42,12 @@ type Server struct {
 	// sandboxRoutes are the patterns registered through sandboxRoute
 	// (authz.go). Written by Handler only.
 	sandboxRoutes map[string]bool
-	started       time.Time      // when New made it (MonitorService)
-	dash          *dashboard     // the web dashboard's sessions (dash.go)
-	name          string         // the node's name in its status (SetNodeName; "": the host name)
-	envs          *ClusterEnvs   // nil: environments in the node's own store (SetClusterEnvs: in etcd)
-	fncall        *fncallService // the FnCall engine Handler started (Close stops it)
+	started       time.Time       // when New made it (MonitorService)
+	dash          *dashboard      // the web dashboard's sessions (dash.go)
+	name          string          // the node's name in its status (SetNodeName; "": the host name)
+	envs          *ClusterEnvs    // nil: environments in the node's own store (SetClusterEnvs: in etcd)
+	fncall        *fncallService  // the FnCall engine Handler started (Close stops it)
+	streams       *limits.Streams // caps on concurrent streams (SetStreams; nil: none)
 }
 
 var (
@@ -104,7 +105,7 @@ func (s *Server) CreateSandbox(ctx context.Context, req *connect.Request[pb.Crea
 	// for every API face.
 	rec, err := s.node.Create(ctx, node.CreateRequest{
 		Backend: r.Backend, Template: r.Template, Base: r.Base, Workspaces: r.Workspaces, Toolkits: r.Toolkits,
-		Memory: r.MemoryBytes, MilliCPU: r.Millicpu, Disk: r.DiskBytes, QoS: r.Qos, Timeout: limits.Seconds(r.TimeoutSeconds),
+		Memory: r.MemoryBytes, MilliCPU: r.Millicpu, Disk: r.DiskBytes, LogBudget: r.LogBudgetBytes, QoS: r.Qos, Timeout: limits.Seconds(r.TimeoutSeconds),
 		Metadata: r.Metadata, Env: r.Env, ClientKey: r.ClientKey, AutoPause: autoPause,
 		Network: networkReq(r.Network),
 		Tenant:  tenant.FromContext(ctx).Tenant,
@@ -196,7 +197,8 @@ func pausePB(p *node.PauseInfo) *pb.PauseInfo {
 func sandboxPB(r node.Record) *pb.Sandbox {
 	out := &pb.Sandbox{
 		Id: r.ID, Backend: r.Backend, MemoryBytes: r.Resources.MemoryBytes, Millicpu: r.Resources.MilliCPU, DiskBytes: r.Resources.DiskBytes,
-		PidsLimit: r.Resources.Pids, TimeoutSeconds: int64(r.Timeout / time.Second),
+		LogBudgetBytes: r.Resources.LogBytes,
+		PidsLimit:      r.Resources.Pids, TimeoutSeconds: int64(r.Timeout / time.Second),
 		CreatedAt: timestamppb.New(r.Created), ExpiresAt: timestamppb.New(r.Expires),
 		Metadata: r.Metadata, Error: r.Error, Tenant: r.Tenant, Qos: node.QoSLatencySensitive,
 		AutoPauseSeconds: int64(r.AutoPause / time.Second), Pause: pausePB(r.Pause),

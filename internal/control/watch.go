@@ -31,6 +31,11 @@ func (s *Server) WatchDir(ctx context.Context, req *connect.Request[pb.WatchDirR
 	if err != nil {
 		return err
 	}
+	held, err := s.holdStream(ctx, req.Msg.SandboxId, "a watch")
+	if err != nil {
+		return err
+	}
+	defer held()
 	// Not idle (auto-pause) while the watch lasts.
 	if release, err := s.node.Hold(req.Msg.SandboxId); err == nil {
 		defer release()

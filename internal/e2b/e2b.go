@@ -54,6 +54,7 @@ import (
 	"github.com/shoal-sandbox/shoal/internal/audit"
 	"github.com/shoal-sandbox/shoal/internal/errdefs"
 	"github.com/shoal-sandbox/shoal/internal/layer"
+	"github.com/shoal-sandbox/shoal/internal/limits"
 	"github.com/shoal-sandbox/shoal/internal/node"
 	"github.com/shoal-sandbox/shoal/internal/session"
 	"github.com/shoal-sandbox/shoal/internal/tenant"
@@ -192,6 +193,8 @@ type Server struct {
 	envdProcs       map[string]bool
 
 	proxy *portProxy
+	// streams caps concurrent streams (SetStreams; nil: none).
+	streams *limits.Streams
 
 	watchers *watcherRegistry // non-streaming directory watchers
 	stop     chan struct{}    // closed by Close

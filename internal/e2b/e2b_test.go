@@ -16,6 +16,7 @@ import (
 	"fmt"
 	"io"
 	"io/fs"
+	"log/slog"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -429,5 +430,37 @@ func TestFsEventsUpload(t *testing.T) {
 	}
 	if evs := fsEvents(context.Background(), nil, "/w", agent.WatchEvent{Op: agent.WatchSynced, Sync: 3}, false); len(evs) != 0 {
 		t.Fatalf("a sync is no event: %v", evs)
+	}
+}
+
+// Output pruned by a log budget is out of range: 416 on the REST faces.
+func TestLogPrunedStatus(t *testing.T) {
+	err := errdefs.New(errdefs.ErrLogPruned, "x: re-attach from offset 7")
+	if c, st := codeOf(err), httpStatusOf(err); c != connect.CodeOutOfRange || st != http.StatusRequestedRangeNotSatisfiable {
+		t.Fatalf("log pruned: %v %d, want out_of_range, 416", c, st)
+	}
+}
+
+// A public port's proxied connections count against the sandbox's stream
+// cap without a key: past it, 429 with the cap named, before anything
+// reaches the sandbox.
+func TestPortProxyStreamCap(t *testing.T) {
+	const id = "aaaaaaaaaaaaaaaaaaaa"
+	yes := true
+	s := &Server{store: &store{sandboxes: map[string]sandboxMeta{id: {Template: "t", Public: &yes}}}, log: slog.New(slog.DiscardHandler)}
+	streams, err := limits.NewStreams(1, 10, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.SetStreams(streams)
+	release, err := streams.Acquire(id, "", "a held connection")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer release()
+	w := httptest.NewRecorder()
+	newPortProxy(s).serve(w, httptest.NewRequest(http.MethodGet, "http://8080-"+id+".e2b.local/", nil), node.Record{ID: id}, 8080)
+	if w.Code != http.StatusTooManyRequests || !strings.Contains(w.Body.String(), "--max-streams-per-sandbox") {
+		t.Fatalf("past the cap: %d %s, want 429 naming the cap", w.Code, w.Body.String())
 	}
 }

@@ -350,6 +350,11 @@ func pumpWatch(ctx context.Context, w *agent.Watcher, out chan<- agent.WatchEven
 }
 
 func (f *filesystemService) WatchDir(ctx context.Context, req *connect.Request[fsp.WatchDirRequest], stream *connect.ServerStream[fsp.WatchDirResponse]) error {
+	release, err := f.s.holdStream(ctx, sandboxID(ctx), "a watch")
+	if err != nil {
+		return err
+	}
+	defer release()
 	wctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	dir, ag, w, err := f.startWatch(wctx, req.Msg.GetPath(), req.Msg.GetRecursive())

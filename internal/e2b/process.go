@@ -147,6 +147,12 @@ func (p *processService) Start(ctx context.Context, req *connect.Request[pp.Star
 	if err != nil {
 		return err
 	}
+	// Counted before the start: a refused stream runs nothing.
+	release, err := s.holdStream(ctx, id, "a process stream")
+	if err != nil {
+		return err
+	}
+	defer release()
 	m := req.Msg
 	cfg := m.GetProcess()
 	if cfg.GetCmd() == "" {
@@ -220,6 +226,11 @@ func (p *processService) Connect(ctx context.Context, req *connect.Request[pp.Co
 	if err != nil {
 		return err
 	}
+	release, err := p.s.holdStream(ctx, id, "a process stream")
+	if err != nil {
+		return err
+	}
+	defer release()
 	// Unlike envd, which streams only what comes after the reconnect,
 	// Shoal replays the command's output from its start: it kept it.
 	return p.stream(ctx, c, in, keepAliveOf(req.Header()), func(ev *pp.ProcessEvent) error {
@@ -233,7 +244,9 @@ func (p *processService) stream(ctx context.Context, c *session.Command, in sess
 	if err := send(&pp.ProcessEvent{Event: &pp.ProcessEvent_Start{Start: &pp.ProcessEvent_StartEvent{Pid: uint32(in.Pid)}}}); err != nil {
 		return err
 	}
-	err := p.s.sessions.Events(ctx, c, 0, keepAlive, func(ev session.Event) error {
+	// From the first offset its sandbox's log budget kept (0 unless its
+	// oldest output was pruned).
+	err := p.s.sessions.Events(ctx, c, in.LogPruned, keepAlive, func(ev session.Event) error {
 		var out *pp.ProcessEvent
 		switch ev.Kind {
 		case session.EventStdout:

@@ -83,6 +83,14 @@ func (p *portProxy) serve(w http.ResponseWriter, r *http.Request, rec node.Recor
 			return
 		}
 	}
+	// Counted, public ports included (no key then): one client holding
+	// connections open cannot take the node's descriptors.
+	held, err := p.s.holdStream(r.Context(), rec.ID, "a connection to port "+strconv.Itoa(port))
+	if err != nil {
+		writeErr(w, err)
+		return
+	}
+	defer held()
 	// Not idle (auto-pause) while the request or tunnel lasts.
 	if release, err := p.s.node.Hold(rec.ID); err == nil {
 		defer release()

@@ -30,6 +30,10 @@ var (
 	// stream follows: it did not exit, it was killed with its sandbox. The
 	// message names the sandbox.
 	ErrSandboxKilled = errors.New("sandbox killed")
+	// ErrLogPruned: a command's output was read from an offset whose bytes
+	// were pruned to keep its sandbox within its log budget (its oldest
+	// output goes first). The message names the first offset kept.
+	ErrLogPruned = errors.New("log pruned")
 	// ErrUnimplemented: Shoal, or this backend, does not do this (a
 	// backend's sandbox.ErrUnsupported); the message names the
 	// alternative where there is one.
@@ -83,6 +87,8 @@ func Code(err error) string {
 		return "ok"
 	case errors.Is(err, ErrInvalidArgument), errors.Is(err, fs.ErrInvalid):
 		return "invalid_argument"
+	case errors.Is(err, ErrLogPruned):
+		return "out_of_range"
 	case errors.Is(err, ErrNotFound), errors.Is(err, ErrSandboxKilled), errors.Is(err, fs.ErrNotExist):
 		return "not_found"
 	case errors.Is(err, ErrAlreadyExists), errors.Is(err, fs.ErrExist):

@@ -38,6 +38,8 @@ var Statuses = []Status{
 	{Code: "resource_exhausted", Shoal: 429, E2B: 429},
 	{Code: "unavailable", Shoal: 503, E2B: 503},
 	{Code: "unimplemented", Shoal: 501, E2B: 501},
+	{Code: "out_of_range", Shoal: 400, E2B: 416,
+		Why: "a command's output read from where its log budget pruned it: a range that cannot be satisfied, as envd's REST answers one"},
 	{Code: "unauthenticated", Shoal: 401, E2B: 401},
 	{Code: "canceled", Shoal: 499, E2B: 499},
 	{Code: "deadline_exceeded", Shoal: 504, E2B: 504},

@@ -22,7 +22,7 @@ func TestStatuses(t *testing.T) {
 		}
 	}
 	for _, err := range []error{nil, ErrInvalidArgument, ErrNotFound, ErrAlreadyExists, ErrPermissionDenied,
-		ErrFailedPrecondition, ErrResourceExhausted, ErrUnavailable, ErrUnimplemented, ErrSandboxKilled,
+		ErrFailedPrecondition, ErrResourceExhausted, ErrUnavailable, ErrUnimplemented, ErrSandboxKilled, ErrLogPruned,
 		context.Canceled, context.DeadlineExceeded, fmt.Errorf("plain")} {
 		if c := Code(err); c != "ok" && !seen[c] {
 			t.Errorf("Code(%v) = %s: not in the table", err, c)
@@ -40,6 +40,7 @@ func TestStatuses(t *testing.T) {
 		{fmt.Errorf("write /x: %w", ErrNoSpace), 429, 507, "resource_exhausted"},
 		{New(ErrResourceExhausted, "64 streams"), 429, 429, "resource_exhausted"},
 		{fs.ErrNotExist, 404, 404, "not_found"},
+		{New(ErrLogPruned, "re-attach from offset 7"), 400, 416, "out_of_range"},
 		{fmt.Errorf("boom"), 500, 500, "internal"},
 	} {
 		if got := Code(c.err); got != c.code {

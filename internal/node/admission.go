@@ -59,7 +59,31 @@ func (m *Manager) validateDisk(req *CreateRequest) error {
 	case ok && m.cfg.DefaultDisk > 0:
 		req.Disk = m.cfg.DefaultDisk
 	}
+	if req.LogBudget == 0 {
+		req.LogBudget = m.defaultLog(req.Disk)
+	}
 	return nil
+}
+
+// validateLog checks req.LogBudget; validateDisk (after it) fills the
+// default, which may depend on the disk.
+func (m *Manager) validateLog(req *CreateRequest) error {
+	if req.LogBudget != 0 && (req.LogBudget < MinLogBytes || req.LogBudget > m.cfg.MaxLog) {
+		return errdefs.New(ErrInvalid, "log budget must be between %d MiB and %d MiB, got %d bytes", MinLogBytes>>20, m.cfg.MaxLog>>20, req.LogBudget)
+	}
+	return nil
+}
+
+// defaultLog is the log budget of a sandbox of disk bytes (0: no limit)
+// whose create asked none.
+func (m *Manager) defaultLog(disk int64) int64 {
+	switch {
+	case m.cfg.DefaultLog > 0:
+		return m.cfg.DefaultLog
+	case disk > 0:
+		return min(max(disk/4, MinLogBytes), m.cfg.MaxLog)
+	}
+	return min(DefaultLogBytes, m.cfg.MaxLog)
 }
 
 // Quotas gives the quota of a tenant (*tenant.Store).
@@ -86,7 +110,8 @@ func (m *Manager) admit(id, t string, r sandbox.Resources) error {
 	var disk, mem, cpu int64
 	var mine struct{ n, mem, cpu int64 }
 	count := func(owner string, res sandbox.Resources, paused bool) {
-		disk = satAdd(disk, res.DiskBytes)
+		// The host's disk: its writable layer and its commands' logs.
+		disk = satAdd(disk, satAdd(res.DiskBytes, res.LogBytes))
 		if !paused { // a paused sandbox's memory is reclaimed, its CPU idle
 			mem = satAdd(mem, res.MemoryBytes)
 			cpu = satAdd(cpu, res.MilliCPU)
@@ -106,10 +131,10 @@ func (m *Manager) admit(id, t string, r sandbox.Resources) error {
 	if err := m.cfg.Capacity.check(mem, cpu, r); err != nil {
 		return err
 	}
-	if b := m.cfg.DiskBudget; b > 0 && satAdd(disk, r.DiskBytes) > b {
+	if b := m.cfg.DiskBudget; b > 0 && satAdd(disk, satAdd(r.DiskBytes, r.LogBytes)) > b {
 		return errdefs.New(errdefs.ErrResourceExhausted,
-			"node disk budget: its sandboxes' disks add up to %d MiB of %d MiB (serve --disk-budget), and this one asks %d MiB: delete sandboxes or ask a smaller disk",
-			disk>>20, b>>20, r.DiskBytes>>20)
+			"node disk budget: its sandboxes' disks and log budgets add up to %d MiB of %d MiB (serve --disk-budget), and this one asks %d MiB: delete sandboxes or ask a smaller disk or log budget",
+			disk>>20, b>>20, satAdd(r.DiskBytes, r.LogBytes)>>20)
 	}
 	switch {
 	case q.MaxSandboxes > 0 && mine.n+1 > q.MaxSandboxes:

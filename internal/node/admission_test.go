@@ -83,6 +83,14 @@ func TestAdmission(t *testing.T) {
 	if err := m.admit("e", "", sandbox.Resources{DiskBytes: math.MaxInt64}); !errors.Is(err, errdefs.ErrResourceExhausted) {
 		t.Fatalf("max int disk: %v, want resource_exhausted", err)
 	}
+	// Log budgets count with the disks (the host's disk holds both): 2 GiB
+	// of 3 are taken.
+	if err := m.admit("g", "", sandbox.Resources{DiskBytes: 1 << 29, LogBytes: 1<<29 + 1}); !errors.Is(err, errdefs.ErrResourceExhausted) {
+		t.Fatalf("disk and log over the budget: %v, want resource_exhausted", err)
+	}
+	if err := m.admit("g", "", sandbox.Resources{DiskBytes: 1 << 29, LogBytes: 1 << 29}); err != nil {
+		t.Fatalf("disk and log within the budget: %v", err)
+	}
 	// No budget: anything goes.
 	m.cfg.DiskBudget = 0
 	if err := m.admit("f", "", sandbox.Resources{Pids: math.MaxInt64, DiskBytes: math.MaxInt64}); err != nil {

@@ -61,6 +61,14 @@ type Config struct {
 	// create may ask (0: DefaultMaxDiskBytes).
 	DefaultDisk int64
 	MaxDisk     int64
+	// DefaultLog is the log budget of a sandbox whose create gives none
+	// (the bytes of its commands' output logs kept on the host); 0 means
+	// a quarter of its disk (at least MinLogBytes), or DefaultLogBytes for
+	// a sandbox without a disk limit. MaxLog bounds what a create may ask
+	// (0: DefaultMaxLogBytes). Log budgets count against DiskBudget with
+	// the disks.
+	DefaultLog int64
+	MaxLog     int64
 	// DiskBudget bounds the sum of the disk sizes of the node's sandboxes
 	// (admission: a create beyond it is refused as resource_exhausted).
 	// 0: no bound.
@@ -95,6 +103,13 @@ const (
 	MinDiskBytes        = 16 << 20
 	DefaultDiskBytes    = 1 << 30
 	DefaultMaxDiskBytes = 1 << 40
+)
+
+// Log budgets.
+const (
+	MinLogBytes        = 1 << 20
+	DefaultLogBytes    = 256 << 20
+	DefaultMaxLogBytes = 64 << 30
 )
 
 // Validate fills defaults and checks the configuration.
@@ -160,6 +175,12 @@ func (c *Config) Validate() error {
 	}
 	if c.DefaultDisk > 0 && (c.DefaultDisk < MinDiskBytes || c.DefaultDisk > c.MaxDisk) {
 		return fmt.Errorf("node config: default disk %d bytes is not between %d and the max disk %d", c.DefaultDisk, MinDiskBytes, c.MaxDisk)
+	}
+	if c.MaxLog == 0 {
+		c.MaxLog = DefaultMaxLogBytes
+	}
+	if c.MaxLog < MinLogBytes || c.DefaultLog < 0 || (c.DefaultLog > 0 && (c.DefaultLog < MinLogBytes || c.DefaultLog > c.MaxLog)) {
+		return fmt.Errorf("node config: default log budget %d bytes and max %d: want both at least %d, the default at most the max (0: a quarter of the disk)", c.DefaultLog, c.MaxLog, MinLogBytes)
 	}
 	if c.DiskBudget < 0 {
 		return errors.New("node config: negative disk or pids budget")
@@ -315,10 +336,13 @@ type CreateRequest struct {
 	Memory     int64
 	MilliCPU   int64
 	// Disk is the size of the writable layer; 0 for the node's default.
-	Disk     int64
-	Timeout  time.Duration
-	Metadata map[string]string
-	Env      map[string]string
+	Disk int64
+	// LogBudget bounds the bytes of its commands' output logs the node
+	// keeps (oldest output pruned first); 0 for the node's default.
+	LogBudget int64
+	Timeout   time.Duration
+	Metadata  map[string]string
+	Env       map[string]string
 	// ClientKey makes the create idempotent: repeating a create with the
 	// same key returns the sandbox made for it (while it exists).
 	ClientKey string
@@ -386,6 +410,9 @@ func (m *Manager) validate(req *CreateRequest) error {
 	}
 	if max := int64(runtime.NumCPU()) * 1000; req.MilliCPU < 10 || req.MilliCPU > max {
 		return errdefs.New(ErrInvalid, "cpus must be between 0.01 and %d (this node's cores), got %.3f", max/1000, float64(req.MilliCPU)/1000)
+	}
+	if err := m.validateLog(req); err != nil {
+		return err
 	}
 	if err := m.validateDisk(req); err != nil {
 		return err
@@ -501,6 +528,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (rec Record, er
 			Pids:        m.cfg.PidsLimit,
 			DiskBytes:   max(req.Disk, 0),
 			BestEffort:  req.QoS == QoSBestEffort,
+			LogBytes:    req.LogBudget,
 		},
 		Timeout:   req.Timeout,
 		Created:   now,
@@ -848,6 +876,19 @@ func (m *Manager) Deleting(id string) bool {
 func (m *Manager) OnDelete(fn func(id string)) { m.onDelete = append(m.onDelete, fn) }
 
 // SandboxDir returns a sandbox's private directory on the host.
+// LogBudget is the sandbox's log budget (session.LogBudgeter); 0 if it is
+// not known here.
+func (m *Manager) LogBudget(id string) int64 {
+	rec, err := m.Get(id)
+	if err != nil {
+		return 0
+	}
+	if rec.Resources.LogBytes > 0 {
+		return rec.Resources.LogBytes
+	}
+	return m.defaultLog(rec.Resources.DiskBytes)
+}
+
 func (m *Manager) SandboxDir(id string) (string, error) {
 	if _, err := m.Get(id); err != nil {
 		return "", err

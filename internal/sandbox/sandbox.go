@@ -44,6 +44,11 @@ type Resources struct {
 	// BestEffort: the sandbox gets the CPU others leave (qos "be"): the
 	// lowest CPU weight, and its processes under SCHED_IDLE.
 	BestEffort bool `json:",omitempty"`
+	// LogBytes is the sandbox's log budget: the bytes of its commands'
+	// output logs the node keeps on the host (internal/session/budget.go);
+	// 0 on a sandbox made before budgets existed (the node's default).
+	// The node's side only: backends ignore it.
+	LogBytes int64 `json:",omitempty"`
 }
 
 // Layer is one read-only layer of a sandbox's root, as the backend sees it.

@@ -78,6 +78,10 @@ const pausedPoll = 50 * time.Millisecond
 // Config configures a Manager.
 type Config struct {
 	LogCap int64 // per command; 0 = DefaultLogCap
+	// LogBudget bounds the bytes of command logs a sandbox keeps on the
+	// host when the node names no budget of its own for it (LogBudgeter);
+	// 0 = none but LogCap per command. See budget.go.
+	LogBudget int64
 	// Retention: what the node keeps of a sandbox's ended commands (their
 	// records and output logs). Running commands, trajectory steps and the
 	// commands of shell sessions are kept as long as their sandbox lives;
@@ -118,8 +122,9 @@ type record struct {
 	Trajectory string            `json:"trajectory,omitempty"`
 	Step       int64             `json:"step,omitempty"`
 	Digest     string            `json:"digest,omitempty"`
-	LogBytes   int64             `json:"log_bytes,omitempty"` // at exit
-	Killed     bool              `json:"killed,omitempty"`    // lost because its sandbox was deleted
+	LogBytes   int64             `json:"log_bytes,omitempty"`  // at exit
+	LogPruned  int64             `json:"log_pruned,omitempty"` // its log's bytes before this offset are pruned (budget.go)
+	Killed     bool              `json:"killed,omitempty"`     // lost because its sandbox was deleted
 	Extra      map[string]string `json:"extra,omitempty"`
 }
 
@@ -130,6 +135,8 @@ type Command struct {
 	mu      sync.Mutex    // guards the fields below
 	rec     record        // persisted fields
 	size    int64         // bytes in the log file
+	pruned  int64         // bytes before this offset are pruned (punched out of the file)
+	marks   []int64       // record boundaries past pruned, about every markEvery bytes (budget.go)
 	changed chan struct{} // closed and replaced when size or state changes
 	cancel  context.CancelFunc
 	release func()
@@ -148,9 +155,12 @@ type Info struct {
 	Started       time.Time
 	Ended         time.Time
 	LogBytes      int64
-	Trajectory    string
-	Step          int64
-	Digest        string
+	// LogPruned: the log's bytes before this offset were pruned to keep
+	// the sandbox within its log budget (budget.go); reading starts here.
+	LogPruned  int64
+	Trajectory string
+	Step       int64
+	Digest     string
 	// Killed: the command is lost because its sandbox was deleted (killed)
 	// while it ran.
 	Killed bool
@@ -163,7 +173,7 @@ func (c *Command) Info() Info {
 	r := c.rec
 	return Info{
 		ID: r.ID, SandboxID: r.SandboxID, Args: r.Args, Cwd: r.Cwd, User: r.User, PTY: r.PTY, Pid: r.Pid,
-		State: r.State, Exit: r.Exit, Started: r.Started, Ended: r.Ended, LogBytes: c.size,
+		State: r.State, Exit: r.Exit, Started: r.Started, Ended: r.Ended, LogBytes: c.size, LogPruned: c.pruned,
 		Trajectory: r.Trajectory, Step: r.Step, Digest: r.Digest, Killed: r.Killed,
 	}
 }
@@ -217,6 +227,12 @@ type Manager struct {
 	orphans map[string]*sync.Mutex
 
 	trajLocks keyedMutex // serializes the steps of one trajectory
+
+	// logMu guards logUsed (each sandbox's bytes of command logs on the
+	// host, less what is pruned) and serializes the pruning of logs
+	// (budget.go). Taken after no other lock; it takes mu and Command.mu.
+	logMu   sync.Mutex
+	logUsed map[string]int64
 }
 
 // New returns a manager; call Recover once the node has recovered its
@@ -227,6 +243,9 @@ func New(cfg Config, db *bbolt.DB, sb Sandboxes, log *slog.Logger) (*Manager, er
 	}
 	if cfg.LogCap < 4096 {
 		return nil, fmt.Errorf("session config: log cap %d is below 4096 bytes", cfg.LogCap)
+	}
+	if cfg.LogBudget != 0 && cfg.LogBudget < MinLogBudget {
+		return nil, fmt.Errorf("session config: log budget %d bytes is below the minimum of %d", cfg.LogBudget, MinLogBudget)
 	}
 	switch {
 	case cfg.KeepEnded == 0:
@@ -250,7 +269,7 @@ func New(cfg Config, db *bbolt.DB, sb Sandboxes, log *slog.Logger) (*Manager, er
 	ctx, cancel := context.WithCancel(context.Background())
 	m := &Manager{cfg: cfg, log: log, db: db, sb: sb, ctx: ctx, cancel: cancel,
 		cmds: map[string]*Command{}, shells: map[string]*Shell{}, ended: map[string]*endedList{},
-		orphans: map[string]*sync.Mutex{}}
+		orphans: map[string]*sync.Mutex{}, logUsed: map[string]int64{}}
 	if err := m.shellsInit(); err != nil {
 		return nil, fmt.Errorf("open session store: %w", err)
 	}
@@ -627,10 +646,7 @@ func (m *Manager) pump(ctx context.Context, c *Command, ag *agent.Client, att *a
 			att.Close()
 			return
 		}
-		c.mu.Lock()
-		c.size = r.End
-		c.notifyLocked()
-		c.mu.Unlock()
+		m.logged(c, r.End)
 		if r.End-acked >= ackEvery {
 			att.Ack(r.End)
 			acked = r.End
@@ -757,6 +773,7 @@ func (m *Manager) finish(c *Command, exit *agent.ExitStatus, why string) {
 	}
 	c.rec.Ended = time.Now().UTC()
 	c.rec.LogBytes = c.size
+	c.marks = nil // an ended command's log is pruned whole (budget.go)
 	rec := c.rec
 	release := c.release
 	c.release = nil
@@ -841,10 +858,13 @@ type Event struct {
 // errdefs.ErrSandboxKilled instead of an end event.
 func (m *Manager) Events(ctx context.Context, c *Command, from int64, keepAlive time.Duration, fn func(Event) error) error {
 	c.mu.Lock()
-	size := c.size
+	size, pruned := c.size, c.pruned
 	c.mu.Unlock()
 	if from < 0 || from > size {
 		return errdefs.New(errdefs.ErrInvalidArgument, "offset %d is outside the command's log [0, %d]", from, size)
+	}
+	if from < pruned {
+		return m.prunedError(c, from, pruned)
 	}
 	f, err := os.Open(c.logPath)
 	if err != nil {
@@ -856,8 +876,8 @@ func (m *Manager) Events(ctx context.Context, c *Command, from int64, keepAlive 
 		return fmt.Errorf("open command log: %w", err)
 	}
 	defer f.Close()
-	if from > 0 && from < size {
-		if ok, err := recordBoundary(f, from); err != nil {
+	if from > pruned && from < size {
+		if ok, err := recordBoundary(f, pruned, from); err != nil {
 			return err
 		} else if !ok {
 			return errdefs.New(errdefs.ErrInvalidArgument, "offset %d is not the end of an event of this command: re-connect with an offset the server sent", from)
@@ -888,6 +908,14 @@ func (m *Manager) Events(ctx context.Context, c *Command, from int64, keepAlive 
 			n, err := f.ReadAt(block[:min(int64(len(block)), size-pos)], pos)
 			if err != nil && !errors.Is(err, io.EOF) {
 				return fmt.Errorf("read command log: %w", err)
+			}
+			// Pruned meanwhile (this reader fell behind): what was read
+			// may be the hole's zeros.
+			c.mu.Lock()
+			pruned = c.pruned
+			c.mu.Unlock()
+			if pos < pruned {
+				return m.prunedError(c, pos, pruned)
 			}
 			evs, used, err := parseRecords(block[:n], pos)
 			if err != nil {
@@ -981,10 +1009,11 @@ func parseRecords(b []byte, base int64) ([]Event, int64, error) {
 	return evs, used, nil
 }
 
-// recordBoundary reports whether off is where a record starts in the log.
-func recordBoundary(f *os.File, off int64) (bool, error) {
+// recordBoundary reports whether off is where a record starts in the log,
+// whose records start at from (0, or where its pruned bytes end).
+func recordBoundary(f *os.File, from, off int64) (bool, error) {
 	var hdr [agent.LogRecordHeader]byte
-	for pos := int64(0); pos <= off; {
+	for pos := from; pos <= off; {
 		if pos == off {
 			return true, nil
 		}
@@ -1086,6 +1115,9 @@ func (m *Manager) DropSandbox(sandboxID string) {
 	m.mu.Lock()
 	delete(m.ended, sandboxID)
 	m.mu.Unlock()
+	m.logMu.Lock()
+	delete(m.logUsed, sandboxID)
+	m.logMu.Unlock()
 	buckets := [][]byte{bucketCommands, bucketTrajectories, bucketShells, bucketPruned}
 	// A write only when there is something to delete (a read commits
 	// nothing), and in a group commit (boltgroup: one fsync with the
@@ -1163,6 +1195,10 @@ func (m *Manager) Recover(ctx context.Context) error {
 			m.log.Warn("command log", "sandbox_id", r.SandboxID, "command", r.ID, "err", err)
 		}
 		c.size = size
+		c.pruned = min(r.LogPruned, size)
+		m.logMu.Lock()
+		m.logUsed[r.SandboxID] += size - c.pruned
+		m.logMu.Unlock()
 		m.mu.Lock()
 		m.cmds[key(r.SandboxID, r.ID)] = c
 		m.mu.Unlock()
@@ -1519,6 +1555,7 @@ func (m *Manager) prune(sandboxID string, now time.Time) {
 		m.log.Error("prune ended commands", "sandbox_id", sandboxID, "err", err)
 	}
 	for _, c := range gone {
+		m.uncount(c)
 		if err := os.Remove(c.logPath); err != nil && !errors.Is(err, fs.ErrNotExist) {
 			m.log.Warn("remove pruned command's log", "sandbox_id", sandboxID, "command", c.rec.ID, "err", err)
 		}

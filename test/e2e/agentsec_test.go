@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -60,7 +61,8 @@ func readInitState(t *testing.T, runcID string) []byte {
 
 // TestWorkloadCannotReachAgent: a command cannot trace the sandbox's agent
 // (PID 1), open its memory, environment or descriptors, read or write its
-// memory without /proc, nor trace a process of its own (seccomp); writing
+// memory without /proc, nor trace a process of its own (seccomp), nor queue
+// the agent a signal with a forged siginfo (a fault, seccomp); writing
 // to the agent's stdout and stderr fails and costs the host's disk nothing;
 // and the command holds no descriptor but its own stdio.
 func TestWorkloadCannotReachAgent(t *testing.T) {
@@ -86,9 +88,15 @@ func TestWorkloadCannotReachAgent(t *testing.T) {
 		"write-fd1", "write-fd2",
 		"process_vm_readv-pid1", "process_vm_writev-pid1", "kcmp-pid1", "pidfd_getfd-pid1",
 		"ptrace-seize-child", "process_vm_readv-child",
+		"rt_sigqueueinfo-pid1", "rt_sigqueueinfo-pid1-high", "rt_tgsigqueueinfo-pid1", "pidfd_send_signal-info-pid1",
 	} {
 		if r, ok := res[name]; !ok || !strings.HasPrefix(r, "denied ") {
 			t.Errorf("%s: %q, want denied", name, r)
+		}
+	}
+	for _, name := range []string{"rt_sigqueueinfo-self", "pidfd_send_signal-self"} {
+		if r := res[name]; strings.HasPrefix(r, "denied ") || r == "" {
+			t.Errorf("%s: %q, want allowed", name, r)
 		}
 	}
 	for _, name := range []string{"ptrace-seize-child", "process_vm_readv-child"} {
@@ -206,5 +214,68 @@ func TestWedgedAgentDoesNotDelayRestart(t *testing.T) {
 	}
 	if out, code := run(nil, "exec", wedged, "--", "echo", "back"); code != 0 || out != "back\n" {
 		t.Fatalf("exec after SIGCONT: %d %q", code, out)
+	}
+}
+
+// TestNothingInsideNamesHostPaths: what a command reads of its sandbox's
+// mounts and of its own and the agent's mappings names no host path: not
+// the data directory, not where the binaries are (the agent's bind comes
+// from a private tmpfs).
+func TestNothingInsideNamesHostPaths(t *testing.T) {
+	need(t)
+	id := create(t)
+	for _, f := range []string{"/proc/self/mountinfo", "/proc/1/mountinfo", "/proc/self/maps", "/proc/self/mounts"} {
+		out, code := run(nil, "exec", id, "--", "cat", f)
+		if code != 0 || out == "" {
+			t.Fatalf("cat %s: %d %s", f, code, out)
+		}
+		for _, host := range []string{dataDir, binDir} {
+			if strings.Contains(out, host) {
+				t.Errorf("%s names the host path %s:\n%s", f, host, out)
+			}
+		}
+		if strings.Contains(f, "mountinfo") && !strings.Contains(out, " /.shoal/agent ") {
+			t.Errorf("%s: no agent bind:\n%s", f, out)
+		}
+	}
+}
+
+// TestAgentSurvivesWorkloadSignals: the sandbox's root sends its agent
+// (PID 1) every signal that would end a process by default; the sandbox,
+// a command streaming meanwhile and its stream survive.
+func TestAgentSurvivesWorkloadSignals(t *testing.T) {
+	need(t)
+	id := create(t)
+	type result struct {
+		out  string
+		code int
+	}
+	done := make(chan result, 1)
+	go func() {
+		out, code := run(nil, "exec", id, "--", "sh", "-c", "echo start; touch /tmp/started; while [ ! -e /tmp/stop ]; do echo tick; sleep 0.1; done; echo end")
+		done <- result{out, code}
+	}()
+	// The stream runs before the signals.
+	waitFor(t, time.Minute, "the streaming command", func() bool {
+		_, code := run(nil, "exec", id, "--", "test", "-e", "/tmp/started")
+		return code == 0
+	})
+	for _, sig := range []syscall.Signal{syscall.SIGHUP, syscall.SIGINT, syscall.SIGQUIT, syscall.SIGILL, syscall.SIGTRAP,
+		syscall.SIGABRT, syscall.SIGBUS, syscall.SIGFPE, syscall.SIGUSR1, syscall.SIGSEGV, syscall.SIGUSR2, syscall.SIGPIPE,
+		syscall.SIGALRM, syscall.SIGTERM, syscall.SIGSTKFLT, syscall.SIGXCPU, syscall.SIGXFSZ, syscall.SIGVTALRM,
+		syscall.SIGIO, syscall.SIGPWR, syscall.SIGSYS} {
+		if out, code := run(nil, "exec", id, "--", "kill", "-"+strconv.Itoa(int(sig)), "1"); code != 0 {
+			t.Fatalf("kill -%d 1: %d %s", int(sig), code, out)
+		}
+		if out, code := run(nil, "exec", id, "--", "echo", "alive"); code != 0 || out != "alive\n" {
+			t.Fatalf("after %v: %d %q", sig, code, out)
+		}
+	}
+	if out, code := run(nil, "exec", id, "--", "touch", "/tmp/stop"); code != 0 {
+		t.Fatalf("touch: %s", out)
+	}
+	r := <-done
+	if r.code != 0 || !strings.HasPrefix(r.out, "start\ntick\n") || !strings.HasSuffix(r.out, "tick\nend\n") {
+		t.Fatalf("the streaming command: exit %d, output %q", r.code, r.out)
 	}
 }

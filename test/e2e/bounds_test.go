@@ -7,9 +7,17 @@ import (
 	"io"
 	"net/http"
 	"os"
+	"os/exec"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
+	"time"
+
+	"connectrpc.com/connect"
+
+	pb "github.com/shoal-sandbox/shoal/api/shoal/v1"
+	shoal "github.com/shoal-sandbox/shoal/sdk/go"
 )
 
 // Every request, value and listing is bounded (issue 15, item 6): a body
@@ -179,4 +187,103 @@ func TestListDirBounded(t *testing.T) {
 	if err != nil || len(ents) != 10000 {
 		t.Fatalf("ListDir of 10000 entries: %d entries, %v", len(ents), err)
 	}
+}
+
+// TestStreamCaps is issue 45's descriptor exhaustion scaled down: a serve
+// whose caps are 64 streams a sandbox and 100 a key. 64 watches on one
+// sandbox are served, the 65th is refused (resource_exhausted, naming the
+// cap); another sandbox's watch, health and the API are still served; the
+// key's cap holds across sandboxes; a stream that ends gives its place back.
+func TestStreamCaps(t *testing.T) {
+	need(t)
+	data, err := os.MkdirTemp("/tmp", "ses")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { unmountUnder(data); os.RemoveAll(data) }) // after the serve stops (cleanups run last first)
+	addr := startExtraServe(t, data, "--e2b-listen=", "--pool-size", "0", "--egress-subnet=",
+		"--max-streams-per-sandbox", "64", "--max-streams-per-key", "100")
+	url := "http://" + addr
+	waitFor(t, 2*time.Minute, "the second serve", func() bool {
+		res, err := http.Get(url + "/healthz")
+		if err == nil {
+			res.Body.Close()
+		}
+		return err == nil
+	})
+	key, _ := os.ReadFile(filepath.Join(data, "admin.key"))
+	c, err := shoal.New(shoal.Options{URL: url, APIKey: strings.TrimSpace(string(key))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rootfs, err := busyboxRootfs()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer os.RemoveAll(rootfs)
+	cmd := exec.Command(filepath.Join(binDir, "shoal"), "layer", "build", "--kind", "base", baseRef, rootfs)
+	cmd.Env = append(os.Environ(), "SHOAL_URL="+url, "SHOAL_API_KEY="+strings.TrimSpace(string(key)))
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("layer build: %v %s", err, out)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	var ids []string
+	for range 2 {
+		sb, err := c.Create(ctx, &pb.CreateSandboxRequest{Base: baseRef})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ids = append(ids, sb.Id)
+		t.Cleanup(func() { c.Delete(context.Background(), sb.Id) })
+	}
+	watch := func(id string) (*shoal.Watch, error) { return c.Watch(ctx, id, "/tmp", false) }
+	var open []*shoal.Watch
+	defer func() {
+		for _, w := range open {
+			w.Close()
+		}
+	}()
+	for i := range 64 {
+		w, err := watch(ids[0])
+		if err != nil {
+			t.Fatalf("watch %d of 64: %v", i+1, err)
+		}
+		open = append(open, w)
+	}
+	_, err = watch(ids[0])
+	if connect.CodeOf(err) != connect.CodeResourceExhausted || !strings.Contains(err.Error(), "--max-streams-per-sandbox") {
+		t.Fatalf("65th watch on one sandbox: %v, want resource_exhausted naming the cap", err)
+	}
+	// The node serves the rest: health, the API, another sandbox.
+	res, err := http.Get(url + "/healthz")
+	if err != nil || res.StatusCode != http.StatusOK {
+		t.Fatalf("health with a sandbox at its cap: %v %v", res, err)
+	}
+	res.Body.Close()
+	if _, err := c.Get(ctx, ids[1]); err != nil {
+		t.Fatalf("API with a sandbox at its cap: %v", err)
+	}
+	for i := range 36 {
+		w, err := watch(ids[1])
+		if err != nil {
+			t.Fatalf("watch %d on the other sandbox: %v", i+1, err)
+		}
+		open = append(open, w)
+	}
+	// 100 streams: the key's cap.
+	if _, err := watch(ids[1]); connect.CodeOf(err) != connect.CodeResourceExhausted || !strings.Contains(err.Error(), "--max-streams-per-key") {
+		t.Fatalf("101st stream of one key: %v, want resource_exhausted naming the key's cap", err)
+	}
+	// A stream that ends gives its place back (once the server sees it end).
+	open[0].Close()
+	open = open[1:]
+	waitFor(t, time.Minute, "a place freed by a closed watch", func() bool {
+		w, err := watch(ids[0])
+		if err != nil {
+			return false
+		}
+		open = append(open, w)
+		return true
+	})
 }

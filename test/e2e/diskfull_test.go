@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"syscall"
 	"testing"
@@ -224,4 +225,73 @@ func firstDiff(a, b string) int {
 		}
 	}
 	return min(len(a), len(b))
+}
+
+// TestLogBudget is issue 45's scenario scaled down: a sandbox with a 64 MiB
+// disk (a log budget of a quarter of it by default) runs 6 commands that
+// print 24 MiB each. The host keeps at most the budget of their output;
+// the oldest command's output is gone, and re-attaching to it says so and
+// names the offset to go on from; another sandbox's output is whole.
+func TestLogBudget(t *testing.T) {
+	need(t)
+	other := create(t)
+	if out, code := run(nil, "exec", other, "--", "echo", "mine"); code != 0 || out != "mine\n" {
+		t.Fatalf("other sandbox: %d %q", code, out)
+	}
+	id := create(t, "--disk", "64M")
+	const budget = 16 << 20
+	var cmds []string
+	for i := range 6 {
+		out, code := run(nil, "exec", "-d", id, "--", "sh", "-c", fmt.Sprintf("head -c %d /dev/zero | tr '\\0' x; echo end-%d", 24<<20, i))
+		if code != 0 {
+			t.Fatalf("exec -d: %s", out)
+		}
+		cid := strings.TrimSpace(out)
+		cmds = append(cmds, cid)
+		// One after the other, as a trajectory's steps.
+		waitFor(t, 2*time.Minute, "the command's exit", func() bool {
+			out, _ := run(nil, "ps", id)
+			for _, l := range strings.Split(out, "\n") {
+				if f := strings.Fields(l); len(f) > 2 && f[0] == cid {
+					return f[2] == "exited"
+				}
+			}
+			return false
+		})
+	}
+	var held int64
+	logs := filepath.Join(dataDir, "sandboxes", id, "logs")
+	ents, err := os.ReadDir(logs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range ents {
+		var st syscall.Stat_t
+		if err := syscall.Stat(filepath.Join(logs, e.Name()), &st); err != nil {
+			t.Fatal(err)
+		}
+		held += st.Blocks * 512
+	}
+	t.Logf("6 commands of 24 MiB: %d bytes of logs on the host (budget %d)", held, budget)
+	if held > budget+1<<20 {
+		t.Errorf("the host holds %d bytes of the sandbox's logs, budget %d", held, budget)
+	}
+	stdout, stderr, code := run3(nil, "attach", id, cmds[0])
+	if code == 0 || stdout != "" || !strings.Contains(stderr, "pruned") || !strings.Contains(stderr, "re-attach from offset") {
+		t.Fatalf("attach to the oldest command: exit %d, %d bytes, %q", code, len(stdout), stderr)
+	}
+	// The newest command's head went too (it alone printed more than the
+	// budget); its tail is there, from the offset the refusal names.
+	_, stderr, code = run3(nil, "attach", id, cmds[5])
+	m := regexp.MustCompile(`re-attach from offset (\d+)`).FindStringSubmatch(stderr)
+	if code == 0 || m == nil {
+		t.Fatalf("attach to the newest command from 0: exit %d, %q", code, stderr)
+	}
+	stdout, stderr, code = run3(nil, "attach", "--offset", m[1], id, cmds[5])
+	if code != 0 || !strings.HasSuffix(stdout, "xxxend-5\n") || len(stdout) > budget {
+		t.Fatalf("attach to the newest command from %s: exit %d, %d bytes, %q", m[1], code, len(stdout), stderr)
+	}
+	if out, code := run(nil, "exec", other, "--", "echo", "still"); code != 0 || out != "still\n" {
+		t.Fatalf("other sandbox after: %d %q", code, out)
+	}
 }

@@ -254,6 +254,13 @@ type CreateSandboxRequest struct {
 	// of its own (inodes: one per 8 KiB): writing past it fails with ENOSPC
 	// in the sandbox. 0 = the node's default (serve --default-disk, 1 GiB).
 	DiskBytes int64 `protobuf:"varint,12,opt,name=disk_bytes,json=diskBytes,proto3" json:"disk_bytes,omitempty"`
+	// log_budget_bytes bounds the bytes of its commands' output logs
+	// (trajectory steps and shell transcripts included) the node keeps: past
+	// it the sandbox's oldest output is pruned (ended commands' logs first),
+	// and reading it answers OUT_OF_RANGE (reason log_pruned). 0 = the
+	// node's default (serve --log-budget; else a quarter of its disk). At
+	// least 1 MiB.
+	LogBudgetBytes int64 `protobuf:"varint,13,opt,name=log_budget_bytes,json=logBudgetBytes,proto3" json:"log_budget_bytes,omitempty"`
 	// network: none (loopback only) unless set; see NetworkPolicy.
 	Network *NetworkPolicy `protobuf:"bytes,20,opt,name=network,proto3" json:"network,omitempty"`
 	// auto_pause_seconds: the sandbox is paused after this long with no
@@ -382,6 +389,13 @@ func (x *CreateSandboxRequest) GetDiskBytes() int64 {
 	return 0
 }
 
+func (x *CreateSandboxRequest) GetLogBudgetBytes() int64 {
+	if x != nil {
+		return x.LogBudgetBytes
+	}
+	return 0
+}
+
 func (x *CreateSandboxRequest) GetNetwork() *NetworkPolicy {
 	if x != nil {
 		return x.Network
@@ -495,8 +509,9 @@ type Sandbox struct {
 	Runtime map[string]string `protobuf:"bytes,13,rep,name=runtime,proto3" json:"runtime,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
 	// disk_bytes: the size of its writable layer; 0 = not limited (a node
 	// that cannot limit disks).
-	DiskBytes int64          `protobuf:"varint,14,opt,name=disk_bytes,json=diskBytes,proto3" json:"disk_bytes,omitempty"`
-	Network   *NetworkPolicy `protobuf:"bytes,20,opt,name=network,proto3" json:"network,omitempty"` // as created; unset: loopback only
+	DiskBytes      int64          `protobuf:"varint,14,opt,name=disk_bytes,json=diskBytes,proto3" json:"disk_bytes,omitempty"`
+	LogBudgetBytes int64          `protobuf:"varint,15,opt,name=log_budget_bytes,json=logBudgetBytes,proto3" json:"log_budget_bytes,omitempty"` // its commands' logs kept on the node, at most
+	Network        *NetworkPolicy `protobuf:"bytes,20,opt,name=network,proto3" json:"network,omitempty"`                                        // as created; unset: loopback only
 	// The tenant that owns it (that of the key that created it; "": an
 	// admin key's). Only its keys and admin keys see it.
 	Tenant string `protobuf:"bytes,21,opt,name=tenant,proto3" json:"tenant,omitempty"`
@@ -634,6 +649,13 @@ func (x *Sandbox) GetRuntime() map[string]string {
 func (x *Sandbox) GetDiskBytes() int64 {
 	if x != nil {
 		return x.DiskBytes
+	}
+	return 0
+}
+
+func (x *Sandbox) GetLogBudgetBytes() int64 {
+	if x != nil {
+		return x.LogBudgetBytes
 	}
 	return 0
 }
@@ -1937,7 +1959,7 @@ const file_shoal_v1_sandbox_proto_rawDesc = "" +
 	"\bLayerRef\x12'\n" +
 	"\x04kind\x18\x01 \x01(\x0e2\x13.shoal.v1.LayerKindR\x04kind\x12\x10\n" +
 	"\x03ref\x18\x02 \x01(\tR\x03ref\x12\x16\n" +
-	"\x06digest\x18\x03 \x01(\tR\x06digest\"\xcb\x05\n" +
+	"\x06digest\x18\x03 \x01(\tR\x06digest\"\xf5\x05\n" +
 	"\x14CreateSandboxRequest\x12\x18\n" +
 	"\abackend\x18\x01 \x01(\tR\abackend\x12\x12\n" +
 	"\x04base\x18\x02 \x01(\tR\x04base\x12\x1e\n" +
@@ -1955,7 +1977,8 @@ const file_shoal_v1_sandbox_proto_rawDesc = "" +
 	"\n" +
 	"client_key\x18\v \x01(\tR\tclientKey\x12\x1d\n" +
 	"\n" +
-	"disk_bytes\x18\f \x01(\x03R\tdiskBytes\x121\n" +
+	"disk_bytes\x18\f \x01(\x03R\tdiskBytes\x12(\n" +
+	"\x10log_budget_bytes\x18\r \x01(\x03R\x0elogBudgetBytes\x121\n" +
 	"\anetwork\x18\x14 \x01(\v2\x17.shoal.v1.NetworkPolicyR\anetwork\x121\n" +
 	"\x12auto_pause_seconds\x18\x1e \x01(\x03H\x00R\x10autoPauseSeconds\x88\x01\x01\x12\x10\n" +
 	"\x03qos\x18  \x01(\tR\x03qos\x1a;\n" +
@@ -1969,7 +1992,7 @@ const file_shoal_v1_sandbox_proto_rawDesc = "" +
 	"\rNetworkPolicy\x12\x1a\n" +
 	"\binternet\x18\x01 \x01(\bR\binternet\x12\x1b\n" +
 	"\tallow_out\x18\x02 \x03(\tR\ballowOut\x12\x19\n" +
-	"\bdeny_out\x18\x03 \x03(\tR\adenyOut\"\xe5\x06\n" +
+	"\bdeny_out\x18\x03 \x03(\tR\adenyOut\"\x8f\a\n" +
 	"\aSandbox\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x18\n" +
 	"\abackend\x18\x02 \x01(\tR\abackend\x12,\n" +
@@ -1989,7 +2012,8 @@ const file_shoal_v1_sandbox_proto_rawDesc = "" +
 	"\x05error\x18\f \x01(\tR\x05error\x128\n" +
 	"\aruntime\x18\r \x03(\v2\x1e.shoal.v1.Sandbox.RuntimeEntryR\aruntime\x12\x1d\n" +
 	"\n" +
-	"disk_bytes\x18\x0e \x01(\x03R\tdiskBytes\x121\n" +
+	"disk_bytes\x18\x0e \x01(\x03R\tdiskBytes\x12(\n" +
+	"\x10log_budget_bytes\x18\x0f \x01(\x03R\x0elogBudgetBytes\x121\n" +
 	"\anetwork\x18\x14 \x01(\v2\x17.shoal.v1.NetworkPolicyR\anetwork\x12\x16\n" +
 	"\x06tenant\x18\x15 \x01(\tR\x06tenant\x12,\n" +
 	"\x12auto_pause_seconds\x18\x1e \x01(\x03R\x10autoPauseSeconds\x12)\n" +

@@ -291,6 +291,7 @@ func TestAgentLogAfterRestart(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(b.agents.close) // the agent binary's tmpfs (agentcopy.go)
 	spec := newSpec(t)
 	h := create(t, b, spec)
 	a := dial(t, h.AgentSocket)
@@ -317,6 +318,7 @@ func TestAgentLogAfterRestart(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(b2.agents.close) // the agent binary's tmpfs (agentcopy.go)
 	if st, err := b2.Recover(context.Background(), h); err != nil || st != sandbox.StatusRunning {
 		t.Fatalf("Recover: %v %v", st, err)
 	}

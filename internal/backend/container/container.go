@@ -294,6 +294,9 @@ type Backend struct {
 	// one server per agent binary; guarded by forksMu.
 	forksMu sync.Mutex
 	forks   map[string]*forkserver.Client
+	// agents: the private copies of agent binaries that sandboxes bind
+	// (agentcopy.go).
+	agents *agentCopies
 
 	cgroupOnce sync.Once
 	cgroups    []cgroupMount // set once by cgroupOnce, read-only after; see cgroupMounts
@@ -357,6 +360,11 @@ func New(cfg Config) (*Backend, error) {
 		return nil, fmt.Errorf("container backend: create state dir: %w", err)
 	}
 	b := &Backend{reclaimSlot: make(chan struct{}, 1), runtime: bin, stateDir: cfg.StateDir, cgroupParent: cfg.CgroupParent, poolDir: cfg.PoolDir, prefetch: cfg.ResumePrefetch, log: cfg.Log, nofile: cfg.Nofile, premadeDisk: cfg.PremadeDisk}
+	// Beside the state directory, not below it: a private fork server
+	// sheds the mounts below that one.
+	if b.agents, err = mountAgentCopies(filepath.Clean(cfg.StateDir) + ".agent"); err != nil {
+		return nil, fmt.Errorf("container backend: %w", err)
+	}
 	if data, err := os.ReadFile(bin); err != nil {
 		cfg.Log.Warn("container backend: read runtime binary", "err", err)
 	} else if f, err := sealedFile(filepath.Base(bin), data); err != nil {
@@ -465,6 +473,7 @@ func (b *Backend) Close(ctx context.Context) error {
 	if b.releaseFreezer != nil {
 		b.releaseFreezer()
 	}
+	b.agents.close()
 	return errors.Join(errs...)
 }
 

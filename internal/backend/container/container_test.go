@@ -148,6 +148,7 @@ func newBackend(t testing.TB) *Backend {
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(b.agents.close) // the agent binary's tmpfs (agentcopy.go)
 	return b
 }
 

@@ -32,6 +32,7 @@ func diskBackendPremade(t *testing.T, size int, premade int64) *Backend {
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(b.agents.close) // the agent binary's tmpfs (agentcopy.go)
 	t.Cleanup(func() { b.Close(context.Background()) })
 	if ok, why := b.DiskLimits(); !ok {
 		t.Skipf("no disk images on this host: %s", why)

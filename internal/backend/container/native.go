@@ -258,7 +258,13 @@ func (b *Backend) startNative(ctx context.Context, id, dir, root, agentBinary st
 	// The agent binary, read-only in the blank root: the clone copies this
 	// mount into the container's mount namespace (spawn binds it where the
 	// clone happens).
-	agentMount := &forkserver.Bind{Source: agentBinary, Target: filepath.Join(root, ".shoal", "agent")}
+	// From the backend's private copy: its path in mountinfo says nothing
+	// of the host (agentcopy.go).
+	agentCopy, err := b.agents.path(agentBinary)
+	if err != nil {
+		return err
+	}
+	agentMount := &forkserver.Bind{Source: agentCopy, Target: filepath.Join(root, ".shoal", "agent")}
 
 	devNull, err := os.Open(os.DevNull)
 	if err != nil {
@@ -267,7 +273,7 @@ func (b *Backend) startNative(ctx context.Context, id, dir, root, agentBinary st
 	defer devNull.Close()
 	// Executed and bound through this descriptor: the container's root
 	// may not be able to reach the binary's path.
-	agentFile, err := os.Open(agentBinary)
+	agentFile, err := os.Open(agentCopy)
 	if err != nil {
 		return fmt.Errorf("open agent binary: %w", err)
 	}

@@ -132,6 +132,7 @@ func poolTestBackend(t *testing.T, userns string) *Backend {
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(b.agents.close) // the agent binary's tmpfs (agentcopy.go)
 	if b.filter == nil {
 		t.Skip("no compiled seccomp filter: no pool, no native launcher")
 	}
@@ -177,6 +178,7 @@ func BenchmarkStartMember(b *testing.B) {
 	if err != nil {
 		b.Fatal(err)
 	}
+	b.Cleanup(be.agents.close) // the agent binary's tmpfs (agentcopy.go)
 	if be.filter == nil {
 		b.Skip("no compiled seccomp filter")
 	}
@@ -286,5 +288,39 @@ func TestNativeWithoutForkServer(t *testing.T) {
 	bind := filepath.Join(m.dir, blankRoot, ".shoal", "agent")
 	if strings.Contains(readTrim(t, "/proc/self/mountinfo"), " "+bind+" ") {
 		t.Errorf("the host's bind of the agent at %s was left", bind)
+	}
+}
+
+// TestAgentBindNamesNoHostPath: in a pool container of either launcher, the
+// agent's mount table (what /proc/1/mountinfo shows inside: paths are
+// relative to the reading process's root) does not name the agent binary's
+// host path: the bind at /.shoal/agent comes from the backend's private
+// tmpfs (agentcopy.go). (A pool container's root is its blank root until
+// its claim moves the sandbox's overlay there: test/e2e checks a claimed
+// sandbox for the data directory.)
+func TestAgentBindNamesNoHostPath(t *testing.T) {
+	requireRoot(t)
+	b := poolTestBackend(t, UserNSOff)
+	for _, native := range []bool{false, true} {
+		_, pid := startTestMember(t, b, native)
+		mi := readTrim(t, "/proc/"+pid+"/mountinfo")
+		for _, host := range []string{realAgent, filepath.Dir(realAgent)} {
+			if strings.Contains(mi, host) {
+				t.Errorf("native %v: the sandbox's mountinfo names the host path %s:\n%s", native, host, mi)
+			}
+		}
+		found := false
+		for _, l := range strings.Split(mi, "\n") {
+			f := strings.Fields(l)
+			if len(f) > 4 && f[4] == agentPath {
+				found = true
+				if pre, post, _ := strings.Cut(l, " - "); !strings.HasPrefix(f[3], "/agent-") || !strings.HasPrefix(post, "tmpfs "+agentCopyFS+" ") {
+					t.Errorf("native %v: the agent's bind: %s - %s, want from /agent-N on the %s tmpfs", native, pre, post, agentCopyFS)
+				}
+			}
+		}
+		if !found {
+			t.Errorf("native %v: no bind at %s:\n%s", native, agentPath, mi)
+		}
 	}
 }

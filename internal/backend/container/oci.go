@@ -169,6 +169,12 @@ func (b *Backend) containerSpec(o containerOptions) (*specs.Spec, error) {
 			fdEnv = append(fdEnv, agent.EnvLifeline+"="+strconv.Itoa(b.readyFD()+1))
 		}
 	}
+	agentCopy := o.agent
+	if o.agent != "" { // "": a spec made to be looked at (tests)
+		if agentCopy, err = b.agents.path(o.agent); err != nil {
+			return nil, err
+		}
+	}
 	s := &specs.Spec{
 		Version: ociVersion,
 		Root:    &specs.Root{Path: o.rootfs},
@@ -193,8 +199,9 @@ func (b *Backend) containerSpec(o containerOptions) (*specs.Spec, error) {
 			{Destination: "/dev/mqueue", Type: "mqueue", Source: "mqueue", Options: []string{"nosuid", "noexec", "nodev"}},
 			{Destination: "/sys", Type: "sysfs", Source: "sysfs", Options: []string{"nosuid", "noexec", "nodev", "ro"}},
 			{Destination: "/sys/fs/cgroup", Type: "cgroup", Source: "cgroup", Options: []string{"nosuid", "noexec", "nodev", "relatime", "ro"}},
-			// The agent: one host binary shared (page cache and all) by every sandbox.
-			{Destination: agentPath, Type: "bind", Source: o.agent, Options: []string{"bind", "ro", "nosuid", "nodev"}},
+			// The agent: one binary shared (page cache and all) by every
+			// sandbox, bound from the backend's private copy (agentcopy.go).
+			{Destination: agentPath, Type: "bind", Source: agentCopy, Options: []string{"bind", "ro", "nosuid", "nodev"}},
 		},
 		Linux: &specs.Linux{
 			CgroupsPath: b.cgroupPath(o.runcID),
@@ -239,6 +246,7 @@ func (b *Backend) containerSpec(o containerOptions) (*specs.Spec, error) {
 		return nil, fmt.Errorf("seccomp profile: %w", err)
 	}
 	denyDebugging(sc) // as the compiled filter does (seccomp.go)
+	guardInitSignals(sc)
 	s.Linux.Seccomp = sc
 	return s, nil
 }

@@ -29,6 +29,7 @@ func newPoolBackend(t testing.TB, stateDir string, size int) *Backend {
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(b.agents.close) // the agent binary's tmpfs (agentcopy.go)
 	if b.pool == nil {
 		t.Fatal("no pool")
 	}
@@ -472,6 +473,7 @@ func TestPoolCloseDrains(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(b.agents.close) // the agent binary's tmpfs (agentcopy.go)
 	b.pool.take(realAgent)
 	ready := waitPool(t, b, 2)
 	if err := b.Close(context.Background()); err != nil {
@@ -538,6 +540,7 @@ func TestPoolGrowsWithDemandAndShrinksWhenIdle(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(b.agents.close) // the agent binary's tmpfs (agentcopy.go)
 	t.Cleanup(func() { b.Close(context.Background()) })
 	b.pool.take(realAgent) // starts the filler
 	waitPool(t, b, 1)
@@ -750,6 +753,7 @@ func TestPoolAcrossRestart(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(b.agents.close) // the agent binary's tmpfs (agentcopy.go)
 	for _, d := range leftover {
 		if left := runcLeftovers(t, b, filepath.Base(d), nil); len(left) > 0 || exists(d) {
 			t.Errorf("unclaimed pool container %s left after New: %v", filepath.Base(d), left)

@@ -47,7 +47,55 @@ func dockerFilterProfile() (*specs.LinuxSeccomp, error) {
 		return nil, err
 	}
 	denyDebugging(p)
+	guardInitSignals(p)
 	return p, nil
+}
+
+// signalInfoSyscalls send a signal with a siginfo of the caller's making.
+// A negative si_code (SI_QUEUE) is the sender's to choose, and the Go
+// runtime takes a SIGSEGV, SIGBUS, SIGFPE or SIGILL whose si_code is not
+// SI_USER for a fault of its own: queued to the agent (PID 1), it crashes
+// it, and the sandbox with it, whatever the agent catches
+// (agent.HandleSignals). kill(2), tgkill(2) and pidfd_send_signal(2)
+// without a siginfo send SI_USER or SI_TKILL, which the agent drops.
+var signalInfoSyscalls = []string{"rt_sigqueueinfo", "rt_tgsigqueueinfo", "pidfd_send_signal"}
+
+// guardInitSignals takes signalInfoSyscalls out of p's rules and allows
+// them again on conditions: rt_sigqueueinfo and rt_tgsigqueueinfo unless
+// their target (the low 32 bits of the first argument, a pid_t) is 1, the
+// agent; pidfd_send_signal only without a siginfo (its pidfd may name PID
+// 1 from /proc/1). Otherwise EPERM, docker's default action.
+func guardInitSignals(p *specs.LinuxSeccomp) {
+	guarded := map[string]bool{}
+	for _, n := range signalInfoSyscalls {
+		guarded[n] = true
+	}
+	kept := p.Syscalls[:0]
+	for _, sc := range p.Syscalls {
+		var names []string
+		for _, n := range sc.Names {
+			if !guarded[n] {
+				names = append(names, n)
+			}
+		}
+		if len(names) == 0 {
+			continue
+		}
+		sc.Names = names
+		kept = append(kept, sc)
+	}
+	p.Syscalls = kept
+	// pid & 0xffffffff != 1, as rules whose conditions are ANDed and
+	// which are ORed: bit 0 clear, or any of bits 1-31 set.
+	queue := []string{"rt_sigqueueinfo", "rt_tgsigqueueinfo"}
+	p.Syscalls = append(p.Syscalls, specs.LinuxSyscall{Names: queue, Action: specs.ActAllow,
+		Args: []specs.LinuxSeccompArg{{Index: 0, Value: 1, ValueTwo: 0, Op: specs.OpMaskedEqual}}})
+	for bit := uint64(1); bit < 32; bit++ {
+		p.Syscalls = append(p.Syscalls, specs.LinuxSyscall{Names: queue, Action: specs.ActAllow,
+			Args: []specs.LinuxSeccompArg{{Index: 0, Value: 1 << bit, ValueTwo: 1 << bit, Op: specs.OpMaskedEqual}}})
+	}
+	p.Syscalls = append(p.Syscalls, specs.LinuxSyscall{Names: []string{"pidfd_send_signal"}, Action: specs.ActAllow,
+		Args: []specs.LinuxSeccompArg{{Index: 2, Value: 0, Op: specs.OpEqualTo}}})
 }
 
 // debugSyscalls are the system calls that let one process look into or

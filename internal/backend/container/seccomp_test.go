@@ -67,6 +67,7 @@ func TestSeccompSameAsRunc(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(byRunc.agents.close) // the agent binary's tmpfs (agentcopy.go)
 	if byRunc.filter != nil {
 		t.Fatal("RuncSeccomp backend has a compiled filter")
 	}
@@ -283,6 +284,30 @@ func TestFilterDeniesDebugging(t *testing.T) {
 			if v, err := seccompbpf.Run(prog, seccompbpf.Data{Nr: nr, Arch: a.audit}); err != nil || v != seccompbpf.RetAllow {
 				t.Errorf("%s (%s): verdict %#x %v, want allow", name, a.arch, v, err)
 			}
+		}
+	}
+	// Signals with a siginfo of the caller's making: not to PID 1 (the low
+	// 32 bits of the pid, as the kernel reads it), nor through a pidfd.
+	for _, c := range []struct {
+		name string
+		args [6]uint64
+		want uint32
+	}{
+		{"rt_sigqueueinfo", [6]uint64{1, 11}, eperm},
+		{"rt_sigqueueinfo", [6]uint64{1 | 1<<32, 11}, eperm},
+		{"rt_sigqueueinfo", [6]uint64{0xffffffff00000001, 11}, eperm},
+		{"rt_tgsigqueueinfo", [6]uint64{1, 1, 11}, eperm},
+		{"rt_sigqueueinfo", [6]uint64{2, 11}, seccompbpf.RetAllow},
+		{"rt_sigqueueinfo", [6]uint64{0, 11}, seccompbpf.RetAllow},
+		{"rt_sigqueueinfo", [6]uint64{3, 11}, seccompbpf.RetAllow},
+		{"rt_sigqueueinfo", [6]uint64{0x80000001, 11}, seccompbpf.RetAllow},
+		{"rt_tgsigqueueinfo", [6]uint64{7, 7, 11}, seccompbpf.RetAllow},
+		{"pidfd_send_signal", [6]uint64{3, 11, 0x7fff0000}, eperm},
+		{"pidfd_send_signal", [6]uint64{3, 11, 0}, seccompbpf.RetAllow},
+	} {
+		nr, _ := seccompbpf.Resolve(specs.ArchX86_64, c.name)
+		if v, err := seccompbpf.Run(prog, seccompbpf.Data{Nr: nr, Arch: seccompbpf.AuditArchX86_64, Args: c.args}); err != nil || v != c.want {
+			t.Errorf("%s%v: verdict %#x %v, want %#x", c.name, c.args[:3], v, err, c.want)
 		}
 	}
 	// The profile runc loads with RuncSeccomp.

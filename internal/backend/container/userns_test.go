@@ -130,6 +130,7 @@ func TestUserNSOff(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(b.agents.close) // the agent binary's tmpfs (agentcopy.go)
 	h := create(t, b, poolSpec(t))
 	if h.IDMap != nil {
 		t.Fatalf("idmap %+v with user namespaces off", h.IDMap)
@@ -149,6 +150,7 @@ func TestUserNSRangeOfAnotherProcess(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(b1.agents.close) // the agent binary's tmpfs (agentcopy.go)
 	if b1.userns == nil {
 		t.Skip("sandboxes run without user namespaces on this host")
 	}
@@ -156,6 +158,7 @@ func TestUserNSRangeOfAnotherProcess(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(b2.agents.close) // the agent binary's tmpfs (agentcopy.go)
 	h, err := b1.Create(context.Background(), poolSpec(t))
 	if err != nil {
 		t.Fatal(err)

@@ -269,6 +269,7 @@ def create_body(
     memory: Union[str, int, None],
     timeout: Union[int, float, timedelta, None],
     disk: Union[str, int, None] = None,
+    log_budget: Union[str, int, None] = None,
     metadata: Optional[Mapping[str, str]],
     envs: Optional[Mapping[str, str]],
     qos: Optional[str],
@@ -303,6 +304,9 @@ def create_body(
     dsk = parse_memory(disk, "disk")
     if dsk:
         body["diskBytes"] = str(dsk)
+    lb = parse_memory(log_budget, "log_budget")
+    if lb:
+        body["logBudgetBytes"] = str(lb)
     t = seconds(timeout, "timeout")
     if t:
         body["timeoutSeconds"] = str(max(1, int(t)))

@@ -93,6 +93,19 @@ class InvalidArgument(ShoalError):
     default_code = "invalid_argument"
 
 
+class LogPruned(InvalidArgument):
+    """A command's output was read from an offset its sandbox's log budget
+    pruned (its oldest output goes first). ``offset`` is the first offset
+    kept: read (re-attach) from there. Code ``out_of_range``."""
+
+    default_code = "out_of_range"
+
+    def __init__(self, message: str = "", *, code: Optional[str] = None, status: Optional[int] = None) -> None:
+        super().__init__(message, code=code, status=status)
+        m = re.search(r"re-attach from offset (\d+)", message)
+        self.offset: Optional[int] = int(m.group(1)) if m else None
+
+
 class AlreadyExists(ShoalError):
     """The thing to create exists already."""
 
@@ -261,6 +274,9 @@ REASON_SANDBOX_KILLED = "sandbox_killed"
 # (internal/control.ReasonCommandNotFound, ReasonCommandNotExecutable).
 REASON_COMMAND_NOT_FOUND = "command_not_found"
 REASON_COMMAND_NOT_EXECUTABLE = "command_not_executable"
+# Output read from where the log budget pruned it
+# (internal/control.ReasonLogPruned).
+REASON_LOG_PRUNED = "log_pruned"
 _LAYER_MISSING = "layer not found"
 _LAYER_IN_USE = "layer in use"
 
@@ -287,6 +303,8 @@ def error_for(
         return CommandNotFound(message, code=code, status=status)
     if reason == REASON_COMMAND_NOT_EXECUTABLE:
         return CommandNotExecutable(message, code=code, status=status)
+    if reason == REASON_LOG_PRUNED or (code == "out_of_range" and "re-attach from offset" in message):
+        return LogPruned(message, code=code, status=status)
     if cls is NotFound:
         low = message.lower()
         if reason == REASON_SANDBOX_KILLED or _SANDBOX_KILLED in message:

@@ -103,6 +103,7 @@ class SandboxInfo:
     template: str = ""
     client_key: str = ""
     disk_bytes: int = 0  # size of the writable layer; 0: not limited
+    log_budget_bytes: int = 0  # its commands' logs the node keeps, at most
     qos: str = "ls"  # CPU class: "ls" or "be"
     auto_pause: int = 0  # seconds idle before it is paused; 0 = never
     pause: Optional["PauseInfo"] = None  # the last pause, if any
@@ -147,6 +148,7 @@ class SandboxInfo:
             cpus=_int(d.get("millicpu")) / 1000.0,
             pids_limit=_int(d.get("pidsLimit")),
             disk_bytes=_int(d.get("diskBytes")),
+            log_budget_bytes=_int(d.get("logBudgetBytes")),
             qos=d.get("qos") or "ls",
             timeout=_int(d.get("timeoutSeconds")),
             created_at=_time(d.get("createdAt")),

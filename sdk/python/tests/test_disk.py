@@ -37,3 +37,26 @@ def test_disk_is_validated(server) -> None:
     with pytest.raises(shoal.InvalidArgument) as e:
         Sandbox.create(base=server.base, disk="1M")  # below the node's minimum
     assert "disk" in str(e.value)
+
+
+def test_log_budget_prunes_oldest_output(server) -> None:
+    # Command logs live on the host, outside the disk: past its log budget a
+    # sandbox loses its oldest output (ended commands first); reading it
+    # raises LogPruned with the offset to go on from.
+    skip_unless_proto("log_budget_bytes", "log budgets")
+    with Sandbox.create(base=server.base, log_budget="1M") as sb:
+        assert sb.info.log_budget_bytes == 1 << 20
+        steps = []
+        for i in range(3):  # 600 kB each: two do not fit in 1 MiB
+            h = sb.commands.run(f"head -c 600000 /dev/zero | tr '\\0' x; echo step-{i}", background=True)
+            r = h.wait()
+            assert r.exit_code == 0 and r.stdout.endswith(f"step-{i}\n")
+            steps.append(h.id)
+        with pytest.raises(shoal.LogPruned) as e:
+            sb.commands.connect(steps[0]).wait()
+        assert e.value.code == "out_of_range" and e.value.offset is not None and e.value.offset > 600000
+        r = sb.commands.connect(steps[0], offset=e.value.offset).wait()
+        assert r.exit_code == 0 and r.stdout == ""  # its exit status stays
+        assert sb.commands.connect(steps[2]).wait().stdout.endswith("step-2\n")
+    with pytest.raises(shoal.InvalidArgument):
+        Sandbox.create(base=server.base, log_budget="1K")

@@ -55,6 +55,9 @@ def test_end_of_stream_error_becomes_exception() -> None:
         ("not_found", "whatever", {"sandbox_call": True}, shoal.SandboxNotFound),
         ("not_found", "sandbox abc was killed (deleted) while command x ran: the command did not exit", {}, shoal.SandboxKilled),
         ("not_found", "gone", {"reason": "sandbox_killed"}, shoal.SandboxKilled),
+        ("out_of_range", "pruned: re-attach from offset 42", {"reason": "log_pruned"}, shoal.LogPruned),
+        ("out_of_range", "the output of command c before offset 7 was pruned ...: re-attach from offset 7", {}, shoal.LogPruned),
+        ("out_of_range", "past the end", {}, shoal.InvalidArgument),
         ("invalid_argument", "bad", {}, shoal.InvalidArgument),
         ("unauthenticated", "invalid API key", {}, shoal.AuthError),
         ("resource_exhausted", "full", {}, shoal.CapacityExhausted),
@@ -139,6 +142,12 @@ def test_create_body() -> None:
         "base": "b:1", "workspaces": ["w:1"], "backend": "container", "millicpu": "500", "memoryBytes": str(256 << 20),
         "timeoutSeconds": "90", "metadata": {"a": "1"}, "env": {"K": "V"}, "clientKey": "ck",
     }  # fmt: skip
+    b = proto.create_body(
+        template=None, base="b:1", workspaces=None, toolkits=None, backend=None, cpus=None, memory=None, disk="64M",
+        log_budget="16M", timeout=None, metadata=None, envs=None, qos=None, client_key=None,
+    )  # fmt: skip
+    assert b == {"base": "b:1", "diskBytes": str(64 << 20), "logBudgetBytes": str(16 << 20)}
+    assert shoal.exceptions.error_for("out_of_range", "x: re-attach from offset 42", reason="log_pruned").offset == 42
     with pytest.raises(shoal.InvalidArgument):
         proto.create_body(template=None, base="b", workspaces="w:1", toolkits=None, backend=None, cpus=None, memory=None, timeout=None, metadata=None, envs=None, qos=None, client_key=None)
     with pytest.raises(shoal.InvalidArgument):

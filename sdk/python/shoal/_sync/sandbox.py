@@ -67,6 +67,7 @@ class Sandbox:
         cpus: Optional[float] = None,
         memory: Union[str, int, None] = None,
         disk: Union[str, int, None] = None,
+        log_budget: Union[str, int, None] = None,
         qos: Optional[str] = None,
         client_key: Optional[str] = None,
         allow_internet_access: bool = False,
@@ -96,6 +97,11 @@ class Sandbox:
         :param disk: size of the sandbox's writable layer, bytes or a size
             such as ``"4G"`` (default: the server's, 1 GiB): a file system of
             its own, on which writes past it fail with ENOSPC.
+        :param log_budget: bytes (or a size such as ``"64M"``) of its
+            commands' output logs (trajectory steps and shells included) the
+            node keeps; past it the oldest output is pruned, ended commands'
+            first, and reading pruned output raises :class:`LogPruned`
+            (default: the server's, a quarter of the disk; at least 1 MiB).
         :param qos: CPU class: ``"ls"`` (latency-sensitive, the default) or
             ``"be"`` (best effort: the lowest CPU weight, its processes under
             SCHED_IDLE; it gets the CPU latency-sensitive sandboxes leave).
@@ -127,6 +133,7 @@ class Sandbox:
             cpus=cpus,
             memory=memory,
             disk=disk,
+            log_budget=log_budget,
             timeout=timeout,
             metadata=metadata,
             envs=envs,

@@ -21,6 +21,7 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"os/signal"
 	"strconv"
 	"strings"
 	"syscall"
@@ -169,6 +170,37 @@ func main() {
 			unix.Close(fd)
 		}
 		report("pidfd_getfd-pid1", err, "got the agent's fd 2")
+		unix.Close(pidfd)
+	}
+
+	// A fault forged for the agent: SIGSEGV with a siginfo of our making
+	// (si_code SI_QUEUE), which the Go runtime would take for its own
+	// fault and die of.
+	var info [128]byte
+	*(*int32)(unsafe.Pointer(&info[0])) = int32(unix.SIGSEGV)
+	*(*int32)(unsafe.Pointer(&info[8])) = -1 // SI_QUEUE
+	_, _, e = unix.Syscall(unix.SYS_RT_SIGQUEUEINFO, 1, uintptr(unix.SIGSEGV), uintptr(unsafe.Pointer(&info[0])))
+	report("rt_sigqueueinfo-pid1", errnoErr(e), "queued a SIGSEGV")
+	// The kernel reads the pid's low 32 bits only.
+	_, _, e = unix.Syscall(unix.SYS_RT_SIGQUEUEINFO, 1|1<<32, uintptr(unix.SIGSEGV), uintptr(unsafe.Pointer(&info[0])))
+	report("rt_sigqueueinfo-pid1-high", errnoErr(e), "queued a SIGSEGV")
+	_, _, e = unix.Syscall6(unix.SYS_RT_TGSIGQUEUEINFO, 1, 1, uintptr(unix.SIGSEGV), uintptr(unsafe.Pointer(&info[0])), 0, 0)
+	report("rt_tgsigqueueinfo-pid1", errnoErr(e), "queued a SIGSEGV")
+	if pidfd, err := unix.PidfdOpen(1, 0); err != nil {
+		report("pidfd_send_signal-info-pid1", fmt.Errorf("pidfd_open: %w", err), "")
+	} else {
+		_, _, e = unix.Syscall6(unix.SYS_PIDFD_SEND_SIGNAL, uintptr(pidfd), uintptr(unix.SIGSEGV), uintptr(unsafe.Pointer(&info[0])), 0, 0, 0)
+		report("pidfd_send_signal-info-pid1", errnoErr(e), "sent a SIGSEGV")
+		unix.Close(pidfd)
+	}
+	// To itself, and without a siginfo, they work (an ignored signal).
+	signal.Ignore(unix.SIGUSR1)
+	*(*int32)(unsafe.Pointer(&info[0])) = int32(unix.SIGUSR1)
+	_, _, e = unix.Syscall(unix.SYS_RT_SIGQUEUEINFO, uintptr(os.Getpid()), uintptr(unix.SIGUSR1), uintptr(unsafe.Pointer(&info[0])))
+	report("rt_sigqueueinfo-self", errnoErr(e), "queued")
+	if pidfd, err := unix.PidfdOpen(os.Getpid(), 0); err == nil {
+		_, _, e = unix.Syscall6(unix.SYS_PIDFD_SEND_SIGNAL, uintptr(pidfd), uintptr(unix.SIGUSR1), 0, 0, 0, 0)
+		report("pidfd_send_signal-self", errnoErr(e), "sent")
 		unix.Close(pidfd)
 	}
 
