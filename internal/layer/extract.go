@@ -273,6 +273,11 @@ type extractor struct {
 	// current holds the paths the stream being applied created (whiteouts
 	// only apply to earlier streams).
 	current map[string]bool
+	// overlay: one OCI layer kept as a layer of its own (pull.go): its
+	// whiteouts become overlayfs's (a character device 0/0 for ".wh.NAME",
+	// trusted.overlay.opaque=y for ".wh..wh..opq"), for the layers below
+	// it in a stack. Exclusive with whiteouts.
+	overlay bool
 }
 
 // newExtractor makes dst (which must not exist) and returns an extractor
@@ -338,6 +343,12 @@ func (x *extractor) extract(hdr *tar.Header, r io.Reader) error {
 			return x.whiteout(path.Dir(name), base)
 		}
 	}
+	if x.overlay {
+		if base := path.Base(name); strings.HasPrefix(base, whiteoutPrefix) {
+			return x.overlayWhiteout(path.Dir(name), base)
+		}
+		dropOverlayXattrs(hdr)
+	}
 	if name == "." {
 		if typ != tar.TypeDir {
 			return errors.New("the root of the archive must be a directory")
@@ -345,6 +356,9 @@ func (x *extractor) extract(hdr *tar.Header, r io.Reader) error {
 		x.entries["."].hdr = hdr
 		return nil
 	}
+	// A directory where this layer whited out what lower layers have:
+	// it hides their directory (pull.go).
+	hides := x.overlay && x.entries[name] != nil && x.entries[name].typ == tar.TypeChar
 	if err := x.prepare(name, typ); err != nil {
 		return err
 	}
@@ -360,6 +374,9 @@ func (x *extractor) extract(hdr *tar.Header, r io.Reader) error {
 			return err
 		}
 		x.entries[name] = &entry{typ: tar.TypeDir, hdr: hdr}
+		if hides {
+			return x.markOpaque(name)
+		}
 	case tar.TypeReg:
 		f, err := x.root.OpenFile(name, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
 		if err != nil {
@@ -392,7 +409,7 @@ func (x *extractor) extract(hdr *tar.Header, r io.Reader) error {
 			return fmt.Errorf("hard link target: %w", err)
 		}
 		e := x.entries[target]
-		if e == nil || e.typ == tar.TypeDir {
+		if e == nil || e.typ == tar.TypeDir || e.typ == tar.TypeChar {
 			return fmt.Errorf("hard link to %q, which is not an earlier file of the archive", hdr.Linkname)
 		}
 		if err := x.root.Link(target, name); err != nil {
