@@ -20,6 +20,8 @@ import (
 	"compress/gzip"
 	"context"
 	"crypto/sha256"
+	"crypto/tls"
+	"crypto/x509"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
@@ -85,9 +87,12 @@ type RegistryConfig struct {
 	// tried in order before the registry itself, as containerd's hosts.toml
 	// does. A mirror serves the same repository paths.
 	Mirrors map[string][]string
-	// Insecure: registries spoken to over plain HTTP (or HTTPS without
-	// checking their certificate).
+	// Insecure: registries spoken to over plain HTTP.
 	Insecure []string
+	// RootCAs: the certificate authorities registries' certificates are
+	// checked against (serve --registry-ca, with the system's); nil: the
+	// system's.
+	RootCAs *x509.CertPool
 	// Keychain: this node's own credentials (serve --registry-auth);
 	// nil: anonymous, unless a pull brings its own.
 	Keychain authn.Keychain
@@ -331,7 +336,7 @@ func (s *Store) pullImage(ctx context.Context, o PullOptions) (PulledImage, erro
 	opts := []remote.Option{
 		remote.WithContext(ctx),
 		remote.WithAuthFromKeychain(keychain),
-		remote.WithTransport(registryTransport(cfg.StallTimeout)),
+		remote.WithTransport(registryTransport(cfg)),
 		remote.WithPlatform(v1.Platform{OS: "linux", Architecture: runtime.GOARCH}),
 		remote.WithUserAgent("shoal"),
 	}
@@ -520,8 +525,12 @@ func (f keychainFunc) Resolve(r authn.Resource) (authn.Authenticator, error) { r
 
 // registryTransport bounds the wait for a registry's response headers
 // (bodies are bounded by stallReader).
-func registryTransport(stall time.Duration) http.RoundTripper {
+func registryTransport(cfg RegistryConfig) http.RoundTripper {
+	stall := cfg.StallTimeout
 	t := remote.DefaultTransport.(*http.Transport).Clone()
+	if cfg.RootCAs != nil {
+		t.TLSClientConfig = &tls.Config{RootCAs: cfg.RootCAs, MinVersion: tls.VersionTLS12}
+	}
 	t.ResponseHeaderTimeout = stall
 	t.TLSHandshakeTimeout = min(stall, t.TLSHandshakeTimeout)
 	t.DialContext = (&net.Dialer{Timeout: min(stall, 30*time.Second), KeepAlive: 30 * time.Second}).DialContext

@@ -64,6 +64,10 @@ type Record struct {
 	// Pause describes the last pause (set while paused, kept after resume
 	// until the next pause).
 	Pause *PauseInfo `json:"pause,omitempty"`
+	// Cwd and User: of its commands that name none (the WorkingDir and
+	// User of the image it was made from, images.go); "" otherwise.
+	Cwd  string `json:"cwd,omitempty"`
+	User string `json:"user,omitempty"`
 }
 
 // PauseInfo is what the node knows of a sandbox's last pause.

@@ -1,0 +1,105 @@
+package node
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"maps"
+	"strings"
+
+	"github.com/shoal-sandbox/shoal/internal/errdefs"
+	"github.com/shoal-sandbox/shoal/internal/layer"
+	"github.com/shoal-sandbox/shoal/internal/limits"
+)
+
+// applyImage turns a create's base that is an OCI image rather than a
+// layer into the image's stack, pulling the image first if this node has
+// not (with the node's own registry logins, serve --registry-auth). The
+// rule: a base that resolves as a layer (a tag, name@digest or digest) is
+// that layer; any other base that reads as an image reference
+// ([REGISTRY/]REPOSITORY[:TAG|@DIGEST]) is that image. The image's layers
+// go below the request's workspaces, as an environment's do, and its
+// config (or, for a template made by a pull, the environment's) gives the
+// sandbox's defaults: its Env under the request's, its WorkingDir and User
+// for commands that name none.
+func (m *Manager) applyImage(ctx context.Context, req *CreateRequest) error {
+	if req.image != nil || req.Base == "" {
+		return nil
+	}
+	_, lerr := m.layers.Resolve(req.Base)
+	if lerr == nil || !(errors.Is(lerr, layer.ErrNotFound) || errors.Is(lerr, layer.ErrInvalidRef)) {
+		return nil // a layer (or an error the create reports as it did)
+	}
+	if _, err := layer.ParseImageRef(req.Base); err != nil {
+		return nil // neither: the create says the layer is unknown
+	}
+	im, err := m.layers.LookupPulledImage(req.Base)
+	if errors.Is(err, layer.ErrNotFound) {
+		m.log.Info("pulling the image of a create", "image", req.Base)
+		im, err = m.layers.PullImage(ctx, layer.PullOptions{Image: req.Base})
+	}
+	if err != nil {
+		return fmt.Errorf("base %s is neither a layer here (%v) nor an image that could be pulled: %w", req.Base, lerr, err)
+	}
+	base, ws := im.Stack()
+	req.Base = base
+	req.Workspaces = append(ws, req.Workspaces...)
+	cfg := im.Config
+	req.image = &cfg
+	return nil
+}
+
+// applyImageConfig puts an image's Env under the request's, and checks
+// its WorkingDir and User (of which the user part of USER:GROUP is kept:
+// a command runs with its user's groups).
+func applyImageConfig(req *CreateRequest) error {
+	if req.image == nil {
+		return nil
+	}
+	c := *req.image
+	c.User, _, _ = strings.Cut(c.User, ":")
+	if c.User == "root" || c.User == "0" {
+		c.User = "" // the default
+	}
+	if err := limits.User("the image's user", c.User); err != nil {
+		return err
+	}
+	if err := limits.Path("the image's working directory", c.WorkingDir); err != nil {
+		return err
+	}
+	req.image = &c
+	if len(c.Env) == 0 {
+		return nil
+	}
+	env := make(map[string]string, len(req.image.Env)+len(req.Env))
+	for _, kv := range req.image.Env {
+		k, v, ok := strings.Cut(kv, "=")
+		if !ok || k == "" {
+			return errdefs.New(ErrInvalid, "the image's environment entry %.64q is not KEY=VALUE", kv)
+		}
+		env[k] = v
+	}
+	maps.Copy(env, req.Env)
+	req.Env = env
+	return nil
+}
+
+// CommandDefaults returns the working directory and user of a sandbox's
+// commands that name none (its image's WorkingDir and User; "" for
+// sandboxes made from layers).
+func (m *Manager) CommandDefaults(id string) (cwd, user string) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	e, err := m.lookup(id)
+	if err != nil {
+		return "", ""
+	}
+	return e.rec.Cwd, e.rec.User
+}
+
+func imageField(c *layer.ImageConfig, f func(*layer.ImageConfig) string) string {
+	if c == nil {
+		return ""
+	}
+	return f(c)
+}
