@@ -17,7 +17,6 @@ import (
 	"archive/tar"
 	"bufio"
 	"bytes"
-	"compress/gzip"
 	"context"
 	"crypto/sha256"
 	"crypto/tls"
@@ -45,6 +44,7 @@ import (
 	"github.com/google/go-containerregistry/pkg/v1/remote"
 	"github.com/google/go-containerregistry/pkg/v1/remote/transport"
 	"github.com/google/go-containerregistry/pkg/v1/types"
+	"github.com/klauspost/compress/gzip"
 	"github.com/klauspost/compress/zstd"
 	"go.etcd.io/bbolt"
 	"golang.org/x/sys/unix"
@@ -297,6 +297,29 @@ func (s *Store) LookupPulledImage(image string) (PulledImage, error) {
 	return im, nil
 }
 
+// pulledAlready returns the record of ref if it was pulled at digest and
+// all its layers are still here (or in the layer store).
+func (s *Store) pulledAlready(ref name.Reference, digest string) (PulledImage, bool) {
+	var im PulledImage
+	var found bool
+	s.db.View(func(tx *bbolt.Tx) error {
+		if b := tx.Bucket(imagesBucket); b != nil {
+			found, _ = get(b, ref.Name(), &im)
+		}
+		return nil
+	})
+	if !found || im.Digest != digest {
+		return PulledImage{}, false
+	}
+	for _, t := range im.Layers {
+		if _, err := s.Resolve(t); err != nil {
+			return PulledImage{}, false
+		}
+	}
+	im.Fetched, im.Reused = 0, len(im.Layers)
+	return im, true
+}
+
 // PullImage pulls an image from its registry (or a mirror of it): its
 // manifest (for an index, the linux image of this machine's architecture),
 // its config and each OCI layer not here yet, checked against its digest
@@ -382,6 +405,12 @@ func (s *Store) pullImage(ctx context.Context, o PullOptions) (PulledImage, erro
 	if err != nil {
 		return PulledImage{}, pullError(ctx, err)
 	}
+	if im, ok := s.pulledAlready(ref, digest.String()); ok {
+		// The same image as last time (the tag has not moved): its
+		// record, without fetching its config again.
+		rep.start(StageDone, "", 0, "done in %.1fs: %s, %d layers here already", time.Since(start).Seconds(), im.Digest, len(im.Layers))
+		return im, nil
+	}
 	cf, err := img.ConfigFile()
 	if err != nil {
 		return PulledImage{}, pullError(ctx, fmt.Errorf("read the image config: %w", err))
@@ -402,13 +431,17 @@ func (s *Store) pullImage(ctx context.Context, o PullOptions) (PulledImage, erro
 	case n != len(cf.RootFS.DiffIDs) || n != len(mf.Layers):
 		return PulledImage{}, errdefs.New(errdefs.ErrInvalidArgument, "%s has %d layers and its config %d diff IDs: the image is corrupt", ref.Name(), n, len(cf.RootFS.DiffIDs))
 	}
-	if cf.OS != "" && cf.OS != "linux" {
-		return PulledImage{}, errdefs.New(errdefs.ErrInvalidArgument, "%s is an image for %s, not linux", ref.Name(), cf.OS)
+	if (cf.OS != "" && cf.OS != "linux") || (cf.Architecture != "" && cf.Architecture != runtime.GOARCH) {
+		return PulledImage{}, errdefs.New(errdefs.ErrNotFound, "%s is an image for %s/%s: this node runs linux/%s", ref.Name(), cf.OS, cf.Architecture, runtime.GOARCH)
+	}
+	platform := "linux/" + runtime.GOARCH
+	if p := cf.Platform(); p != nil {
+		platform = p.String()
 	}
 	im := PulledImage{
 		Ref:      ref.Name(),
 		Digest:   digest.String(),
-		Platform: cf.Platform().String(),
+		Platform: platform,
 		Config: ImageConfig{
 			Env:        cf.Config.Env,
 			WorkingDir: cf.Config.WorkingDir,

@@ -334,6 +334,10 @@ func TestPullImage(t *testing.T) {
 	if im1b.Fetched != 0 || im1b.Reused != 3 || reg.blobGets(mustDigest(t, topLayer(t, "one"))) != before {
 		t.Errorf("second pull: %d bytes fetched, %d reused", im1b.Fetched, im1b.Reused)
 	}
+	cfgDigest, _ := img1.ConfigName()
+	if n := reg.blobGets(cfgDigest); n != 1 {
+		t.Errorf("the config of an image pulled again at the same digest fetched %d times, want 1", n)
+	}
 	if got, err := e.store.LookupPulledImage(ref1); err != nil || got.Digest != im1.Digest {
 		t.Errorf("LookupPulledImage: %+v, %v", got, err)
 	}
@@ -396,6 +400,22 @@ func TestPullImageIndex(t *testing.T) {
 	ref2, _ := name.ParseReference(reg.host + "/foreign:1")
 	if err := remote.WriteIndex(ref2, only); err != nil {
 		t.Fatal(err)
+	}
+	// A single image of another platform, and one whose config names none.
+	ref3, _ := name.ParseReference(reg.host + "/foreign-image:1")
+	if err := remote.Write(ref3, theirs); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.store.PullImage(context.Background(), PullOptions{Image: ref3.Name()}); !errors.Is(err, errdefs.ErrNotFound) || !strings.Contains(err.Error(), "linux/"+other) {
+		t.Errorf("pull of another platform's image: %v", err)
+	}
+	bare, _ := mutate.AppendLayers(empty.Image, tarLayer(t, file("bare", "x")))
+	ref4, _ := name.ParseReference(reg.host + "/bare:1")
+	if err := remote.Write(ref4, bare); err != nil {
+		t.Fatal(err)
+	}
+	if im, err := e.store.PullImage(context.Background(), PullOptions{Image: ref4.Name()}); err != nil || im.Platform != "linux/"+runtime.GOARCH {
+		t.Errorf("pull of an image whose config names no platform: %+v, %v", im, err)
 	}
 	before, _ := e.store.List()
 	_, err = e.store.PullImage(context.Background(), PullOptions{Image: ref2.Name()})
