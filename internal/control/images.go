@@ -2,7 +2,6 @@ package control
 
 import (
 	"context"
-	"errors"
 	"fmt"
 
 	"connectrpc.com/connect"
@@ -91,25 +90,25 @@ func imageConfigPB(c *layer.ImageConfig) *pb.ImageConfig {
 	return &pb.ImageConfig{Env: c.Env, WorkingDir: c.WorkingDir, User: c.User, Entrypoint: c.Entrypoint, Cmd: c.Cmd}
 }
 
-// envFromImage makes an environment whose base is an OCI image rather
-// than a layer the image's stack, pulling the image if this node has not
-// (with the server's own registry logins): the same rule as a create's
-// base (node.applyImage). The image's layers go below the request's
-// workspaces; its config is kept as the environment's.
+// envFromImage makes an environment whose base names an OCI image rather
+// than a layer (layer.Store.ImageForBase: the same rule as a create's)
+// the image's stack, pulling the image if this node has not (with the
+// server's own registry logins). The image's layers go below the
+// request's workspaces; its config is kept as the environment's.
 func envFromImage(ctx context.Context, store *layer.Store, e *layer.Env) error {
-	_, lerr := store.Resolve(e.Base)
-	if lerr == nil || !(errors.Is(lerr, layer.ErrNotFound) || errors.Is(lerr, layer.ErrInvalidRef)) {
-		return nil
+	image, pull := store.ImageForBase(e.Base)
+	if image == "" {
+		return nil // a layer: CreateEnv checks it
 	}
-	if _, err := layer.ParseImageRef(e.Base); err != nil {
-		return nil // neither: CreateEnv says what is wrong with the layer
-	}
-	im, err := store.LookupPulledImage(e.Base)
-	if errors.Is(err, layer.ErrNotFound) {
-		im, err = store.PullImage(ctx, layer.PullOptions{Image: e.Base})
+	var im layer.PulledImage
+	var err error
+	if pull {
+		im, err = store.PullImage(ctx, layer.PullOptions{Image: image})
+	} else {
+		im, err = store.LookupPulledImage(image)
 	}
 	if err != nil {
-		return fmt.Errorf("create environment %s: base %s is neither a layer here (%v) nor an image that could be pulled: %w", e.Name, e.Base, lerr, err)
+		return fmt.Errorf("create environment %s: base %s: %w", e.Name, e.Base, err)
 	}
 	base, ws := im.Stack()
 	cfg := im.Config

@@ -245,6 +245,48 @@ func ParseImageRef(s string) (name.Reference, error) {
 	return ref, nil
 }
 
+// ImageForBase says which image a base (of a create or an environment)
+// names, if it names one rather than a layer. The rule: a base with a "/"
+// (a registry, or a repository path: "registry.example:5000/swe/task:1",
+// "library/python:3.12") is an image (no layer name has one), pulled if
+// it was not; any other base is a layer, unless no layer has that
+// reference and an image of that name (Docker Hub's: "python:3.12") was
+// pulled before, which it then names. Never a network call for a base
+// without a "/". pull says whether the image must be pulled first.
+func (s *Store) ImageForBase(base string) (image string, pull bool) {
+	if strings.Contains(base, "/") {
+		if _, err := s.LookupPulledImage(base); err == nil {
+			return base, false
+		}
+		return base, true
+	}
+	if _, err := ParseImageRef(base); err != nil {
+		return "", false
+	}
+	if !s.hasPulledImage(base) {
+		return "", false
+	}
+	if _, err := s.Resolve(base); err == nil {
+		return "", false // a layer wins
+	}
+	return base, false
+}
+
+func (s *Store) hasPulledImage(image string) bool {
+	ref, err := ParseImageRef(image)
+	if err != nil {
+		return false
+	}
+	var found bool
+	s.db.View(func(tx *bbolt.Tx) error {
+		if b := tx.Bucket(imagesBucket); b != nil {
+			found = b.Get([]byte(ref.Name())) != nil
+		}
+		return nil
+	})
+	return found
+}
+
 // PulledImages returns the pulled images, by reference.
 func (s *Store) PulledImages() ([]PulledImage, error) {
 	var out []PulledImage

@@ -30,6 +30,7 @@ import (
 	"github.com/google/go-containerregistry/pkg/v1/tarball"
 
 	"github.com/shoal-sandbox/shoal/internal/errdefs"
+	lstore "github.com/shoal-sandbox/shoal/internal/layer/remote"
 )
 
 // testRegistry is go-containerregistry's in-process registry, counting the
@@ -487,7 +488,7 @@ func TestPullImageCorruptBlob(t *testing.T) {
 		rec := httptest.NewRecorder()
 		next.ServeHTTP(rec, r)
 		body := rec.Body.Bytes()
-		body[len(body)-10] ^= 0xff // the gzip trailer: the tar still reads
+		body[4] ^= 0xff // the gzip header's mtime: the same content, another digest
 		for k, v := range rec.Header() {
 			w.Header()[k] = v
 		}
@@ -495,8 +496,8 @@ func TestPullImageCorruptBlob(t *testing.T) {
 		w.Write(body)
 	}
 	_, err := e.store.PullImage(context.Background(), PullOptions{Image: ref})
-	if err == nil {
-		t.Fatal("a blob that does not match its digest was pulled")
+	if !errors.Is(err, errdefs.ErrInvalidArgument) || !strings.Contains(err.Error(), d.Hex) {
+		t.Fatalf("a blob that does not match its digest: %v, want invalid argument naming the digest", err)
 	}
 	t.Log(err)
 	if _, err := e.store.Resolve(ociTag(KindBase, d)); !errors.Is(err, ErrNotFound) {
@@ -579,4 +580,63 @@ func TestPullImageAuthAndMirror(t *testing.T) {
 	if im.Ref != "index.docker.io/library/busy:1" || !slices.Equal(im.Config.Env, []string{"FROM=mirror"}) {
 		t.Errorf("pulled %s %v through the mirror", im.Ref, im.Config.Env)
 	}
+
+	// Which bases are images: with a "/", always (pulled if need be);
+	// without, only one pulled before and no layer of that name.
+	for _, c := range []struct {
+		base, image string
+		pull        bool
+	}{
+		{"busy:1", "busy:1", false},
+		{"docker.io/library/busy:1", "docker.io/library/busy:1", false},
+		{"library/busy:1", "library/busy:1", false},
+		{"busy:2", "", false},
+		{"python:3.12", "", false},
+		{mirror.host + "/library/busy:9", mirror.host + "/library/busy:9", true},
+	} {
+		if image, pull := e2.store.ImageForBase(c.base); image != c.image || pull != c.pull {
+			t.Errorf("ImageForBase(%q) = %q, %v; want %q, %v", c.base, image, pull, c.image, c.pull)
+		}
+	}
+	if _, _, err := e2.store.Tag(im.Layers[0], "busy:1"); err != nil { // a layer of that name wins
+		t.Fatal(err)
+	}
+	if image, _ := e2.store.ImageForBase("busy:1"); image != "" {
+		t.Errorf("ImageForBase of a layer's tag: %q", image)
+	}
+}
+
+// TestPullImageFleet: with a layer store written through, a node pulls
+// from the store, not from the registry, the layers another node
+// converted; it fetches only the manifest and config from the registry.
+func TestPullImageFleet(t *testing.T) {
+	a := newEnv(t)
+	st, err := lstore.Open("file://"+filepath.Join(a.root, "store"), lstore.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	a.store.SetRemote(RemoteConfig{Store: st, WriteThrough: true})
+	reg := newTestRegistry(t)
+	base, change := baseLayer(t), changeLayer(t)
+	img := testImage(t, v1.Config{}, base, change, topLayer(t, "fleet"))
+	ref := reg.push(t, "fleet:1", img)
+	if _, err := a.store.PullImage(context.Background(), PullOptions{Image: ref}); err != nil {
+		t.Fatal(err)
+	}
+
+	b := newEnv(t)
+	b.store.SetRemote(RemoteConfig{Store: st})
+	im, err := b.store.PullImage(context.Background(), PullOptions{Image: ref})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if im.Reused != 3 || im.Fetched != 0 {
+		t.Errorf("second node: %d layers reused, %d bytes fetched; want 3 and 0", im.Reused, im.Fetched)
+	}
+	for _, l := range []v1.Layer{base, change} {
+		if n := reg.blobGets(mustDigest(t, l)); n != 1 {
+			t.Errorf("layer %s fetched %d times from the registry, want 1 (by the first node)", mustDigest(t, l), n)
+		}
+	}
+	diffStack(t, stackTree(t, mountStack(t, b, im)), flattened(t, img))
 }

@@ -2,7 +2,6 @@ package node
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"maps"
 	"strings"
@@ -12,34 +11,32 @@ import (
 	"github.com/shoal-sandbox/shoal/internal/limits"
 )
 
-// applyImage turns a create's base that is an OCI image rather than a
-// layer into the image's stack, pulling the image first if this node has
-// not (with the node's own registry logins, serve --registry-auth). The
-// rule: a base that resolves as a layer (a tag, name@digest or digest) is
-// that layer; any other base that reads as an image reference
-// ([REGISTRY/]REPOSITORY[:TAG|@DIGEST]) is that image. The image's layers
-// go below the request's workspaces, as an environment's do, and its
-// config (or, for a template made by a pull, the environment's) gives the
-// sandbox's defaults: its Env under the request's, its WorkingDir and User
-// for commands that name none.
+// applyImage turns a create's base that names an OCI image rather than
+// a layer (layer.Store.ImageForBase says which) into the image's stack,
+// pulling the image first if this node has not (with the node's own
+// registry logins, serve --registry-auth). The image's layers go below
+// the request's workspaces, as an environment's do, and its config (or,
+// for a template made by a pull, the environment's) gives the sandbox's
+// defaults: its Env under the request's, its WorkingDir and User for
+// commands that name none.
 func (m *Manager) applyImage(ctx context.Context, req *CreateRequest) error {
 	if req.image != nil || req.Base == "" {
 		return nil
 	}
-	_, lerr := m.layers.Resolve(req.Base)
-	if lerr == nil || !(errors.Is(lerr, layer.ErrNotFound) || errors.Is(lerr, layer.ErrInvalidRef)) {
-		return nil // a layer (or an error the create reports as it did)
+	image, pull := m.layers.ImageForBase(req.Base)
+	if image == "" {
+		return nil // a layer (or an unknown one: the create says so)
 	}
-	if _, err := layer.ParseImageRef(req.Base); err != nil {
-		return nil // neither: the create says the layer is unknown
-	}
-	im, err := m.layers.LookupPulledImage(req.Base)
-	if errors.Is(err, layer.ErrNotFound) {
-		m.log.Info("pulling the image of a create", "image", req.Base)
-		im, err = m.layers.PullImage(ctx, layer.PullOptions{Image: req.Base})
+	var im layer.PulledImage
+	var err error
+	if pull {
+		m.log.Info("pulling the image of a create", "image", image)
+		im, err = m.layers.PullImage(ctx, layer.PullOptions{Image: image})
+	} else {
+		im, err = m.layers.LookupPulledImage(image)
 	}
 	if err != nil {
-		return fmt.Errorf("base %s is neither a layer here (%v) nor an image that could be pulled: %w", req.Base, lerr, err)
+		return fmt.Errorf("base %s: %w", req.Base, err)
 	}
 	base, ws := im.Stack()
 	req.Base = base
