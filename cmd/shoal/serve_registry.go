@@ -28,6 +28,7 @@ type registryConfig struct {
 	Insecure []string // --insecure-registry HOST
 	CAs      []string // --registry-ca FILE
 	Stall    time.Duration
+	MaxPull  string // --registry-max-pull-bytes
 }
 
 func addRegistryFlags(cmd *cobra.Command, c *registryConfig) {
@@ -36,6 +37,7 @@ func addRegistryFlags(cmd *cobra.Command, c *registryConfig) {
 	cmd.Flags().StringArrayVar(&c.Insecure, "insecure-registry", nil, "a registry HOST[:PORT] spoken to over plain HTTP (repeatable; 127.0.0.1 and localhost are tried over HTTP anyway)")
 	cmd.Flags().StringArrayVar(&c.CAs, "registry-ca", nil, "a PEM file of certificate authorities registries' certificates are checked against, besides the system's (repeatable)")
 	cmd.Flags().DurationVar(&c.Stall, "registry-stall-timeout", layer.DefaultStallTimeout, "a pull ends when a registry sends nothing for this long")
+	cmd.Flags().StringVar(&c.MaxPull, "registry-max-pull-bytes", "64G", "uncompressed bytes one image pull may convert (its layers not already here, together)")
 }
 
 // layerConfig turns the flags into the layer store's RegistryConfig,
@@ -48,6 +50,13 @@ func (c registryConfig) layerConfig() (layer.RegistryConfig, error) {
 			return rc, fmt.Errorf("--registry-mirror %q: want HOST=URL (e.g. docker.io=https://mirror.example)", m)
 		}
 		rc.Mirrors[host] = append(rc.Mirrors[host], u)
+	}
+	if c.MaxPull != "" {
+		n, err := parseBytes(c.MaxPull)
+		if err != nil || n <= 0 {
+			return rc, fmt.Errorf("--registry-max-pull-bytes %q: want a positive size (e.g. 64G)", c.MaxPull)
+		}
+		rc.MaxPullBytes = n
 	}
 	if c.Stall <= 0 {
 		return rc, fmt.Errorf("--registry-stall-timeout %s: want a positive duration", c.Stall)

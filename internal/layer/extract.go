@@ -273,6 +273,8 @@ type extractor struct {
 	// current holds the paths the stream being applied created (whiteouts
 	// only apply to earlier streams).
 	current map[string]bool
+	// maxEntries, if not 0, bounds the entries of one stream (pull.go).
+	maxEntries int
 	// overlay: one OCI layer kept as a layer of its own (pull.go): its
 	// whiteouts become overlayfs's (a character device 0/0 for ".wh.NAME",
 	// trusted.overlay.opaque=y for ".wh..wh..opq"), for the layers below
@@ -299,7 +301,10 @@ func (x *extractor) close() { x.root.Close() }
 func (x *extractor) apply(ctx context.Context, r io.Reader) error {
 	x.current = map[string]bool{}
 	tr := tar.NewReader(r)
-	for {
+	for n := 1; ; n++ {
+		if x.maxEntries > 0 && n > x.maxEntries {
+			return fmt.Errorf("more than %d entries", x.maxEntries)
+		}
 		hdr, err := tr.Next()
 		if err == io.EOF {
 			return nil

@@ -76,9 +76,14 @@ const (
 	// DefaultStallTimeout: a registry that sends nothing for this long
 	// (no response, no byte of a blob) ends the pull.
 	DefaultStallTimeout = 60 * time.Second
-	// DefaultMaxLayerBytes: uncompressed bytes of one OCI layer.
-	DefaultMaxLayerBytes = 64 << 30
+	// DefaultMaxPullBytes: uncompressed bytes one pull may convert, all
+	// its layers together.
+	DefaultMaxPullBytes = 64 << 30
 )
+
+// maxLayerEntries: tar entries of one OCI layer (a variable for the
+// tests).
+var maxLayerEntries = 4 << 20
 
 // RegistryConfig says how this node reaches OCI registries.
 type RegistryConfig struct {
@@ -98,8 +103,8 @@ type RegistryConfig struct {
 	Keychain authn.Keychain
 	// StallTimeout: see DefaultStallTimeout (0: that).
 	StallTimeout time.Duration
-	// MaxLayerBytes: see DefaultMaxLayerBytes (0: that).
-	MaxLayerBytes int64
+	// MaxPullBytes: see DefaultMaxPullBytes (0: that).
+	MaxPullBytes int64
 }
 
 // Validate checks the mirrors' URLs and the registries' names.
@@ -119,8 +124,8 @@ func (c RegistryConfig) Validate() error {
 			return fmt.Errorf("insecure registry %q: %w", h, err)
 		}
 	}
-	if c.StallTimeout < 0 || c.MaxLayerBytes < 0 {
-		return errors.New("registry: negative stall timeout or layer size")
+	if c.StallTimeout < 0 || c.MaxPullBytes < 0 {
+		return errors.New("registry: negative stall timeout or pull size")
 	}
 	return nil
 }
@@ -150,8 +155,8 @@ func (s *Store) registry() RegistryConfig {
 	if rc.StallTimeout == 0 {
 		rc.StallTimeout = DefaultStallTimeout
 	}
-	if rc.MaxLayerBytes == 0 {
-		rc.MaxLayerBytes = DefaultMaxLayerBytes
+	if rc.MaxPullBytes == 0 {
+		rc.MaxPullBytes = DefaultMaxPullBytes
 	}
 	return rc
 }
@@ -492,6 +497,7 @@ func (s *Store) pullImage(ctx context.Context, o PullOptions) (PulledImage, erro
 			Cmd:        cf.Config.Cmd,
 		},
 	}
+	budget := cfg.MaxPullBytes // uncompressed bytes this pull may still convert
 	for i, l := range layers {
 		ld := mf.Layers[i]
 		if !isLayerMediaType(ld.MediaType) {
@@ -502,7 +508,7 @@ func (s *Store) pullImage(ctx context.Context, o PullOptions) (PulledImage, erro
 			kind = KindBase
 		}
 		tag := ociTag(kind, ld.Digest)
-		fetched, reused, err := s.pullLayer(ctx, l, ld, cf.RootFS.DiffIDs[i], kind, fmt.Sprintf("layer %d/%d of %s", i+1, len(layers), from.Name()), cfg, rep)
+		fetched, reused, err := s.pullLayer(ctx, l, ld, cf.RootFS.DiffIDs[i], kind, fmt.Sprintf("layer %d/%d of %s", i+1, len(layers), from.Name()), &budget, cfg, rep)
 		if err != nil {
 			return PulledImage{}, pullError(ctx, fmt.Errorf("layer %d/%d (%s): %w", i+1, len(layers), ld.Digest, err))
 		}
@@ -700,7 +706,7 @@ func lockLayer(key string) func() {
 // so an OCI layer that is the bottom of one image and above the bottom of
 // another is fetched once for each. It returns the bytes fetched and
 // whether it was found.
-func (s *Store) pullLayer(ctx context.Context, l v1.Layer, ld v1.Descriptor, diffID v1.Hash, kind Kind, what string, cfg RegistryConfig, rep *reporter) (fetched int64, reused bool, err error) {
+func (s *Store) pullLayer(ctx context.Context, l v1.Layer, ld v1.Descriptor, diffID v1.Hash, kind Kind, what string, budget *int64, cfg RegistryConfig, rep *reporter) (fetched int64, reused bool, err error) {
 	if ld.Digest.Algorithm != "sha256" || diffID.Algorithm != "sha256" {
 		return 0, false, errdefs.New(errdefs.ErrInvalidArgument, "digest %s, diff ID %s: only sha256 is supported", ld.Digest, diffID)
 	}
@@ -724,7 +730,7 @@ func (s *Store) pullLayer(ctx context.Context, l v1.Layer, ld v1.Descriptor, dif
 	defer os.RemoveAll(work)
 	root := filepath.Join(work, "root")
 	rep.start(StageFetch, "bytes", ld.Size, "%s: fetching %s (%s)", what, ld.Digest, humanSize(ld.Size))
-	n, err := fetchLayer(ctx, l, diffID, root, kind == KindBase, cfg, rep)
+	n, err := fetchLayer(ctx, l, diffID, root, kind == KindBase, budget, cfg, rep)
 	if err != nil {
 		return n, false, err
 	}
@@ -746,7 +752,7 @@ func (s *Store) pullLayer(ctx context.Context, l v1.Layer, ld v1.Descriptor, dif
 // against diffID and extracts it into root with its whiteouts turned into
 // overlayfs's (or, for an image's bottom layer, dropped). A read that waits longer than cfg.StallTimeout for a byte
 // ends the fetch.
-func fetchLayer(ctx context.Context, l v1.Layer, diffID v1.Hash, root string, bottom bool, cfg RegistryConfig, rep *reporter) (int64, error) {
+func fetchLayer(ctx context.Context, l v1.Layer, diffID v1.Hash, root string, bottom bool, budget *int64, cfg RegistryConfig, rep *reporter) (int64, error) {
 	ctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
 	rc, err := l.Compressed()
@@ -778,7 +784,8 @@ func fetchLayer(ctx context.Context, l v1.Layer, diffID v1.Hash, root string, bo
 		r = zr
 	}
 	h := sha256.New()
-	lim := &io.LimitedReader{R: r, N: cfg.MaxLayerBytes + 1}
+	lim := &io.LimitedReader{R: r, N: *budget + 1}
+	defer func() { *budget = max(lim.N-1, 0) }()
 	tr := io.TeeReader(lim, h)
 	// The bottom layer of an image hides nothing: its whiteouts are
 	// dropped (overlayfs would list them where no lower layer has the
@@ -789,14 +796,18 @@ func fetchLayer(ctx context.Context, l v1.Layer, diffID v1.Hash, root string, bo
 	}
 	defer x.close()
 	x.overlay = !bottom
+	x.maxEntries = maxLayerEntries
 	if err := x.apply(ctx, tr); err != nil {
+		if lim.N <= 0 {
+			return counted.n, errdefs.New(errdefs.ErrInvalidArgument, "the image holds more than %s uncompressed (serve --registry-max-pull-bytes)", humanSize(cfg.MaxPullBytes))
+		}
 		return counted.n, sr.wrap(errdefs.Mark(errdefs.ErrInvalidArgument, err))
 	}
 	if _, err := io.Copy(io.Discard, tr); err != nil { // the tar's padding, and the blob's end (where its digest is checked)
 		return counted.n, sr.wrap(err)
 	}
 	if lim.N <= 0 {
-		return counted.n, errdefs.New(errdefs.ErrInvalidArgument, "more than %s uncompressed", humanSize(cfg.MaxLayerBytes))
+		return counted.n, errdefs.New(errdefs.ErrInvalidArgument, "the image holds more than %s uncompressed (serve --registry-max-pull-bytes)", humanSize(cfg.MaxPullBytes))
 	}
 	// Read the compressed stream to its end: the registry client checks
 	// the blob's digest at EOF.

@@ -474,6 +474,34 @@ func TestPullImageRefused(t *testing.T) {
 	}
 }
 
+func TestPullImageBounds(t *testing.T) {
+	e := newEnv(t)
+	reg := newTestRegistry(t)
+	small := tarLayer(t, file("small", "x"))
+	big := tarLayer(t, file("big", strings.Repeat("y", 2<<20)))
+	ref := reg.push(t, "big:1", testImage(t, v1.Config{}, small, big))
+	e.store.SetRegistry(RegistryConfig{MaxPullBytes: 1 << 20})
+	_, err := e.store.PullImage(context.Background(), PullOptions{Image: ref})
+	if !errors.Is(err, errdefs.ErrInvalidArgument) || !strings.Contains(err.Error(), "more than 1.0 MiB uncompressed") {
+		t.Errorf("pull of an image past the byte bound: %v", err)
+	}
+	if _, err := e.store.Resolve(ociTag(KindWorkspace, mustDigest(t, big))); !errors.Is(err, ErrNotFound) {
+		t.Errorf("the layer past the bound is tagged: %v", err)
+	}
+
+	defer func(n int) { maxLayerEntries = n }(maxLayerEntries)
+	maxLayerEntries = 10
+	var many []tarEntry
+	for i := range 11 {
+		many = append(many, file(fmt.Sprint("f", i), ""))
+	}
+	ref = reg.push(t, "many:1", testImage(t, v1.Config{}, tarLayer(t, many...)))
+	e.store.SetRegistry(RegistryConfig{})
+	if _, err := e.store.PullImage(context.Background(), PullOptions{Image: ref}); !errors.Is(err, errdefs.ErrInvalidArgument) || !strings.Contains(err.Error(), "more than 10 entries") {
+		t.Errorf("pull of a layer past the entry bound: %v", err)
+	}
+}
+
 func TestPullImageCorruptBlob(t *testing.T) {
 	e := newEnv(t)
 	reg := newTestRegistry(t)
