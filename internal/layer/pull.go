@@ -36,6 +36,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/google/go-containerregistry/pkg/authn"
@@ -400,8 +401,6 @@ func (s *Store) pullImage(ctx context.Context, o PullOptions) (PulledImage, erro
 			return PulledImage{}, errdefs.Mark(errdefs.ErrInvalidArgument, err)
 		}
 	}
-	ctx, cancel := context.WithCancelCause(ctx)
-	defer cancel(nil)
 	keychain := pullKeychain(o.Credentials, cfg.Keychain)
 	opts := []remote.Option{
 		remote.WithContext(ctx),
@@ -604,8 +603,8 @@ type keychainFunc func(authn.Resource) (authn.Authenticator, error)
 
 func (f keychainFunc) Resolve(r authn.Resource) (authn.Authenticator, error) { return f(r) }
 
-// registryTransport bounds the wait for a registry's response headers
-// (bodies are bounded by stallReader).
+// registryTransport bounds the wait for a registry's response headers and
+// for each byte of its bodies.
 func registryTransport(cfg RegistryConfig) http.RoundTripper {
 	stall := cfg.StallTimeout
 	t := remote.DefaultTransport.(*http.Transport).Clone()
@@ -615,7 +614,7 @@ func registryTransport(cfg RegistryConfig) http.RoundTripper {
 	t.ResponseHeaderTimeout = stall
 	t.TLSHandshakeTimeout = min(stall, t.TLSHandshakeTimeout)
 	t.DialContext = (&net.Dialer{Timeout: min(stall, 30*time.Second), KeepAlive: 30 * time.Second}).DialContext
-	return t
+	return stallTransport{rt: t, d: stall}
 }
 
 // errStalled: a registry sent nothing for the stall timeout.
@@ -624,8 +623,8 @@ var errStalled = errdefs.Mark(errdefs.ErrUnavailable, errors.New("the registry s
 // pullError marks a registry's error with its errdefs kind and says what
 // to do about it.
 func pullError(ctx context.Context, err error) error {
-	if c := context.Cause(ctx); errors.Is(c, errStalled) {
-		return fmt.Errorf("%w: %w", c, err)
+	if errors.Is(err, errStalled) {
+		return err
 	}
 	if ctx.Err() != nil {
 		return errors.Join(ctx.Err(), err)
@@ -750,20 +749,16 @@ func (s *Store) pullLayer(ctx context.Context, l v1.Layer, ld v1.Descriptor, dif
 // fetchLayer reads an OCI layer's blob (its digest checked by the
 // registry client as it is read), decompresses it, checks the result
 // against diffID and extracts it into root with its whiteouts turned into
-// overlayfs's (or, for an image's bottom layer, dropped). A read that waits longer than cfg.StallTimeout for a byte
-// ends the fetch.
+// overlayfs's (or, for an image's bottom layer, dropped). A registry that
+// stalls ends the fetch (registryTransport).
 func fetchLayer(ctx context.Context, l v1.Layer, diffID v1.Hash, root string, bottom bool, budget *int64, cfg RegistryConfig, rep *reporter) (int64, error) {
-	ctx, cancel := context.WithCancelCause(ctx)
-	defer cancel(nil)
 	rc, err := l.Compressed()
 	if err != nil {
 		return 0, err
 	}
-	sr := newStallReader(rc, cfg.StallTimeout, func() { cancel(errStalled); rc.Close() })
-	defer sr.stop()
 	defer rc.Close()
 	size, _ := l.Size()
-	counted := &countingReader{r: sr, total: size, rep: rep}
+	counted := &countingReader{r: rc, total: size, rep: rep}
 	br := bufio.NewReaderSize(counted, 1<<20)
 	var r io.Reader = br
 	magic, _ := br.Peek(4)
@@ -771,14 +766,14 @@ func fetchLayer(ctx context.Context, l v1.Layer, diffID v1.Hash, root string, bo
 	case bytes.HasPrefix(magic, gzipMagic):
 		zr, err := gzip.NewReader(br)
 		if err != nil {
-			return counted.n, sr.wrap(fmt.Errorf("gzip: %w", err))
+			return counted.n, badLayer(fmt.Errorf("gzip: %w", err))
 		}
 		defer zr.Close()
 		r = zr
 	case bytes.HasPrefix(magic, zstdMagic):
 		zr, err := zstd.NewReader(br, zstd.WithDecoderConcurrency(1))
 		if err != nil {
-			return counted.n, fmt.Errorf("zstd: %w", err)
+			return counted.n, badLayer(fmt.Errorf("zstd: %w", err))
 		}
 		defer zr.Close()
 		r = zr
@@ -801,10 +796,10 @@ func fetchLayer(ctx context.Context, l v1.Layer, diffID v1.Hash, root string, bo
 		if lim.N <= 0 {
 			return counted.n, errdefs.New(errdefs.ErrInvalidArgument, "the image holds more than %s uncompressed (serve --registry-max-pull-bytes)", humanSize(cfg.MaxPullBytes))
 		}
-		return counted.n, sr.wrap(errdefs.Mark(errdefs.ErrInvalidArgument, err))
+		return counted.n, badLayer(err)
 	}
 	if _, err := io.Copy(io.Discard, tr); err != nil { // the tar's padding, and the blob's end (where its digest is checked)
-		return counted.n, sr.wrap(err)
+		return counted.n, badLayer(err)
 	}
 	if lim.N <= 0 {
 		return counted.n, errdefs.New(errdefs.ErrInvalidArgument, "the image holds more than %s uncompressed (serve --registry-max-pull-bytes)", humanSize(cfg.MaxPullBytes))
@@ -812,7 +807,7 @@ func fetchLayer(ctx context.Context, l v1.Layer, diffID v1.Hash, root string, bo
 	// Read the compressed stream to its end: the registry client checks
 	// the blob's digest at EOF.
 	if _, err := io.Copy(io.Discard, br); err != nil {
-		return counted.n, sr.wrap(errdefs.Mark(errdefs.ErrInvalidArgument, err))
+		return counted.n, badLayer(err)
 	}
 	if got := hex.EncodeToString(h.Sum(nil)); got != diffID.Hex {
 		return counted.n, errdefs.New(errdefs.ErrInvalidArgument, "content is sha256:%s, the image config says %s: the image is corrupt", got, diffID)
@@ -824,44 +819,55 @@ func fetchLayer(ctx context.Context, l v1.Layer, diffID v1.Hash, root string, bo
 	return counted.n, nil
 }
 
-// stallReader calls onStall when a Read waits longer than d.
-type stallReader struct {
-	r       io.Reader
+// badLayer marks an error reading a layer as the layer's fault
+// (errdefs.ErrInvalidArgument), unless the registry stalled or the pull
+// was cancelled.
+func badLayer(err error) error {
+	if errors.Is(err, errStalled) || errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
+		return err
+	}
+	return errdefs.Mark(errdefs.ErrInvalidArgument, err)
+}
+
+// stallTransport bounds the wait for each byte of a response body: one
+// that sends nothing for d is closed, and its reads fail with errStalled.
+type stallTransport struct {
+	rt http.RoundTripper
+	d  time.Duration
+}
+
+func (t stallTransport) RoundTrip(r *http.Request) (*http.Response, error) {
+	resp, err := t.rt.RoundTrip(r)
+	if err != nil {
+		return nil, err
+	}
+	b := &stallBody{rc: resp.Body, d: t.d}
+	b.t = time.AfterFunc(t.d, func() { b.stalled.Store(true); b.rc.Close() })
+	resp.Body = b
+	return resp, nil
+}
+
+type stallBody struct {
+	rc      io.ReadCloser
 	d       time.Duration
 	t       *time.Timer
-	mu      sync.Mutex
-	stalled bool
+	stalled atomic.Bool
 }
 
-func newStallReader(r io.Reader, d time.Duration, onStall func()) *stallReader {
-	s := &stallReader{r: r, d: d}
-	s.t = time.AfterFunc(d, func() {
-		s.mu.Lock()
-		s.stalled = true
-		s.mu.Unlock()
-		onStall()
-	})
-	return s
-}
-
-func (s *stallReader) Read(p []byte) (int, error) {
-	n, err := s.r.Read(p)
+func (b *stallBody) Read(p []byte) (int, error) {
+	n, err := b.rc.Read(p)
 	if n > 0 {
-		s.t.Reset(s.d)
+		b.t.Reset(b.d)
+	}
+	if err != nil && err != io.EOF && b.stalled.Load() {
+		err = fmt.Errorf("%w: nothing for %s", errStalled, b.d)
 	}
 	return n, err
 }
 
-func (s *stallReader) stop() { s.t.Stop() }
-
-// wrap says that err came from a stall, if it did.
-func (s *stallReader) wrap(err error) error {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.stalled {
-		return fmt.Errorf("%w: nothing for %s: %w", errStalled, s.d, err)
-	}
-	return err
+func (b *stallBody) Close() error {
+	b.t.Stop()
+	return b.rc.Close()
 }
 
 // overlayWhiteout turns an OCI whiteout of a layer kept on its own into

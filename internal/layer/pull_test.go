@@ -565,6 +565,27 @@ func TestPullImageStall(t *testing.T) {
 	if ctx.Err() != nil {
 		t.Error("the pull ended by the test's deadline, not by the stall timeout")
 	}
+
+	// A manifest whose body stops half-way.
+	reg.wrap = func(w http.ResponseWriter, r *http.Request, next http.Handler) {
+		if strings.Contains(r.URL.Path, "/manifests/") && r.Method == http.MethodGet {
+			w.Header().Set("Content-Type", "application/vnd.oci.image.manifest.v1+json")
+			w.Header().Set("Content-Length", "1000")
+			w.WriteHeader(http.StatusOK)
+			w.Write([]byte("{"))
+			w.(http.Flusher).Flush()
+			select {
+			case <-release:
+			case <-r.Context().Done():
+			}
+			return
+		}
+		next.ServeHTTP(w, r)
+	}
+	_, err = e.store.PullImage(ctx, PullOptions{Image: ref})
+	if !errors.Is(err, errdefs.ErrUnavailable) || !strings.Contains(err.Error(), "stalled") || ctx.Err() != nil {
+		t.Errorf("pull of a manifest that stalls: %v, want unavailable (stalled)", err)
+	}
 }
 
 func TestPullImageAuthAndMirror(t *testing.T) {
