@@ -91,12 +91,8 @@ func (m *Manager) CommandDefaults(id string) (cwd, user string) {
 	if err != nil {
 		return "", ""
 	}
-	return e.rec.Cwd, e.rec.User
-}
-
-func imageField(c *layer.ImageConfig, f func(*layer.ImageConfig) string) string {
-	if c == nil {
-		return ""
+	if e.rec.Image == nil {
+		return "", ""
 	}
-	return f(c)
+	return e.rec.Image.WorkingDir, e.rec.Image.User
 }

@@ -519,8 +519,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (rec Record, er
 		Network:   req.Network,
 		Tenant:    req.Tenant,
 		AutoPause: *req.AutoPause,
-		Cwd:       imageField(req.image, func(c *layer.ImageConfig) string { return c.WorkingDir }),
-		User:      imageField(req.image, func(c *layer.ImageConfig) string { return c.User }),
+		Image:     req.image,
 		// A provisional handle: enough for the backend to clean up after a
 		// crash in the middle of this create.
 		Handle: sandbox.Handle{ID: id, Backend: req.Backend, Data: map[string]string{"dir": dir}},

@@ -3,6 +3,7 @@ package e2e
 import (
 	"archive/tar"
 	"bytes"
+	"context"
 	"crypto/ecdsa"
 	"crypto/elliptic"
 	"crypto/rand"
@@ -376,6 +377,16 @@ func TestImagePull(t *testing.T) {
 	}
 	if got := sh(t, id, "cat TASK; runtests; ls /etc/conf.d; test -e /etc/motd || echo motd deleted"); got != "astropy-1tests of testbed pass\nnew\nmotd deleted\n" {
 		t.Errorf("the image's tree: %q", got)
+	}
+	// The image's command, run when asked; ARGs replace its CMD.
+	if got := shoalOK(t, "exec", "--image-cmd", id); got != "tests of testbed pass\n" {
+		t.Errorf("exec --image-cmd: %q", got)
+	}
+	if got := shoalOK(t, "exec", "--image-cmd", id, "--", "echo", "instead"); got != "instead\n" {
+		t.Errorf("exec --image-cmd with ARGs: %q", got)
+	}
+	if sb, err := sdk(t).Get(context.Background(), id); err != nil || sb.Image.GetWorkingDir() != "/testbed" || sb.Image.GetUser() != "user" {
+		t.Errorf("the sandbox's image config: %v, %v", sb.GetImage(), err)
 	}
 	// Overridden per command.
 	if got := shoalOK(t, "exec", "--cwd", "/", "--user", "root", id, "--", "sh", "-c", "echo $(pwd) $(id -u)"); strings.TrimSpace(got) != "/ 0" {

@@ -106,6 +106,7 @@ class SandboxInfo:
     qos: str = "ls"  # CPU class: "ls" or "be"
     auto_pause: int = 0  # seconds idle before it is paused; 0 = never
     pause: Optional["PauseInfo"] = None  # the last pause, if any
+    image: Optional["ImageConfig"] = None  # made from a pulled OCI image: its config (its command: entrypoint + cmd)
     raw: Dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -157,6 +158,7 @@ class SandboxInfo:
             client_key=d.get("clientKey", ""),
             auto_pause=_int(d.get("autoPauseSeconds")),
             pause=PauseInfo.from_json(d["pause"]) if d.get("pause") else None,
+            image=ImageConfig.from_json(d["image"]) if d.get("image") else None,
             raw=dict(d),
         )
 

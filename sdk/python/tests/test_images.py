@@ -123,6 +123,9 @@ def test_pull_image(server, registry) -> None:
         assert r.stdout == "/testbed 1000 yes 0\nhello from /testbed\n", r
         r = sb.commands.run("pwd; id -u", cwd="/", user="root")  # overridden per command
         assert r.stdout == "/\n0\n"
+        assert sb.info.image is not None and sb.info.image.cmd == ["hello"]
+        r = sb.commands.run(" ".join(sb.info.image.entrypoint + sb.info.image.cmd))  # the image's command
+        assert r.stdout == "hello from /testbed\n"
 
     # asyncio: the second image shares two layers; pulled again, nothing is fetched.
     async def pull_second() -> Tuple[shoal.Image, shoal.Image]:
