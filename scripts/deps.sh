@@ -7,7 +7,7 @@ install_deps() {
 	apt-get install -y -qq --no-install-recommends \
 		runc erofs-utils e2fsprogs busybox-static debootstrap ca-certificates \
 		python3 python3-httpx python3-pytest python3-pip python3-venv python3-setuptools zstd iproute2 procps curl kmod util-linux \
-		qemu-system-x86 qemu-utils cpio lz4 chromium >/dev/null
+		qemu-system-x86 qemu-utils cpio lz4 chromium docker-registry >/dev/null
 }
 
 # The microvm backend's guest kernel, from Debian's archive (not installed as

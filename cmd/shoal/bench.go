@@ -175,7 +175,7 @@ func benchCmd() *cobra.Command {
 	pauseb.Flags().IntVarP(&po.Concurrency, "concurrency", "c", 2, "creates in flight while setting up")
 	pauseb.Flags().IntVar(&po.Pausers, "pausers", 1, "pauses in flight (the node reclaims each on the CPU that serves its call: 1 measures one pause's cost, the host's core count the node's throughput)")
 	pauseb.Flags().StringVar(&po.Base, "base", "debian:12", "base layer (needs sh, head, base64, tr)")
-	cmd.AddCommand(create, execb, qosb, sess, benchLayersCmd(), fnb, burst, chaos, pauseb, vmb, benchDensityCmd(), benchLazyCmd(), benchS3ServerCmd(), benchClusterCmd())
+	cmd.AddCommand(create, execb, qosb, sess, benchLayersCmd(), benchImagesCmd(), fnb, burst, chaos, pauseb, vmb, benchDensityCmd(), benchLazyCmd(), benchS3ServerCmd(), benchClusterCmd())
 	return cmd
 }
 

@@ -60,3 +60,46 @@ the new version. Everything it builds is removed afterwards (--keep keeps).`,
 	f.BoolVar(&o.Keep, "keep", false, "keep the layers built")
 	return cmd
 }
+
+func benchImagesCmd() *cobra.Command {
+	var o bench.ImagesOptions
+	cmd := &cobra.Command{
+		Use:   "images [-n 50] [--sample 5] [--base-mib 64] [--env-mib 32] [--top-mib 4]",
+		Short: "Images from a registry: layers kept and shared vs flattened imports (bytes fetched and stored, time to first exec)",
+		Long: `Pushes N images that share a base and an environment layer and differ in
+a top layer (as SWE-bench's do) to a registry of its own (go-containerregistry's,
+on --listen, which the server must reach), then pulls each through the
+server (layer pull), creates a sandbox from it and runs 'true'. A sample
+is also fetched whole and imported flattened (one layer each), as before
+layer pull, and extrapolated to N. Prints bytes fetched from the registry
+and stored on the node both ways, the time from "never seen" to the first
+exec (first image, the others, flattened), a second pull of pulled images,
+and the conversion of the environment layer against 'tar -xzf' of its blob
+into a tmpfs. The layers it made are untagged afterwards (--keep keeps
+them; 'shoal layer gc' frees them).`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := client(cmd)
+			if err != nil {
+				return err
+			}
+			o.Progress = func(format string, args ...any) { fmt.Fprintf(os.Stderr, format+"\n", args...) }
+			ctx, cancel := cmdContext()
+			defer cancel()
+			res, err := bench.Images(ctx, c, o)
+			if err != nil {
+				return err
+			}
+			return printResult(res)
+		},
+	}
+	f := cmd.Flags()
+	f.IntVarP(&o.N, "number", "n", 50, "images")
+	f.IntVar(&o.Sample, "sample", 5, "images also imported flattened (the rest extrapolated)")
+	f.IntVar(&o.BaseMiB, "base-mib", 64, "data in the shared base layer (besides busybox)")
+	f.IntVar(&o.EnvMiB, "env-mib", 32, "the shared environment layer")
+	f.IntVar(&o.TopMiB, "top-mib", 4, "each image's own top layer")
+	f.StringVar(&o.Listen, "listen", "127.0.0.1:0", "where the bench's registry listens")
+	f.BoolVar(&o.Keep, "keep", false, "keep the layers")
+	return cmd
+}

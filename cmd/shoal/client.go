@@ -169,6 +169,9 @@ func createCmd() *cobra.Command {
 			}
 			ctx, cancel := cmdContext()
 			defer cancel()
+			if err := pullIfImage(ctx, c, req.Base); err != nil {
+				return err
+			}
 			sb, err := c.Create(ctx, &req)
 			if err != nil {
 				return err
@@ -179,7 +182,7 @@ func createCmd() *cobra.Command {
 	}
 	f := cmd.Flags()
 	f.StringVar(&req.Backend, "backend", "container", "backend: container")
-	f.StringVar(&req.Base, "base", "", "base layer ref (NAME:VERSION or NAME@sha256:...)")
+	f.StringVar(&req.Base, "base", "", "base layer ref (NAME:VERSION or NAME@sha256:...), or an OCI image ([REGISTRY/]REPOSITORY[:TAG|@DIGEST]: a base that is no layer here is pulled, see layer pull)")
 	f.StringVar(&req.Template, "template", "", "environment (shoal env ls) to take base, workspaces and toolkits from, resolved now")
 	f.StringArrayVar(&req.Workspaces, "workspace", nil, "workspace layer ref (repeatable)")
 	f.StringArrayVar(&req.Toolkits, "toolkit", nil, "toolkit layer ref (repeatable)")

@@ -1,10 +1,12 @@
 package main
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"os"
 	"os/signal"
+	"slices"
 	"syscall"
 	"text/tabwriter"
 	"time"
@@ -27,17 +29,21 @@ func execCmd() *cobra.Command {
 		trajectory string
 		step       int64
 		user       string
+		imageCmd   bool
 	)
 	cmd := &cobra.Command{
-		Use:   "exec [--cwd DIR] [--env K=V]... [--user U] [-i] [-t] [-d] ID -- CMD [ARG...]",
+		Use:   "exec [--cwd DIR] [--env K=V]... [--user U] [-i] [-t] [-d] ID -- CMD [ARG...] | exec --image-cmd ID [-- ARG...]",
 		Short: "Run a command in a sandbox, streaming its output; exits with its exit code",
 		Long: `Run a command in a sandbox. Its output streams to this terminal and shoal
 exits with the command's exit code. The command is a server-side object: if
 this client dies, the command goes on; "shoal attach" re-attaches to it.
 -d prints the command ID and returns at once. -it gives an interactive
 terminal (like docker exec -it). --trajectory/--step record the command as a
-trajectory step: re-running a recorded step replays its result instead.`,
-		Args: cobra.MinimumNArgs(2),
+trajectory step: re-running a recorded step replays its result instead.
+--image-cmd runs the command of the OCI image the sandbox was made from:
+its ENTRYPOINT then its CMD, or the ARGs given instead of its CMD (as
+docker run does).`,
+		Args: cobra.MinimumNArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			c, err := client(cmd)
 			if err != nil {
@@ -48,14 +54,19 @@ trajectory step: re-running a recorded step replays its result instead.`,
 				return err
 			}
 			argv := args[1:]
-			if argv[0] == "--" { // flags stop at the ID, so "--" arrives as an argument
+			if len(argv) > 0 && argv[0] == "--" { // flags stop at the ID, so "--" arrives as an argument
 				argv = argv[1:]
+			}
+			ctx, cancel := cmdContext()
+			defer cancel()
+			if imageCmd {
+				if argv, err = imageCommand(ctx, c, args[0], argv); err != nil {
+					return err
+				}
 			}
 			if len(argv) == 0 {
 				return errors.New("no command given: shoal exec ID -- CMD [ARG...]")
 			}
-			ctx, cancel := cmdContext()
-			defer cancel()
 			req := &pb.ExecRequest{SandboxId: args[0], Args: argv, Env: env, Cwd: cwd, TimeoutMs: timeout.Milliseconds(), TrajectoryId: trajectory, Step: step, User: user}
 			if detach {
 				req.StdinOpen = stdin
@@ -83,8 +94,9 @@ trajectory step: re-running a recorded step replays its result instead.`,
 	}
 	f := cmd.Flags()
 	f.SetInterspersed(false)
-	f.StringVar(&cwd, "cwd", "", "working directory (default /, or the --user's home)")
-	f.StringVarP(&user, "user", "u", "", "run as this sandbox user (a name in its /etc/passwd, or a uid; default root)")
+	f.StringVar(&cwd, "cwd", "", "working directory (default: the image's WORKDIR for a sandbox of an image; else /, or the --user's home)")
+	f.StringVarP(&user, "user", "u", "", "run as this sandbox user (a name in its /etc/passwd, or a uid; default: the image's USER for a sandbox of an image; else root)")
+	f.BoolVar(&imageCmd, "image-cmd", false, "run the image's ENTRYPOINT and CMD (ARGs given replace the CMD)")
 	f.StringArrayVar(&envVars, "env", nil, "KEY=VALUE (repeatable)")
 	f.BoolVarP(&stdin, "interactive", "i", false, "pass stdin to the command")
 	f.BoolVarP(&tty, "tty", "t", false, "run under a terminal (with -i: an interactive shell)")
@@ -93,6 +105,27 @@ trajectory step: re-running a recorded step replays its result instead.`,
 	f.StringVar(&trajectory, "trajectory", "", "record as a step of this trajectory")
 	f.Int64Var(&step, "step", 0, "the trajectory step number (>= 1)")
 	return cmd
+}
+
+// imageCommand is the command of the image a sandbox was made from: its
+// entrypoint, then args if any, else its cmd.
+func imageCommand(ctx context.Context, c *shoal.Client, id string, args []string) ([]string, error) {
+	sb, err := c.Get(ctx, id)
+	if err != nil {
+		return nil, err
+	}
+	im := sb.Image
+	if im == nil {
+		return nil, fmt.Errorf("sandbox %s was not made from an OCI image: --image-cmd has no command to run", id)
+	}
+	if len(args) == 0 {
+		args = im.Cmd
+	}
+	argv := append(slices.Clone(im.Entrypoint), args...)
+	if len(argv) == 0 {
+		return nil, fmt.Errorf("the image of sandbox %s has neither ENTRYPOINT nor CMD: give the command", id)
+	}
+	return argv, nil
 }
 
 // execFailed gives a command that could not start the exit code a shell

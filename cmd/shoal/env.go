@@ -44,6 +44,9 @@ refused.`,
 			req.Name = args[0]
 			ctx, cancel := cmdContext()
 			defer cancel()
+			if err := pullIfImage(ctx, c, req.Base); err != nil {
+				return err
+			}
 			res, err := c.Layers.CreateEnvironment(ctx, connect.NewRequest(&req))
 			if err != nil {
 				return err
@@ -53,7 +56,7 @@ refused.`,
 		},
 	}
 	f := cmd.Flags()
-	f.StringVar(&req.Base, "base", "", "base layer ref")
+	f.StringVar(&req.Base, "base", "", "base layer ref, or an OCI image (a base that is no layer here is pulled: its layers below the workspaces, its config the sandboxes' defaults)")
 	f.StringArrayVar(&req.Workspaces, "workspace", nil, "workspace layer ref (repeatable)")
 	f.StringArrayVar(&req.Toolkits, "toolkit", nil, "toolkit layer ref (repeatable)")
 	f.BoolVar(&req.Replace, "replace", false, "replace an environment of that name")

@@ -246,10 +246,30 @@ server's store URL.`,
 }
 
 func layerPullCmd() *cobra.Command {
-	return &cobra.Command{
-		Use:   "pull REF",
-		Short: "Copy a layer whole from the server's layer store to the server, and tag it there",
-		Args:  cobra.ExactArgs(1),
+	var env string
+	var image, replace bool
+	cmd := &cobra.Command{
+		Use:   "pull IMAGE | REF",
+		Short: "Pull an image from an OCI registry (or a layer from the server's layer store)",
+		Long: `Pull an image from an OCI registry into the server's layers:
+[REGISTRY/]REPOSITORY[:TAG|@sha256:DIGEST], Docker Hub's names as docker
+reads them (python:3.12 is docker.io/library/python:3.12); an index is
+resolved to linux on the server's architecture. Each OCI layer becomes a
+layer of its own (oci-base:sha256-<hex> for the bottom one,
+oci-layer:sha256-<hex> for the others), fetched only if the server (or its
+layer store) does not have it yet. Your login for the image's registry
+(~/.docker/config.json and its credential helpers, as docker keeps them)
+is forwarded for this pull; the server's own (serve --registry-auth) serves
+registries you have no login for. With --env NAME the image is also saved
+as an environment (create --template NAME), its Env, WorkingDir and User
+the defaults of its sandboxes.
+
+REF: a layer reference (NAME:VERSION, NAME@sha256:..., sha256:...) is first
+copied whole from the server's layer store (serve --layer-store), as
+before; one the store does not have (or a server without a store) is
+pulled as an image. --image skips the layer store.
+Progress goes to stderr (a bar on a terminal); the result to stdout (JSON).`,
+		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			c, err := client(cmd)
 			if err != nil {
@@ -257,14 +277,66 @@ func layerPullCmd() *cobra.Command {
 			}
 			ctx, cancel := cmdContext()
 			defer cancel()
-			res, err := c.Layers.PullLayer(ctx, connect.NewRequest(&pb.PullLayerRequest{Ref: args[0]}))
+			ref := args[0]
+			if !image && env == "" && isLayerRef(ref) {
+				res, err := c.Layers.PullLayer(ctx, connect.NewRequest(&pb.PullLayerRequest{Ref: ref}))
+				if err == nil {
+					printJSON(res.Msg)
+					return nil
+				}
+				if code := connect.CodeOf(err); code != connect.CodeNotFound && code != connect.CodeFailedPrecondition {
+					return err
+				}
+			}
+			creds, err := shoal.DockerCredentials(ref)
+			if err != nil {
+				return fmt.Errorf("read your registry login for %s: %w", ref, err)
+			}
+			bar := newProgressBar(os.Stderr)
+			im, err := c.PullImage(ctx, &pb.PullImageRequest{Image: ref, Credentials: creds, Environment: env, Replace: replace}, bar.update)
+			bar.clear()
 			if err != nil {
 				return err
 			}
-			printJSON(res.Msg)
+			printJSON(im)
 			return nil
 		},
 	}
+	cmd.Flags().BoolVar(&image, "image", false, "REF is an image: pull it from its registry, not from the layer store")
+	cmd.Flags().StringVar(&env, "env", "", "also save the image as an environment of this name")
+	cmd.Flags().BoolVar(&replace, "replace", false, "with --env: replace an environment of that name")
+	return cmd
+}
+
+// pullIfImage pulls base first, with your registry login, when it reads
+// only as an image (a registry or a path in it): the server would pull it
+// itself, with its own logins only. Other bases are left to the server
+// (a layer; or an image it pulls, python:3.12 say).
+func pullIfImage(ctx context.Context, c *shoal.Client, base string) error {
+	if base == "" || isLayerRef(base) {
+		return nil
+	}
+	creds, err := shoal.DockerCredentials(base)
+	if err != nil {
+		return fmt.Errorf("read your registry login for %s: %w", base, err)
+	}
+	bar := newProgressBar(os.Stderr)
+	_, err = c.PullImage(ctx, &pb.PullImageRequest{Image: base, Credentials: creds}, bar.update)
+	bar.clear()
+	return err
+}
+
+// isLayerRef says whether ref reads as a layer reference (NAME:VERSION,
+// NAME@sha256:..., sha256:...) rather than only as an image (a registry,
+// a path, no tag).
+func isLayerRef(ref string) bool {
+	if strings.HasPrefix(ref, "sha256:") {
+		return true
+	}
+	if strings.Contains(ref, "/") {
+		return false
+	}
+	return strings.ContainsAny(ref, ":@")
 }
 
 func layerTagCmd() *cobra.Command {

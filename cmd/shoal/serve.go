@@ -127,6 +127,9 @@ type serveConfig struct {
 	// LayerStore: where layers live beyond this node (file:///dir or
 	// s3://bucket/prefix; "" none) and how to reach and cache it.
 	LayerStore layerStoreConfig
+	// Registry: how pulls reach OCI registries (serve_registry.go).
+	Registry registryConfig
+	registry layer.RegistryConfig // from Registry, by Validate
 	// VM: the microvm backend (serve_vm.go).
 	VM vmConfig
 	// Cluster: the role, etcd and the node's name (serve_cluster.go).
@@ -177,6 +180,9 @@ func (c *serveConfig) Validate() error {
 		return fmt.Errorf("--listen %q must be HOST:PORT: %w", c.Listen, err)
 	}
 	if err := c.TLS.validate(); err != nil {
+		return err
+	}
+	if c.registry, err = c.Registry.layerConfig(); err != nil {
 		return err
 	}
 	c.Cluster.scheme, c.Cluster.e2bClosed = c.TLS.scheme(), c.nodeE2BClosed()
@@ -453,6 +459,7 @@ func serveCmd() *cobra.Command {
 	cmd.Flags().Int64Var(&cfg.CommitMaxBytes, "commit-max-bytes", layer.DefaultCommitMaxBytes, "bytes of files a layer commit copies from a sandbox at most (a bigger writable layer is refused)")
 	cmd.Flags().StringArrayVar(&cfg.BuildRoots, "build-root", nil, "a directory `layer build --server-path` may read from (repeatable; none by default: clients upload their sources)")
 	cmd.Flags().StringVar(&cfg.buildUploadMaxArg, "build-upload-max", "32G", "largest build source a client may upload (a bigger one is refused with 413)")
+	addRegistryFlags(cmd, &cfg.Registry)
 	cmd.Flags().StringVar(&cfg.LayerStore.URL, "layer-store", "", "layer store shared by nodes: file:///dir (a local or shared file system: images are mounted straight from it) or s3://bucket/prefix (loaded lazily); a node resolves layers it does not hold from it. S3 credentials from AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY")
 	cmd.Flags().StringVar(&cfg.LayerStore.S3.Endpoint, "s3-endpoint", "", "S3 endpoint, http(s)://host:port or host:port (default $SHOAL_S3_ENDPOINT, else s3.amazonaws.com)")
 	cmd.Flags().StringVar(&cfg.LayerStore.S3.Region, "s3-region", "", "S3 region (default $AWS_REGION)")
@@ -525,6 +532,7 @@ func serve(cfg serveConfig) error {
 	if err != nil {
 		return err
 	}
+	applyRegistry(cfg.registry, cfg.Registry, layers, log)
 	mt := metrics.New()
 	if cfg.LayerStore.URL != "" {
 		lz, err := openLayerStore(cfg, layers, mt, log)

@@ -94,6 +94,9 @@ var procedureScopes = map[string][]tenant.Scope{
 	"LayerService/PushLayer":         lw,
 	"LayerService/PushLayerProgress": lw,
 	"LayerService/PullLayer":         lw,
+	// PullImage fetches from a registry, with the server's own
+	// credentials for a registry the request brings none for.
+	"LayerService/PullImage": lw,
 
 	"FnCallService/Run":           sbx,
 	"FnCallService/RunBatch":      sbx,
@@ -134,6 +137,7 @@ var auditActions = map[string]string{
 	"CommandService/RunInShell":         "shell.run",
 	"CommandService/DeleteShell":        "shell.delete",
 	"LayerService/BuildLayer":           "layer.build",
+	"LayerService/PullImage":            "layer.pull-image",
 	"LayerService/CommitLayer":          "layer.commit",
 	"LayerService/TagLayer":             "layer.tag",
 	"LayerService/DeleteLayer":          "layer.rm",
@@ -390,6 +394,8 @@ func rpcAuditEntry(ctx context.Context, procedure string, req, res any, err erro
 		e.Detail = r.Ref
 	case *pb.BuildLayerRequest:
 		e.Object, e.Detail = r.Ref, r.Source
+	case *pb.PullImageRequest: // never its credentials
+		e.Object, e.Detail = r.Image, r.Environment
 	case *pb.TagLayerRequest:
 		e.Object, e.Detail = r.Target, r.Source
 	case *pb.DeleteLayerRequest:

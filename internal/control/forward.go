@@ -165,6 +165,7 @@ func (f *Forwarder) routes() *http.ServeMux {
 	unary[pb.PushLayerRequest, pb.PushLayerResponse](f, mux, l+"PushLayer", toLayer, opts)
 	stream[pb.PushLayerRequest, pb.PushLayerEvent](f, mux, l+"PushLayerProgress", toLayer, opts)
 	unary[pb.PullLayerRequest, pb.Layer](f, mux, l+"PullLayer", toAll, opts)
+	stream[pb.PullImageRequest, pb.PullImageEvent](f, mux, l+"PullImage", toLayerStore, opts)
 	// Environments: etcd's (envs_cluster.go).
 	mux.Handle(l+"CreateEnvironment", connect.NewUnaryHandler(l+"CreateEnvironment", f.createEnvironment, opts...))
 	mux.Handle(l+"GetEnvironment", connect.NewUnaryHandler(l+"GetEnvironment", f.getEnvironment, opts...))

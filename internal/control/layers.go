@@ -491,7 +491,11 @@ func (s *Server) CreateEnvironment(ctx context.Context, req *connect.Request[pb.
 	if r.IfRevision != 0 {
 		return nil, toConnect(errdefs.New(errdefs.ErrInvalidArgument, "create environment %s: if_revision is for a cluster's environments (this server keeps its own)", r.Name))
 	}
-	e, err := s.node.Layers().CreateEnv(layer.Env{Name: r.Name, Base: r.Base, Workspaces: r.Workspaces, Toolkits: r.Toolkits, Backend: r.Backend}, r.Replace)
+	e := layer.Env{Name: r.Name, Base: r.Base, Workspaces: r.Workspaces, Toolkits: r.Toolkits, Backend: r.Backend}
+	if err := envFromImage(ctx, s.node.Layers(), &e); err != nil { // images.go
+		return nil, toConnect(err)
+	}
+	e, err := s.node.Layers().CreateEnv(e, r.Replace)
 	if err != nil {
 		return nil, toConnect(err)
 	}
@@ -534,7 +538,7 @@ func (s *Server) DeleteEnvironment(ctx context.Context, req *connect.Request[pb.
 // environmentPB converts an environment, with what its references resolve
 // to now (left empty if one of them no longer resolves).
 func (s *Server) environmentPB(e layer.Env) *pb.Environment {
-	out := &pb.Environment{Name: e.Name, Base: e.Base, Workspaces: e.Workspaces, Toolkits: e.Toolkits, Backend: e.Backend, CreatedAt: timestamppb.New(e.Created)}
+	out := &pb.Environment{Name: e.Name, Base: e.Base, Workspaces: e.Workspaces, Toolkits: e.Toolkits, Backend: e.Backend, CreatedAt: timestamppb.New(e.Created), Image: imageConfigPB(e.Image)}
 	if s.envs != nil {
 		out.Revision = s.envs.Mirror.Revision(e.Name)
 	}

@@ -202,6 +202,7 @@ func sandboxPB(r node.Record) *pb.Sandbox {
 		CreatedAt: timestamppb.New(r.Created), ExpiresAt: timestamppb.New(r.Expires),
 		Metadata: r.Metadata, Error: r.Error, Tenant: r.Tenant, Qos: node.QoSLatencySensitive,
 		AutoPauseSeconds: int64(r.AutoPause / time.Second), Pause: pausePB(r.Pause),
+		Image: imageConfigPB(r.Image), // images.go
 	}
 	if r.Resources.BestEffort {
 		out.Qos = node.QoSBestEffort

@@ -22,8 +22,12 @@ type Env struct {
 	Toolkits   []string `json:"toolkits,omitempty"`
 	// Backend: the backend of sandboxes made from it unless their create
 	// names one ("": the node's default). The node checks it exists.
-	Backend string    `json:"backend,omitempty"`
-	Created time.Time `json:"created"`
+	Backend string `json:"backend,omitempty"`
+	// Image: for an environment made from a pulled OCI image (pull.go),
+	// the image's config: the defaults (environment variables, working
+	// directory, user) of the sandboxes made from it. nil otherwise.
+	Image   *ImageConfig `json:"image,omitempty"`
+	Created time.Time    `json:"created"`
 	// Mirrored: on a node of a cluster, the etcd revision this copy was
 	// mirrored at (internal/cluster's LayerMirror); 0 for one made here.
 	Mirrored int64 `json:"mirrored,omitempty"`

@@ -324,6 +324,13 @@ type extractor struct {
 	rootfs     bool
 	devLeft    int
 	devLeftOut []string
+	// maxEntries, if not 0, bounds the entries of one stream (pull.go).
+	maxEntries int
+	// overlay: one OCI layer kept as a layer of its own (pull.go): its
+	// whiteouts become overlayfs's (a character device 0/0 for ".wh.NAME",
+	// trusted.overlay.opaque=y for ".wh..wh..opq"), for the layers below
+	// it in a stack. Exclusive with whiteouts.
+	overlay bool
 }
 
 // newExtractor makes dst (which must not exist) and returns an extractor
@@ -345,7 +352,10 @@ func (x *extractor) close() { x.root.Close() }
 func (x *extractor) apply(ctx context.Context, r io.Reader) error {
 	x.current = map[string]bool{}
 	tr := tar.NewReader(r)
-	for {
+	for n := 1; ; n++ {
+		if x.maxEntries > 0 && n > x.maxEntries {
+			return fmt.Errorf("more than %d entries", x.maxEntries)
+		}
 		hdr, err := tr.Next()
 		if err == io.EOF {
 			return nil
@@ -397,6 +407,12 @@ func (x *extractor) extract(hdr *tar.Header, r io.Reader) error {
 			return x.whiteout(path.Dir(name), base)
 		}
 	}
+	if x.overlay {
+		if base := path.Base(name); strings.HasPrefix(base, whiteoutPrefix) {
+			return x.overlayWhiteout(path.Dir(name), base)
+		}
+		dropOverlayXattrs(hdr)
+	}
 	if name == "." {
 		if typ != tar.TypeDir {
 			return errors.New("the root of the archive must be a directory")
@@ -404,6 +420,9 @@ func (x *extractor) extract(hdr *tar.Header, r io.Reader) error {
 		x.entries["."].hdr = hdr
 		return nil
 	}
+	// A directory where this layer whited out what lower layers have:
+	// it hides their directory (pull.go).
+	hides := x.overlay && x.entries[name] != nil && x.entries[name].typ == tar.TypeChar
 	if err := x.prepare(name, typ); err != nil {
 		return err
 	}
@@ -419,6 +438,9 @@ func (x *extractor) extract(hdr *tar.Header, r io.Reader) error {
 			return err
 		}
 		x.entries[name] = &entry{typ: tar.TypeDir, hdr: hdr}
+		if hides {
+			return x.markOpaque(name)
+		}
 	case tar.TypeReg:
 		f, err := x.root.OpenFile(name, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
 		if err != nil {
@@ -451,7 +473,7 @@ func (x *extractor) extract(hdr *tar.Header, r io.Reader) error {
 			return fmt.Errorf("hard link target: %w", err)
 		}
 		e := x.entries[target]
-		if e == nil || e.typ == tar.TypeDir {
+		if e == nil || e.typ == tar.TypeDir || e.typ == tar.TypeChar {
 			return fmt.Errorf("hard link to %q, which is not an earlier file of the archive", hdr.Linkname)
 		}
 		if err := x.root.Link(target, name); err != nil {

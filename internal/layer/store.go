@@ -48,6 +48,9 @@ type Store struct {
 	gcMu sync.RWMutex
 
 	remote *RemoteConfig // set by SetRemote before serving; nil: no layer store
+	// registryCfg: how pulls reach OCI registries (pull.go), set by
+	// SetRegistry before serving; nil: anonymous, no mirror.
+	registryCfg *RegistryConfig
 	// cluster: where a node of a cluster moves its tags first (set by
 	// SetClusterTags before serving); nil: the tags are this store's own.
 	cluster ClusterTags

@@ -100,6 +100,7 @@ func (m *Manager) applyTemplate(req *CreateRequest) error {
 		return err
 	}
 	req.Base = env.Base
+	req.image = env.Image // images.go
 	if req.Backend == "" {
 		req.Backend = env.Backend // "" still: the node's default
 	}

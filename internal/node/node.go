@@ -354,6 +354,9 @@ type CreateRequest struct {
 	// AutoPause: pause after this long idle; nil = the node's default, 0 =
 	// never.
 	AutoPause *time.Duration
+	// image: the config of the image the stack comes from (images.go),
+	// set by the create from its base or its template; nil otherwise.
+	image *layer.ImageConfig
 }
 
 // CheckBackend says whether this node offers a backend (an environment's
@@ -481,6 +484,12 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (rec Record, er
 	if err := m.applyTemplate(&req); err != nil {
 		return Record{}, err
 	}
+	if err := m.applyImage(ctx, &req); err != nil {
+		return Record{}, err
+	}
+	if err := applyImageConfig(&req); err != nil {
+		return Record{}, err
+	}
 	if err := m.validate(&req); err != nil {
 		return Record{}, err
 	}
@@ -538,6 +547,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (rec Record, er
 		Network:   req.Network,
 		Tenant:    req.Tenant,
 		AutoPause: *req.AutoPause,
+		Image:     req.image,
 		// A provisional handle: enough for the backend to clean up after a
 		// crash in the middle of this create.
 		Handle: sandbox.Handle{ID: id, Backend: req.Backend, Data: map[string]string{"dir": dir}},

@@ -10,6 +10,7 @@ import (
 
 	"go.etcd.io/bbolt"
 
+	"github.com/shoal-sandbox/shoal/internal/layer"
 	"github.com/shoal-sandbox/shoal/internal/netpolicy"
 	"github.com/shoal-sandbox/shoal/internal/sandbox"
 )
@@ -64,6 +65,10 @@ type Record struct {
 	// Pause describes the last pause (set while paused, kept after resume
 	// until the next pause).
 	Pause *PauseInfo `json:"pause,omitempty"`
+	// Image: the config of the OCI image it was made from (images.go):
+	// the WorkingDir and User of its commands that name none, and the
+	// image's command; nil otherwise.
+	Image *layer.ImageConfig `json:"image,omitempty"`
 }
 
 // PauseInfo is what the node knows of a sandbox's last pause.

@@ -71,6 +71,13 @@ type Sandboxes interface {
 	Paused(id string) bool
 }
 
+// CommandDefaults is what a Sandboxes may also offer: the working
+// directory and user of a sandbox's commands that name none (those of
+// the image it was made from), "" for none.
+type CommandDefaults interface {
+	CommandDefaults(id string) (cwd, user string)
+}
+
 // pausedPoll is how often a pump whose sandbox is paused looks whether it
 // was resumed.
 const pausedPoll = 50 * time.Millisecond
@@ -475,6 +482,15 @@ func (m *Manager) start(ctx context.Context, sandboxID string, req StartRequest)
 	// command started here must be registered before the next listing of
 	// the agent's commands, or it would be taken for one.
 	defer m.holdOrphanGate(sandboxID)()
+	if d, ok := m.sb.(CommandDefaults); ok && (req.Cwd == "" || req.User == "") {
+		cwd, user := d.CommandDefaults(sandboxID)
+		if req.Cwd == "" {
+			req.Cwd = cwd
+		}
+		if req.User == "" {
+			req.User = user
+		}
+	}
 	sreq := agent.StartRequest{
 		ExecRequest: agent.ExecRequest{
 			Args: req.Args, Env: req.Env, Cwd: req.Cwd, Timeout: req.Timeout,

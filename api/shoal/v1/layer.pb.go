@@ -649,6 +649,453 @@ func (x *PullLayerRequest) GetRef() string {
 	return ""
 }
 
+// RegistryCredential is a client's login to one registry, forwarded for
+// one pull (the CLI and the SDKs read them from ~/.docker/config.json and
+// its credential helpers). Never logged, stored or returned.
+type RegistryCredential struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Registry      string                 `protobuf:"bytes,1,opt,name=registry,proto3" json:"registry,omitempty"` // "docker.io", "ghcr.io", "host:port"
+	Username      string                 `protobuf:"bytes,2,opt,name=username,proto3" json:"username,omitempty"`
+	Password      string                 `protobuf:"bytes,3,opt,name=password,proto3" json:"password,omitempty"`
+	IdentityToken string                 `protobuf:"bytes,4,opt,name=identity_token,json=identityToken,proto3" json:"identity_token,omitempty"`
+	RegistryToken string                 `protobuf:"bytes,5,opt,name=registry_token,json=registryToken,proto3" json:"registry_token,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RegistryCredential) Reset() {
+	*x = RegistryCredential{}
+	mi := &file_shoal_v1_layer_proto_msgTypes[6]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RegistryCredential) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RegistryCredential) ProtoMessage() {}
+
+func (x *RegistryCredential) ProtoReflect() protoreflect.Message {
+	mi := &file_shoal_v1_layer_proto_msgTypes[6]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RegistryCredential.ProtoReflect.Descriptor instead.
+func (*RegistryCredential) Descriptor() ([]byte, []int) {
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{6}
+}
+
+func (x *RegistryCredential) GetRegistry() string {
+	if x != nil {
+		return x.Registry
+	}
+	return ""
+}
+
+func (x *RegistryCredential) GetUsername() string {
+	if x != nil {
+		return x.Username
+	}
+	return ""
+}
+
+func (x *RegistryCredential) GetPassword() string {
+	if x != nil {
+		return x.Password
+	}
+	return ""
+}
+
+func (x *RegistryCredential) GetIdentityToken() string {
+	if x != nil {
+		return x.IdentityToken
+	}
+	return ""
+}
+
+func (x *RegistryCredential) GetRegistryToken() string {
+	if x != nil {
+		return x.RegistryToken
+	}
+	return ""
+}
+
+type PullImageRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// [REGISTRY/]REPOSITORY[:TAG|@sha256:DIGEST], at most 512 bytes.
+	Image string `protobuf:"bytes,1,opt,name=image,proto3" json:"image,omitempty"`
+	// Logins for this pull, by registry; the server's own (serve
+	// --registry-auth) for a registry not among them.
+	Credentials []*RegistryCredential `protobuf:"bytes,2,rep,name=credentials,proto3" json:"credentials,omitempty"`
+	// If set, also save the image as an environment of this name.
+	Environment string `protobuf:"bytes,3,opt,name=environment,proto3" json:"environment,omitempty"`
+	// Replace an environment of that name instead of failing.
+	Replace       bool `protobuf:"varint,4,opt,name=replace,proto3" json:"replace,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PullImageRequest) Reset() {
+	*x = PullImageRequest{}
+	mi := &file_shoal_v1_layer_proto_msgTypes[7]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PullImageRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PullImageRequest) ProtoMessage() {}
+
+func (x *PullImageRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_shoal_v1_layer_proto_msgTypes[7]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PullImageRequest.ProtoReflect.Descriptor instead.
+func (*PullImageRequest) Descriptor() ([]byte, []int) {
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{7}
+}
+
+func (x *PullImageRequest) GetImage() string {
+	if x != nil {
+		return x.Image
+	}
+	return ""
+}
+
+func (x *PullImageRequest) GetCredentials() []*RegistryCredential {
+	if x != nil {
+		return x.Credentials
+	}
+	return nil
+}
+
+func (x *PullImageRequest) GetEnvironment() string {
+	if x != nil {
+		return x.Environment
+	}
+	return ""
+}
+
+func (x *PullImageRequest) GetReplace() bool {
+	if x != nil {
+		return x.Replace
+	}
+	return false
+}
+
+// ImageConfig is what an image says about its processes: the defaults of
+// the sandboxes made from it (env of the create; cwd and user of each
+// command), each overridable per create and per command. Entrypoint and
+// cmd are kept, run only when asked.
+type ImageConfig struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Env           []string               `protobuf:"bytes,1,rep,name=env,proto3" json:"env,omitempty"` // KEY=VALUE
+	WorkingDir    string                 `protobuf:"bytes,2,opt,name=working_dir,json=workingDir,proto3" json:"working_dir,omitempty"`
+	User          string                 `protobuf:"bytes,3,opt,name=user,proto3" json:"user,omitempty"`
+	Entrypoint    []string               `protobuf:"bytes,4,rep,name=entrypoint,proto3" json:"entrypoint,omitempty"`
+	Cmd           []string               `protobuf:"bytes,5,rep,name=cmd,proto3" json:"cmd,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ImageConfig) Reset() {
+	*x = ImageConfig{}
+	mi := &file_shoal_v1_layer_proto_msgTypes[8]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ImageConfig) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ImageConfig) ProtoMessage() {}
+
+func (x *ImageConfig) ProtoReflect() protoreflect.Message {
+	mi := &file_shoal_v1_layer_proto_msgTypes[8]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ImageConfig.ProtoReflect.Descriptor instead.
+func (*ImageConfig) Descriptor() ([]byte, []int) {
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{8}
+}
+
+func (x *ImageConfig) GetEnv() []string {
+	if x != nil {
+		return x.Env
+	}
+	return nil
+}
+
+func (x *ImageConfig) GetWorkingDir() string {
+	if x != nil {
+		return x.WorkingDir
+	}
+	return ""
+}
+
+func (x *ImageConfig) GetUser() string {
+	if x != nil {
+		return x.User
+	}
+	return ""
+}
+
+func (x *ImageConfig) GetEntrypoint() []string {
+	if x != nil {
+		return x.Entrypoint
+	}
+	return nil
+}
+
+func (x *ImageConfig) GetCmd() []string {
+	if x != nil {
+		return x.Cmd
+	}
+	return nil
+}
+
+// Image is a pulled image.
+type Image struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Ref           string                 `protobuf:"bytes,1,opt,name=ref,proto3" json:"ref,omitempty"`                              // normalised ("index.docker.io/library/python:3.12")
+	Digest        string                 `protobuf:"bytes,2,opt,name=digest,proto3" json:"digest,omitempty"`                        // of its manifest (for an index, this platform's)
+	Platform      string                 `protobuf:"bytes,3,opt,name=platform,proto3" json:"platform,omitempty"`                    // "linux/amd64"
+	Layers        []string               `protobuf:"bytes,4,rep,name=layers,proto3" json:"layers,omitempty"`                        // the tags of its layers, bottom first
+	OciLayers     []string               `protobuf:"bytes,5,rep,name=oci_layers,json=ociLayers,proto3" json:"oci_layers,omitempty"` // their OCI digests, bottom first
+	Config        *ImageConfig           `protobuf:"bytes,6,opt,name=config,proto3" json:"config,omitempty"`
+	PulledAt      *timestamppb.Timestamp `protobuf:"bytes,7,opt,name=pulled_at,json=pulledAt,proto3" json:"pulled_at,omitempty"`
+	FetchedBytes  int64                  `protobuf:"varint,8,opt,name=fetched_bytes,json=fetchedBytes,proto3" json:"fetched_bytes,omitempty"` // by this pull, from the registry
+	ReusedLayers  int32                  `protobuf:"varint,9,opt,name=reused_layers,json=reusedLayers,proto3" json:"reused_layers,omitempty"` // layers this pull found here or in the layer store
+	Environment   *Environment           `protobuf:"bytes,10,opt,name=environment,proto3" json:"environment,omitempty"`                       // the environment saved, if one was asked for
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Image) Reset() {
+	*x = Image{}
+	mi := &file_shoal_v1_layer_proto_msgTypes[9]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Image) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Image) ProtoMessage() {}
+
+func (x *Image) ProtoReflect() protoreflect.Message {
+	mi := &file_shoal_v1_layer_proto_msgTypes[9]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Image.ProtoReflect.Descriptor instead.
+func (*Image) Descriptor() ([]byte, []int) {
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{9}
+}
+
+func (x *Image) GetRef() string {
+	if x != nil {
+		return x.Ref
+	}
+	return ""
+}
+
+func (x *Image) GetDigest() string {
+	if x != nil {
+		return x.Digest
+	}
+	return ""
+}
+
+func (x *Image) GetPlatform() string {
+	if x != nil {
+		return x.Platform
+	}
+	return ""
+}
+
+func (x *Image) GetLayers() []string {
+	if x != nil {
+		return x.Layers
+	}
+	return nil
+}
+
+func (x *Image) GetOciLayers() []string {
+	if x != nil {
+		return x.OciLayers
+	}
+	return nil
+}
+
+func (x *Image) GetConfig() *ImageConfig {
+	if x != nil {
+		return x.Config
+	}
+	return nil
+}
+
+func (x *Image) GetPulledAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.PulledAt
+	}
+	return nil
+}
+
+func (x *Image) GetFetchedBytes() int64 {
+	if x != nil {
+		return x.FetchedBytes
+	}
+	return 0
+}
+
+func (x *Image) GetReusedLayers() int32 {
+	if x != nil {
+		return x.ReusedLayers
+	}
+	return 0
+}
+
+func (x *Image) GetEnvironment() *Environment {
+	if x != nil {
+		return x.Environment
+	}
+	return nil
+}
+
+type PullImageEvent struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Types that are valid to be assigned to Event:
+	//
+	//	*PullImageEvent_Progress
+	//	*PullImageEvent_Image
+	//	*PullImageEvent_Status
+	Event         isPullImageEvent_Event `protobuf_oneof:"event"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PullImageEvent) Reset() {
+	*x = PullImageEvent{}
+	mi := &file_shoal_v1_layer_proto_msgTypes[10]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PullImageEvent) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PullImageEvent) ProtoMessage() {}
+
+func (x *PullImageEvent) ProtoReflect() protoreflect.Message {
+	mi := &file_shoal_v1_layer_proto_msgTypes[10]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PullImageEvent.ProtoReflect.Descriptor instead.
+func (*PullImageEvent) Descriptor() ([]byte, []int) {
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{10}
+}
+
+func (x *PullImageEvent) GetEvent() isPullImageEvent_Event {
+	if x != nil {
+		return x.Event
+	}
+	return nil
+}
+
+func (x *PullImageEvent) GetProgress() string {
+	if x != nil {
+		if x, ok := x.Event.(*PullImageEvent_Progress); ok {
+			return x.Progress
+		}
+	}
+	return ""
+}
+
+func (x *PullImageEvent) GetImage() *Image {
+	if x != nil {
+		if x, ok := x.Event.(*PullImageEvent_Image); ok {
+			return x.Image
+		}
+	}
+	return nil
+}
+
+func (x *PullImageEvent) GetStatus() *BuildProgress {
+	if x != nil {
+		if x, ok := x.Event.(*PullImageEvent_Status); ok {
+			return x.Status
+		}
+	}
+	return nil
+}
+
+type isPullImageEvent_Event interface {
+	isPullImageEvent_Event()
+}
+
+type PullImageEvent_Progress struct {
+	Progress string `protobuf:"bytes,1,opt,name=progress,proto3,oneof"` // a human-readable line at each stage
+}
+
+type PullImageEvent_Image struct {
+	Image *Image `protobuf:"bytes,2,opt,name=image,proto3,oneof"` // the last event
+}
+
+type PullImageEvent_Status struct {
+	Status *BuildProgress `protobuf:"bytes,3,opt,name=status,proto3,oneof"` // see BuildLayerResponse.status
+}
+
+func (*PullImageEvent_Progress) isPullImageEvent_Event() {}
+
+func (*PullImageEvent_Image) isPullImageEvent_Event() {}
+
+func (*PullImageEvent_Status) isPullImageEvent_Event() {}
+
 type BuildLayerRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	Kind  LayerKind              `protobuf:"varint,1,opt,name=kind,proto3,enum=shoal.v1.LayerKind" json:"kind,omitempty"`
@@ -668,7 +1115,7 @@ type BuildLayerRequest struct {
 
 func (x *BuildLayerRequest) Reset() {
 	*x = BuildLayerRequest{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[6]
+	mi := &file_shoal_v1_layer_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -680,7 +1127,7 @@ func (x *BuildLayerRequest) String() string {
 func (*BuildLayerRequest) ProtoMessage() {}
 
 func (x *BuildLayerRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[6]
+	mi := &file_shoal_v1_layer_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -693,7 +1140,7 @@ func (x *BuildLayerRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BuildLayerRequest.ProtoReflect.Descriptor instead.
 func (*BuildLayerRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{6}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *BuildLayerRequest) GetKind() LayerKind {
@@ -743,7 +1190,7 @@ type CommitLayerRequest struct {
 
 func (x *CommitLayerRequest) Reset() {
 	*x = CommitLayerRequest{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[7]
+	mi := &file_shoal_v1_layer_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -755,7 +1202,7 @@ func (x *CommitLayerRequest) String() string {
 func (*CommitLayerRequest) ProtoMessage() {}
 
 func (x *CommitLayerRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[7]
+	mi := &file_shoal_v1_layer_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -768,7 +1215,7 @@ func (x *CommitLayerRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CommitLayerRequest.ProtoReflect.Descriptor instead.
 func (*CommitLayerRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{7}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *CommitLayerRequest) GetSandboxId() string {
@@ -813,7 +1260,7 @@ type BuildLayerResponse struct {
 
 func (x *BuildLayerResponse) Reset() {
 	*x = BuildLayerResponse{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[8]
+	mi := &file_shoal_v1_layer_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -825,7 +1272,7 @@ func (x *BuildLayerResponse) String() string {
 func (*BuildLayerResponse) ProtoMessage() {}
 
 func (x *BuildLayerResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[8]
+	mi := &file_shoal_v1_layer_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -838,7 +1285,7 @@ func (x *BuildLayerResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BuildLayerResponse.ProtoReflect.Descriptor instead.
 func (*BuildLayerResponse) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{8}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *BuildLayerResponse) GetEvent() isBuildLayerResponse_Event {
@@ -910,7 +1357,7 @@ type BuildProgress struct {
 
 func (x *BuildProgress) Reset() {
 	*x = BuildProgress{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[9]
+	mi := &file_shoal_v1_layer_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -922,7 +1369,7 @@ func (x *BuildProgress) String() string {
 func (*BuildProgress) ProtoMessage() {}
 
 func (x *BuildProgress) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[9]
+	mi := &file_shoal_v1_layer_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -935,7 +1382,7 @@ func (x *BuildProgress) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BuildProgress.ProtoReflect.Descriptor instead.
 func (*BuildProgress) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{9}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *BuildProgress) GetStage() string {
@@ -977,7 +1424,7 @@ type ListLayersRequest struct {
 
 func (x *ListLayersRequest) Reset() {
 	*x = ListLayersRequest{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[10]
+	mi := &file_shoal_v1_layer_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -989,7 +1436,7 @@ func (x *ListLayersRequest) String() string {
 func (*ListLayersRequest) ProtoMessage() {}
 
 func (x *ListLayersRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[10]
+	mi := &file_shoal_v1_layer_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1002,7 +1449,7 @@ func (x *ListLayersRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListLayersRequest.ProtoReflect.Descriptor instead.
 func (*ListLayersRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{10}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *ListLayersRequest) GetAll() bool {
@@ -1021,7 +1468,7 @@ type ListLayersResponse struct {
 
 func (x *ListLayersResponse) Reset() {
 	*x = ListLayersResponse{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[11]
+	mi := &file_shoal_v1_layer_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1033,7 +1480,7 @@ func (x *ListLayersResponse) String() string {
 func (*ListLayersResponse) ProtoMessage() {}
 
 func (x *ListLayersResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[11]
+	mi := &file_shoal_v1_layer_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1046,7 +1493,7 @@ func (x *ListLayersResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListLayersResponse.ProtoReflect.Descriptor instead.
 func (*ListLayersResponse) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{11}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *ListLayersResponse) GetLayers() []*Layer {
@@ -1065,7 +1512,7 @@ type GetLayerRequest struct {
 
 func (x *GetLayerRequest) Reset() {
 	*x = GetLayerRequest{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[12]
+	mi := &file_shoal_v1_layer_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1077,7 +1524,7 @@ func (x *GetLayerRequest) String() string {
 func (*GetLayerRequest) ProtoMessage() {}
 
 func (x *GetLayerRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[12]
+	mi := &file_shoal_v1_layer_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1090,7 +1537,7 @@ func (x *GetLayerRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetLayerRequest.ProtoReflect.Descriptor instead.
 func (*GetLayerRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{12}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *GetLayerRequest) GetRef() string {
@@ -1110,7 +1557,7 @@ type TagLayerRequest struct {
 
 func (x *TagLayerRequest) Reset() {
 	*x = TagLayerRequest{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[13]
+	mi := &file_shoal_v1_layer_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1122,7 +1569,7 @@ func (x *TagLayerRequest) String() string {
 func (*TagLayerRequest) ProtoMessage() {}
 
 func (x *TagLayerRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[13]
+	mi := &file_shoal_v1_layer_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1135,7 +1582,7 @@ func (x *TagLayerRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TagLayerRequest.ProtoReflect.Descriptor instead.
 func (*TagLayerRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{13}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *TagLayerRequest) GetSource() string {
@@ -1162,7 +1609,7 @@ type TagLayerResponse struct {
 
 func (x *TagLayerResponse) Reset() {
 	*x = TagLayerResponse{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[14]
+	mi := &file_shoal_v1_layer_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1174,7 +1621,7 @@ func (x *TagLayerResponse) String() string {
 func (*TagLayerResponse) ProtoMessage() {}
 
 func (x *TagLayerResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[14]
+	mi := &file_shoal_v1_layer_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1187,7 +1634,7 @@ func (x *TagLayerResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TagLayerResponse.ProtoReflect.Descriptor instead.
 func (*TagLayerResponse) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{14}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *TagLayerResponse) GetLayer() *Layer {
@@ -1213,7 +1660,7 @@ type DeleteLayerRequest struct {
 
 func (x *DeleteLayerRequest) Reset() {
 	*x = DeleteLayerRequest{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[15]
+	mi := &file_shoal_v1_layer_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1225,7 +1672,7 @@ func (x *DeleteLayerRequest) String() string {
 func (*DeleteLayerRequest) ProtoMessage() {}
 
 func (x *DeleteLayerRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[15]
+	mi := &file_shoal_v1_layer_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1238,7 +1685,7 @@ func (x *DeleteLayerRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteLayerRequest.ProtoReflect.Descriptor instead.
 func (*DeleteLayerRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{15}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *DeleteLayerRequest) GetRef() string {
@@ -1259,7 +1706,7 @@ type DeleteLayerResponse struct {
 
 func (x *DeleteLayerResponse) Reset() {
 	*x = DeleteLayerResponse{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[16]
+	mi := &file_shoal_v1_layer_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1271,7 +1718,7 @@ func (x *DeleteLayerResponse) String() string {
 func (*DeleteLayerResponse) ProtoMessage() {}
 
 func (x *DeleteLayerResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[16]
+	mi := &file_shoal_v1_layer_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1284,7 +1731,7 @@ func (x *DeleteLayerResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteLayerResponse.ProtoReflect.Descriptor instead.
 func (*DeleteLayerResponse) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{16}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *DeleteLayerResponse) GetUntagged() []string {
@@ -1317,7 +1764,7 @@ type GarbageCollectLayersRequest struct {
 
 func (x *GarbageCollectLayersRequest) Reset() {
 	*x = GarbageCollectLayersRequest{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[17]
+	mi := &file_shoal_v1_layer_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1329,7 +1776,7 @@ func (x *GarbageCollectLayersRequest) String() string {
 func (*GarbageCollectLayersRequest) ProtoMessage() {}
 
 func (x *GarbageCollectLayersRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[17]
+	mi := &file_shoal_v1_layer_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1342,7 +1789,7 @@ func (x *GarbageCollectLayersRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GarbageCollectLayersRequest.ProtoReflect.Descriptor instead.
 func (*GarbageCollectLayersRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{17}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *GarbageCollectLayersRequest) GetDryRun() bool {
@@ -1363,7 +1810,7 @@ type GarbageCollectLayersResponse struct {
 
 func (x *GarbageCollectLayersResponse) Reset() {
 	*x = GarbageCollectLayersResponse{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[18]
+	mi := &file_shoal_v1_layer_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1375,7 +1822,7 @@ func (x *GarbageCollectLayersResponse) String() string {
 func (*GarbageCollectLayersResponse) ProtoMessage() {}
 
 func (x *GarbageCollectLayersResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[18]
+	mi := &file_shoal_v1_layer_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1388,7 +1835,7 @@ func (x *GarbageCollectLayersResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GarbageCollectLayersResponse.ProtoReflect.Descriptor instead.
 func (*GarbageCollectLayersResponse) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{18}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *GarbageCollectLayersResponse) GetRemoved() []*Layer {
@@ -1432,14 +1879,17 @@ type Environment struct {
 	// revision of its last write, in a cluster (etcd's): a replace that
 	// gives it as if_revision fails if someone changed it since. 0 on a
 	// single server.
-	Revision      int64 `protobuf:"varint,8,opt,name=revision,proto3" json:"revision,omitempty"`
+	Revision int64 `protobuf:"varint,8,opt,name=revision,proto3" json:"revision,omitempty"`
+	// For an environment made from a pulled image (PullImage): its config,
+	// the defaults of the sandboxes made from it.
+	Image         *ImageConfig `protobuf:"bytes,9,opt,name=image,proto3" json:"image,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Environment) Reset() {
 	*x = Environment{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[19]
+	mi := &file_shoal_v1_layer_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1451,7 +1901,7 @@ func (x *Environment) String() string {
 func (*Environment) ProtoMessage() {}
 
 func (x *Environment) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[19]
+	mi := &file_shoal_v1_layer_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1464,7 +1914,7 @@ func (x *Environment) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Environment.ProtoReflect.Descriptor instead.
 func (*Environment) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{19}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *Environment) GetName() string {
@@ -1523,6 +1973,13 @@ func (x *Environment) GetRevision() int64 {
 	return 0
 }
 
+func (x *Environment) GetImage() *ImageConfig {
+	if x != nil {
+		return x.Image
+	}
+	return nil
+}
+
 type CreateEnvironmentRequest struct {
 	state      protoimpl.MessageState `protogen:"open.v1"`
 	Name       string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"` // [a-z0-9][a-z0-9._-]{0,127}
@@ -1541,7 +1998,7 @@ type CreateEnvironmentRequest struct {
 
 func (x *CreateEnvironmentRequest) Reset() {
 	*x = CreateEnvironmentRequest{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[20]
+	mi := &file_shoal_v1_layer_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1553,7 +2010,7 @@ func (x *CreateEnvironmentRequest) String() string {
 func (*CreateEnvironmentRequest) ProtoMessage() {}
 
 func (x *CreateEnvironmentRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[20]
+	mi := &file_shoal_v1_layer_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1566,7 +2023,7 @@ func (x *CreateEnvironmentRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateEnvironmentRequest.ProtoReflect.Descriptor instead.
 func (*CreateEnvironmentRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{20}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *CreateEnvironmentRequest) GetName() string {
@@ -1627,7 +2084,7 @@ type GetEnvironmentRequest struct {
 
 func (x *GetEnvironmentRequest) Reset() {
 	*x = GetEnvironmentRequest{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[21]
+	mi := &file_shoal_v1_layer_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1639,7 +2096,7 @@ func (x *GetEnvironmentRequest) String() string {
 func (*GetEnvironmentRequest) ProtoMessage() {}
 
 func (x *GetEnvironmentRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[21]
+	mi := &file_shoal_v1_layer_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1652,7 +2109,7 @@ func (x *GetEnvironmentRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetEnvironmentRequest.ProtoReflect.Descriptor instead.
 func (*GetEnvironmentRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{21}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *GetEnvironmentRequest) GetName() string {
@@ -1670,7 +2127,7 @@ type ListEnvironmentsRequest struct {
 
 func (x *ListEnvironmentsRequest) Reset() {
 	*x = ListEnvironmentsRequest{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[22]
+	mi := &file_shoal_v1_layer_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1682,7 +2139,7 @@ func (x *ListEnvironmentsRequest) String() string {
 func (*ListEnvironmentsRequest) ProtoMessage() {}
 
 func (x *ListEnvironmentsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[22]
+	mi := &file_shoal_v1_layer_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1695,7 +2152,7 @@ func (x *ListEnvironmentsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListEnvironmentsRequest.ProtoReflect.Descriptor instead.
 func (*ListEnvironmentsRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{22}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{27}
 }
 
 type ListEnvironmentsResponse struct {
@@ -1707,7 +2164,7 @@ type ListEnvironmentsResponse struct {
 
 func (x *ListEnvironmentsResponse) Reset() {
 	*x = ListEnvironmentsResponse{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[23]
+	mi := &file_shoal_v1_layer_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1719,7 +2176,7 @@ func (x *ListEnvironmentsResponse) String() string {
 func (*ListEnvironmentsResponse) ProtoMessage() {}
 
 func (x *ListEnvironmentsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[23]
+	mi := &file_shoal_v1_layer_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1732,7 +2189,7 @@ func (x *ListEnvironmentsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListEnvironmentsResponse.ProtoReflect.Descriptor instead.
 func (*ListEnvironmentsResponse) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{23}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *ListEnvironmentsResponse) GetEnvironments() []*Environment {
@@ -1751,7 +2208,7 @@ type DeleteEnvironmentRequest struct {
 
 func (x *DeleteEnvironmentRequest) Reset() {
 	*x = DeleteEnvironmentRequest{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[24]
+	mi := &file_shoal_v1_layer_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1763,7 +2220,7 @@ func (x *DeleteEnvironmentRequest) String() string {
 func (*DeleteEnvironmentRequest) ProtoMessage() {}
 
 func (x *DeleteEnvironmentRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[24]
+	mi := &file_shoal_v1_layer_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1776,7 +2233,7 @@ func (x *DeleteEnvironmentRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteEnvironmentRequest.ProtoReflect.Descriptor instead.
 func (*DeleteEnvironmentRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{24}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *DeleteEnvironmentRequest) GetName() string {
@@ -1794,7 +2251,7 @@ type DeleteEnvironmentResponse struct {
 
 func (x *DeleteEnvironmentResponse) Reset() {
 	*x = DeleteEnvironmentResponse{}
-	mi := &file_shoal_v1_layer_proto_msgTypes[25]
+	mi := &file_shoal_v1_layer_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1806,7 +2263,7 @@ func (x *DeleteEnvironmentResponse) String() string {
 func (*DeleteEnvironmentResponse) ProtoMessage() {}
 
 func (x *DeleteEnvironmentResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_layer_proto_msgTypes[25]
+	mi := &file_shoal_v1_layer_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1819,7 +2276,7 @@ func (x *DeleteEnvironmentResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteEnvironmentResponse.ProtoReflect.Descriptor instead.
 func (*DeleteEnvironmentResponse) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{25}
+	return file_shoal_v1_layer_proto_rawDescGZIP(), []int{30}
 }
 
 var File_shoal_v1_layer_proto protoreflect.FileDescriptor
@@ -1878,7 +2335,45 @@ const file_shoal_v1_layer_proto_rawDesc = "" +
 	"\x06status\x18\x03 \x01(\v2\x17.shoal.v1.BuildProgressH\x00R\x06statusB\a\n" +
 	"\x05event\"$\n" +
 	"\x10PullLayerRequest\x12\x10\n" +
-	"\x03ref\x18\x01 \x01(\tR\x03ref\"\x9e\x01\n" +
+	"\x03ref\x18\x01 \x01(\tR\x03ref\"\xb6\x01\n" +
+	"\x12RegistryCredential\x12\x1a\n" +
+	"\bregistry\x18\x01 \x01(\tR\bregistry\x12\x1a\n" +
+	"\busername\x18\x02 \x01(\tR\busername\x12\x1a\n" +
+	"\bpassword\x18\x03 \x01(\tR\bpassword\x12%\n" +
+	"\x0eidentity_token\x18\x04 \x01(\tR\ridentityToken\x12%\n" +
+	"\x0eregistry_token\x18\x05 \x01(\tR\rregistryToken\"\xa4\x01\n" +
+	"\x10PullImageRequest\x12\x14\n" +
+	"\x05image\x18\x01 \x01(\tR\x05image\x12>\n" +
+	"\vcredentials\x18\x02 \x03(\v2\x1c.shoal.v1.RegistryCredentialR\vcredentials\x12 \n" +
+	"\venvironment\x18\x03 \x01(\tR\venvironment\x12\x18\n" +
+	"\areplace\x18\x04 \x01(\bR\areplace\"\x86\x01\n" +
+	"\vImageConfig\x12\x10\n" +
+	"\x03env\x18\x01 \x03(\tR\x03env\x12\x1f\n" +
+	"\vworking_dir\x18\x02 \x01(\tR\n" +
+	"workingDir\x12\x12\n" +
+	"\x04user\x18\x03 \x01(\tR\x04user\x12\x1e\n" +
+	"\n" +
+	"entrypoint\x18\x04 \x03(\tR\n" +
+	"entrypoint\x12\x10\n" +
+	"\x03cmd\x18\x05 \x03(\tR\x03cmd\"\xef\x02\n" +
+	"\x05Image\x12\x10\n" +
+	"\x03ref\x18\x01 \x01(\tR\x03ref\x12\x16\n" +
+	"\x06digest\x18\x02 \x01(\tR\x06digest\x12\x1a\n" +
+	"\bplatform\x18\x03 \x01(\tR\bplatform\x12\x16\n" +
+	"\x06layers\x18\x04 \x03(\tR\x06layers\x12\x1d\n" +
+	"\n" +
+	"oci_layers\x18\x05 \x03(\tR\tociLayers\x12-\n" +
+	"\x06config\x18\x06 \x01(\v2\x15.shoal.v1.ImageConfigR\x06config\x127\n" +
+	"\tpulled_at\x18\a \x01(\v2\x1a.google.protobuf.TimestampR\bpulledAt\x12#\n" +
+	"\rfetched_bytes\x18\b \x01(\x03R\ffetchedBytes\x12#\n" +
+	"\rreused_layers\x18\t \x01(\x05R\freusedLayers\x127\n" +
+	"\venvironment\x18\n" +
+	" \x01(\v2\x15.shoal.v1.EnvironmentR\venvironment\"\x93\x01\n" +
+	"\x0ePullImageEvent\x12\x1c\n" +
+	"\bprogress\x18\x01 \x01(\tH\x00R\bprogress\x12'\n" +
+	"\x05image\x18\x02 \x01(\v2\x0f.shoal.v1.ImageH\x00R\x05image\x121\n" +
+	"\x06status\x18\x03 \x01(\v2\x17.shoal.v1.BuildProgressH\x00R\x06statusB\a\n" +
+	"\x05event\"\x9e\x01\n" +
 	"\x11BuildLayerRequest\x12'\n" +
 	"\x04kind\x18\x01 \x01(\x0e2\x13.shoal.v1.LayerKindR\x04kind\x12\x10\n" +
 	"\x03ref\x18\x02 \x01(\tR\x03ref\x12\x16\n" +
@@ -1926,7 +2421,7 @@ const file_shoal_v1_layer_proto_rawDesc = "" +
 	"\aremoved\x18\x01 \x03(\v2\x0f.shoal.v1.LayerR\aremoved\x12\x1f\n" +
 	"\vfreed_bytes\x18\x02 \x01(\x03R\n" +
 	"freedBytes\x12\x12\n" +
-	"\x04kept\x18\x03 \x01(\x05R\x04kept\"\x8f\x02\n" +
+	"\x04kept\x18\x03 \x01(\x05R\x04kept\"\xbc\x02\n" +
 	"\vEnvironment\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x12\n" +
 	"\x04base\x18\x02 \x01(\tR\x04base\x12\x1e\n" +
@@ -1938,7 +2433,8 @@ const file_shoal_v1_layer_proto_rawDesc = "" +
 	"created_at\x18\x05 \x01(\v2\x1a.google.protobuf.TimestampR\tcreatedAt\x12+\n" +
 	"\bresolved\x18\x06 \x03(\v2\x0f.shoal.v1.LayerR\bresolved\x12\x18\n" +
 	"\abackend\x18\a \x01(\tR\abackend\x12\x1a\n" +
-	"\brevision\x18\b \x01(\x03R\brevision\"\xd3\x01\n" +
+	"\brevision\x18\b \x01(\x03R\brevision\x12+\n" +
+	"\x05image\x18\t \x01(\v2\x15.shoal.v1.ImageConfigR\x05image\"\xd3\x01\n" +
 	"\x18CreateEnvironmentRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x12\n" +
 	"\x04base\x18\x02 \x01(\tR\x04base\x12\x1e\n" +
@@ -1962,7 +2458,7 @@ const file_shoal_v1_layer_proto_rawDesc = "" +
 	"\x16LAYER_KIND_UNSPECIFIED\x10\x00\x12\x13\n" +
 	"\x0fLAYER_KIND_BASE\x10\x01\x12\x18\n" +
 	"\x14LAYER_KIND_WORKSPACE\x10\x02\x12\x16\n" +
-	"\x12LAYER_KIND_TOOLKIT\x10\x032\xbd\b\n" +
+	"\x12LAYER_KIND_TOOLKIT\x10\x032\x82\t\n" +
 	"\fLayerService\x12I\n" +
 	"\n" +
 	"BuildLayer\x12\x1b.shoal.v1.BuildLayerRequest\x1a\x1c.shoal.v1.BuildLayerResponse0\x01\x12K\n" +
@@ -1975,7 +2471,8 @@ const file_shoal_v1_layer_proto_rawDesc = "" +
 	"\x14GarbageCollectLayers\x12%.shoal.v1.GarbageCollectLayersRequest\x1a&.shoal.v1.GarbageCollectLayersResponse\x12D\n" +
 	"\tPushLayer\x12\x1a.shoal.v1.PushLayerRequest\x1a\x1b.shoal.v1.PushLayerResponse\x12K\n" +
 	"\x11PushLayerProgress\x12\x1a.shoal.v1.PushLayerRequest\x1a\x18.shoal.v1.PushLayerEvent0\x01\x128\n" +
-	"\tPullLayer\x12\x1a.shoal.v1.PullLayerRequest\x1a\x0f.shoal.v1.Layer\x12N\n" +
+	"\tPullLayer\x12\x1a.shoal.v1.PullLayerRequest\x1a\x0f.shoal.v1.Layer\x12C\n" +
+	"\tPullImage\x12\x1a.shoal.v1.PullImageRequest\x1a\x18.shoal.v1.PullImageEvent0\x01\x12N\n" +
 	"\x11CreateEnvironment\x12\".shoal.v1.CreateEnvironmentRequest\x1a\x15.shoal.v1.Environment\x12H\n" +
 	"\x0eGetEnvironment\x12\x1f.shoal.v1.GetEnvironmentRequest\x1a\x15.shoal.v1.Environment\x12Y\n" +
 	"\x10ListEnvironments\x12!.shoal.v1.ListEnvironmentsRequest\x1a\".shoal.v1.ListEnvironmentsResponse\x12\\\n" +
@@ -1994,7 +2491,7 @@ func file_shoal_v1_layer_proto_rawDescGZIP() []byte {
 }
 
 var file_shoal_v1_layer_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_shoal_v1_layer_proto_msgTypes = make([]protoimpl.MessageInfo, 26)
+var file_shoal_v1_layer_proto_msgTypes = make([]protoimpl.MessageInfo, 31)
 var file_shoal_v1_layer_proto_goTypes = []any{
 	(LayerKind)(0),                       // 0: shoal.v1.LayerKind
 	(*Layer)(nil),                        // 1: shoal.v1.Layer
@@ -2003,79 +2500,93 @@ var file_shoal_v1_layer_proto_goTypes = []any{
 	(*PushLayerResponse)(nil),            // 4: shoal.v1.PushLayerResponse
 	(*PushLayerEvent)(nil),               // 5: shoal.v1.PushLayerEvent
 	(*PullLayerRequest)(nil),             // 6: shoal.v1.PullLayerRequest
-	(*BuildLayerRequest)(nil),            // 7: shoal.v1.BuildLayerRequest
-	(*CommitLayerRequest)(nil),           // 8: shoal.v1.CommitLayerRequest
-	(*BuildLayerResponse)(nil),           // 9: shoal.v1.BuildLayerResponse
-	(*BuildProgress)(nil),                // 10: shoal.v1.BuildProgress
-	(*ListLayersRequest)(nil),            // 11: shoal.v1.ListLayersRequest
-	(*ListLayersResponse)(nil),           // 12: shoal.v1.ListLayersResponse
-	(*GetLayerRequest)(nil),              // 13: shoal.v1.GetLayerRequest
-	(*TagLayerRequest)(nil),              // 14: shoal.v1.TagLayerRequest
-	(*TagLayerResponse)(nil),             // 15: shoal.v1.TagLayerResponse
-	(*DeleteLayerRequest)(nil),           // 16: shoal.v1.DeleteLayerRequest
-	(*DeleteLayerResponse)(nil),          // 17: shoal.v1.DeleteLayerResponse
-	(*GarbageCollectLayersRequest)(nil),  // 18: shoal.v1.GarbageCollectLayersRequest
-	(*GarbageCollectLayersResponse)(nil), // 19: shoal.v1.GarbageCollectLayersResponse
-	(*Environment)(nil),                  // 20: shoal.v1.Environment
-	(*CreateEnvironmentRequest)(nil),     // 21: shoal.v1.CreateEnvironmentRequest
-	(*GetEnvironmentRequest)(nil),        // 22: shoal.v1.GetEnvironmentRequest
-	(*ListEnvironmentsRequest)(nil),      // 23: shoal.v1.ListEnvironmentsRequest
-	(*ListEnvironmentsResponse)(nil),     // 24: shoal.v1.ListEnvironmentsResponse
-	(*DeleteEnvironmentRequest)(nil),     // 25: shoal.v1.DeleteEnvironmentRequest
-	(*DeleteEnvironmentResponse)(nil),    // 26: shoal.v1.DeleteEnvironmentResponse
-	(*timestamppb.Timestamp)(nil),        // 27: google.protobuf.Timestamp
+	(*RegistryCredential)(nil),           // 7: shoal.v1.RegistryCredential
+	(*PullImageRequest)(nil),             // 8: shoal.v1.PullImageRequest
+	(*ImageConfig)(nil),                  // 9: shoal.v1.ImageConfig
+	(*Image)(nil),                        // 10: shoal.v1.Image
+	(*PullImageEvent)(nil),               // 11: shoal.v1.PullImageEvent
+	(*BuildLayerRequest)(nil),            // 12: shoal.v1.BuildLayerRequest
+	(*CommitLayerRequest)(nil),           // 13: shoal.v1.CommitLayerRequest
+	(*BuildLayerResponse)(nil),           // 14: shoal.v1.BuildLayerResponse
+	(*BuildProgress)(nil),                // 15: shoal.v1.BuildProgress
+	(*ListLayersRequest)(nil),            // 16: shoal.v1.ListLayersRequest
+	(*ListLayersResponse)(nil),           // 17: shoal.v1.ListLayersResponse
+	(*GetLayerRequest)(nil),              // 18: shoal.v1.GetLayerRequest
+	(*TagLayerRequest)(nil),              // 19: shoal.v1.TagLayerRequest
+	(*TagLayerResponse)(nil),             // 20: shoal.v1.TagLayerResponse
+	(*DeleteLayerRequest)(nil),           // 21: shoal.v1.DeleteLayerRequest
+	(*DeleteLayerResponse)(nil),          // 22: shoal.v1.DeleteLayerResponse
+	(*GarbageCollectLayersRequest)(nil),  // 23: shoal.v1.GarbageCollectLayersRequest
+	(*GarbageCollectLayersResponse)(nil), // 24: shoal.v1.GarbageCollectLayersResponse
+	(*Environment)(nil),                  // 25: shoal.v1.Environment
+	(*CreateEnvironmentRequest)(nil),     // 26: shoal.v1.CreateEnvironmentRequest
+	(*GetEnvironmentRequest)(nil),        // 27: shoal.v1.GetEnvironmentRequest
+	(*ListEnvironmentsRequest)(nil),      // 28: shoal.v1.ListEnvironmentsRequest
+	(*ListEnvironmentsResponse)(nil),     // 29: shoal.v1.ListEnvironmentsResponse
+	(*DeleteEnvironmentRequest)(nil),     // 30: shoal.v1.DeleteEnvironmentRequest
+	(*DeleteEnvironmentResponse)(nil),    // 31: shoal.v1.DeleteEnvironmentResponse
+	(*timestamppb.Timestamp)(nil),        // 32: google.protobuf.Timestamp
 }
 var file_shoal_v1_layer_proto_depIdxs = []int32{
 	0,  // 0: shoal.v1.Layer.kind:type_name -> shoal.v1.LayerKind
-	27, // 1: shoal.v1.Layer.created_at:type_name -> google.protobuf.Timestamp
+	32, // 1: shoal.v1.Layer.created_at:type_name -> google.protobuf.Timestamp
 	2,  // 2: shoal.v1.Layer.lazy:type_name -> shoal.v1.LazyLayerStats
 	1,  // 3: shoal.v1.PushLayerResponse.layer:type_name -> shoal.v1.Layer
 	4,  // 4: shoal.v1.PushLayerEvent.result:type_name -> shoal.v1.PushLayerResponse
-	10, // 5: shoal.v1.PushLayerEvent.status:type_name -> shoal.v1.BuildProgress
-	0,  // 6: shoal.v1.BuildLayerRequest.kind:type_name -> shoal.v1.LayerKind
-	0,  // 7: shoal.v1.CommitLayerRequest.kind:type_name -> shoal.v1.LayerKind
-	1,  // 8: shoal.v1.BuildLayerResponse.layer:type_name -> shoal.v1.Layer
-	10, // 9: shoal.v1.BuildLayerResponse.status:type_name -> shoal.v1.BuildProgress
-	1,  // 10: shoal.v1.ListLayersResponse.layers:type_name -> shoal.v1.Layer
-	1,  // 11: shoal.v1.TagLayerResponse.layer:type_name -> shoal.v1.Layer
-	1,  // 12: shoal.v1.DeleteLayerResponse.removed:type_name -> shoal.v1.Layer
-	1,  // 13: shoal.v1.GarbageCollectLayersResponse.removed:type_name -> shoal.v1.Layer
-	27, // 14: shoal.v1.Environment.created_at:type_name -> google.protobuf.Timestamp
-	1,  // 15: shoal.v1.Environment.resolved:type_name -> shoal.v1.Layer
-	20, // 16: shoal.v1.ListEnvironmentsResponse.environments:type_name -> shoal.v1.Environment
-	7,  // 17: shoal.v1.LayerService.BuildLayer:input_type -> shoal.v1.BuildLayerRequest
-	8,  // 18: shoal.v1.LayerService.CommitLayer:input_type -> shoal.v1.CommitLayerRequest
-	11, // 19: shoal.v1.LayerService.ListLayers:input_type -> shoal.v1.ListLayersRequest
-	13, // 20: shoal.v1.LayerService.GetLayer:input_type -> shoal.v1.GetLayerRequest
-	14, // 21: shoal.v1.LayerService.TagLayer:input_type -> shoal.v1.TagLayerRequest
-	16, // 22: shoal.v1.LayerService.DeleteLayer:input_type -> shoal.v1.DeleteLayerRequest
-	18, // 23: shoal.v1.LayerService.GarbageCollectLayers:input_type -> shoal.v1.GarbageCollectLayersRequest
-	3,  // 24: shoal.v1.LayerService.PushLayer:input_type -> shoal.v1.PushLayerRequest
-	3,  // 25: shoal.v1.LayerService.PushLayerProgress:input_type -> shoal.v1.PushLayerRequest
-	6,  // 26: shoal.v1.LayerService.PullLayer:input_type -> shoal.v1.PullLayerRequest
-	21, // 27: shoal.v1.LayerService.CreateEnvironment:input_type -> shoal.v1.CreateEnvironmentRequest
-	22, // 28: shoal.v1.LayerService.GetEnvironment:input_type -> shoal.v1.GetEnvironmentRequest
-	23, // 29: shoal.v1.LayerService.ListEnvironments:input_type -> shoal.v1.ListEnvironmentsRequest
-	25, // 30: shoal.v1.LayerService.DeleteEnvironment:input_type -> shoal.v1.DeleteEnvironmentRequest
-	9,  // 31: shoal.v1.LayerService.BuildLayer:output_type -> shoal.v1.BuildLayerResponse
-	9,  // 32: shoal.v1.LayerService.CommitLayer:output_type -> shoal.v1.BuildLayerResponse
-	12, // 33: shoal.v1.LayerService.ListLayers:output_type -> shoal.v1.ListLayersResponse
-	1,  // 34: shoal.v1.LayerService.GetLayer:output_type -> shoal.v1.Layer
-	15, // 35: shoal.v1.LayerService.TagLayer:output_type -> shoal.v1.TagLayerResponse
-	17, // 36: shoal.v1.LayerService.DeleteLayer:output_type -> shoal.v1.DeleteLayerResponse
-	19, // 37: shoal.v1.LayerService.GarbageCollectLayers:output_type -> shoal.v1.GarbageCollectLayersResponse
-	4,  // 38: shoal.v1.LayerService.PushLayer:output_type -> shoal.v1.PushLayerResponse
-	5,  // 39: shoal.v1.LayerService.PushLayerProgress:output_type -> shoal.v1.PushLayerEvent
-	1,  // 40: shoal.v1.LayerService.PullLayer:output_type -> shoal.v1.Layer
-	20, // 41: shoal.v1.LayerService.CreateEnvironment:output_type -> shoal.v1.Environment
-	20, // 42: shoal.v1.LayerService.GetEnvironment:output_type -> shoal.v1.Environment
-	24, // 43: shoal.v1.LayerService.ListEnvironments:output_type -> shoal.v1.ListEnvironmentsResponse
-	26, // 44: shoal.v1.LayerService.DeleteEnvironment:output_type -> shoal.v1.DeleteEnvironmentResponse
-	31, // [31:45] is the sub-list for method output_type
-	17, // [17:31] is the sub-list for method input_type
-	17, // [17:17] is the sub-list for extension type_name
-	17, // [17:17] is the sub-list for extension extendee
-	0,  // [0:17] is the sub-list for field type_name
+	15, // 5: shoal.v1.PushLayerEvent.status:type_name -> shoal.v1.BuildProgress
+	7,  // 6: shoal.v1.PullImageRequest.credentials:type_name -> shoal.v1.RegistryCredential
+	9,  // 7: shoal.v1.Image.config:type_name -> shoal.v1.ImageConfig
+	32, // 8: shoal.v1.Image.pulled_at:type_name -> google.protobuf.Timestamp
+	25, // 9: shoal.v1.Image.environment:type_name -> shoal.v1.Environment
+	10, // 10: shoal.v1.PullImageEvent.image:type_name -> shoal.v1.Image
+	15, // 11: shoal.v1.PullImageEvent.status:type_name -> shoal.v1.BuildProgress
+	0,  // 12: shoal.v1.BuildLayerRequest.kind:type_name -> shoal.v1.LayerKind
+	0,  // 13: shoal.v1.CommitLayerRequest.kind:type_name -> shoal.v1.LayerKind
+	1,  // 14: shoal.v1.BuildLayerResponse.layer:type_name -> shoal.v1.Layer
+	15, // 15: shoal.v1.BuildLayerResponse.status:type_name -> shoal.v1.BuildProgress
+	1,  // 16: shoal.v1.ListLayersResponse.layers:type_name -> shoal.v1.Layer
+	1,  // 17: shoal.v1.TagLayerResponse.layer:type_name -> shoal.v1.Layer
+	1,  // 18: shoal.v1.DeleteLayerResponse.removed:type_name -> shoal.v1.Layer
+	1,  // 19: shoal.v1.GarbageCollectLayersResponse.removed:type_name -> shoal.v1.Layer
+	32, // 20: shoal.v1.Environment.created_at:type_name -> google.protobuf.Timestamp
+	1,  // 21: shoal.v1.Environment.resolved:type_name -> shoal.v1.Layer
+	9,  // 22: shoal.v1.Environment.image:type_name -> shoal.v1.ImageConfig
+	25, // 23: shoal.v1.ListEnvironmentsResponse.environments:type_name -> shoal.v1.Environment
+	12, // 24: shoal.v1.LayerService.BuildLayer:input_type -> shoal.v1.BuildLayerRequest
+	13, // 25: shoal.v1.LayerService.CommitLayer:input_type -> shoal.v1.CommitLayerRequest
+	16, // 26: shoal.v1.LayerService.ListLayers:input_type -> shoal.v1.ListLayersRequest
+	18, // 27: shoal.v1.LayerService.GetLayer:input_type -> shoal.v1.GetLayerRequest
+	19, // 28: shoal.v1.LayerService.TagLayer:input_type -> shoal.v1.TagLayerRequest
+	21, // 29: shoal.v1.LayerService.DeleteLayer:input_type -> shoal.v1.DeleteLayerRequest
+	23, // 30: shoal.v1.LayerService.GarbageCollectLayers:input_type -> shoal.v1.GarbageCollectLayersRequest
+	3,  // 31: shoal.v1.LayerService.PushLayer:input_type -> shoal.v1.PushLayerRequest
+	3,  // 32: shoal.v1.LayerService.PushLayerProgress:input_type -> shoal.v1.PushLayerRequest
+	6,  // 33: shoal.v1.LayerService.PullLayer:input_type -> shoal.v1.PullLayerRequest
+	8,  // 34: shoal.v1.LayerService.PullImage:input_type -> shoal.v1.PullImageRequest
+	26, // 35: shoal.v1.LayerService.CreateEnvironment:input_type -> shoal.v1.CreateEnvironmentRequest
+	27, // 36: shoal.v1.LayerService.GetEnvironment:input_type -> shoal.v1.GetEnvironmentRequest
+	28, // 37: shoal.v1.LayerService.ListEnvironments:input_type -> shoal.v1.ListEnvironmentsRequest
+	30, // 38: shoal.v1.LayerService.DeleteEnvironment:input_type -> shoal.v1.DeleteEnvironmentRequest
+	14, // 39: shoal.v1.LayerService.BuildLayer:output_type -> shoal.v1.BuildLayerResponse
+	14, // 40: shoal.v1.LayerService.CommitLayer:output_type -> shoal.v1.BuildLayerResponse
+	17, // 41: shoal.v1.LayerService.ListLayers:output_type -> shoal.v1.ListLayersResponse
+	1,  // 42: shoal.v1.LayerService.GetLayer:output_type -> shoal.v1.Layer
+	20, // 43: shoal.v1.LayerService.TagLayer:output_type -> shoal.v1.TagLayerResponse
+	22, // 44: shoal.v1.LayerService.DeleteLayer:output_type -> shoal.v1.DeleteLayerResponse
+	24, // 45: shoal.v1.LayerService.GarbageCollectLayers:output_type -> shoal.v1.GarbageCollectLayersResponse
+	4,  // 46: shoal.v1.LayerService.PushLayer:output_type -> shoal.v1.PushLayerResponse
+	5,  // 47: shoal.v1.LayerService.PushLayerProgress:output_type -> shoal.v1.PushLayerEvent
+	1,  // 48: shoal.v1.LayerService.PullLayer:output_type -> shoal.v1.Layer
+	11, // 49: shoal.v1.LayerService.PullImage:output_type -> shoal.v1.PullImageEvent
+	25, // 50: shoal.v1.LayerService.CreateEnvironment:output_type -> shoal.v1.Environment
+	25, // 51: shoal.v1.LayerService.GetEnvironment:output_type -> shoal.v1.Environment
+	29, // 52: shoal.v1.LayerService.ListEnvironments:output_type -> shoal.v1.ListEnvironmentsResponse
+	31, // 53: shoal.v1.LayerService.DeleteEnvironment:output_type -> shoal.v1.DeleteEnvironmentResponse
+	39, // [39:54] is the sub-list for method output_type
+	24, // [24:39] is the sub-list for method input_type
+	24, // [24:24] is the sub-list for extension type_name
+	24, // [24:24] is the sub-list for extension extendee
+	0,  // [0:24] is the sub-list for field type_name
 }
 
 func init() { file_shoal_v1_layer_proto_init() }
@@ -2088,7 +2599,12 @@ func file_shoal_v1_layer_proto_init() {
 		(*PushLayerEvent_Result)(nil),
 		(*PushLayerEvent_Status)(nil),
 	}
-	file_shoal_v1_layer_proto_msgTypes[8].OneofWrappers = []any{
+	file_shoal_v1_layer_proto_msgTypes[10].OneofWrappers = []any{
+		(*PullImageEvent_Progress)(nil),
+		(*PullImageEvent_Image)(nil),
+		(*PullImageEvent_Status)(nil),
+	}
+	file_shoal_v1_layer_proto_msgTypes[13].OneofWrappers = []any{
 		(*BuildLayerResponse_Progress)(nil),
 		(*BuildLayerResponse_Layer)(nil),
 		(*BuildLayerResponse_Status)(nil),
@@ -2099,7 +2615,7 @@ func file_shoal_v1_layer_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_shoal_v1_layer_proto_rawDesc), len(file_shoal_v1_layer_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   26,
+			NumMessages:   31,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

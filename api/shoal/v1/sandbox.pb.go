@@ -519,8 +519,13 @@ type Sandbox struct {
 	AutoPauseSeconds int64 `protobuf:"varint,30,opt,name=auto_pause_seconds,json=autoPauseSeconds,proto3" json:"auto_pause_seconds,omitempty"`
 	// pause: the last pause (while paused, and after its resume until the
 	// next one); unset if it was never paused.
-	Pause         *PauseInfo `protobuf:"bytes,31,opt,name=pause,proto3" json:"pause,omitempty"`
-	Qos           string     `protobuf:"bytes,32,opt,name=qos,proto3" json:"qos,omitempty"` // "ls" or "be"
+	Pause *PauseInfo `protobuf:"bytes,31,opt,name=pause,proto3" json:"pause,omitempty"`
+	Qos   string     `protobuf:"bytes,32,opt,name=qos,proto3" json:"qos,omitempty"` // "ls" or "be"
+	// image: for a sandbox made from a pulled OCI image (its base, or its
+	// environment), the image's config: env, working_dir and user are its
+	// defaults; entrypoint and cmd its command, run when asked (shoal exec
+	// --image-cmd). Unset otherwise.
+	Image         *ImageConfig `protobuf:"bytes,40,opt,name=image,proto3" json:"image,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -693,6 +698,13 @@ func (x *Sandbox) GetQos() string {
 		return x.Qos
 	}
 	return ""
+}
+
+func (x *Sandbox) GetImage() *ImageConfig {
+	if x != nil {
+		return x.Image
+	}
+	return nil
 }
 
 // PauseInfo says what a pause did and how long its resume took.
@@ -1992,7 +2004,7 @@ const file_shoal_v1_sandbox_proto_rawDesc = "" +
 	"\rNetworkPolicy\x12\x1a\n" +
 	"\binternet\x18\x01 \x01(\bR\binternet\x12\x1b\n" +
 	"\tallow_out\x18\x02 \x03(\tR\ballowOut\x12\x19\n" +
-	"\bdeny_out\x18\x03 \x03(\tR\adenyOut\"\x8f\a\n" +
+	"\bdeny_out\x18\x03 \x03(\tR\adenyOut\"\xbc\a\n" +
 	"\aSandbox\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x18\n" +
 	"\abackend\x18\x02 \x01(\tR\abackend\x12,\n" +
@@ -2018,7 +2030,8 @@ const file_shoal_v1_sandbox_proto_rawDesc = "" +
 	"\x06tenant\x18\x15 \x01(\tR\x06tenant\x12,\n" +
 	"\x12auto_pause_seconds\x18\x1e \x01(\x03R\x10autoPauseSeconds\x12)\n" +
 	"\x05pause\x18\x1f \x01(\v2\x13.shoal.v1.PauseInfoR\x05pause\x12\x10\n" +
-	"\x03qos\x18  \x01(\tR\x03qos\x1a;\n" +
+	"\x03qos\x18  \x01(\tR\x03qos\x12+\n" +
+	"\x05image\x18( \x01(\v2\x15.shoal.v1.ImageConfigR\x05image\x1a;\n" +
 	"\rMetadataEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1a:\n" +
@@ -2194,6 +2207,7 @@ var file_shoal_v1_sandbox_proto_goTypes = []any{
 	nil,                           // 30: shoal.v1.Sandbox.RuntimeEntry
 	(LayerKind)(0),                // 31: shoal.v1.LayerKind
 	(*timestamppb.Timestamp)(nil), // 32: google.protobuf.Timestamp
+	(*ImageConfig)(nil),           // 33: shoal.v1.ImageConfig
 }
 var file_shoal_v1_sandbox_proto_depIdxs = []int32{
 	31, // 0: shoal.v1.LayerRef.kind:type_name -> shoal.v1.LayerKind
@@ -2208,43 +2222,44 @@ var file_shoal_v1_sandbox_proto_depIdxs = []int32{
 	30, // 9: shoal.v1.Sandbox.runtime:type_name -> shoal.v1.Sandbox.RuntimeEntry
 	4,  // 10: shoal.v1.Sandbox.network:type_name -> shoal.v1.NetworkPolicy
 	6,  // 11: shoal.v1.Sandbox.pause:type_name -> shoal.v1.PauseInfo
-	32, // 12: shoal.v1.PauseInfo.paused_at:type_name -> google.protobuf.Timestamp
-	32, // 13: shoal.v1.PauseInfo.resumed_at:type_name -> google.protobuf.Timestamp
-	5,  // 14: shoal.v1.PauseSandboxResponse.sandbox:type_name -> shoal.v1.Sandbox
-	5,  // 15: shoal.v1.ResumeSandboxResponse.sandbox:type_name -> shoal.v1.Sandbox
-	5,  // 16: shoal.v1.ListSandboxesResponse.sandboxes:type_name -> shoal.v1.Sandbox
-	32, // 17: shoal.v1.FileInfo.modified_at:type_name -> google.protobuf.Timestamp
-	17, // 18: shoal.v1.ListDirResponse.entries:type_name -> shoal.v1.FileInfo
-	1,  // 19: shoal.v1.WatchDirEvent.op:type_name -> shoal.v1.WatchDirEvent.Op
-	3,  // 20: shoal.v1.SandboxService.CreateSandbox:input_type -> shoal.v1.CreateSandboxRequest
-	11, // 21: shoal.v1.SandboxService.GetSandbox:input_type -> shoal.v1.GetSandboxRequest
-	12, // 22: shoal.v1.SandboxService.ListSandboxes:input_type -> shoal.v1.ListSandboxesRequest
-	14, // 23: shoal.v1.SandboxService.DeleteSandbox:input_type -> shoal.v1.DeleteSandboxRequest
-	16, // 24: shoal.v1.SandboxService.SetTimeout:input_type -> shoal.v1.SetTimeoutRequest
-	7,  // 25: shoal.v1.SandboxService.PauseSandbox:input_type -> shoal.v1.PauseSandboxRequest
-	9,  // 26: shoal.v1.SandboxService.ResumeSandbox:input_type -> shoal.v1.ResumeSandboxRequest
-	18, // 27: shoal.v1.SandboxService.StatFile:input_type -> shoal.v1.StatFileRequest
-	19, // 28: shoal.v1.SandboxService.ListDir:input_type -> shoal.v1.ListDirRequest
-	21, // 29: shoal.v1.SandboxService.MakeDir:input_type -> shoal.v1.MakeDirRequest
-	23, // 30: shoal.v1.SandboxService.RemoveFile:input_type -> shoal.v1.RemoveFileRequest
-	25, // 31: shoal.v1.SandboxService.WatchDir:input_type -> shoal.v1.WatchDirRequest
-	5,  // 32: shoal.v1.SandboxService.CreateSandbox:output_type -> shoal.v1.Sandbox
-	5,  // 33: shoal.v1.SandboxService.GetSandbox:output_type -> shoal.v1.Sandbox
-	13, // 34: shoal.v1.SandboxService.ListSandboxes:output_type -> shoal.v1.ListSandboxesResponse
-	15, // 35: shoal.v1.SandboxService.DeleteSandbox:output_type -> shoal.v1.DeleteSandboxResponse
-	5,  // 36: shoal.v1.SandboxService.SetTimeout:output_type -> shoal.v1.Sandbox
-	8,  // 37: shoal.v1.SandboxService.PauseSandbox:output_type -> shoal.v1.PauseSandboxResponse
-	10, // 38: shoal.v1.SandboxService.ResumeSandbox:output_type -> shoal.v1.ResumeSandboxResponse
-	17, // 39: shoal.v1.SandboxService.StatFile:output_type -> shoal.v1.FileInfo
-	20, // 40: shoal.v1.SandboxService.ListDir:output_type -> shoal.v1.ListDirResponse
-	22, // 41: shoal.v1.SandboxService.MakeDir:output_type -> shoal.v1.MakeDirResponse
-	24, // 42: shoal.v1.SandboxService.RemoveFile:output_type -> shoal.v1.RemoveFileResponse
-	26, // 43: shoal.v1.SandboxService.WatchDir:output_type -> shoal.v1.WatchDirEvent
-	32, // [32:44] is the sub-list for method output_type
-	20, // [20:32] is the sub-list for method input_type
-	20, // [20:20] is the sub-list for extension type_name
-	20, // [20:20] is the sub-list for extension extendee
-	0,  // [0:20] is the sub-list for field type_name
+	33, // 12: shoal.v1.Sandbox.image:type_name -> shoal.v1.ImageConfig
+	32, // 13: shoal.v1.PauseInfo.paused_at:type_name -> google.protobuf.Timestamp
+	32, // 14: shoal.v1.PauseInfo.resumed_at:type_name -> google.protobuf.Timestamp
+	5,  // 15: shoal.v1.PauseSandboxResponse.sandbox:type_name -> shoal.v1.Sandbox
+	5,  // 16: shoal.v1.ResumeSandboxResponse.sandbox:type_name -> shoal.v1.Sandbox
+	5,  // 17: shoal.v1.ListSandboxesResponse.sandboxes:type_name -> shoal.v1.Sandbox
+	32, // 18: shoal.v1.FileInfo.modified_at:type_name -> google.protobuf.Timestamp
+	17, // 19: shoal.v1.ListDirResponse.entries:type_name -> shoal.v1.FileInfo
+	1,  // 20: shoal.v1.WatchDirEvent.op:type_name -> shoal.v1.WatchDirEvent.Op
+	3,  // 21: shoal.v1.SandboxService.CreateSandbox:input_type -> shoal.v1.CreateSandboxRequest
+	11, // 22: shoal.v1.SandboxService.GetSandbox:input_type -> shoal.v1.GetSandboxRequest
+	12, // 23: shoal.v1.SandboxService.ListSandboxes:input_type -> shoal.v1.ListSandboxesRequest
+	14, // 24: shoal.v1.SandboxService.DeleteSandbox:input_type -> shoal.v1.DeleteSandboxRequest
+	16, // 25: shoal.v1.SandboxService.SetTimeout:input_type -> shoal.v1.SetTimeoutRequest
+	7,  // 26: shoal.v1.SandboxService.PauseSandbox:input_type -> shoal.v1.PauseSandboxRequest
+	9,  // 27: shoal.v1.SandboxService.ResumeSandbox:input_type -> shoal.v1.ResumeSandboxRequest
+	18, // 28: shoal.v1.SandboxService.StatFile:input_type -> shoal.v1.StatFileRequest
+	19, // 29: shoal.v1.SandboxService.ListDir:input_type -> shoal.v1.ListDirRequest
+	21, // 30: shoal.v1.SandboxService.MakeDir:input_type -> shoal.v1.MakeDirRequest
+	23, // 31: shoal.v1.SandboxService.RemoveFile:input_type -> shoal.v1.RemoveFileRequest
+	25, // 32: shoal.v1.SandboxService.WatchDir:input_type -> shoal.v1.WatchDirRequest
+	5,  // 33: shoal.v1.SandboxService.CreateSandbox:output_type -> shoal.v1.Sandbox
+	5,  // 34: shoal.v1.SandboxService.GetSandbox:output_type -> shoal.v1.Sandbox
+	13, // 35: shoal.v1.SandboxService.ListSandboxes:output_type -> shoal.v1.ListSandboxesResponse
+	15, // 36: shoal.v1.SandboxService.DeleteSandbox:output_type -> shoal.v1.DeleteSandboxResponse
+	5,  // 37: shoal.v1.SandboxService.SetTimeout:output_type -> shoal.v1.Sandbox
+	8,  // 38: shoal.v1.SandboxService.PauseSandbox:output_type -> shoal.v1.PauseSandboxResponse
+	10, // 39: shoal.v1.SandboxService.ResumeSandbox:output_type -> shoal.v1.ResumeSandboxResponse
+	17, // 40: shoal.v1.SandboxService.StatFile:output_type -> shoal.v1.FileInfo
+	20, // 41: shoal.v1.SandboxService.ListDir:output_type -> shoal.v1.ListDirResponse
+	22, // 42: shoal.v1.SandboxService.MakeDir:output_type -> shoal.v1.MakeDirResponse
+	24, // 43: shoal.v1.SandboxService.RemoveFile:output_type -> shoal.v1.RemoveFileResponse
+	26, // 44: shoal.v1.SandboxService.WatchDir:output_type -> shoal.v1.WatchDirEvent
+	33, // [33:45] is the sub-list for method output_type
+	21, // [21:33] is the sub-list for method input_type
+	21, // [21:21] is the sub-list for extension type_name
+	21, // [21:21] is the sub-list for extension extendee
+	0,  // [0:21] is the sub-list for field type_name
 }
 
 func init() { file_shoal_v1_sandbox_proto_init() }

@@ -16,6 +16,8 @@ layers), on the server's node.
     layers.rm("repo:1")                         # LayerInUse while a sandbox or environment uses it
     layers.gc(dry_run=True)                     # images nothing references
     layers.export("repo:latest", "repo.shoal-layer.tar")
+    img = layers.pull_image("python:3.12", environment="py312")  # from its OCI registry
+    Sandbox.create(template="py312")            # its layers; its Env, WORKDIR, USER
     layers.import_("repo.shoal-layer.tar", tag="repo:copy")
 
 A reference is ``name:version`` (a tag, which can move), ``name@sha256:...``
@@ -37,8 +39,11 @@ forms (``on_progress`` may then be a coroutine function).
 from __future__ import annotations
 
 import asyncio
+import base64
 import inspect as _inspect
+import json
 import os
+import subprocess
 import tarfile
 import threading
 import time
@@ -46,7 +51,7 @@ from typing import IO, Any, AsyncIterator, Awaitable, Callable, Dict, Iterable, 
 
 from ._protocol import FILE_CHUNK
 from .exceptions import InvalidArgument, ServerError
-from .models import BuildProgress, GCResult, Layer, PushResult, RemoveResult, TagResult
+from .models import BuildProgress, GCResult, Image, Layer, PushResult, RemoveResult, TagResult
 
 __all__ = [
     "KINDS",
@@ -63,6 +68,8 @@ __all__ = [
     "import_",
     "push",
     "pull",
+    "pull_image",
+    "docker_credentials",
     "abuild",
     "acommit",
     "alist",
@@ -76,6 +83,7 @@ __all__ = [
     "aimport_",
     "apush",
     "apull",
+    "apull_image",
 ]
 
 KINDS = ("base", "workspace", "toolkit")
@@ -514,6 +522,106 @@ def pull(ref: str, api_key: Optional[str] = None, url: Optional[str] = None, req
     return Layer.from_json(t.call("LayerService", "PullLayer", {"ref": _ref(ref)}, idempotent=True, request_timeout=_long(request_timeout, t)))
 
 
+_DOCKER_HUB_KEYS = ("https://index.docker.io/v1/", "index.docker.io", "docker.io", "registry-1.docker.io")
+
+
+def _image_registry(image: str) -> str:
+    """The registry of an image reference, as docker reads it ("docker.io"
+    for a name without one)."""
+    first, sep, _ = image.partition("/")
+    if sep and ("." in first or ":" in first or first == "localhost"):
+        return first
+    return "docker.io"
+
+
+def docker_credentials(image: str) -> List[Dict[str, str]]:
+    """This machine's login for the registry of ``image``, as docker keeps
+    it (``$DOCKER_CONFIG/config.json`` or ``~/.docker/config.json``: its
+    ``auths``, ``credHelpers`` and ``credsStore``), as the credentials of a
+    pull request; ``[]`` when there is none. :func:`pull_image` sends them
+    unless given ``credentials=``."""
+    reg = _image_registry(image)
+    path = os.path.join(os.environ.get("DOCKER_CONFIG") or os.path.join(os.path.expanduser("~"), ".docker"), "config.json")
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return []
+    keys = _DOCKER_HUB_KEYS if reg == "docker.io" else (reg, "https://" + reg, "http://" + reg)
+    helper = next((cfg.get("credHelpers", {}).get(k) for k in keys if cfg.get("credHelpers", {}).get(k)), None) or cfg.get("credsStore")
+    if helper:
+        try:
+            out = subprocess.run(["docker-credential-" + helper, "get"], input=keys[0], capture_output=True, text=True, timeout=30, check=True).stdout
+            got = json.loads(out)
+        except (OSError, subprocess.SubprocessError, ValueError):
+            got = None
+        if got and got.get("Secret"):
+            if got.get("Username") == "<token>":
+                return [{"registry": reg, "identityToken": got["Secret"]}]
+            return [{"registry": reg, "username": got.get("Username", ""), "password": got["Secret"]}]
+    for k in keys:
+        a = cfg.get("auths", {}).get(k)
+        if not a:
+            continue
+        cred = {"registry": reg}
+        if a.get("auth"):
+            user, _, pw = base64.b64decode(a["auth"]).decode().partition(":")
+            cred.update(username=user, password=pw)
+        for src, dst in (("username", "username"), ("password", "password"), ("identitytoken", "identityToken"), ("registrytoken", "registryToken")):
+            if a.get(src):
+                cred[dst] = a[src]
+        if len(cred) > 1:
+            return [cred]
+    return []
+
+
+def _pull_image_body(image: str, environment: Optional[str], replace: bool, credentials: Optional[List[Dict[str, str]]]) -> Dict[str, Any]:
+    if not isinstance(image, str) or not image:
+        raise InvalidArgument("image must be a non-empty string: [REGISTRY/]REPOSITORY[:TAG|@sha256:DIGEST]")
+    body: Dict[str, Any] = {"image": image}
+    creds = docker_credentials(image) if credentials is None else credentials
+    if creds:
+        body["credentials"] = creds
+    if environment:
+        body["environment"] = environment
+    if replace:
+        body["replace"] = True
+    return body
+
+
+def pull_image(
+    image: str,
+    environment: Optional[str] = None,
+    replace: bool = False,
+    credentials: Optional[List[Dict[str, str]]] = None,
+    api_key: Optional[str] = None,
+    url: Optional[str] = None,
+    request_timeout: Optional[float] = None,
+    on_progress: Optional[ProgressCallback] = None,
+) -> Image:
+    """Pull an image from an OCI registry into the server's layers:
+    ``[REGISTRY/]REPOSITORY[:TAG|@sha256:DIGEST]``, Docker Hub names as docker
+    reads them (``python:3.12``), an index resolved to linux on the server's
+    architecture. Each OCI layer becomes a layer of its own, fetched only if
+    the server does not have it (from this image or any other).
+
+    :param environment: also save the image as an environment of this name
+        (``Sandbox.create(template=...)``), its Env, WorkingDir and User the
+        defaults of its sandboxes (each create and command may override them).
+    :param credentials: the registry logins to forward, ``[{"registry",
+        "username", "password"}]`` (or ``identityToken``/``registryToken``);
+        default: :func:`docker_credentials` of the image. Used for this pull
+        only, never stored or logged by the server.
+    :param on_progress: called with each :class:`BuildProgress`: a line per
+        stage (``"fetch"`` of each OCI layer, then its conversion's) and byte
+        counts in between.
+    """
+    t = _t(api_key, url)
+    body = _pull_image_body(image, environment, replace, credentials)
+    stream = t.stream("LayerService", "PullImage", body, idempotent=True, request_timeout=_long(request_timeout, t))
+    return _receive(stream, on_progress, "PullImage", "image", Image.from_json)
+
+
 def rm(ref: str, api_key: Optional[str] = None, url: Optional[str] = None, request_timeout: Optional[float] = None) -> RemoveResult:
     """Remove a tag, and its image if nothing else uses it (or an untagged
     image by digest). Raises :class:`~shoal.LayerInUse` for an image a
@@ -750,6 +858,23 @@ async def apull(ref: str, api_key: Optional[str] = None, url: Optional[str] = No
     """:func:`pull` for asyncio."""
     t = _at(api_key, url)
     return Layer.from_json(await t.call("LayerService", "PullLayer", {"ref": _ref(ref)}, idempotent=True, request_timeout=_long(request_timeout, t)))
+
+
+async def apull_image(
+    image: str,
+    environment: Optional[str] = None,
+    replace: bool = False,
+    credentials: Optional[List[Dict[str, str]]] = None,
+    api_key: Optional[str] = None,
+    url: Optional[str] = None,
+    request_timeout: Optional[float] = None,
+    on_progress: Optional[Callable[[BuildProgress], Union[Any, Awaitable[Any]]]] = None,
+) -> Image:
+    """:func:`pull_image` for asyncio (``on_progress`` may be a coroutine function)."""
+    t = _at(api_key, url)
+    body = await asyncio.to_thread(_pull_image_body, image, environment, replace, credentials)  # a credential helper may run
+    stream = t.stream("LayerService", "PullImage", body, idempotent=True, request_timeout=_long(request_timeout, t))
+    return await _areceive(stream, on_progress, "PullImage", "image", Image.from_json)
 
 
 async def arm(ref: str, api_key: Optional[str] = None, url: Optional[str] = None, request_timeout: Optional[float] = None) -> RemoveResult:

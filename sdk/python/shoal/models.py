@@ -107,6 +107,7 @@ class SandboxInfo:
     qos: str = "ls"  # CPU class: "ls" or "be"
     auto_pause: int = 0  # seconds idle before it is paused; 0 = never
     pause: Optional["PauseInfo"] = None  # the last pause, if any
+    image: Optional["ImageConfig"] = None  # made from a pulled OCI image: its config (its command: entrypoint + cmd)
     raw: Dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -159,6 +160,7 @@ class SandboxInfo:
             client_key=d.get("clientKey", ""),
             auto_pause=_int(d.get("autoPauseSeconds")),
             pause=PauseInfo.from_json(d["pause"]) if d.get("pause") else None,
+            image=ImageConfig.from_json(d["image"]) if d.get("image") else None,
             raw=dict(d),
         )
 
@@ -661,6 +663,7 @@ class Environment:
     resolved: List[Layer] = field(default_factory=list)
     backend: str = ""  # its sandboxes' backend unless a create names one ("": the node's)
     revision: int = 0  # of its last write, on a cluster (etcd's); 0 on one server
+    image: Optional["ImageConfig"] = None  # made from a pulled image: its config, the sandboxes' defaults
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> "Environment":
@@ -673,4 +676,65 @@ class Environment:
             resolved=[Layer.from_json(x) for x in d.get("resolved") or []],
             backend=d.get("backend", ""),
             revision=int(d.get("revision") or 0),
+            image=ImageConfig.from_json(d["image"]) if d.get("image") is not None else None,
+        )
+
+
+@dataclass
+class ImageConfig:
+    """What an OCI image says about its processes: the defaults of the
+    sandboxes made from it (``env`` under the create's; ``working_dir`` and
+    ``user`` for commands that give no ``cwd``/``user``). ``entrypoint`` and
+    ``cmd`` are kept, not run."""
+
+    env: List[str] = field(default_factory=list)  # KEY=VALUE
+    working_dir: str = ""
+    user: str = ""
+    entrypoint: List[str] = field(default_factory=list)
+    cmd: List[str] = field(default_factory=list)
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "ImageConfig":
+        return cls(
+            env=list(d.get("env") or []),
+            working_dir=_get(d, "workingDir", "working_dir") or "",
+            user=d.get("user", ""),
+            entrypoint=list(d.get("entrypoint") or []),
+            cmd=list(d.get("cmd") or []),
+        )
+
+
+@dataclass
+class Image:
+    """An image pulled from an OCI registry (``layers.pull_image()``): its
+    layers, bottom first, each a layer of its own (``oci-base:sha256-<hex>``,
+    then ``oci-layer:sha256-<hex>``), and its config. ``fetched_bytes`` and
+    ``reused_layers`` are this pull's: bytes fetched from the registry, and
+    layers the server had already (from any image)."""
+
+    ref: str  # normalised: "index.docker.io/library/python:3.12"
+    digest: str  # of its manifest (for an index: this platform's)
+    platform: str
+    layers: List[str]
+    oci_layers: List[str]
+    config: ImageConfig
+    pulled_at: Optional[datetime] = None
+    fetched_bytes: int = 0
+    reused_layers: int = 0
+    environment: Optional[Environment] = None  # saved, if asked for
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "Image":
+        env = d.get("environment")
+        return cls(
+            ref=d.get("ref", ""),
+            digest=d.get("digest", ""),
+            platform=d.get("platform", ""),
+            layers=list(d.get("layers") or []),
+            oci_layers=list(_get(d, "ociLayers", "oci_layers") or []),
+            config=ImageConfig.from_json(d.get("config") or {}),
+            pulled_at=_time(_get(d, "pulledAt", "pulled_at")),
+            fetched_bytes=_int(_get(d, "fetchedBytes", "fetched_bytes")),
+            reused_layers=_int(_get(d, "reusedLayers", "reused_layers")),
+            environment=Environment.from_json(env) if env is not None else None,
         )

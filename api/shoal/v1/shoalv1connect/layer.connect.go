@@ -70,6 +70,8 @@ const (
 	LayerServicePushLayerProgressProcedure = "/shoal.v1.LayerService/PushLayerProgress"
 	// LayerServicePullLayerProcedure is the fully-qualified name of the LayerService's PullLayer RPC.
 	LayerServicePullLayerProcedure = "/shoal.v1.LayerService/PullLayer"
+	// LayerServicePullImageProcedure is the fully-qualified name of the LayerService's PullImage RPC.
+	LayerServicePullImageProcedure = "/shoal.v1.LayerService/PullImage"
 	// LayerServiceCreateEnvironmentProcedure is the fully-qualified name of the LayerService's
 	// CreateEnvironment RPC.
 	LayerServiceCreateEnvironmentProcedure = "/shoal.v1.LayerService/CreateEnvironment"
@@ -124,6 +126,17 @@ type LayerServiceClient interface {
 	// need it to run a layer: it resolves references it does not hold from
 	// the store and mounts them from there (file://) or lazily (s3://).
 	PullLayer(context.Context, *connect.Request[v1.PullLayerRequest]) (*connect.Response[v1.Layer], error)
+	// PullImage pulls an image from an OCI registry (the distribution
+	// protocol; Docker Hub names normalised as docker does; an index
+	// resolved to this node's platform, linux/amd64 here). Each OCI layer
+	// becomes a layer of its own, tagged "oci-base:sha256-<hex>" (the bottom
+	// one) or "oci-layer:sha256-<hex>" (<hex>: the OCI layer's digest), and
+	// is fetched only if no such tag is here or in the layer store. With
+	// environment, saves the image as an environment of that name (its
+	// config the defaults of the sandboxes made from it). Streams progress
+	// like BuildLayer (stage "fetch": bytes of one OCI layer; then its
+	// conversion's stages), then the image.
+	PullImage(context.Context, *connect.Request[v1.PullImageRequest]) (*connect.ServerStreamForClient[v1.PullImageEvent], error)
 	CreateEnvironment(context.Context, *connect.Request[v1.CreateEnvironmentRequest]) (*connect.Response[v1.Environment], error)
 	GetEnvironment(context.Context, *connect.Request[v1.GetEnvironmentRequest]) (*connect.Response[v1.Environment], error)
 	ListEnvironments(context.Context, *connect.Request[v1.ListEnvironmentsRequest]) (*connect.Response[v1.ListEnvironmentsResponse], error)
@@ -201,6 +214,12 @@ func NewLayerServiceClient(httpClient connect.HTTPClient, baseURL string, opts .
 			connect.WithSchema(layerServiceMethods.ByName("PullLayer")),
 			connect.WithClientOptions(opts...),
 		),
+		pullImage: connect.NewClient[v1.PullImageRequest, v1.PullImageEvent](
+			httpClient,
+			baseURL+LayerServicePullImageProcedure,
+			connect.WithSchema(layerServiceMethods.ByName("PullImage")),
+			connect.WithClientOptions(opts...),
+		),
 		createEnvironment: connect.NewClient[v1.CreateEnvironmentRequest, v1.Environment](
 			httpClient,
 			baseURL+LayerServiceCreateEnvironmentProcedure,
@@ -240,6 +259,7 @@ type layerServiceClient struct {
 	pushLayer            *connect.Client[v1.PushLayerRequest, v1.PushLayerResponse]
 	pushLayerProgress    *connect.Client[v1.PushLayerRequest, v1.PushLayerEvent]
 	pullLayer            *connect.Client[v1.PullLayerRequest, v1.Layer]
+	pullImage            *connect.Client[v1.PullImageRequest, v1.PullImageEvent]
 	createEnvironment    *connect.Client[v1.CreateEnvironmentRequest, v1.Environment]
 	getEnvironment       *connect.Client[v1.GetEnvironmentRequest, v1.Environment]
 	listEnvironments     *connect.Client[v1.ListEnvironmentsRequest, v1.ListEnvironmentsResponse]
@@ -294,6 +314,11 @@ func (c *layerServiceClient) PushLayerProgress(ctx context.Context, req *connect
 // PullLayer calls shoal.v1.LayerService.PullLayer.
 func (c *layerServiceClient) PullLayer(ctx context.Context, req *connect.Request[v1.PullLayerRequest]) (*connect.Response[v1.Layer], error) {
 	return c.pullLayer.CallUnary(ctx, req)
+}
+
+// PullImage calls shoal.v1.LayerService.PullImage.
+func (c *layerServiceClient) PullImage(ctx context.Context, req *connect.Request[v1.PullImageRequest]) (*connect.ServerStreamForClient[v1.PullImageEvent], error) {
+	return c.pullImage.CallServerStream(ctx, req)
 }
 
 // CreateEnvironment calls shoal.v1.LayerService.CreateEnvironment.
@@ -356,6 +381,17 @@ type LayerServiceHandler interface {
 	// need it to run a layer: it resolves references it does not hold from
 	// the store and mounts them from there (file://) or lazily (s3://).
 	PullLayer(context.Context, *connect.Request[v1.PullLayerRequest]) (*connect.Response[v1.Layer], error)
+	// PullImage pulls an image from an OCI registry (the distribution
+	// protocol; Docker Hub names normalised as docker does; an index
+	// resolved to this node's platform, linux/amd64 here). Each OCI layer
+	// becomes a layer of its own, tagged "oci-base:sha256-<hex>" (the bottom
+	// one) or "oci-layer:sha256-<hex>" (<hex>: the OCI layer's digest), and
+	// is fetched only if no such tag is here or in the layer store. With
+	// environment, saves the image as an environment of that name (its
+	// config the defaults of the sandboxes made from it). Streams progress
+	// like BuildLayer (stage "fetch": bytes of one OCI layer; then its
+	// conversion's stages), then the image.
+	PullImage(context.Context, *connect.Request[v1.PullImageRequest], *connect.ServerStream[v1.PullImageEvent]) error
 	CreateEnvironment(context.Context, *connect.Request[v1.CreateEnvironmentRequest]) (*connect.Response[v1.Environment], error)
 	GetEnvironment(context.Context, *connect.Request[v1.GetEnvironmentRequest]) (*connect.Response[v1.Environment], error)
 	ListEnvironments(context.Context, *connect.Request[v1.ListEnvironmentsRequest]) (*connect.Response[v1.ListEnvironmentsResponse], error)
@@ -429,6 +465,12 @@ func NewLayerServiceHandler(svc LayerServiceHandler, opts ...connect.HandlerOpti
 		connect.WithSchema(layerServiceMethods.ByName("PullLayer")),
 		connect.WithHandlerOptions(opts...),
 	)
+	layerServicePullImageHandler := connect.NewServerStreamHandler(
+		LayerServicePullImageProcedure,
+		svc.PullImage,
+		connect.WithSchema(layerServiceMethods.ByName("PullImage")),
+		connect.WithHandlerOptions(opts...),
+	)
 	layerServiceCreateEnvironmentHandler := connect.NewUnaryHandler(
 		LayerServiceCreateEnvironmentProcedure,
 		svc.CreateEnvironment,
@@ -475,6 +517,8 @@ func NewLayerServiceHandler(svc LayerServiceHandler, opts ...connect.HandlerOpti
 			layerServicePushLayerProgressHandler.ServeHTTP(w, r)
 		case LayerServicePullLayerProcedure:
 			layerServicePullLayerHandler.ServeHTTP(w, r)
+		case LayerServicePullImageProcedure:
+			layerServicePullImageHandler.ServeHTTP(w, r)
 		case LayerServiceCreateEnvironmentProcedure:
 			layerServiceCreateEnvironmentHandler.ServeHTTP(w, r)
 		case LayerServiceGetEnvironmentProcedure:
@@ -530,6 +574,10 @@ func (UnimplementedLayerServiceHandler) PushLayerProgress(context.Context, *conn
 
 func (UnimplementedLayerServiceHandler) PullLayer(context.Context, *connect.Request[v1.PullLayerRequest]) (*connect.Response[v1.Layer], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("shoal.v1.LayerService.PullLayer is not implemented"))
+}
+
+func (UnimplementedLayerServiceHandler) PullImage(context.Context, *connect.Request[v1.PullImageRequest], *connect.ServerStream[v1.PullImageEvent]) error {
+	return connect.NewError(connect.CodeUnimplemented, errors.New("shoal.v1.LayerService.PullImage is not implemented"))
 }
 
 func (UnimplementedLayerServiceHandler) CreateEnvironment(context.Context, *connect.Request[v1.CreateEnvironmentRequest]) (*connect.Response[v1.Environment], error) {
