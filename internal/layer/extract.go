@@ -411,8 +411,11 @@ func (x *extractor) extract(hdr *tar.Header, r io.Reader) error {
 		if base := path.Base(name); strings.HasPrefix(base, whiteoutPrefix) {
 			return x.overlayWhiteout(path.Dir(name), base)
 		}
-		dropOverlayXattrs(hdr)
 	}
+	// Only the whiteouts and opaque marks an extraction makes itself may
+	// steer overlayfs, in any layer: a tar's own (a redirect, a metacopy)
+	// would reach into the layers stacked with it.
+	dropOverlayXattrs(hdr)
 	if name == "." {
 		if typ != tar.TypeDir {
 			return errors.New("the root of the archive must be a directory")

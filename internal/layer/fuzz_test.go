@@ -5,10 +5,15 @@ import (
 	"bytes"
 	"context"
 	"io"
+	"io/fs"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
+
+	v1 "github.com/google/go-containerregistry/pkg/v1"
+	"golang.org/x/sys/unix"
 )
 
 // FuzzParseRef: any string parses to exactly one form or to ErrInvalidRef,
@@ -119,6 +124,111 @@ func FuzzCommitStream(f *testing.F) {
 		}
 		if len(ents) != 1 || ents[0].Name() != "root" {
 			t.Fatalf("extraction wrote beside its tree: %v", ents)
+		}
+	})
+}
+
+// FuzzExtractOCILayer: any byte stream given as one layer of a pulled
+// image (fetchLayer's extraction: kept as a layer of its own, or an
+// image's bottom layer) extracts or fails, never panics, never writes
+// outside its root, and leaves no device node but overlayfs's whiteouts
+// (0/0 character devices) and no overlayfs attribute but the opaque marks
+// the extraction makes (an image must not steer overlayfs into other
+// layers, nor give a sandbox a device).
+func FuzzExtractOCILayer(f *testing.F) {
+	for _, entries := range [][]*tar.Header{
+		{{Name: "d", Typeflag: tar.TypeDir, Mode: 0o755}, {Name: "d/.wh..wh..opq", Typeflag: tar.TypeReg}, {Name: "d/.wh.x", Typeflag: tar.TypeReg}},
+		{{Name: ".wh.etc", Typeflag: tar.TypeReg}, {Name: "etc/", Typeflag: tar.TypeDir, Mode: 0o755}},
+		{{Name: "a/b/.wh.c", Typeflag: tar.TypeReg}, {Name: "a/.wh..wh..opq", Typeflag: tar.TypeReg}},
+		{{Name: "x", Typeflag: tar.TypeReg, Size: 1, Mode: 0o644, PAXRecords: map[string]string{"SCHILY.xattr.trusted.overlay.redirect": "/etc"}}},
+		{{Name: "dev/null", Typeflag: tar.TypeChar, Devmajor: 1, Devminor: 3}, {Name: "kmem", Typeflag: tar.TypeBlock, Devmajor: 1, Devminor: 2}},
+		{{Name: ".wh.../x", Typeflag: tar.TypeReg}, {Name: "../.wh.y", Typeflag: tar.TypeReg}},
+	} {
+		var b bytes.Buffer
+		tw := tar.NewWriter(&b)
+		for _, h := range entries {
+			tw.WriteHeader(h)
+			if h.Size > 0 {
+				tw.Write(bytes.Repeat([]byte("x"), int(h.Size)))
+			}
+		}
+		tw.Close()
+		f.Add(b.Bytes(), false)
+		f.Add(b.Bytes(), true)
+	}
+	f.Fuzz(func(t *testing.T, data []byte, bottom bool) {
+		parent := t.TempDir()
+		dst := filepath.Join(parent, "root")
+		x, err := newExtractor(dst, bottom)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer x.close()
+		x.overlay = !bottom
+		x.maxEntries = 256
+		if x.apply(context.Background(), io.LimitReader(bytes.NewReader(data), 1<<20)) == nil {
+			x.finishDirs()
+		}
+		ents, err := os.ReadDir(parent)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(ents) != 1 || ents[0].Name() != "root" {
+			t.Fatalf("extraction wrote beside its root: %v", ents)
+		}
+		filepath.WalkDir(dst, func(p string, d fs.DirEntry, err error) error {
+			if err != nil {
+				return nil
+			}
+			var st unix.Stat_t
+			if unix.Lstat(p, &st) != nil {
+				return nil
+			}
+			if typ := st.Mode & unix.S_IFMT; typ == unix.S_IFBLK || (typ == unix.S_IFCHR && st.Rdev != 0) {
+				t.Fatalf("%s: a device node (mode %o, rdev %d) in a pulled layer", p, st.Mode, st.Rdev)
+			}
+			if bottom && st.Mode&unix.S_IFMT == unix.S_IFCHR {
+				t.Fatalf("%s: a whiteout in an image's bottom layer", p)
+			}
+			names := make([]byte, 4096)
+			n, _ := unix.Llistxattr(p, names)
+			for _, name := range strings.Split(string(names[:max(n, 0)]), "\x00") {
+				if !strings.HasPrefix(name, "trusted.overlay.") && !strings.HasPrefix(name, "user.overlay.") {
+					continue
+				}
+				v := make([]byte, 16)
+				vn, _ := unix.Lgetxattr(p, name, v)
+				if name != "trusted.overlay.opaque" || string(v[:max(vn, 0)]) != "y" || !d.IsDir() || bottom {
+					t.Fatalf("%s: overlayfs attribute %s=%q", p, name, v[:max(vn, 0)])
+				}
+			}
+			return nil
+		})
+	})
+}
+
+// FuzzImageConfig: any config blob parses and is bounded (ImageConfig.check)
+// or refused, never a panic; what is accepted stays within the bounds
+// every sandbox made from the image carries in its record.
+func FuzzImageConfig(f *testing.F) {
+	f.Add([]byte(`{"architecture":"amd64","os":"linux","config":{"Env":["PATH=/usr/bin","LANG=C.UTF-8"],"WorkingDir":"/testbed","User":"1000:1000","Entrypoint":["/bin/sh","-c"],"Cmd":["pytest"]},"rootfs":{"type":"layers","diff_ids":[]}}`))
+	f.Add([]byte(`{"config":{"Env":null,"Cmd":[""]}}`))
+	f.Add([]byte(`{"config":{"Env":["` + strings.Repeat("A", 4096) + `"]}}`))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		cf, err := v1.ParseConfigFile(bytes.NewReader(data))
+		if err != nil {
+			return
+		}
+		c := ImageConfig{Env: cf.Config.Env, WorkingDir: cf.Config.WorkingDir, User: cf.Config.User, Entrypoint: cf.Config.Entrypoint, Cmd: cf.Config.Cmd}
+		if c.check() != nil {
+			return
+		}
+		total := 0
+		for _, s := range slices.Concat(c.Env, c.Entrypoint, c.Cmd) {
+			total += len(s)
+		}
+		if len(c.Env) > maxImageEnv || len(c.Entrypoint)+len(c.Cmd) > maxImageArgs || total > maxImageCfgBytes || len(c.WorkingDir) > 4096 || len(c.User) > 256 {
+			t.Fatalf("accepted a config past its bounds: %d env, %d args, %d bytes", len(c.Env), len(c.Entrypoint)+len(c.Cmd), total)
 		}
 	})
 }

@@ -74,6 +74,14 @@ const (
 	MaxImageLayers = 100
 	// maxImageRefBytes: the length of an image reference.
 	maxImageRefBytes = 512
+	// maxImageConfigBytes: an image's config blob (docker's are a few
+	// KiB; the largest seen in the wild, with long histories, ~1 MiB).
+	maxImageConfigBytes = 8 << 20
+	// Bounds of what an image's config gives its sandboxes (kept in every
+	// sandbox's record made from it).
+	maxImageEnv      = 1024    // Env entries
+	maxImageArgs     = 1024    // Entrypoint + Cmd arguments
+	maxImageCfgBytes = 1 << 20 // Env, Entrypoint and Cmd together
 	// DefaultStallTimeout: a registry that sends nothing for this long
 	// (no response, no byte of a blob) ends the pull.
 	DefaultStallTimeout = 60 * time.Second
@@ -199,6 +207,29 @@ type ImageConfig struct {
 	User       string   `json:"user,omitempty"`
 	Entrypoint []string `json:"entrypoint,omitempty"`
 	Cmd        []string `json:"cmd,omitempty"`
+}
+
+// check bounds what a config gives the sandboxes made from it.
+func (c ImageConfig) check() error {
+	total := 0
+	for _, kv := range c.Env {
+		total += len(kv)
+	}
+	args := len(c.Entrypoint) + len(c.Cmd)
+	for _, a := range append(slices.Clip(c.Entrypoint), c.Cmd...) {
+		total += len(a)
+	}
+	switch {
+	case len(c.Env) > maxImageEnv:
+		return fmt.Errorf("its config has %d environment variables, more than the maximum of %d", len(c.Env), maxImageEnv)
+	case args > maxImageArgs:
+		return fmt.Errorf("its config's entrypoint and command have %d arguments, more than the maximum of %d", args, maxImageArgs)
+	case total > maxImageCfgBytes:
+		return fmt.Errorf("its config's environment, entrypoint and command are %d bytes, more than the maximum of %d", total, maxImageCfgBytes)
+	case len(c.WorkingDir) > 4096 || len(c.User) > 256:
+		return fmt.Errorf("its config's working directory or user is too long (%d, %d bytes)", len(c.WorkingDir), len(c.User))
+	}
+	return nil
 }
 
 // PulledImage is a pulled image: the layers it is made of and its config.
@@ -457,13 +488,16 @@ func (s *Store) pullImage(ctx context.Context, o PullOptions) (PulledImage, erro
 		rep.start(StageDone, "", 0, "done in %.1fs: %s, %d layers here already", time.Since(start).Seconds(), im.Digest, len(im.Layers))
 		return im, nil
 	}
-	cf, err := img.ConfigFile()
-	if err != nil {
-		return PulledImage{}, pullError(ctx, fmt.Errorf("read the image config: %w", err))
-	}
 	mf, err := img.Manifest()
 	if err != nil {
 		return PulledImage{}, pullError(ctx, err)
+	}
+	if mf.Config.Size > maxImageConfigBytes {
+		return PulledImage{}, errdefs.New(errdefs.ErrInvalidArgument, "%s: its config is %d bytes, more than the maximum of %d", ref.Name(), mf.Config.Size, maxImageConfigBytes)
+	}
+	cf, err := img.ConfigFile()
+	if err != nil {
+		return PulledImage{}, pullError(ctx, fmt.Errorf("read the image config: %w", err))
 	}
 	layers, err := img.Layers()
 	if err != nil {
@@ -495,6 +529,9 @@ func (s *Store) pullImage(ctx context.Context, o PullOptions) (PulledImage, erro
 			Entrypoint: cf.Config.Entrypoint,
 			Cmd:        cf.Config.Cmd,
 		},
+	}
+	if err := im.Config.check(); err != nil {
+		return PulledImage{}, errdefs.New(errdefs.ErrInvalidArgument, "%s: %w", ref.Name(), err)
 	}
 	budget := cfg.MaxPullBytes // uncompressed bytes this pull may still convert
 	for i, l := range layers {
@@ -936,8 +973,8 @@ func (x *extractor) markOpaque(dir string) error {
 	return nil
 }
 
-// dropOverlayXattrs removes overlayfs's own attributes from a tar entry of
-// a layer kept on its own: only the whiteouts the pull makes may steer
+// dropOverlayXattrs removes overlayfs's own attributes from a tar entry
+// (extractor.entry): only the whiteouts an extraction makes may steer
 // overlayfs (a redirect or metacopy from an image would reach into other
 // layers).
 func dropOverlayXattrs(hdr *tar.Header) {
