@@ -4,8 +4,10 @@ import (
 	"archive/tar"
 	"bytes"
 	"context"
+	"errors"
 	"io"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -119,6 +121,46 @@ func FuzzCommitStream(f *testing.F) {
 		}
 		if len(ents) != 1 || ents[0].Name() != "root" {
 			t.Fatalf("extraction wrote beside its tree: %v", ents)
+		}
+	})
+}
+
+// FuzzCheckErofs: the walk of an untrusted image (verify.go) never panics
+// or loops on any bytes, and what it accepts counts at most its bounds.
+// Its seeds are 4 KiB images at least: run it with a short
+// -fuzzminimizetime (scripts/test gives 1s), or each new input is
+// minimized for a minute.
+func FuzzCheckErofs(f *testing.F) {
+	if _, err := exec.LookPath("mkfs.erofs"); err == nil {
+		dir := f.TempDir()
+		tree := filepath.Join(dir, "tree")
+		os.MkdirAll(filepath.Join(tree, "d/e"), 0o755)
+		os.WriteFile(filepath.Join(tree, "d/e/f"), []byte("file"), 0o644)
+		os.WriteFile(filepath.Join(tree, "g"), bytes.Repeat([]byte("g"), 5000), 0o644)
+		os.Symlink("d/e/f", filepath.Join(tree, "l"))
+		for _, opts := range [][]string{nil, {"-zlz4hc"}, {"-Enoinline_data"}} {
+			img := filepath.Join(dir, "img")
+			if out, err := exec.Command("mkfs.erofs", append(append([]string{"--quiet"}, opts...), img, tree)...).CombinedOutput(); err != nil {
+				f.Fatalf("mkfs.erofs: %v: %s", err, out)
+			}
+			b, err := os.ReadFile(img)
+			if err != nil {
+				f.Fatal(err)
+			}
+			f.Add(b)
+		}
+	}
+	f.Add(make([]byte, 4096))
+	f.Fuzz(func(t *testing.T, img []byte) {
+		st, err := checkErofs(context.Background(), bytes.NewReader(img), int64(len(img)), false)
+		if err != nil {
+			if !errors.Is(err, ErrBadImage) {
+				t.Fatalf("an error not marked ErrBadImage: %v", err)
+			}
+			return
+		}
+		if st.files < 0 || st.files > verifyMaxEntries || st.bytes < 0 {
+			t.Fatalf("accepted with counts %+v", st)
 		}
 	})
 }

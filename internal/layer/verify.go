@@ -32,6 +32,7 @@ import (
 	"fmt"
 	"io"
 	"os/exec"
+	"slices"
 	"strings"
 	"time"
 
@@ -59,6 +60,7 @@ const (
 	// Bounds of the walk: entries and directory depth.
 	verifyMaxEntries = 4 << 20
 	verifyMaxDepth   = 4096
+	verifyMaxBytes   = 1 << 50 // of content, hard links counted each time
 	// fsckTimeout bounds fsck.erofs's pass over an image.
 	fsckTimeout = 30 * time.Minute
 )
@@ -120,6 +122,9 @@ func checkErofs(ctx context.Context, r io.ReaderAt, size int64, allowSetID bool)
 	if f := le.Uint32(sb[80:]); f&^erofsIncompatKnown != 0 {
 		return erofsStats{}, fmt.Errorf("%w: incompatible features %#x that Shoal's builds never use", ErrBadImage, f&^erofsIncompatKnown)
 	}
+	if blocks := int64(le.Uint32(sb[36:])); blocks<<blkBits != size {
+		return erofsStats{}, fmt.Errorf("%w: %d bytes, but its superblock counts %d blocks of %d", ErrBadImage, size, blocks, 1<<blkBits)
+	}
 	if sb[13] != 0 || le.Uint16(sb[86:]) != 0 || sb[90] != 0 {
 		return erofsStats{}, fmt.Errorf("%w: superblock extension slots, extra devices or a directory block size: not made by Shoal", ErrBadImage)
 	}
@@ -179,32 +184,33 @@ func (w *erofsWalker) inode(nid uint64) (erofsInode, error) {
 	return in, nil
 }
 
-// check applies Shoal's rules to an inode at path p.
-func (w *erofsWalker) check(p string, in erofsInode) error {
+// check applies Shoal's rules to the inode of entry name of directory d.
+func (w *erofsWalker) check(d *dirFrame, name string, in erofsInode) error {
+	p := func() string { return d.path(name) }
 	switch in.mode & modeType {
 	case modeReg:
-		if in.size > uint64(1)<<46 {
-			return fmt.Errorf("%w: %s: a file of %d bytes", ErrBadImage, p, in.size)
+		if in.size > verifyMaxBytes || w.st.bytes+int64(in.size) > verifyMaxBytes {
+			return fmt.Errorf("%w: %s: a file of %d bytes, more than %d in all", ErrBadImage, p(), in.size, int64(verifyMaxBytes))
 		}
 		w.st.bytes += int64(in.size)
 	case modeDir:
 		if in.mode&modeSetID&^0o2000 != 0 {
-			return fmt.Errorf("%w: %s: a set-user-ID directory", ErrBadImage, p)
+			return fmt.Errorf("%w: %s: a set-user-ID directory", ErrBadImage, p())
 		}
 		return nil
 	case modeLnk:
 		if in.size == 0 || in.size > 4095 {
-			return fmt.Errorf("%w: %s: a symlink target of %d bytes", ErrBadImage, p, in.size)
+			return fmt.Errorf("%w: %s: a symlink target of %d bytes", ErrBadImage, p(), in.size)
 		}
 	case modeChr:
 		if in.u != 0 {
-			return fmt.Errorf("%w: %s is a character device %d:%d: device nodes are not allowed in a layer (only overlayfs whiteouts, 0:0)", ErrBadImage, p, in.u>>8&0xfff, in.u&0xff|in.u>>12&0xfff00)
+			return fmt.Errorf("%w: %s is a character device %d:%d: device nodes are not allowed in a layer (only overlayfs whiteouts, 0:0)", ErrBadImage, p(), in.u>>8&0xfff, in.u&0xff|in.u>>12&0xfff00)
 		}
 	default:
-		return fmt.Errorf("%w: %s is a %s: device nodes, fifos and sockets are not allowed in a layer", ErrBadImage, p, modeName(in.mode))
+		return fmt.Errorf("%w: %s is a %s: device nodes, fifos and sockets are not allowed in a layer", ErrBadImage, p(), modeName(in.mode))
 	}
 	if in.mode&modeSetID != 0 && !w.allowSetID {
-		return fmt.Errorf("%w: %s is set-user-ID or set-group-ID (mode %#o): only the admin may import such files", ErrBadImage, p, in.mode&0o7777)
+		return fmt.Errorf("%w: %s is set-user-ID or set-group-ID (mode %#o): only the admin may import such files", ErrBadImage, p(), in.mode&0o7777)
 	}
 	return nil
 }
@@ -221,47 +227,68 @@ func modeName(m uint16) string {
 	return fmt.Sprintf("file of unknown type %#o", m&modeType)
 }
 
-// dirFrame is a directory being walked.
+// dirFrame is a directory being walked. Its path is built only for an
+// error: entries of deep directories must not each cost a copy of it.
 type dirFrame struct {
-	in    erofsInode
-	path  string
-	depth int
+	in     erofsInode
+	parent *dirFrame
+	name   string
+	depth  int
+}
+
+// path is the directory's path, or that of its entry name ("" : none),
+// the last 512 bytes of it at most.
+func (d *dirFrame) path(name string) string {
+	parts := []string{}
+	if name != "" {
+		parts = append(parts, name)
+	}
+	n := len(name)
+	for f := d; f != nil && f.parent != nil && n < 512; f = f.parent {
+		parts = append(parts, f.name)
+		n += len(f.name) + 1
+	}
+	slices.Reverse(parts)
+	p := "/" + strings.Join(parts, "/")
+	if len(p) > 512 {
+		p = "..." + p[len(p)-512:]
+	}
+	return p
 }
 
 // walk visits every entry under root, depth first, without recursion.
 func (w *erofsWalker) walk(ctx context.Context, root erofsInode) error {
 	w.dirs[root.nid] = true
-	stack := []dirFrame{{in: root, path: "/"}}
+	stack := []*dirFrame{{in: root}}
 	for len(stack) > 0 {
 		if err := ctx.Err(); err != nil {
 			return err
 		}
 		d := stack[len(stack)-1]
 		stack = stack[:len(stack)-1]
-		err := w.readDir(d.in, d.path, func(name string, nid uint64) error {
-			p := strings.TrimSuffix(d.path, "/") + "/" + name
+		err := w.readDir(d, func(name string, nid uint64) error {
 			w.st.files++
 			if w.st.files > verifyMaxEntries {
 				return fmt.Errorf("%w: more than %d entries", ErrBadImage, verifyMaxEntries)
 			}
 			in, err := w.inode(nid)
 			if err != nil {
-				return fmt.Errorf("%w: %s: %v", ErrBadImage, p, err)
+				return fmt.Errorf("%w: %s: %v", ErrBadImage, d.path(name), err)
 			}
-			if err := w.check(p, in); err != nil {
+			if err := w.check(d, name, in); err != nil {
 				return err
 			}
 			if in.mode&modeType != modeDir {
 				return nil
 			}
 			if w.dirs[nid] {
-				return fmt.Errorf("%w: %s: a directory reached twice (a hard link or a cycle)", ErrBadImage, p)
+				return fmt.Errorf("%w: %s: a directory reached twice (a hard link or a cycle)", ErrBadImage, d.path(name))
 			}
 			if d.depth+1 > verifyMaxDepth {
-				return fmt.Errorf("%w: %s: directories nested deeper than %d", ErrBadImage, p, verifyMaxDepth)
+				return fmt.Errorf("%w: %s: directories nested deeper than %d", ErrBadImage, d.path(name), verifyMaxDepth)
 			}
 			w.dirs[nid] = true
-			stack = append(stack, dirFrame{in: in, path: p, depth: d.depth + 1})
+			stack = append(stack, &dirFrame{in: in, parent: d, name: name, depth: d.depth + 1})
 			return nil
 		})
 		if err != nil {
@@ -272,9 +299,10 @@ func (w *erofsWalker) walk(ctx context.Context, root erofsInode) error {
 }
 
 // readDir calls fn for every entry of directory in but "." and "..".
-func (w *erofsWalker) readDir(in erofsInode, p string, fn func(name string, nid uint64) error) error {
+func (w *erofsWalker) readDir(d *dirFrame, fn func(name string, nid uint64) error) error {
+	in := d.in
 	bad := func(format string, args ...any) error {
-		return fmt.Errorf("%w: directory %s: %s", ErrBadImage, p, fmt.Sprintf(format, args...))
+		return fmt.Errorf("%w: directory %s: %s", ErrBadImage, d.path(""), fmt.Sprintf(format, args...))
 	}
 	if in.layout != erofsLayoutFlatPlain && in.layout != erofsLayoutFlatInline {
 		return bad("data layout %d (directories are flat in Shoal's images)", in.layout)
