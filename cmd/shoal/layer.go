@@ -173,13 +173,13 @@ func layerLsCmd() *cobra.Command {
 				return nil
 			}
 			tw := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
-			fmt.Fprintln(tw, "REF\tKIND\tDIGEST\tSIZE\tCOMPRESSION\tCREATED")
+			fmt.Fprintln(tw, "REF\tOWNER\tKIND\tDIGEST\tSIZE\tCOMPRESSION\tCREATED")
 			for _, l := range res.Msg.Layers {
 				ref := l.Ref
 				if ref == "" {
 					ref = "<none> (" + l.Name + ")"
 				}
-				fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\n", ref, kindString(l.Kind), shortDigest(l.Digest), humanBytes(l.Size),
+				fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\n", ref, ownerString(l.Tenant), kindString(l.Kind), shortDigest(l.Digest), humanBytes(l.Size),
 					l.Compression, l.CreatedAt.AsTime().Local().Format(time.DateTime))
 			}
 			return tw.Flush()
@@ -188,6 +188,15 @@ func layerLsCmd() *cobra.Command {
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
 	cmd.Flags().BoolVarP(&all, "all", "a", false, "also list untagged images")
 	return cmd
+}
+
+// ownerString names the owner of a layer or an environment: its tenant,
+// or "shared" (the admin's, read-only to tenants).
+func ownerString(tenant string) string {
+	if tenant == "" {
+		return "shared"
+	}
+	return tenant
 }
 
 func layerInspectCmd() *cobra.Command {

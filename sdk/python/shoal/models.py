@@ -503,7 +503,16 @@ class Layer:
     mounts: int = 0
     remote: str = ""  # the layer store the node reads the image from when it holds no copy
     lazy: Dict[str, Any] = field(default_factory=dict)  # lazy loader counters of a mounted s3:// image (layers.get())
+    # The tenant whose tag this is; "" for a shared one (the admin's,
+    # read-only to tenants). The admin names a tenant's as "tenant/name:version".
+    tenant: str = ""
     raw: Dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def shared(self) -> bool:
+        """Whether the layer is the admin's, shared: every tenant uses it,
+        none changes it."""
+        return self.tenant == ""
 
     @property
     def pinned(self) -> str:
@@ -531,6 +540,7 @@ class Layer:
             source=d.get("source", ""),
             files=_int(d.get("files")),
             content_bytes=_int(_get(d, "contentBytes", "content_bytes")),
+            tenant=d.get("tenant", ""),
             tags=list(d.get("tags") or []),
             used_by_sandboxes=list(_get(d, "usedBySandboxes", "used_by_sandboxes") or []),
             used_by_environments=list(_get(d, "usedByEnvironments", "used_by_environments") or []),
@@ -655,6 +665,7 @@ class Environment:
     resolved: List[Layer] = field(default_factory=list)
     backend: str = ""  # its sandboxes' backend unless a create names one ("": the node's)
     revision: int = 0  # of its last write, on a cluster (etcd's); 0 on one server
+    tenant: str = ""  # whose it is; "" for a shared one (the admin's, read-only to tenants)
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> "Environment":
@@ -667,4 +678,5 @@ class Environment:
             resolved=[Layer.from_json(x) for x in d.get("resolved") or []],
             backend=d.get("backend", ""),
             revision=int(d.get("revision") or 0),
+            tenant=d.get("tenant", ""),
         )
