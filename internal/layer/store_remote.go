@@ -249,8 +249,9 @@ func (s *Store) Pull(ctx context.Context, ref string) (Layer, error) {
 	return s.As(AdminOwner).Pull(ctx, ref)
 }
 
-// Pull is Store.Pull of a layer the owner sees in the store (its own tag,
-// else a shared one), tagged here in the namespace it has there.
+// Pull is Store.Pull of one of the owner's layers in the store, tagged
+// here in the namespace it has there; a shared one is the admin's to pull
+// (ErrReadOnly: a tenant's create resolves it from the store without).
 func (v View) Pull(ctx context.Context, ref string) (Layer, error) {
 	s := v.s
 	if s.remote == nil {
@@ -263,6 +264,9 @@ func (v View) Pull(ctx context.Context, ref string) (Layer, error) {
 	l, err := v.remoteLayer(ctx, p, v.o.namespaces(p))
 	if err != nil {
 		return Layer{}, fmt.Errorf("pull layer %s: %w", ref, err)
+	}
+	if !v.o.writes(l.Tenant) {
+		return Layer{}, fmt.Errorf("pull layer %s: %w", ref, ErrReadOnly)
 	}
 	if err := s.download(ctx, l); err != nil {
 		return Layer{}, fmt.Errorf("pull layer %s from %s: %w", ref, s.remote.Store.URL(), err)
