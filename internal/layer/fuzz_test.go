@@ -17,7 +17,8 @@ import (
 // never a panic; an accepted ref has a valid name/version/digest.
 func FuzzParseRef(f *testing.F) {
 	for _, s := range []string{"debian:12", "python-3.11@sha256:" + strings.Repeat("a", 64), "sha256:" + strings.Repeat("0", 64),
-		"a:b:c", "@", ":", "x@sha256:zz", "../etc:1", "a:" + strings.Repeat("v", 200), "UPPER:1"} {
+		"a:b:c", "@", ":", "x@sha256:zz", "../etc:1", "a:" + strings.Repeat("v", 200), "UPPER:1",
+		"acme/py:3", "/py:3", "a/b/py:3", "acme/sha256:" + strings.Repeat("a", 64), "acme/x@sha256:" + strings.Repeat("b", 64), "-x/py:3"} {
 		f.Add(s)
 	}
 	f.Fuzz(func(t *testing.T, ref string) {
@@ -34,8 +35,14 @@ func FuzzParseRef(f *testing.F) {
 		if p.digest != "" && validateDigest(p.digest) != nil {
 			t.Fatalf("%q: accepted digest %q", ref, p.digest)
 		}
-		if strings.ContainsAny(p.name+p.version, "/\x00") {
-			t.Fatalf("%q: name or version with / or NUL", ref)
+		if strings.ContainsAny(p.name+p.version+p.tenant, "/\x00") {
+			t.Fatalf("%q: name, version or tenant with / or NUL", ref)
+		}
+		if p.qualified != strings.Contains(ref, "/") || p.qualified && p.digest != "" && p.name == "" {
+			t.Fatalf("%q: qualified %v (tenant %q) for a ref with %d /", ref, p.qualified, p.tenant, strings.Count(ref, "/"))
+		}
+		if p.tenant != "" && validateTenant(p.tenant) != nil {
+			t.Fatalf("%q: accepted tenant %q", ref, p.tenant)
 		}
 	})
 }

@@ -8,7 +8,10 @@
 // a lower hides what the sandbox deleted). It is named by tags "name:version"
 // that point at its digest ("sha256:<hex>" of the image file); a tag moves
 // in one bbolt transaction (on a node of a cluster, in one etcd transaction
-// first: the Store's ClusterTags, whose copy it keeps in bbolt).
+// first: the Store's ClusterTags, whose copy it keeps in bbolt). Tags and
+// environments belong to a tenant or, the admin's, are shared (owner.go:
+// a View is the store as one owner sees it). An image made outside Shoal
+// (an import) is checked before it is installed (verify.go).
 //
 // The Store keeps the images under DATA/layers/blobs, the tags, image
 // metadata and environments (named stacks) in bbolt (buckets prefixed
@@ -198,8 +201,8 @@ func parseRef(ref string) (parsedRef, error) {
 				return parsedRef{}, err
 			}
 		}
-		if strings.HasPrefix(rest, "sha256:") {
-			return parsedRef{}, fmt.Errorf("%w %q: a digest is not qualified by a tenant", ErrInvalidRef, ref)
+		if strings.HasPrefix(rest, "sha256:") || strings.Contains(rest, "/") {
+			return parsedRef{}, fmt.Errorf("%w %q: at most one tenant/ before name:version or name@sha256:<hex>; a digest alone has none", ErrInvalidRef, ref)
 		}
 		p, err := parseRef(rest)
 		if err != nil {

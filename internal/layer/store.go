@@ -248,8 +248,8 @@ func (s *Store) list() ([]Layer, error) {
 }
 
 // tag points l.Key() (its tenant's tag) at l and records l as the latest
-// build of its digest, in one transaction, and returns the layer the tag now points at and the
-// digest it pointed at before ("" if none). Rebuilding a tag with the same
+// build of its digest, in one transaction, and returns the layer the tag
+// now points at and the digest it pointed at before ("" if none). Rebuilding a tag with the same
 // content and kind changes nothing and returns the existing layer. On a
 // node of a cluster the image is recorded here, then the tag moved in the
 // cluster (which writes this store's copy of it).

@@ -87,13 +87,10 @@ def test_tenants_own_layers_and_environments(server) -> None:
         with Sandbox.create(template="benv", api_key=kb, timeout=60) as sb:
             assert sb.sandbox_id
     finally:
-        for name in (f"{b}/benv",):
+        # The admin names B's as b/NAME.
+        for rm, name in ((shoal.environments.rm, f"{b}/benv"), (shoal.layers.rm, f"{b}/bbase:1")):
             try:
-                shoal.environments.rm(name)
+                rm(name)
             except shoal.ShoalError:
                 pass
-        try:
-            shoal.layers.rm(f"{b}/bbase:1")
-        except shoal.ShoalError:
-            pass
         server.cli("key", "rm", a, b, check=False)
