@@ -230,7 +230,7 @@ func (s *Server) GetLayer(ctx context.Context, req *connect.Request[pb.GetLayerR
 		return nil, toConnect(err)
 	}
 	for _, e := range envs {
-		if stack, err := envStack(view, e); err == nil {
+		if stack, err := envStack(store.As(e.ResolvedBy(view.Owner())), e); err == nil {
 			for _, sl := range stack {
 				if sl.Digest == l.Digest {
 					out.UsedByEnvironments = append(out.UsedByEnvironments, envName(layerOwner(ctx), e))
@@ -574,7 +574,7 @@ func (s *Server) environmentPB(ctx context.Context, e layer.Env) *pb.Environment
 	if s.envs != nil {
 		out.Revision = s.envs.Mirror.Revision(e.Key())
 	}
-	if stack, err := envStack(s.layers(ctx), e); err == nil {
+	if stack, err := envStack(s.node.Layers().As(e.ResolvedBy(o)), e); err == nil {
 		for _, l := range stack {
 			out.Resolved = append(out.Resolved, layerPB(l))
 		}

@@ -38,6 +38,16 @@ type Env struct {
 // cluster.
 func (e Env) Key() string { return nsKey(e.Tenant, e.Name) }
 
+// ResolvedBy is whom the environment's references resolve as in a call
+// by o: o itself, but the environment's tenant when the admin uses a
+// tenant's environment (its names are that tenant's).
+func (e Env) ResolvedBy(o Owner) Owner {
+	if e.Tenant != "" && o.Admin {
+		return Owner{Tenant: e.Tenant}
+	}
+	return o
+}
+
 // QualifiedRefs returns the environment's references (base, workspaces,
 // toolkits) each qualified by the namespace it resolves in for a create
 // from it by anyone: a shared environment's in the shared namespace

@@ -149,6 +149,15 @@ func TestTenantsOwnNames(t *testing.T) {
 		t.Fatalf("the shared environment resolves for B to %+v (%v), want the shared base", l, err)
 	}
 
+	// The admin uses B's environment as B would: B's app:1.
+	benv, err := e.store.GetEnv("b/prod")
+	if err != nil {
+		t.Fatal(err)
+	}
+	bbase, _, _ := benv.QualifiedRefs()
+	if l, err := e.store.As(benv.ResolvedBy(AdminOwner)).Resolve(bbase); err != nil || l.Tenant != "b" || l.Digest != lb.Digest {
+		t.Fatalf("B's environment for the admin resolves to %+v (%v), want B's app:1", l, err)
+	}
 	// A tenant removes its own environment; the admin sees and removes
 	// everyone's tags, by qualified names.
 	if err := a.DeleteEnv("prod"); err != nil {

@@ -100,7 +100,9 @@ func (m *Manager) applyTemplate(req *CreateRequest) error {
 		return err
 	}
 	// A shared environment's references are the shared layers, whoever
-	// creates from it.
+	// creates from it; a tenant's are that tenant's (the admin's create
+	// from it resolves as the tenant would).
+	req.Owner = env.ResolvedBy(req.Owner)
 	base, workspaces, toolkits := env.QualifiedRefs()
 	req.Base = base
 	if req.Backend == "" {

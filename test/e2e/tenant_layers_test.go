@@ -168,6 +168,16 @@ func TestTenantLayers(t *testing.T) {
 	if err != nil || shared.Msg.Tenant != "" || shared.Msg.Digest == la.Digest {
 		t.Fatalf("the shared %s: %v %v", baseRef, shared, err)
 	}
+	// The admin creates from B's environment as B would (B's files).
+	sx, err := sdk(t).Create(ctx, &pb.CreateSandboxRequest{Template: "lay-b/prod"})
+	if err != nil {
+		t.Fatalf("the admin creates from lay-b/prod: %v", err)
+	}
+	defer sdk(t).Delete(context.Background(), sx.Id)
+	out.Reset()
+	if _, err := sdk(t).ReadFile(ctx, sx.Id, "/secret", &out); err != nil || out.String() != "B's secret\n" {
+		t.Fatalf("the admin's sandbox from lay-b/prod reads %q (%v)", out.String(), err)
+	}
 	// The admin sees B's layer by its qualified name.
 	if l, err := sdk(t).Layers.GetLayer(ctx, connect.NewRequest(&pb.GetLayerRequest{Ref: "lay-b/secret:1"})); err != nil || l.Msg.Tenant != "lay-b" {
 		t.Fatalf("the admin inspects lay-b/secret:1: %v %v", l, err)
