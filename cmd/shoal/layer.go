@@ -280,7 +280,12 @@ func layerTagCmd() *cobra.Command {
 	return &cobra.Command{
 		Use:   "tag SRC NAME:VERSION",
 		Short: "Point a tag at the layer SRC names, atomically (moves the tag if it exists)",
-		Args:  cobra.ExactArgs(2),
+		Long: `Point a tag at the layer SRC names, atomically (moves the tag if it exists).
+A tenant's key tags in its tenant's namespace (its own NAME:VERSION, whatever
+other tenants or the admin have under that name); the admin's tags are shared,
+read-only to tenants, and the admin names a tenant's as TENANT/NAME:VERSION
+(tagging one as NAME:VERSION publishes it as shared).`,
+		Args: cobra.ExactArgs(2),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			c, err := client(cmd)
 			if err != nil {
@@ -310,7 +315,9 @@ func layerRmCmd() *cobra.Command {
 unless another tag, an environment or a sandbox still uses it (the image then
 stays, reachable by digest, until it is unused and 'shoal layer gc' runs).
 NAME@sha256:... or sha256:... removes an untagged, unused image. A layer in
-use is never removed: that is a failed_precondition error.`,
+use is never removed: that is a failed_precondition error. A tenant's key
+removes its own tags only (shared ones are the admin's: permission_denied);
+the admin names a tenant's as TENANT/NAME:VERSION.`,
 		Args: cobra.MinimumNArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			c, err := client(cmd)
