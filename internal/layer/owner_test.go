@@ -149,6 +149,18 @@ func TestTenantsOwnNames(t *testing.T) {
 		t.Fatalf("the shared environment resolves for B to %+v (%v), want the shared base", l, err)
 	}
 
+	// The admin publishes A's layer as shared: B uses it, changes it not.
+	if _, _, err := e.store.Tag("a/evil:1", "pub:1"); err != nil {
+		t.Fatal(err)
+	}
+	if l, err := b.Resolve("pub:1"); err != nil || l.Digest != la.Digest || l.Tenant != "" {
+		t.Fatalf("B resolves the published pub:1: %+v (%v)", l, err)
+	}
+	_, err = b.Remove("pub:1", nil)
+	denied("B removes the published pub:1", err)
+	if _, err := e.store.Remove("pub:1", nil); err != nil {
+		t.Fatal(err)
+	}
 	// The admin uses B's environment as B would: B's app:1.
 	benv, err := e.store.GetEnv("b/prod")
 	if err != nil {
