@@ -88,9 +88,9 @@ func envLsCmd() *cobra.Command {
 				return nil
 			}
 			tw := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
-			fmt.Fprintln(tw, "NAME\tBASE\tWORKSPACES\tTOOLKITS\tBACKEND")
+			fmt.Fprintln(tw, "NAME\tOWNER\tBASE\tWORKSPACES\tTOOLKITS\tBACKEND")
 			for _, e := range res.Msg.Environments {
-				fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\n", e.Name, e.Base, orDash(e.Workspaces), orDash(e.Toolkits), orDash1(e.Backend))
+				fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\n", e.Name, ownerString(e.Tenant), e.Base, orDash(e.Workspaces), orDash(e.Toolkits), orDash1(e.Backend))
 			}
 			return tw.Flush()
 		},

@@ -173,13 +173,13 @@ func layerLsCmd() *cobra.Command {
 				return nil
 			}
 			tw := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
-			fmt.Fprintln(tw, "REF\tKIND\tDIGEST\tSIZE\tCOMPRESSION\tCREATED")
+			fmt.Fprintln(tw, "REF\tOWNER\tKIND\tDIGEST\tSIZE\tCOMPRESSION\tCREATED")
 			for _, l := range res.Msg.Layers {
 				ref := l.Ref
 				if ref == "" {
 					ref = "<none> (" + l.Name + ")"
 				}
-				fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\n", ref, kindString(l.Kind), shortDigest(l.Digest), humanBytes(l.Size),
+				fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\n", ref, ownerString(l.Tenant), kindString(l.Kind), shortDigest(l.Digest), humanBytes(l.Size),
 					l.Compression, l.CreatedAt.AsTime().Local().Format(time.DateTime))
 			}
 			return tw.Flush()
@@ -188,6 +188,15 @@ func layerLsCmd() *cobra.Command {
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
 	cmd.Flags().BoolVarP(&all, "all", "a", false, "also list untagged images")
 	return cmd
+}
+
+// ownerString names the owner of a layer or an environment: its tenant,
+// or "shared" (the admin's, read-only to tenants).
+func ownerString(tenant string) string {
+	if tenant == "" {
+		return "shared"
+	}
+	return tenant
 }
 
 func layerInspectCmd() *cobra.Command {
@@ -343,7 +352,12 @@ func layerTagCmd() *cobra.Command {
 	return &cobra.Command{
 		Use:   "tag SRC NAME:VERSION",
 		Short: "Point a tag at the layer SRC names, atomically (moves the tag if it exists)",
-		Args:  cobra.ExactArgs(2),
+		Long: `Point a tag at the layer SRC names, atomically (moves the tag if it exists).
+A tenant's key tags in its tenant's namespace (its own NAME:VERSION, whatever
+other tenants or the admin have under that name); the admin's tags are shared,
+read-only to tenants, and the admin names a tenant's as TENANT/NAME:VERSION
+(tagging one as NAME:VERSION publishes it as shared).`,
+		Args: cobra.ExactArgs(2),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			c, err := client(cmd)
 			if err != nil {
@@ -373,7 +387,9 @@ func layerRmCmd() *cobra.Command {
 unless another tag, an environment or a sandbox still uses it (the image then
 stays, reachable by digest, until it is unused and 'shoal layer gc' runs).
 NAME@sha256:... or sha256:... removes an untagged, unused image. A layer in
-use is never removed: that is a failed_precondition error.`,
+use is never removed: that is a failed_precondition error. A tenant's key
+removes its own tags only (shared ones are the admin's: permission_denied);
+the admin names a tenant's as TENANT/NAME:VERSION.`,
 		Args: cobra.MinimumNArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			c, err := client(cmd)

@@ -6,9 +6,11 @@ package cluster
 // own layer store (where its creates and its E2B templates resolve them,
 // and where its garbage collection sees the layers they name).
 //
-//	envs/<name>   layer.Env as JSON; the key's ModRevision is the
-//	              environment's revision, which a conditional replace
-//	              names
+//	envs/<name>            layer.Env as JSON; the key's ModRevision is the
+//	                       environment's revision, which a conditional
+//	                       replace names
+//	envs/<tenant>/<name>   a tenant's (layer.Env.Key: tenants own their
+//	                       environments; those without a tenant are shared)
 
 import (
 	"context"
@@ -55,7 +57,7 @@ func PutEnv(ctx context.Context, cli *clientv3.Client, e layer.Env, replace bool
 	if err != nil {
 		return Env{}, err
 	}
-	k := envsPrefix + e.Name
+	k := envsPrefix + e.Key()
 	var cmps []clientv3.Cmp
 	switch {
 	case !replace:
@@ -81,10 +83,16 @@ func PutEnv(ctx context.Context, cli *clientv3.Client, e layer.Env, replace bool
 	return Env{Env: e, Revision: resp.Header.Revision}, nil
 }
 
-// DeleteEnv removes an environment and returns the revision of its
-// removal; an unknown one is not found.
+// envKeyOK checks an environment's key (layer.Env.Key:
+// "[tenant/]name") before it is looked up.
+func envKeyOK(key string) bool {
+	return key != "" && len(key) <= 256 && strings.Count(key, "/") <= 1 && !strings.HasPrefix(key, "/") && !strings.HasSuffix(key, "/")
+}
+
+// DeleteEnv removes an environment (by its key, layer.Env.Key) and returns
+// the revision of its removal; an unknown one is not found.
 func DeleteEnv(ctx context.Context, cli *clientv3.Client, name string) (int64, error) {
-	if name == "" || len(name) > 256 || strings.Contains(name, "/") {
+	if !envKeyOK(name) {
 		return 0, errdefs.New(errdefs.ErrNotFound, "no environment %q (see shoal env ls)", name)
 	}
 	resp, err := cli.Delete(ctx, envsPrefix+name)
@@ -97,10 +105,10 @@ func DeleteEnv(ctx context.Context, cli *clientv3.Client, name string) (int64, e
 	return resp.Header.Revision, nil
 }
 
-// GetEnv reads an environment from etcd (a linearizable read: a write
-// through any replica is seen).
+// GetEnv reads an environment (by its key, layer.Env.Key) from etcd (a
+// linearizable read: a write through any replica is seen).
 func GetEnv(ctx context.Context, cli *clientv3.Client, name string) (Env, error) {
-	if name == "" || len(name) > 256 || strings.Contains(name, "/") {
+	if !envKeyOK(name) {
 		return Env{}, errdefs.New(errdefs.ErrNotFound, "no environment %q (see shoal env ls)", name)
 	}
 	resp, err := cli.Get(ctx, envsPrefix+name)
@@ -160,8 +168,8 @@ type LayerMirror struct {
 	log  *slog.Logger
 
 	mu      sync.Mutex       // serializes writes to sink, guards revs and tagRevs
-	revs    map[string]int64 // environment name → revision applied (of a put or a delete)
-	tagRevs map[string]int64 // tag "name:version" → revision applied
+	revs    map[string]int64 // environment key (layer.Env.Key) → revision applied (of a put or a delete)
+	tagRevs map[string]int64 // tag key (layer.Layer.Key) → revision applied
 }
 
 // MirrorLayers loads etcd's environments (and layer tags, if sink is a
@@ -207,21 +215,21 @@ func (m *LayerMirror) load(ctx context.Context) (int64, error) {
 	defer m.mu.Unlock()
 	in := map[string]bool{}
 	for _, e := range envs {
-		in[e.Name] = true
+		in[e.Key()] = true
 		m.putLocked(e)
 	}
 	for _, e := range have {
 		switch {
-		case in[e.Name]:
+		case in[e.Key()]:
 		case e.Mirrored > 0: // etcd's once, removed since
-			m.deleteLocked(e.Name, rev)
+			m.deleteLocked(e.Key(), rev)
 		default: // made here before the node was in a cluster
 			ce, err := PutEnv(ctx, m.cli, e, false, 0)
 			if err != nil && !errors.Is(err, errdefs.ErrAlreadyExists) {
-				return 0, fmt.Errorf("write environment %s, made on this node, to etcd: %w", e.Name, err)
+				return 0, fmt.Errorf("write environment %s, made on this node, to etcd: %w", e.Key(), err)
 			}
 			if err == nil {
-				m.log.Info("cluster: an environment made on this node is the cluster's now", "env", e.Name)
+				m.log.Info("cluster: an environment made on this node is the cluster's now", "env", e.Key())
 				m.putLocked(ce)
 			}
 		}
@@ -235,25 +243,25 @@ func (m *LayerMirror) load(ctx context.Context) (int64, error) {
 	}
 	inTags := map[string]bool{}
 	for _, t := range tags {
-		inTags[t.Ref()] = true
+		inTags[t.Key()] = true
 		m.putTagLocked(t)
 	}
 	for _, l := range haveTags {
 		switch {
-		case inTags[l.Ref()]:
+		case inTags[l.Key()]:
 		case l.Mirrored > 0: // etcd's once, removed since
-			m.deleteTagLocked(l.Ref(), rev)
+			m.deleteTagLocked(l.Key(), rev)
 		default: // built here before the node was in a cluster
 			t, _, err := PutLayerTag(ctx, m.cli, l)
 			if err != nil {
-				return 0, fmt.Errorf("write tag %s, made on this node, to etcd: %w", l.Ref(), err)
+				return 0, fmt.Errorf("write tag %s, made on this node, to etcd: %w", l.Key(), err)
 			}
 			if t.Digest != l.Digest {
 				// etcd had it already (since this load's read), at
 				// another layer: etcd's stands.
-				m.log.Warn("cluster: a tag made on this node points elsewhere in the cluster; the cluster's stands", "layer", l.Ref(), "digest", l.Digest, "cluster_digest", t.Digest)
+				m.log.Warn("cluster: a tag made on this node points elsewhere in the cluster; the cluster's stands", "layer", l.Key(), "digest", l.Digest, "cluster_digest", t.Digest)
 			} else {
-				m.log.Info("cluster: a layer tag made on this node is the cluster's now", "layer", l.Ref())
+				m.log.Info("cluster: a layer tag made on this node is the cluster's now", "layer", l.Key())
 			}
 			m.putTagLocked(t)
 		}
@@ -262,16 +270,16 @@ func (m *LayerMirror) load(ctx context.Context) (int64, error) {
 }
 
 func (m *LayerMirror) putLocked(e Env) {
-	if m.revs[e.Name] >= e.Revision {
+	if m.revs[e.Key()] >= e.Revision {
 		return // a newer write is in already
 	}
 	le := e.Env
 	le.Mirrored = e.Revision
 	if err := m.sink.MirrorEnv(le); err != nil {
-		m.log.Warn("cluster: mirror an environment", "env", e.Name, "err", err)
+		m.log.Warn("cluster: mirror an environment", "env", e.Key(), "err", err)
 		return
 	}
-	m.revs[e.Name] = e.Revision
+	m.revs[e.Key()] = e.Revision
 }
 
 func (m *LayerMirror) deleteLocked(name string, rev int64) {
@@ -286,16 +294,16 @@ func (m *LayerMirror) deleteLocked(name string, rev int64) {
 }
 
 func (m *LayerMirror) putTagLocked(t LayerTag) {
-	if m.tagRevs[t.Ref()] >= t.Revision {
+	if m.tagRevs[t.Key()] >= t.Revision {
 		return // a newer move is in already
 	}
 	l := t.Layer
 	l.Mirrored = t.Revision
 	if err := m.tags.MirrorTag(l); err != nil {
-		m.log.Warn("cluster: mirror a layer tag", "layer", t.Ref(), "err", err)
+		m.log.Warn("cluster: mirror a layer tag", "layer", t.Key(), "err", err)
 		return
 	}
-	m.tagRevs[t.Ref()] = t.Revision
+	m.tagRevs[t.Key()] = t.Revision
 }
 
 func (m *LayerMirror) deleteTagLocked(ref string, rev int64) {
@@ -400,7 +408,7 @@ func (m *LayerMirror) follow(ctx context.Context, rev int64) {
 				k := string(ev.Kv.Key)
 				if strings.HasPrefix(k, layerTagsPrefix) {
 					if ev.Type == clientv3.EventTypePut {
-						if t, err := decodeLayerTag(ev.Kv.Value, ev.Kv.ModRevision); err == nil && refOfTagKey(k) == t.Ref() {
+						if t, err := decodeLayerTag(ev.Kv.Value, ev.Kv.ModRevision); err == nil && refOfTagKey(k) == t.Key() {
 							m.putTagLocked(t)
 						}
 						continue
@@ -409,7 +417,7 @@ func (m *LayerMirror) follow(ctx context.Context, rev int64) {
 					continue
 				}
 				if ev.Type == clientv3.EventTypePut {
-					if e, err := decodeEnv(ev.Kv.Value, ev.Kv.ModRevision); err == nil {
+					if e, err := decodeEnv(ev.Kv.Value, ev.Kv.ModRevision); err == nil && strings.TrimPrefix(k, envsPrefix) == e.Key() {
 						m.putLocked(e)
 					}
 					continue

@@ -7,8 +7,11 @@ package cluster
 // name). The images themselves are in the nodes' shared layer store (or,
 // without one, on the node that built them).
 //
-//	layers/tags/<name>/<version>   layer.Layer as JSON; the key's
-//	                               ModRevision is the tag's revision
+//	layers/tags/<name>/<version>            layer.Layer as JSON; the key's
+//	                                        ModRevision is the tag's revision
+//	layers/tags/<tenant>/<name>/<version>   a tenant's tag (layer.Layer.Key:
+//	                                        tenants own their tags; those
+//	                                        without a tenant are shared)
 
 import (
 	"context"
@@ -32,26 +35,31 @@ type LayerTag struct {
 	Revision int64
 }
 
+// layerTagKey is the etcd key of the tag of key ref (layer.Layer.Key:
+// "[tenant/]name:version").
 func layerTagKey(ref string) (string, error) {
-	name, version, err := layer.ParseTag(ref)
+	t, name, version, err := layer.ParseTagKey(ref)
 	if err != nil {
 		return "", errdefs.Mark(errdefs.ErrInvalidArgument, err)
 	}
-	return layerTagsPrefix + name + "/" + version, nil
+	if t != "" {
+		t += "/"
+	}
+	return layerTagsPrefix + t + name + "/" + version, nil
 }
 
 // tagMoveAttempts bounds the retries of a tag move that raced another
 // move of the same tag.
 const tagMoveAttempts = 10
 
-// PutLayerTag points the tag l.Ref() at l in one transaction and returns
+// PutLayerTag points the tag l.Key() at l in one transaction and returns
 // the tag as written and the digest it pointed at before ("" if it is
 // new). A tag that points at l's digest and kind already is left as it is
 // (its layer returned): rebuilding the same content changes nothing. The
 // layer's image is not checked here: the caller (a node) has it, or the
 // shared store does.
 func PutLayerTag(ctx context.Context, cli *clientv3.Client, l layer.Layer) (LayerTag, string, error) {
-	k, err := layerTagKey(l.Ref())
+	k, err := layerTagKey(l.Key())
 	if err != nil {
 		return LayerTag{}, "", err
 	}
@@ -143,25 +151,31 @@ func decodeLayerTag(v []byte, rev int64) (LayerTag, error) {
 	if err := json.Unmarshal(v, &l); err != nil {
 		return LayerTag{}, fmt.Errorf("decode layer tag: %w", err)
 	}
-	if _, _, err := layer.ParseTag(l.Ref()); err != nil {
+	if _, _, _, err := layer.ParseTagKey(l.Key()); err != nil {
 		return LayerTag{}, fmt.Errorf("decode layer tag: %w", err)
 	}
 	l.Remote, l.Mirrored = "", 0
 	return LayerTag{Layer: l, Revision: rev}, nil
 }
 
-// refOfTagKey is the "name:version" of a key under layerTagsPrefix.
+// refOfTagKey is the "[tenant/]name:version" (layer.Layer.Key) of a key
+// under layerTagsPrefix.
 func refOfTagKey(k string) string {
-	return strings.Replace(strings.TrimPrefix(k, layerTagsPrefix), "/", ":", 1)
+	k = strings.TrimPrefix(k, layerTagsPrefix)
+	if i := strings.LastIndexByte(k, '/'); i >= 0 {
+		return k[:i] + ":" + k[i+1:]
+	}
+	return k
 }
 
 // TagSink is where a node keeps its copy of the cluster's layer tags (its
 // layer store); a sink of MirrorLayers that has it gets the tags too.
 type TagSink interface {
-	// MirrorTag points l.Ref() at l (l.Mirrored: etcd's revision).
+	// MirrorTag points l.Key() at l (l.Mirrored: etcd's revision).
 	MirrorTag(l layer.Layer) error
-	// UnmirrorTag removes a tag; one already gone is not an error.
-	UnmirrorTag(ref string) error
+	// UnmirrorTag removes a tag (by its key); one already gone is not an
+	// error.
+	UnmirrorTag(key string) error
 	// List returns every tag of the copy (layer.Layer.Mirrored is 0 for
 	// one made on the node before it joined the cluster).
 	List() ([]layer.Layer, error)

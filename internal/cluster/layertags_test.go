@@ -210,3 +210,91 @@ func TestLayerTags(t *testing.T) {
 		t.Fatal("a node whose copy lags does not resolve a tag made a moment ago")
 	}
 }
+
+// TestTenantLayerTagsAndEnvs: in a cluster a tenant's tags and
+// environments carry their tenant in etcd (their own keys), so that every
+// node resolves them for that tenant only: tenant b, through another
+// node, neither resolves a's tag nor moves it (its own tag of the same
+// name is another key), and a's environment is not b's.
+func TestTenantLayerTagsAndEnvs(t *testing.T) {
+	ep := etcdtest.Start(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	cli := client(t, ep)
+	n1, n2 := openStore(t), openStore(t)
+	for _, s := range []*layer.Store{n1, n2} {
+		m, err := MirrorLayers(ctx, client(t, ep), s, log)
+		if err != nil {
+			t.Fatal(err)
+		}
+		s.SetClusterTags(m)
+	}
+	if _, _, err := PutLayerTag(ctx, cli, baseLayer("base:1", 1)); err != nil { // shared
+		t.Fatal(err)
+	}
+	a1, b2 := n1.As(layer.Owner{Tenant: "a"}), n2.As(layer.Owner{Tenant: "b"})
+	eventually(t, "node 1 resolves base:1", func() bool { return resolvesTo(n1, "base:1", digestOf(1)) })
+	l, _, err := a1.Tag("base:1", "app:1")
+	if err != nil || l.Tenant != "a" {
+		t.Fatalf("a's tag through node 1: %+v %v", l, err)
+	}
+	if got, err := GetLayerTag(ctx, cli, "a/app:1"); err != nil || got.Tenant != "a" {
+		t.Fatalf("a's tag in etcd: %+v %v", got, err)
+	}
+	if _, err := GetLayerTag(ctx, cli, "app:1"); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Fatalf("a's tag is shared in etcd: %v", err)
+	}
+	eventually(t, "node 2 mirrors a/app:1", func() bool { return resolvesTo(n2, "a/app:1", digestOf(1)) })
+	if l, err := b2.Resolve("app:1"); !errors.Is(err, errdefs.ErrNotFound) {
+		all, _ := n2.List()
+		t.Fatalf("b resolves a's app:1 on node 2: %+v %v; node 2 has %+v", l, err, all)
+	}
+	if _, err := b2.Resolve("a/app:1"); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Fatalf("b resolves a/app:1 on node 2: %v", err)
+	}
+	if _, _, err := b2.Tag("base:1", "a/app:1"); !errors.Is(err, errdefs.ErrPermissionDenied) {
+		t.Fatalf("b moves a's tag: %v", err)
+	}
+	if _, err := b2.Remove("a/app:1", nil); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Fatalf("b removes a's tag: %v", err)
+	}
+	if _, _, err := b2.Tag("base:1", "app:1"); err != nil { // b's own
+		t.Fatal(err)
+	}
+	if _, err := b2.Remove("app:1", nil); err != nil {
+		t.Fatal(err)
+	}
+	if got, err := GetLayerTag(ctx, cli, "a/app:1"); err != nil || got.Tenant != "a" {
+		t.Fatalf("a's tag after b's tag and removal of its own: %+v %v", got, err)
+	}
+
+	// Environments: a's, written to etcd under its own key, mirrored.
+	if _, err := PutEnv(ctx, cli, layer.Env{Name: "prod", Base: "app:1", Tenant: "a"}, false, 0); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := PutEnv(ctx, cli, layer.Env{Name: "prod", Base: "base:1"}, false, 0); err != nil { // a shared one of the same name
+		t.Fatal(err)
+	}
+	eventually(t, "node 2 mirrors both", func() bool {
+		e, err := n2.GetEnv("a/prod")
+		s, err2 := n2.GetEnv("prod")
+		return err == nil && err2 == nil && e.Base == "app:1" && s.Base == "base:1"
+	})
+	if e, err := b2.GetEnv("prod"); err != nil || e.Tenant != "" {
+		t.Fatalf("b's prod on node 2: %+v %v; want the shared one", e, err)
+	}
+	if e, err := n2.As(layer.Owner{Tenant: "a"}).GetEnv("prod"); err != nil || e.Tenant != "a" {
+		t.Fatalf("a's prod on node 2: %+v %v", e, err)
+	}
+	if _, err := DeleteEnv(ctx, cli, "a/prod"); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "node 2 drops a/prod", func() bool {
+		_, err := n2.GetEnv("a/prod")
+		return errors.Is(err, errdefs.ErrNotFound)
+	})
+	if _, err := n2.GetEnv("prod"); err != nil {
+		t.Fatalf("the shared prod after a's removal: %v", err)
+	}
+}

@@ -85,7 +85,7 @@ var procedureScopes = map[string][]tenant.Scope{
 	"LayerService/GetLayer":             lr,
 	"LayerService/TagLayer":             lw,
 	"LayerService/DeleteLayer":          lw,
-	"LayerService/GarbageCollectLayers": lw,
+	"LayerService/GarbageCollectLayers": adm, // every tenant's dangling images
 	"LayerService/CreateEnvironment":    lw,
 	"LayerService/GetEnvironment":       lr,
 	"LayerService/ListEnvironments":     lr,

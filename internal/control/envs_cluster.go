@@ -7,9 +7,11 @@ package control
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"net/http"
+	"strings"
 	"time"
 
 	"connectrpc.com/connect"
@@ -37,11 +39,15 @@ func (s *Server) SetClusterEnvs(c *ClusterEnvs) { s.envs = c }
 // createClusterEnvironment checks an environment against this node's
 // layers and writes it to etcd.
 func (s *Server) createClusterEnvironment(ctx context.Context, r *pb.CreateEnvironmentRequest) (*pb.Environment, error) {
-	e := layer.Env{Name: r.Name, Base: r.Base, Workspaces: r.Workspaces, Toolkits: r.Toolkits, Backend: r.Backend}
+	home, err := ownerHome(ctx)
+	if err != nil {
+		return nil, err
+	}
+	e := layer.Env{Name: r.Name, Base: r.Base, Workspaces: r.Workspaces, Toolkits: r.Toolkits, Backend: r.Backend, Tenant: home}
 	if err := layer.CheckEnv(e); err != nil {
 		return nil, err
 	}
-	if _, err := s.node.Layers().ResolveStack(e.Base, e.Workspaces, e.Toolkits); err != nil {
+	if _, err := s.layers(ctx).ResolveStack(e.Base, e.Workspaces, e.Toolkits); err != nil {
 		return nil, fmt.Errorf("create environment %s: %w", e.Name, err)
 	}
 	ce, err := cluster.PutEnv(ctx, s.envs.Client, e, r.Replace, r.IfRevision)
@@ -49,18 +55,62 @@ func (s *Server) createClusterEnvironment(ctx context.Context, r *pb.CreateEnvir
 		return nil, err
 	}
 	s.envs.Mirror.Apply(ce)
-	out := s.environmentPB(ce.Env)
+	out := s.environmentPB(ctx, ce.Env)
 	out.Revision = ce.Revision
 	return out, nil
 }
 
 func (s *Server) deleteClusterEnvironment(ctx context.Context, name string) error {
-	rev, err := cluster.DeleteEnv(ctx, s.envs.Client, name)
+	e, err := s.layers(ctx).GetEnv(name)
 	if err != nil {
 		return err
 	}
-	s.envs.Mirror.ApplyDelete(name, rev)
+	if !ownerWrites(ctx, e.Tenant) {
+		return fmt.Errorf("remove environment %s: %w", name, layer.ErrReadOnly)
+	}
+	rev, err := cluster.DeleteEnv(ctx, s.envs.Client, e.Key())
+	if err != nil {
+		return err
+	}
+	s.envs.Mirror.ApplyDelete(e.Key(), rev)
 	return nil
+}
+
+// ownerWrites says whether the request's principal may change a name of
+// tenant t ("": shared, the admin's).
+func ownerWrites(ctx context.Context, t string) bool {
+	o := layerOwner(ctx)
+	return o.Admin || t != "" && t == o.Tenant
+}
+
+// ownerReads says whether the request's principal sees a name of tenant t.
+func ownerReads(ctx context.Context, t string) bool {
+	o := layerOwner(ctx)
+	return o.Admin || t == "" || t == o.Tenant
+}
+
+// clusterEnv reads the environment name names for the request's
+// principal from etcd: its own, else a shared one ("tenant/name": that
+// tenant's, for itself or the admin).
+func clusterEnv(ctx context.Context, cli *clientv3.Client, name string) (cluster.Env, error) {
+	o := layerOwner(ctx)
+	var keys []string
+	if ns, n, ok := strings.Cut(name, "/"); ok {
+		if ownerReads(ctx, ns) && ns != "" {
+			keys = []string{ns + "/" + n}
+		}
+	} else if !o.Admin && o.Tenant != "" {
+		keys = []string{o.Tenant + "/" + name, name}
+	} else {
+		keys = []string{name}
+	}
+	for _, k := range keys {
+		e, err := cluster.GetEnv(ctx, cli, k)
+		if !errors.Is(err, errdefs.ErrNotFound) {
+			return e, err
+		}
+	}
+	return cluster.Env{}, errdefs.New(errdefs.ErrNotFound, "no environment %q (see shoal env ls)", name)
 }
 
 // catchUpTags brings this node's copy of the tags a create names up to
@@ -85,9 +135,9 @@ func (s *Server) catchUpTags(ctx context.Context, h http.Header) {
 
 // --- a control replica's environments ---
 
-func envPB(e cluster.Env) *pb.Environment {
-	return &pb.Environment{Name: e.Name, Base: e.Base, Workspaces: e.Workspaces, Toolkits: e.Toolkits, Backend: e.Backend,
-		CreatedAt: timestamppb.New(e.Created), Revision: e.Revision}
+func envPB(ctx context.Context, e cluster.Env) *pb.Environment {
+	return &pb.Environment{Name: envName(layerOwner(ctx), e.Env), Base: e.Base, Workspaces: e.Workspaces, Toolkits: e.Toolkits, Backend: e.Backend,
+		CreatedAt: timestamppb.New(e.Created), Revision: e.Revision, Tenant: e.Tenant}
 }
 
 // anyNode returns a live node, or unavailable.
@@ -105,6 +155,7 @@ func (f *Forwarder) anyNode() (cluster.NodeInfo, error) {
 func (f *Forwarder) resolveStack(ctx context.Context, n cluster.NodeInfo, e layer.Env, h map[string][]string) ([]*pb.Layer, error) {
 	const proc = "/shoal.v1.LayerService/GetLayer"
 	var out []*pb.Layer
+	base, workspaces, toolkits := e.QualifiedRefs()
 	add := func(ref string, want pb.LayerKind) error {
 		res, err := clientFor[pb.GetLayerRequest, pb.Layer](f, n, proc).CallUnary(ctx, outgoing(&pb.GetLayerRequest{Ref: ref}, h))
 		if err != nil {
@@ -116,17 +167,17 @@ func (f *Forwarder) resolveStack(ctx context.Context, n cluster.NodeInfo, e laye
 		out = append(out, res.Msg)
 		return nil
 	}
-	for _, r := range e.Toolkits {
+	for _, r := range toolkits {
 		if err := add(r, pb.LayerKind_LAYER_KIND_TOOLKIT); err != nil {
 			return nil, err
 		}
 	}
-	for _, r := range e.Workspaces {
+	for _, r := range workspaces {
 		if err := add(r, pb.LayerKind_LAYER_KIND_WORKSPACE); err != nil {
 			return nil, err
 		}
 	}
-	if err := add(e.Base, pb.LayerKind_LAYER_KIND_BASE); err != nil {
+	if err := add(base, pb.LayerKind_LAYER_KIND_BASE); err != nil {
 		return nil, err
 	}
 	return out, nil
@@ -134,7 +185,12 @@ func (f *Forwarder) resolveStack(ctx context.Context, n cluster.NodeInfo, e laye
 
 func (f *Forwarder) createEnvironment(ctx context.Context, req *connect.Request[pb.CreateEnvironmentRequest]) (*connect.Response[pb.Environment], error) {
 	r := req.Msg
-	e := layer.Env{Name: r.Name, Base: r.Base, Workspaces: r.Workspaces, Toolkits: r.Toolkits, Backend: r.Backend}
+	home, err := ownerHome(ctx)
+	if err != nil {
+		return nil, toConnect(err)
+	}
+	// The new environment's own references resolve as its owner sees them.
+	e := layer.Env{Name: r.Name, Base: r.Base, Workspaces: r.Workspaces, Toolkits: r.Toolkits, Backend: r.Backend, Tenant: home}
 	if err := layer.CheckEnv(e); err != nil {
 		return nil, toConnect(fmt.Errorf("create environment: %w", err))
 	}
@@ -161,17 +217,17 @@ func (f *Forwarder) createEnvironment(ctx context.Context, req *connect.Request[
 	if err != nil {
 		return nil, toConnect(err)
 	}
-	out := envPB(ce)
+	out := envPB(ctx, ce)
 	out.Resolved = resolved
 	return connect.NewResponse(out), nil
 }
 
 func (f *Forwarder) getEnvironment(ctx context.Context, req *connect.Request[pb.GetEnvironmentRequest]) (*connect.Response[pb.Environment], error) {
-	e, err := cluster.GetEnv(ctx, f.dir.Client(), req.Msg.Name)
+	e, err := clusterEnv(ctx, f.dir.Client(), req.Msg.Name)
 	if err != nil {
 		return nil, toConnect(err)
 	}
-	out := envPB(e)
+	out := envPB(ctx, e)
 	if n, err := f.anyNode(); err == nil {
 		// What it resolves to now (left empty if a reference does not).
 		out.Resolved, _ = f.resolveStack(ctx, n, e.Env, req.Header())
@@ -186,13 +242,22 @@ func (f *Forwarder) listEnvironments(ctx context.Context, req *connect.Request[p
 	}
 	out := &pb.ListEnvironmentsResponse{}
 	for _, e := range envs {
-		out.Environments = append(out.Environments, envPB(e))
+		if ownerReads(ctx, e.Tenant) {
+			out.Environments = append(out.Environments, envPB(ctx, e))
+		}
 	}
 	return connect.NewResponse(out), nil
 }
 
 func (f *Forwarder) deleteEnvironment(ctx context.Context, req *connect.Request[pb.DeleteEnvironmentRequest]) (*connect.Response[pb.DeleteEnvironmentResponse], error) {
-	if _, err := cluster.DeleteEnv(ctx, f.dir.Client(), req.Msg.Name); err != nil {
+	e, err := clusterEnv(ctx, f.dir.Client(), req.Msg.Name)
+	if err != nil {
+		return nil, toConnect(err)
+	}
+	if !ownerWrites(ctx, e.Tenant) {
+		return nil, toConnect(fmt.Errorf("remove environment %s: %w", req.Msg.Name, layer.ErrReadOnly))
+	}
+	if _, err := cluster.DeleteEnv(ctx, f.dir.Client(), e.Key()); err != nil {
 		return nil, toConnect(err)
 	}
 	return connect.NewResponse(&pb.DeleteEnvironmentResponse{}), nil
@@ -209,16 +274,17 @@ func (f *Forwarder) expandTemplate(ctx context.Context, m *pb.CreateSandboxReque
 	if m.Base != "" {
 		return errdefs.New(errdefs.ErrInvalidArgument, "give a template or a base, not both (environment %s has its own base)", m.Template)
 	}
-	e, err := cluster.GetEnv(ctx, f.dir.Client(), m.Template)
+	e, err := clusterEnv(ctx, f.dir.Client(), m.Template)
 	if err != nil {
 		return err
 	}
-	m.Base = e.Base
+	base, workspaces, toolkits := e.QualifiedRefs()
+	m.Base = base
 	if m.Backend == "" {
 		m.Backend = e.Backend
 	}
-	m.Workspaces = append(append([]string(nil), e.Workspaces...), m.Workspaces...)
-	m.Toolkits = append(append([]string(nil), e.Toolkits...), m.Toolkits...)
+	m.Workspaces = append(workspaces, m.Workspaces...)
+	m.Toolkits = append(toolkits, m.Toolkits...)
 	m.Template = ""
 	return nil
 }

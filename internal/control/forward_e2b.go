@@ -446,7 +446,7 @@ func (g *e2bForwarder) placementRequest(ctx context.Context, r *http.Request, te
 	pr.Layers = []string{template}
 	cctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 	defer cancel()
-	e, err := cluster.GetEnv(cctx, g.f.dir.Client(), template) // the cluster's environments (envs_cluster.go)
+	e, err := clusterEnv(cctx, g.f.dir.Client(), template) // the cluster's environments as the tenant sees them (envs_cluster.go)
 	if err != nil {
 		if !errors.Is(err, errdefs.ErrNotFound) {
 			g.f.log.Debug("e2b create: look the template up", "template", template, "err", err)

@@ -105,6 +105,35 @@ func isTag(ref string) bool {
 	return err == nil
 }
 
+// isTagKey says whether k is the key of a tag ([tenant/]name:version,
+// layer.Layer.Key).
+func isTagKey(k string) bool {
+	_, _, _, err := layer.ParseTagKey(k)
+	return err == nil
+}
+
+// tagKeys are the keys a create's tag reference may resolve to for the
+// request's principal (layer.Owner): its own tag, then the shared one; a
+// qualified reference names one.
+func tagKeys(ctx context.Context, ref string) []string {
+	if ns, rest, ok := strings.Cut(ref, "/"); ok {
+		if !isTag(rest) || !ownerReads(ctx, ns) {
+			return nil
+		}
+		if ns == "" {
+			return []string{rest}
+		}
+		return []string{ns + "/" + rest}
+	}
+	if !isTag(ref) {
+		return nil
+	}
+	if o := layerOwner(ctx); !o.Admin && o.Tenant != "" {
+		return []string{o.Tenant + "/" + ref, ref}
+	}
+	return []string{ref}
+}
+
 // proxyLayerRoute passes a plain HTTP layer route (export, import, build
 // from an upload) to the node layerNode picks, streaming both ways.
 func (f *Forwarder) proxyLayerRoute(w http.ResponseWriter, r *http.Request) {
@@ -156,8 +185,10 @@ const LayerTagsHeader = "Shoal-Layer-Tags"
 func (f *Forwarder) layerTagsHeader(ctx context.Context, m *pb.CreateSandboxRequest) string {
 	var refs []string
 	for _, r := range append(append([]string{m.Base}, m.Workspaces...), m.Toolkits...) {
-		if isTag(r) && len(refs) < limits.Layers {
-			refs = append(refs, r)
+		for _, k := range tagKeys(ctx, r) {
+			if len(refs) < limits.Layers {
+				refs = append(refs, k)
+			}
 		}
 	}
 	if len(refs) == 0 {
@@ -189,7 +220,7 @@ func parseLayerTags(v string) map[string]int64 {
 	for _, p := range strings.Split(v, ",") {
 		ref, rev, ok := strings.Cut(p, "=")
 		n, err := strconv.ParseInt(rev, 10, 64)
-		if !ok || err != nil || n <= 0 || !isTag(ref) || len(out) == limits.Layers {
+		if !ok || err != nil || n <= 0 || !isTagKey(ref) || len(out) == limits.Layers {
 			continue
 		}
 		out[ref] = n
@@ -221,7 +252,9 @@ func (f *Forwarder) listLayers(ctx context.Context, req *connect.Request[pb.List
 	}
 	out := &pb.ListLayersResponse{}
 	for _, t := range tags {
-		out.Layers = append(out.Layers, layerPB(t.Layer))
+		if ownerReads(ctx, t.Tenant) {
+			out.Layers = append(out.Layers, layerPB(t.Layer))
+		}
 	}
 	return connect.NewResponse(out), nil
 }

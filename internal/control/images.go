@@ -67,7 +67,7 @@ func (s *Server) PullImage(ctx context.Context, req *connect.Request[pb.PullImag
 		if err != nil {
 			return toConnect(err)
 		}
-		out.Environment = s.environmentPB(e)
+		out.Environment = s.environmentPB(ctx, e)
 	}
 	return stream.Send(&pb.PullImageEvent{Event: &pb.PullImageEvent_Image{Image: out}})
 }

@@ -21,9 +21,24 @@ import (
 	pb "github.com/shoal-sandbox/shoal/api/shoal/v1"
 	"github.com/shoal-sandbox/shoal/internal/errdefs"
 	"github.com/shoal-sandbox/shoal/internal/layer"
+	"github.com/shoal-sandbox/shoal/internal/tenant"
 )
 
 // --- layers ---
+
+// layerOwner is whose layers and environments a request sees (layer.Owner):
+// its tenant's own and the shared ones; every tenant's for the admin, whose
+// own are shared.
+func layerOwner(ctx context.Context) layer.Owner {
+	p := tenant.FromContext(ctx)
+	if p == nil {
+		return layer.Owner{}
+	}
+	return layer.OwnerOf(p.Tenant, p.IsAdmin())
+}
+
+// layers is the node's layer store as the request's principal sees it.
+func (s *Server) layers(ctx context.Context) layer.View { return s.node.Layers().As(layerOwner(ctx)) }
 
 // layerRoutes registers the streamed layer transfer endpoints (layer images
 // are too big for a protobuf message):
@@ -79,7 +94,7 @@ func (s *Server) BuildLayer(ctx context.Context, req *connect.Request[pb.BuildLa
 	ps := newProgressSender(stream.Send)
 	l, err := s.node.Layers().Build(ctx, layer.BuildOptions{
 		Kind: kind, Name: name, Version: version, Source: r.Source, Opened: src, Image: r.Image,
-		Compression: r.Compression, Progress: ps.send,
+		Compression: r.Compression, Progress: ps.send, Tenant: layerOwner(ctx).Tenant,
 	})
 	if err != nil {
 		return toConnect(err)
@@ -101,8 +116,12 @@ func (s *Server) CommitLayer(ctx context.Context, req *connect.Request[pb.Commit
 		return connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("layer reference %q must be NAME:VERSION: %w", r.Ref, err))
 	}
 	ps := newProgressSender(stream.Send)
+	home, err := ownerHome(ctx)
+	if err != nil {
+		return toConnect(err)
+	}
 	l, err := s.node.CommitLayer(ctx, r.SandboxId, layer.CommitOptions{
-		Kind: kind, Name: name, Version: version, Compression: r.Compression, Progress: ps.send,
+		Kind: kind, Name: name, Version: version, Compression: r.Compression, Progress: ps.send, Tenant: home,
 	})
 	if err != nil {
 		return toConnect(err)
@@ -152,7 +171,8 @@ func (p *progressSender) err() error {
 func (s *Server) ListLayers(ctx context.Context, req *connect.Request[pb.ListLayersRequest]) (*connect.Response[pb.ListLayersResponse], error) {
 	out := &pb.ListLayersResponse{}
 	if req.Msg.All {
-		ims, err := s.node.Layers().Images()
+		view := s.layers(ctx)
+		ims, err := view.Images()
 		if err != nil {
 			return nil, toConnect(err)
 		}
@@ -164,7 +184,7 @@ func (s *Server) ListLayers(ctx context.Context, req *connect.Request[pb.ListLay
 				continue
 			}
 			for _, t := range im.Tags {
-				l, err := s.node.Layers().Resolve(t)
+				l, err := view.Resolve(t)
 				if err != nil {
 					continue // moved meanwhile
 				}
@@ -175,7 +195,7 @@ func (s *Server) ListLayers(ctx context.Context, req *connect.Request[pb.ListLay
 		}
 		return connect.NewResponse(out), nil
 	}
-	ls, err := s.node.Layers().List()
+	ls, err := s.layers(ctx).List()
 	if err != nil {
 		return nil, toConnect(err)
 	}
@@ -187,12 +207,13 @@ func (s *Server) ListLayers(ctx context.Context, req *connect.Request[pb.ListLay
 
 func (s *Server) GetLayer(ctx context.Context, req *connect.Request[pb.GetLayerRequest]) (*connect.Response[pb.Layer], error) {
 	store := s.node.Layers()
-	l, err := store.Resolve(req.Msg.Ref)
+	view := s.layers(ctx)
+	l, err := view.Resolve(req.Msg.Ref)
 	if err != nil {
 		return nil, toConnect(err)
 	}
 	out := layerPB(l)
-	if out.Tags, err = store.Tags(l.Digest); err != nil {
+	if out.Tags, err = view.Tags(l.Digest); err != nil {
 		return nil, toConnect(err)
 	}
 	usage, err := s.node.LayerUsage()
@@ -204,15 +225,15 @@ func (s *Server) GetLayer(ctx context.Context, req *connect.Request[pb.GetLayerR
 			out.UsedBySandboxes = append(out.UsedBySandboxes, id)
 		}
 	}
-	envs, err := store.Envs()
+	envs, err := view.Envs()
 	if err != nil {
 		return nil, toConnect(err)
 	}
 	for _, e := range envs {
-		if stack, err := store.ResolveStack(e.Base, e.Workspaces, e.Toolkits); err == nil {
+		if stack, err := envStack(store.As(e.ResolvedBy(view.Owner())), e); err == nil {
 			for _, sl := range stack {
 				if sl.Digest == l.Digest {
-					out.UsedByEnvironments = append(out.UsedByEnvironments, e.Name)
+					out.UsedByEnvironments = append(out.UsedByEnvironments, envName(layerOwner(ctx), e))
 					break
 				}
 			}
@@ -273,7 +294,7 @@ func (s *Server) pushLayer(ctx context.Context, req *pb.PushLayerRequest, progre
 			return nil, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("store %q: this node pushes only to its own layer store (%s; shoal serve --layer-store)", want, have))
 		}
 	}
-	l, res, err := store.PushProgress(ctx, req.Ref, progress)
+	l, res, err := store.As(layerOwner(ctx)).PushProgress(ctx, req.Ref, progress)
 	if err != nil {
 		return nil, toConnect(err)
 	}
@@ -281,7 +302,7 @@ func (s *Server) pushLayer(ctx context.Context, req *pb.PushLayerRequest, progre
 }
 
 func (s *Server) PullLayer(ctx context.Context, req *connect.Request[pb.PullLayerRequest]) (*connect.Response[pb.Layer], error) {
-	l, err := s.node.Layers().Pull(ctx, req.Msg.Ref)
+	l, err := s.layers(ctx).Pull(ctx, req.Msg.Ref)
 	if err != nil {
 		return nil, toConnect(err)
 	}
@@ -289,7 +310,7 @@ func (s *Server) PullLayer(ctx context.Context, req *connect.Request[pb.PullLaye
 }
 
 func (s *Server) TagLayer(ctx context.Context, req *connect.Request[pb.TagLayerRequest]) (*connect.Response[pb.TagLayerResponse], error) {
-	l, old, err := s.node.Layers().Tag(req.Msg.Source, req.Msg.Target)
+	l, old, err := s.layers(ctx).Tag(req.Msg.Source, req.Msg.Target)
 	if err != nil {
 		return nil, toConnect(err)
 	}
@@ -297,7 +318,7 @@ func (s *Server) TagLayer(ctx context.Context, req *connect.Request[pb.TagLayerR
 }
 
 func (s *Server) DeleteLayer(ctx context.Context, req *connect.Request[pb.DeleteLayerRequest]) (*connect.Response[pb.DeleteLayerResponse], error) {
-	res, err := s.node.RemoveLayer(req.Msg.Ref)
+	res, err := s.node.RemoveLayer(layerOwner(ctx), req.Msg.Ref)
 	if err != nil {
 		return nil, toConnect(err)
 	}
@@ -328,7 +349,7 @@ func (s *Server) exportLayer(w http.ResponseWriter, r *http.Request) {
 		writeHTTPError(w, http.StatusBadRequest, "invalid_argument", "ref is required: /v1/layers/export?ref=NAME:VERSION")
 		return
 	}
-	l, img, err := s.node.Layers().OpenExport(r.Context(), ref)
+	l, img, err := s.layers(r.Context()).OpenExport(r.Context(), ref)
 	if err != nil {
 		writeConnectError(w, err)
 		return
@@ -349,7 +370,14 @@ func (s *Server) exportLayer(w http.ResponseWriter, r *http.Request) {
 // importLayer stores a layer sent in the export format:
 // POST /v1/layers/import[?tag=NAME:VERSION].
 func (s *Server) importLayer(w http.ResponseWriter, r *http.Request) {
-	l, err := s.node.Layers().Import(r.Context(), r.Body, r.URL.Query().Get("tag"))
+	home, err := ownerHome(r.Context())
+	if err != nil {
+		writeConnectError(w, err)
+		return
+	}
+	l, err := s.node.Layers().Import(r.Context(), r.Body, layer.ImportOptions{
+		Tag: r.URL.Query().Get("tag"), Tenant: home, AllowSetID: tenant.FromContext(r.Context()).IsAdmin(),
+	})
 	if err != nil {
 		writeConnectError(w, err)
 		return
@@ -427,9 +455,14 @@ func (s *Server) buildLayerUpload(w http.ResponseWriter, r *http.Request) {
 		refuseUpload(w, r, false, fmt.Errorf("the upload (%d bytes) is larger than %d bytes, the most this server takes (shoal serve --build-upload-max)", r.ContentLength, max))
 		return
 	}
+	home, err := ownerHome(r.Context())
+	if err != nil {
+		writeConnectError(w, err)
+		return
+	}
 	l, err := s.node.Layers().BuildUpload(r.Context(), r.Body, max, layer.BuildOptions{
 		Kind: kind, Name: name, Version: version, Source: desc, Image: q.Get("image"),
-		Compression: q.Get("compression"), Progress: ps.send,
+		Compression: q.Get("compression"), Progress: ps.send, Tenant: home,
 	})
 	if err == nil {
 		err = ps.err()
@@ -495,29 +528,29 @@ func (s *Server) CreateEnvironment(ctx context.Context, req *connect.Request[pb.
 	if err := envFromImage(ctx, s.node.Layers(), &e); err != nil { // images.go
 		return nil, toConnect(err)
 	}
-	e, err := s.node.Layers().CreateEnv(e, r.Replace)
+	e, err := s.layers(ctx).CreateEnv(e, r.Replace)
 	if err != nil {
 		return nil, toConnect(err)
 	}
-	return connect.NewResponse(s.environmentPB(e)), nil
+	return connect.NewResponse(s.environmentPB(ctx, e)), nil
 }
 
 func (s *Server) GetEnvironment(ctx context.Context, req *connect.Request[pb.GetEnvironmentRequest]) (*connect.Response[pb.Environment], error) {
-	e, err := s.node.Layers().GetEnv(req.Msg.Name)
+	e, err := s.layers(ctx).GetEnv(req.Msg.Name)
 	if err != nil {
 		return nil, toConnect(err)
 	}
-	return connect.NewResponse(s.environmentPB(e)), nil
+	return connect.NewResponse(s.environmentPB(ctx, e)), nil
 }
 
 func (s *Server) ListEnvironments(ctx context.Context, req *connect.Request[pb.ListEnvironmentsRequest]) (*connect.Response[pb.ListEnvironmentsResponse], error) {
-	envs, err := s.node.Layers().Envs()
+	envs, err := s.layers(ctx).Envs()
 	if err != nil {
 		return nil, toConnect(err)
 	}
 	out := &pb.ListEnvironmentsResponse{}
 	for _, e := range envs {
-		out.Environments = append(out.Environments, s.environmentPB(e))
+		out.Environments = append(out.Environments, s.environmentPB(ctx, e))
 	}
 	return connect.NewResponse(out), nil
 }
@@ -529,25 +562,56 @@ func (s *Server) DeleteEnvironment(ctx context.Context, req *connect.Request[pb.
 		}
 		return connect.NewResponse(&pb.DeleteEnvironmentResponse{}), nil
 	}
-	if err := s.node.Layers().DeleteEnv(req.Msg.Name); err != nil {
+	if err := s.layers(ctx).DeleteEnv(req.Msg.Name); err != nil {
 		return nil, toConnect(err)
 	}
 	return connect.NewResponse(&pb.DeleteEnvironmentResponse{}), nil
 }
 
 // environmentPB converts an environment, with what its references resolve
-// to now (left empty if one of them no longer resolves).
-func (s *Server) environmentPB(e layer.Env) *pb.Environment {
-	out := &pb.Environment{Name: e.Name, Base: e.Base, Workspaces: e.Workspaces, Toolkits: e.Toolkits, Backend: e.Backend, CreatedAt: timestamppb.New(e.Created), Image: imageConfigPB(e.Image)}
+// to now for the request's principal (left empty if one of them no longer
+// resolves).
+func (s *Server) environmentPB(ctx context.Context, e layer.Env) *pb.Environment {
+	o := layerOwner(ctx)
+	out := &pb.Environment{Name: envName(o, e), Base: e.Base, Workspaces: e.Workspaces, Toolkits: e.Toolkits, Backend: e.Backend, CreatedAt: timestamppb.New(e.Created),
+		Tenant: e.Tenant, Image: imageConfigPB(e.Image)}
 	if s.envs != nil {
-		out.Revision = s.envs.Mirror.Revision(e.Name)
+		out.Revision = s.envs.Mirror.Revision(e.Key())
 	}
-	if stack, err := s.node.Layers().ResolveStack(e.Base, e.Workspaces, e.Toolkits); err == nil {
+	if stack, err := envStack(s.node.Layers().As(e.ResolvedBy(o)), e); err == nil {
 		for _, l := range stack {
 			out.Resolved = append(out.Resolved, layerPB(l))
 		}
 	}
 	return out
+}
+
+// envStack resolves e's stack as a create from it by v's owner would.
+func envStack(v layer.View, e layer.Env) ([]layer.Layer, error) {
+	base, ws, tks := e.QualifiedRefs()
+	return v.ResolveStack(base, ws, tks)
+}
+
+// envName is how o is shown environment e: its name when it is o's own
+// or shared, "tenant/name" (the admin, for a tenant's).
+func envName(o layer.Owner, e layer.Env) string {
+	if e.Tenant == "" || e.Tenant == o.Tenant && !o.Admin {
+		return e.Name
+	}
+	return e.Key()
+}
+
+// ownerHome is the namespace the request's principal writes layers and
+// environments to ("" for the admin: shared).
+func ownerHome(ctx context.Context) (string, error) {
+	o := layerOwner(ctx)
+	if o.Admin {
+		return "", nil
+	}
+	if o.Tenant == "" {
+		return "", errdefs.New(errdefs.ErrPermissionDenied, "a key without a tenant cannot own layers or environments")
+	}
+	return o.Tenant, nil
 }
 
 func kindName(k pb.LayerKind) string {
@@ -578,7 +642,7 @@ func layerPB(l layer.Layer) *pb.Layer {
 	out := &pb.Layer{
 		Name: l.Name, Version: l.Version, Kind: kindPB(string(l.Kind)), Digest: l.Digest,
 		Size: l.Size, Compression: l.Compression, CreatedAt: timestamppb.New(l.Created), Ref: l.Ref(),
-		Source: l.Source, Files: l.Files, ContentBytes: l.ContentBytes, Remote: l.Remote,
+		Source: l.Source, Files: l.Files, ContentBytes: l.ContentBytes, Remote: l.Remote, Tenant: l.Tenant,
 	}
 	if l.Name == "" {
 		out.Ref = ""

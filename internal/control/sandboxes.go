@@ -109,6 +109,7 @@ func (s *Server) CreateSandbox(ctx context.Context, req *connect.Request[pb.Crea
 		Metadata: r.Metadata, Env: r.Env, ClientKey: r.ClientKey, AutoPause: autoPause,
 		Network: networkReq(r.Network),
 		Tenant:  tenant.FromContext(ctx).Tenant,
+		Owner:   layerOwner(ctx),
 	})
 	if err != nil {
 		return nil, toConnect(err)

@@ -278,14 +278,15 @@ func (s *Server) listed(rec node.Record) listedSandbox {
 	}
 }
 
-// resolveTemplate fills req with what template names: a Shoal environment,
-// else a base layer; the SDK's default "base" falls back on
-// Config.DefaultTemplate.
+// resolveTemplate fills req with what template names as req.Owner sees
+// it: a Shoal environment, else a base layer (the tenant's own, else a
+// shared one; another tenant's is not found); the SDK's default "base"
+// falls back on Config.DefaultTemplate.
 func (s *Server) resolveTemplate(t string, req *node.CreateRequest) error {
 	if t == "" {
 		return errdefs.New(errdefs.ErrInvalidArgument, "templateID is required")
 	}
-	ls := s.node.Layers()
+	ls := s.node.Layers().As(req.Owner)
 	if _, err := ls.GetEnv(t); err == nil {
 		req.Template = t
 		return nil
@@ -363,8 +364,14 @@ func (s *Server) createSandbox(w http.ResponseWriter, r *http.Request) {
 		timeout = limits.Seconds(*in.Timeout)
 	}
 	autoPause := in.AutoPause != nil && *in.AutoPause
-	req := node.CreateRequest{Timeout: s.nodeTimeout(autoPause, timeout), Metadata: in.Metadata, Env: in.EnvVars, Tenant: tenant.FromContext(r.Context()).Tenant,
+	p := tenant.FromContext(r.Context())
+	req := node.CreateRequest{Timeout: s.nodeTimeout(autoPause, timeout), Metadata: in.Metadata, Env: in.EnvVars, Tenant: p.Tenant,
 		ClientKey: r.Header.Get(ClientKeyHeader)} // bounded by the node
+	// A template is the tenant's own environment or base layer, else a
+	// shared one (internal/layer's owner.go).
+	if p != nil {
+		req.Owner = layer.OwnerOf(p.Tenant, p.IsAdmin())
+	}
 	// Network: E2B's allowInternetAccess (the public internet; unset is
 	// false here: Shoal sandboxes have no network unless asked), denyOut
 	// taken out of it, allowOut allowed whatever denyOut says.

@@ -58,6 +58,9 @@ type BuildOptions struct {
 	// to print) and updates within stages (for a progress bar). It is
 	// called from one goroutine at a time.
 	Progress func(Progress)
+	// Tenant is the namespace of the tag (owner.go); "" for a shared one
+	// (the admin's).
+	Tenant string
 }
 
 // Image building parameters fixed for reproducibility: the same tree always
@@ -88,6 +91,9 @@ func (s *Store) build(ctx context.Context, o BuildOptions) (Layer, error) {
 	rep := newReporter(o.Progress)
 	spec, err := newSpec(o.Kind, o.Name, o.Version, o.Compression)
 	if err != nil {
+		return Layer{}, err
+	}
+	if spec.tenant, err = checkTenant(o.Tenant); err != nil {
 		return Layer{}, err
 	}
 	work, err := os.MkdirTemp(s.tmp, "build-")
@@ -209,6 +215,18 @@ type buildSpec struct {
 	tree          string
 	whiteouts     bool // the tree may hold overlay whiteouts (a commit)
 	start         time.Time
+	tenant        string // the tag's namespace ("": shared)
+}
+
+// checkTenant validates the namespace of a build's tag ("": shared).
+func checkTenant(t string) (string, error) {
+	if t == "" {
+		return "", nil
+	}
+	if err := validateTenant(t); err != nil {
+		return "", errdefs.Mark(errdefs.ErrInvalidArgument, err)
+	}
+	return t, nil
 }
 
 // newSpec validates the parts of a build common to every source; its
@@ -272,6 +290,7 @@ func (s *Store) make(ctx context.Context, work string, b buildSpec, rep *reporte
 		Source:       b.source,
 		Files:        int64(st.files),
 		ContentBytes: st.bytes,
+		Tenant:       b.tenant,
 	}
 	l, err = s.installAndTag(img, l)
 	if err != nil {
@@ -386,11 +405,11 @@ func (s *Store) installAndTag(img string, l Layer) (Layer, error) {
 	}
 	switch old {
 	case "":
-		s.log.Info("layer built", "layer", tagged.Ref(), "digest", tagged.Digest, "size", tagged.Size, "source", l.Source)
+		s.log.Info("layer built", "layer", tagged.Key(), "digest", tagged.Digest, "size", tagged.Size, "source", l.Source)
 	case tagged.Digest:
-		s.log.Info("layer rebuilt unchanged", "layer", tagged.Ref(), "digest", tagged.Digest)
+		s.log.Info("layer rebuilt unchanged", "layer", tagged.Key(), "digest", tagged.Digest)
 	default:
-		s.log.Info("layer tag moved", "layer", tagged.Ref(), "from", old, "to", tagged.Digest)
+		s.log.Info("layer tag moved", "layer", tagged.Key(), "from", old, "to", tagged.Digest)
 	}
 	return tagged, nil
 }

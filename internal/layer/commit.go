@@ -19,6 +19,10 @@ import (
 
 // CommitOptions says which overlay upper directory to turn into a layer.
 type CommitOptions struct {
+	// Tenant is the namespace of the tag (owner.go); "" for a shared one
+	// (the admin's).
+	Tenant string
+
 	Kind        Kind // workspace or toolkit
 	Name        string
 	Version     string
@@ -131,6 +135,9 @@ func (s *Store) commit(ctx context.Context, o CommitOptions) (Layer, error) {
 	rep := newReporter(o.Progress)
 	spec, err := newSpec(o.Kind, o.Name, o.Version, o.Compression)
 	if err != nil {
+		return Layer{}, err
+	}
+	if spec.tenant, err = checkTenant(o.Tenant); err != nil {
 		return Layer{}, err
 	}
 	if o.Kind == KindBase {

@@ -4,9 +4,11 @@ import (
 	"archive/tar"
 	"bytes"
 	"context"
+	"errors"
 	"io"
 	"io/fs"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -20,7 +22,8 @@ import (
 // never a panic; an accepted ref has a valid name/version/digest.
 func FuzzParseRef(f *testing.F) {
 	for _, s := range []string{"debian:12", "python-3.11@sha256:" + strings.Repeat("a", 64), "sha256:" + strings.Repeat("0", 64),
-		"a:b:c", "@", ":", "x@sha256:zz", "../etc:1", "a:" + strings.Repeat("v", 200), "UPPER:1"} {
+		"a:b:c", "@", ":", "x@sha256:zz", "../etc:1", "a:" + strings.Repeat("v", 200), "UPPER:1",
+		"acme/py:3", "/py:3", "a/b/py:3", "acme/sha256:" + strings.Repeat("a", 64), "acme/x@sha256:" + strings.Repeat("b", 64), "-x/py:3"} {
 		f.Add(s)
 	}
 	f.Fuzz(func(t *testing.T, ref string) {
@@ -37,8 +40,14 @@ func FuzzParseRef(f *testing.F) {
 		if p.digest != "" && validateDigest(p.digest) != nil {
 			t.Fatalf("%q: accepted digest %q", ref, p.digest)
 		}
-		if strings.ContainsAny(p.name+p.version, "/\x00") {
-			t.Fatalf("%q: name or version with / or NUL", ref)
+		if strings.ContainsAny(p.name+p.version+p.tenant, "/\x00") {
+			t.Fatalf("%q: name, version or tenant with / or NUL", ref)
+		}
+		if p.qualified != strings.Contains(ref, "/") || p.qualified && p.digest != "" && p.name == "" {
+			t.Fatalf("%q: qualified %v (tenant %q) for a ref with %d /", ref, p.qualified, p.tenant, strings.Count(ref, "/"))
+		}
+		if p.tenant != "" && validateTenant(p.tenant) != nil {
+			t.Fatalf("%q: accepted tenant %q", ref, p.tenant)
 		}
 	})
 }
@@ -229,6 +238,46 @@ func FuzzImageConfig(f *testing.F) {
 		}
 		if len(c.Env) > maxImageEnv || len(c.Entrypoint)+len(c.Cmd) > maxImageArgs || total > maxImageCfgBytes || len(c.WorkingDir) > 4096 || len(c.User) > 256 {
 			t.Fatalf("accepted a config past its bounds: %d env, %d args, %d bytes", len(c.Env), len(c.Entrypoint)+len(c.Cmd), total)
+		}
+	})
+}
+
+// FuzzCheckErofs: the walk of an untrusted image (verify.go) never panics
+// or loops on any bytes, and what it accepts counts at most its bounds.
+// Its seeds are 4 KiB images at least: run it with a short
+// -fuzzminimizetime (scripts/test gives 1s), or each new input is
+// minimized for a minute.
+func FuzzCheckErofs(f *testing.F) {
+	if _, err := exec.LookPath("mkfs.erofs"); err == nil {
+		dir := f.TempDir()
+		tree := filepath.Join(dir, "tree")
+		os.MkdirAll(filepath.Join(tree, "d/e"), 0o755)
+		os.WriteFile(filepath.Join(tree, "d/e/f"), []byte("file"), 0o644)
+		os.WriteFile(filepath.Join(tree, "g"), bytes.Repeat([]byte("g"), 5000), 0o644)
+		os.Symlink("d/e/f", filepath.Join(tree, "l"))
+		for _, opts := range [][]string{nil, {"-zlz4hc"}, {"-Enoinline_data"}} {
+			img := filepath.Join(dir, "img")
+			if out, err := exec.Command("mkfs.erofs", append(append([]string{"--quiet"}, opts...), img, tree)...).CombinedOutput(); err != nil {
+				f.Fatalf("mkfs.erofs: %v: %s", err, out)
+			}
+			b, err := os.ReadFile(img)
+			if err != nil {
+				f.Fatal(err)
+			}
+			f.Add(b)
+		}
+	}
+	f.Add(make([]byte, 4096))
+	f.Fuzz(func(t *testing.T, img []byte) {
+		st, err := checkErofs(context.Background(), bytes.NewReader(img), int64(len(img)), false)
+		if err != nil {
+			if !errors.Is(err, ErrBadImage) {
+				t.Fatalf("an error not marked ErrBadImage: %v", err)
+			}
+			return
+		}
+		if st.files < 0 || st.files > verifyMaxEntries || st.bytes < 0 {
+			t.Fatalf("accepted with counts %+v", st)
 		}
 	})
 }

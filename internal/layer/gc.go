@@ -22,22 +22,40 @@ import (
 // never removes an image that appears in it.
 type Usage map[string][]string
 
-// Tag points the tag target ("name:version") at the layer source names (a
-// tag, name@digest or digest), in one bbolt transaction: a concurrent
-// Resolve sees the old layer or the new one. It returns the layer the tag
-// now points at and the digest it pointed at before ("" if it is new).
+// Tag is View.Tag for the admin: target is a shared tag unless qualified
+// ("tenant/name:version").
 func (s *Store) Tag(source, target string) (Layer, string, error) {
-	name, version, err := ParseTag(target)
+	return s.As(AdminOwner).Tag(source, target)
+}
+
+// Tag points the owner's tag target ("name:version", in the owner's
+// namespace) at the layer source names as the owner sees it (a tag,
+// name@digest or digest), in one bbolt transaction: a concurrent Resolve
+// sees the old layer or the new one. It returns the layer the tag now
+// points at and the digest it pointed at before ("" if it is new). A
+// tenant's tags are its own: it cannot move a shared tag (ErrReadOnly) nor
+// another tenant's (its own of the same name is a different tag).
+func (v View) Tag(source, target string) (Layer, string, error) {
+	s := v.s
+	p, err := parseRef(target)
+	if err == nil && p.version == "" {
+		err = fmt.Errorf("%w %q: want a tag name:version, not a digest", ErrInvalidRef, target)
+	}
 	if err != nil {
 		return Layer{}, "", errdefs.Mark(errdefs.ErrInvalidArgument, fmt.Errorf("tag %s: %w", target, err))
 	}
+	ns, err := v.o.target(p)
+	if err != nil {
+		return Layer{}, "", fmt.Errorf("tag %s: %w", target, err)
+	}
+	key := p.key(ns)
 	s.gcMu.RLock() // the image must not be collected between resolving and tagging
 	defer s.gcMu.RUnlock()
-	l, err := s.Resolve(source)
+	l, err := v.Resolve(source)
 	if err != nil {
 		return Layer{}, "", fmt.Errorf("tag %s as %s: %w", source, target, err)
 	}
-	l.Name, l.Version, l.Mirrored = name, version, 0
+	l.Name, l.Version, l.Mirrored, l.Tenant = p.name, p.version, 0, ns
 	if s.cluster != nil { // the cluster's tag, moved in etcd first
 		if _, err := os.Stat(s.ImagePath(l.Digest)); err == nil && s.remote != nil {
 			// An image this node holds: in the store before the tag
@@ -53,31 +71,31 @@ func (s *Store) Tag(source, target string) (Layer, string, error) {
 			return Layer{}, "", fmt.Errorf("tag %s as %s: %w", source, target, err)
 		}
 		if old != tagged.Digest {
-			s.log.Info("layer tagged in the cluster", "layer", target, "digest", tagged.Digest, "from", old)
+			s.log.Info("layer tagged in the cluster", "layer", key, "digest", tagged.Digest, "from", old)
 		}
 		return tagged, old, nil
 	}
-	v, err := json.Marshal(l)
+	val, err := json.Marshal(l)
 	if err != nil {
 		return Layer{}, "", err
 	}
 	var old string
 	err = s.db.Update(func(tx *bbolt.Tx) error {
 		var prev Layer
-		found, err := get(tx.Bucket(tagsBucket), target, &prev)
+		found, err := get(tx.Bucket(tagsBucket), key, &prev)
 		if err != nil {
 			return err
 		}
 		if found {
 			old = prev.Digest
 		}
-		return tx.Bucket(tagsBucket).Put([]byte(target), v)
+		return tx.Bucket(tagsBucket).Put([]byte(key), val)
 	})
 	if err != nil {
 		return Layer{}, "", fmt.Errorf("tag %s as %s: %w", source, target, err)
 	}
 	if old != l.Digest {
-		s.log.Info("layer tagged", "layer", target, "digest", l.Digest, "from", old)
+		s.log.Info("layer tagged", "layer", key, "digest", l.Digest, "from", old)
 	}
 	return l, old, nil
 }
@@ -88,9 +106,13 @@ type Image struct {
 	Tags  []string // "name:version", sorted; empty if dangling
 }
 
-// Images returns every stored image with its tags, sorted by the first tag
-// (untagged images last, by name then digest).
-func (s *Store) Images() ([]Image, error) {
+// Images returns every stored image with its tags (those of a tenant
+// qualified, "tenant/name:version"), sorted by the first tag (untagged
+// images last, by name then digest).
+func (s *Store) Images() ([]Image, error) { return s.images(AdminOwner) }
+
+// images returns every stored image with the tags o sees.
+func (s *Store) images(o Owner) ([]Image, error) {
 	var out []Image
 	err := s.db.View(func(tx *bbolt.Tx) error {
 		tags, err := tagsByDigest(tx)
@@ -104,12 +126,18 @@ func (s *Store) Images() ([]Image, error) {
 			}
 			im := Image{Layer: l}
 			for _, t := range tags[l.Digest] {
-				im.Tags = append(im.Tags, t.Ref())
+				if !o.reads(t.Tenant) {
+					continue
+				}
+				if len(im.Tags) == 0 {
+					im.Layer = t
+				}
+				im.Tags = append(im.Tags, o.displayTag(t))
+			}
+			if len(im.Tags) == 0 && len(tags[l.Digest]) > 0 && !o.Admin {
+				return nil // tagged by others only: theirs
 			}
 			sort.Strings(im.Tags)
-			if len(tags[l.Digest]) > 0 {
-				im.Layer = tags[l.Digest][0]
-			}
 			out = append(out, im)
 			return nil
 		})
@@ -134,13 +162,18 @@ func (s *Store) Images() ([]Image, error) {
 	return out, nil
 }
 
-// Tags returns the tags that point at digest, sorted.
-func (s *Store) Tags(digest string) ([]string, error) {
+// Tags returns the tags that point at digest (of every tenant, those of
+// a tenant qualified), sorted.
+func (s *Store) Tags(digest string) ([]string, error) { return s.tags(AdminOwner, digest) }
+
+func (s *Store) tags(o Owner, digest string) ([]string, error) {
 	var out []string
 	err := s.db.View(func(tx *bbolt.Tx) error {
 		tags, err := tagsByDigest(tx)
 		for _, t := range tags[digest] {
-			out = append(out, t.Ref())
+			if o.reads(t.Tenant) {
+				out = append(out, o.displayTag(t))
+			}
 		}
 		return err
 	})
@@ -170,7 +203,8 @@ type RemoveResult struct {
 	FreedBytes int64
 }
 
-// Remove removes a layer reference:
+// Remove removes a layer reference as the admin (View.Remove for a
+// tenant):
 //   - a tag "name:version": the tag goes, and so does its image unless
 //     another tag, an environment or a sandbox (usage) uses it, or it is
 //     mounted; a tag that an environment names is refused;
@@ -180,23 +214,25 @@ type RemoveResult struct {
 //
 // Refusals wrap ErrInUse and are marked errdefs.ErrFailedPrecondition.
 func (s *Store) Remove(ref string, usage Usage) (RemoveResult, error) {
-	res, err := s.remove(ref, usage)
-	if err != nil {
-		return RemoveResult{}, fmt.Errorf("remove layer %s: %w", ref, err)
-	}
-	return res, nil
+	return s.As(AdminOwner).Remove(ref, usage)
 }
 
-func (s *Store) remove(ref string, usage Usage) (RemoveResult, error) {
+func (s *Store) remove(v View, ref string, usage Usage) (RemoveResult, error) {
 	p, err := parseRef(ref)
 	if err != nil {
 		return RemoveResult{}, errdefs.Mark(errdefs.ErrInvalidArgument, err)
 	}
 	s.gcMu.Lock()
 	defer s.gcMu.Unlock()
-	l, err := s.Resolve(ref)
+	l, err := v.Resolve(ref)
 	if err != nil {
 		return RemoveResult{}, err
+	}
+	if p.version != "" && !v.o.writes(l.Tenant) {
+		return RemoveResult{}, fmt.Errorf("tag %s: %w", l.Ref(), ErrReadOnly)
+	}
+	if p.version == "" && !v.o.Admin && (l.Tenant != v.o.Tenant || l.Tenant == "") {
+		return RemoveResult{}, errdefs.New(errdefs.ErrPermissionDenied, "image %s was not built by tenant %q last: remove your tags instead", l.Digest, v.o.Tenant)
 	}
 	envs, err := s.Envs()
 	if err != nil {
@@ -204,23 +240,24 @@ func (s *Store) remove(ref string, usage Usage) (RemoveResult, error) {
 	}
 	var res RemoveResult
 	if p.version != "" {
+		key := l.Key()
 		for _, e := range envs {
-			if slices.Contains(e.refs(), ref) {
-				return RemoveResult{}, inUse("environment %s names it: change or remove the environment first (shoal env rm %s)", e.Name, e.Name)
+			if envNames(e, key) {
+				return RemoveResult{}, inUse("environment %s names it: change or remove the environment first (shoal env rm %s)", e.Key(), e.Key())
 			}
 		}
 		if s.cluster != nil { // the cluster's tag: out of etcd first
 			ctx, cancel := context.WithTimeout(context.Background(), clusterTagTimeout)
-			err := s.cluster.DeleteTag(ctx, ref)
+			err := s.cluster.DeleteTag(ctx, key)
 			cancel()
 			if err != nil {
 				return RemoveResult{}, err
 			}
-		} else if err := s.db.Update(func(tx *bbolt.Tx) error { return tx.Bucket(tagsBucket).Delete([]byte(ref)) }); err != nil {
+		} else if err := s.db.Update(func(tx *bbolt.Tx) error { return tx.Bucket(tagsBucket).Delete([]byte(key)) }); err != nil {
 			return RemoveResult{}, err
 		}
-		res.Untagged = append(res.Untagged, ref)
-		s.log.Info("layer tag removed", "layer", ref, "digest", l.Digest)
+		res.Untagged = append(res.Untagged, v.o.displayTag(l))
+		s.log.Info("layer tag removed", "layer", key, "digest", l.Digest)
 	}
 	why, err := s.usedBy(l.Digest, usage, envs)
 	if err != nil {

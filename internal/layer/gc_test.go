@@ -476,7 +476,7 @@ func TestExportImport(t *testing.T) {
 	dst := newEnv(t)
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			got, err := dst.store.Import(context.Background(), bytes.NewReader(tt.data), tt.tag)
+			got, err := dst.store.Import(context.Background(), bytes.NewReader(tt.data), ImportOptions{Tag: tt.tag, AllowSetID: true})
 			if tt.errIs != nil {
 				if !errors.Is(err, tt.errIs) || !strings.Contains(err.Error(), tt.wantErr) {
 					t.Fatalf("Import error = %v, want %v containing %q", err, tt.errIs, tt.wantErr)

@@ -8,7 +8,10 @@
 // a lower hides what the sandbox deleted). It is named by tags "name:version"
 // that point at its digest ("sha256:<hex>" of the image file); a tag moves
 // in one bbolt transaction (on a node of a cluster, in one etcd transaction
-// first: the Store's ClusterTags, whose copy it keeps in bbolt).
+// first: the Store's ClusterTags, whose copy it keeps in bbolt). Tags and
+// environments belong to a tenant or, the admin's, are shared (owner.go:
+// a View is the store as one owner sees it). An image made outside Shoal
+// (an import) is checked before it is installed (verify.go).
 //
 // The Store keeps the images under DATA/layers/blobs, the tags, image
 // metadata and environments (named stacks) in bbolt (buckets prefixed
@@ -93,10 +96,18 @@ type Layer struct {
 	// this copy was mirrored at (internal/cluster's LayerMirror); 0 for
 	// a tag made here. Never sent anywhere (push, export).
 	Mirrored int64 `json:"mirrored,omitempty"`
+	// Tenant owns the tag (its namespace, owner.go); "" for the admin's,
+	// which are shared: every tenant reads them. Records written before
+	// tenants owned layers have none: they are the admin's.
+	Tenant string `json:"tenant,omitempty"`
 }
 
 // Ref returns the layer's tag, "name:version".
 func (l Layer) Ref() string { return l.Name + ":" + l.Version }
+
+// Key returns the tag qualified by its tenant, "tenant/name:version", or
+// "name:version" for a shared one: its key in the store and the cluster.
+func (l Layer) Key() string { return nsKey(l.Tenant, l.Ref()) }
 
 var (
 	nameRE    = regexp.MustCompile(`^[a-z0-9][a-z0-9._-]{0,127}$`)
@@ -118,6 +129,17 @@ func validateVersion(version string) error {
 	return nil
 }
 
+var tenantRE = regexp.MustCompile(`^[a-z0-9][a-z0-9._-]{0,62}$`)
+
+// validateTenant checks a tenant's name as a namespace (internal/tenant's
+// ValidName: 1 to 63 of a-z 0-9 . _ -, starting with a letter or digit).
+func validateTenant(t string) error {
+	if !tenantRE.MatchString(t) {
+		return fmt.Errorf("%w: tenant %q", ErrInvalidRef, t)
+	}
+	return nil
+}
+
 func validateDigest(digest string) error {
 	if !digestRE.MatchString(digest) {
 		return fmt.Errorf("%w: digest %q: want sha256:<64 lowercase hex>", ErrInvalidRef, digest)
@@ -125,7 +147,8 @@ func validateDigest(digest string) error {
 	return nil
 }
 
-// ParseTag splits a tag "name:version" and validates both parts.
+// ParseTag splits a tag "name:version" and validates both parts; a tag
+// qualified by a namespace is refused (see ParseTagKey).
 func ParseTag(ref string) (name, version string, err error) {
 	p, err := parseRef(ref)
 	if err != nil {
@@ -134,19 +157,59 @@ func ParseTag(ref string) (name, version string, err error) {
 	if p.version == "" {
 		return "", "", fmt.Errorf("%w %q: want a tag name:version, not a digest", ErrInvalidRef, ref)
 	}
+	if p.qualified {
+		return "", "", fmt.Errorf("%w %q: want a tag name:version, without a tenant", ErrInvalidRef, ref)
+	}
 	return p.name, p.version, nil
 }
 
-// parsedRef is a reference split into its parts; exactly one of version and
-// digest is set (a bare digest has no name).
-type parsedRef struct {
-	name, version, digest string
+// ParseTagKey splits the key of a tag (Layer.Key): "tenant/name:version"
+// or, shared, "name:version" (tenant "").
+func ParseTagKey(key string) (tenant, name, version string, err error) {
+	p, err := parseRef(key)
+	if err != nil {
+		return "", "", "", err
+	}
+	if p.version == "" || p.qualified && p.tenant == "" {
+		return "", "", "", fmt.Errorf("%w %q: want the key of a tag, [tenant/]name:version", ErrInvalidRef, key)
+	}
+	return p.tenant, p.name, p.version, nil
 }
 
-// parseRef accepts "name:version", "name@sha256:<hex>" and "sha256:<hex>".
+// parsedRef is a reference split into its parts; exactly one of version and
+// digest is set (a bare digest has no name). qualified says the reference
+// named its namespace: tenant, or the shared one ("").
+type parsedRef struct {
+	name, version, digest string
+	tenant                string
+	qualified             bool
+}
+
+// key is the qualified tag of a "name:version" reference in namespace ns.
+func (p parsedRef) key(ns string) string { return nsKey(ns, p.name+":"+p.version) }
+
+// parseRef accepts "name:version", "name@sha256:<hex>" and "sha256:<hex>";
+// the first two may be qualified by a namespace: "tenant/name:version"
+// (that tenant's), "/name:version" (the shared one).
 func parseRef(ref string) (parsedRef, error) {
 	if strings.HasPrefix(ref, "sha256:") {
 		return parsedRef{digest: ref}, validateDigest(ref)
+	}
+	if ns, rest, ok := strings.Cut(ref, "/"); ok {
+		if ns != "" {
+			if err := validateTenant(ns); err != nil {
+				return parsedRef{}, err
+			}
+		}
+		if strings.HasPrefix(rest, "sha256:") || strings.Contains(rest, "/") {
+			return parsedRef{}, fmt.Errorf("%w %q: at most one tenant/ before name:version or name@sha256:<hex>; a digest alone has none", ErrInvalidRef, ref)
+		}
+		p, err := parseRef(rest)
+		if err != nil {
+			return parsedRef{}, err
+		}
+		p.tenant, p.qualified = ns, true
+		return p, nil
 	}
 	if name, digest, ok := strings.Cut(ref, "@"); ok {
 		if err := validateName(name); err != nil {

@@ -3,6 +3,7 @@ package layer
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"log/slog"
 	"os"
@@ -130,34 +131,60 @@ func (s *Store) ImagePath(digest string) string {
 	return filepath.Join(s.blobs, strings.TrimPrefix(digest, "sha256:")+".erofs")
 }
 
-// Resolve finds the layer a reference names: "name:version" (a tag),
-// "name@sha256:<hex>" (a layer of that name with that content, tagged or
-// not) or "sha256:<hex>". Malformed references wrap ErrInvalidRef, unknown
-// ones ErrNotFound.
-func (s *Store) Resolve(ref string) (Layer, error) {
+// Resolve finds the layer a reference names, as the admin sees it (see
+// View.Resolve).
+func (s *Store) Resolve(ref string) (Layer, error) { return s.As(AdminOwner).Resolve(ref) }
+
+// Resolve finds the layer a reference names: "name:version" (a tag: the
+// owner's own, else a shared one), "name@sha256:<hex>" (a layer of that
+// name with that content, tagged or not) or "sha256:<hex>" (owner.go says
+// which the owner sees). Malformed references wrap ErrInvalidRef, unknown
+// ones (and those of another tenant) ErrNotFound.
+func (v View) Resolve(ref string) (Layer, error) {
+	s := v.s
 	p, err := parseRef(ref)
 	if err != nil {
 		return Layer{}, fmt.Errorf("resolve layer: %w", err)
 	}
+	nss := v.o.namespaces(p)
 	var l Layer
 	found := false
 	err = s.db.View(func(tx *bbolt.Tx) error {
 		if p.version != "" {
-			found, err = get(tx.Bucket(tagsBucket), ref, &l)
+			for _, ns := range nss {
+				if found, err = get(tx.Bucket(tagsBucket), p.key(ns), &l); err != nil || found {
+					return err
+				}
+			}
+			return nil
+		}
+		if found, err = get(tx.Bucket(blobsBucket), p.digest, &l); err != nil || !found {
 			return err
 		}
-		if found, err = get(tx.Bucket(blobsBucket), p.digest, &l); err != nil || !found || p.name == "" || l.Name == p.name {
+		if p.name == "" {
+			found, err = v.seesDigest(tx, p.digest)
 			return err
+		}
+		// name@digest: a layer of this name, in a namespace the
+		// reference allows, with this content.
+		named := func(t Layer) bool {
+			if p.qualified {
+				return t.Name == p.name && t.Tenant == p.tenant && len(nss) > 0
+			}
+			return t.Name == p.name && v.o.reads(t.Tenant)
+		}
+		if named(l) {
+			return nil
 		}
 		// The blob was last built under another name: look for a tag of
 		// this name that points at it.
 		found = false
-		return tx.Bucket(tagsBucket).ForEach(func(k, v []byte) error {
+		return tx.Bucket(tagsBucket).ForEach(func(k, val []byte) error {
 			var t Layer
-			if err := json.Unmarshal(v, &t); err != nil {
+			if err := json.Unmarshal(val, &t); err != nil {
 				return fmt.Errorf("decode tag %s: %w", k, err)
 			}
-			if !found && t.Name == p.name && t.Digest == p.digest {
+			if !found && t.Digest == p.digest && named(t) {
 				l, found = t, true
 			}
 			return nil
@@ -172,20 +199,31 @@ func (s *Store) Resolve(ref string) (Layer, error) {
 		// tags: etcd's are the ones.
 		ctx, cancel := context.WithTimeout(context.Background(), clusterTagTimeout)
 		defer cancel()
-		return s.cluster.LookupTag(ctx, ref)
+		for _, ns := range nss {
+			l, err := s.cluster.LookupTag(ctx, p.key(ns))
+			if !errors.Is(err, ErrNotFound) {
+				return l, err
+			}
+		}
+		return Layer{}, fmt.Errorf("resolve layer %s: %w", ref, ErrNotFound)
 	}
 	if !found {
-		if s.remote != nil {
-			return s.resolveRemote(ref)
+		if s.remote != nil && len(nss) > 0 {
+			return v.resolveRemote(p, nss)
 		}
 		return Layer{}, fmt.Errorf("resolve layer %s: %w", ref, ErrNotFound)
 	}
 	return l, nil
 }
 
-// List returns every tagged layer, sorted by name then version. Blobs whose
-// tag has moved on are not listed (Resolve still finds them by digest).
-func (s *Store) List() ([]Layer, error) {
+// List returns every tagged layer of every tenant (the admin's view; see
+// View.List).
+func (s *Store) List() ([]Layer, error) { return s.list() }
+
+// list returns every tag's layer, sorted by name, version, then tenant.
+// Blobs whose tag has moved on are not listed (Resolve still finds them by
+// digest).
+func (s *Store) list() ([]Layer, error) {
 	var ls []Layer
 	err := s.db.View(func(tx *bbolt.Tx) error {
 		return tx.Bucket(tagsBucket).ForEach(func(k, v []byte) error {
@@ -204,14 +242,17 @@ func (s *Store) List() ([]Layer, error) {
 		if c := strings.Compare(a.Name, b.Name); c != 0 {
 			return c
 		}
-		return strings.Compare(a.Version, b.Version)
+		if c := strings.Compare(a.Version, b.Version); c != 0 {
+			return c
+		}
+		return strings.Compare(a.Tenant, b.Tenant)
 	})
 	return ls, nil
 }
 
-// tag points l.Ref() at l and records l as the latest build of its digest,
-// in one transaction, and returns the layer the tag now points at and the
-// digest it pointed at before ("" if none). Rebuilding a tag with the same
+// tag points l.Key() (its tenant's tag) at l and records l as the latest
+// build of its digest, in one transaction, and returns the layer the tag
+// now points at and the digest it pointed at before ("" if none). Rebuilding a tag with the same
 // content and kind changes nothing and returns the existing layer. On a
 // node of a cluster the image is recorded here, then the tag moved in the
 // cluster (which writes this store's copy of it).
@@ -232,7 +273,7 @@ func (s *Store) tag(l Layer) (tagged Layer, old string, err error) {
 	}
 	err = s.db.Update(func(tx *bbolt.Tx) error {
 		var prev Layer
-		found, err := get(tx.Bucket(tagsBucket), l.Ref(), &prev)
+		found, err := get(tx.Bucket(tagsBucket), l.Key(), &prev)
 		if err != nil {
 			return err
 		}
@@ -243,7 +284,7 @@ func (s *Store) tag(l Layer) (tagged Layer, old string, err error) {
 				return nil
 			}
 		}
-		if err := tx.Bucket(tagsBucket).Put([]byte(l.Ref()), v); err != nil {
+		if err := tx.Bucket(tagsBucket).Put([]byte(l.Key()), v); err != nil {
 			return err
 		}
 		tagged = l
@@ -268,15 +309,17 @@ func get(b *bbolt.Bucket, key string, v any) (found bool, err error) {
 // cluster's LayerMirror): in etcd first, then in this store's copy of the
 // cluster's tags (MirrorTag, UnmirrorTag), which every node keeps.
 type ClusterTags interface {
-	// PutTag points l.Ref() at l and returns the layer the tag points at
+	// PutTag points l.Key() at l and returns the layer the tag points at
 	// and the digest it pointed at before ("" if none); a tag at l's
 	// digest and kind already is left as it is.
 	PutTag(ctx context.Context, l Layer) (Layer, string, error)
-	// DeleteTag removes a tag; an unknown one wraps ErrNotFound.
-	DeleteTag(ctx context.Context, ref string) error
-	// LookupTag reads a tag this store's copy does not have (yet) from
-	// the cluster, and copies it here; an unknown one wraps ErrNotFound.
-	LookupTag(ctx context.Context, ref string) (Layer, error)
+	// DeleteTag removes a tag (by its key, Layer.Key); an unknown one
+	// wraps ErrNotFound.
+	DeleteTag(ctx context.Context, key string) error
+	// LookupTag reads a tag (by its key) this store's copy does not have
+	// (yet) from the cluster, and copies it here; an unknown one wraps
+	// ErrNotFound.
+	LookupTag(ctx context.Context, key string) (Layer, error)
 }
 
 // clusterTagTimeout bounds a tag's move in the cluster.
@@ -287,11 +330,16 @@ const clusterTagTimeout = 30 * time.Second
 // store's copy. Call it before serving.
 func (s *Store) SetClusterTags(c ClusterTags) { s.cluster = c }
 
-// MirrorTag points l.Ref() at l as the cluster has it (l.Mirrored: the
+// MirrorTag points l.Key() at l as the cluster has it (l.Mirrored: the
 // revision), replacing what this store had under that tag, without
 // checking that the image is here: a create resolves it then (from the
 // layer store, if it is not here).
 func (s *Store) MirrorTag(l Layer) error {
+	if l.Tenant != "" {
+		if err := validateTenant(l.Tenant); err != nil {
+			return err
+		}
+	}
 	if _, _, err := ParseTag(l.Ref()); err != nil {
 		return err
 	}
@@ -306,13 +354,14 @@ func (s *Store) MirrorTag(l Layer) error {
 	if err != nil {
 		return err
 	}
-	return s.db.Update(func(tx *bbolt.Tx) error { return tx.Bucket(tagsBucket).Put([]byte(l.Ref()), v) })
+	return s.db.Update(func(tx *bbolt.Tx) error { return tx.Bucket(tagsBucket).Put([]byte(l.Key()), v) })
 }
 
-// UnmirrorTag removes a tag the cluster no longer has; one already gone
-// is not an error. The image stays until garbage collection.
-func (s *Store) UnmirrorTag(ref string) error {
-	return s.db.Update(func(tx *bbolt.Tx) error { return tx.Bucket(tagsBucket).Delete([]byte(ref)) })
+// UnmirrorTag removes a tag (by its key, Layer.Key) the cluster no longer
+// has; one already gone is not an error. The image stays until garbage
+// collection.
+func (s *Store) UnmirrorTag(key string) error {
+	return s.db.Update(func(tx *bbolt.Tx) error { return tx.Bucket(tagsBucket).Delete([]byte(key)) })
 }
 
 // Holds says whether this node holds the image of digest: its file is

@@ -78,7 +78,13 @@ func (s *Store) Lazy() *lazy.FS {
 func blobKey(digest string) string   { return "blobs/sha256/" + strings.TrimPrefix(digest, "sha256:") }
 func chunksKey(digest string) string { return blobKey(digest) + ".chunks" }
 func metaKey(digest string) string   { return blobKey(digest) + ".json" }
-func tagKey(name, version string) string {
+
+// tagKey is the store's key of a tag: "tags/<name>/<version>" for a
+// shared one, "tenants/<tenant>/tags/<name>/<version>" for a tenant's.
+func tagKey(tenant, name, version string) string {
+	if tenant != "" {
+		return "tenants/" + tenant + "/tags/" + name + "/" + version
+	}
 	return "tags/" + name + "/" + version
 }
 
@@ -107,12 +113,23 @@ const (
 // line at the start of each stage (StageUpload, StageChunks, StageDone),
 // byte counts in between, the last one of a stage equal to its total.
 func (s *Store) PushProgress(ctx context.Context, ref string, progress func(Progress)) (Layer, PushResult, error) {
+	return s.As(AdminOwner).PushProgress(ctx, ref, progress)
+}
+
+// PushProgress is Store.PushProgress of one of the owner's layers (a
+// shared one is the admin's to push: ErrReadOnly).
+func (v View) PushProgress(ctx context.Context, ref string, progress func(Progress)) (Layer, PushResult, error) {
+	s := v.s
 	if s.remote == nil {
 		return Layer{}, PushResult{}, fmt.Errorf("push layer %s: %w", ref, ErrNoStore)
 	}
-	l, f, err := s.OpenExport(ctx, ref)
+	l, f, err := v.OpenExport(ctx, ref)
 	if err != nil {
 		return Layer{}, PushResult{}, fmt.Errorf("push layer %s: %w", ref, err)
+	}
+	if !v.o.writes(l.Tenant) {
+		f.Close()
+		return Layer{}, PushResult{}, fmt.Errorf("push layer %s: %w", ref, ErrReadOnly)
 	}
 	defer f.Close()
 	rep := newReporter(progress)
@@ -162,7 +179,7 @@ func (s *Store) push(ctx context.Context, l Layer, img *os.File, rep *reporter) 
 	if err := st.Put(ctx, metaKey(l.Digest), bytes.NewReader(b), int64(len(b))); err != nil {
 		return res, err
 	}
-	if err := st.Put(ctx, tagKey(l.Name, l.Version), bytes.NewReader(b), int64(len(b))); err != nil {
+	if err := st.Put(ctx, tagKey(l.Tenant, l.Name, l.Version), bytes.NewReader(b), int64(len(b))); err != nil {
 		return res, err
 	}
 	return res, nil
@@ -229,12 +246,27 @@ func (s *Store) pushAfterInstall(l Layer) error {
 // Pull copies the layer ref names from the layer store to this node (the
 // whole image, its digest checked) and tags it here.
 func (s *Store) Pull(ctx context.Context, ref string) (Layer, error) {
+	return s.As(AdminOwner).Pull(ctx, ref)
+}
+
+// Pull is Store.Pull of one of the owner's layers in the store, tagged
+// here in the namespace it has there; a shared one is the admin's to pull
+// (ErrReadOnly: a tenant's create resolves it from the store without).
+func (v View) Pull(ctx context.Context, ref string) (Layer, error) {
+	s := v.s
 	if s.remote == nil {
 		return Layer{}, fmt.Errorf("pull layer %s: %w", ref, ErrNoStore)
 	}
-	l, err := s.remoteLayer(ctx, ref)
+	p, err := parseRef(ref)
 	if err != nil {
 		return Layer{}, fmt.Errorf("pull layer %s: %w", ref, err)
+	}
+	l, err := v.remoteLayer(ctx, p, v.o.namespaces(p))
+	if err != nil {
+		return Layer{}, fmt.Errorf("pull layer %s: %w", ref, err)
+	}
+	if !v.o.writes(l.Tenant) {
+		return Layer{}, fmt.Errorf("pull layer %s: %w", ref, ErrReadOnly)
 	}
 	if err := s.download(ctx, l); err != nil {
 		return Layer{}, fmt.Errorf("pull layer %s from %s: %w", ref, s.remote.Store.URL(), err)
@@ -286,20 +318,36 @@ func (s *Store) download(ctx context.Context, l Layer) error {
 	return s.install(f.Name(), l.Digest)
 }
 
-// remoteLayer reads the record of ref (a tag or a digest) from the store.
-func (s *Store) remoteLayer(ctx context.Context, ref string) (Layer, error) {
-	p, err := parseRef(ref)
-	if err != nil {
-		return Layer{}, err
+// remoteLayer reads the record of reference p from the store: a tag in
+// the first of namespaces nss that has it, or a digest the owner sees
+// (its record the owner's or shared).
+func (v View) remoteLayer(ctx context.Context, p parsedRef, nss []string) (Layer, error) {
+	if p.version == "" {
+		l, err := v.s.remoteRecord(ctx, p, metaKey(p.digest))
+		if err == nil && !v.o.reads(l.Tenant) {
+			err = fmt.Errorf("%s: %w", p.digest, ErrNotFound)
+		}
+		return l, err
 	}
-	key := metaKey(p.digest)
-	if p.version != "" {
-		key = tagKey(p.name, p.version)
+	for _, ns := range nss {
+		l, err := v.s.remoteRecord(ctx, p, tagKey(ns, p.name, p.version))
+		if errors.Is(err, ErrNotFound) {
+			continue
+		}
+		if err == nil && l.Tenant != ns {
+			err = fmt.Errorf("%s: %w (the store's record of tenant %q is under %q)", p.key(ns), ErrNotFound, l.Tenant, ns)
+		}
+		return l, err
 	}
+	return Layer{}, fmt.Errorf("%s:%s: %w (not here, not in %s)", p.name, p.version, ErrNotFound, v.s.remote.Store.URL())
+}
+
+// remoteRecord reads the record at key of the store, for reference p.
+func (s *Store) remoteRecord(ctx context.Context, p parsedRef, key string) (Layer, error) {
 	rc, size, err := s.remote.Store.Get(ctx, key)
 	if err != nil {
 		if errors.Is(err, errdefs.ErrNotFound) {
-			return Layer{}, fmt.Errorf("%s: %w (not here, not in %s)", ref, ErrNotFound, s.remote.Store.URL())
+			return Layer{}, fmt.Errorf("%s: %w (not here, not in %s)", key, ErrNotFound, s.remote.Store.URL())
 		}
 		return Layer{}, err
 	}
@@ -318,8 +366,11 @@ func (s *Store) remoteLayer(ctx context.Context, ref string) (Layer, error) {
 	if _, err := newSpec(l.Kind, l.Name, l.Version, l.Compression); err != nil {
 		return Layer{}, errdefs.Mark(errdefs.ErrFailedPrecondition, fmt.Errorf("record %s in the store: %w", key, err))
 	}
+	if _, err := checkTenant(l.Tenant); err != nil {
+		return Layer{}, errdefs.Mark(errdefs.ErrFailedPrecondition, fmt.Errorf("record %s in the store: %w", key, err))
+	}
 	if err := validateDigest(l.Digest); err != nil || (p.digest != "" && l.Digest != p.digest) || (p.name != "" && l.Name != p.name) {
-		return Layer{}, fmt.Errorf("%s: %w (the store's record %s does not match)", ref, ErrNotFound, key)
+		return Layer{}, fmt.Errorf("%s: %w (the store's record %s does not match)", key, ErrNotFound, key)
 	}
 	if l.Size <= 0 {
 		return Layer{}, errdefs.New(errdefs.ErrFailedPrecondition, "record %s in the store: size %d", key, l.Size)
@@ -331,15 +382,16 @@ func (s *Store) remoteLayer(ctx context.Context, ref string) (Layer, error) {
 // store and records the layer by digest (marked Remote), so that the
 // digest resolves here from now on, and its image is mounted from the
 // store when a sandbox uses it.
-func (s *Store) resolveRemote(ref string) (Layer, error) {
+func (v View) resolveRemote(p parsedRef, nss []string) (Layer, error) {
+	s := v.s
 	ctx, cancel := context.WithTimeout(context.Background(), remoteTimeout)
 	defer cancel()
-	l, err := s.remoteLayer(ctx, ref)
+	l, err := v.remoteLayer(ctx, p, nss)
 	if err != nil {
-		return Layer{}, fmt.Errorf("resolve layer %s: %w", ref, err)
+		return Layer{}, fmt.Errorf("resolve layer: %w", err)
 	}
 	l.Remote = s.remote.Store.URL()
-	v, err := json.Marshal(l)
+	val, err := json.Marshal(l)
 	if err != nil {
 		return Layer{}, err
 	}
@@ -348,10 +400,10 @@ func (s *Store) resolveRemote(ref string) (Layer, error) {
 		if b.Get([]byte(l.Digest)) != nil {
 			return nil // a local record wins
 		}
-		return b.Put([]byte(l.Digest), v)
+		return b.Put([]byte(l.Digest), val)
 	})
 	if err != nil {
-		return Layer{}, fmt.Errorf("resolve layer %s: record: %w", ref, err)
+		return Layer{}, fmt.Errorf("resolve layer: record: %w", err)
 	}
 	return l, nil
 }
@@ -386,7 +438,7 @@ func (s *Store) remoteImage(digest, dir string) (src string, release func(), rep
 	if !found {
 		ctx, cancel := context.WithTimeout(context.Background(), remoteTimeout)
 		defer cancel()
-		if l, err = s.remoteLayer(ctx, digest); err != nil {
+		if l, err = s.remoteRecord(ctx, parsedRef{digest: digest}, metaKey(digest)); err != nil {
 			return "", nil, false, err
 		}
 	}

@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/shoal-sandbox/shoal/internal/errdefs"
 	"github.com/shoal-sandbox/shoal/internal/layer/lazy"
 	"github.com/shoal-sandbox/shoal/internal/layer/remote"
 	"github.com/shoal-sandbox/shoal/internal/layer/remote/s3server/s3test"
@@ -588,5 +589,64 @@ func TestExportFetchesFromStore(t *testing.T) {
 	}
 	if _, err := os.Stat(a.store.ImagePath(l.Digest)); err != nil {
 		t.Errorf("the image fetched from the store is not kept: %v", err)
+	}
+}
+
+// TestTenantPushPull: a tenant's push keeps its tag its own in the layer
+// store (tenants/<t>/tags/...): another node resolves it for that tenant
+// only, another tenant neither resolves nor pulls it, and a tenant pushes
+// or pulls no shared tag.
+func TestTenantPushPull(t *testing.T) {
+	a := newEnv(t)
+	st, err := remote.Open("file://"+filepath.Join(a.root, "store"), remote.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	a.store.SetRemote(RemoteConfig{Store: st})
+	ctx := context.Background()
+	src := writeTree(t, filepath.Join(a.root, "src"), map[string]string{"f": "tenant a\n"})
+	l, err := a.store.Build(ctx, BuildOptions{Kind: KindBase, Name: "app", Version: "1", Source: src, Tenant: "a"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	shared := writeTree(t, filepath.Join(a.root, "shared"), map[string]string{"f": "shared\n"})
+	a.build(t, "base", "1", shared)
+	ta := a.store.As(Owner{Tenant: "a"})
+	if _, _, err := ta.PushProgress(ctx, "app:1", nil); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := ta.PushProgress(ctx, "base:1", nil); !errors.Is(err, ErrReadOnly) {
+		t.Fatalf("a tenant pushes a shared tag: %v", err)
+	}
+	if _, _, err := a.store.Push(ctx, "base:1"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := st.Stat(ctx, tagKey("a", "app", "1")); err != nil {
+		t.Fatalf("a's tag in the store: %v", err)
+	}
+	if _, err := st.Stat(ctx, tagKey("", "app", "1")); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Fatalf("a's tag is shared in the store: %v", err)
+	}
+
+	b := newEnv(t)
+	b.store.SetRemote(RemoteConfig{Store: st})
+	if got, err := b.store.As(Owner{Tenant: "a"}).Resolve("app:1"); err != nil || got.Digest != l.Digest || got.Tenant != "a" {
+		t.Fatalf("a resolves its tag from the store on another node: %+v %v", got, err)
+	}
+	tb := b.store.As(Owner{Tenant: "b"})
+	if _, err := tb.Resolve("app:1"); !errors.Is(err, ErrNotFound) {
+		t.Fatalf("b resolves a's tag from the store: %v", err)
+	}
+	if _, err := tb.Pull(ctx, "a/app:1"); !errors.Is(err, ErrNotFound) {
+		t.Fatalf("b pulls a's tag: %v", err)
+	}
+	if _, err := tb.Resolve("base:1"); err != nil {
+		t.Fatalf("b resolves the shared base from the store: %v", err)
+	}
+	if _, err := tb.Pull(ctx, "base:1"); !errors.Is(err, ErrReadOnly) {
+		t.Fatalf("b pulls (tags here) the shared base: %v", err)
+	}
+	if got, err := b.store.As(Owner{Tenant: "a"}).Pull(ctx, "app:1"); err != nil || got.Tenant != "a" {
+		t.Fatalf("a pulls its own: %+v %v", got, err)
 	}
 }

@@ -4,7 +4,6 @@ import (
 	"archive/tar"
 	"context"
 	"crypto/sha256"
-	"encoding/binary"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
@@ -51,7 +50,14 @@ func (s *Store) Export(ctx context.Context, ref string, w io.Writer) (Layer, err
 // cluster's) but whose image it does not hold is fetched from the layer
 // store first, when the node has one.
 func (s *Store) OpenExport(ctx context.Context, ref string) (Layer, *os.File, error) {
-	l, err := s.Resolve(ref)
+	return s.As(AdminOwner).OpenExport(ctx, ref)
+}
+
+// OpenExport is Store.OpenExport of a layer the owner sees (its own or a
+// shared one).
+func (v View) OpenExport(ctx context.Context, ref string) (Layer, *os.File, error) {
+	s := v.s
+	l, err := v.Resolve(ref)
 	if err != nil {
 		return Layer{}, nil, fmt.Errorf("export layer %s: %w", ref, err)
 	}
@@ -84,7 +90,7 @@ func (s *Store) export(ctx context.Context, ref string, w io.Writer) (Layer, err
 
 // WriteExport writes the export tar of layer l, whose image is img.
 func WriteExport(ctx context.Context, w io.Writer, l Layer, img io.Reader) error {
-	l.Remote, l.Mirrored = "", 0
+	l.Remote, l.Mirrored, l.Tenant = "", 0, "" // an import says whose it is
 	meta, err := json.MarshalIndent(exportMeta{Format: ExportFormat, Layer: l}, "", "  ")
 	if err != nil {
 		return err
@@ -121,24 +127,41 @@ func (c ctxReader) Read(p []byte) (int, error) {
 	return c.r.Read(p)
 }
 
+// ImportOptions says under which tag an import is stored and what its
+// image may hold.
+type ImportOptions struct {
+	// Tag, if not empty, replaces the tag of the metadata ("name:version").
+	Tag string
+	// Tenant is the namespace of the tag (owner.go); "" for a shared one
+	// (the admin's).
+	Tenant string
+	// AllowSetID lets the image hold set-user-ID and set-group-ID files
+	// (the admin's imports).
+	AllowSetID bool
+}
+
 // Import reads a layer in the export format from r, checks that the image
-// is an EROFS image whose SHA-256 and size are those its metadata states,
-// stores it and points its tag at it (moving the tag if it pointed
-// elsewhere). tag, if not empty, replaces the tag of the metadata
-// ("name:version"). Anything malformed, or an image that does not match
-// its digest, is marked errdefs.ErrInvalidArgument and leaves nothing
-// behind.
-func (s *Store) Import(ctx context.Context, r io.Reader, tag string) (Layer, error) {
-	l, err := s.importLayer(ctx, r, tag)
+// is an EROFS image whose SHA-256 and size are those its metadata states
+// and that it passes the checks of an untrusted image (verify.go: Shoal's
+// walk of every inode, then fsck.erofs), stores it and points its tag at
+// it (moving the tag if it pointed elsewhere). Anything malformed, an
+// image that does not match its digest or breaks a rule is marked
+// errdefs.ErrInvalidArgument and leaves nothing behind.
+func (s *Store) Import(ctx context.Context, r io.Reader, o ImportOptions) (Layer, error) {
+	l, err := s.importLayer(ctx, r, o)
 	if err != nil {
 		return Layer{}, fmt.Errorf("import layer: %w", err)
 	}
 	return l, nil
 }
 
-func (s *Store) importLayer(ctx context.Context, r io.Reader, tag string) (Layer, error) {
+func (s *Store) importLayer(ctx context.Context, r io.Reader, o ImportOptions) (Layer, error) {
 	bad := func(format string, args ...any) error {
 		return errdefs.New(errdefs.ErrInvalidArgument, format, args...)
+	}
+	tenant, err := checkTenant(o.Tenant)
+	if err != nil {
+		return Layer{}, err
 	}
 	tr := tar.NewReader(ctxReader{ctx, r})
 	hdr, err := tr.Next()
@@ -163,8 +186,9 @@ func (s *Store) importLayer(ctx context.Context, r io.Reader, tag string) (Layer
 		return Layer{}, bad("export format %q: this server reads %s", meta.Format, ExportFormat)
 	}
 	l := meta.Layer
-	if tag != "" {
-		if l.Name, l.Version, err = ParseTag(tag); err != nil {
+	l.Tenant, l.Remote, l.Mirrored = tenant, "", 0
+	if o.Tag != "" {
+		if l.Name, l.Version, err = ParseTag(o.Tag); err != nil {
 			return Layer{}, errdefs.Mark(errdefs.ErrInvalidArgument, err)
 		}
 	}
@@ -205,10 +229,18 @@ func (s *Store) importLayer(ctx context.Context, r io.Reader, tag string) (Layer
 	if got := "sha256:" + hex.EncodeToString(h.Sum(nil)); got != l.Digest {
 		return Layer{}, bad("digest mismatch: the metadata says %s, the image hashes to %s: the file is corrupt or was modified", l.Digest, got)
 	}
-	var sb [4]byte
-	if _, err := f.ReadAt(sb[:], 1024); err != nil || binary.LittleEndian.Uint32(sb[:]) != erofsMagic {
-		return Layer{}, bad("the image is not an EROFS image (no superblock magic at byte 1024)")
+	// Nothing of a tenant reaches the host kernel unchecked (verify.go).
+	st, err := checkErofs(ctx, f, l.Size, o.AllowSetID)
+	if err != nil {
+		if ctx.Err() != nil {
+			return Layer{}, ctx.Err()
+		}
+		return Layer{}, err
 	}
+	if err := fsckErofs(ctx, f.Name()); err != nil {
+		return Layer{}, err
+	}
+	l.Files, l.ContentBytes = st.files, st.bytes
 	if err := f.Sync(); err != nil {
 		return Layer{}, err
 	}

@@ -60,15 +60,15 @@ func (m *Manager) LayerUsage() (layer.Usage, error) {
 	return usage, nil
 }
 
-// RemoveLayer removes a tag or an unused image (see layer.Store.Remove); an
-// image a sandbox uses is never removed.
-func (m *Manager) RemoveLayer(ref string) (layer.RemoveResult, error) {
+// RemoveLayer removes a tag or an unused image as o may (see
+// layer.View.Remove); an image a sandbox uses is never removed.
+func (m *Manager) RemoveLayer(o layer.Owner, ref string) (layer.RemoveResult, error) {
 	m.flushDeletes(context.Background()) // their layer mounts, released (reap.go)
 	usage, err := m.LayerUsage()
 	if err != nil {
 		return layer.RemoveResult{}, err
 	}
-	return m.layers.Remove(ref, usage)
+	return m.layers.As(o).Remove(ref, usage)
 }
 
 // GCLayers removes every image no tag, environment or sandbox uses and that
@@ -95,17 +95,22 @@ func (m *Manager) applyTemplate(req *CreateRequest) error {
 	if req.Base != "" {
 		return errdefs.New(ErrInvalid, "give a template or a base, not both (environment %s has its own base)", req.Template)
 	}
-	env, err := m.layers.GetEnv(req.Template)
+	env, err := m.layers.As(req.Owner).GetEnv(req.Template)
 	if err != nil {
 		return err
 	}
-	req.Base = env.Base
+	// A shared environment's references are the shared layers, whoever
+	// creates from it; a tenant's are that tenant's (the admin's create
+	// from it resolves as the tenant would).
+	req.Owner = env.ResolvedBy(req.Owner)
+	base, workspaces, toolkits := env.QualifiedRefs()
+	req.Base = base
 	req.image = env.Image // images.go
 	if req.Backend == "" {
 		req.Backend = env.Backend // "" still: the node's default
 	}
-	req.Workspaces = append(slices.Clone(env.Workspaces), req.Workspaces...)
-	req.Toolkits = append(slices.Clone(env.Toolkits), req.Toolkits...)
+	req.Workspaces = append(workspaces, req.Workspaces...)
+	req.Toolkits = append(toolkits, req.Toolkits...)
 	return nil
 }
 

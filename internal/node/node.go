@@ -351,6 +351,10 @@ type CreateRequest struct {
 	// Tenant will own the sandbox ("": the admin); its quota applies
 	// (admission.go) and its client keys are its own.
 	Tenant string
+	// Owner is whose names the template and the layer references are
+	// resolved as (layer.Owner): a tenant's own, then shared ones. The
+	// zero value sees shared names only.
+	Owner layer.Owner
 	// AutoPause: pause after this long idle; nil = the node's default, 0 =
 	// never.
 	AutoPause *time.Duration
@@ -450,8 +454,9 @@ func (m *Manager) validate(req *CreateRequest) error {
 func (m *Manager) resolve(req *CreateRequest) ([]layer.Layer, []LayerRef, error) {
 	var out []layer.Layer
 	var refs []LayerRef
+	view := m.layers.As(req.Owner)
 	add := func(ref string, want layer.Kind) error {
-		l, err := m.layers.Resolve(ref)
+		l, err := view.Resolve(ref)
 		if err != nil {
 			return err
 		}

@@ -178,6 +178,79 @@ func checkTenants(t *testing.T, ctx context.Context, bin string, controls, nodes
 	if st != http.StatusOK || strings.Count(string(body), `"sandboxID"`) != 4 {
 		t.Fatalf("team-a's E2B list through replica B: %d %s, want its 4", st, body)
 	}
+	// Layers and environments are the tenants' own across the cluster
+	// (etcd's records carry the tenant): team-b's tag and environment,
+	// made through replica A, are team-b's on every node and through
+	// either replica; team-a's key neither sees nor changes them.
+	secretBW := cli(controls[0], "key", "create", "--name", "ten-b-w", "--tenant", "team-b", "--scope", "sandboxes,layers:read,layers:write")
+	secretAW := cli(controls[0], "key", "create", "--name", "ten-a-w", "--tenant", "team-a", "--scope", "layers:read,layers:write")
+	defer func() {
+		admin := client(t, controls[0].addr, adminKey)
+		for _, e := range []string{"team-b/benv", "team-a/benv"} {
+			admin.Layers.DeleteEnvironment(context.Background(), connect.NewRequest(&pb.DeleteEnvironmentRequest{Name: e}))
+		}
+		admin.Layers.DeleteLayer(context.Background(), connect.NewRequest(&pb.DeleteLayerRequest{Ref: "team-b/bown:1"}))
+		for _, k := range []string{"ten-b-w", "ten-a-w"} {
+			admin.DeleteKey(context.Background(), k)
+		}
+	}()
+	bw, aw := client(t, controls[0].addr, secretBW), client(t, controls[1].addr, secretAW)
+	if res, err := bw.Layers.TagLayer(ctx, connect.NewRequest(&pb.TagLayerRequest{Source: baseRef, Target: "bown:1"})); err != nil || res.Msg.Layer.GetTenant() != "team-b" {
+		t.Fatalf("team-b's tag through replica A: %v %v", res, err)
+	}
+	if _, err := bw.Layers.CreateEnvironment(ctx, connect.NewRequest(&pb.CreateEnvironmentRequest{Name: "benv", Base: "bown:1"})); err != nil {
+		t.Fatalf("team-b's environment through replica A: %v", err)
+	}
+	for _, n := range nodes {
+		waitFor(t, "node "+n.name+" has team-b's tag for team-b", func() error {
+			l, err := client(t, n.addr, secretBW).Layers.GetLayer(ctx, connect.NewRequest(&pb.GetLayerRequest{Ref: "bown:1"}))
+			if err != nil || l.Msg.Tenant != "team-b" {
+				return fmt.Errorf("%v %v", l, err)
+			}
+			return nil
+		})
+		if _, err := client(t, n.addr, secretAW).Layers.GetLayer(ctx, connect.NewRequest(&pb.GetLayerRequest{Ref: "bown:1"})); connect.CodeOf(err) != connect.CodeNotFound {
+			t.Fatalf("team-a inspects team-b's tag on node %s: %v, want not found", n.name, err)
+		}
+	}
+	ls, err := aw.Layers.ListLayers(ctx, connect.NewRequest(&pb.ListLayersRequest{}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, l := range ls.Msg.Layers {
+		if l.Tenant == "team-b" {
+			t.Fatalf("team-a lists team-b's %s through replica B", l.Ref)
+		}
+	}
+	envs, err := aw.Layers.ListEnvironments(ctx, connect.NewRequest(&pb.ListEnvironmentsRequest{}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range envs.Msg.Environments {
+		if e.Tenant == "team-b" {
+			t.Fatalf("team-a lists team-b's environment %s through replica B", e.Name)
+		}
+	}
+	for _, name := range []string{"benv", "team-b/benv"} {
+		if _, err := aw.Layers.GetEnvironment(ctx, connect.NewRequest(&pb.GetEnvironmentRequest{Name: name})); connect.CodeOf(err) != connect.CodeNotFound {
+			t.Fatalf("team-a gets %s through replica B: %v, want not found", name, err)
+		}
+		if _, err := aw.Layers.DeleteEnvironment(ctx, connect.NewRequest(&pb.DeleteEnvironmentRequest{Name: name})); connect.CodeOf(err) != connect.CodeNotFound {
+			t.Fatalf("team-a removes %s through replica B: %v, want not found", name, err)
+		}
+	}
+	if _, err := aw.Layers.TagLayer(ctx, connect.NewRequest(&pb.TagLayerRequest{Source: baseRef, Target: "team-b/bown:1"})); connect.CodeOf(err) != connect.CodePermissionDenied {
+		t.Fatalf("team-a moves team-b's tag through replica B: %v, want permission denied", err)
+	}
+	if _, err := aw.Layers.DeleteLayer(ctx, connect.NewRequest(&pb.DeleteLayerRequest{Ref: "team-b/bown:1"})); connect.CodeOf(err) != connect.CodeNotFound {
+		t.Fatalf("team-a removes team-b's tag through replica B: %v, want not found", err)
+	}
+	if _, err := aw.Layers.CreateEnvironment(ctx, connect.NewRequest(&pb.CreateEnvironmentRequest{Name: "benv", Base: baseRef, Replace: true})); err != nil {
+		t.Fatalf("team-a's own benv: %v", err)
+	}
+	if e, err := bw.Layers.GetEnvironment(ctx, connect.NewRequest(&pb.GetEnvironmentRequest{Name: "benv"})); err != nil || e.Msg.Base != "bown:1" || e.Msg.Tenant != "team-b" {
+		t.Fatalf("team-b's benv after team-a's: %v %v", e, err)
+	}
 	// A key without the sandboxes scope is refused at the replica.
 	if _, err := client(t, controls[1].addr, secretR).Create(ctx, &pb.CreateSandboxRequest{Base: baseRef}); connect.CodeOf(err) != connect.CodePermissionDenied {
 		t.Fatalf("create with a layers:read key: %v, want permission_denied", err)

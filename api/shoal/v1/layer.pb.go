@@ -112,7 +112,10 @@ type Layer struct {
 	// ("" for a local image).
 	Remote string `protobuf:"bytes,16,opt,name=remote,proto3" json:"remote,omitempty"`
 	// Filled by GetLayer for an image loaded lazily and mounted now.
-	Lazy          *LazyLayerStats `protobuf:"bytes,17,opt,name=lazy,proto3" json:"lazy,omitempty"`
+	Lazy *LazyLayerStats `protobuf:"bytes,17,opt,name=lazy,proto3" json:"lazy,omitempty"`
+	// The tenant whose tag this is; "" for a shared one (the admin's,
+	// read-only to tenants). The admin names a tenant's as TENANT/NAME:VERSION.
+	Tenant        string `protobuf:"bytes,18,opt,name=tenant,proto3" json:"tenant,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -264,6 +267,13 @@ func (x *Layer) GetLazy() *LazyLayerStats {
 		return x.Lazy
 	}
 	return nil
+}
+
+func (x *Layer) GetTenant() string {
+	if x != nil {
+		return x.Tenant
+	}
+	return ""
 }
 
 // LazyLayerStats are the lazy loader's counters for one mounted image.
@@ -1882,7 +1892,10 @@ type Environment struct {
 	Revision int64 `protobuf:"varint,8,opt,name=revision,proto3" json:"revision,omitempty"`
 	// For an environment made from a pulled image (PullImage): its config,
 	// the defaults of the sandboxes made from it.
-	Image         *ImageConfig `protobuf:"bytes,9,opt,name=image,proto3" json:"image,omitempty"`
+	Image *ImageConfig `protobuf:"bytes,9,opt,name=image,proto3" json:"image,omitempty"`
+	// The tenant whose environment this is; "" for a shared one (the
+	// admin's, read-only to tenants).
+	Tenant        string `protobuf:"bytes,10,opt,name=tenant,proto3" json:"tenant,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1978,6 +1991,13 @@ func (x *Environment) GetImage() *ImageConfig {
 		return x.Image
 	}
 	return nil
+}
+
+func (x *Environment) GetTenant() string {
+	if x != nil {
+		return x.Tenant
+	}
+	return ""
 }
 
 type CreateEnvironmentRequest struct {
@@ -2283,7 +2303,7 @@ var File_shoal_v1_layer_proto protoreflect.FileDescriptor
 
 const file_shoal_v1_layer_proto_rawDesc = "" +
 	"\n" +
-	"\x14shoal/v1/layer.proto\x12\bshoal.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\x9c\x04\n" +
+	"\x14shoal/v1/layer.proto\x12\bshoal.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xb4\x04\n" +
 	"\x05Layer\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x18\n" +
 	"\aversion\x18\x02 \x01(\tR\aversion\x12'\n" +
@@ -2303,7 +2323,8 @@ const file_shoal_v1_layer_proto_rawDesc = "" +
 	"\x14used_by_environments\x18\x0e \x03(\tR\x12usedByEnvironments\x12\x16\n" +
 	"\x06mounts\x18\x0f \x01(\x05R\x06mounts\x12\x16\n" +
 	"\x06remote\x18\x10 \x01(\tR\x06remote\x12,\n" +
-	"\x04lazy\x18\x11 \x01(\v2\x18.shoal.v1.LazyLayerStatsR\x04lazy\"\xfc\x02\n" +
+	"\x04lazy\x18\x11 \x01(\v2\x18.shoal.v1.LazyLayerStatsR\x04lazy\x12\x16\n" +
+	"\x06tenant\x18\x12 \x01(\tR\x06tenant\"\xfc\x02\n" +
 	"\x0eLazyLayerStats\x12\x1d\n" +
 	"\n" +
 	"chunk_size\x18\x01 \x01(\x03R\tchunkSize\x12\x16\n" +
@@ -2421,7 +2442,7 @@ const file_shoal_v1_layer_proto_rawDesc = "" +
 	"\aremoved\x18\x01 \x03(\v2\x0f.shoal.v1.LayerR\aremoved\x12\x1f\n" +
 	"\vfreed_bytes\x18\x02 \x01(\x03R\n" +
 	"freedBytes\x12\x12\n" +
-	"\x04kept\x18\x03 \x01(\x05R\x04kept\"\xbc\x02\n" +
+	"\x04kept\x18\x03 \x01(\x05R\x04kept\"\xd4\x02\n" +
 	"\vEnvironment\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x12\n" +
 	"\x04base\x18\x02 \x01(\tR\x04base\x12\x1e\n" +
@@ -2434,7 +2455,9 @@ const file_shoal_v1_layer_proto_rawDesc = "" +
 	"\bresolved\x18\x06 \x03(\v2\x0f.shoal.v1.LayerR\bresolved\x12\x18\n" +
 	"\abackend\x18\a \x01(\tR\abackend\x12\x1a\n" +
 	"\brevision\x18\b \x01(\x03R\brevision\x12+\n" +
-	"\x05image\x18\t \x01(\v2\x15.shoal.v1.ImageConfigR\x05image\"\xd3\x01\n" +
+	"\x05image\x18\t \x01(\v2\x15.shoal.v1.ImageConfigR\x05image\x12\x16\n" +
+	"\x06tenant\x18\n" +
+	" \x01(\tR\x06tenant\"\xd3\x01\n" +
 	"\x18CreateEnvironmentRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x12\n" +
 	"\x04base\x18\x02 \x01(\tR\x04base\x12\x1e\n" +

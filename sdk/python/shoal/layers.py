@@ -14,14 +14,18 @@ layers), on the server's node.
 
     layers.tag("repo:1-built", "repo:latest")   # moves atomically
     layers.rm("repo:1")                         # LayerInUse while a sandbox or environment uses it
-    layers.gc(dry_run=True)                     # images nothing references
+    layers.gc(dry_run=True)                     # images nothing references (the admin's key)
     layers.export("repo:latest", "repo.shoal-layer.tar")
     img = layers.pull_image("python:3.12", environment="py312")  # from its OCI registry
     Sandbox.create(template="py312")            # its layers; its Env, WORKDIR, USER
     layers.import_("repo.shoal-layer.tar", tag="repo:copy")
 
 A reference is ``name:version`` (a tag, which can move), ``name@sha256:...``
-or ``sha256:...`` (one image, which never changes). ``build`` uploads its
+or ``sha256:...`` (one image, which never changes). Tags and environments
+belong to the key's tenant; the admin's are shared (``Layer.shared``),
+read-only to tenants, and a name resolves to the tenant's own first, then
+to the shared one; another tenant's is not found. The admin names a
+tenant's as ``tenant/name:version``. ``build`` uploads its
 source from this machine: a directory (as a tar made on the fly, owners,
 modes, links and xattrs kept), or a file sent as it is: a tarball
 (``.tar``, ``.tar.gz``, ``.tar.zst``), an OCI image layout as a tar or a

@@ -511,7 +511,16 @@ class Layer:
     mounts: int = 0
     remote: str = ""  # the layer store the node reads the image from when it holds no copy
     lazy: Dict[str, Any] = field(default_factory=dict)  # lazy loader counters of a mounted s3:// image (layers.get())
+    # The tenant whose tag this is; "" for a shared one (the admin's,
+    # read-only to tenants). The admin names a tenant's as "tenant/name:version".
+    tenant: str = ""
     raw: Dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def shared(self) -> bool:
+        """Whether the layer is the admin's, shared: every tenant uses it,
+        none changes it."""
+        return self.tenant == ""
 
     @property
     def pinned(self) -> str:
@@ -539,6 +548,7 @@ class Layer:
             source=d.get("source", ""),
             files=_int(d.get("files")),
             content_bytes=_int(_get(d, "contentBytes", "content_bytes")),
+            tenant=d.get("tenant", ""),
             tags=list(d.get("tags") or []),
             used_by_sandboxes=list(_get(d, "usedBySandboxes", "used_by_sandboxes") or []),
             used_by_environments=list(_get(d, "usedByEnvironments", "used_by_environments") or []),
@@ -664,6 +674,7 @@ class Environment:
     backend: str = ""  # its sandboxes' backend unless a create names one ("": the node's)
     revision: int = 0  # of its last write, on a cluster (etcd's); 0 on one server
     image: Optional["ImageConfig"] = None  # made from a pulled image: its config, the sandboxes' defaults
+    tenant: str = ""  # whose it is; "" for a shared one (the admin's, read-only to tenants)
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> "Environment":
@@ -677,6 +688,7 @@ class Environment:
             backend=d.get("backend", ""),
             revision=int(d.get("revision") or 0),
             image=ImageConfig.from_json(d["image"]) if d.get("image") is not None else None,
+            tenant=d.get("tenant", ""),
         )
 
 

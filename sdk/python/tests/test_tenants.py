@@ -46,3 +46,51 @@ def test_tenant_sees_only_its_sandboxes(server, keys) -> None:
     # Scopes: a tenant's key is not an admin's.
     r = server.cli("--api-key", kb, "key", "ls", check=False)
     assert r.returncode != 0 and "permission_denied" in r.stderr
+
+
+def test_tenants_own_layers_and_environments(server) -> None:
+    """A tenant's layers and environments are its own: another tenant's key
+    lists, inspects, creates from, moves and removes none of them (not found
+    or permission denied); both use the admin's shared base and change it
+    not. The async half answers the same."""
+    import asyncio
+
+    suffix = str(os.getpid())
+    a, b = f"pyl-a-{suffix}", f"pyl-b-{suffix}"
+    w = "sandboxes,layers:read,layers:write"
+    ka, kb = _key(server, a, a, w), _key(server, b, b, w)
+    try:
+        mine = shoal.layers.tag(server.base, "bbase:1", api_key=kb)
+        assert mine.layer.tenant == b and not mine.layer.shared
+        env = shoal.environments.create("benv", "bbase:1", api_key=kb)
+        assert env.tenant == b
+        assert "bbase" not in [l.name for l in shoal.layers.list(api_key=ka)]
+        assert "benv" not in [e.name for e in shoal.environments.list(api_key=ka)]
+        assert any(l.shared and l.ref == server.base for l in shoal.layers.list(api_key=ka))
+        for ref in ("bbase:1", f"{b}/bbase:1"):
+            with pytest.raises(shoal.NotFound):
+                shoal.layers.get(ref, api_key=ka)
+            with pytest.raises(shoal.NotFound):
+                shoal.layers.rm(ref, api_key=ka)
+            with pytest.raises(shoal.NotFound):
+                Sandbox.create(base=ref, api_key=ka, timeout=60)
+        with pytest.raises(shoal.NotFound):
+            Sandbox.create(template="benv", api_key=ka, timeout=60)
+        with pytest.raises(shoal.PermissionDenied):
+            shoal.layers.tag(server.base, f"{b}/bbase:1", api_key=ka)
+        with pytest.raises(shoal.PermissionDenied):
+            shoal.layers.rm(server.base, api_key=ka)
+        with pytest.raises(shoal.NotFound):
+            asyncio.run(shoal.environments.aget("benv", api_key=ka))
+        assert asyncio.run(shoal.environments.aget("benv", api_key=kb)).base == "bbase:1"
+        # B's own environment is B's to create from.
+        with Sandbox.create(template="benv", api_key=kb, timeout=60) as sb:
+            assert sb.sandbox_id
+    finally:
+        # The admin names B's as b/NAME.
+        for rm, name in ((shoal.environments.rm, f"{b}/benv"), (shoal.layers.rm, f"{b}/bbase:1")):
+            try:
+                rm(name)
+            except shoal.ShoalError:
+                pass
+        server.cli("key", "rm", a, b, check=False)

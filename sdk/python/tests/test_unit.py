@@ -442,6 +442,11 @@ def test_layer_models_parse_protojson() -> None:
     assert shoal.BuildProgress.from_json({"layer": d}) is None
     e = shoal.Environment.from_json({"name": "t", "base": "b:1", "workspaces": ["w:1"], "resolved": [d, d]})
     assert (e.name, e.base, e.workspaces, e.toolkits, len(e.resolved)) == ("t", "b:1", ["w:1"], [], 2)
+    # Tenants own layers and environments; the admin's are shared.
+    assert l.shared and l.tenant == "" and e.tenant == ""
+    mine = shoal.Layer.from_json({**d, "tenant": "acme"})
+    assert (mine.tenant, mine.shared) == ("acme", False)
+    assert shoal.Environment.from_json({"name": "t", "base": "b:1", "tenant": "acme"}).tenant == "acme"
     r = shoal.RemoveResult.from_json({"untagged": ["repo:1"], "removed": [d], "freedBytes": "4096"})
     assert (r.untagged, r.removed[0].digest, r.freed_bytes) == (["repo:1"], "sha256:ab", 4096)
     g = shoal.GCResult.from_json({"kept": 2})
