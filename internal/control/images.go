@@ -51,7 +51,7 @@ func (s *Server) PullImage(ctx context.Context, req *connect.Request[pb.PullImag
 		}
 		return nil
 	})
-	store := s.node.Layers()
+	store := s.layers(ctx) // the image and its layers' tags are the caller's
 	im, err := store.PullImage(ctx, layer.PullOptions{Image: r.Image, Credentials: creds, Progress: ps.send})
 	if err != nil {
 		return toConnect(err)
@@ -95,7 +95,7 @@ func imageConfigPB(c *layer.ImageConfig) *pb.ImageConfig {
 // the image's stack, pulling the image if this node has not (with the
 // server's own registry logins). The image's layers go below the
 // request's workspaces; its config is kept as the environment's.
-func envFromImage(ctx context.Context, store *layer.Store, e *layer.Env) error {
+func envFromImage(ctx context.Context, store layer.View, e *layer.Env) error {
 	image, pull := store.ImageForBase(e.Base)
 	if image == "" {
 		return nil // a layer: CreateEnv checks it

@@ -525,7 +525,7 @@ func (s *Server) CreateEnvironment(ctx context.Context, req *connect.Request[pb.
 		return nil, toConnect(errdefs.New(errdefs.ErrInvalidArgument, "create environment %s: if_revision is for a cluster's environments (this server keeps its own)", r.Name))
 	}
 	e := layer.Env{Name: r.Name, Base: r.Base, Workspaces: r.Workspaces, Toolkits: r.Toolkits, Backend: r.Backend}
-	if err := envFromImage(ctx, s.node.Layers(), &e); err != nil { // images.go
+	if err := envFromImage(ctx, s.layers(ctx), &e); err != nil { // images.go
 		return nil, toConnect(err)
 	}
 	e, err := s.layers(ctx).CreateEnv(e, r.Replace)

@@ -243,6 +243,9 @@ type PulledImage struct {
 	OCILayers []string    `json:"oci_layers"` // their OCI digests, bottom first
 	Config    ImageConfig `json:"config"`
 	Pulled    time.Time   `json:"pulled"`
+	// Tenant is whose pull this is ("": the admin's, shared); its layers'
+	// tags are in the same namespace.
+	Tenant string `json:"tenant,omitempty"`
 	// Of the last pull (not stored): bytes fetched from the registry, and
 	// how many layers were here already (or in the layer store).
 	Fetched int64 `json:"-"`
@@ -291,8 +294,14 @@ func ParseImageRef(s string) (name.Reference, error) {
 // pulled before, which it then names. Never a network call for a base
 // without a "/". pull says whether the image must be pulled first.
 func (s *Store) ImageForBase(base string) (image string, pull bool) {
+	return s.As(AdminOwner).ImageForBase(base)
+}
+
+// ImageForBase is Store.ImageForBase for the view's owner: the images it
+// pulled, or the admin did (shared).
+func (v View) ImageForBase(base string) (image string, pull bool) {
 	if strings.Contains(base, "/") {
-		if _, err := s.LookupPulledImage(base); err == nil {
+		if _, err := v.LookupPulledImage(base); err == nil {
 			return base, false
 		}
 		return base, true
@@ -300,28 +309,49 @@ func (s *Store) ImageForBase(base string) (image string, pull bool) {
 	if _, err := ParseImageRef(base); err != nil {
 		return "", false
 	}
-	if !s.hasPulledImage(base) {
+	if _, found, _ := v.imageRecord(base); !found {
 		return "", false
 	}
-	if _, err := s.Resolve(base); err == nil {
+	if _, err := v.Resolve(base); err == nil {
 		return "", false // a layer wins
 	}
 	return base, false
 }
 
-func (s *Store) hasPulledImage(image string) bool {
+// imageKey is the key of the record of image ref pulled into namespace ns
+// (a NUL apart: no reference holds one).
+func imageKey(ns string, ref name.Reference) []byte {
+	if ns == "" {
+		return []byte(ref.Name())
+	}
+	return []byte(ns + "\x00" + ref.Name())
+}
+
+// imageRecord returns the record of image as the view's owner sees it:
+// its own pull, else the admin's (shared).
+func (v View) imageRecord(image string) (im PulledImage, found bool, err error) {
 	ref, err := ParseImageRef(image)
 	if err != nil {
-		return false
+		return PulledImage{}, false, err
 	}
-	var found bool
-	s.db.View(func(tx *bbolt.Tx) error {
-		if b := tx.Bucket(imagesBucket); b != nil {
-			found = b.Get([]byte(ref.Name())) != nil
+	nss := []string{""}
+	if !v.o.Admin && v.o.Tenant != "" {
+		nss = []string{v.o.Tenant, ""}
+	}
+	err = v.s.db.View(func(tx *bbolt.Tx) error {
+		b := tx.Bucket(imagesBucket)
+		if b == nil {
+			return nil
+		}
+		for _, ns := range nss {
+			if raw := b.Get(imageKey(ns, ref)); raw != nil {
+				found = true
+				return json.Unmarshal(raw, &im)
+			}
 		}
 		return nil
 	})
-	return found
+	return im, found, err
 }
 
 // PulledImages returns the pulled images, by reference.
@@ -348,52 +378,54 @@ func (s *Store) PulledImages() ([]PulledImage, error) {
 // whose layers are all still here (or in the layer store); else it wraps
 // ErrNotFound.
 func (s *Store) LookupPulledImage(image string) (PulledImage, error) {
-	ref, err := ParseImageRef(image)
-	if err != nil {
-		return PulledImage{}, err
-	}
-	var im PulledImage
-	var found bool
-	err = s.db.View(func(tx *bbolt.Tx) error {
-		b := tx.Bucket(imagesBucket)
-		if b == nil {
-			return nil
-		}
-		found, err = get(b, ref.Name(), &im)
-		return err
-	})
+	return s.As(AdminOwner).LookupPulledImage(image)
+}
+
+// LookupPulledImage is Store.LookupPulledImage for the view's owner: its
+// own pull of the image, else the admin's (shared).
+func (v View) LookupPulledImage(image string) (PulledImage, error) {
+	im, found, err := v.imageRecord(image)
 	if err != nil {
 		return PulledImage{}, err
 	}
 	if !found {
 		return PulledImage{}, fmt.Errorf("image %s: %w (pull it: shoal layer pull %s)", image, ErrNotFound, image)
 	}
-	for _, t := range im.Layers {
-		if _, err := s.Resolve(t); err != nil {
-			return PulledImage{}, fmt.Errorf("image %s: layer %s: %w", image, t, err)
-		}
+	if err := v.hasLayers(im); err != nil {
+		return PulledImage{}, fmt.Errorf("image %s: %w", image, err)
 	}
 	return im, nil
 }
 
-// pulledAlready returns the record of ref if it was pulled at digest and
-// all its layers are still here (or in the layer store).
-func (s *Store) pulledAlready(ref name.Reference, digest string) (PulledImage, bool) {
+// hasLayers checks that every layer of im resolves for the view's owner.
+func (v View) hasLayers(im PulledImage) error {
+	for _, t := range im.Layers {
+		if _, err := v.Resolve(t); err != nil {
+			return fmt.Errorf("layer %s: %w", t, err)
+		}
+	}
+	return nil
+}
+
+// pulledAlready returns the owner's own record of ref if it was pulled at
+// digest and all its layers are still here (or in the layer store).
+func (v View) pulledAlready(ref name.Reference, digest string) (PulledImage, bool) {
+	home, err := v.o.home()
+	if err != nil {
+		return PulledImage{}, false
+	}
 	var im PulledImage
 	var found bool
-	s.db.View(func(tx *bbolt.Tx) error {
+	v.s.db.View(func(tx *bbolt.Tx) error {
 		if b := tx.Bucket(imagesBucket); b != nil {
-			found, _ = get(b, ref.Name(), &im)
+			if raw := b.Get(imageKey(home, ref)); raw != nil {
+				found = json.Unmarshal(raw, &im) == nil
+			}
 		}
 		return nil
 	})
-	if !found || im.Digest != digest {
+	if !found || im.Digest != digest || v.hasLayers(im) != nil {
 		return PulledImage{}, false
-	}
-	for _, t := range im.Layers {
-		if _, err := s.Resolve(t); err != nil {
-			return PulledImage{}, false
-		}
 	}
 	im.Fetched, im.Reused = 0, len(im.Layers)
 	return im, true
@@ -412,14 +444,29 @@ func (s *Store) pulledAlready(ref name.Reference, digest string) (PulledImage, b
 // errdefs.ErrPermissionDenied; a registry that cannot be reached or
 // stalls, errdefs.ErrUnavailable.
 func (s *Store) PullImage(ctx context.Context, o PullOptions) (PulledImage, error) {
-	im, err := s.pullImage(ctx, o)
+	return s.As(AdminOwner).PullImage(ctx, o)
+}
+
+// PullImage is Store.PullImage for the view's owner: the image's record
+// and its layers' tags are the owner's (a tenant's own, the admin's
+// shared). A layer another namespace converted already is not fetched
+// again: the owner has just read the manifest that names its digest from
+// the registry, with its own credentials (containerd's shared content
+// policy); the owner gets a tag of its own to it.
+func (v View) PullImage(ctx context.Context, o PullOptions) (PulledImage, error) {
+	im, err := v.pullImage(ctx, o)
 	if err != nil {
 		return PulledImage{}, fmt.Errorf("pull %s: %w", o.Image, err)
 	}
 	return im, nil
 }
 
-func (s *Store) pullImage(ctx context.Context, o PullOptions) (PulledImage, error) {
+func (v View) pullImage(ctx context.Context, o PullOptions) (PulledImage, error) {
+	s := v.s
+	home, err := v.o.home()
+	if err != nil {
+		return PulledImage{}, err
+	}
 	start := time.Now()
 	rep := newReporter(o.Progress)
 	cfg := s.registry()
@@ -482,7 +529,7 @@ func (s *Store) pullImage(ctx context.Context, o PullOptions) (PulledImage, erro
 	if err != nil {
 		return PulledImage{}, pullError(ctx, err)
 	}
-	if im, ok := s.pulledAlready(ref, digest.String()); ok {
+	if im, ok := v.pulledAlready(ref, digest.String()); ok {
 		// The same image as last time (the tag has not moved): its
 		// record, without fetching its config again.
 		rep.start(StageDone, "", 0, "done in %.1fs: %s, %d layers here already", time.Since(start).Seconds(), im.Digest, len(im.Layers))
@@ -522,6 +569,7 @@ func (s *Store) pullImage(ctx context.Context, o PullOptions) (PulledImage, erro
 		Ref:      ref.Name(),
 		Digest:   digest.String(),
 		Platform: platform,
+		Tenant:   home,
 		Config: ImageConfig{
 			Env:        cf.Config.Env,
 			WorkingDir: cf.Config.WorkingDir,
@@ -544,7 +592,7 @@ func (s *Store) pullImage(ctx context.Context, o PullOptions) (PulledImage, erro
 			kind = KindBase
 		}
 		tag := ociTag(kind, ld.Digest)
-		fetched, reused, err := s.pullLayer(ctx, l, ld, cf.RootFS.DiffIDs[i], kind, fmt.Sprintf("layer %d/%d of %s", i+1, len(layers), from.Name()), &budget, cfg, rep)
+		fetched, reused, err := v.pullLayer(ctx, l, ld, cf.RootFS.DiffIDs[i], kind, fmt.Sprintf("layer %d/%d of %s", i+1, len(layers), from.Name()), &budget, cfg, rep)
 		if err != nil {
 			return PulledImage{}, pullError(ctx, fmt.Errorf("layer %d/%d (%s): %w", i+1, len(layers), ld.Digest, err))
 		}
@@ -556,7 +604,7 @@ func (s *Store) pullImage(ctx context.Context, o PullOptions) (PulledImage, erro
 		im.OCILayers = append(im.OCILayers, ld.Digest.String())
 	}
 	im.Pulled = time.Now().UTC().Truncate(time.Millisecond)
-	v, err := json.Marshal(im)
+	rec, err := json.Marshal(im)
 	if err != nil {
 		return PulledImage{}, err
 	}
@@ -565,12 +613,12 @@ func (s *Store) pullImage(ctx context.Context, o PullOptions) (PulledImage, erro
 		if err != nil {
 			return err
 		}
-		return b.Put([]byte(im.Ref), v)
+		return b.Put(imageKey(home, ref), rec)
 	})
 	if err != nil {
 		return PulledImage{}, fmt.Errorf("record image: %w", err)
 	}
-	s.log.Info("image pulled", "image", im.Ref, "digest", im.Digest, "layers", len(im.Layers), "reused", im.Reused, "fetched", im.Fetched, "took", time.Since(start))
+	s.log.Info("image pulled", "image", im.Ref, "tenant", home, "digest", im.Digest, "layers", len(im.Layers), "reused", im.Reused, "fetched", im.Fetched, "took", time.Since(start))
 	rep.start(StageDone, "", 0, "done in %.1fs: %s, %d layers (%d here already), %s fetched",
 		time.Since(start).Seconds(), im.Digest, len(im.Layers), im.Reused, humanSize(im.Fetched))
 	return im, nil
@@ -742,21 +790,32 @@ func lockLayer(key string) func() {
 // so an OCI layer that is the bottom of one image and above the bottom of
 // another is fetched once for each. It returns the bytes fetched and
 // whether it was found.
-func (s *Store) pullLayer(ctx context.Context, l v1.Layer, ld v1.Descriptor, diffID v1.Hash, kind Kind, what string, budget *int64, cfg RegistryConfig, rep *reporter) (fetched int64, reused bool, err error) {
+func (v View) pullLayer(ctx context.Context, l v1.Layer, ld v1.Descriptor, diffID v1.Hash, kind Kind, what string, budget *int64, cfg RegistryConfig, rep *reporter) (fetched int64, reused bool, err error) {
 	if ld.Digest.Algorithm != "sha256" || diffID.Algorithm != "sha256" {
 		return 0, false, errdefs.New(errdefs.ErrInvalidArgument, "digest %s, diff ID %s: only sha256 is supported", ld.Digest, diffID)
 	}
 	if ld.Size < 0 {
 		return 0, false, errdefs.New(errdefs.ErrInvalidArgument, "negative size")
 	}
+	s := v.s
+	home, err := v.o.home()
+	if err != nil {
+		return 0, false, err
+	}
 	tag := ociTag(kind, ld.Digest)
 	unlock := lockLayer(s.dir + "\x00" + ld.Digest.String())
 	defer unlock()
-	if _, err := s.Resolve(tag); err == nil {
+	if _, err := v.Resolve(tag); err == nil {
 		rep.start(StageFetch, "bytes", 0, "%s: %s here already", what, ld.Digest)
 		return 0, true, nil
 	} else if !errors.Is(err, ErrNotFound) {
 		return 0, false, err
+	}
+	if ok, err := v.tagConverted(tag, home); err != nil || ok {
+		if ok {
+			rep.start(StageFetch, "bytes", 0, "%s: %s here already", what, ld.Digest)
+		}
+		return 0, ok, err
 	}
 	start := time.Now()
 	work, err := os.MkdirTemp(s.tmp, "pull-")
@@ -776,11 +835,43 @@ func (s *Store) pullLayer(ctx context.Context, l v1.Layer, ld v1.Descriptor, dif
 		return n, false, err
 	}
 	spec.source = "oci layer " + ld.Digest.String()
+	spec.tenant = home
 	spec.tree, spec.whiteouts, spec.start = root, true, start
 	if _, err := s.make(ctx, work, spec, rep); err != nil {
 		return n, false, err
 	}
 	return n, false, nil
+}
+
+// tagConverted gives namespace home a tag of its own (tag) to the layer
+// another namespace converted under the same tag (the same OCI digest and
+// kind), if one did; ok says it did.
+func (v View) tagConverted(tag, home string) (ok bool, err error) {
+	s := v.s
+	s.gcMu.RLock() // the image must not be collected between finding and tagging
+	defer s.gcMu.RUnlock()
+	var l Layer
+	err = s.db.View(func(tx *bbolt.Tx) error {
+		return tx.Bucket(tagsBucket).ForEach(func(k, val []byte) error {
+			if ok || !(string(k) == tag || strings.HasSuffix(string(k), "/"+tag)) {
+				return nil
+			}
+			if err := json.Unmarshal(val, &l); err != nil {
+				return fmt.Errorf("decode tag %s: %w", k, err)
+			}
+			_, statErr := os.Stat(s.ImagePath(l.Digest))
+			ok = statErr == nil
+			return nil
+		})
+	})
+	if err != nil || !ok {
+		return false, err
+	}
+	l.Tenant = home
+	if _, _, err := s.tag(l); err != nil {
+		return false, fmt.Errorf("tag %s: %w", tag, err)
+	}
+	return true, nil
 }
 
 // fetchLayer reads an OCI layer's blob (its digest checked by the

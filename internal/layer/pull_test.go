@@ -689,3 +689,86 @@ func TestPullImageFleet(t *testing.T) {
 	}
 	diffStack(t, stackTree(t, mountStack(t, b, im)), flattened(t, img))
 }
+
+// A tenant's pull is its own: another tenant does not see the image, its
+// record or its layers' tags, cannot create from it by name, and pulls it
+// only with credentials of its own (then without fetching the layers
+// again: it holds tags of its own to the same images); the admin's pulls
+// are shared.
+func TestPullImageTenants(t *testing.T) {
+	e := newEnv(t)
+	reg := newTestRegistry(t)
+	l := tarLayer(t, file("secret", "of a"))
+	ref := reg.push(t, "corp/private:1", testImage(t, v1.Config{Env: []string{"A=1"}}, l))
+	reg.wrap = func(w http.ResponseWriter, r *http.Request, next http.Handler) {
+		if u, p, ok := r.BasicAuth(); !ok || u != "a" || p != "pw" {
+			w.Header().Set("WWW-Authenticate", `Basic realm="test"`)
+			http.Error(w, `{"errors":[{"code":"UNAUTHORIZED","message":"authentication required"}]}`, http.StatusUnauthorized)
+			return
+		}
+		next.ServeHTTP(w, r)
+	}
+	creds := []Credential{{Registry: reg.host, Username: "a", Password: "pw"}}
+	a, b := e.store.As(Owner{Tenant: "a"}), e.store.As(Owner{Tenant: "b"})
+	im, err := a.PullImage(context.Background(), PullOptions{Image: ref, Credentials: creds})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if im.Tenant != "a" {
+		t.Errorf("a's pull recorded for %q", im.Tenant)
+	}
+	if _, err := a.LookupPulledImage(ref); err != nil {
+		t.Errorf("a's own image: %v", err)
+	}
+	if _, err := b.LookupPulledImage(ref); !errors.Is(err, ErrNotFound) {
+		t.Errorf("b sees a's image: %v", err)
+	}
+	if _, err := e.store.LookupPulledImage(ref); !errors.Is(err, ErrNotFound) {
+		t.Errorf("a tenant's pull is shared: %v", err)
+	}
+	if image, pull := b.ImageForBase(ref); image != ref || !pull {
+		t.Errorf("b's ImageForBase(%s) = %q, %v: want a pull of its own", ref, image, pull)
+	}
+	for _, tag := range im.Layers {
+		if _, err := b.Resolve(tag); !errors.Is(err, ErrNotFound) {
+			t.Errorf("b resolves a's layer %s: %v", tag, err)
+		}
+		if _, err := a.Resolve(tag); err != nil {
+			t.Errorf("a's layer %s: %v", tag, err)
+		}
+	}
+	if ls, _ := b.List(); len(ls) != 0 {
+		t.Errorf("b lists a's layers: %+v", ls)
+	}
+	if _, err := b.PullImage(context.Background(), PullOptions{Image: ref}); !errors.Is(err, errdefs.ErrPermissionDenied) {
+		t.Errorf("b's pull without credentials: %v, want permission denied", err)
+	}
+	gets := reg.blobGets(mustDigest(t, l))
+	imb, err := b.PullImage(context.Background(), PullOptions{Image: ref, Credentials: creds})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if imb.Reused != len(imb.Layers) || reg.blobGets(mustDigest(t, l)) != gets {
+		t.Errorf("b's pull of converted layers: reused %d of %d, layer fetched %d more times", imb.Reused, len(imb.Layers), reg.blobGets(mustDigest(t, l))-gets)
+	}
+	for _, tag := range imb.Layers {
+		if _, err := b.Resolve(tag); err != nil {
+			t.Errorf("b's own tag %s: %v", tag, err)
+		}
+	}
+	if _, err := a.Remove(im.Layers[0], nil); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.Resolve(imb.Layers[0]); err != nil {
+		t.Errorf("b's tag gone with a's: %v", err)
+	}
+	// The admin's pull is shared: every tenant sees it.
+	reg.wrap = nil
+	pub := reg.push(t, "library/public:1", testImage(t, v1.Config{}, tarLayer(t, file("p", "q"))))
+	if _, err := e.store.PullImage(context.Background(), PullOptions{Image: pub}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.LookupPulledImage(pub); err != nil {
+		t.Errorf("a shared image, as b: %v", err)
+	}
+}

@@ -23,7 +23,8 @@ func (m *Manager) applyImage(ctx context.Context, req *CreateRequest) error {
 	if req.image != nil || req.Base == "" {
 		return nil
 	}
-	image, pull := m.layers.ImageForBase(req.Base)
+	v := m.layers.As(req.Owner) // the owner's pulls, and the admin's (shared)
+	image, pull := v.ImageForBase(req.Base)
 	if image == "" {
 		return nil // a layer (or an unknown one: the create says so)
 	}
@@ -31,9 +32,9 @@ func (m *Manager) applyImage(ctx context.Context, req *CreateRequest) error {
 	var err error
 	if pull {
 		m.log.Info("pulling the image of a create", "image", image)
-		im, err = m.layers.PullImage(ctx, layer.PullOptions{Image: image})
+		im, err = v.PullImage(ctx, layer.PullOptions{Image: image})
 	} else {
-		im, err = m.layers.LookupPulledImage(image)
+		im, err = v.LookupPulledImage(image)
 	}
 	if err != nil {
 		return fmt.Errorf("base %s: %w", req.Base, err)
