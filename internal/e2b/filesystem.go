@@ -548,6 +548,12 @@ func (r *watcherRegistry) get(sandbox, id string) (*pollWatcher, error) {
 
 func (f *filesystemService) CreateWatcher(ctx context.Context, req *connect.Request[fsp.CreateWatcherRequest]) (*connect.Response[fsp.CreateWatcherResponse], error) {
 	sandbox := sandboxID(ctx)
+	// It holds an agent watch until it ends: it counts against the
+	// sandbox's and the key's stream caps as a streamed watch does.
+	release, err := f.s.holdStream(ctx, sandbox, "a directory watcher")
+	if err != nil {
+		return nil, err
+	}
 	// The watch outlives this request (it ends with RemoveWatcher, the
 	// sandbox, or nobody polling it); the request bounds only its start.
 	wctx, cancel := context.WithCancel(withUser(context.WithValue(context.Background(), sandboxKey{}, sandbox), userOf(ctx)))
@@ -561,6 +567,7 @@ func (f *filesystemService) CreateWatcher(ctx context.Context, req *connect.Requ
 			w.Close()
 		}
 		cancel()
+		release()
 		return nil, err
 	}
 	var b [12]byte
@@ -571,6 +578,7 @@ func (f *filesystemService) CreateWatcher(ctx context.Context, req *connect.Requ
 	f.s.watchers.mu.Unlock()
 	include := req.Msg.GetIncludeEntry()
 	go func() {
+		defer release()
 		defer w.Close()
 		evs := make(chan agent.WatchEvent, 64)
 		var werr error

@@ -3,8 +3,10 @@ package e2e
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -286,4 +288,96 @@ func TestStreamCaps(t *testing.T) {
 		open = append(open, w)
 		return true
 	})
+}
+
+// E2B's non-streaming directory watchers (CreateWatcher, what the
+// synchronous Python SDK polls) hold an agent watch between requests:
+// they count against the sandbox's stream cap, refused past it (429 on
+// the E2B face), and RemoveWatcher gives the place back.
+func TestE2BWatcherCap(t *testing.T) {
+	need(t)
+	data, err := os.MkdirTemp("/tmp", "ses")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { unmountUnder(data); os.RemoveAll(data) })
+	e2bAddr := freeLocalAddr(t)
+	addr := startExtraServe(t, data, "--e2b-listen="+e2bAddr, "--pool-size", "0", "--egress-subnet=", "--max-streams-per-sandbox", "4")
+	url := "http://" + addr
+	waitFor(t, 2*time.Minute, "the second serve", func() bool {
+		res, err := http.Get(url + "/healthz")
+		if err == nil {
+			res.Body.Close()
+		}
+		return err == nil
+	})
+	keyb, _ := os.ReadFile(filepath.Join(data, "admin.key"))
+	key := strings.TrimSpace(string(keyb))
+	rootfs, err := busyboxRootfs()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer os.RemoveAll(rootfs)
+	cmd := exec.Command(filepath.Join(binDir, "shoal"), "layer", "build", "--kind", "base", baseRef, rootfs)
+	cmd.Env = append(os.Environ(), "SHOAL_URL="+url, "SHOAL_API_KEY="+key)
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("layer build: %v %s", err, out)
+	}
+	call := func(method, path string, body any, h http.Header) (int, []byte) {
+		b, _ := json.Marshal(body)
+		req, _ := http.NewRequest(method, "http://"+e2bAddr+path, bytes.NewReader(b))
+		req.Header.Set("Content-Type", "application/json")
+		for k, v := range h {
+			req.Header[k] = v
+		}
+		res, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatalf("%s %s: %v", method, path, err)
+		}
+		defer res.Body.Close()
+		out, _ := io.ReadAll(res.Body)
+		return res.StatusCode, out
+	}
+	st, b := call("POST", "/sandboxes", map[string]any{"templateID": baseRef, "timeout": 300}, http.Header{"X-Api-Key": {key}})
+	var sb struct {
+		SandboxID       string `json:"sandboxID"`
+		EnvdAccessToken string `json:"envdAccessToken"`
+	}
+	if st != http.StatusCreated || json.Unmarshal(b, &sb) != nil || sb.SandboxID == "" {
+		t.Fatalf("e2b create: %d %s", st, b)
+	}
+	t.Cleanup(func() { call("DELETE", "/sandboxes/"+sb.SandboxID, nil, http.Header{"X-Api-Key": {key}}) })
+	envd := http.Header{"E2b-Sandbox-Id": {sb.SandboxID}, "X-Access-Token": {sb.EnvdAccessToken}}
+	var ids []string
+	for i := range 4 {
+		st, b := call("POST", "/filesystem.Filesystem/CreateWatcher", map[string]any{"path": "/tmp"}, envd)
+		var w struct {
+			WatcherID string `json:"watcherId"`
+		}
+		if st != http.StatusOK || json.Unmarshal(b, &w) != nil || w.WatcherID == "" {
+			t.Fatalf("watcher %d of 4: %d %s", i+1, st, b)
+		}
+		ids = append(ids, w.WatcherID)
+	}
+	if st, b := call("POST", "/filesystem.Filesystem/CreateWatcher", map[string]any{"path": "/tmp"}, envd); st != http.StatusTooManyRequests || !strings.Contains(string(b), "--max-streams-per-sandbox") {
+		t.Fatalf("5th watcher past a cap of 4: %d %s, want 429 naming the cap", st, b)
+	}
+	if st, b := call("POST", "/filesystem.Filesystem/RemoveWatcher", map[string]any{"watcherId": ids[0]}, envd); st != http.StatusOK {
+		t.Fatalf("remove watcher: %d %s", st, b)
+	}
+	waitFor(t, time.Minute, "a place freed by a removed watcher", func() bool {
+		st, _ := call("POST", "/filesystem.Filesystem/CreateWatcher", map[string]any{"path": "/tmp"}, envd)
+		return st == http.StatusOK
+	})
+}
+
+// freeLocalAddr is a loopback address free a moment ago.
+func freeLocalAddr(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	return ln.Addr().String()
 }
