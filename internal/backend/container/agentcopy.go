@@ -83,11 +83,16 @@ func (a *agentCopies) path(host string) (string, error) {
 		return p, nil
 	}
 	p := filepath.Join(a.dir, "agent-"+strconv.Itoa(len(a.byID)+1))
-	out, err := os.OpenFile(p, os.O_CREATE|os.O_EXCL|os.O_WRONLY, 0o755)
+	out, err := os.OpenFile(p, os.O_CREATE|os.O_EXCL|os.O_WRONLY, 0o700)
 	if err != nil {
 		return "", fmt.Errorf("copy agent binary: %w", err)
 	}
 	_, err = io.Copy(out, f)
+	if err == nil {
+		// The binary's own permission bits: one the node cannot run is
+		// not made runnable by the copy.
+		err = out.Chmod(os.FileMode(st.Mode & 0o555))
+	}
 	if cerr := out.Close(); err == nil {
 		err = cerr
 	}

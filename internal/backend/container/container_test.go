@@ -562,8 +562,8 @@ func TestFailedCreateLeavesNothing(t *testing.T) {
 		wantErr string
 	}{
 		{"missing lower", func(s *sandbox.Spec) { s.Layers[0].MountPath = "/nonexistent/layer" }, "lowerdir+"},
-		// runc's own words, from the container's log pipe (agentlog.go).
-		{"missing agent", func(s *sandbox.Spec) { s.AgentBinary = "/nonexistent/agent" }, "runc run: exit status 1: "},
+		// The backend copies the binary before runc starts (agentcopy.go).
+		{"missing agent", func(s *sandbox.Spec) { s.AgentBinary = "/nonexistent/agent" }, "open agent binary: "},
 		{"agent not executable", func(s *sandbox.Spec) { s.AgentBinary = notExecutable }, "permission denied"},
 		{"network", func(s *sandbox.Spec) { s.Network = &netpolicy.Request{Internet: true} }, "egress is disabled"},
 	} {
@@ -578,7 +578,7 @@ func TestFailedCreateLeavesNothing(t *testing.T) {
 				t.Errorf("error %q does not mention %q", err, tc.wantErr)
 			}
 			if tc.name == "missing agent" && !strings.Contains(err.Error(), "/nonexistent/agent") {
-				t.Errorf("error %q does not have runc's message", err)
+				t.Errorf("error %q does not name the binary", err)
 			}
 			t.Log(err)
 			if left := leftovers(t, b, spec); len(left) > 0 {

@@ -2,6 +2,8 @@ package container
 
 import (
 	"errors"
+	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
@@ -54,9 +56,22 @@ func TestCheckSpec(t *testing.T) {
 	}
 }
 
+// testAgentCopies is a backend's agentCopies in a temporary directory (no
+// tmpfs), and an agent binary to copy into it.
+func testAgentCopies(t *testing.T) (*agentCopies, string) {
+	t.Helper()
+	bin := filepath.Join(t.TempDir(), "shoal-agent")
+	if err := os.WriteFile(bin, []byte("\x7fELF an agent"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	return &agentCopies{dir: t.TempDir(), byID: map[agentID]string{}}, bin
+}
+
 func TestOCISpec(t *testing.T) {
-	b := &Backend{cgroupParent: "shoal"}
+	copies, bin := testAgentCopies(t)
+	b := &Backend{cgroupParent: "shoal", agents: copies}
 	s := validSpec()
+	s.AgentBinary = bin
 	s.Env = []string{"HOME=/work", "FOO=bar", "SHOAL_AGENT_FD=7", "SHOAL_POOL=1", "SHOAL_SECCOMP_FD=9"}
 	cfg, err := b.ociSpec(s, "/var/lib/shoal/sb-1/rootfs", nil)
 	if err != nil {
@@ -115,8 +130,13 @@ func TestOCISpec(t *testing.T) {
 	if _, ok := mounts["/tmp"]; ok {
 		t.Error("/tmp is a separate mount; it belongs to the overlay")
 	}
-	if a := mounts["/.shoal/agent"]; a.Source != s.AgentBinary || !slices.Contains(a.Options, "ro") || !slices.Contains(a.Options, "bind") {
-		t.Errorf("agent mount %+v", a)
+	// Bound from the backend's private copy, never from the host's path.
+	a := mounts["/.shoal/agent"]
+	if filepath.Dir(a.Source) != copies.dir || !slices.Contains(a.Options, "ro") || !slices.Contains(a.Options, "bind") {
+		t.Errorf("agent mount %+v, want a bind of a copy in %s", a, copies.dir)
+	}
+	if got, err := os.ReadFile(a.Source); err != nil || string(got) != "\x7fELF an agent" {
+		t.Errorf("the agent's copy: %q %v", got, err)
 	}
 	if !slices.Contains(cfg.Linux.MaskedPaths, "/proc/kcore") || !slices.Contains(cfg.Linux.ReadonlyPaths, "/proc/sys") {
 		t.Errorf("masked %v, readonly %v", cfg.Linux.MaskedPaths, cfg.Linux.ReadonlyPaths)
@@ -148,8 +168,11 @@ func TestOCISpecCompiledSeccomp(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer f.Close()
-	b := &Backend{cgroupParent: "shoal", filter: f, filterProg: prog}
-	cfg, err := b.ociSpec(validSpec(), "/r", nil)
+	copies, bin := testAgentCopies(t)
+	b := &Backend{cgroupParent: "shoal", filter: f, filterProg: prog, agents: copies}
+	spec := validSpec()
+	spec.AgentBinary = bin
+	cfg, err := b.ociSpec(spec, "/r", nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -169,7 +192,7 @@ func TestOCISpecCompiledSeccomp(t *testing.T) {
 	}
 
 	pool, err := b.containerSpec(containerOptions{runcID: "pool-1", rootfs: "/r", hostname: "pool", env: baseEnv,
-		agent: "/a", caps: append(slices.Clone(dockerCaps), "CAP_SYS_ADMIN"), pooled: true})
+		agent: bin, caps: append(slices.Clone(dockerCaps), "CAP_SYS_ADMIN"), pooled: true})
 	if err != nil {
 		t.Fatal(err)
 	}
