@@ -174,7 +174,9 @@ func startReplicas(t testing.TB, ctx context.Context, names []string, delay time
 		t.Cleanup(srv.Close)
 		rc.servers[name] = srv
 		used := int64(i) << 32
-		reg, err := cluster.Register(ctx, cli(), cluster.RegisterConfig{Name: name, URL: srv.URL, E2BURL: srv.URL, TTL: 2 * time.Second, Log: log,
+		// A lease that a loaded host (the race detector, load 13) cannot
+		// lose between two renewals: nodes here leave by revoking it.
+		reg, err := cluster.Register(ctx, cli(), cluster.RegisterConfig{Name: name, URL: srv.URL, E2BURL: srv.URL, TTL: 10 * time.Second, Log: log,
 			Report: func() (placement.Node, []cluster.CatalogEntry) {
 				return placement.Node{MilliCPU: 1 << 20, Memory: 1 << 50, UsedMilliCPU: used >> 20, UsedMemory: used, Backends: []string{"container"}}, nil
 			}})
