@@ -557,7 +557,7 @@ func serve(cfg serveConfig) error {
 	}
 	{
 		ps, pk, total := streams.Caps()
-		log.Info("stream caps", "per_sandbox", ps, "per_key", pk, "node", total)
+		log.Info("stream caps", "per_sandbox", ps, "per_key", pk, "per_node", total)
 	}
 	nodeCfg, err := cfg.nodeConfig()
 	if err != nil {
