@@ -286,7 +286,9 @@ func ParseImageRef(s string) (name.Reference, error) {
 }
 
 // ImageForBase says which image a base (of a create or an environment)
-// names, if it names one rather than a layer. The rule: a base with a "/"
+// names, if it names one rather than a layer. The rule: a layer reference
+// qualified by its namespace ("/NAME:VERSION", the shared one;
+// "TENANT/NAME:VERSION" that resolves) is a layer; any other base with a "/"
 // (a registry, or a repository path: "registry.example:5000/swe/task:1",
 // "library/python:3.12") is an image (no layer name has one), pulled if
 // it was not; any other base is a layer, unless no layer has that
@@ -300,7 +302,13 @@ func (s *Store) ImageForBase(base string) (image string, pull bool) {
 // ImageForBase is Store.ImageForBase for the view's owner: the images it
 // pulled, or the admin did (shared).
 func (v View) ImageForBase(base string) (image string, pull bool) {
+	if strings.HasPrefix(base, "/") {
+		return "", false // "/NAME:VERSION": the shared layer (owner.go), never an image
+	}
 	if strings.Contains(base, "/") {
+		if _, err := v.Resolve(base); err == nil {
+			return "", false // "TENANT/NAME:VERSION": a layer the owner may use
+		}
 		if _, err := v.LookupPulledImage(base); err == nil {
 			return base, false
 		}

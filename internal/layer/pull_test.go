@@ -771,4 +771,26 @@ func TestPullImageTenants(t *testing.T) {
 	if _, err := b.LookupPulledImage(pub); err != nil {
 		t.Errorf("a shared image, as b: %v", err)
 	}
+	// A layer reference qualified by its namespace is a layer, never an
+	// image to pull (an environment's references are qualified).
+	shared, err := b.LookupPulledImage(pub)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		v    View
+		base string
+	}{
+		{b, "/" + shared.Layers[0]},
+		{e.store.As(AdminOwner), "/" + shared.Layers[0]},
+		{b, "b/" + imb.Layers[0]},
+		{e.store.As(AdminOwner), "b/" + imb.Layers[0]},
+	} {
+		if image, pull := c.v.ImageForBase(c.base); image != "" || pull {
+			t.Errorf("ImageForBase(%q) as %+v = %q, %v: want a layer", c.base, c.v.Owner(), image, pull)
+		}
+	}
+	if image, pull := a.ImageForBase("b/" + imb.Layers[0]); image == "" || !pull {
+		t.Errorf("another tenant's qualified layer, as a: %q %v; want an image reference (a's to pull)", image, pull)
+	}
 }
