@@ -32,7 +32,7 @@ import httpx  # noqa: E402
 import shoal  # noqa: E402
 from shoal import AsyncSandbox, Sandbox  # noqa: E402
 from shoal._config import ConnectionConfig  # noqa: E402
-from shoal._sync.transport import _nodelay_transport  # noqa: E402
+from shoal._http import _nodelay_transport  # noqa: E402
 
 
 def pct(xs: List[float], p: float) -> float:

@@ -28,7 +28,7 @@ from ._sync.commands import CommandHandle, Commands, Pty
 from ._sync.filesystem import Files, WatchHandle
 from ._sync.sandbox import Sandbox
 from ._sync.sessions import Shell, Shells, Trajectory
-from ._sync.transport import close_all as close
+from ._sync.transport import close
 from .exceptions import (
     Aborted,
     AlreadyExists,

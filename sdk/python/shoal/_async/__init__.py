@@ -1,1 +1,1 @@
-"""The asyncio client."""
+"""The client (asyncio API)."""

@@ -1,11 +1,12 @@
-"""Commands in a sandbox (asyncio API): the twin of ``shoal._sync.commands``."""
+"""Commands in a sandbox (asyncio API): run, background handles, re-attach,
+PTYs."""
 
 from __future__ import annotations
 
-import asyncio
-import inspect
+import time
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Dict, List, Optional, Sequence, Union
 
+from .._concurrency import AsyncAbort, AsyncCancelled, AsyncQueue, AsyncWorker, QueueTimeout, async_callback, async_iter_chunks, async_sleep
 from .._protocol import (
     STDIN_CHUNK,
     CommandState,
@@ -30,44 +31,40 @@ _DEFAULT_TIMEOUT = 60.0
 # a stream silent for this long is a dead connection, re-attached by offset.
 _STREAM_READ_TIMEOUT = 75.0
 
-# A callback may be a plain function or a coroutine function.
+# A callback gets a str (stdout, stderr), bytes (pty) or an event; with
+# asyncio it may be a coroutine function.
 Callback = Callable[[Any], Any]
-
-
-async def _call(cb: Optional[Callback], arg: Any) -> None:
-    if cb is not None:
-        r = cb(arg)
-        if inspect.isawaitable(r):
-            await r
 
 
 async def _dispatch(out: Output, on_stdout: Optional[Callback], on_stderr: Optional[Callback], on_pty: Optional[Callback]) -> None:
     stdout, stderr, pty = out
     if stdout is not None:
-        await _call(on_stdout, stdout)
+        await async_callback(on_stdout, stdout)
     elif stderr is not None:
-        await _call(on_stderr, stderr)
+        await async_callback(on_stderr, stderr)
     elif pty is not None:
-        await _call(on_pty, pty)
+        await async_callback(on_pty, pty)
 
 
 class _AsyncReader:
     """Reads one command's events, re-attaching by log offset when the
-    connection breaks, until the command's exit."""
+    connection breaks (ConnectCommand), until the end of its stream."""
 
-    def __init__(self, commands: "AsyncCommands", state: CommandState, events: AsyncIterator[Dict[str, Any]]) -> None:
+    def __init__(self, commands: "AsyncCommands", state: CommandState) -> None:
         self._commands = commands
         self.state = state
-        self._events = events
+        self.abort = AsyncAbort()
+        self._events: AsyncIterator[Dict[str, Any]] = _no_events()
         self._closed = False
 
     async def close(self) -> None:
         self._closed = True
+        self.abort()
         aclose = getattr(self._events, "aclose", None)
         if aclose is not None:
             try:
                 await aclose()
-            except (RuntimeError, ShoalError):
+            except Exception:  # asyncio: a generator another task is reading raises RuntimeError
                 pass
 
     async def outputs(self) -> AsyncIterator[Output]:
@@ -93,10 +90,10 @@ class _AsyncReader:
                         return
                     if not self.state.can_resume() or attempt >= self._commands._t.config.retries:
                         raise
-                    await asyncio.sleep(backoff(attempt))
+                    await async_sleep(backoff(attempt))
                     attempt += 1
                     resuming = True
-                    self._events = self._commands._connect_events(self.state.command_id, self.state.offset)
+                    self._events = self._commands._connect_events(self.state.command_id, self.state.offset, self.abort)
                 except NotSupported:
                     if resuming:
                         raise ConnectionLost(
@@ -110,10 +107,12 @@ class _AsyncReader:
 class AsyncCommandHandle:
     """A command running in a sandbox (E2B's ``AsyncCommandHandle``).
 
-    Output is read by a background task as it arrives; ``async for`` over the
-    handle yields ``(stdout, stderr, pty)`` tuples, or ``await handle.wait()``.
-    :meth:`disconnect` stops reading without stopping the command;
-    ``sb.commands.connect(handle.id, offset=handle.offset)`` re-attaches.
+    Output is read in the background (a task; a thread when blocking) as it
+    arrives; iterate over the handle (``async for``) for ``(stdout, stderr,
+    pty)`` tuples (exactly one is not None) or ``await handle.wait()``. The
+    command is a server-side object: :meth:`disconnect` stops reading without
+    stopping it, and ``sb.commands.connect(handle.id, offset=handle.offset)``
+    re-attaches later, even from another process.
     """
 
     def __init__(
@@ -130,21 +129,23 @@ class AsyncCommandHandle:
         self._reader = reader
         self._check = check
         self._callbacks = (on_stdout, on_stderr, on_pty)
-        self._queue: "asyncio.Queue[Any]" = asyncio.Queue()
+        self._queue: "AsyncQueue[Any]" = AsyncQueue()
         self._error: Optional[BaseException] = None
-        self._task = asyncio.get_running_loop().create_task(self._pump())
+        self._worker = AsyncWorker(self._pump, f"shoal-cmd-{self.id}")
 
     async def _pump(self) -> None:
         try:
             async for out in self._reader.outputs():
                 await _dispatch(out, *self._callbacks)
-                self._queue.put_nowait(out)
-        except asyncio.CancelledError:
+                self._queue.put(out)
+        except AsyncCancelled:
             pass
         except BaseException as e:  # handed to the caller of wait()/iteration
             self._error = e
         finally:
-            self._queue.put_nowait(_END)
+            self._queue.put(_END)
+
+    # --- identity and progress ---
 
     @property
     def id(self) -> str:
@@ -182,14 +183,17 @@ class AsyncCommandHandle:
         """True when the command is a recorded trajectory step, not run again."""
         return self._reader.state.replayed
 
+    # --- output ---
+
     def __aiter__(self) -> AsyncIterator[Output]:
+        """Yield ``(stdout, stderr, pty)`` tuples until the command ends."""
         return self._iter()
 
     async def _iter(self) -> AsyncIterator[Output]:
         while True:
             item = await self._queue.get()
             if item is _END:
-                self._queue.put_nowait(_END)
+                self._queue.put(_END)
                 if self._error is not None:
                     raise self._error
                 return
@@ -214,21 +218,22 @@ class AsyncCommandHandle:
         :param timeout: seconds to wait here; on expiry :class:`Timeout` is
             raised and the command keeps running.
         """
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             try:
-                left = None if deadline is None else max(0.0, deadline - loop.time())
-                item = await asyncio.wait_for(self._queue.get(), left)
-            except asyncio.TimeoutError:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                item = await self._queue.get(left)
+            except QueueTimeout:
                 raise Timeout(f"command {self.id} still running after {timeout} s") from None
             if item is _END:
-                self._queue.put_nowait(_END)
+                self._queue.put(_END)
                 break
             await _dispatch(item, on_stdout, on_stderr, on_pty)
         if self._error is not None:
             raise self._error
         return checked(self._reader.state.result(), self._check if check is None else check)
+
+    # --- control ---
 
     async def kill(self) -> bool:
         """SIGKILL the command's process group. False if it was not found."""
@@ -252,12 +257,8 @@ class AsyncCommandHandle:
 
     async def disconnect(self) -> None:
         """Stop receiving output; the command keeps running on the server."""
-        self._reader._closed = True
-        self._task.cancel()
-        try:
-            await self._task
-        except asyncio.CancelledError:
-            pass
+        await self._reader.close()
+        await self._worker.stop()
 
 
 class AsyncCommands:
@@ -265,7 +266,6 @@ class AsyncCommands:
 
     def __init__(self, sandbox: "AsyncSandbox") -> None:
         self._sb = sandbox
-        self._tasks: "set[asyncio.Task[None]]" = set()
 
     @property
     def _t(self):  # type: ignore[no-untyped-def]
@@ -288,8 +288,29 @@ class AsyncCommands:
     ) -> Any:
         """Run a command; wait for it, or return a handle with ``background=True``.
 
-        Same parameters as the sync ``Commands.run``; callbacks may be
-        coroutine functions, and ``stdin`` may also be an async iterable.
+        :param cmd: a string, run with ``sh -c``, or an argv list.
+        :param background: return a :class:`CommandHandle` as soon as the
+            command started instead of waiting for it.
+        :param envs: extra environment variables.
+        :param user: the sandbox user to run as (a name in its
+            ``/etc/passwd``, or a uid): its ids, groups, ``HOME``, ``USER``
+            and, without ``cwd``, its home. Default: root.
+        :param cwd: working directory.
+        :param on_stdout: called with each piece of stdout text as it arrives
+            (with asyncio, a function or a coroutine function).
+        :param on_stderr: called with each piece of stderr text.
+        :param stdin: ``str``/``bytes`` to feed (then end of file), ``True``
+            to keep stdin open for ``send_stdin()``, or a file object /
+            iterable of bytes streamed in (with asyncio, also an async
+            iterable).
+        :param timeout: seconds after which the server kills the command's
+            process group (E2B's default: 60); ``0`` or ``None``: no limit.
+        :param request_timeout: seconds to wait for the server to answer.
+        :param check: raise :class:`CommandExitException` on a non-zero exit
+            (and :class:`CommandTimeout` on a timeout), as E2B's SDK does;
+            by default (``False``) the result is returned either way.
+        :return: :class:`CommandResult`, or :class:`CommandHandle` when
+            ``background``.
         """
         inline, stdin_open, source = split_stdin(stdin)
         body = exec_body(self._sb.sandbox_id, argv(cmd), envs=envs, cwd=cwd, stdin=inline, stdin_open=stdin_open, timeout=timeout, user=user)
@@ -318,7 +339,8 @@ class AsyncCommands:
     ) -> Any:
         trajectory = bool(body.get("trajectoryId"))
         state = CommandState(pty=pty, step=int(body.get("step") or 0))
-        events = self._t.stream(
+        reader = _AsyncReader(self, state)
+        reader._events = events = self._t.stream(
             "CommandService",
             "Exec",
             body,
@@ -326,46 +348,49 @@ class AsyncCommands:
             request_timeout=request_timeout,
             read_timeout=_STREAM_READ_TIMEOUT,
             trajectory=trajectory,
+            abort=reader.abort,
         )
-        reader = _AsyncReader(self, state, events)
+        # Read up to the `started` event, so the handle knows the command's ID.
         try:
-            # Read up to the `started` event, so the handle knows the command's ID.
-            while not state.started:
-                try:
-                    msg = await events.__anext__()
-                except StopAsyncIteration:
-                    raise ConnectionLost("Exec stream ended before the command started") from None
+            async for msg in events:
                 state.feed(msg)
-            if source is not None:
-                task = asyncio.get_running_loop().create_task(self._pump_stdin(state.command_id, source))
-                self._tasks.add(task)  # keep a reference until it is done
-                task.add_done_callback(self._tasks.discard)
-            if background:
-                return AsyncCommandHandle(self, reader, check=check, on_stdout=on_stdout, on_stderr=on_stderr, on_pty=on_pty)
-            async for out in reader.outputs():
-                await _dispatch(out, on_stdout, on_stderr, on_pty)
+                if state.started:
+                    break
+            else:
+                raise ConnectionLost("Exec stream ended before the command started")
         except BaseException:
             await reader.close()
             raise
-        if not background:
+        if source is not None:
+            self._pump_stdin(state.command_id, source)
+        if background:
+            return AsyncCommandHandle(self, reader, check=check, on_stdout=on_stdout, on_stderr=on_stderr, on_pty=on_pty)
+        try:
+            async for out in reader.outputs():
+                await _dispatch(out, on_stdout, on_stderr, on_pty)
+        finally:
             await reader.close()
         return checked(state.result(), check)
 
-    async def _pump_stdin(self, command_id: str, source: Any) -> None:
-        try:
-            async for piece in _aiter_source(source):
-                await self.send_stdin(command_id, piece)
-            await self.close_stdin(command_id)
-        except ShoalError:
-            pass  # the command ended or went away; its result says so
+    def _pump_stdin(self, command_id: str, source: Any) -> None:
+        async def pump() -> None:
+            try:
+                async for piece in async_iter_chunks(source, STDIN_CHUNK):
+                    await self.send_stdin(command_id, piece)
+                await self.close_stdin(command_id)
+            except ShoalError:
+                pass  # the command ended or went away; its result says so
 
-    def _connect_events(self, command_id: str, offset: int) -> AsyncIterator[Dict[str, Any]]:
+        AsyncWorker(pump, f"shoal-stdin-{command_id}")
+
+    def _connect_events(self, command_id: str, offset: int, abort: Optional[AsyncAbort] = None) -> AsyncIterator[Dict[str, Any]]:
         return self._t.stream(
             "CommandService",
             "ConnectCommand",
             {"sandboxId": self._sb.sandbox_id, "commandId": command_id, "offset": str(int(offset))},
             idempotent=True,
             read_timeout=_STREAM_READ_TIMEOUT,
+            abort=abort,
         )
 
     async def connect(
@@ -381,15 +406,20 @@ class AsyncCommands:
     ) -> AsyncCommandHandle:
         """Re-attach to a command (after a disconnect, or from another process).
 
+        :param cmd_id: the command's ID (``handle.id``; a pid from E2B code
+            is looked up in ``list()``).
         :param offset: log offset to continue from (``handle.offset``): each
             byte after it arrives exactly once. ``0`` replays everything.
+        :param timeout: accepted for E2B compatibility; not used (the
+            command's own timeout was set when it started).
         """
-        info = await self.get(cmd_id, request_timeout=request_timeout)
+        info = await self.get(cmd_id, request_timeout=request_timeout)  # fails early: unknown ID, old server
         state = CommandState(command_id=info.id, pty=info.pty)
         state.pid = info.pid
         state.offset = int(offset)
         state.offsets_seen = True
-        reader = _AsyncReader(self, state, self._connect_events(info.id, offset))
+        reader = _AsyncReader(self, state)
+        reader._events = self._connect_events(info.id, offset, reader.abort)
         return AsyncCommandHandle(self, reader, check=check, on_stdout=on_stdout, on_stderr=on_stderr)
 
     async def list(self, request_timeout: Optional[float] = None) -> List[CommandInfo]:
@@ -410,7 +440,11 @@ class AsyncCommands:
 
     async def wait(self, cmd_id: str, timeout: Optional[float] = None) -> CommandInfo:
         """Wait on the server for a command to end and return its record
-        (no output: use ``(await connect(cmd_id)).wait()`` for that)."""
+        (no output: use ``(await connect(cmd_id)).wait()`` for that).
+
+        :param timeout: seconds; on expiry the record of the still running
+            command is returned.
+        """
         body: Dict[str, Any] = {"sandboxId": self._sb.sandbox_id, "commandId": await self._resolve(cmd_id)}
         if timeout:
             body["timeoutMs"] = str(int(timeout * 1000))
@@ -471,6 +505,7 @@ class AsyncCommands:
         )
 
     async def _resolve(self, cmd_id: Union[str, int]) -> str:
+        """A command ID; E2B code passes pids, which are looked up."""
         if isinstance(cmd_id, int) and not isinstance(cmd_id, bool):
             for c in await self.list():
                 if c.pid == cmd_id and c.state == "running":
@@ -481,22 +516,9 @@ class AsyncCommands:
         return str(cmd_id)
 
 
-async def _aiter_source(source: Any) -> AsyncIterator[bytes]:
-    if isinstance(source, (bytes, bytearray)):
-        for c in chunks(bytes(source)):
-            yield c
-    elif hasattr(source, "__aiter__"):
-        async for b in source:
-            yield b.encode() if isinstance(b, str) else bytes(b)
-    elif hasattr(source, "read"):
-        while True:
-            b = await asyncio.to_thread(source.read, STDIN_CHUNK)
-            if not b:
-                return
-            yield b.encode() if isinstance(b, str) else b
-    else:
-        for b in source:
-            yield b.encode() if isinstance(b, str) else bytes(b)
+async def _no_events() -> AsyncIterator[Dict[str, Any]]:
+    return
+    yield
 
 
 class AsyncPty:
@@ -520,7 +542,8 @@ class AsyncPty:
         """Start a shell (or ``cmd``) under a pseudo-terminal; returns its handle.
 
         Terminal output arrives as ``pty`` bytes (``on_data``, or
-        ``handle.wait(on_pty=...)``, or iteration).
+        ``handle.wait(on_pty=...)``, or iteration); type into it with
+        :meth:`send_stdin`. ``timeout``: seconds, none by default.
         """
         env = {"TERM": "xterm-256color"}
         env.update(envs or {})

@@ -1,54 +1,19 @@
-"""Files in a sandbox (asyncio API): the twin of ``shoal._sync.filesystem``."""
+"""Files in a sandbox (asyncio API)."""
 
 from __future__ import annotations
 
-import asyncio
 import os
-from typing import IO, TYPE_CHECKING, Any, AsyncIterable, AsyncIterator, Callable, Dict, Iterable, List, Optional, Union
+import time
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Dict, List, Optional, Union
 
+from .._concurrency import AsyncAbort, AsyncCancelled, AsyncCondition, AsyncEvent, AsyncWorker, AsyncWriteData, async_body, async_callback, async_to_thread
 from .._protocol import FILE_CHUNK, check_path, file_mode
 from ..exceptions import AlreadyExists, InvalidArgument, NotFound, SandboxNotFound, ShoalError, Timeout
 from ..models import EntryInfo, FilesystemEvent, WriteInfo
-from .commands import Callback, _call
+from .commands import Callback
 
 if TYPE_CHECKING:
     from .sandbox import AsyncSandbox
-
-AsyncWriteData = Union[str, bytes, bytearray, memoryview, IO[bytes], IO[str], Iterable[bytes], AsyncIterable[bytes]]
-
-
-def _body(data: AsyncWriteData) -> Union[bytes, AsyncIterator[bytes]]:
-    if isinstance(data, str):
-        return data.encode()
-    if isinstance(data, (bytes, bytearray, memoryview)):
-        return bytes(data)
-    if hasattr(data, "__aiter__"):
-        return _from_async(data)  # type: ignore[arg-type]
-    if hasattr(data, "read"):
-        return _read_chunks(data)  # type: ignore[arg-type]
-    if hasattr(data, "__iter__"):
-        return _from_sync(data)  # type: ignore[arg-type]
-    raise InvalidArgument(f"data must be str, bytes, a file object or an iterable of bytes, not {type(data).__name__}")
-
-
-async def _from_async(data: AsyncIterable[Any]) -> AsyncIterator[bytes]:
-    async for b in data:
-        yield b.encode() if isinstance(b, str) else bytes(b)
-
-
-async def _from_sync(data: Iterable[Any]) -> AsyncIterator[bytes]:
-    for b in data:
-        yield b.encode() if isinstance(b, str) else bytes(b)
-
-
-async def _read_chunks(f: IO[Any]) -> AsyncIterator[bytes]:
-    # File reads run in a thread so a slow disk does not stall the event loop.
-    while True:
-        b = await asyncio.to_thread(f.read, FILE_CHUNK)
-        if not b:
-            return
-        yield b.encode() if isinstance(b, str) else b
-
 
 class AsyncFiles:
     """``sb.files``: read, write, list and watch files in the sandbox (E2B's
@@ -67,11 +32,14 @@ class AsyncFiles:
             body["user"] = user
         return await self._t.call("SandboxService", method, body, idempotent=idempotent, request_timeout=request_timeout)
 
+    # --- reading ---
+
     async def read(self, path: str, format: str = "text", user: Optional[str] = None, request_timeout: Optional[float] = None) -> Any:
         """Read a file.
 
         :param format: ``"text"`` (str, UTF-8), ``"bytes"``, or ``"stream"``
-            (an async iterator of byte chunks; consume it fully or ``aclose()`` it).
+            (an iterator of byte chunks: large files never sit in memory;
+            consume it fully or ``aclose()`` it).
         """
         check_path(path)
         if format == "stream":
@@ -84,7 +52,7 @@ class AsyncFiles:
 
     async def _stream(self, path: str, request_timeout: Optional[float], user: Optional[str] = None) -> AsyncIterator[bytes]:
         cm = self._t.get_file(self._sb.sandbox_id, path, request_timeout=request_timeout, user=user)
-        resp = await cm.__aenter__()  # errors (not found, ...) surface here
+        resp = await cm.__aenter__()  # errors (not found, ...) surface here, not at the first chunk
 
         async def gen() -> AsyncIterator[bytes]:
             try:
@@ -105,18 +73,20 @@ class AsyncFiles:
         tmp = f"{os.fspath(local_path)}.shoal-part"
         try:
             async with self._t.get_file(self._sb.sandbox_id, path, request_timeout=request_timeout, user=user) as r:
-                f = await asyncio.to_thread(open, tmp, "wb")
+                f = await async_to_thread(open, tmp, "wb")  # file work in a thread: a slow disk does not stall the loop
                 try:
                     async for chunk in r.aiter_bytes(FILE_CHUNK):
-                        await asyncio.to_thread(f.write, chunk)
+                        await async_to_thread(f.write, chunk)
                         n += len(chunk)
                 finally:
-                    await asyncio.to_thread(f.close)
+                    await async_to_thread(f.close)
             os.replace(tmp, local_path)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
         return n
+
+    # --- writing ---
 
     async def write(
         self,
@@ -127,14 +97,16 @@ class AsyncFiles:
         *,
         mode: Optional[int] = None,
     ) -> WriteInfo:
-        """Write a file atomically (parents are created).
+        """Write a file atomically (parents are created; the old file stays
+        until the new one is complete).
 
-        :param data: ``str``, ``bytes``, a file object, or a (sync or async)
-            iterable of byte chunks (streamed).
+        :param data: ``str`` (UTF-8), ``bytes``, a file object or an iterable
+            of byte chunks, or with asyncio an async iterable (streamed: sizes
+            are not limited by memory).
         :param mode: permission bits (default ``0o644``).
         """
         check_path(path)
-        r = await self._t.put_file(self._sb.sandbox_id, path, _body(data), mode=file_mode(mode), request_timeout=request_timeout, user=user)
+        r = await self._t.put_file(self._sb.sandbox_id, path, async_body(data, FILE_CHUNK), mode=file_mode(mode), request_timeout=request_timeout, user=user)
         return WriteInfo(name=os.path.basename(path), path=r.get("path", path), bytes=int(r.get("bytes") or 0))
 
     async def write_files(self, files: List[Dict[str, Any]], user: Optional[str] = None, request_timeout: Optional[float] = None) -> List[WriteInfo]:
@@ -153,11 +125,13 @@ class AsyncFiles:
         """Stream a local file into the sandbox (mode defaults to the local file's)."""
         if mode is None:
             mode = os.stat(local_path).st_mode & 0o7777
-        f = await asyncio.to_thread(open, local_path, "rb")
+        f = await async_to_thread(open, local_path, "rb")
         try:
             return await self.write(path, f, user=user, request_timeout=request_timeout, mode=mode)
         finally:
             f.close()
+
+    # --- metadata ---
 
     async def get_info(self, path: str, user: Optional[str] = None, request_timeout: Optional[float] = None) -> EntryInfo:
         """Stat a path (symlinks are not followed)."""
@@ -207,6 +181,8 @@ class AsyncFiles:
         await self._sb.commands.run(["mv", "--", old_path, new_path], user=user, timeout=request_timeout or 60, request_timeout=request_timeout)
         return await self.get_info(new_path, user=user, request_timeout=request_timeout)
 
+    # --- watching ---
+
     async def watch_dir(
         self,
         path: str,
@@ -219,9 +195,10 @@ class AsyncFiles:
         """Watch a directory for changes (inotify in the sandbox), armed with
         ``user``'s permissions if given (default root).
 
-        ``on_event`` (a function or coroutine function) receives each
-        :class:`FilesystemEvent`; or ``async for`` over the handle, or poll
-        ``get_new_events()``. ``await handle.stop()`` ends the watch.
+        Events are collected in the background: poll them with
+        ``handle.get_new_events()`` (E2B), iterate over the handle
+        (``async for``), or pass ``on_event`` (with asyncio, a function or a
+        coroutine function). ``await handle.stop()`` ends the watch.
         """
         check_path(path)
         h = AsyncWatchHandle(self, path, recursive, on_event, on_exit, request_timeout, user)
@@ -260,12 +237,13 @@ class AsyncWatchHandle:
         self._path = path
         self._on_event = on_event
         self._on_exit = on_exit
+        self._cond = AsyncCondition()
         self._events: List[FilesystemEvent] = []
-        self._changed = asyncio.Condition()
         self._error: Optional[BaseException] = None
-        self._finished = False
         self._stopped = False
-        self._ready = asyncio.Event()
+        self._finished = False
+        self._abort = AsyncAbort()
+        self._ready = AsyncEvent()
         self._stream = files._t.stream(
             "SandboxService",
             "WatchDir",
@@ -273,20 +251,19 @@ class AsyncWatchHandle:
             idempotent=True,
             request_timeout=request_timeout,
             on_open=_armed(self._ready),
+            abort=self._abort,
         )
-        self._task: Optional["asyncio.Task[None]"] = None
+        self._worker: Optional[AsyncWorker] = None
         self._ready_wait = request_timeout or files._t.config.request_timeout
 
     async def _start(self) -> None:
+        self._worker = AsyncWorker(self._run, f"shoal-watch-{self._path}")
         # Return once the watch is armed (the server sends its reply headers
         # then), so a change made right after is reported; or once it failed.
-        self._task = asyncio.get_running_loop().create_task(self._run())
-        try:
-            await asyncio.wait_for(self._ready.wait(), self._ready_wait)
-        except asyncio.TimeoutError:
-            pass
-        if self._error is not None and not self._events:
-            raise self._error
+        await self._ready.wait(self._ready_wait)
+        with self._cond.critical():
+            if self._error is not None and not self._events:
+                raise self._error
 
     async def _run(self) -> None:
         err: Optional[BaseException] = None
@@ -296,35 +273,35 @@ class AsyncWatchHandle:
                 if not msg.get("op") or msg.get("op") == "OP_UNSPECIFIED":
                     continue  # the server saying the watch is armed
                 ev = FilesystemEvent.from_json(msg, self._path)
-                async with self._changed:
+                async with self._cond:
                     self._events.append(ev)
-                    self._changed.notify_all()
-                await _call(self._on_event, ev)
-        except asyncio.CancelledError:
+                    self._cond.notify_all()
+                await async_callback(self._on_event, ev)
+        except AsyncCancelled:
             pass
         except BaseException as e:
             if not self._stopped:
                 err = e
         finally:
-            self._error = err
-            self._finished = True
+            async with self._cond:
+                self._error = err
+                self._finished = True
+                self._cond.notify_all()
             self._ready.set()
-            async with self._changed:
-                self._changed.notify_all()
-            await _call(self._on_exit, err if isinstance(err, Exception) else None)
+            await async_callback(self._on_exit, err if isinstance(err, Exception) else None)
 
     def get_new_events(self) -> List[FilesystemEvent]:
-        """Events since the last call."""
-        if self._error is not None and not self._events:
-            raise self._error
-        out, self._events = self._events, []
-        return out
+        """Events since the last call (E2B's polling interface)."""
+        with self._cond.critical():
+            if self._error is not None and not self._events:
+                raise self._error
+            out, self._events = self._events, []
+            return out
 
-    async def wait_for(self, predicate: Any, timeout: float = 10.0) -> FilesystemEvent:
+    async def wait_for(self, predicate: Callable[[FilesystemEvent], bool], timeout: float = 10.0) -> FilesystemEvent:
         """Wait until an event matching ``predicate`` arrives (consuming events before it)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        async with self._changed:
+        deadline = time.monotonic() + timeout
+        async with self._cond:
             while True:
                 while self._events:
                     ev = self._events.pop(0)
@@ -334,22 +311,20 @@ class AsyncWatchHandle:
                     raise self._error
                 if self._finished:
                     raise ShoalError("watch ended before a matching event")
-                left = deadline - loop.time()
+                left = deadline - time.monotonic()
                 if left <= 0:
                     raise Timeout(f"no matching event under {self._path} within {timeout} s")
-                try:
-                    await asyncio.wait_for(self._changed.wait(), left)
-                except asyncio.TimeoutError:
-                    pass
+                await self._cond.wait(left)
 
     def __aiter__(self) -> AsyncIterator[FilesystemEvent]:
+        """Yield events as they arrive until :meth:`stop`."""
         return self._iter()
 
     async def _iter(self) -> AsyncIterator[FilesystemEvent]:
         while True:
-            async with self._changed:
+            async with self._cond:
                 while not self._events and not self._finished:
-                    await self._changed.wait()
+                    await self._cond.wait()
                 if self._events:
                     ev = self._events.pop(0)
                 else:
@@ -361,12 +336,9 @@ class AsyncWatchHandle:
     async def stop(self) -> None:
         """End the watch."""
         self._stopped = True
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        self._abort()
+        if self._worker is not None:
+            await self._worker.stop()
 
     async def __aenter__(self) -> "AsyncWatchHandle":
         return self

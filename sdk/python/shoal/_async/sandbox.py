@@ -1,4 +1,4 @@
-"""``AsyncSandbox``: the asyncio twin of ``shoal._sync.sandbox.Sandbox``."""
+"""``AsyncSandbox`` (asyncio API)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import httpx
 from .._protocol import create_body, seconds
 from .._util import instance_or_class
 from ..exceptions import InvalidArgument, SandboxNotFound
-from .._sync.transport import _port_client_kwargs
+from .._http import _port_client_kwargs, async_port_client
 from ..models import BuildProgress, Layer, SandboxInfo, TrajectoryInfo
 from .commands import AsyncCommands, AsyncPty
 from .filesystem import AsyncFiles
@@ -26,8 +26,9 @@ class AsyncSandbox:
     Create one with :meth:`create` (or re-attach with :meth:`connect`); use
     ``sb.commands``, ``sb.files``, ``sb.pty``, ``sb.shells`` and
     ``sb.trajectory(...)``; :meth:`kill` it when done, or use it as a
-    ``async with`` context manager. Every method that talks to the server
-    is a coroutine; use it from one event loop.
+    ``async with`` context manager. The asyncio one's methods that talk to
+    the server are coroutines: use it from one event loop. The blocking one
+    is safe to use from several threads.
     """
 
     def __init__(self, info: SandboxInfo, transport: AsyncTransport) -> None:
@@ -223,8 +224,7 @@ class AsyncSandbox:
         url: Optional[str] = None,
         request_timeout: Optional[float] = None,
     ) -> SandboxInfo:
-        sb = await cls.connect(sandbox_id, api_key=api_key, url=url, request_timeout=request_timeout)
-        return await sb.set_timeout(timeout, request_timeout)
+        return await (await cls.connect(sandbox_id, api_key=api_key, url=url, request_timeout=request_timeout)).set_timeout(timeout, request_timeout)
 
     @instance_or_class("_set_timeout_by_id")
     async def set_timeout(self, timeout: Union[int, float, timedelta], request_timeout: Optional[float] = None) -> SandboxInfo:
@@ -298,10 +298,9 @@ class AsyncSandbox:
         """An ``httpx.AsyncClient`` whose relative URLs go to ``port`` inside the
         sandbox, authenticated. Close it (or use ``with``) when done."""
         kw = _port_client_kwargs(self._transport.config, kwargs)
-        kw.pop("limits", None)
         kw["base_url"] = self.get_url(port)
         kw.update(kwargs)
-        return httpx.AsyncClient(**kw)
+        return async_port_client(kw)
 
     # --- layers ---
 

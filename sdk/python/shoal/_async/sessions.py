@@ -1,10 +1,10 @@
-"""Trajectories and shell sessions (asyncio API): the twin of ``shoal._sync.sessions``."""
+"""Trajectories and shell sessions (asyncio API)."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Union
 
+from .._concurrency import AsyncLock
 from .._protocol import argv, checked, exec_body
 from ..exceptions import InvalidArgument, NotFound, SandboxNotFound
 from ..models import CommandResult, ShellInfo, ShellResult, TrajectoryInfo
@@ -36,7 +36,7 @@ class AsyncTrajectory:
         self.next_step = start_step
         self.replayed = 0  # steps answered from the record
         self.executed = 0  # steps run now
-        self._lock = asyncio.Lock()
+        self._lock = AsyncLock()
 
     async def run(
         self,

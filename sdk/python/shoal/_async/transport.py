@@ -1,11 +1,10 @@
-"""asyncio HTTP transport: the twin of ``shoal._sync.transport``."""
+"""HTTP transport (asyncio API): unary Connect calls, server streams and the
+streamed file endpoints, with retries for idempotent calls."""
 
 from __future__ import annotations
 
-import asyncio
-import weakref
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Awaitable, Callable, Dict, Optional, Tuple, Union
+from typing import Any, AsyncIterator, Awaitable, Callable, Dict, Mapping, Optional, Tuple, Union
 
 import httpx
 
@@ -23,16 +22,18 @@ from .._protocol import (
     retryable,
     transport_error,
 )
-from .._sync.transport import _client_kwargs, _rpc_path
+from .._concurrency import AsyncAbort, AsyncPools, async_sleep
+from .._http import _client_kwargs, _rpc_path, async_pool_client
 from ..exceptions import ConnectionLost, ShoalError
 
 
 class AsyncTransport:
-    """One connection pool to one Shoal endpoint, bound to one event loop."""
+    """One connection pool to one Shoal endpoint. The asyncio one is bound to
+    one event loop; the blocking one is safe to share between threads."""
 
     def __init__(self, config: ConnectionConfig) -> None:
         self.config = config
-        self.client = httpx.AsyncClient(**_client_kwargs(config))
+        self.client = async_pool_client(_client_kwargs(config))
 
     async def aclose(self) -> None:
         await self.client.aclose()
@@ -52,14 +53,16 @@ class AsyncTransport:
                     if isinstance(e, httpx.TransportError):
                         raise transport_error(e, self.config.url) from None
                     raise
-                await asyncio.sleep(backoff(attempt, getattr(e, "retry_after", None)))
+                await async_sleep(backoff(attempt, getattr(e, "retry_after", None)))
                 attempt += 1
+
+    # --- unary ---
 
     async def call(
         self,
         service: str,
         method: str,
-        body: Dict[str, Any],
+        body: Mapping[str, Any],
         *,
         idempotent: bool,
         request_timeout: Optional[float] = None,
@@ -91,11 +94,13 @@ class AsyncTransport:
 
         return await self._retrying(attempt, idempotent)
 
+    # --- server streams ---
+
     async def stream(
         self,
         service: str,
         method: str,
-        body: Dict[str, Any],
+        body: Mapping[str, Any],
         *,
         idempotent: bool,
         request_timeout: Optional[float] = None,
@@ -103,8 +108,15 @@ class AsyncTransport:
         sandbox_call: bool = False,
         trajectory: bool = False,
         on_open: Optional[Callable[[httpx.Headers], None]] = None,
+        abort: Optional[AsyncAbort] = None,
     ) -> AsyncIterator[Dict[str, Any]]:
-        """Messages of a server-streaming call (see the sync twin for the rules)."""
+        """Messages of a server-streaming call, until the server ends it.
+
+        A failure before the first message is retried like a unary call; a
+        connection lost after it raises ConnectionLost (the caller knows
+        whether and how to resume). ``on_open`` gets the reply headers once
+        they arrived; ``abort`` lets another thread cut the stream.
+        """
         path = _rpc_path(service, method)
         rt = request_timeout if request_timeout is not None else self.config.request_timeout
         timeout = httpx.Timeout(connect=min(10.0, rt), read=read_timeout, write=rt, pool=rt)
@@ -122,6 +134,8 @@ class AsyncTransport:
                 )
                 resp = await self.client.send(req, stream=True)
                 try:
+                    if abort is not None:
+                        abort.bind(resp.aclose)
                     if resp.status_code != 200:
                         await resp.aread()
                         err = http_error(
@@ -164,14 +178,14 @@ class AsyncTransport:
                     if isinstance(e, httpx.TransportError):
                         raise transport_error(e, self.config.url) from None
                     raise
-                await asyncio.sleep(backoff(attempt, getattr(e, "retry_after", None)))
+                await async_sleep(backoff(attempt, getattr(e, "retry_after", None)))
                 attempt += 1
 
     # --- plain HTTP endpoints (layer images) ---
 
     @asynccontextmanager
     async def get_stream(
-        self, url: str, params: Dict[str, str], *, what: str, request_timeout: Optional[float] = None
+        self, url: str, params: Mapping[str, str], *, what: str, request_timeout: Optional[float] = None
     ) -> AsyncIterator[httpx.Response]:
         """The streamed reply of a GET (status checked; retried until it starts)."""
 
@@ -197,7 +211,7 @@ class AsyncTransport:
         self,
         method: str,
         url: str,
-        params: Dict[str, str],
+        params: Mapping[str, str],
         content: Callable[[], Union[bytes, AsyncIterator[bytes]]],
         *,
         what: str,
@@ -220,7 +234,7 @@ class AsyncTransport:
                     timeout=self._timeout(request_timeout),
                 )
             finally:
-                aclose = getattr(body, "aclose", None)  # an async generator holding a file
+                aclose = getattr(body, "aclose", None)  # a generator holding a file
                 if aclose is not None:
                     await aclose()
             if r.status_code != 200:
@@ -234,14 +248,15 @@ class AsyncTransport:
     async def post_ndjson(
         self,
         url: str,
-        params: Dict[str, str],
+        params: Mapping[str, str],
         content: AsyncIterator[bytes],
         *,
         what: str,
         content_type: str = "application/octet-stream",
         request_timeout: Optional[float] = None,
     ) -> AsyncIterator[Dict[str, Any]]:
-        """:meth:`shoal._sync.transport.Transport.post_ndjson` for asyncio."""
+        """POST a streamed body (sent once: not retried) and yield the
+        messages of the NDJSON reply; an error line raises."""
         try:
             try:
                 resp = await self.client.send(
@@ -257,7 +272,7 @@ class AsyncTransport:
             except httpx.TransportError as e:
                 raise transport_error(e, self.config.url) from None
         finally:
-            aclose = getattr(content, "aclose", None)
+            aclose = getattr(content, "aclose", None)  # the server may answer before the body is sent
             if aclose is not None:
                 await aclose()
         try:
@@ -284,6 +299,7 @@ class AsyncTransport:
 
     @asynccontextmanager
     async def get_file(self, sandbox_id: str, path: str, *, request_timeout: Optional[float] = None, user: Optional[str] = None) -> AsyncIterator[httpx.Response]:
+        """The streamed reply of GET /v1/sandboxes/{id}/files (status checked)."""
         url, params = self._file_url(sandbox_id, path, user=user)
 
         async def attempt() -> httpx.Response:
@@ -314,6 +330,9 @@ class AsyncTransport:
         request_timeout: Optional[float] = None,
         user: Optional[str] = None,
     ) -> Dict[str, Any]:
+        """PUT /v1/sandboxes/{id}/files: atomically replaces the file.
+
+        Retried only when the body is bytes (it can be sent again)."""
         url, params = self._file_url(sandbox_id, path, mode, user)
 
         async def attempt() -> Dict[str, Any]:
@@ -333,9 +352,7 @@ class AsyncTransport:
         return await self._retrying(attempt, isinstance(content, bytes))
 
 
-# One pool per event loop and settings: an httpx.AsyncClient must not be
-# shared between loops (each asyncio.run() makes a new one).
-_pools: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Dict[Tuple[Any, ...], AsyncTransport]]" = weakref.WeakKeyDictionary()
+_pools: "AsyncPools[AsyncTransport]" = AsyncPools()
 
 
 def transport_for(
@@ -344,31 +361,14 @@ def transport_for(
     request_timeout: Optional[float] = None,
     retries: Optional[int] = None,
 ) -> AsyncTransport:
-    """The shared transport for these settings in the running event loop."""
+    """The shared transport for these settings (one connection pool each;
+    asyncio: in the running event loop)."""
     config = ConnectionConfig.resolve(url=url, api_key=api_key, request_timeout=request_timeout, retries=retries)
-    loop = asyncio.get_running_loop()
-    per_loop = _pools.setdefault(loop, {})
-    t = per_loop.get(config.key)
-    if t is None:
-        t = per_loop[config.key] = AsyncTransport(config)
-        # Close the pool when the loop shuts down (asyncio.run() closes the
-        # async generators still alive), so sockets are not left to the GC.
-        closer = _close_at_shutdown(t)
-        t._closer = closer  # type: ignore[attr-defined]
-        loop.create_task(closer.__anext__())  # type: ignore[arg-type]
-    return t
-
-
-async def _close_at_shutdown(t: AsyncTransport) -> AsyncIterator[None]:
-    try:
-        yield
-    finally:
-        await t.aclose()
+    return _pools.get(config.key, lambda: AsyncTransport(config))
 
 
 async def aclose() -> None:
-    """Close the running loop's connection pools (call before the loop ends
-    to release sockets at once; they reopen on the next call)."""
-    per_loop = _pools.pop(asyncio.get_running_loop(), {})
-    for t in per_loop.values():
-        await t.aclose()
+    """Close the shared connection pools; they reopen on the next call.
+    asyncio: the running loop's (call before the loop ends to release
+    sockets at once)."""
+    await _pools.aclose()
