@@ -143,8 +143,8 @@ func (s *Server) buildDockerfile(w http.ResponseWriter, r *http.Request) {
 	o.Log = func(ev node.BuildEvent) { send(map[string]any{"log": ev}) }
 	res, err := s.node.BuildDockerfile(r.Context(), o)
 	if err == nil {
-		l, _ := protojson.MarshalOptions{UseProtoNames: true}.Marshal(layerPB(res.Layer))
-		e, _ := protojson.MarshalOptions{UseProtoNames: true}.Marshal(s.environmentPB(res.Environment))
+		l, _ := protojson.Marshal(layerPB(res.Layer))
+		e, _ := protojson.Marshal(s.environmentPB(res.Environment))
 		err = send(map[string]any{"result": map[string]any{
 			"layer": json.RawMessage(l), "environment": json.RawMessage(e),
 			"steps_run": res.StepsRun, "steps_cached": res.StepsCached,

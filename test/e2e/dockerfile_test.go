@@ -90,8 +90,10 @@ CMD ["sh", "-c", "echo cmd ran"]
 	if got := shoalOK(t, "exec", "--image-cmd", id); got != "cmd ran\n" {
 		t.Errorf("exec --image-cmd: %q", got)
 	}
-	if got := sh(t, id, "test -e /out || echo no-out; ls -ld /tmp | cut -c1-10"); got != "no-out\ndrwxrwxrwt\n" {
-		t.Errorf("the first stage's files or /tmp's mode leaked: %q", got)
+	// The directories the steps wrote into keep their modes and owners.
+	modes := "stat -c '%A %U %G %n' / /tmp /etc /root"
+	if got, want := sh(t, id, "test -e /out || echo no-out; "+modes), "no-out\n"+sh(t, create(t), modes); got != want {
+		t.Errorf("the first stage's files leaked or a directory's mode changed:\n got %q\nwant %q", got, want)
 	}
 
 	// The same Dockerfile again: every step from the cache.
