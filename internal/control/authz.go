@@ -117,8 +117,8 @@ var routeScopes = map[string][]tenant.Scope{
 	"/v1/sandboxes/{id}/ports/{port}/{path...}": sbx,
 	"GET /v1/layers/export":                     lw,
 	"POST /v1/layers/import":                    lw,
-	"POST /v1/layers/build":                     lw,                                               // the upload route of branch upload: client bytes, no server path
-	"POST /v1/layers/dockerfile":                {tenant.ScopeLayersWrite, tenant.ScopeSandboxes}, // its RUNs are sandboxes
+	"POST /v1/layers/build":                     lw,                                                                       // the upload route of branch upload: client bytes, no server path
+	"POST /v1/layers/dockerfile":                {tenant.ScopeLayersRead, tenant.ScopeLayersWrite, tenant.ScopeSandboxes}, // FROM names layers; its RUNs are sandboxes
 	"GET /metrics":                              adm,
 	"GET /healthz":                              {},
 }

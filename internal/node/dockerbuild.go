@@ -196,7 +196,6 @@ func (b *dockerBuilder) log(ev BuildEvent) {
 func (b *dockerBuilder) build(ctx context.Context, ins []dockerfile.Instruction) (*stage, error) {
 	global := map[string]string{} // ARGs before the first FROM
 	var st *stage
-	var target *stage
 	for i, in := range ins {
 		if err := ctx.Err(); err != nil {
 			return nil, err
@@ -211,12 +210,8 @@ func (b *dockerBuilder) build(ctx context.Context, ins []dockerfile.Instruction)
 		var err error
 		switch in.Cmd {
 		case "FROM":
-			if target != nil {
-				break
-			}
-			if st != nil && b.o.Target != "" && st.name == b.o.Target {
-				target = st
-				break
+			if st != nil && b.o.Target != "" && st.name == strings.ToLower(b.o.Target) {
+				return st, nil // the target stage is complete: what follows is not built
 			}
 			st, err = b.from(ctx, in, global)
 		case "ARG":
@@ -261,10 +256,7 @@ func (b *dockerBuilder) build(ctx context.Context, ins []dockerfile.Instruction)
 			return nil, fail(err)
 		}
 	}
-	if target != nil {
-		return target, nil
-	}
-	if b.o.Target != "" && (st == nil || st.name != b.o.Target) {
+	if b.o.Target != "" && (st == nil || st.name != strings.ToLower(b.o.Target)) {
 		return nil, errdefs.New(errdefs.ErrInvalidArgument, "target stage %.64q: no such stage", b.o.Target)
 	}
 	if st == nil {

@@ -96,6 +96,19 @@ CMD ["sh", "-c", "echo cmd ran"]
 		t.Errorf("the first stage's files leaked or a directory's mode changed:\n got %q\nwant %q", got, want)
 	}
 
+	// --target: the first stage only, from the cache.
+	_, stderr, code = dockerfileBuild(dir, "dfbuild:1", "--build-arg", "GREETING=hello", "--target", "build")
+	if code != 0 {
+		t.Fatalf("build --target: %s", stderr)
+	}
+	if got := steps(t, stderr); got != "0 run, 1 cached" {
+		t.Errorf("build --target build: %s", got)
+	}
+	idb := createWith(t, "--template", "dfbuild")
+	if got := sh(t, idb, "cat /out/artifact; test -e /srv/app || echo no-app"); got != "hello built\nno-app\n" {
+		t.Errorf("the target stage's sandbox: %q", got)
+	}
+
 	// The same Dockerfile again: every step from the cache.
 	_, stderr, code = dockerfileBuild(dir, "dfapp:1", "--build-arg", "GREETING=hello")
 	if code != 0 {
