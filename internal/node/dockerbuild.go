@@ -523,9 +523,12 @@ func (b *dockerBuilder) runStep(ctx context.Context, in dockerfile.Instruction, 
 		}
 	}
 	m := b.m
+	// Its commands go to its agent directly, which is no activity the
+	// idle policy sees: never paused, and alive for the RUN's timeout.
+	never := time.Duration(0)
 	rec, err := m.Create(ctx, CreateRequest{
 		Base: st.base, Workspaces: slices.Clone(st.ws), Env: env, Network: b.o.Network,
-		Tenant: b.o.Tenant, Timeout: b.o.RunTimeout + 10*time.Minute,
+		Tenant: b.o.Tenant, Timeout: min(b.o.RunTimeout+10*time.Minute, m.cfg.MaxTimeout), AutoPause: &never,
 		Metadata: map[string]string{"shoal.dockerfile": b.o.Name + ":" + b.o.Version},
 	})
 	if err != nil {
