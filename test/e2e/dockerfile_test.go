@@ -1,11 +1,18 @@
 package e2e
 
 import (
+	"context"
 	"os"
 	"path/filepath"
 	"regexp"
 	"strings"
 	"testing"
+	"time"
+
+	"connectrpc.com/connect"
+
+	pb "github.com/shoal-sandbox/shoal/api/shoal/v1"
+	shoal "github.com/shoal-sandbox/shoal/sdk/go"
 )
 
 // dockerfileBuild runs shoal layer build --dockerfile and returns its
@@ -162,5 +169,40 @@ func TestDockerfileBadInput(t *testing.T) {
 				t.Errorf("exit %d, stderr %q; want an error with %q", code, stderr, tc.want)
 			}
 		})
+	}
+}
+
+// TestDockerfileTenant: a build needs the layers:write scope, and its
+// RUN sandboxes are the caller's tenant's, under its quota.
+func TestDockerfileTenant(t *testing.T) {
+	need(t)
+	dir := t.TempDir()
+	os.WriteFile(filepath.Join(dir, "Dockerfile"), []byte("FROM "+baseRef+"\nRUN echo tenant-"+t.Name()+" > /x\n"), 0o644)
+	ctx := context.Background()
+
+	ro, _ := tenantClient(t, "df-ro", "df-t", "sandboxes", "layers:read")
+	if _, err := ro.BuildDockerfile(ctx, dir, "dft:1", shoal.DockerfileOptions{}); connect.CodeOf(err) != connect.CodePermissionDenied {
+		t.Errorf("a build without layers:write: %v", err)
+	}
+
+	c, _ := tenantClient(t, "df-rw", "df-t", "sandboxes", "layers:read", "layers:write")
+	if out, code := run(nil, "tenant", "set", "df-t", "--max-sandboxes", "1", "--max-memory", "8G"); code != 0 {
+		t.Fatalf("tenant set: %s", out)
+	}
+	t.Cleanup(func() { sdk(t).SetQuota(context.Background(), "df-t", &pb.Quota{}) })
+	sb, err := c.Create(ctx, &pb.CreateSandboxRequest{Base: baseRef})
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = c.BuildDockerfile(ctx, dir, "dft:1", shoal.DockerfileOptions{})
+	if connect.CodeOf(err) != connect.CodeResourceExhausted || !strings.Contains(err.Error(), "line 2") {
+		t.Errorf("a RUN past the tenant's quota: %v", err)
+	}
+	c.Delete(ctx, sb.Id)
+	if !eventually(time.Minute, func() bool {
+		_, err = c.BuildDockerfile(ctx, dir, "dft:1", shoal.DockerfileOptions{})
+		return err == nil
+	}) {
+		t.Errorf("the build within the quota: %v", err)
 	}
 }
