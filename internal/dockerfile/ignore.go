@@ -51,6 +51,16 @@ func ParseIgnore(src []byte) (*Ignore, error) {
 	return ig, nil
 }
 
+// HasExceptions says whether a "!" pattern re-includes anything.
+func (ig *Ignore) HasExceptions() bool {
+	for _, r := range ig.rules {
+		if !r.exclude {
+			return true
+		}
+	}
+	return false
+}
+
 // Excluded says whether rel (slash-separated, relative to the context's
 // root) is left out of the context.
 func (ig *Ignore) Excluded(rel string) bool {

@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"net/http"
 	"net/url"
 	"os"
@@ -20,6 +21,7 @@ import (
 	"google.golang.org/protobuf/encoding/protojson"
 
 	pb "github.com/shoal-sandbox/shoal/api/shoal/v1"
+	"github.com/shoal-sandbox/shoal/internal/dockerfile"
 )
 
 // DockerfileOptions says how to build a Dockerfile (Client.BuildDockerfile).
@@ -96,9 +98,13 @@ func (c *Client) BuildDockerfile(ctx context.Context, contextDir, ref string, o 
 		}
 		q["allow_out"], q["deny_out"] = n.AllowOut, n.DenyOut
 	}
+	skip, err := dockerignore(contextDir, o.Dockerfile)
+	if err != nil {
+		return nil, err
+	}
 	pr, pw := io.Pipe()
 	defer pr.Close()
-	go func() { pw.CloseWithError(WriteTar(pw, contextDir)) }()
+	go func() { pw.CloseWithError(writeTar(pw, contextDir, skip)) }()
 	hreq, err := http.NewRequestWithContext(ctx, http.MethodPost, c.url+"/v1/layers/dockerfile?"+q.Encode(), pr)
 	if err != nil {
 		return nil, err
@@ -178,4 +184,35 @@ func DockerfileInContext(contextDir, dockerfile string) (string, error) {
 		return "", fmt.Errorf("the Dockerfile %s must be inside the build context %s", dockerfile, contextDir)
 	}
 	return rel, nil
+}
+
+// dockerignore returns what the context's .dockerignore leaves out of the
+// upload (the server leaves it out too: this only saves sending it). The
+// Dockerfile and the .dockerignore are always sent; directories are
+// pruned only when no "!" pattern could take something below them back.
+func dockerignore(contextDir, dockerfilePath string) (func(string, bool) bool, error) {
+	data, err := os.ReadFile(filepath.Join(contextDir, ".dockerignore"))
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	ig, err := dockerfile.ParseIgnore(data)
+	if err != nil {
+		return nil, err
+	}
+	if dockerfilePath == "" {
+		dockerfilePath = "Dockerfile"
+	}
+	keep := filepath.ToSlash(filepath.Clean(dockerfilePath))
+	return func(name string, isDir bool) bool {
+		if name == keep || name == ".dockerignore" || strings.HasPrefix(keep, name+"/") {
+			return false
+		}
+		if isDir && ig.HasExceptions() {
+			return false
+		}
+		return ig.Excluded(name)
+	}, nil
 }

@@ -15,6 +15,8 @@ from shoal import layers
 def _context(tmp_path, base: str, last: str) -> str:
     (tmp_path / "app").mkdir(exist_ok=True)
     (tmp_path / "app" / "hello.txt").write_text("hello\n")
+    (tmp_path / "app" / "debug.log").write_text("left out by the server\n")  # this SDK sends it
+    (tmp_path / ".dockerignore").write_text("**/*.log\n")
     (tmp_path / "Dockerfile").write_text(
         f"FROM {base}\nENV GREETING=hi\nWORKDIR /srv\nCOPY app/ ./\nRUN echo $GREETING > made.txt\n{last}\nCMD [\"cat\", \"made.txt\"]\n"
     )
@@ -30,8 +32,8 @@ def test_build_dockerfile(server, tmp_path) -> None:
     assert "GREETING=hi" in r.environment.image.env and r.environment.image.cmd == ["cat", "made.txt"]
     assert any(e.get("step") == 1 and e.get("line") == 1 for e in log), log
     with shoal.Sandbox.create(template="sdk-df") as sb:
-        out = sb.commands.run("cat hello.txt made.txt last.txt; pwd")
-        assert out.stdout == "hello\nhi\none\n/srv\n"
+        out = sb.commands.run("cat hello.txt made.txt last.txt; pwd; test -e debug.log || echo ignored")
+        assert out.stdout == "hello\nhi\none\n/srv\nignored\n"
 
     # The last step changed: only it runs (asyncio this time).
     ctx = _context(tmp_path, server.base, "RUN echo two > last.txt")
