@@ -48,8 +48,9 @@ func contains(ss []string, s string) bool {
 func layerBuildCmd() *cobra.Command {
 	var compression, kind, image string
 	var serverPath, push bool
+	var df dockerfileFlags
 	cmd := &cobra.Command{
-		Use:   "build --kind base|workspace|toolkit NAME:VERSION SRC",
+		Use:   "build --kind base|workspace|toolkit NAME:VERSION SRC | build --dockerfile PATH CONTEXT NAME:VERSION",
 		Short: "Build an EROFS layer (prints NAME@sha256:...)",
 		Long: `Build an EROFS layer from SRC, a path on this machine, which is uploaded:
   a directory (sent as a tar made on the fly: owners, modes, symlinks,
@@ -63,12 +64,24 @@ server allows that only inside the directories it was started with
 --build-root.
 The format is detected from the content. Images are flattened with their
 whiteouts applied; --image picks one image of an archive that holds several.
-Progress goes to stderr (a bar on a terminal); the layer's ref to stdout.`,
+Progress goes to stderr (a bar on a terminal); the layer's ref to stdout.
+
+With --dockerfile PATH (inside CONTEXT), builds that Dockerfile with the
+directory CONTEXT as its build context (uploaded; its .dockerignore
+honoured by the server): RUN in sandboxes of the stack so far (no network
+unless --internet/--allow-out), COPY/ADD from the context, each step's
+layer cached (a rebuild runs only the steps after a change). The result is
+an environment (--env, default NAME) with the image config the Dockerfile
+set (ENV, WORKDIR, USER, ENTRYPOINT, CMD), and its top layer tagged
+NAME:VERSION. The build log goes to stderr.`,
 		Args: cobra.ExactArgs(2),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			c, err := client(cmd)
 			if err != nil {
 				return err
+			}
+			if df.path != "" {
+				return runDockerfileBuild(c, args[0], args[1], df)
 			}
 			k, err := parseKindFlag(kind)
 			if err != nil {
@@ -104,7 +117,7 @@ Progress goes to stderr (a bar on a terminal); the layer's ref to stdout.`,
 	cmd.Flags().StringVar(&image, "image", "", "for an image archive with several images: which one (e.g. debian:12)")
 	cmd.Flags().BoolVar(&push, "push", false, "then push it to the server's layer store (shoal serve --layer-store), so every node of the fleet resolves it")
 	cmd.Flags().BoolVar(&serverPath, "server-path", false, "SRC is a path on the server, inside one of its --build-root directories (read in place, not uploaded)")
-	cmd.MarkFlagRequired("kind")
+	df.register(cmd)
 	return cmd
 }
 

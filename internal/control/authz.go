@@ -117,7 +117,8 @@ var routeScopes = map[string][]tenant.Scope{
 	"/v1/sandboxes/{id}/ports/{port}/{path...}": sbx,
 	"GET /v1/layers/export":                     lw,
 	"POST /v1/layers/import":                    lw,
-	"POST /v1/layers/build":                     lw, // the upload route of branch upload: client bytes, no server path
+	"POST /v1/layers/build":                     lw,                                                                       // the upload route of branch upload: client bytes, no server path
+	"POST /v1/layers/dockerfile":                {tenant.ScopeLayersRead, tenant.ScopeLayersWrite, tenant.ScopeSandboxes}, // FROM names layers; its RUNs are sandboxes
 	"GET /metrics":                              adm,
 	"GET /healthz":                              {},
 }
@@ -150,6 +151,7 @@ var auditActions = map[string]string{
 	"PUT /v1/sandboxes/{id}/files":      "file.write",
 	"POST /v1/layers/import":            "layer.import",
 	"POST /v1/layers/build":             "layer.build",
+	"POST /v1/layers/dockerfile":        "layer.build-dockerfile",
 }
 
 // shortProcedure is "Service/Method" of "/shoal.v1.Service/Method".

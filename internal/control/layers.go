@@ -53,6 +53,7 @@ func (s *Server) layerRoutes(mux *http.ServeMux) {
 	mux.HandleFunc("GET /v1/layers/export", s.exportLayer)
 	mux.HandleFunc("POST /v1/layers/import", s.importLayer)
 	mux.HandleFunc("POST /v1/layers/build", s.buildLayerUpload)
+	mux.HandleFunc("POST /v1/layers/dockerfile", s.buildDockerfile) // dockerfile.go
 }
 
 // BuildPolicy says what layer builds may read: server paths only inside

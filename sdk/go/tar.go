@@ -26,9 +26,13 @@ import (
 // a warning, and refuses the others, as it does for a directory it reads
 // itself). Sockets cannot be stored in a tar: a socket
 // is an error. Nothing is read into memory beyond one file's header.
-func WriteTar(w io.Writer, dir string) error {
+func WriteTar(w io.Writer, dir string) error { return writeTar(w, dir, nil) }
+
+// writeTar is WriteTar leaving out the entries (named as in the archive,
+// without "./") skip says to, and what is below them.
+func writeTar(w io.Writer, dir string, skip func(name string, isDir bool) bool) error {
 	tw := tar.NewWriter(w)
-	t := &tarWalker{tw: tw, links: map[[2]uint64]string{}}
+	t := &tarWalker{tw: tw, links: map[[2]uint64]string{}, skip: skip}
 	fi, err := os.Lstat(dir)
 	if err != nil {
 		return err
@@ -43,6 +47,7 @@ func WriteTar(w io.Writer, dir string) error {
 }
 
 type tarWalker struct {
+	skip  func(name string, isDir bool) bool
 	tw    *tar.Writer
 	links map[[2]uint64]string // (dev, ino) of files with nlink > 1 -> first name
 }
@@ -55,6 +60,15 @@ func (t *tarWalker) walk(root, rootName string) error {
 	for len(stack) > 0 {
 		it := stack[len(stack)-1]
 		stack = stack[:len(stack)-1]
+		if t.skip != nil && it.name != "." {
+			fi, err := os.Lstat(it.path)
+			if err != nil {
+				return err
+			}
+			if t.skip(it.name, fi.IsDir()) {
+				continue
+			}
+		}
 		isDir, err := t.add(it.path, it.name)
 		if err != nil {
 			return err

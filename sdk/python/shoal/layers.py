@@ -43,6 +43,7 @@ forms (``on_progress`` may then be a coroutine function).
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 import base64
 import inspect as _inspect
 import json
@@ -55,7 +56,7 @@ from typing import IO, Any, AsyncIterator, Awaitable, Callable, Dict, Iterable, 
 
 from ._protocol import FILE_CHUNK
 from .exceptions import InvalidArgument, ServerError
-from .models import BuildProgress, GCResult, Image, Layer, PushResult, RemoveResult, TagResult
+from .models import BuildProgress, Environment, GCResult, Image, Layer, PushResult, RemoveResult, TagResult
 
 __all__ = [
     "KINDS",
@@ -99,6 +100,7 @@ ImportSource = Union[PathArg, bytes, bytearray, memoryview, IO[bytes], Iterable[
 EXPORT_PATH = "/v1/layers/export"
 IMPORT_PATH = "/v1/layers/import"
 BUILD_PATH = "/v1/layers/build"
+DOCKERFILE_PATH = "/v1/layers/dockerfile"
 
 
 # --- requests, shared by the sync and asyncio forms ---
@@ -427,6 +429,108 @@ def build(
     if push:
         t.call("LayerService", "PushLayer", {"ref": _ref(ref)}, idempotent=True, request_timeout=_long(request_timeout, t))
     return layer
+
+
+@dataclass
+class DockerfileResult:
+    """A built Dockerfile: the environment saved (its stack, and the image
+    config the Dockerfile set: ``environment.image``), its top layer (tagged
+    ``name:version``), and how many steps made a layer now or found theirs
+    in the cache."""
+
+    environment: Environment
+    layer: Layer
+    steps_run: int = 0
+    steps_cached: int = 0
+
+    @classmethod
+    def from_json(cls, d: Dict[str, Any]) -> "DockerfileResult":
+        return cls(
+            environment=Environment.from_json(d.get("environment") or {}),
+            layer=Layer.from_json(d.get("layer") or {}),
+            steps_run=int(d.get("steps_run") or 0),
+            steps_cached=int(d.get("steps_cached") or 0),
+        )
+
+
+def _dockerfile_params(
+    context: PathArg, ref: str, dockerfile: Optional[PathArg], environment: Optional[str], build_args: Optional[Dict[str, str]],
+    target: Optional[str], no_cache: bool, run_timeout: Optional[float], internet: bool, allow_out: Optional[List[str]],
+) -> List[Tuple[str, str]]:  # fmt: skip
+    ctx = os.path.abspath(os.fspath(context))
+    if not os.path.isdir(ctx):
+        raise InvalidArgument(f"build context {ctx} is not a directory")
+    df = os.path.join(ctx, "Dockerfile") if dockerfile is None else os.path.abspath(os.fspath(dockerfile))
+    rel = os.path.relpath(df, ctx)
+    if rel.startswith("..") or os.path.isabs(rel):
+        raise InvalidArgument(f"the Dockerfile {df} must be inside the build context {ctx}")
+    params: List[Tuple[str, str]] = [("ref", _ref(ref, "result tag (name:version)")), ("dockerfile", rel.replace(os.sep, "/"))]
+    if environment:
+        params.append(("env", environment))
+    if target:
+        params.append(("target", target))
+    if no_cache:
+        params.append(("no_cache", "true"))
+    if run_timeout is not None:
+        params.append(("run_timeout", repr(float(run_timeout))))
+    if internet:
+        params.append(("internet", "true"))
+    for c in allow_out or []:
+        params.append(("allow_out", c))
+    for k, v in (build_args or {}).items():
+        params.append(("build_arg", f"{k}={v}"))
+    return params
+
+
+def build_dockerfile(
+    context: PathArg,
+    ref: str,
+    *,
+    dockerfile: Optional[PathArg] = None,
+    environment: Optional[str] = None,
+    build_args: Optional[Dict[str, str]] = None,
+    target: Optional[str] = None,
+    no_cache: bool = False,
+    run_timeout: Optional[float] = None,
+    internet: bool = False,
+    allow_out: Optional[List[str]] = None,
+    on_log: Optional[Callable[[Dict[str, Any]], Any]] = None,
+    api_key: Optional[str] = None,
+    url: Optional[str] = None,
+    request_timeout: Optional[float] = None,
+) -> DockerfileResult:
+    """Build a Dockerfile in sandboxes, as ``shoal layer build --dockerfile``:
+    the directory ``context`` is uploaded as its build context (the server
+    honours its ``.dockerignore``); ``RUN`` runs in a sandbox of the stack so
+    far (no network unless ``internet``/``allow_out``), ``COPY``/``ADD`` copy
+    from the context (or ``--from`` a stage), and each step's layer is cached,
+    so a rebuild runs only the steps after a change. The result is saved as
+    the environment ``environment`` (default: the name of ``ref``), with the
+    Dockerfile's ENV, WORKDIR, USER, ENTRYPOINT and CMD as its image config;
+    its top layer is tagged ``ref``.
+
+    :param dockerfile: its path, inside ``context`` (default ``context/Dockerfile``).
+    :param on_log: called with each line of the build log, a dict: a step
+        starting (``step``, ``steps``, ``line``, ``text``, ``cached``), a note
+        (``text``) or a RUN's output (``stream``, ``output``).
+    :param run_timeout: seconds one RUN may take (server default 30 minutes).
+    """
+    params = _dockerfile_params(context, ref, dockerfile, environment, build_args, target, no_cache, run_timeout, internet, allow_out)
+    t = _t(api_key, url)
+    content = _sync_upload(os.fspath(context), None)
+    stream = t.post_ndjson(DOCKERFILE_PATH, params, content, what="Dockerfile build", content_type="application/x-tar", request_timeout=_long(request_timeout, t))
+    result: Optional[DockerfileResult] = None
+    try:
+        for msg in stream:
+            if "result" in msg:
+                result = DockerfileResult.from_json(msg["result"] or {})
+            elif "log" in msg and on_log is not None:
+                on_log(msg["log"] or {})
+    finally:
+        stream.close()
+    if result is None:
+        raise _no_layer("Dockerfile build")
+    return result
 
 
 def commit(
@@ -764,6 +868,42 @@ async def abuild(
     if push:
         await t.call("LayerService", "PushLayer", {"ref": _ref(ref)}, idempotent=True, request_timeout=_long(request_timeout, t))
     return layer
+
+
+async def abuild_dockerfile(
+    context: PathArg,
+    ref: str,
+    *,
+    dockerfile: Optional[PathArg] = None,
+    environment: Optional[str] = None,
+    build_args: Optional[Dict[str, str]] = None,
+    target: Optional[str] = None,
+    no_cache: bool = False,
+    run_timeout: Optional[float] = None,
+    internet: bool = False,
+    allow_out: Optional[List[str]] = None,
+    on_log: Optional[Callable[[Dict[str, Any]], Any]] = None,
+    api_key: Optional[str] = None,
+    url: Optional[str] = None,
+    request_timeout: Optional[float] = None,
+) -> DockerfileResult:
+    """:func:`build_dockerfile` for asyncio (``on_log`` may be a coroutine function)."""
+    params = await asyncio.to_thread(_dockerfile_params, context, ref, dockerfile, environment, build_args, target, no_cache, run_timeout, internet, allow_out)
+    t = _at(api_key, url)
+    content = _async_upload(os.fspath(context), None)
+    stream = t.post_ndjson(DOCKERFILE_PATH, params, content, what="Dockerfile build", content_type="application/x-tar", request_timeout=_long(request_timeout, t))
+    result: Optional[DockerfileResult] = None
+    try:
+        async for msg in stream:
+            if "result" in msg:
+                result = DockerfileResult.from_json(msg["result"] or {})
+            elif "log" in msg:
+                await _call_back(on_log, msg["log"] or {})
+    finally:
+        await stream.aclose()
+    if result is None:
+        raise _no_layer("Dockerfile build")
+    return result
 
 
 async def _async_upload(source: Any, on_progress: Optional[Callable[[BuildProgress], Any]]) -> AsyncIterator[bytes]:
