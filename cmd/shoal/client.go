@@ -391,6 +391,32 @@ func pauseCmd() *cobra.Command {
 	}
 }
 
+func resetCmd() *cobra.Command {
+	return &cobra.Command{
+		Use:   "reset ID",
+		Short: "Reset a sandbox to its start, in place",
+		Long: "Reset a sandbox to its start, in place: every process but its agent ends, its\n" +
+			"writable layer is replaced by an empty one (files, /tmp, /dev/shm, SysV IPC and\n" +
+			"listening sockets go), its commands and shells are closed with the reason\n" +
+			"\"reset\", and it keeps its ID, limits and network. A paused sandbox is resumed first.",
+		Args: cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := client(cmd)
+			if err != nil {
+				return err
+			}
+			ctx, cancel := cmdContext()
+			defer cancel()
+			sb, took, err := c.Reset(ctx, args[0])
+			if err != nil {
+				return err
+			}
+			fmt.Printf("%s reset in %.1f ms\n", sb.Id, float64(took.Microseconds())/1000)
+			return nil
+		},
+	}
+}
+
 func resumeCmd() *cobra.Command {
 	return &cobra.Command{
 		Use:   "resume ID",

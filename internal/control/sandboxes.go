@@ -175,6 +175,14 @@ func (s *Server) ResumeSandbox(ctx context.Context, req *connect.Request[pb.Resu
 	return connect.NewResponse(&pb.ResumeSandboxResponse{Sandbox: sandboxPB(rec), Resumed: resumed}), nil
 }
 
+func (s *Server) ResetSandbox(ctx context.Context, req *connect.Request[pb.ResetSandboxRequest]) (*connect.Response[pb.ResetSandboxResponse], error) {
+	rec, took, err := s.node.Reset(ctx, req.Msg.Id)
+	if err != nil {
+		return nil, toConnect(err)
+	}
+	return connect.NewResponse(&pb.ResetSandboxResponse{Sandbox: sandboxPB(rec), ResetSeconds: took.Seconds()}), nil
+}
+
 func pausePB(p *node.PauseInfo) *pb.PauseInfo {
 	if p == nil {
 		return nil

@@ -225,6 +225,20 @@ type Pauser interface {
 	Resume(ctx context.Context, h Handle) (Handle, error)
 }
 
+// Resetter is implemented by backends that can bring a running sandbox
+// back to its start in place: every process but its guest agent ends, its
+// writable layer is replaced by an empty one over the same layers (spec's,
+// as at its Create), its shared memory, SysV IPC objects and sockets go,
+// and it keeps its ID, agent socket, limits and network. Reset returns the
+// new handle (the node persists it) once the agent serves on the new root.
+// A failed Reset may leave the sandbox without its processes, or unusable
+// (the node then reports it in error). Calls for one sandbox are
+// serialized by the caller with Pause, Resume and Freezer calls; the
+// sandbox is running (not paused) when Reset is called.
+type Resetter interface {
+	Reset(ctx context.Context, h Handle, spec Spec) (Handle, error)
+}
+
 // Evicter is implemented by Pausers whose pause may leave a paused
 // sandbox's memory on the host (a VM paused in place: compressed in
 // swap): Evict moves it off the host (a VM's snapshot to a file, its QEMU

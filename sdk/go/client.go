@@ -246,6 +246,19 @@ func (c *Client) Resume(ctx context.Context, id string) (sb *pb.Sandbox, resumed
 	return res.Msg.Sandbox, res.Msg.Resumed, nil
 }
 
+// Reset brings a sandbox back to its start, in place: every process but
+// its agent ends, its writable layer is replaced by an empty one, its
+// commands and shells are closed with the reason "reset" (their streams end
+// with FailedPrecondition, reason header "sandbox_reset"), and it keeps its
+// ID, limits and network. took is how long the node's reset took.
+func (c *Client) Reset(ctx context.Context, id string) (sb *pb.Sandbox, took time.Duration, err error) {
+	res, err := c.Sandboxes.ResetSandbox(ctx, connect.NewRequest(&pb.ResetSandboxRequest{Id: id}))
+	if err != nil {
+		return nil, 0, err
+	}
+	return res.Msg.Sandbox, time.Duration(res.Msg.ResetSeconds * float64(time.Second)), nil
+}
+
 func (c *Client) fileURL(id, path string, q url.Values) string {
 	if q == nil {
 		q = url.Values{}

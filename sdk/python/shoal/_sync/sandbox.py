@@ -266,6 +266,18 @@ class Sandbox:
         self._info = SandboxInfo.from_json(r.get("sandbox") or {}) if (r.get("sandbox") or {}).get("id") else self._info
         return self._info
 
+    def reset(self, request_timeout: Optional[float] = None) -> SandboxInfo:
+        """Reset the sandbox to its start, in place: every process but its
+        agent ends, its writable layer is replaced by an empty one (files,
+        /tmp, /dev/shm, SysV IPC and listening sockets go), its commands and
+        shells are closed with the reason ``"reset"`` (a command handle's
+        wait raises :class:`CommandReset`), and it keeps its ID, limits and
+        network. A paused sandbox is resumed first. Not retried: a second
+        reset would close what ran after the first."""
+        r = self._transport.call("SandboxService", "ResetSandbox", {"id": self.sandbox_id}, idempotent=False, request_timeout=request_timeout, sandbox_call=True)
+        self._info = SandboxInfo.from_json(r.get("sandbox") or {}) if (r.get("sandbox") or {}).get("id") else self._info
+        return self._info
+
     def _call(self, method: str, body: Dict[str, Any], request_timeout: Optional[float]) -> Dict[str, Any]:
         return self._transport.call("SandboxService", method, body, idempotent=True, request_timeout=request_timeout, sandbox_call=True)
 
