@@ -360,12 +360,15 @@ func inspectCmd() *cobra.Command {
 }
 
 func pauseCmd() *cobra.Command {
-	return &cobra.Command{
+	var fsOnly bool
+	cmd := &cobra.Command{
 		Use:   "pause ID",
 		Short: "Pause a sandbox: stop its processes in place and reclaim its memory",
 		Long: "Pause a sandbox: its processes stop where they are and its memory is reclaimed\n" +
 			"(into swap where the server has some). The next request that needs it (exec,\n" +
-			"cp, files, ports, ...) resumes it, or shoal resume does. Prints what was reclaimed.",
+			"cp, files, ports, ...) resumes it, or shoal resume does. Prints what was reclaimed.\n" +
+			"With --fs-only its processes end first (its commands and shells are closed) and\n" +
+			"only its files are kept: it resumes with its files and none of its processes.",
 		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			c, err := client(cmd)
@@ -374,7 +377,11 @@ func pauseCmd() *cobra.Command {
 			}
 			ctx, cancel := cmdContext()
 			defer cancel()
-			sb, paused, err := c.Pause(ctx, args[0])
+			pause := c.Pause
+			if fsOnly {
+				pause = c.PauseFSOnly
+			}
+			sb, paused, err := pause(ctx, args[0])
 			if err != nil {
 				return err
 			}
@@ -389,6 +396,8 @@ func pauseCmd() *cobra.Command {
 			return nil
 		},
 	}
+	cmd.Flags().BoolVar(&fsOnly, "fs-only", false, "end its processes and keep only its files (E2B's keepMemory: false)")
+	return cmd
 }
 
 func resetCmd() *cobra.Command {

@@ -160,7 +160,11 @@ func networkReq(n *pb.NetworkPolicy) *netpolicy.Request {
 }
 
 func (s *Server) PauseSandbox(ctx context.Context, req *connect.Request[pb.PauseSandboxRequest]) (*connect.Response[pb.PauseSandboxResponse], error) {
-	rec, paused, err := s.node.Pause(ctx, req.Msg.Id)
+	pause := s.node.Pause
+	if req.Msg.FsOnly {
+		pause = s.node.PauseFSOnly
+	}
+	rec, paused, err := pause(ctx, req.Msg.Id)
 	if err != nil {
 		return nil, toConnect(err)
 	}
@@ -192,6 +196,7 @@ func pausePB(p *node.PauseInfo) *pb.PauseInfo {
 		MemoryBeforeBytes: p.Stats.MemoryBefore, MemoryAfterBytes: p.Stats.MemoryAfter, SwappedOutBytes: p.Stats.SwappedOut,
 		Method: p.Stats.Method, FreezeSeconds: p.Stats.FreezeTook.Seconds(), ReclaimSeconds: p.Stats.ReclaimTook.Seconds(),
 		ResumeSeconds: p.ResumeTook.Seconds(), Evicted: p.Evicted, FilePagesOnly: p.Stats.FilePagesOnly,
+		FsOnly: p.FSOnly,
 	}
 	if p.Evict != nil {
 		out.EvictSeconds, out.EvictedToBytes = p.Evict.ReclaimTook.Seconds(), p.Evict.SwappedOut

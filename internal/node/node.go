@@ -220,6 +220,7 @@ type Manager struct {
 	admitting map[string]admission
 	onDelete  []func(id string) // set before serving; called after each delete
 	onReset   []func(id string) // set before serving; called as each reset begins
+	onEnd     []func(id string) // set before serving; called before a file-system-only pause ends the processes
 	// buckets are the tenants' create-rate token buckets (admission.go).
 	// Guarded by mu.
 	buckets map[string]*tenant.Bucket

@@ -239,6 +239,15 @@ type Resetter interface {
 	Reset(ctx context.Context, h Handle, spec Spec) (Handle, error)
 }
 
+// ProcessEnder is implemented by backends that can end every process of a
+// running sandbox but its guest agent, leaving its file system as it is:
+// the node's file-system-only pause (E2B's keepMemory: false) ends them
+// before its Pauser pauses what is left, so that the resumed sandbox has
+// its files and none of its processes. Called like Reset.
+type ProcessEnder interface {
+	EndProcesses(ctx context.Context, h Handle) error
+}
+
 // Evicter is implemented by Pausers whose pause may leave a paused
 // sandbox's memory on the host (a VM paused in place: compressed in
 // swap): Evict moves it off the host (a VM's snapshot to a file, its QEMU

@@ -776,6 +776,10 @@ const whyDeleted = "the sandbox was deleted"
 // whyReset is why the commands of a reset sandbox are lost.
 const whyReset = "reset"
 
+// whyFSPause is why the commands of a sandbox paused without its memory
+// (its processes) are lost.
+const whyFSPause = "paused without memory"
+
 // finish records how a command ended: its exit status, or lost (exit nil);
 // lost while its sandbox is being deleted is killed.
 func (m *Manager) finish(c *Command, exit *agent.ExitStatus, why string) {
@@ -1128,7 +1132,16 @@ func (m *Manager) Resize(ctx context.Context, c *Command, size agent.Winsize) er
 // "reset" (Info.Reset; its readers get errdefs.ErrSandboxReset), and a
 // shell's name is free again. The node calls it before the backend's reset
 // kills their processes; their logs and trajectories stay.
-func (m *Manager) ResetSandbox(sandboxID string) {
+func (m *Manager) ResetSandbox(sandboxID string) { m.closeSandbox(sandboxID, whyReset) }
+
+// PauseSandboxFSOnly closes every running command and shell of a sandbox
+// whose processes a file-system-only pause is about to end: each command
+// ends as lost with the reason "paused without memory".
+func (m *Manager) PauseSandboxFSOnly(sandboxID string) { m.closeSandbox(sandboxID, whyFSPause) }
+
+// closeSandbox closes the running commands and the shells of a sandbox
+// whose processes are about to end, for why.
+func (m *Manager) closeSandbox(sandboxID, why string) {
 	prefix := sandboxID + "/"
 	m.mu.Lock()
 	var cs []*Command
@@ -1155,7 +1168,7 @@ func (m *Manager) ResetSandbox(sandboxID string) {
 		if cancel != nil {
 			cancel()
 		}
-		m.finish(c, nil, whyReset)
+		m.finish(c, nil, why)
 	}
 	if len(shells) == 0 {
 		return

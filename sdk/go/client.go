@@ -237,6 +237,17 @@ func (c *Client) Pause(ctx context.Context, id string) (sb *pb.Sandbox, paused b
 	return res.Msg.Sandbox, res.Msg.Paused, nil
 }
 
+// PauseFSOnly pauses a sandbox without its processes (E2B's keepMemory:
+// false): they end (their commands and shells are closed) and only its
+// files are kept; a resume has its files and none of its processes.
+func (c *Client) PauseFSOnly(ctx context.Context, id string) (sb *pb.Sandbox, paused bool, err error) {
+	res, err := c.Sandboxes.PauseSandbox(ctx, connect.NewRequest(&pb.PauseSandboxRequest{Id: id, FsOnly: true}))
+	if err != nil {
+		return nil, false, err
+	}
+	return res.Msg.Sandbox, res.Msg.Paused, nil
+}
+
 // Resume resumes a paused sandbox; resumed is false when it was not paused.
 func (c *Client) Resume(ctx context.Context, id string) (sb *pb.Sandbox, resumed bool, err error) {
 	res, err := c.Sandboxes.ResumeSandbox(ctx, connect.NewRequest(&pb.ResumeSandboxRequest{Id: id}))

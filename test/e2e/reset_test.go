@@ -153,3 +153,48 @@ func TestReset(t *testing.T) {
 		})
 	}
 }
+
+// TestPauseFSOnly: `shoal pause --fs-only` ends the sandbox's processes
+// and keeps its files: after the resume its files are there, its
+// processes (and their commands) are not, and its agent serves.
+func TestPauseFSOnly(t *testing.T) {
+	need(t)
+	id := create(t)
+	c := sdk(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	sh(t, id, "echo kept > /work/f; echo tmp > /tmp/t")
+	cmd, err := c.Start(ctx, &pb.ExecRequest{SandboxId: id, Args: []string{"sleep", "1000"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	shoalOK(t, "pause", "--fs-only", id)
+	sb := getSandbox(t, c, id)
+	if sb.State != pb.SandboxState_SANDBOX_STATE_PAUSED || sb.Pause == nil || !sb.Pause.FsOnly {
+		t.Fatalf("after pause --fs-only: state %v, pause %+v", sb.State, sb.Pause)
+	}
+	shoalOK(t, "resume", id)
+	if got := sh(t, id, "cat /work/f /tmp/t"); got != "kept\ntmp\n" {
+		t.Fatalf("files after a file-system-only pause: %q", got)
+	}
+	if out := sh(t, id, "ps -o args"); strings.Contains(out, "sleep 1000") {
+		t.Fatalf("a process survived a file-system-only pause:\n%s", out)
+	}
+	res, err := c.Commands.GetCommand(ctx, connect.NewRequest(&pb.GetCommandRequest{SandboxId: id, CommandId: cmd.Id}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Msg.State == pb.CommandState_COMMAND_STATE_RUNNING {
+		t.Fatalf("the command of a killed process still runs: %+v", res.Msg)
+	}
+	// A plain pause still keeps the processes.
+	startInSandbox(t, id, "sleep", "999")
+	shoalOK(t, "pause", id)
+	if sb := getSandbox(t, c, id); sb.Pause == nil || sb.Pause.FsOnly {
+		t.Fatalf("a plain pause says fs_only: %+v", sb.Pause)
+	}
+	shoalOK(t, "resume", id)
+	if out := sh(t, id, "ps -o args"); !strings.Contains(out, "sleep 999") {
+		t.Fatalf("a plain pause lost a process:\n%s", out)
+	}
+}

@@ -728,6 +728,9 @@ type PauseInfo struct {
 	// The host had no swap (serve could not set up zram, or --zram-size 0):
 	// the pause reclaimed file pages only, its anonymous memory stayed.
 	FilePagesOnly bool `protobuf:"varint,14,opt,name=file_pages_only,json=filePagesOnly,proto3" json:"file_pages_only,omitempty"`
+	// The pause ended the sandbox's processes first (fs_only): its files
+	// are kept, its processes are not.
+	FsOnly        bool `protobuf:"varint,15,opt,name=fs_only,json=fsOnly,proto3" json:"fs_only,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -860,9 +863,20 @@ func (x *PauseInfo) GetFilePagesOnly() bool {
 	return false
 }
 
+func (x *PauseInfo) GetFsOnly() bool {
+	if x != nil {
+		return x.FsOnly
+	}
+	return false
+}
+
 type PauseSandboxRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Id            string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Id    string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	// fs_only: end every process of the sandbox (but its agent) first and
+	// keep only its files (E2B's keepMemory: false); its resume has its
+	// files and none of its processes. Backends that cannot: unimplemented.
+	FsOnly        bool `protobuf:"varint,2,opt,name=fs_only,json=fsOnly,proto3" json:"fs_only,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -902,6 +916,13 @@ func (x *PauseSandboxRequest) GetId() string {
 		return x.Id
 	}
 	return ""
+}
+
+func (x *PauseSandboxRequest) GetFsOnly() bool {
+	if x != nil {
+		return x.FsOnly
+	}
+	return false
 }
 
 type PauseSandboxResponse struct {
@@ -2133,7 +2154,7 @@ const file_shoal_v1_sandbox_proto_rawDesc = "" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1a:\n" +
 	"\fRuntimeEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xbd\x04\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xd6\x04\n" +
 	"\tPauseInfo\x127\n" +
 	"\tpaused_at\x18\x01 \x01(\v2\x1a.google.protobuf.TimestampR\bpausedAt\x12\x12\n" +
 	"\x04auto\x18\x02 \x01(\bR\x04auto\x12.\n" +
@@ -2150,9 +2171,11 @@ const file_shoal_v1_sandbox_proto_rawDesc = "" +
 	"\aevicted\x18\v \x01(\bR\aevicted\x12#\n" +
 	"\revict_seconds\x18\f \x01(\x01R\fevictSeconds\x12(\n" +
 	"\x10evicted_to_bytes\x18\r \x01(\x03R\x0eevictedToBytes\x12&\n" +
-	"\x0ffile_pages_only\x18\x0e \x01(\bR\rfilePagesOnly\"%\n" +
+	"\x0ffile_pages_only\x18\x0e \x01(\bR\rfilePagesOnly\x12\x17\n" +
+	"\afs_only\x18\x0f \x01(\bR\x06fsOnly\">\n" +
 	"\x13PauseSandboxRequest\x12\x0e\n" +
-	"\x02id\x18\x01 \x01(\tR\x02id\"[\n" +
+	"\x02id\x18\x01 \x01(\tR\x02id\x12\x17\n" +
+	"\afs_only\x18\x02 \x01(\bR\x06fsOnly\"[\n" +
 	"\x14PauseSandboxResponse\x12+\n" +
 	"\asandbox\x18\x01 \x01(\v2\x11.shoal.v1.SandboxR\asandbox\x12\x16\n" +
 	"\x06paused\x18\x02 \x01(\bR\x06paused\"&\n" +

@@ -168,6 +168,28 @@ func (b *Backend) Reset(ctx context.Context, h sandbox.Handle, spec sandbox.Spec
 	return nh, nil
 }
 
+var _ sandbox.ProcessEnder = (*Backend)(nil)
+
+// EndProcesses implements sandbox.ProcessEnder: every task of the
+// sandbox's cgroup but its agent is SIGKILLed (killAllBut).
+func (b *Backend) EndProcesses(ctx context.Context, h sandbox.Handle) error {
+	id, err := b.runcID(h)
+	if err != nil {
+		return err
+	}
+	pid, start, err := b.initProcess(id)
+	if err != nil {
+		return fmt.Errorf("end the processes of sandbox %s: container init: %w", h.ID, err)
+	}
+	if now, dead, err := processStart(pid); err != nil || dead || now != start {
+		return fmt.Errorf("end the processes of sandbox %s: its init (pid %d) is gone: %w", h.ID, pid, sandbox.ErrNotFound)
+	}
+	if err := b.killAllBut(ctx, h, id, pid); err != nil {
+		return fmt.Errorf("end the processes of sandbox %s: %w", h.ID, err)
+	}
+	return nil
+}
+
 // killAllBut SIGKILLs every task of the sandbox's cgroup but the init pid,
 // the cgroup frozen meanwhile, and waits until they are gone.
 func (b *Backend) killAllBut(ctx context.Context, h sandbox.Handle, runcID string, init int) error {

@@ -149,6 +149,13 @@ def test_async_reset(server) -> None:
                 await h.wait()
             assert not await sb.files.exists("/work/old.txt")
             assert (await sb.commands.run("echo ok")).stdout.strip() == "ok"
+            # A pause without memory keeps the files, not the processes.
+            await sb.commands.run("sleep 1000", background=True)
+            info = await sb.pause(keep_memory=False)
+            assert info.state == "paused" and info.pause.fs_only
+            await sb.resume()
+            r = await sb.commands.run("ps -o args | grep -c '[s]leep 1000' || true")
+            assert r.stdout.strip() == "0"
         finally:
             await sb.kill()
 

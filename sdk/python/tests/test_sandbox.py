@@ -268,3 +268,17 @@ def test_reset(container_sb) -> None:
     assert r.stdout.strip() == "0", r.stdout
     sb.files.write("/work/new.txt", "new")
     assert sb.files.read("/work/new.txt") == "new"
+
+
+def test_pause_without_memory(container_sb) -> None:
+    """pause(keep_memory=False) ends the sandbox's processes and keeps its
+    files: after the resume the files are there, the processes are not."""
+    sb = container_sb
+    sb.files.write("/work/keep.txt", "kept")
+    sb.commands.run("sleep 1000", background=True)
+    info = sb.pause(keep_memory=False)
+    assert info.state == "paused" and info.pause is not None and info.pause.fs_only
+    assert sb.resume().state == "running"
+    assert sb.files.read("/work/keep.txt") == "kept"
+    r = sb.commands.run("ps -o args | grep -c '[s]leep 1000' || true")
+    assert r.stdout.strip() == "0", r.stdout

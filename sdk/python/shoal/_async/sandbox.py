@@ -254,12 +254,20 @@ class AsyncSandbox:
         except SandboxNotFound:
             return False
 
-    async def pause(self, request_timeout: Optional[float] = None) -> SandboxInfo:
+    async def pause(self, request_timeout: Optional[float] = None, keep_memory: bool = True) -> SandboxInfo:
         """Pause the sandbox: its processes stop where they are and the node
         reclaims its memory (``info.pause`` says how much). Any later call
         that needs it (commands, files, ports) resumes it, or :meth:`resume`
-        does. Pausing a paused sandbox changes nothing."""
-        r = await self._call("PauseSandbox", {"id": self.sandbox_id}, request_timeout)
+        does. Pausing a paused sandbox changes nothing.
+
+        With ``keep_memory=False`` (E2B's ``keepMemory: false``) its processes
+        end first (its commands and shells are closed) and only its files are
+        kept: it resumes with its files and none of its processes
+        (``info.pause.fs_only``)."""
+        body: Dict[str, Any] = {"id": self.sandbox_id}
+        if not keep_memory:
+            body["fsOnly"] = True
+        r = await self._call("PauseSandbox", body, request_timeout)
         self._info = SandboxInfo.from_json(r.get("sandbox") or {}) if (r.get("sandbox") or {}).get("id") else self._info
         return self._info
 
