@@ -12,6 +12,7 @@ import (
 	"connectrpc.com/connect"
 
 	pb "github.com/shoal-sandbox/shoal/api/shoal/v1"
+	shoal "github.com/shoal-sandbox/shoal/sdk/go"
 )
 
 // TestReset: `shoal reset` brings a sandbox back to its start in place:
@@ -84,7 +85,7 @@ func TestReset(t *testing.T) {
 				// The durable command ended with the reason "reset".
 				_, err = c.Attach(ctx, id, cmd.Id, 0, io.Discard, io.Discard)
 				var ce *connect.Error
-				if !errors.As(err, &ce) || ce.Code() != connect.CodeFailedPrecondition || ce.Meta().Get("Shoal-Error-Reason") != "sandbox_reset" {
+				if !errors.Is(err, shoal.ErrCommandReset) || !errors.As(err, &ce) || ce.Code() != connect.CodeFailedPrecondition || ce.Meta().Get("Shoal-Error-Reason") != "sandbox_reset" {
 					t.Fatalf("attach to a command closed by a reset: %v, want failed_precondition with reason sandbox_reset", err)
 				}
 				res, err := c.Commands.GetCommand(ctx, connect.NewRequest(&pb.GetCommandRequest{SandboxId: id, CommandId: cmd.Id}))
