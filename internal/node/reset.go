@@ -27,7 +27,10 @@ func (m *Manager) OnReset(fn func(id string)) { m.onReset = append(m.onReset, fn
 // the reason "reset", and it keeps its ID, limits, network and address. A
 // paused sandbox is resumed first. It returns the record and how long the
 // backend's reset took. A backend that cannot reset gives unimplemented;
-// a reset that failed half-way leaves the sandbox in error.
+// a reset that failed gives unavailable and keeps the old handle: the
+// sandbox may have lost its processes, and, failed during the root
+// switch, its root (its agent then stops answering and the prober reports
+// it in error); delete it.
 func (m *Manager) Reset(ctx context.Context, id string) (Record, time.Duration, error) {
 	if _, ok := ctx.Deadline(); !ok {
 		var cancel context.CancelFunc

@@ -232,7 +232,8 @@ type Pauser interface {
 // and it keeps its ID, agent socket, limits and network. Reset returns the
 // new handle (the node persists it) once the agent serves on the new root.
 // A failed Reset may leave the sandbox without its processes, or unusable
-// (the node then reports it in error). Calls for one sandbox are
+// (failed during the root switch): the caller reports the failure and
+// keeps the old handle. Calls for one sandbox are
 // serialized by the caller with Pause, Resume and Freezer calls; the
 // sandbox is running (not paused) when Reset is called.
 type Resetter interface {

@@ -46,7 +46,7 @@ import (
 // The handle's "upper" names the new upper: Reset returns the new handle.
 // A reset that fails in step 1 or 2 leaves the sandbox as it was but for
 // its processes; one that fails in step 3 may leave it without a usable
-// root: the node then marks it in error.
+// root (the node reports the failure; the sandbox is to be deleted).
 
 // resetWait bounds the wait for the killed tasks to be reaped.
 const resetWait = 10 * time.Second
