@@ -175,7 +175,17 @@ func benchCmd() *cobra.Command {
 	pauseb.Flags().IntVarP(&po.Concurrency, "concurrency", "c", 2, "creates in flight while setting up")
 	pauseb.Flags().IntVar(&po.Pausers, "pausers", 1, "pauses in flight (the node reclaims each on the CPU that serves its call: 1 measures one pause's cost, the host's core count the node's throughput)")
 	pauseb.Flags().StringVar(&po.Base, "base", "debian:12", "base layer (needs sh, head, base64, tr)")
-	cmd.AddCommand(create, execb, qosb, sess, benchLayersCmd(), benchImagesCmd(), fnb, burst, chaos, pauseb, vmb, benchDensityCmd(), benchLazyCmd(), benchS3ServerCmd(), benchClusterCmd())
+	var ro bench.ResetOptions
+	resetb := &cobra.Command{
+		Use:   "reset [-n N] [--dirty-mib M] [--base REF]",
+		Short: "Reset→first exec latency against delete + (pooled) create→first exec, interleaved, in the same run",
+		Args:  cobra.NoArgs,
+		RunE:  runBench(func(ctx context.Context, c *shoal.Client) (any, error) { return bench.Reset(ctx, c, ro) }),
+	}
+	resetb.Flags().IntVarP(&ro.N, "number", "n", 50, "rounds (one reset and one delete + create each)")
+	resetb.Flags().IntVar(&ro.DirtyMiB, "dirty-mib", 1, "MiB each round writes into the sandbox before it is reset or replaced")
+	resetb.Flags().StringVar(&ro.Base, "base", "debian:12", "base layer (needs sh, head)")
+	cmd.AddCommand(create, execb, qosb, sess, benchLayersCmd(), benchImagesCmd(), fnb, burst, chaos, pauseb, resetb, vmb, benchDensityCmd(), benchLazyCmd(), benchS3ServerCmd(), benchClusterCmd())
 	return cmd
 }
 

@@ -360,12 +360,15 @@ func inspectCmd() *cobra.Command {
 }
 
 func pauseCmd() *cobra.Command {
-	return &cobra.Command{
+	var fsOnly bool
+	cmd := &cobra.Command{
 		Use:   "pause ID",
 		Short: "Pause a sandbox: stop its processes in place and reclaim its memory",
 		Long: "Pause a sandbox: its processes stop where they are and its memory is reclaimed\n" +
 			"(into swap where the server has some). The next request that needs it (exec,\n" +
-			"cp, files, ports, ...) resumes it, or shoal resume does. Prints what was reclaimed.",
+			"cp, files, ports, ...) resumes it, or shoal resume does. Prints what was reclaimed.\n" +
+			"With --fs-only its processes end first (its commands and shells are closed) and\n" +
+			"only its files are kept: it resumes with its files and none of its processes.",
 		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			c, err := client(cmd)
@@ -374,7 +377,11 @@ func pauseCmd() *cobra.Command {
 			}
 			ctx, cancel := cmdContext()
 			defer cancel()
-			sb, paused, err := c.Pause(ctx, args[0])
+			pause := c.Pause
+			if fsOnly {
+				pause = c.PauseFSOnly
+			}
+			sb, paused, err := pause(ctx, args[0])
 			if err != nil {
 				return err
 			}
@@ -386,6 +393,34 @@ func pauseCmd() *cobra.Command {
 					humanBytes(p.MemoryBeforeBytes), humanBytes(p.MemoryAfterBytes), p.Method,
 					p.FreezeSeconds*1000, p.ReclaimSeconds*1000)
 			}
+			return nil
+		},
+	}
+	cmd.Flags().BoolVar(&fsOnly, "fs-only", false, "end its processes and keep only its files (E2B's keepMemory: false)")
+	return cmd
+}
+
+func resetCmd() *cobra.Command {
+	return &cobra.Command{
+		Use:   "reset ID",
+		Short: "Reset a sandbox to its start, in place",
+		Long: "Reset a sandbox to its start, in place: every process but its agent ends, its\n" +
+			"writable layer is replaced by an empty one (files, /tmp, /dev/shm, SysV IPC and\n" +
+			"listening sockets go), its commands and shells are closed with the reason\n" +
+			"\"reset\", and it keeps its ID, limits and network. A paused sandbox is resumed first.",
+		Args: cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := client(cmd)
+			if err != nil {
+				return err
+			}
+			ctx, cancel := cmdContext()
+			defer cancel()
+			sb, took, err := c.Reset(ctx, args[0])
+			if err != nil {
+				return err
+			}
+			fmt.Printf("%s reset in %.1f ms\n", sb.Id, float64(took.Microseconds())/1000)
 			return nil
 		},
 	}

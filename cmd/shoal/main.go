@@ -32,7 +32,7 @@ func main() {
 	root.PersistentFlags().String("cert", "", "a client certificate (PEM) to present, with --cert-key (default $SHOAL_CERT)")
 	root.PersistentFlags().String("cert-key", "", "the private key of --cert (default $SHOAL_CERT_KEY)")
 	root.AddCommand(serverCmds()...)
-	root.AddCommand(layerCmd(), envCmd(), createCmd(), execCmd(), attachCmd(), psCmd(), killCmd(), shellCmd(), cpCmd(), lsCmd(), filesCmd(), watchCmd(), portForwardCmd(), inspectCmd(), pauseCmd(), resumeCmd(), rmCmd(), runCmd(), keyCmd(), tenantCmd(), auditCmd(), whoamiCmd(), topCmd())
+	root.AddCommand(layerCmd(), envCmd(), createCmd(), execCmd(), attachCmd(), psCmd(), killCmd(), shellCmd(), cpCmd(), lsCmd(), filesCmd(), watchCmd(), portForwardCmd(), inspectCmd(), pauseCmd(), resumeCmd(), resetCmd(), rmCmd(), runCmd(), keyCmd(), tenantCmd(), auditCmd(), whoamiCmd(), topCmd())
 	completeSandboxIDs(root) // completion.go
 	if err := root.Execute(); err != nil {
 		var exit exitCode

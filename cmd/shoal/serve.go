@@ -646,6 +646,8 @@ func serve(cfg serveConfig) error {
 	}
 	defer sessions.Close()
 	mgr.OnDelete(sessions.DropSandbox)
+	mgr.OnReset(sessions.ResetSandbox)
+	mgr.OnEndProcesses(sessions.PauseSandboxFSOnly)
 	var e2bSrv *e2b.Server
 	var e2bLn net.Listener
 	if cfg.E2B.Listen != "" {

@@ -252,7 +252,7 @@ func (s *Server) becomeSandbox(st *claimState, mfd int, req *wireClaimRequest) e
 	if err != nil {
 		return fmt.Errorf("environment: %w", err)
 	}
-	if err := switchRoot(mfd); err != nil {
+	if err := SwitchRoot(mfd, claimNewRoot); err != nil {
 		return err
 	}
 	if req.Hostname != "" {
@@ -277,13 +277,18 @@ func (s *Server) becomeSandbox(st *claimState, mfd int, req *wireClaimRequest) e
 	return nil
 }
 
-// switchRoot makes the detached mount mfd the root of the agent's mount
-// namespace, with /proc, /dev, /sys and the agent binary moved into it.
-func switchRoot(mfd int) error {
-	if err := unix.MoveMount(mfd, "", unix.AT_FDCWD, claimNewRoot, unix.MOVE_MOUNT_F_EMPTY_PATH); err != nil {
+// SwitchRoot makes the detached mount mfd the root of the calling
+// thread's mount namespace, attached at the empty directory at, with
+// /proc, /dev, /sys and the agent binary moved into it: pivot_root moves
+// every process of the namespace whose root was the old one (the agent's,
+// when the node's reset calls it from a thread that entered the
+// namespace) to the new root, and the old root is detached. It needs
+// CAP_SYS_ADMIN over the namespace (the agent's claim, before it drops it).
+func SwitchRoot(mfd int, at string) error {
+	if err := unix.MoveMount(mfd, "", unix.AT_FDCWD, at, unix.MOVE_MOUNT_F_EMPTY_PATH); err != nil {
 		return fmt.Errorf("attach root: %w", err)
 	}
-	root, err := unix.Open(claimNewRoot, unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	root, err := unix.Open(at, unix.O_PATH|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return fmt.Errorf("open new root: %w", err)
 	}

@@ -60,6 +60,7 @@ var procedureScopes = map[string][]tenant.Scope{
 	"SandboxService/RemoveFile":    sbx,
 	"SandboxService/PauseSandbox":  sbx,
 	"SandboxService/ResumeSandbox": sbx,
+	"SandboxService/ResetSandbox":  sbx,
 	"SandboxService/WatchDir":      sbx,
 
 	"CommandService/Exec":             sbx,

@@ -46,6 +46,7 @@ func commandPB(in session.Info, replayed bool) *pb.Command {
 		Id: in.ID, SandboxId: in.SandboxID, Args: in.Args, Cwd: in.Cwd, Pid: int64(in.Pid),
 		StartedAt: timestamppb.New(in.Started), LogBytes: in.LogBytes, Pty: in.PTY,
 		TrajectoryId: in.Trajectory, Step: in.Step, Replayed: replayed, User: in.User,
+		EndReason: endReason(in),
 	}
 	switch in.State {
 	case session.StateRunning:
@@ -289,4 +290,12 @@ func (s *Server) GetTrajectory(ctx context.Context, req *connect.Request[pb.GetT
 		return connect.NewResponse(out), nil
 	}
 	return nil, connect.NewError(connect.CodeNotFound, fmt.Errorf("no trajectory %q in sandbox %s", req.Msg.TrajectoryId, req.Msg.SandboxId))
+}
+
+// endReason says why a command that did not exit ended.
+func endReason(in session.Info) string {
+	if in.Reset {
+		return "reset"
+	}
+	return ""
 }

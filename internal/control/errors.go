@@ -33,6 +33,9 @@ const (
 	// offset its sandbox's log budget pruned; the message names the first
 	// offset kept.
 	ReasonLogPruned = "log_pruned"
+	// ReasonSandboxReset (FailedPrecondition): the command or shell was
+	// closed by a reset of its sandbox (the sandbox lives on).
+	ReasonSandboxReset = "sandbox_reset"
 )
 
 // toConnect maps an internal error to a connect error with the right code.
@@ -47,6 +50,11 @@ func toConnect(err error) error {
 		// (NotFound); the reason tells it from any other NotFound.
 		ce := connect.NewError(connect.CodeNotFound, err)
 		ce.Meta().Set(ReasonHeader, ReasonSandboxKilled)
+		return ce
+	}
+	if errors.Is(err, errdefs.ErrSandboxReset) {
+		ce := connect.NewError(connect.CodeFailedPrecondition, err)
+		ce.Meta().Set(ReasonHeader, ReasonSandboxReset)
 		return ce
 	}
 	if errors.Is(err, errdefs.ErrLogPruned) {

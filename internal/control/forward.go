@@ -132,6 +132,7 @@ func (f *Forwarder) routes() *http.ServeMux {
 	unary[pb.SetTimeoutRequest, pb.Sandbox](f, mux, s+"SetTimeout", toSandbox, opts)
 	unary[pb.PauseSandboxRequest, pb.PauseSandboxResponse](f, mux, s+"PauseSandbox", toSandbox, opts)
 	unary[pb.ResumeSandboxRequest, pb.ResumeSandboxResponse](f, mux, s+"ResumeSandbox", toSandbox, opts)
+	unary[pb.ResetSandboxRequest, pb.ResetSandboxResponse](f, mux, s+"ResetSandbox", toSandbox, opts)
 	unary[pb.StatFileRequest, pb.FileInfo](f, mux, s+"StatFile", toSandbox, opts)
 	unary[pb.ListDirRequest, pb.ListDirResponse](f, mux, s+"ListDir", toSandbox, opts)
 	unary[pb.MakeDirRequest, pb.MakeDirResponse](f, mux, s+"MakeDir", toSandbox, opts)

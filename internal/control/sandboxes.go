@@ -161,7 +161,11 @@ func networkReq(n *pb.NetworkPolicy) *netpolicy.Request {
 }
 
 func (s *Server) PauseSandbox(ctx context.Context, req *connect.Request[pb.PauseSandboxRequest]) (*connect.Response[pb.PauseSandboxResponse], error) {
-	rec, paused, err := s.node.Pause(ctx, req.Msg.Id)
+	pause := s.node.Pause
+	if req.Msg.FsOnly {
+		pause = s.node.PauseFSOnly
+	}
+	rec, paused, err := pause(ctx, req.Msg.Id)
 	if err != nil {
 		return nil, toConnect(err)
 	}
@@ -176,6 +180,14 @@ func (s *Server) ResumeSandbox(ctx context.Context, req *connect.Request[pb.Resu
 	return connect.NewResponse(&pb.ResumeSandboxResponse{Sandbox: sandboxPB(rec), Resumed: resumed}), nil
 }
 
+func (s *Server) ResetSandbox(ctx context.Context, req *connect.Request[pb.ResetSandboxRequest]) (*connect.Response[pb.ResetSandboxResponse], error) {
+	rec, took, err := s.node.Reset(ctx, req.Msg.Id)
+	if err != nil {
+		return nil, toConnect(err)
+	}
+	return connect.NewResponse(&pb.ResetSandboxResponse{Sandbox: sandboxPB(rec), ResetSeconds: took.Seconds()}), nil
+}
+
 func pausePB(p *node.PauseInfo) *pb.PauseInfo {
 	if p == nil {
 		return nil
@@ -185,6 +197,7 @@ func pausePB(p *node.PauseInfo) *pb.PauseInfo {
 		MemoryBeforeBytes: p.Stats.MemoryBefore, MemoryAfterBytes: p.Stats.MemoryAfter, SwappedOutBytes: p.Stats.SwappedOut,
 		Method: p.Stats.Method, FreezeSeconds: p.Stats.FreezeTook.Seconds(), ReclaimSeconds: p.Stats.ReclaimTook.Seconds(),
 		ResumeSeconds: p.ResumeTook.Seconds(), Evicted: p.Evicted, FilePagesOnly: p.Stats.FilePagesOnly,
+		FsOnly: p.FSOnly,
 	}
 	if p.Evict != nil {
 		out.EvictSeconds, out.EvictedToBytes = p.Evict.ReclaimTook.Seconds(), p.Evict.SwappedOut

@@ -329,9 +329,6 @@ func (s *Server) createSandbox(w http.ResponseWriter, r *http.Request) {
 	case in.AutoPause != nil && *in.AutoPause && s.cfg.Pause == PauseRefuse:
 		badRequest(w, "autoPause (lifecycle onTimeout: 'pause') needs pause, which is turned off on this server (serve runs with --e2b-pause=refuse)")
 		return
-	case in.AutoPause != nil && *in.AutoPause && in.AutoPauseMemory != nil && !*in.AutoPauseMemory:
-		badRequest(w, "autoPause without memory (onTimeout keepMemory: false, a file-system-only snapshot) is not supported by Shoal: a pause keeps the sandbox's processes and memory")
-		return
 	case in.AutoResume != nil && in.AutoResume.Enabled && (in.AutoPause == nil || !*in.AutoPause):
 		badRequest(w, "autoResume needs autoPause (lifecycle onTimeout: 'pause')")
 		return
@@ -391,7 +388,8 @@ func (s *Server) createSandbox(w http.ResponseWriter, r *http.Request) {
 		writeErr(w, err)
 		return
 	}
-	meta := sandboxMeta{Template: in.TemplateID, Public: &public, Deadline: rec.Created.Add(timeout), AutoPause: autoPause}
+	meta := sandboxMeta{Template: in.TemplateID, Public: &public, Deadline: rec.Created.Add(timeout), AutoPause: autoPause,
+		AutoPauseFSOnly: autoPause && in.AutoPauseMemory != nil && !*in.AutoPauseMemory}
 	if err := s.store.putSandbox(rec.ID, meta); err != nil {
 		s.log.Warn("e2b: record sandbox", "sandbox_id", rec.ID, "err", err)
 	}
@@ -783,10 +781,6 @@ func (s *Server) pauseSandbox(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusNotImplemented, "pause is turned off on this server (serve runs with --e2b-pause=refuse); keep the sandbox running, or kill it")
 		return
 	}
-	if in.Memory != nil && !*in.Memory {
-		badRequest(w, "pause without memory (keepMemory: false, a file-system-only snapshot) is not supported by Shoal: a pause keeps the sandbox's processes and memory")
-		return
-	}
 	// The timeout it gets back on connect (E2B: a connect without timeout
 	// restores the one it had).
 	m, _ := s.store.sandbox(rec.ID)
@@ -794,7 +788,8 @@ func (s *Server) pauseSandbox(w http.ResponseWriter, r *http.Request) {
 	if !m.Deadline.IsZero() {
 		resumeTimeout = max(time.Until(m.Deadline), time.Second)
 	}
-	paused, err := s.pause(r.Context(), rec.ID, resumeTimeout)
+	// keepMemory: false: the processes end, the files are kept.
+	paused, err := s.pause(r.Context(), rec.ID, resumeTimeout, in.Memory != nil && !*in.Memory)
 	if err != nil {
 		writeErr(w, err)
 		return
@@ -806,10 +801,15 @@ func (s *Server) pauseSandbox(w http.ResponseWriter, r *http.Request) {
 	w.WriteHeader(http.StatusNoContent)
 }
 
-// pause pauses a sandbox (false: it was paused already) and records that
-// a connect gives it resumeTimeout.
-func (s *Server) pause(ctx context.Context, id string, resumeTimeout time.Duration) (bool, error) {
-	rec, paused, err := s.node.Pause(ctx, id)
+// pause pauses a sandbox (false: it was paused already), without its
+// processes when fsOnly, and records that a connect gives it
+// resumeTimeout.
+func (s *Server) pause(ctx context.Context, id string, resumeTimeout time.Duration, fsOnly bool) (bool, error) {
+	pause := s.node.Pause
+	if fsOnly {
+		pause = s.node.PauseFSOnly
+	}
+	rec, paused, err := pause(ctx, id)
 	if err != nil || !paused {
 		return paused, err
 	}

@@ -153,6 +153,7 @@ type Sandboxes interface {
 	CheckTimeout(d time.Duration) error
 	Agent(id string) (*agent.Client, error)
 	Pause(ctx context.Context, id string) (node.Record, bool, error)
+	PauseFSOnly(ctx context.Context, id string) (node.Record, bool, error)
 	Resume(ctx context.Context, id string) (node.Record, bool, error)
 	Hold(id string) (release func(), err error)
 	Layers() *layer.Store
@@ -297,7 +298,7 @@ func (s *Server) timeUp(ctx context.Context, id string) {
 		if rec, err := s.node.Get(id); err == nil && rec.Timeout > autoPauseMargin {
 			d = rec.Timeout - autoPauseMargin // the E2B timeout (nodeTimeout)
 		}
-		if _, err := s.pause(ctx, id, d); err != nil && !errors.Is(err, errdefs.ErrNotFound) {
+		if _, err := s.pause(ctx, id, d, m.AutoPauseFSOnly); err != nil && !errors.Is(err, errdefs.ErrNotFound) {
 			s.log.Error("e2b: auto-pause expired sandbox", "sandbox_id", id, "err", err)
 		}
 		return

@@ -33,6 +33,9 @@ type sandboxMeta struct {
 	// AutoPause: at its deadline the sandbox is paused, not killed (E2B's
 	// lifecycle onTimeout: 'pause', the create's autoPause).
 	AutoPause bool `json:"auto_pause,omitempty"`
+	// AutoPauseFSOnly: that pause keeps the files only (onTimeout
+	// keepMemory: false, the create's autoPauseMemory false).
+	AutoPauseFSOnly bool `json:"auto_pause_fs_only,omitempty"`
 	// ResumeTimeout is the sandbox's timeout before it was paused.
 	ResumeTimeout time.Duration `json:"resume_timeout,omitempty"`
 	// Public: its ports are served to anyone who knows the sandbox's

@@ -50,6 +50,10 @@ var (
 	// ErrNoSpace: a sandbox's disk is full (resource exhausted; 507 on
 	// the E2B face, as envd answers).
 	ErrNoSpace = Mark(ErrResourceExhausted, errors.New("no space left on the sandbox's disk"))
+	// ErrSandboxReset: the operation's command or shell was closed by a
+	// reset of its sandbox (failed precondition: it is gone, its sandbox
+	// is not); the message names the sandbox and the command.
+	ErrSandboxReset = Mark(ErrFailedPrecondition, errors.New("sandbox reset"))
 )
 
 type kindError struct {

@@ -219,6 +219,8 @@ type Manager struct {
 	// (admission.go), until their entry is in sandboxes. Guarded by mu.
 	admitting map[string]admission
 	onDelete  []func(id string) // set before serving; called after each delete
+	onReset   []func(id string) // set before serving; called as each reset begins
+	onEnd     []func(id string) // set before serving; called before a file-system-only pause ends the processes
 	// buckets are the tenants' create-rate token buckets (admission.go).
 	// Guarded by mu.
 	buckets map[string]*tenant.Bucket

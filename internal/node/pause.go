@@ -46,17 +46,33 @@ func (m *Manager) Pause(ctx context.Context, id string) (rec Record, paused bool
 	return m.pause(ctx, id, pauseRequest)
 }
 
+// PauseFSOnly pauses a running sandbox without its processes (E2B's
+// keepMemory: false): every process but its agent ends (its commands and
+// shells are closed, as by a reset, OnEndProcesses), then it is paused as
+// by Pause; its resume has its files and none of its processes. A backend
+// that cannot end them gives unimplemented.
+func (m *Manager) PauseFSOnly(ctx context.Context, id string) (rec Record, paused bool, err error) {
+	return m.pause(ctx, id, pauseFSOnly)
+}
+
+// OnEndProcesses registers fn, called with a sandbox's ID before a
+// file-system-only pause ends its processes. Set before serving.
+func (m *Manager) OnEndProcesses(fn func(id string)) { m.onEnd = append(m.onEnd, fn) }
+
 // Why a sandbox is paused.
 type pauseReason int
 
 const (
-	pauseRequest  pauseReason = iota // a client asked
-	pauseIdle                        // the idle policy: AutoPause
-	pausePressure                    // the host's memory ran low (pressure.go)
+	pauseRequest    pauseReason = iota // a client asked
+	pauseIdle                          // the idle policy: AutoPause
+	pausePressure                      // the host's memory ran low (pressure.go)
+	pauseFSOnly                        // a client asked, without the processes
+	pauseIdleFSOnly                    // the idle policy, without the processes (E2B's auto-pause keepMemory: false)
 )
 
 func (m *Manager) pause(ctx context.Context, id string, why pauseReason) (Record, bool, error) {
-	auto := why != pauseRequest
+	auto := why != pauseRequest && why != pauseFSOnly
+	fsOnly := why == pauseFSOnly || why == pauseIdleFSOnly
 	if _, ok := ctx.Deadline(); !ok {
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithTimeout(ctx, pauseTimeout)
@@ -72,6 +88,11 @@ func (m *Manager) pause(ctx context.Context, id string, why pauseReason) (Record
 	if !ok {
 		m.mu.Unlock()
 		return Record{}, false, errdefs.New(ErrNotRunning, "sandbox %s: its %s backend cannot pause sandboxes", id, e.rec.Backend)
+	}
+	ender, _ := m.backends[e.rec.Backend].(sandbox.ProcessEnder)
+	if fsOnly && ender == nil {
+		m.mu.Unlock()
+		return Record{}, false, errdefs.New(errdefs.ErrUnimplemented, "sandbox %s: its %s backend cannot pause without its processes (keepMemory: false); pause it with its memory, or reset it", id, e.rec.Backend)
 	}
 	if e.commit == nil {
 		e.commit = make(chan struct{}, 1)
@@ -98,7 +119,7 @@ func (m *Manager) pause(ctx context.Context, id string, why pauseReason) (Record
 	case e.rec.State != StateRunning:
 		return Record{}, false, errdefs.New(ErrNotRunning, "pause sandbox %s: it is %s", id, e.rec.State)
 	case auto && e.running > 0,
-		why == pauseIdle && time.Since(e.lastActive) < e.rec.AutoPause,
+		(why == pauseIdle || why == pauseIdleFSOnly) && time.Since(e.lastActive) < e.rec.AutoPause,
 		why == pausePressure && time.Since(e.lastActive) < m.cfg.Pressure.MinIdle:
 		return e.rec, false, nil // it became busy meanwhile
 	}
@@ -108,7 +129,17 @@ func (m *Manager) pause(ctx context.Context, id string, why pauseReason) (Record
 	m.mu.Unlock()
 
 	start := time.Now()
-	stats, perr := p.Pause(ctx, h)
+	var stats sandbox.PauseStats
+	var perr error
+	if fsOnly {
+		for _, fn := range m.onEnd {
+			fn(id)
+		}
+		perr = ender.EndProcesses(ctx, h)
+	}
+	if perr == nil {
+		stats, perr = p.Pause(ctx, h)
+	}
 
 	m.mu.Lock()
 	e.trans = nil
@@ -125,7 +156,7 @@ func (m *Manager) pause(ctx context.Context, id string, why pauseReason) (Record
 	}
 	now := time.Now().UTC()
 	e.rec.State = StatePaused
-	e.rec.Pause = &PauseInfo{At: now, Auto: auto, Stats: stats}
+	e.rec.Pause = &PauseInfo{At: now, Auto: auto, Stats: stats, FSOnly: fsOnly}
 	e.rec.Expires = now.Add(m.cfg.PausedTimeout)
 	e.dirty = false
 	stored := e.persisted()
@@ -134,7 +165,7 @@ func (m *Manager) pause(ctx context.Context, id string, why pauseReason) (Record
 		m.log.Error("persist paused sandbox", "sandbox_id", id, "err", err)
 	}
 	m.cfg.Metrics.Pause(e.rec.Backend, auto, time.Since(start), stats.MemoryBefore-stats.MemoryAfter)
-	m.log.Info("sandbox paused", "sandbox_id", id, "auto", auto, "pressure", why == pausePressure, "took", time.Since(start),
+	m.log.Info("sandbox paused", "sandbox_id", id, "auto", auto, "fs_only", fsOnly, "pressure", why == pausePressure, "took", time.Since(start),
 		"memory_before", stats.MemoryBefore, "memory_after", stats.MemoryAfter, "method", stats.Method,
 		"freeze_took", stats.FreezeTook, "reclaim_took", stats.ReclaimTook)
 	return e.rec, true, nil

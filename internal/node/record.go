@@ -76,6 +76,9 @@ type PauseInfo struct {
 	At    time.Time          `json:"at"`
 	Auto  bool               `json:"auto,omitempty"` // by the idle policy
 	Stats sandbox.PauseStats `json:"stats"`
+	// FSOnly: the pause ended the sandbox's processes first (its files
+	// are kept, its processes and memory are not).
+	FSOnly bool `json:"fs_only,omitempty"`
 	// Evicted: memory pressure moved its memory off the host since
 	// (sandbox.Evicter); Evict has what that did.
 	Evicted bool                `json:"evicted,omitempty"`

@@ -225,6 +225,30 @@ type Pauser interface {
 	Resume(ctx context.Context, h Handle) (Handle, error)
 }
 
+// Resetter is implemented by backends that can bring a running sandbox
+// back to its start in place: every process but its guest agent ends, its
+// writable layer is replaced by an empty one over the same layers (spec's,
+// as at its Create), its shared memory, SysV IPC objects and sockets go,
+// and it keeps its ID, agent socket, limits and network. Reset returns the
+// new handle (the node persists it) once the agent serves on the new root.
+// A failed Reset may leave the sandbox without its processes, or unusable
+// (failed during the root switch): the caller reports the failure and
+// keeps the old handle. Calls for one sandbox are
+// serialized by the caller with Pause, Resume and Freezer calls; the
+// sandbox is running (not paused) when Reset is called.
+type Resetter interface {
+	Reset(ctx context.Context, h Handle, spec Spec) (Handle, error)
+}
+
+// ProcessEnder is implemented by backends that can end every process of a
+// running sandbox but its guest agent, leaving its file system as it is:
+// the node's file-system-only pause (E2B's keepMemory: false) ends them
+// before its Pauser pauses what is left, so that the resumed sandbox has
+// its files and none of its processes. Called like Reset.
+type ProcessEnder interface {
+	EndProcesses(ctx context.Context, h Handle) error
+}
+
 // Evicter is implemented by Pausers whose pause may leave a paused
 // sandbox's memory on the host (a VM paused in place: compressed in
 // swap): Evict moves it off the host (a VM's snapshot to a file, its QEMU

@@ -132,6 +132,7 @@ type record struct {
 	LogBytes   int64             `json:"log_bytes,omitempty"`  // at exit
 	LogPruned  int64             `json:"log_pruned,omitempty"` // its log's bytes before this offset are pruned (budget.go)
 	Killed     bool              `json:"killed,omitempty"`     // lost because its sandbox was deleted
+	Reset      bool              `json:"reset,omitempty"`      // closed by a reset of its sandbox
 	Extra      map[string]string `json:"extra,omitempty"`
 }
 
@@ -171,6 +172,9 @@ type Info struct {
 	// Killed: the command is lost because its sandbox was deleted (killed)
 	// while it ran.
 	Killed bool
+	// Reset: the command was closed (its process killed) by a reset of
+	// its sandbox.
+	Reset bool
 }
 
 // Info returns a snapshot of the command.
@@ -181,13 +185,18 @@ func (c *Command) Info() Info {
 	return Info{
 		ID: r.ID, SandboxID: r.SandboxID, Args: r.Args, Cwd: r.Cwd, User: r.User, PTY: r.PTY, Pid: r.Pid,
 		State: r.State, Exit: r.Exit, Started: r.Started, Ended: r.Ended, LogBytes: c.size, LogPruned: c.pruned,
-		Trajectory: r.Trajectory, Step: r.Step, Digest: r.Digest, Killed: r.Killed,
+		Trajectory: r.Trajectory, Step: r.Step, Digest: r.Digest, Killed: r.Killed, Reset: r.Reset,
 	}
 }
 
 // killedError is what a reader of a command killed with its sandbox gets.
 func killedError(sandboxID, id string) error {
 	return errdefs.New(errdefs.ErrSandboxKilled, "sandbox %s was killed (deleted) while command %s ran: the command did not exit", sandboxID, id)
+}
+
+// resetError is what a reader of a command closed by a reset gets.
+func resetError(sandboxID, id string) error {
+	return fmt.Errorf("command %s was closed by a reset of sandbox %s: %w", id, sandboxID, errdefs.ErrSandboxReset)
 }
 
 func (c *Command) notifyLocked() {
@@ -764,6 +773,13 @@ func (m *Manager) acknowledgeEnd(ctx context.Context, c *Command, ag *agent.Clie
 // whyDeleted is why the commands of a deleted sandbox are lost.
 const whyDeleted = "the sandbox was deleted"
 
+// whyReset is why the commands of a reset sandbox are lost.
+const whyReset = "reset"
+
+// whyFSPause is why the commands of a sandbox paused without its memory
+// (its processes) are lost.
+const whyFSPause = "paused without memory"
+
 // finish records how a command ended: its exit status, or lost (exit nil);
 // lost while its sandbox is being deleted is killed.
 func (m *Manager) finish(c *Command, exit *agent.ExitStatus, why string) {
@@ -779,6 +795,7 @@ func (m *Manager) finish(c *Command, exit *agent.ExitStatus, why string) {
 	} else {
 		c.rec.State = StateLost
 		c.rec.Killed = killed
+		c.rec.Reset = why == whyReset
 		if killed {
 			why = whyDeleted
 		}
@@ -913,7 +930,7 @@ func (m *Manager) Events(ctx context.Context, c *Command, from int64, keepAlive 
 	}
 	for {
 		c.mu.Lock()
-		size, state, exit, changed, killed := c.size, c.rec.State, c.rec.Exit, c.changed, c.rec.Killed
+		size, state, exit, changed, killed, reset := c.size, c.rec.State, c.rec.Exit, c.changed, c.rec.Killed, c.rec.Reset
 		c.mu.Unlock()
 		for pos < size {
 			// Read a block of whole records and merge runs of the same
@@ -960,6 +977,9 @@ func (m *Manager) Events(ctx context.Context, c *Command, from int64, keepAlive 
 		case StateLost:
 			if killed {
 				return killedError(c.rec.SandboxID, c.rec.ID)
+			}
+			if reset {
+				return resetError(c.rec.SandboxID, c.rec.ID)
 			}
 			return fn(Event{Kind: EventLost, Offset: pos})
 		}
@@ -1047,10 +1067,13 @@ func recordBoundary(f *os.File, from, off int64) (bool, error) {
 func (m *Manager) Wait(ctx context.Context, c *Command) (Info, error) {
 	for {
 		c.mu.Lock()
-		state, changed, killed := c.rec.State, c.changed, c.rec.Killed
+		state, changed, killed, reset := c.rec.State, c.changed, c.rec.Killed, c.rec.Reset
 		c.mu.Unlock()
 		if killed {
 			return c.Info(), killedError(c.rec.SandboxID, c.rec.ID)
+		}
+		if reset {
+			return c.Info(), resetError(c.rec.SandboxID, c.rec.ID)
 		}
 		if state != StateRunning {
 			return c.Info(), nil
@@ -1102,6 +1125,64 @@ func (m *Manager) Resize(ctx context.Context, c *Command, size agent.Winsize) er
 		return err
 	}
 	return ag.Resize(ctx, agentID, size)
+}
+
+// ResetSandbox closes every running command of a sandbox about to be
+// reset, and its shell sessions: each command ends as lost with the reason
+// "reset" (Info.Reset; its readers get errdefs.ErrSandboxReset), and a
+// shell's name is free again. The node calls it before the backend's reset
+// kills their processes; their logs and trajectories stay.
+func (m *Manager) ResetSandbox(sandboxID string) { m.closeSandbox(sandboxID, whyReset) }
+
+// PauseSandboxFSOnly closes every running command and shell of a sandbox
+// whose processes a file-system-only pause is about to end: each command
+// ends as lost with the reason "paused without memory".
+func (m *Manager) PauseSandboxFSOnly(sandboxID string) { m.closeSandbox(sandboxID, whyFSPause) }
+
+// closeSandbox closes the running commands and the shells of a sandbox
+// whose processes are about to end, for why.
+func (m *Manager) closeSandbox(sandboxID, why string) {
+	prefix := sandboxID + "/"
+	m.mu.Lock()
+	var cs []*Command
+	for k, c := range m.cmds {
+		if strings.HasPrefix(k, prefix) {
+			cs = append(cs, c)
+		}
+	}
+	var shells [][]byte
+	for k := range m.shells {
+		if strings.HasPrefix(k, prefix) {
+			delete(m.shells, k)
+			shells = append(shells, []byte(k))
+		}
+	}
+	m.mu.Unlock()
+	for _, c := range cs {
+		c.mu.Lock()
+		running, cancel := c.rec.State == StateRunning, c.cancel
+		c.mu.Unlock()
+		if !running {
+			continue
+		}
+		if cancel != nil {
+			cancel()
+		}
+		m.finish(c, nil, why)
+	}
+	if len(shells) == 0 {
+		return
+	}
+	if err := boltgroup.Update(m.db, func(tx *bbolt.Tx) error {
+		for _, k := range shells {
+			if err := tx.Bucket(bucketShells).Delete(k); err != nil {
+				return err
+			}
+		}
+		return nil
+	}); err != nil {
+		m.log.Error("forget the shells of a reset sandbox", "sandbox_id", sandboxID, "err", err)
+	}
 }
 
 // DropSandbox forgets every command and trajectory of a deleted sandbox

@@ -237,6 +237,17 @@ func (c *Client) Pause(ctx context.Context, id string) (sb *pb.Sandbox, paused b
 	return res.Msg.Sandbox, res.Msg.Paused, nil
 }
 
+// PauseFSOnly pauses a sandbox without its processes (E2B's keepMemory:
+// false): they end (their commands and shells are closed) and only its
+// files are kept; a resume has its files and none of its processes.
+func (c *Client) PauseFSOnly(ctx context.Context, id string) (sb *pb.Sandbox, paused bool, err error) {
+	res, err := c.Sandboxes.PauseSandbox(ctx, connect.NewRequest(&pb.PauseSandboxRequest{Id: id, FsOnly: true}))
+	if err != nil {
+		return nil, false, err
+	}
+	return res.Msg.Sandbox, res.Msg.Paused, nil
+}
+
 // Resume resumes a paused sandbox; resumed is false when it was not paused.
 func (c *Client) Resume(ctx context.Context, id string) (sb *pb.Sandbox, resumed bool, err error) {
 	res, err := c.Sandboxes.ResumeSandbox(ctx, connect.NewRequest(&pb.ResumeSandboxRequest{Id: id}))
@@ -244,6 +255,19 @@ func (c *Client) Resume(ctx context.Context, id string) (sb *pb.Sandbox, resumed
 		return nil, false, err
 	}
 	return res.Msg.Sandbox, res.Msg.Resumed, nil
+}
+
+// Reset brings a sandbox back to its start, in place: every process but
+// its agent ends, its writable layer is replaced by an empty one, its
+// commands and shells are closed with the reason "reset" (their streams end
+// with FailedPrecondition, reason header "sandbox_reset"), and it keeps its
+// ID, limits and network. took is how long the node's reset took.
+func (c *Client) Reset(ctx context.Context, id string) (sb *pb.Sandbox, took time.Duration, err error) {
+	res, err := c.Sandboxes.ResetSandbox(ctx, connect.NewRequest(&pb.ResetSandboxRequest{Id: id}))
+	if err != nil {
+		return nil, 0, err
+	}
+	return res.Msg.Sandbox, time.Duration(res.Msg.ResetSeconds * float64(time.Second)), nil
 }
 
 func (c *Client) fileURL(id, path string, q url.Values) string {

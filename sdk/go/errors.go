@@ -14,6 +14,12 @@ import (
 // sandbox is gone) naming the sandbox.
 var ErrSandboxKilled = errors.New("sandbox killed")
 
+// ErrCommandReset matches (errors.Is) the error of a command stream
+// (Exec, Attach) whose command was closed by a reset of its sandbox
+// (Client.Reset): its process was killed, the sandbox lives on. The error
+// is also a *connect.Error with code FailedPrecondition.
+var ErrCommandReset = errors.New("command closed by a sandbox reset")
+
 // ErrCommandNotFound and ErrCommandNotExecutable match (errors.Is) the
 // error of Exec or Start whose command could not start: its executable does
 // not exist (not in PATH, or no such file), or exists but cannot be
@@ -30,6 +36,7 @@ var (
 const (
 	reasonHeader               = "Shoal-Error-Reason"
 	reasonSandboxKilled        = "sandbox_killed"
+	reasonSandboxReset         = "sandbox_reset"
 	reasonCommandNotFound      = "command_not_found"
 	reasonCommandNotExecutable = "command_not_executable"
 )
@@ -72,7 +79,13 @@ func (e *SandboxKilledError) Unwrap() []error { return []error{e.Err, ErrSandbox
 // streamErr names the errors of a command stream that have a name.
 func streamErr(err error) error {
 	var ce *connect.Error
-	if err == nil || !errors.As(err, &ce) || ce.Code() != connect.CodeNotFound {
+	if err == nil || !errors.As(err, &ce) {
+		return err
+	}
+	if ce.Code() == connect.CodeFailedPrecondition && ce.Meta().Get(reasonHeader) == reasonSandboxReset {
+		return &reasonError{Err: ce, name: ErrCommandReset}
+	}
+	if ce.Code() != connect.CodeNotFound {
 		return err
 	}
 	if ce.Meta().Get(reasonHeader) == reasonSandboxKilled ||

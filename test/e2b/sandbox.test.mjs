@@ -143,12 +143,29 @@ describe('sandboxes', () => {
     await assert.rejects(Sandbox.getInfo(sbx.sandboxId), SandboxNotFoundError)
   })
 
+  test('pause without memory (keepMemory: false): the files are kept, the processes are not', async () => {
+    const sbx = await Sandbox.create(TEMPLATE)
+    try {
+      await sbx.files.write('/work/state.txt', 'before pause')
+      const bg = await sbx.commands.run('while true; do sleep 1; done', { background: true })
+      assert.equal(await sbx.pause({ keepMemory: false }), true)
+      assert.equal((await sbx.getInfo()).state, 'paused')
+      const again = await Sandbox.connect(sbx.sandboxId, { timeoutMs: 120_000 })
+      assert.equal((await again.getInfo()).state, 'running')
+      assert.equal(await again.files.read('/work/state.txt'), 'before pause')
+      assert.ok(!(await again.commands.list()).some((p) => p.pid === bg.pid), 'a process survived a pause without memory')
+      assert.equal((await again.commands.run("ps -o args | grep -c '[s]leep 1' || true")).stdout.trim(), '0')
+      assert.equal((await again.commands.run('echo after')).stdout, 'after\n')
+    } finally {
+      await sbx.kill()
+    }
+  })
+
   test('pause, then connect again', async () => {
     const sbx = await Sandbox.create(TEMPLATE)
     try {
       await sbx.files.write('/work/state.txt', 'before pause')
       const bg = await sbx.commands.run('while true; do sleep 1; done', { background: true })
-      await assert.rejects(sbx.pause({ keepMemory: false }), /keepMemory/, 'a pause without memory is refused')
       assert.equal(await sbx.pause(), true)
       assert.equal((await sbx.getInfo()).state, 'paused')
       assert.equal(await sbx.isRunning(), false, 'a paused sandbox is not running')
@@ -670,5 +687,19 @@ test('allowInternetAccess gives the sandbox a link out; none by default', async 
 
 test('unsupported create options are refused, not ignored', async () => {
   await assert.rejects(Sandbox.create(TEMPLATE, { network: { allowOut: ['example.com'] } }), /host names are not supported/)
-  await assert.rejects(Sandbox.create(TEMPLATE, { lifecycle: { onTimeout: { action: 'pause', keepMemory: false } } }), /keepMemory/)
+})
+
+test('auto-pause without memory (onTimeout keepMemory: false) keeps the files, not the processes', async () => {
+  const sbx = await Sandbox.create(TEMPLATE, { timeoutMs: 600_000, lifecycle: { onTimeout: { action: 'pause', keepMemory: false } } })
+  try {
+    await sbx.files.write('/work/state.txt', 'before timeout')
+    await sbx.commands.run('while true; do sleep 1; done', { background: true })
+    await sbx.setTimeout(0)
+    assert.equal((await sbx.getInfo()).state, 'paused')
+    const again = await Sandbox.connect(sbx.sandboxId, { timeoutMs: 120_000 })
+    assert.equal(await again.files.read('/work/state.txt'), 'before timeout')
+    assert.equal((await again.commands.run("ps -o args | grep -c '[s]leep 1' || true")).stdout.trim(), '0')
+  } finally {
+    await sbx.kill()
+  }
 })

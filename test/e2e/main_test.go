@@ -86,6 +86,7 @@ func setup() error {
 		{"go", "build", "-o", filepath.Join(binDir, "escape"), "./testdata/escape"},
 		{"go", "build", "-o", filepath.Join(binDir, "swapper"), "./testdata/swapper"},
 		{"go", "build", "-o", filepath.Join(binDir, "memhold"), "./testdata/memhold"},
+		{"go", "build", "-o", filepath.Join(binDir, "sysvipc"), "./testdata/sysvipc"},
 	}
 	for _, b := range builds {
 		cmd := exec.Command(b[0], b[1:]...)
@@ -275,7 +276,7 @@ func busyboxRootfs() (string, error) {
 	if err := copyFile(bb, filepath.Join(root, "bin", "busybox"), 0o755); err != nil {
 		return "", err
 	}
-	for _, prog := range []string{"hog", "portsrv", "escape", "swapper", "memhold"} {
+	for _, prog := range []string{"hog", "portsrv", "escape", "swapper", "memhold", "sysvipc"} {
 		if err := copyFile(filepath.Join(binDir, prog), filepath.Join(root, "bin", prog), 0o755); err != nil {
 			return "", err
 		}

@@ -324,23 +324,27 @@ func (x *ExitStatus) GetTimedOut() bool {
 }
 
 type Command struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Id            string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
-	SandboxId     string                 `protobuf:"bytes,2,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
-	Args          []string               `protobuf:"bytes,3,rep,name=args,proto3" json:"args,omitempty"`
-	Cwd           string                 `protobuf:"bytes,4,opt,name=cwd,proto3" json:"cwd,omitempty"`
-	State         CommandState           `protobuf:"varint,5,opt,name=state,proto3,enum=shoal.v1.CommandState" json:"state,omitempty"`
-	Pid           int64                  `protobuf:"varint,6,opt,name=pid,proto3" json:"pid,omitempty"`
-	Exit          *ExitStatus            `protobuf:"bytes,7,opt,name=exit,proto3" json:"exit,omitempty"` // set once exited
-	StartedAt     *timestamppb.Timestamp `protobuf:"bytes,8,opt,name=started_at,json=startedAt,proto3" json:"started_at,omitempty"`
-	EndedAt       *timestamppb.Timestamp `protobuf:"bytes,9,opt,name=ended_at,json=endedAt,proto3" json:"ended_at,omitempty"`
-	LogBytes      int64                  `protobuf:"varint,10,opt,name=log_bytes,json=logBytes,proto3" json:"log_bytes,omitempty"`             // current end offset of its log
-	DroppedBytes  int64                  `protobuf:"varint,11,opt,name=dropped_bytes,json=droppedBytes,proto3" json:"dropped_bytes,omitempty"` // output dropped past the log cap
-	Pty           bool                   `protobuf:"varint,12,opt,name=pty,proto3" json:"pty,omitempty"`
-	TrajectoryId  string                 `protobuf:"bytes,13,opt,name=trajectory_id,json=trajectoryId,proto3" json:"trajectory_id,omitempty"`
-	Step          int64                  `protobuf:"varint,14,opt,name=step,proto3" json:"step,omitempty"`
-	Replayed      bool                   `protobuf:"varint,15,opt,name=replayed,proto3" json:"replayed,omitempty"` // this reply is a replay of a recorded step
-	User          string                 `protobuf:"bytes,16,opt,name=user,proto3" json:"user,omitempty"`          // the sandbox user it runs as (empty: root)
+	state        protoimpl.MessageState `protogen:"open.v1"`
+	Id           string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	SandboxId    string                 `protobuf:"bytes,2,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
+	Args         []string               `protobuf:"bytes,3,rep,name=args,proto3" json:"args,omitempty"`
+	Cwd          string                 `protobuf:"bytes,4,opt,name=cwd,proto3" json:"cwd,omitempty"`
+	State        CommandState           `protobuf:"varint,5,opt,name=state,proto3,enum=shoal.v1.CommandState" json:"state,omitempty"`
+	Pid          int64                  `protobuf:"varint,6,opt,name=pid,proto3" json:"pid,omitempty"`
+	Exit         *ExitStatus            `protobuf:"bytes,7,opt,name=exit,proto3" json:"exit,omitempty"` // set once exited
+	StartedAt    *timestamppb.Timestamp `protobuf:"bytes,8,opt,name=started_at,json=startedAt,proto3" json:"started_at,omitempty"`
+	EndedAt      *timestamppb.Timestamp `protobuf:"bytes,9,opt,name=ended_at,json=endedAt,proto3" json:"ended_at,omitempty"`
+	LogBytes     int64                  `protobuf:"varint,10,opt,name=log_bytes,json=logBytes,proto3" json:"log_bytes,omitempty"`             // current end offset of its log
+	DroppedBytes int64                  `protobuf:"varint,11,opt,name=dropped_bytes,json=droppedBytes,proto3" json:"dropped_bytes,omitempty"` // output dropped past the log cap
+	Pty          bool                   `protobuf:"varint,12,opt,name=pty,proto3" json:"pty,omitempty"`
+	TrajectoryId string                 `protobuf:"bytes,13,opt,name=trajectory_id,json=trajectoryId,proto3" json:"trajectory_id,omitempty"`
+	Step         int64                  `protobuf:"varint,14,opt,name=step,proto3" json:"step,omitempty"`
+	Replayed     bool                   `protobuf:"varint,15,opt,name=replayed,proto3" json:"replayed,omitempty"` // this reply is a replay of a recorded step
+	User         string                 `protobuf:"bytes,16,opt,name=user,proto3" json:"user,omitempty"`          // the sandbox user it runs as (empty: root)
+	// Why a command that did not exit ended: "reset" when a reset of its
+	// sandbox closed it (its stream ends with FailedPrecondition and the
+	// reason header "sandbox_reset").
+	EndReason     string `protobuf:"bytes,17,opt,name=end_reason,json=endReason,proto3" json:"end_reason,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -483,6 +487,13 @@ func (x *Command) GetReplayed() bool {
 func (x *Command) GetUser() string {
 	if x != nil {
 		return x.User
+	}
+	return ""
+}
+
+func (x *Command) GetEndReason() string {
+	if x != nil {
+		return x.EndReason
 	}
 	return ""
 }
@@ -2171,7 +2182,7 @@ const file_shoal_v1_command_proto_rawDesc = "" +
 	"ExitStatus\x12\x12\n" +
 	"\x04code\x18\x01 \x01(\x05R\x04code\x12\x16\n" +
 	"\x06signal\x18\x02 \x01(\tR\x06signal\x12\x1b\n" +
-	"\ttimed_out\x18\x03 \x01(\bR\btimedOut\"\xf7\x03\n" +
+	"\ttimed_out\x18\x03 \x01(\bR\btimedOut\"\x96\x04\n" +
 	"\aCommand\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x1d\n" +
 	"\n" +
@@ -2191,7 +2202,9 @@ const file_shoal_v1_command_proto_rawDesc = "" +
 	"\rtrajectory_id\x18\r \x01(\tR\ftrajectoryId\x12\x12\n" +
 	"\x04step\x18\x0e \x01(\x03R\x04step\x12\x1a\n" +
 	"\breplayed\x18\x0f \x01(\bR\breplayed\x12\x12\n" +
-	"\x04user\x18\x10 \x01(\tR\x04user\"\xcc\x04\n" +
+	"\x04user\x18\x10 \x01(\tR\x04user\x12\x1d\n" +
+	"\n" +
+	"end_reason\x18\x11 \x01(\tR\tendReason\"\xcc\x04\n" +
 	"\fCommandEvent\x12\x16\n" +
 	"\x06offset\x18\x01 \x01(\x03R\x06offset\x12:\n" +
 	"\astarted\x18\x02 \x01(\v2\x1e.shoal.v1.CommandEvent.StartedH\x00R\astarted\x12\x18\n" +

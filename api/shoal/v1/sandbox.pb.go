@@ -166,7 +166,7 @@ func (x WatchDirEvent_Op) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use WatchDirEvent_Op.Descriptor instead.
 func (WatchDirEvent_Op) EnumDescriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{24, 0}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{26, 0}
 }
 
 // LayerRef is one layer of a sandbox as resolved at creation: the digest is
@@ -728,6 +728,9 @@ type PauseInfo struct {
 	// The host had no swap (serve could not set up zram, or --zram-size 0):
 	// the pause reclaimed file pages only, its anonymous memory stayed.
 	FilePagesOnly bool `protobuf:"varint,14,opt,name=file_pages_only,json=filePagesOnly,proto3" json:"file_pages_only,omitempty"`
+	// The pause ended the sandbox's processes first (fs_only): its files
+	// are kept, its processes are not.
+	FsOnly        bool `protobuf:"varint,15,opt,name=fs_only,json=fsOnly,proto3" json:"fs_only,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -860,9 +863,20 @@ func (x *PauseInfo) GetFilePagesOnly() bool {
 	return false
 }
 
+func (x *PauseInfo) GetFsOnly() bool {
+	if x != nil {
+		return x.FsOnly
+	}
+	return false
+}
+
 type PauseSandboxRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Id            string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Id    string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	// fs_only: end every process of the sandbox (but its agent) first and
+	// keep only its files (E2B's keepMemory: false); its resume has its
+	// files and none of its processes. Backends that cannot: unimplemented.
+	FsOnly        bool `protobuf:"varint,2,opt,name=fs_only,json=fsOnly,proto3" json:"fs_only,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -902,6 +916,13 @@ func (x *PauseSandboxRequest) GetId() string {
 		return x.Id
 	}
 	return ""
+}
+
+func (x *PauseSandboxRequest) GetFsOnly() bool {
+	if x != nil {
+		return x.FsOnly
+	}
+	return false
 }
 
 type PauseSandboxResponse struct {
@@ -1052,6 +1073,102 @@ func (x *ResumeSandboxResponse) GetResumed() bool {
 	return false
 }
 
+type ResetSandboxRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Id            string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ResetSandboxRequest) Reset() {
+	*x = ResetSandboxRequest{}
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[9]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ResetSandboxRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ResetSandboxRequest) ProtoMessage() {}
+
+func (x *ResetSandboxRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[9]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ResetSandboxRequest.ProtoReflect.Descriptor instead.
+func (*ResetSandboxRequest) Descriptor() ([]byte, []int) {
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{9}
+}
+
+func (x *ResetSandboxRequest) GetId() string {
+	if x != nil {
+		return x.Id
+	}
+	return ""
+}
+
+type ResetSandboxResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Sandbox       *Sandbox               `protobuf:"bytes,1,opt,name=sandbox,proto3" json:"sandbox,omitempty"`
+	ResetSeconds  float64                `protobuf:"fixed64,2,opt,name=reset_seconds,json=resetSeconds,proto3" json:"reset_seconds,omitempty"` // how long the backend's reset took
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ResetSandboxResponse) Reset() {
+	*x = ResetSandboxResponse{}
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[10]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ResetSandboxResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ResetSandboxResponse) ProtoMessage() {}
+
+func (x *ResetSandboxResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[10]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ResetSandboxResponse.ProtoReflect.Descriptor instead.
+func (*ResetSandboxResponse) Descriptor() ([]byte, []int) {
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{10}
+}
+
+func (x *ResetSandboxResponse) GetSandbox() *Sandbox {
+	if x != nil {
+		return x.Sandbox
+	}
+	return nil
+}
+
+func (x *ResetSandboxResponse) GetResetSeconds() float64 {
+	if x != nil {
+		return x.ResetSeconds
+	}
+	return 0
+}
+
 type GetSandboxRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Id            string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
@@ -1061,7 +1178,7 @@ type GetSandboxRequest struct {
 
 func (x *GetSandboxRequest) Reset() {
 	*x = GetSandboxRequest{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[9]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1073,7 +1190,7 @@ func (x *GetSandboxRequest) String() string {
 func (*GetSandboxRequest) ProtoMessage() {}
 
 func (x *GetSandboxRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[9]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1086,7 +1203,7 @@ func (x *GetSandboxRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetSandboxRequest.ProtoReflect.Descriptor instead.
 func (*GetSandboxRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{9}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *GetSandboxRequest) GetId() string {
@@ -1104,7 +1221,7 @@ type ListSandboxesRequest struct {
 
 func (x *ListSandboxesRequest) Reset() {
 	*x = ListSandboxesRequest{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[10]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1116,7 +1233,7 @@ func (x *ListSandboxesRequest) String() string {
 func (*ListSandboxesRequest) ProtoMessage() {}
 
 func (x *ListSandboxesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[10]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1129,7 +1246,7 @@ func (x *ListSandboxesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSandboxesRequest.ProtoReflect.Descriptor instead.
 func (*ListSandboxesRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{10}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{12}
 }
 
 type ListSandboxesResponse struct {
@@ -1141,7 +1258,7 @@ type ListSandboxesResponse struct {
 
 func (x *ListSandboxesResponse) Reset() {
 	*x = ListSandboxesResponse{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[11]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1153,7 +1270,7 @@ func (x *ListSandboxesResponse) String() string {
 func (*ListSandboxesResponse) ProtoMessage() {}
 
 func (x *ListSandboxesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[11]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1166,7 +1283,7 @@ func (x *ListSandboxesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSandboxesResponse.ProtoReflect.Descriptor instead.
 func (*ListSandboxesResponse) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{11}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *ListSandboxesResponse) GetSandboxes() []*Sandbox {
@@ -1185,7 +1302,7 @@ type DeleteSandboxRequest struct {
 
 func (x *DeleteSandboxRequest) Reset() {
 	*x = DeleteSandboxRequest{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[12]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1197,7 +1314,7 @@ func (x *DeleteSandboxRequest) String() string {
 func (*DeleteSandboxRequest) ProtoMessage() {}
 
 func (x *DeleteSandboxRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[12]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1210,7 +1327,7 @@ func (x *DeleteSandboxRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteSandboxRequest.ProtoReflect.Descriptor instead.
 func (*DeleteSandboxRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{12}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *DeleteSandboxRequest) GetId() string {
@@ -1228,7 +1345,7 @@ type DeleteSandboxResponse struct {
 
 func (x *DeleteSandboxResponse) Reset() {
 	*x = DeleteSandboxResponse{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[13]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1240,7 +1357,7 @@ func (x *DeleteSandboxResponse) String() string {
 func (*DeleteSandboxResponse) ProtoMessage() {}
 
 func (x *DeleteSandboxResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[13]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1253,7 +1370,7 @@ func (x *DeleteSandboxResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteSandboxResponse.ProtoReflect.Descriptor instead.
 func (*DeleteSandboxResponse) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{13}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{15}
 }
 
 type SetTimeoutRequest struct {
@@ -1266,7 +1383,7 @@ type SetTimeoutRequest struct {
 
 func (x *SetTimeoutRequest) Reset() {
 	*x = SetTimeoutRequest{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[14]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1278,7 +1395,7 @@ func (x *SetTimeoutRequest) String() string {
 func (*SetTimeoutRequest) ProtoMessage() {}
 
 func (x *SetTimeoutRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[14]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1291,7 +1408,7 @@ func (x *SetTimeoutRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetTimeoutRequest.ProtoReflect.Descriptor instead.
 func (*SetTimeoutRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{14}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *SetTimeoutRequest) GetId() string {
@@ -1327,7 +1444,7 @@ type FileInfo struct {
 
 func (x *FileInfo) Reset() {
 	*x = FileInfo{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[15]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1339,7 +1456,7 @@ func (x *FileInfo) String() string {
 func (*FileInfo) ProtoMessage() {}
 
 func (x *FileInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[15]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1352,7 +1469,7 @@ func (x *FileInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FileInfo.ProtoReflect.Descriptor instead.
 func (*FileInfo) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{15}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *FileInfo) GetName() string {
@@ -1446,7 +1563,7 @@ type StatFileRequest struct {
 
 func (x *StatFileRequest) Reset() {
 	*x = StatFileRequest{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[16]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1458,7 +1575,7 @@ func (x *StatFileRequest) String() string {
 func (*StatFileRequest) ProtoMessage() {}
 
 func (x *StatFileRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[16]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1471,7 +1588,7 @@ func (x *StatFileRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatFileRequest.ProtoReflect.Descriptor instead.
 func (*StatFileRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{16}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *StatFileRequest) GetSandboxId() string {
@@ -1513,7 +1630,7 @@ type ListDirRequest struct {
 
 func (x *ListDirRequest) Reset() {
 	*x = ListDirRequest{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[17]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1525,7 +1642,7 @@ func (x *ListDirRequest) String() string {
 func (*ListDirRequest) ProtoMessage() {}
 
 func (x *ListDirRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[17]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1538,7 +1655,7 @@ func (x *ListDirRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListDirRequest.ProtoReflect.Descriptor instead.
 func (*ListDirRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{17}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *ListDirRequest) GetSandboxId() string {
@@ -1578,7 +1695,7 @@ type ListDirResponse struct {
 
 func (x *ListDirResponse) Reset() {
 	*x = ListDirResponse{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[18]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1590,7 +1707,7 @@ func (x *ListDirResponse) String() string {
 func (*ListDirResponse) ProtoMessage() {}
 
 func (x *ListDirResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[18]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1603,7 +1720,7 @@ func (x *ListDirResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListDirResponse.ProtoReflect.Descriptor instead.
 func (*ListDirResponse) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{18}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *ListDirResponse) GetEntries() []*FileInfo {
@@ -1624,7 +1741,7 @@ type MakeDirRequest struct {
 
 func (x *MakeDirRequest) Reset() {
 	*x = MakeDirRequest{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[19]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1636,7 +1753,7 @@ func (x *MakeDirRequest) String() string {
 func (*MakeDirRequest) ProtoMessage() {}
 
 func (x *MakeDirRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[19]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1649,7 +1766,7 @@ func (x *MakeDirRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MakeDirRequest.ProtoReflect.Descriptor instead.
 func (*MakeDirRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{19}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *MakeDirRequest) GetSandboxId() string {
@@ -1681,7 +1798,7 @@ type MakeDirResponse struct {
 
 func (x *MakeDirResponse) Reset() {
 	*x = MakeDirResponse{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[20]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1693,7 +1810,7 @@ func (x *MakeDirResponse) String() string {
 func (*MakeDirResponse) ProtoMessage() {}
 
 func (x *MakeDirResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[20]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1706,7 +1823,7 @@ func (x *MakeDirResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MakeDirResponse.ProtoReflect.Descriptor instead.
 func (*MakeDirResponse) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{20}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{22}
 }
 
 type RemoveFileRequest struct {
@@ -1721,7 +1838,7 @@ type RemoveFileRequest struct {
 
 func (x *RemoveFileRequest) Reset() {
 	*x = RemoveFileRequest{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[21]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1733,7 +1850,7 @@ func (x *RemoveFileRequest) String() string {
 func (*RemoveFileRequest) ProtoMessage() {}
 
 func (x *RemoveFileRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[21]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1746,7 +1863,7 @@ func (x *RemoveFileRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RemoveFileRequest.ProtoReflect.Descriptor instead.
 func (*RemoveFileRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{21}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *RemoveFileRequest) GetSandboxId() string {
@@ -1785,7 +1902,7 @@ type RemoveFileResponse struct {
 
 func (x *RemoveFileResponse) Reset() {
 	*x = RemoveFileResponse{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[22]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1797,7 +1914,7 @@ func (x *RemoveFileResponse) String() string {
 func (*RemoveFileResponse) ProtoMessage() {}
 
 func (x *RemoveFileResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[22]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1810,7 +1927,7 @@ func (x *RemoveFileResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RemoveFileResponse.ProtoReflect.Descriptor instead.
 func (*RemoveFileResponse) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{22}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{24}
 }
 
 // WatchDir's stream sends its response headers, with the header
@@ -1839,7 +1956,7 @@ type WatchDirRequest struct {
 
 func (x *WatchDirRequest) Reset() {
 	*x = WatchDirRequest{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[23]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1851,7 +1968,7 @@ func (x *WatchDirRequest) String() string {
 func (*WatchDirRequest) ProtoMessage() {}
 
 func (x *WatchDirRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[23]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1864,7 +1981,7 @@ func (x *WatchDirRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchDirRequest.ProtoReflect.Descriptor instead.
 func (*WatchDirRequest) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{23}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *WatchDirRequest) GetSandboxId() string {
@@ -1907,7 +2024,7 @@ type WatchDirEvent struct {
 
 func (x *WatchDirEvent) Reset() {
 	*x = WatchDirEvent{}
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[24]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1919,7 +2036,7 @@ func (x *WatchDirEvent) String() string {
 func (*WatchDirEvent) ProtoMessage() {}
 
 func (x *WatchDirEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_shoal_v1_sandbox_proto_msgTypes[24]
+	mi := &file_shoal_v1_sandbox_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1932,7 +2049,7 @@ func (x *WatchDirEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchDirEvent.ProtoReflect.Descriptor instead.
 func (*WatchDirEvent) Descriptor() ([]byte, []int) {
-	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{24}
+	return file_shoal_v1_sandbox_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *WatchDirEvent) GetOp() WatchDirEvent_Op {
@@ -2037,7 +2154,7 @@ const file_shoal_v1_sandbox_proto_rawDesc = "" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1a:\n" +
 	"\fRuntimeEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xbd\x04\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xd6\x04\n" +
 	"\tPauseInfo\x127\n" +
 	"\tpaused_at\x18\x01 \x01(\v2\x1a.google.protobuf.TimestampR\bpausedAt\x12\x12\n" +
 	"\x04auto\x18\x02 \x01(\bR\x04auto\x12.\n" +
@@ -2054,9 +2171,11 @@ const file_shoal_v1_sandbox_proto_rawDesc = "" +
 	"\aevicted\x18\v \x01(\bR\aevicted\x12#\n" +
 	"\revict_seconds\x18\f \x01(\x01R\fevictSeconds\x12(\n" +
 	"\x10evicted_to_bytes\x18\r \x01(\x03R\x0eevictedToBytes\x12&\n" +
-	"\x0ffile_pages_only\x18\x0e \x01(\bR\rfilePagesOnly\"%\n" +
+	"\x0ffile_pages_only\x18\x0e \x01(\bR\rfilePagesOnly\x12\x17\n" +
+	"\afs_only\x18\x0f \x01(\bR\x06fsOnly\">\n" +
 	"\x13PauseSandboxRequest\x12\x0e\n" +
-	"\x02id\x18\x01 \x01(\tR\x02id\"[\n" +
+	"\x02id\x18\x01 \x01(\tR\x02id\x12\x17\n" +
+	"\afs_only\x18\x02 \x01(\bR\x06fsOnly\"[\n" +
 	"\x14PauseSandboxResponse\x12+\n" +
 	"\asandbox\x18\x01 \x01(\v2\x11.shoal.v1.SandboxR\asandbox\x12\x16\n" +
 	"\x06paused\x18\x02 \x01(\bR\x06paused\"&\n" +
@@ -2064,7 +2183,12 @@ const file_shoal_v1_sandbox_proto_rawDesc = "" +
 	"\x02id\x18\x01 \x01(\tR\x02id\"^\n" +
 	"\x15ResumeSandboxResponse\x12+\n" +
 	"\asandbox\x18\x01 \x01(\v2\x11.shoal.v1.SandboxR\asandbox\x12\x18\n" +
-	"\aresumed\x18\x02 \x01(\bR\aresumed\"#\n" +
+	"\aresumed\x18\x02 \x01(\bR\aresumed\"%\n" +
+	"\x13ResetSandboxRequest\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\tR\x02id\"h\n" +
+	"\x14ResetSandboxResponse\x12+\n" +
+	"\asandbox\x18\x01 \x01(\v2\x11.shoal.v1.SandboxR\asandbox\x12#\n" +
+	"\rreset_seconds\x18\x02 \x01(\x01R\fresetSeconds\"#\n" +
 	"\x11GetSandboxRequest\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\"\x16\n" +
 	"\x14ListSandboxesRequest\"H\n" +
@@ -2141,7 +2265,7 @@ const file_shoal_v1_sandbox_proto_rawDesc = "" +
 	"\x15SANDBOX_STATE_RUNNING\x10\x02\x12\x1a\n" +
 	"\x16SANDBOX_STATE_DELETING\x10\x03\x12\x17\n" +
 	"\x13SANDBOX_STATE_ERROR\x10\x04\x12\x18\n" +
-	"\x14SANDBOX_STATE_PAUSED\x10\x052\xdb\x06\n" +
+	"\x14SANDBOX_STATE_PAUSED\x10\x052\xaa\a\n" +
 	"\x0eSandboxService\x12B\n" +
 	"\rCreateSandbox\x12\x1e.shoal.v1.CreateSandboxRequest\x1a\x11.shoal.v1.Sandbox\x12<\n" +
 	"\n" +
@@ -2151,7 +2275,8 @@ const file_shoal_v1_sandbox_proto_rawDesc = "" +
 	"\n" +
 	"SetTimeout\x12\x1b.shoal.v1.SetTimeoutRequest\x1a\x11.shoal.v1.Sandbox\x12M\n" +
 	"\fPauseSandbox\x12\x1d.shoal.v1.PauseSandboxRequest\x1a\x1e.shoal.v1.PauseSandboxResponse\x12P\n" +
-	"\rResumeSandbox\x12\x1e.shoal.v1.ResumeSandboxRequest\x1a\x1f.shoal.v1.ResumeSandboxResponse\x129\n" +
+	"\rResumeSandbox\x12\x1e.shoal.v1.ResumeSandboxRequest\x1a\x1f.shoal.v1.ResumeSandboxResponse\x12M\n" +
+	"\fResetSandbox\x12\x1d.shoal.v1.ResetSandboxRequest\x1a\x1e.shoal.v1.ResetSandboxResponse\x129\n" +
 	"\bStatFile\x12\x19.shoal.v1.StatFileRequest\x1a\x12.shoal.v1.FileInfo\x12>\n" +
 	"\aListDir\x12\x18.shoal.v1.ListDirRequest\x1a\x19.shoal.v1.ListDirResponse\x12>\n" +
 	"\aMakeDir\x12\x18.shoal.v1.MakeDirRequest\x1a\x19.shoal.v1.MakeDirResponse\x12G\n" +
@@ -2172,7 +2297,7 @@ func file_shoal_v1_sandbox_proto_rawDescGZIP() []byte {
 }
 
 var file_shoal_v1_sandbox_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_shoal_v1_sandbox_proto_msgTypes = make([]protoimpl.MessageInfo, 29)
+var file_shoal_v1_sandbox_proto_msgTypes = make([]protoimpl.MessageInfo, 31)
 var file_shoal_v1_sandbox_proto_goTypes = []any{
 	(SandboxState)(0),             // 0: shoal.v1.SandboxState
 	(WatchDirEvent_Op)(0),         // 1: shoal.v1.WatchDirEvent.Op
@@ -2185,81 +2310,86 @@ var file_shoal_v1_sandbox_proto_goTypes = []any{
 	(*PauseSandboxResponse)(nil),  // 8: shoal.v1.PauseSandboxResponse
 	(*ResumeSandboxRequest)(nil),  // 9: shoal.v1.ResumeSandboxRequest
 	(*ResumeSandboxResponse)(nil), // 10: shoal.v1.ResumeSandboxResponse
-	(*GetSandboxRequest)(nil),     // 11: shoal.v1.GetSandboxRequest
-	(*ListSandboxesRequest)(nil),  // 12: shoal.v1.ListSandboxesRequest
-	(*ListSandboxesResponse)(nil), // 13: shoal.v1.ListSandboxesResponse
-	(*DeleteSandboxRequest)(nil),  // 14: shoal.v1.DeleteSandboxRequest
-	(*DeleteSandboxResponse)(nil), // 15: shoal.v1.DeleteSandboxResponse
-	(*SetTimeoutRequest)(nil),     // 16: shoal.v1.SetTimeoutRequest
-	(*FileInfo)(nil),              // 17: shoal.v1.FileInfo
-	(*StatFileRequest)(nil),       // 18: shoal.v1.StatFileRequest
-	(*ListDirRequest)(nil),        // 19: shoal.v1.ListDirRequest
-	(*ListDirResponse)(nil),       // 20: shoal.v1.ListDirResponse
-	(*MakeDirRequest)(nil),        // 21: shoal.v1.MakeDirRequest
-	(*MakeDirResponse)(nil),       // 22: shoal.v1.MakeDirResponse
-	(*RemoveFileRequest)(nil),     // 23: shoal.v1.RemoveFileRequest
-	(*RemoveFileResponse)(nil),    // 24: shoal.v1.RemoveFileResponse
-	(*WatchDirRequest)(nil),       // 25: shoal.v1.WatchDirRequest
-	(*WatchDirEvent)(nil),         // 26: shoal.v1.WatchDirEvent
-	nil,                           // 27: shoal.v1.CreateSandboxRequest.MetadataEntry
-	nil,                           // 28: shoal.v1.CreateSandboxRequest.EnvEntry
-	nil,                           // 29: shoal.v1.Sandbox.MetadataEntry
-	nil,                           // 30: shoal.v1.Sandbox.RuntimeEntry
-	(LayerKind)(0),                // 31: shoal.v1.LayerKind
-	(*timestamppb.Timestamp)(nil), // 32: google.protobuf.Timestamp
-	(*ImageConfig)(nil),           // 33: shoal.v1.ImageConfig
+	(*ResetSandboxRequest)(nil),   // 11: shoal.v1.ResetSandboxRequest
+	(*ResetSandboxResponse)(nil),  // 12: shoal.v1.ResetSandboxResponse
+	(*GetSandboxRequest)(nil),     // 13: shoal.v1.GetSandboxRequest
+	(*ListSandboxesRequest)(nil),  // 14: shoal.v1.ListSandboxesRequest
+	(*ListSandboxesResponse)(nil), // 15: shoal.v1.ListSandboxesResponse
+	(*DeleteSandboxRequest)(nil),  // 16: shoal.v1.DeleteSandboxRequest
+	(*DeleteSandboxResponse)(nil), // 17: shoal.v1.DeleteSandboxResponse
+	(*SetTimeoutRequest)(nil),     // 18: shoal.v1.SetTimeoutRequest
+	(*FileInfo)(nil),              // 19: shoal.v1.FileInfo
+	(*StatFileRequest)(nil),       // 20: shoal.v1.StatFileRequest
+	(*ListDirRequest)(nil),        // 21: shoal.v1.ListDirRequest
+	(*ListDirResponse)(nil),       // 22: shoal.v1.ListDirResponse
+	(*MakeDirRequest)(nil),        // 23: shoal.v1.MakeDirRequest
+	(*MakeDirResponse)(nil),       // 24: shoal.v1.MakeDirResponse
+	(*RemoveFileRequest)(nil),     // 25: shoal.v1.RemoveFileRequest
+	(*RemoveFileResponse)(nil),    // 26: shoal.v1.RemoveFileResponse
+	(*WatchDirRequest)(nil),       // 27: shoal.v1.WatchDirRequest
+	(*WatchDirEvent)(nil),         // 28: shoal.v1.WatchDirEvent
+	nil,                           // 29: shoal.v1.CreateSandboxRequest.MetadataEntry
+	nil,                           // 30: shoal.v1.CreateSandboxRequest.EnvEntry
+	nil,                           // 31: shoal.v1.Sandbox.MetadataEntry
+	nil,                           // 32: shoal.v1.Sandbox.RuntimeEntry
+	(LayerKind)(0),                // 33: shoal.v1.LayerKind
+	(*timestamppb.Timestamp)(nil), // 34: google.protobuf.Timestamp
+	(*ImageConfig)(nil),           // 35: shoal.v1.ImageConfig
 }
 var file_shoal_v1_sandbox_proto_depIdxs = []int32{
-	31, // 0: shoal.v1.LayerRef.kind:type_name -> shoal.v1.LayerKind
-	27, // 1: shoal.v1.CreateSandboxRequest.metadata:type_name -> shoal.v1.CreateSandboxRequest.MetadataEntry
-	28, // 2: shoal.v1.CreateSandboxRequest.env:type_name -> shoal.v1.CreateSandboxRequest.EnvEntry
+	33, // 0: shoal.v1.LayerRef.kind:type_name -> shoal.v1.LayerKind
+	29, // 1: shoal.v1.CreateSandboxRequest.metadata:type_name -> shoal.v1.CreateSandboxRequest.MetadataEntry
+	30, // 2: shoal.v1.CreateSandboxRequest.env:type_name -> shoal.v1.CreateSandboxRequest.EnvEntry
 	4,  // 3: shoal.v1.CreateSandboxRequest.network:type_name -> shoal.v1.NetworkPolicy
 	0,  // 4: shoal.v1.Sandbox.state:type_name -> shoal.v1.SandboxState
 	2,  // 5: shoal.v1.Sandbox.layers:type_name -> shoal.v1.LayerRef
-	32, // 6: shoal.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
-	32, // 7: shoal.v1.Sandbox.expires_at:type_name -> google.protobuf.Timestamp
-	29, // 8: shoal.v1.Sandbox.metadata:type_name -> shoal.v1.Sandbox.MetadataEntry
-	30, // 9: shoal.v1.Sandbox.runtime:type_name -> shoal.v1.Sandbox.RuntimeEntry
+	34, // 6: shoal.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
+	34, // 7: shoal.v1.Sandbox.expires_at:type_name -> google.protobuf.Timestamp
+	31, // 8: shoal.v1.Sandbox.metadata:type_name -> shoal.v1.Sandbox.MetadataEntry
+	32, // 9: shoal.v1.Sandbox.runtime:type_name -> shoal.v1.Sandbox.RuntimeEntry
 	4,  // 10: shoal.v1.Sandbox.network:type_name -> shoal.v1.NetworkPolicy
 	6,  // 11: shoal.v1.Sandbox.pause:type_name -> shoal.v1.PauseInfo
-	33, // 12: shoal.v1.Sandbox.image:type_name -> shoal.v1.ImageConfig
-	32, // 13: shoal.v1.PauseInfo.paused_at:type_name -> google.protobuf.Timestamp
-	32, // 14: shoal.v1.PauseInfo.resumed_at:type_name -> google.protobuf.Timestamp
+	35, // 12: shoal.v1.Sandbox.image:type_name -> shoal.v1.ImageConfig
+	34, // 13: shoal.v1.PauseInfo.paused_at:type_name -> google.protobuf.Timestamp
+	34, // 14: shoal.v1.PauseInfo.resumed_at:type_name -> google.protobuf.Timestamp
 	5,  // 15: shoal.v1.PauseSandboxResponse.sandbox:type_name -> shoal.v1.Sandbox
 	5,  // 16: shoal.v1.ResumeSandboxResponse.sandbox:type_name -> shoal.v1.Sandbox
-	5,  // 17: shoal.v1.ListSandboxesResponse.sandboxes:type_name -> shoal.v1.Sandbox
-	32, // 18: shoal.v1.FileInfo.modified_at:type_name -> google.protobuf.Timestamp
-	17, // 19: shoal.v1.ListDirResponse.entries:type_name -> shoal.v1.FileInfo
-	1,  // 20: shoal.v1.WatchDirEvent.op:type_name -> shoal.v1.WatchDirEvent.Op
-	3,  // 21: shoal.v1.SandboxService.CreateSandbox:input_type -> shoal.v1.CreateSandboxRequest
-	11, // 22: shoal.v1.SandboxService.GetSandbox:input_type -> shoal.v1.GetSandboxRequest
-	12, // 23: shoal.v1.SandboxService.ListSandboxes:input_type -> shoal.v1.ListSandboxesRequest
-	14, // 24: shoal.v1.SandboxService.DeleteSandbox:input_type -> shoal.v1.DeleteSandboxRequest
-	16, // 25: shoal.v1.SandboxService.SetTimeout:input_type -> shoal.v1.SetTimeoutRequest
-	7,  // 26: shoal.v1.SandboxService.PauseSandbox:input_type -> shoal.v1.PauseSandboxRequest
-	9,  // 27: shoal.v1.SandboxService.ResumeSandbox:input_type -> shoal.v1.ResumeSandboxRequest
-	18, // 28: shoal.v1.SandboxService.StatFile:input_type -> shoal.v1.StatFileRequest
-	19, // 29: shoal.v1.SandboxService.ListDir:input_type -> shoal.v1.ListDirRequest
-	21, // 30: shoal.v1.SandboxService.MakeDir:input_type -> shoal.v1.MakeDirRequest
-	23, // 31: shoal.v1.SandboxService.RemoveFile:input_type -> shoal.v1.RemoveFileRequest
-	25, // 32: shoal.v1.SandboxService.WatchDir:input_type -> shoal.v1.WatchDirRequest
-	5,  // 33: shoal.v1.SandboxService.CreateSandbox:output_type -> shoal.v1.Sandbox
-	5,  // 34: shoal.v1.SandboxService.GetSandbox:output_type -> shoal.v1.Sandbox
-	13, // 35: shoal.v1.SandboxService.ListSandboxes:output_type -> shoal.v1.ListSandboxesResponse
-	15, // 36: shoal.v1.SandboxService.DeleteSandbox:output_type -> shoal.v1.DeleteSandboxResponse
-	5,  // 37: shoal.v1.SandboxService.SetTimeout:output_type -> shoal.v1.Sandbox
-	8,  // 38: shoal.v1.SandboxService.PauseSandbox:output_type -> shoal.v1.PauseSandboxResponse
-	10, // 39: shoal.v1.SandboxService.ResumeSandbox:output_type -> shoal.v1.ResumeSandboxResponse
-	17, // 40: shoal.v1.SandboxService.StatFile:output_type -> shoal.v1.FileInfo
-	20, // 41: shoal.v1.SandboxService.ListDir:output_type -> shoal.v1.ListDirResponse
-	22, // 42: shoal.v1.SandboxService.MakeDir:output_type -> shoal.v1.MakeDirResponse
-	24, // 43: shoal.v1.SandboxService.RemoveFile:output_type -> shoal.v1.RemoveFileResponse
-	26, // 44: shoal.v1.SandboxService.WatchDir:output_type -> shoal.v1.WatchDirEvent
-	33, // [33:45] is the sub-list for method output_type
-	21, // [21:33] is the sub-list for method input_type
-	21, // [21:21] is the sub-list for extension type_name
-	21, // [21:21] is the sub-list for extension extendee
-	0,  // [0:21] is the sub-list for field type_name
+	5,  // 17: shoal.v1.ResetSandboxResponse.sandbox:type_name -> shoal.v1.Sandbox
+	5,  // 18: shoal.v1.ListSandboxesResponse.sandboxes:type_name -> shoal.v1.Sandbox
+	34, // 19: shoal.v1.FileInfo.modified_at:type_name -> google.protobuf.Timestamp
+	19, // 20: shoal.v1.ListDirResponse.entries:type_name -> shoal.v1.FileInfo
+	1,  // 21: shoal.v1.WatchDirEvent.op:type_name -> shoal.v1.WatchDirEvent.Op
+	3,  // 22: shoal.v1.SandboxService.CreateSandbox:input_type -> shoal.v1.CreateSandboxRequest
+	13, // 23: shoal.v1.SandboxService.GetSandbox:input_type -> shoal.v1.GetSandboxRequest
+	14, // 24: shoal.v1.SandboxService.ListSandboxes:input_type -> shoal.v1.ListSandboxesRequest
+	16, // 25: shoal.v1.SandboxService.DeleteSandbox:input_type -> shoal.v1.DeleteSandboxRequest
+	18, // 26: shoal.v1.SandboxService.SetTimeout:input_type -> shoal.v1.SetTimeoutRequest
+	7,  // 27: shoal.v1.SandboxService.PauseSandbox:input_type -> shoal.v1.PauseSandboxRequest
+	9,  // 28: shoal.v1.SandboxService.ResumeSandbox:input_type -> shoal.v1.ResumeSandboxRequest
+	11, // 29: shoal.v1.SandboxService.ResetSandbox:input_type -> shoal.v1.ResetSandboxRequest
+	20, // 30: shoal.v1.SandboxService.StatFile:input_type -> shoal.v1.StatFileRequest
+	21, // 31: shoal.v1.SandboxService.ListDir:input_type -> shoal.v1.ListDirRequest
+	23, // 32: shoal.v1.SandboxService.MakeDir:input_type -> shoal.v1.MakeDirRequest
+	25, // 33: shoal.v1.SandboxService.RemoveFile:input_type -> shoal.v1.RemoveFileRequest
+	27, // 34: shoal.v1.SandboxService.WatchDir:input_type -> shoal.v1.WatchDirRequest
+	5,  // 35: shoal.v1.SandboxService.CreateSandbox:output_type -> shoal.v1.Sandbox
+	5,  // 36: shoal.v1.SandboxService.GetSandbox:output_type -> shoal.v1.Sandbox
+	15, // 37: shoal.v1.SandboxService.ListSandboxes:output_type -> shoal.v1.ListSandboxesResponse
+	17, // 38: shoal.v1.SandboxService.DeleteSandbox:output_type -> shoal.v1.DeleteSandboxResponse
+	5,  // 39: shoal.v1.SandboxService.SetTimeout:output_type -> shoal.v1.Sandbox
+	8,  // 40: shoal.v1.SandboxService.PauseSandbox:output_type -> shoal.v1.PauseSandboxResponse
+	10, // 41: shoal.v1.SandboxService.ResumeSandbox:output_type -> shoal.v1.ResumeSandboxResponse
+	12, // 42: shoal.v1.SandboxService.ResetSandbox:output_type -> shoal.v1.ResetSandboxResponse
+	19, // 43: shoal.v1.SandboxService.StatFile:output_type -> shoal.v1.FileInfo
+	22, // 44: shoal.v1.SandboxService.ListDir:output_type -> shoal.v1.ListDirResponse
+	24, // 45: shoal.v1.SandboxService.MakeDir:output_type -> shoal.v1.MakeDirResponse
+	26, // 46: shoal.v1.SandboxService.RemoveFile:output_type -> shoal.v1.RemoveFileResponse
+	28, // 47: shoal.v1.SandboxService.WatchDir:output_type -> shoal.v1.WatchDirEvent
+	35, // [35:48] is the sub-list for method output_type
+	22, // [22:35] is the sub-list for method input_type
+	22, // [22:22] is the sub-list for extension type_name
+	22, // [22:22] is the sub-list for extension extendee
+	0,  // [0:22] is the sub-list for field type_name
 }
 
 func init() { file_shoal_v1_sandbox_proto_init() }
@@ -2275,7 +2405,7 @@ func file_shoal_v1_sandbox_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_shoal_v1_sandbox_proto_rawDesc), len(file_shoal_v1_sandbox_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   29,
+			NumMessages:   31,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

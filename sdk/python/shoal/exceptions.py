@@ -118,6 +118,15 @@ class FailedPrecondition(ShoalError):
     default_code = "failed_precondition"
 
 
+class CommandReset(FailedPrecondition):
+    """The command (or shell) was closed by a reset of its sandbox
+    (``sandbox.reset()``, ``shoal reset``): its process was killed and its
+    writable layer replaced; the sandbox lives on. There is no exit code.
+
+    Raised by ``CommandHandle.wait()`` and iteration, ``commands.wait()``
+    and ``commands.connect(...).wait()``."""
+
+
 class TrajectoryDiverged(FailedPrecondition):
     """A trajectory step was re-sent with a different request than the one recorded.
 
@@ -277,6 +286,10 @@ REASON_COMMAND_NOT_EXECUTABLE = "command_not_executable"
 # Output read from where the log budget pruned it
 # (internal/control.ReasonLogPruned).
 REASON_LOG_PRUNED = "log_pruned"
+# A command or shell closed by a reset of its sandbox
+# (internal/control.ReasonSandboxReset).
+REASON_SANDBOX_RESET = "sandbox_reset"
+_SANDBOX_RESET = " was closed by a reset of sandbox "
 _LAYER_MISSING = "layer not found"
 _LAYER_IN_USE = "layer in use"
 
@@ -305,6 +318,8 @@ def error_for(
         return CommandNotExecutable(message, code=code, status=status)
     if reason == REASON_LOG_PRUNED or (code == "out_of_range" and "re-attach from offset" in message):
         return LogPruned(message, code=code, status=status)
+    if reason == REASON_SANDBOX_RESET or (code == "failed_precondition" and _SANDBOX_RESET in message):
+        return CommandReset(message, code=code, status=status)
     if cls is NotFound:
         low = message.lower()
         if reason == REASON_SANDBOX_KILLED or _SANDBOX_KILLED in message:

@@ -187,6 +187,8 @@ class PauseInfo:
     # The host had no swap (serve could not set up zram, or --zram-size 0):
     # the pause reclaimed file pages only, anonymous memory stayed resident.
     file_pages_only: bool = False
+    #: The pause ended the sandbox's processes first (``pause(keep_memory=False)``): its files are kept, its processes are not.
+    fs_only: bool = False
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> "PauseInfo":
@@ -205,6 +207,7 @@ class PauseInfo:
             evict_seconds=float(d.get("evictSeconds", 0) or 0),
             evicted_to=_int(d.get("evictedToBytes", 0)),
             file_pages_only=bool(d.get("filePagesOnly", False)),
+            fs_only=bool(d.get("fsOnly", False)),
         )
 
 

@@ -137,6 +137,31 @@ def test_async_lifecycle_and_errors(server) -> None:
     run(main())
 
 
+def test_async_reset(server) -> None:
+    async def main() -> None:
+        sb = await AsyncSandbox.create(base=server.base, timeout=100)
+        try:
+            await sb.files.write("/work/old.txt", "old")
+            h = await sb.commands.run("sleep 1000", background=True)
+            info = await sb.reset()
+            assert info.sandbox_id == sb.sandbox_id and info.state == "running"
+            with pytest.raises(shoal.CommandReset):
+                await h.wait()
+            assert not await sb.files.exists("/work/old.txt")
+            assert (await sb.commands.run("echo ok")).stdout.strip() == "ok"
+            # A pause without memory keeps the files, not the processes.
+            await sb.commands.run("sleep 1000", background=True)
+            info = await sb.pause(keep_memory=False)
+            assert info.state == "paused" and info.pause.fs_only
+            await sb.resume()
+            r = await sb.commands.run("ps -o args | grep -c '[s]leep 1000' || true")
+            assert r.stdout.strip() == "0"
+        finally:
+            await sb.kill()
+
+    run(main())
+
+
 def test_each_event_loop_gets_its_own_pool(server) -> None:
     # asyncio.run() twice (as notebooks and scripts do) must not reuse a closed loop's client.
     for _ in range(2):

@@ -249,3 +249,36 @@ def test_best_effort_qos(server) -> None:
                 assert ls.commands.run(idle).stdout.strip() == "0"
     with pytest.raises(shoal.InvalidArgument):
         Sandbox.create(base=server.base, qos="fast")
+
+
+def test_reset(container_sb) -> None:
+    """reset() brings the sandbox back to its start in place: its files and
+    processes are gone, a background command's wait raises CommandReset,
+    and it is the same sandbox, running, with a working agent."""
+    sb = container_sb
+    sb.files.write("/work/old.txt", "old")
+    h = sb.commands.run("sleep 1000", background=True)
+    info = sb.reset()
+    assert info.sandbox_id == sb.sandbox_id and info.state == "running"
+    with pytest.raises(shoal.CommandReset) as e:
+        h.wait()
+    assert e.value.code == "failed_precondition"
+    assert not sb.files.exists("/work/old.txt")
+    r = sb.commands.run("ps -o args | grep -c '[s]leep 1000' || true")
+    assert r.stdout.strip() == "0", r.stdout
+    sb.files.write("/work/new.txt", "new")
+    assert sb.files.read("/work/new.txt") == "new"
+
+
+def test_pause_without_memory(container_sb) -> None:
+    """pause(keep_memory=False) ends the sandbox's processes and keeps its
+    files: after the resume the files are there, the processes are not."""
+    sb = container_sb
+    sb.files.write("/work/keep.txt", "kept")
+    sb.commands.run("sleep 1000", background=True)
+    info = sb.pause(keep_memory=False)
+    assert info.state == "paused" and info.pause is not None and info.pause.fs_only
+    assert sb.resume().state == "running"
+    assert sb.files.read("/work/keep.txt") == "kept"
+    r = sb.commands.run("ps -o args | grep -c '[s]leep 1000' || true")
+    assert r.stdout.strip() == "0", r.stdout

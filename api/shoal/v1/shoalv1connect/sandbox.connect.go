@@ -67,6 +67,9 @@ const (
 	// SandboxServiceResumeSandboxProcedure is the fully-qualified name of the SandboxService's
 	// ResumeSandbox RPC.
 	SandboxServiceResumeSandboxProcedure = "/shoal.v1.SandboxService/ResumeSandbox"
+	// SandboxServiceResetSandboxProcedure is the fully-qualified name of the SandboxService's
+	// ResetSandbox RPC.
+	SandboxServiceResetSandboxProcedure = "/shoal.v1.SandboxService/ResetSandbox"
 	// SandboxServiceStatFileProcedure is the fully-qualified name of the SandboxService's StatFile RPC.
 	SandboxServiceStatFileProcedure = "/shoal.v1.SandboxService/StatFile"
 	// SandboxServiceListDirProcedure is the fully-qualified name of the SandboxService's ListDir RPC.
@@ -96,6 +99,13 @@ type SandboxServiceClient interface {
 	// ResumeSandbox lets a paused sandbox run again; a running one is left
 	// as it is.
 	ResumeSandbox(context.Context, *connect.Request[v1.ResumeSandboxRequest]) (*connect.Response[v1.ResumeSandboxResponse], error)
+	// ResetSandbox brings the sandbox back to its start, in place: every
+	// process but its agent ends, its writable layer is replaced by an empty
+	// one over the same layers (/tmp, /dev/shm, SysV IPC and sockets go
+	// too), its commands and shells are closed with the reason "reset", and
+	// it keeps its ID, limits, network and address. A paused sandbox is
+	// resumed first. Backends that cannot: unimplemented.
+	ResetSandbox(context.Context, *connect.Request[v1.ResetSandboxRequest]) (*connect.Response[v1.ResetSandboxResponse], error)
 	StatFile(context.Context, *connect.Request[v1.StatFileRequest]) (*connect.Response[v1.FileInfo], error)
 	ListDir(context.Context, *connect.Request[v1.ListDirRequest]) (*connect.Response[v1.ListDirResponse], error)
 	MakeDir(context.Context, *connect.Request[v1.MakeDirRequest]) (*connect.Response[v1.MakeDirResponse], error)
@@ -158,6 +168,12 @@ func NewSandboxServiceClient(httpClient connect.HTTPClient, baseURL string, opts
 			connect.WithSchema(sandboxServiceMethods.ByName("ResumeSandbox")),
 			connect.WithClientOptions(opts...),
 		),
+		resetSandbox: connect.NewClient[v1.ResetSandboxRequest, v1.ResetSandboxResponse](
+			httpClient,
+			baseURL+SandboxServiceResetSandboxProcedure,
+			connect.WithSchema(sandboxServiceMethods.ByName("ResetSandbox")),
+			connect.WithClientOptions(opts...),
+		),
 		statFile: connect.NewClient[v1.StatFileRequest, v1.FileInfo](
 			httpClient,
 			baseURL+SandboxServiceStatFileProcedure,
@@ -200,6 +216,7 @@ type sandboxServiceClient struct {
 	setTimeout    *connect.Client[v1.SetTimeoutRequest, v1.Sandbox]
 	pauseSandbox  *connect.Client[v1.PauseSandboxRequest, v1.PauseSandboxResponse]
 	resumeSandbox *connect.Client[v1.ResumeSandboxRequest, v1.ResumeSandboxResponse]
+	resetSandbox  *connect.Client[v1.ResetSandboxRequest, v1.ResetSandboxResponse]
 	statFile      *connect.Client[v1.StatFileRequest, v1.FileInfo]
 	listDir       *connect.Client[v1.ListDirRequest, v1.ListDirResponse]
 	makeDir       *connect.Client[v1.MakeDirRequest, v1.MakeDirResponse]
@@ -240,6 +257,11 @@ func (c *sandboxServiceClient) PauseSandbox(ctx context.Context, req *connect.Re
 // ResumeSandbox calls shoal.v1.SandboxService.ResumeSandbox.
 func (c *sandboxServiceClient) ResumeSandbox(ctx context.Context, req *connect.Request[v1.ResumeSandboxRequest]) (*connect.Response[v1.ResumeSandboxResponse], error) {
 	return c.resumeSandbox.CallUnary(ctx, req)
+}
+
+// ResetSandbox calls shoal.v1.SandboxService.ResetSandbox.
+func (c *sandboxServiceClient) ResetSandbox(ctx context.Context, req *connect.Request[v1.ResetSandboxRequest]) (*connect.Response[v1.ResetSandboxResponse], error) {
+	return c.resetSandbox.CallUnary(ctx, req)
 }
 
 // StatFile calls shoal.v1.SandboxService.StatFile.
@@ -283,6 +305,13 @@ type SandboxServiceHandler interface {
 	// ResumeSandbox lets a paused sandbox run again; a running one is left
 	// as it is.
 	ResumeSandbox(context.Context, *connect.Request[v1.ResumeSandboxRequest]) (*connect.Response[v1.ResumeSandboxResponse], error)
+	// ResetSandbox brings the sandbox back to its start, in place: every
+	// process but its agent ends, its writable layer is replaced by an empty
+	// one over the same layers (/tmp, /dev/shm, SysV IPC and sockets go
+	// too), its commands and shells are closed with the reason "reset", and
+	// it keeps its ID, limits, network and address. A paused sandbox is
+	// resumed first. Backends that cannot: unimplemented.
+	ResetSandbox(context.Context, *connect.Request[v1.ResetSandboxRequest]) (*connect.Response[v1.ResetSandboxResponse], error)
 	StatFile(context.Context, *connect.Request[v1.StatFileRequest]) (*connect.Response[v1.FileInfo], error)
 	ListDir(context.Context, *connect.Request[v1.ListDirRequest]) (*connect.Response[v1.ListDirResponse], error)
 	MakeDir(context.Context, *connect.Request[v1.MakeDirRequest]) (*connect.Response[v1.MakeDirResponse], error)
@@ -341,6 +370,12 @@ func NewSandboxServiceHandler(svc SandboxServiceHandler, opts ...connect.Handler
 		connect.WithSchema(sandboxServiceMethods.ByName("ResumeSandbox")),
 		connect.WithHandlerOptions(opts...),
 	)
+	sandboxServiceResetSandboxHandler := connect.NewUnaryHandler(
+		SandboxServiceResetSandboxProcedure,
+		svc.ResetSandbox,
+		connect.WithSchema(sandboxServiceMethods.ByName("ResetSandbox")),
+		connect.WithHandlerOptions(opts...),
+	)
 	sandboxServiceStatFileHandler := connect.NewUnaryHandler(
 		SandboxServiceStatFileProcedure,
 		svc.StatFile,
@@ -387,6 +422,8 @@ func NewSandboxServiceHandler(svc SandboxServiceHandler, opts ...connect.Handler
 			sandboxServicePauseSandboxHandler.ServeHTTP(w, r)
 		case SandboxServiceResumeSandboxProcedure:
 			sandboxServiceResumeSandboxHandler.ServeHTTP(w, r)
+		case SandboxServiceResetSandboxProcedure:
+			sandboxServiceResetSandboxHandler.ServeHTTP(w, r)
 		case SandboxServiceStatFileProcedure:
 			sandboxServiceStatFileHandler.ServeHTTP(w, r)
 		case SandboxServiceListDirProcedure:
@@ -432,6 +469,10 @@ func (UnimplementedSandboxServiceHandler) PauseSandbox(context.Context, *connect
 
 func (UnimplementedSandboxServiceHandler) ResumeSandbox(context.Context, *connect.Request[v1.ResumeSandboxRequest]) (*connect.Response[v1.ResumeSandboxResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("shoal.v1.SandboxService.ResumeSandbox is not implemented"))
+}
+
+func (UnimplementedSandboxServiceHandler) ResetSandbox(context.Context, *connect.Request[v1.ResetSandboxRequest]) (*connect.Response[v1.ResetSandboxResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("shoal.v1.SandboxService.ResetSandbox is not implemented"))
 }
 
 func (UnimplementedSandboxServiceHandler) StatFile(context.Context, *connect.Request[v1.StatFileRequest]) (*connect.Response[v1.FileInfo], error) {

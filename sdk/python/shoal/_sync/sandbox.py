@@ -255,18 +255,38 @@ class Sandbox:
         except SandboxNotFound:
             return False
 
-    def pause(self, request_timeout: Optional[float] = None) -> SandboxInfo:
+    def pause(self, request_timeout: Optional[float] = None, keep_memory: bool = True) -> SandboxInfo:
         """Pause the sandbox: its processes stop where they are and the node
         reclaims its memory (``info.pause`` says how much). Any later call
         that needs it (commands, files, ports) resumes it, or :meth:`resume`
-        does. Pausing a paused sandbox changes nothing."""
-        r = self._call("PauseSandbox", {"id": self.sandbox_id}, request_timeout)
+        does. Pausing a paused sandbox changes nothing.
+
+        With ``keep_memory=False`` (E2B's ``keepMemory: false``) its processes
+        end first (its commands and shells are closed) and only its files are
+        kept: it resumes with its files and none of its processes
+        (``info.pause.fs_only``)."""
+        body: Dict[str, Any] = {"id": self.sandbox_id}
+        if not keep_memory:
+            body["fsOnly"] = True
+        r = self._call("PauseSandbox", body, request_timeout)
         self._info = SandboxInfo.from_json(r.get("sandbox") or {}) if (r.get("sandbox") or {}).get("id") else self._info
         return self._info
 
     def resume(self, request_timeout: Optional[float] = None) -> SandboxInfo:
         """Resume a paused sandbox (a running one is left as it is)."""
         r = self._call("ResumeSandbox", {"id": self.sandbox_id}, request_timeout)
+        self._info = SandboxInfo.from_json(r.get("sandbox") or {}) if (r.get("sandbox") or {}).get("id") else self._info
+        return self._info
+
+    def reset(self, request_timeout: Optional[float] = None) -> SandboxInfo:
+        """Reset the sandbox to its start, in place: every process but its
+        agent ends, its writable layer is replaced by an empty one (files,
+        /tmp, /dev/shm, SysV IPC and listening sockets go), its commands and
+        shells are closed with the reason ``"reset"`` (a command handle's
+        wait raises :class:`CommandReset`), and it keeps its ID, limits and
+        network. A paused sandbox is resumed first. Not retried: a second
+        reset would close what ran after the first."""
+        r = self._transport.call("SandboxService", "ResetSandbox", {"id": self.sandbox_id}, idempotent=False, request_timeout=request_timeout, sandbox_call=True)
         self._info = SandboxInfo.from_json(r.get("sandbox") or {}) if (r.get("sandbox") or {}).get("id") else self._info
         return self._info
 
