@@ -49,6 +49,8 @@ CLUSTER_SKIP = {
     "test_push_pull_layer_store": "a cluster's build pushes to the shared store already (a push uploads nothing), and a removed tag leaves etcd (it does not resolve from the store)",
     "test_environments": "a cluster's environments have etcd revisions (0 on one server)",
     "test_tenants.py": "needs the server's own data directory",
+    "test_dockerfile.py": "Dockerfile builds are a single server's (a cluster's replicas do not route them)",
+    "test_pull_image": "saving a pull as an environment is a single server's (in a cluster: env create --base IMAGE)",
     "test_install.py": "installs and runs a server of its own",
     "test_monitor.py": "needs the server's own process and data directory",
 }
