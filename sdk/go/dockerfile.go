@@ -9,7 +9,6 @@ import (
 	"fmt"
 	"io"
 	"io/fs"
-	"net/http"
 	"net/url"
 	"os"
 	"path/filepath"
@@ -105,20 +104,11 @@ func (c *Client) BuildDockerfile(ctx context.Context, contextDir, ref string, o 
 	pr, pw := io.Pipe()
 	defer pr.Close()
 	go func() { pw.CloseWithError(writeTar(pw, contextDir, skip)) }()
-	hreq, err := http.NewRequestWithContext(ctx, http.MethodPost, c.url+"/v1/layers/dockerfile?"+q.Encode(), pr)
-	if err != nil {
-		return nil, err
-	}
-	hreq.Header.Set("Content-Type", "application/x-tar")
-	hreq.Header.Set("Expect", "100-continue")
-	res, err := c.hc.Do(hreq)
+	res, err := c.postTar(ctx, "/v1/layers/dockerfile?"+q.Encode(), pr, -1)
 	if err != nil {
 		return nil, err
 	}
 	defer res.Body.Close()
-	if res.StatusCode != http.StatusOK {
-		return nil, httpError(res)
-	}
 	sc := bufio.NewScanner(res.Body)
 	sc.Buffer(make([]byte, 64<<10), 16<<20)
 	for sc.Scan() {

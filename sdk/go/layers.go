@@ -153,25 +153,11 @@ func (c *Client) BuildLayerUpload(ctx context.Context, req *pb.BuildLayerRequest
 		progress(what, nil)
 		body = &uploadCounter{r: body, total: max(size, 0), progress: progress}
 	}
-	hreq, err := http.NewRequestWithContext(ctx, http.MethodPost, c.url+"/v1/layers/build?"+q.Encode(), io.NopCloser(body))
-	if err != nil {
-		return nil, err
-	}
-	hreq.ContentLength = size
-	if size == 0 {
-		hreq.Body = http.NoBody
-	}
-	hreq.Header.Set("Content-Type", "application/x-tar")
-	// Refusals (bad ref, too big, no key) come before the body is sent.
-	hreq.Header.Set("Expect", "100-continue")
-	res, err := c.hc.Do(hreq)
+	res, err := c.postTar(ctx, "/v1/layers/build?"+q.Encode(), body, size)
 	if err != nil {
 		return nil, err
 	}
 	defer res.Body.Close()
-	if res.StatusCode != http.StatusOK {
-		return nil, httpError(res)
-	}
 	sc := bufio.NewScanner(res.Body)
 	sc.Buffer(make([]byte, 64<<10), 4<<20)
 	for sc.Scan() {
@@ -291,4 +277,30 @@ func (c *Client) ImportLayer(ctx context.Context, r io.Reader, tag string) (*pb.
 		return nil, err
 	}
 	return l, nil
+}
+
+// postTar POSTs a tar body of size bytes (-1: unknown, sent chunked) to
+// path (with its query) and returns the answer when it is 200, its body
+// for the caller to read and close. The server's refusals (a bad request,
+// too big, no key) come before the body is sent (Expect: 100-continue).
+func (c *Client) postTar(ctx context.Context, path string, body io.Reader, size int64) (*http.Response, error) {
+	hreq, err := http.NewRequestWithContext(ctx, http.MethodPost, c.url+path, io.NopCloser(body))
+	if err != nil {
+		return nil, err
+	}
+	hreq.ContentLength = size
+	if size == 0 {
+		hreq.Body = http.NoBody
+	}
+	hreq.Header.Set("Content-Type", "application/x-tar")
+	hreq.Header.Set("Expect", "100-continue")
+	res, err := c.hc.Do(hreq)
+	if err != nil {
+		return nil, err
+	}
+	if res.StatusCode != http.StatusOK {
+		defer res.Body.Close()
+		return nil, httpError(res)
+	}
+	return res, nil
 }
